@@ -1,0 +1,2 @@
+// caravan: command-line entry point (placeholder while the CLI is written).
+int main() { return 0; }

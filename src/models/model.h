@@ -1,0 +1,75 @@
+// Block-structured models and the model registry.
+//
+// A model is an ordered list of blocks; block i's output is block i+1's input. The block list
+// is the unit the memory planner (keep/swap/recompute per block) and pipeline stages (runs of
+// consecutive blocks) operate on, so every model is written as blocks, never as one forward.
+// Threading: a model is used by one training thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/pimpl.h>
+
+#include "data/dataset.h"
+
+namespace caravan {
+
+// What a config says about the model; DataShape supplies input/output sizes.
+struct ModelSpec {
+  std::string name = "cnn";  // mlp | cnn | resnet-mini | gpt
+  int64_t width = 0;         // 0 = the model's default. mlp: hidden units; cnn/resnet: base
+                             // channels; gpt: embedding size (d_model)
+  int64_t depth = 0;         // 0 = default. mlp: hidden layers; resnet: residual blocks per
+                             // stage; gpt: transformer blocks
+  int64_t heads = 0;         // gpt: attention heads (0 = default)
+  double dropout = 0.0;      // gpt and mlp: dropout probability
+};
+
+class BlockModelImpl : public torch::nn::Module {
+ public:
+  BlockModelImpl(std::string name, TaskKind task);
+
+  // Appends a block; registers it as submodule "blocks.<i>" (so parameter names are stable).
+  template <typename ModuleHolder>
+  void addBlock(const std::string& label, ModuleHolder block) {
+    register_module("b" + std::to_string(blocks_.size()) + "_" + label, block.ptr());
+    blocks_.emplace_back(std::move(block));
+    labels_.push_back(label);
+  }
+
+  // Runs all blocks in order. input/output shapes depend on the task (see DataShape).
+  torch::Tensor forward(torch::Tensor x);
+
+  size_t numBlocks() const { return blocks_.size(); }
+  torch::nn::AnyModule& block(size_t i) { return blocks_.at(i); }
+  const std::string& blockLabel(size_t i) const { return labels_.at(i); }
+  const std::string& modelName() const { return name_; }
+  TaskKind task() const { return task_; }
+
+  // Forward-pass floating-point operations per example (multiply-add = 2 FLOPs), counted
+  // analytically over matrix multiplies and convolutions; a training step is ~3x this.
+  double forwardFlopsPerExample() const { return forwardFlops_; }
+  void setForwardFlopsPerExample(double f) { forwardFlops_ = f; }
+
+ private:
+  std::string name_;
+  TaskKind task_;
+  std::vector<torch::nn::AnyModule> blocks_;
+  std::vector<std::string> labels_;
+  double forwardFlops_ = 0.0;
+};
+TORCH_MODULE(BlockModel);
+
+// Builds a model by name. Parameters are initialized from the current default generator, so
+// the caller seeds it (seed.init) first. Throws ConfigError for an unknown name or sizes that
+// do not fit the data (e.g. heads not dividing width).
+BlockModel buildModel(const ModelSpec& spec, const DataShape& shape);
+
+// Names the registry knows, for --help and error messages.
+std::vector<std::string> modelNames();
+
+}  // namespace caravan
