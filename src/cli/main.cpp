@@ -1,2 +1,199 @@
-// caravan: command-line entry point (placeholder while the CLI is written).
-int main() { return 0; }
+// caravan: the command-line entry point. Parses arguments, installs signal handlers, owns the
+// terminal, and maps errors to one-line messages and exit codes (see core/errors.h).
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "core/config.h"
+#include "core/errors.h"
+#include "train/checkpoint.h"
+#include "train/setup.h"
+#include "train/step.h"
+#include "train/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace caravan;
+
+namespace {
+
+std::atomic<bool> gStopRequested{false};
+
+void onSignal(int sig) {
+  gStopRequested.store(true);
+  std::signal(sig, SIG_DFL);  // a second signal ends the process at once
+}
+
+std::string defaultRunDir(const std::string& configPath) {
+  std::time_t now = std::time(nullptr);
+  char stamp[32];
+  std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", std::localtime(&now));
+  return (fs::path("runs") / (fs::path(configPath).stem().string() + "-" + stamp)).string();
+}
+
+int runTrain(const std::string& configPath, const std::vector<std::string>& overrides,
+             std::string runDir, const std::string& resumeDir, int64_t stopAtStep, bool quiet) {
+  TrainerOptions options;
+  Config config;
+  if (!resumeDir.empty()) {
+    if (!configPath.empty()) {
+      throw ConfigError("--resume takes the config from RUN_DIR/config.toml; drop --config "
+                        "(use --set to change a key)");
+    }
+    const std::string saved = (fs::path(resumeDir) / "config.toml").string();
+    if (!fs::exists(saved)) {
+      throw CheckpointError(fmt::format("cannot resume {}: it has no config.toml (is it a "
+                                        "Caravan run directory?)",
+                                        resumeDir));
+    }
+    config = Config::fromFile(saved, overrides);
+    options.runDir = resumeDir;
+    options.resume = true;
+  } else {
+    if (configPath.empty()) throw ConfigError("caravan train needs --config FILE or --resume RUN_DIR");
+    config = Config::fromFile(configPath, overrides);
+    options.runDir = runDir.empty() ? defaultRunDir(configPath) : runDir;
+  }
+  options.stopAtStep = stopAtStep;
+  options.stopRequested = &gStopRequested;
+  options.terminal = stderr;
+  options.tty = isatty(STDERR_FILENO) != 0;
+  options.quiet = quiet;
+  std::signal(SIGINT, onSignal);
+  std::signal(SIGTERM, onSignal);
+
+  TrainSummary s = train(config, options);
+  if (!quiet) {
+    std::fprintf(stderr,
+                 "%s after %lld steps (%lld epochs) in %.1f s, %.1f samples/s: train loss %.4f, "
+                 "eval loss %.4f, eval accuracy %.2f%%\nrun directory: %s\n",
+                 s.stoppedEarly ? "stopped" : "done", static_cast<long long>(s.steps),
+                 static_cast<long long>(s.epochs), s.trainSeconds, s.samplesPerSecond,
+                 s.finalTrainLoss, s.evalLoss, 100.0 * s.evalAccuracy, options.runDir.c_str());
+  }
+  if (s.stoppedEarly) {
+    if (!quiet) {
+      std::fprintf(stderr, "checkpoint %s written; continue with: caravan train --resume %s\n",
+                   s.lastCheckpoint.c_str(), options.runDir.c_str());
+    }
+    if (gStopRequested.load()) return static_cast<int>(ExitCode::kInterrupted);
+  }
+  return 0;
+}
+
+int runEval(const std::string& runDir, std::string checkpoint,
+            const std::vector<std::string>& overrides) {
+  const std::string saved = (fs::path(runDir) / "config.toml").string();
+  if (!fs::exists(saved)) {
+    throw CheckpointError(fmt::format("{} has no config.toml (is it a Caravan run directory?)",
+                                      runDir));
+  }
+  Config config = Config::fromFile(saved, overrides);
+  applyThreadConfig(config);
+  if (checkpoint.empty()) {
+    CheckpointDir dir(runDir, config.i64("checkpoint.keep"));
+    auto latest = dir.latest();
+    if (!latest) throw CheckpointError(fmt::format("{} has no checkpoints to evaluate", runDir));
+    checkpoint = *latest;
+  }
+  DatasetSplits data = makeDatasets(config);
+  BlockModel model = buildModel(makeModelSpec(config), data.train->shape());
+  auto optimizer = makeOptimizer(config, model);
+  TrainingState st = loadCheckpoint(checkpoint, *model, *optimizer, runIdentity(config));
+  EvalResult r = evaluate(model, *data.test, config.i64("data.eval_batch_size"), 0);
+  nlohmann::json out = {{"checkpoint", checkpoint}, {"step", st.step}, {"loss", r.loss},
+                        {"accuracy", r.accuracy}, {"examples", r.examples}};
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "caravan: train deep networks on one worker today; across a cluster and beyond memory "
+      "as the engine grows.\nExit codes: 0 ok, 1 internal error, 2 bad usage or config, 3 "
+      "dataset, 4 checkpoint, 5 file system, 6 non-finite loss, 130 interrupted."};
+  app.require_subcommand(1);
+
+  std::string configPath, runDir, resumeDir, checkpoint;
+  std::vector<std::string> overrides;
+  int64_t stopAtStep = 0;
+  bool quiet = false;
+
+  auto* train = app.add_subcommand("train", "train a model (config keys: caravan config --schema)");
+  train->add_option("--config,-c", configPath, "TOML config file (see configs/)");
+  train->add_option("--set", overrides, "override a config key: --set optim.lr=0.05 (repeatable)");
+  train->add_option("--run-dir", runDir,
+                    "where config.toml, metrics.jsonl, checkpoints/ and model.pt go "
+                    "(default runs/<config>-<time>)");
+  train->add_option("--resume", resumeDir,
+                    "continue the run in RUN_DIR from its newest checkpoint (exactly: same "
+                    "losses as an uninterrupted run)");
+  train->add_option("--stop-at-step", stopAtStep,
+                    "stop after step N with a checkpoint, as if interrupted; --resume continues")
+      ->check(CLI::NonNegativeNumber);
+  train->add_flag("--quiet,-q", quiet, "print nothing to the terminal (metrics are still written)");
+  train->footer("Config keys (TOML [section] key = value, or --set section.key=value):\n" +
+                Config::schemaText());
+
+  auto* eval = app.add_subcommand("eval", "evaluate a run's checkpoint on the test/validation set; "
+                                          "prints one JSON line");
+  eval->add_option("--run-dir", runDir, "the run directory")->required();
+  eval->add_option("--checkpoint", checkpoint, "checkpoint file (default: the run's newest)");
+  eval->add_option("--set", overrides, "override a config key (e.g. data.path)");
+
+  bool schema = false;
+  auto* config = app.add_subcommand("config", "print the resolved config of --config/--set, or "
+                                              "the schema with --schema");
+  config->add_option("--config,-c", configPath, "TOML config file");
+  config->add_option("--set", overrides, "override a config key");
+  config->add_flag("--schema", schema, "print every key as a Markdown table");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "caravan: error: %s (see caravan --help)\n", e.what());
+    return static_cast<int>(ExitCode::kConfig);
+  }
+
+  // A failure is reported on a line of its own, even if a progress bar was being drawn.
+  const char* clearLine = isatty(STDERR_FILENO) ? "\r\x1b[K" : "";
+  try {
+    if (*train) return runTrain(configPath, overrides, runDir, resumeDir, stopAtStep, quiet);
+    if (*eval) return runEval(runDir, checkpoint, overrides);
+    if (*config) {
+      if (schema) {
+        std::cout << Config::schemaMarkdown();
+      } else {
+        Config c = configPath.empty() ? Config::fromString("", "<defaults>", overrides)
+                                      : Config::fromFile(configPath, overrides);
+        std::cout << c.toToml();
+      }
+      return 0;
+    }
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%scaravan: error: %s\n", clearLine, e.what());
+    return e.exitCode();
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%scaravan: internal error (LibTorch): %s\n", clearLine,
+                 e.what_without_backtrace());
+    return static_cast<int>(ExitCode::kInternal);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%scaravan: internal error: %s\n", clearLine, e.what());
+    return static_cast<int>(ExitCode::kInternal);
+  }
+  return 0;
+}

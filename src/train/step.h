@@ -1,0 +1,45 @@
+// One training step and evaluation, shared by the trainer, the benchmarks and the oracle
+// tests, so that what is measured and tested is what `caravan train` runs.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/ATen.h>
+
+#include "data/dataset.h"
+#include "models/model.h"
+
+namespace torch {
+namespace optim {
+class Optimizer;
+}
+}  // namespace torch
+
+namespace caravan {
+
+// Mean cross-entropy of `output` against `target`:
+// image: output [B, classes], target [B]; language model: output [B, T, V], target [B, T].
+at::Tensor taskLoss(TaskKind task, const at::Tensor& output, const at::Tensor& target);
+
+struct StepResult {
+  double loss = 0.0;      // the mini-batch loss before the update
+  double gradNorm = 0.0;  // global L2 norm of the gradient (before clipping); 0 if not computed
+};
+
+// zero_grad, forward, loss, backward, optional clipping (gradClip > 0), optimizer step.
+// The optimizer's learning rate must already be set.
+StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
+                     double gradClip);
+
+struct EvalResult {
+  double loss = 0.0;      // mean per example (per token for language models)
+  double accuracy = 0.0;  // fraction correct (per token for language models)
+  int64_t examples = 0;
+};
+
+// Evaluates in eval mode without gradients over the first `maxBatches` batches (0 = all) of
+// `dataset` in order; restores the model's training mode.
+EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize,
+                    int64_t maxBatches);
+
+}  // namespace caravan

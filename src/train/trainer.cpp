@@ -1,0 +1,233 @@
+// The training loop (see trainer.h).
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "core/errors.h"
+#include "data/loader.h"
+#include "models/model.h"
+#include "train/checkpoint.h"
+#include "train/metrics.h"
+#include "train/setup.h"
+#include "train/step.h"
+
+namespace caravan {
+namespace fs = std::filesystem;
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+at::Tensor defaultRngState() {
+  return at::detail::getDefaultCPUGenerator().get_state();
+}
+
+// The sampler position after the batch drawn at `p`.
+SamplerPosition nextPosition(SamplerPosition p, int64_t batchesPerEpoch) {
+  if (++p.batchInEpoch == batchesPerEpoch) {
+    ++p.epoch;
+    p.batchInEpoch = 0;
+  }
+  return p;
+}
+
+void setDefaultRngState(const at::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+}  // namespace
+
+TrainSummary train(const Config& config, const TrainerOptions& options) {
+  std::error_code ec;
+  fs::create_directories(options.runDir, ec);
+  if (ec) {
+    throw IoError(fmt::format("cannot create run directory {}: {}", options.runDir, ec.message()));
+  }
+  CheckpointDir checkpoints(options.runDir, config.i64("checkpoint.keep"));
+  const std::string metricsPath = (fs::path(options.runDir) / "metrics.jsonl").string();
+  std::optional<std::string> resumeFrom;
+  if (options.resume) {
+    resumeFrom = checkpoints.latest();
+    if (!resumeFrom) {
+      throw CheckpointError(fmt::format("nothing to resume in {}: it has no checkpoints/ "
+                                        "(start a new run with --run-dir)",
+                                        options.runDir));
+    }
+  } else if (checkpoints.latest() || fs::exists(metricsPath)) {
+    throw ConfigError(fmt::format("{} already holds a run; continue it with --resume {} or "
+                                  "choose another --run-dir",
+                                  options.runDir, options.runDir));
+  }
+
+  applyThreadConfig(config);
+  DatasetSplits data = makeDatasets(config);
+  const DataShape shape = data.train->shape();
+
+  torch::manual_seed(static_cast<uint64_t>(config.i64("seed.init")));
+  BlockModel model = buildModel(makeModelSpec(config), shape);
+  auto optimizer = makeOptimizer(config, model);
+
+  SamplerOptions samplerOptions;
+  samplerOptions.datasetSize = data.train->size();
+  samplerOptions.batchSize = config.i64("data.batch_size");
+  samplerOptions.seed = static_cast<uint64_t>(config.i64("seed.data"));
+  Loader loader(data.train, samplerOptions, config.i64("data.prefetch"));
+  const int64_t perEpoch = loader.batchesPerEpoch();
+  const int64_t totalSteps = config.i64("train.max_steps") > 0
+                                 ? config.i64("train.max_steps")
+                                 : config.i64("train.epochs") * perEpoch;
+  const ScheduleOptions schedule = makeScheduleOptions(config, totalSteps);
+  const nlohmann::json identity = runIdentity(config);
+
+  TrainingState state;
+  state.meta = identity;
+  double elapsedBefore = 0.0;  // training seconds of earlier processes of this run
+  if (resumeFrom) {
+    state = loadCheckpoint(*resumeFrom, *model, *optimizer, identity);
+    setDefaultRngState(state.rngState);
+    loader.seek(state.position);
+    elapsedBefore = state.meta.value("time_s", 0.0);
+    state.meta = identity;
+  } else {
+    torch::manual_seed(static_cast<uint64_t>(config.i64("seed.dropout")));
+  }
+  writeFileAtomic((fs::path(options.runDir) / "config.toml").string(), config.toToml());
+  MetricsSink metrics(metricsPath, resumeFrom ? state.step : -1);
+
+  const int64_t params = [&] {
+    int64_t n = 0;
+    for (const auto& p : model->parameters()) n += p.numel();
+    return n;
+  }();
+  Progress progress(options.terminal, options.tty, options.quiet, totalSteps,
+                    config.i64("train.log_every"));
+  progress.line(fmt::format(
+      "caravan: {} ({} blocks, {:.2f}M parameters) on {} ({} train / {} eval examples), "
+      "{} steps of batch {}{}",
+      model->modelName(), model->numBlocks(), static_cast<double>(params) / 1e6,
+      data.train->name(), data.train->size(), data.test->size(), totalSteps,
+      samplerOptions.batchSize,
+      resumeFrom ? fmt::format(", resuming at step {} from {}", state.step, *resumeFrom) : ""));
+
+  const Clock::time_point start = Clock::now();
+  auto trainSeconds = [&] { return elapsedBefore + secondsSince(start); };
+  const double maxSeconds = config.f64("train.max_minutes") * 60.0;
+  const int64_t logEvery = config.i64("train.log_every");
+  const int64_t evalEvery = config.i64("train.eval_every");
+  const int64_t checkpointEvery = config.i64("checkpoint.every");
+  const int64_t evalBatchSize = config.i64("data.eval_batch_size");
+  const int64_t evalBatches = config.i64("train.eval_batches");
+  const double gradClip = config.f64("optim.grad_clip");
+
+  TrainSummary summary;
+  int64_t lastEvalStep = -1;
+  int64_t epoch = state.position.epoch + 1;  // 1-based epoch of the latest step
+  auto runEval = [&] {
+    EvalResult r = evaluate(model, *data.test, evalBatchSize, evalBatches);
+    nlohmann::json rec = {{"kind", "eval"}, {"step", state.step}, {"epoch", epoch},
+                          {"loss", r.loss}, {"accuracy", r.accuracy},
+                          {"examples", r.examples}, {"time_s", trainSeconds()}};
+    metrics.write(rec);
+    progress.line(fmt::format("eval  step {} epoch {}: loss {:.4f} accuracy {:.2f}%", state.step,
+                              epoch, r.loss, 100.0 * r.accuracy));
+    summary.evalLoss = r.loss;
+    summary.evalAccuracy = r.accuracy;
+    lastEvalStep = state.step;
+  };
+  auto writeCheckpoint = [&] {
+    state.rngState = defaultRngState();
+    state.meta = identity;
+    state.meta["time_s"] = trainSeconds();
+    summary.lastCheckpoint = checkpoints.save(*model, *optimizer, state);
+    state.meta = identity;
+  };
+
+  model->train();
+  double windowSamples = 0.0;
+  Clock::time_point windowStart = Clock::now();
+  double lastLoss = std::nan("");
+  while (state.step < totalSteps) {
+    LoadedBatch lb = loader.next();
+    epoch = lb.position.epoch + 1;
+    const double lr = learningRate(schedule, state.step);
+    setLearningRate(*optimizer, lr);
+    StepResult r = trainStep(model, *optimizer, lb.batch, gradClip);
+    if (!std::isfinite(r.loss)) {
+      throw NonFiniteError(fmt::format(
+          "loss became {} at step {} (epoch {}); the last good checkpoint is {}; lower optim.lr "
+          "or set optim.grad_clip",
+          r.loss, state.step + 1, epoch,
+          checkpoints.latest().value_or("(none: set checkpoint.every)")));
+    }
+    ++state.step;
+    state.position = nextPosition(lb.position, perEpoch);
+    lastLoss = r.loss;
+    windowSamples += static_cast<double>(lb.batch.size());
+    const double windowS = secondsSince(windowStart);
+    const double samplesPerS = windowS > 0 ? windowSamples / windowS : 0.0;
+    progress.update(state.step, epoch, r.loss, lr, samplesPerS);
+    if (state.step % logEvery == 0 || state.step == totalSteps) {
+      metrics.write({{"kind", "train"}, {"step", state.step}, {"epoch", epoch},
+                     {"loss", r.loss}, {"lr", lr}, {"samples_per_s", samplesPerS},
+                     {"time_s", trainSeconds()}});
+      windowSamples = 0.0;
+      windowStart = Clock::now();
+    }
+    const bool epochEnd = state.position.batchInEpoch == 0;
+    if ((evalEvery > 0 && state.step % evalEvery == 0) || (evalEvery == 0 && epochEnd)) {
+      runEval();
+    }
+    const bool interrupted = (options.stopAtStep > 0 && state.step >= options.stopAtStep) ||
+                             (options.stopRequested != nullptr && options.stopRequested->load());
+    const bool timeUp = maxSeconds > 0 && trainSeconds() >= maxSeconds;
+    if ((interrupted || timeUp) && state.step < totalSteps) {
+      // Time up is a normal end (evaluate, export); an interruption only checkpoints.
+      summary.stoppedEarly = !timeUp;
+      if (timeUp) progress.line(fmt::format("train.max_minutes reached at step {}", state.step));
+      break;
+    }
+    if (checkpointEvery > 0 && state.step % checkpointEvery == 0 && state.step < totalSteps) {
+      writeCheckpoint();
+    }
+  }
+  progress.finish();
+  if (!summary.stoppedEarly && lastEvalStep != state.step) runEval();
+  writeCheckpoint();
+  summary.steps = state.step;
+  summary.epochs = epoch;
+  summary.finalTrainLoss = lastLoss;
+  summary.trainSeconds = trainSeconds();
+  summary.samplesPerSecond =
+      summary.trainSeconds > 0
+          ? static_cast<double>(state.step * samplerOptions.batchSize) / summary.trainSeconds
+          : 0.0;
+  if (!summary.stoppedEarly) {
+    exportStateDict((fs::path(options.runDir) / "model.pt").string(), *model);
+  }
+  nlohmann::json sj = {{"steps", summary.steps},
+                       {"epochs", summary.epochs},
+                       {"final_train_loss", summary.finalTrainLoss},
+                       {"eval_loss", summary.evalLoss},
+                       {"eval_accuracy", summary.evalAccuracy},
+                       {"train_seconds", summary.trainSeconds},
+                       {"samples_per_s", summary.samplesPerSecond},
+                       {"stopped_early", summary.stoppedEarly},
+                       {"checkpoint", summary.lastCheckpoint}};
+  writeFileAtomic((fs::path(options.runDir) / "summary.json").string(), sj.dump(2) + "\n");
+  return summary;
+}
+
+}  // namespace caravan

@@ -1,0 +1,44 @@
+// The single-worker training loop: data -> model blocks -> loss -> backward -> optimizer,
+// with evaluation, metrics, progress, checkpoints and exact resume.
+//
+// A run directory holds: config.toml (the resolved config), metrics.jsonl, checkpoints/,
+// model.pt (final weights for Python's torch.load) and summary.json.
+// Threading: run() is called once, from one thread; the loader uses one background thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "core/config.h"
+
+namespace caravan {
+
+struct TrainerOptions {
+  std::string runDir;                 // created if missing
+  bool resume = false;                // continue from the newest checkpoint in runDir
+  int64_t stopAtStep = 0;             // >0: stop after this step with a checkpoint, as if
+                                      // interrupted (for splitting runs; used by tests)
+  const std::atomic<bool>* stopRequested = nullptr;  // set by a signal handler: checkpoint, stop
+  std::FILE* terminal = stderr;       // progress and summary
+  bool tty = false;                   // draw a progress bar instead of periodic lines
+  bool quiet = false;                 // print nothing (metrics are still written)
+};
+
+struct TrainSummary {
+  int64_t steps = 0;
+  int64_t epochs = 0;
+  double finalTrainLoss = 0.0;
+  double evalLoss = 0.0;
+  double evalAccuracy = 0.0;
+  double trainSeconds = 0.0;
+  double samplesPerSecond = 0.0;
+  bool stoppedEarly = false;  // stopAtStep or a stop request: resume to continue
+  std::string lastCheckpoint;
+};
+
+// Runs training. Throws Error subclasses for user-facing problems (exit codes in errors.h).
+TrainSummary train(const Config& config, const TrainerOptions& options);
+
+}  // namespace caravan

@@ -1,0 +1,185 @@
+// The caravan binary on bad input: one-line errors, the documented exit codes, and nothing
+// already on disk modified.
+#include <gtest/gtest.h>
+#include <zlib.h>
+
+#include <filesystem>
+#include <map>
+
+#include "test_util.h"
+
+using namespace caravan::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kSynthetic =
+    "--set data.dataset=synthetic --set data.synthetic_size=64 --set data.batch_size=8 "
+    "--set model.name=mlp --set model.width=8 --set train.threads=1 ";
+
+// Expects exactly one line on stderr, starting "caravan: error:" and containing `needle`.
+void expectOneLineError(const CommandResult& r, int code, const std::string& needle) {
+  EXPECT_EQ(r.exitCode, code) << r.err;
+  EXPECT_EQ(countLines(r.err), 1) << r.err;
+  EXPECT_EQ(r.err.rfind("caravan: error: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+}
+
+// Bytes of every file under `dir`, to prove a failed command changed nothing.
+std::map<std::string, std::string> snapshot(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) out[e.path().string()] = readFile(e.path().string());
+  }
+  return out;
+}
+
+void writeGz(const std::string& path, const std::string& bytes) {
+  gzFile f = gzopen(path.c_str(), "wb");
+  gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size()));
+  gzclose(f);
+}
+
+std::string idxHeader(uint8_t ndims, std::initializer_list<uint32_t> dims) {
+  std::string h = {0, 0, 8, static_cast<char>(ndims)};
+  for (uint32_t d : dims) {
+    for (int s = 24; s >= 0; s -= 8) h.push_back(static_cast<char>((d >> s) & 0xff));
+  }
+  return h;
+}
+
+// A tiny but valid Fashion-MNIST directory (n train, n test examples).
+void writeTinyFashionMnist(const std::string& dir, uint32_t n) {
+  fs::create_directories(dir);
+  std::string images = idxHeader(3, {n, 28, 28}) + std::string(n * 28 * 28, '\x40');
+  std::string labels = idxHeader(1, {n});
+  for (uint32_t i = 0; i < n; ++i) labels.push_back(static_cast<char>(i % 10));
+  for (const char* split : {"train", "t10k"}) {
+    writeGz(dir + "/" + split + "-images-idx3-ubyte.gz", images);
+    writeGz(dir + "/" + split + "-labels-idx1-ubyte.gz", labels);
+  }
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    configPath_ = tmp_ / "c.toml";
+    writeFile(configPath_, "[train]\nmax_steps = 4\n");
+  }
+  // A finished short run with checkpoints, to check that failures leave it untouched.
+  std::string finishedRun() {
+    std::string run = tmp_ / "run";
+    CommandResult r = runCaravan("train -q --config " + configPath_ + " " + kSynthetic +
+                                 "--set checkpoint.every=2 --run-dir " + run);
+    EXPECT_EQ(r.exitCode, 0) << r.err;
+    return run;
+  }
+  TempDir tmp_;
+  std::string configPath_;
+};
+
+}  // namespace
+
+TEST_F(Cli, HelpListsSubcommandsAndKeys) {
+  CommandResult r = runCaravan("--help");
+  EXPECT_EQ(r.exitCode, 0);
+  for (const char* s : {"train", "eval", "config"}) EXPECT_NE(r.out.find(s), std::string::npos);
+  r = runCaravan("train --help");
+  EXPECT_EQ(r.exitCode, 0);
+  for (const char* s : {"--config", "--set", "--run-dir", "--resume", "optim.lr", "seed.data"}) {
+    EXPECT_NE(r.out.find(s), std::string::npos) << s;
+  }
+}
+
+TEST_F(Cli, UnknownConfigKey) {
+  writeFile(configPath_, "[optim]\nlr = 0.1\nmomentun = 0.9\n");
+  expectOneLineError(runCaravan("train --config " + configPath_), 2, ":3: unknown key 'optim.momentun'");
+}
+
+TEST_F(Cli, WrongTypeInConfig) {
+  writeFile(configPath_, "[data]\nbatch_size = \"64\"\n");
+  expectOneLineError(runCaravan("train --config " + configPath_), 2,
+                     ":2: data.batch_size must be an integer");
+}
+
+TEST_F(Cli, BadOverrideAndBadFlag) {
+  expectOneLineError(runCaravan("train --config " + configPath_ + " --set optim.lr=-1"), 2,
+                     "optim.lr = -1");
+  CommandResult r = runCaravan("train --bogus");
+  EXPECT_EQ(r.exitCode, 2);
+  EXPECT_EQ(countLines(r.err), 1) << r.err;
+}
+
+TEST_F(Cli, MissingDatasetDirectory) {
+  expectOneLineError(runCaravan("train --config " + configPath_ + " --set data.path=" +
+                                (tmp_ / "nope") + " --run-dir " + (tmp_ / "r")),
+                     3, tmp_ / "nope");
+}
+
+TEST_F(Cli, TruncatedAndCorruptIdx) {
+  std::string dir = tmp_ / "fm";
+  writeTinyFashionMnist(dir, 20);
+  // Sanity: the tiny dataset itself is accepted.
+  CommandResult ok = runCaravan("train -q --config " + configPath_ + " --set data.path=" + dir +
+                                " --set model.name=mlp --set model.width=8 --set data.batch_size=4"
+                                " --run-dir " + (tmp_ / "ok"));
+  ASSERT_EQ(ok.exitCode, 0) << ok.err;
+
+  std::string images = idxHeader(3, {20, 28, 28}) + std::string(20 * 28 * 28, '\x40');
+  writeGz(dir + "/train-images-idx3-ubyte.gz", images.substr(0, images.size() - 100));
+  expectOneLineError(runCaravan("train --config " + configPath_ + " --set data.path=" + dir +
+                                " --run-dir " + (tmp_ / "r1")),
+                     3, "truncated");
+
+  std::string bad = images;
+  bad[2] = 0x0d;  // float type code instead of unsigned byte
+  writeGz(dir + "/train-images-idx3-ubyte.gz", bad);
+  expectOneLineError(runCaravan("train --config " + configPath_ + " --set data.path=" + dir +
+                                " --run-dir " + (tmp_ / "r2")),
+                     3, "train-images-idx3-ubyte.gz");
+
+  // A gzip stream cut in the middle.
+  writeGz(dir + "/train-images-idx3-ubyte.gz", images);
+  std::string gz = readFile(dir + "/train-images-idx3-ubyte.gz");
+  writeFile(dir + "/train-images-idx3-ubyte.gz", gz.substr(0, gz.size() / 2));
+  expectOneLineError(runCaravan("train --config " + configPath_ + " --set data.path=" + dir +
+                                " --run-dir " + (tmp_ / "r3")),
+                     3, "train-images-idx3-ubyte.gz");
+}
+
+TEST_F(Cli, TruncatedCheckpointOnResume) {
+  std::string run = finishedRun();
+  auto files = snapshot(run + "/checkpoints");
+  ASSERT_EQ(files.size(), 2u);
+  std::string newest = files.rbegin()->first;
+  std::string truncated = files.rbegin()->second.substr(0, files.rbegin()->second.size() - 1000);
+  writeFile(newest, truncated);
+  files[newest] = truncated;
+  auto before = snapshot(run);
+  expectOneLineError(runCaravan("train --resume " + run + " --set train.max_steps=8"), 4,
+                     "truncated");
+  EXPECT_EQ(snapshot(run), before);
+}
+
+TEST_F(Cli, FailuresLeaveAnExistingRunUntouched) {
+  std::string run = finishedRun();
+  auto before = snapshot(run);
+  expectOneLineError(runCaravan("train --resume " + run + " --set optim.lrr=1"), 2, "optim.lrr");
+  expectOneLineError(runCaravan("train --config " + configPath_ + " " + kSynthetic +
+                                "--run-dir " + run),
+                     2, "already holds a run");
+  expectOneLineError(runCaravan("train --resume " + run + " --set model.width=16"), 4,
+                     "another run configuration");
+  EXPECT_EQ(snapshot(run), before);
+}
+
+TEST_F(Cli, ResumeAndEval) {
+  std::string run = finishedRun();
+  CommandResult r = runCaravan("train -q --resume " + run + " --set train.max_steps=6");
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_TRUE(fs::exists(run + "/checkpoints/step-00000006.ckpt"));
+  r = runCaravan("eval --run-dir " + run);
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.out.find("\"step\":6"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"accuracy\""), std::string::npos) << r.out;
+}

@@ -1,0 +1,119 @@
+// Config schema validation: unknown keys, wrong types, ranges and overrides, with file lines.
+#include <gtest/gtest.h>
+
+#include "core/config.h"
+#include "core/errors.h"
+
+using namespace caravan;
+
+namespace {
+
+// Returns the ConfigError message for parsing `text` (fails the test if nothing is thrown).
+std::string configError(const std::string& text, const std::vector<std::string>& overrides = {}) {
+  try {
+    Config::fromString(text, "test.toml", overrides);
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.exitCode(), 2);
+    return e.what();
+  }
+  ADD_FAILURE() << "no ConfigError for:\n" << text;
+  return "";
+}
+
+}  // namespace
+
+TEST(Config, DefaultsAndTypedValues) {
+  Config c = Config::fromString("[optim]\nlr = 0.5\nname = \"adamw\"\n[train]\nepochs = 3\n",
+                                "test.toml");
+  EXPECT_DOUBLE_EQ(c.f64("optim.lr"), 0.5);
+  EXPECT_EQ(c.str("optim.name"), "adamw");
+  EXPECT_EQ(c.i64("train.epochs"), 3);
+  EXPECT_EQ(c.i64("data.batch_size"), 64);  // default
+  EXPECT_TRUE(c.isSet("optim.lr"));
+  EXPECT_FALSE(c.isSet("data.batch_size"));
+}
+
+TEST(Config, IntegerAcceptedForFloat) {
+  Config c = Config::fromString("[optim]\nlr = 1\n", "test.toml");
+  EXPECT_DOUBLE_EQ(c.f64("optim.lr"), 1.0);
+}
+
+TEST(Config, UnknownKeyNamesKeyAndLine) {
+  std::string m = configError("[optim]\nlr = 0.1\nlrr = 0.2\n");
+  EXPECT_NE(m.find("test.toml:3"), std::string::npos) << m;
+  EXPECT_NE(m.find("optim.lrr"), std::string::npos) << m;
+  EXPECT_NE(m.find("lr"), std::string::npos) << m;
+}
+
+TEST(Config, UnknownSectionAndTopLevelKey) {
+  std::string m = configError("\n[optimizer]\nlr = 0.1\n");
+  EXPECT_NE(m.find("test.toml:2"), std::string::npos) << m;
+  EXPECT_NE(m.find("[optimizer]"), std::string::npos) << m;
+  m = configError("lr = 0.1\n");
+  EXPECT_NE(m.find("test.toml:1"), std::string::npos) << m;
+}
+
+TEST(Config, WrongTypeNamesKeyAndLine) {
+  std::string m = configError("[train]\n\nepochs = \"five\"\n");
+  EXPECT_NE(m.find("test.toml:3"), std::string::npos) << m;
+  EXPECT_NE(m.find("train.epochs must be an integer"), std::string::npos) << m;
+  m = configError("[train]\nepochs = 2.5\n");
+  EXPECT_NE(m.find("train.epochs must be an integer"), std::string::npos) << m;
+}
+
+TEST(Config, OutOfRangeAndChoices) {
+  std::string m = configError("[optim]\nlr = -0.1\n");
+  EXPECT_NE(m.find("test.toml:2"), std::string::npos) << m;
+  EXPECT_NE(m.find("optim.lr = -0.1 is out of range"), std::string::npos) << m;
+  m = configError("[data]\nbatch_size = 0\n");
+  EXPECT_NE(m.find("data.batch_size = 0 is out of range"), std::string::npos) << m;
+  m = configError("[model]\nname = \"vgg\"\n");
+  EXPECT_NE(m.find("model.name = \"vgg\" is not one of"), std::string::npos) << m;
+}
+
+TEST(Config, SyntaxErrorHasLine) {
+  std::string m = configError("[optim]\nlr = = 3\n");
+  EXPECT_NE(m.find("test.toml:2"), std::string::npos) << m;
+  EXPECT_NE(m.find("invalid TOML"), std::string::npos) << m;
+}
+
+TEST(Config, Overrides) {
+  Config c = Config::fromString("[optim]\nlr = 0.5\n", "test.toml",
+                                {"optim.lr=0.25", "data.dataset=brown", "optim.nesterov=true",
+                                 "data.path=\"/x y\""});
+  EXPECT_DOUBLE_EQ(c.f64("optim.lr"), 0.25);
+  EXPECT_EQ(c.str("data.dataset"), "brown");
+  EXPECT_TRUE(c.flag("optim.nesterov"));
+  EXPECT_EQ(c.str("data.path"), "/x y");
+  std::string m = configError("", {"optim.lrr=1"});
+  EXPECT_NE(m.find("--set optim.lrr=1"), std::string::npos) << m;
+  m = configError("", {"train.epochs=abc"});
+  EXPECT_NE(m.find("train.epochs must be an integer"), std::string::npos) << m;
+  m = configError("", {"novalue"});
+  EXPECT_NE(m.find("expected key=value"), std::string::npos) << m;
+}
+
+TEST(Config, ResolvedTomlRoundTrips) {
+  Config a = Config::fromString("[optim]\nlr = 0.125\nname = \"adamw\"\n[model]\nname=\"gpt\"\n",
+                                "test.toml", {"data.path=a\"b"});
+  Config b = Config::fromString(a.toToml(), "resolved.toml");
+  for (const auto& o : Config::schema()) {
+    switch (o.type) {
+      case ConfigType::kInt: EXPECT_EQ(a.i64(o.key), b.i64(o.key)) << o.key; break;
+      case ConfigType::kFloat: EXPECT_EQ(a.f64(o.key), b.f64(o.key)) << o.key; break;
+      case ConfigType::kBool: EXPECT_EQ(a.flag(o.key), b.flag(o.key)) << o.key; break;
+      case ConfigType::kString: EXPECT_EQ(a.str(o.key), b.str(o.key)) << o.key; break;
+    }
+  }
+}
+
+TEST(Config, MissingFile) {
+  EXPECT_THROW(Config::fromFile("/nonexistent/config.toml"), ConfigError);
+}
+
+TEST(Config, ExampleConfigsAreValid) {
+  for (const char* name : {"fmnist-mlp", "fmnist-cnn", "fmnist-resnet", "brown-gpt"}) {
+    std::string path = std::string(CARAVAN_SOURCE_DIR) + "/configs/" + name + ".toml";
+    EXPECT_NO_THROW(Config::fromFile(path)) << path;
+  }
+}

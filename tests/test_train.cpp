@@ -1,0 +1,254 @@
+// Schedules, checkpoints (format, atomicity, corruption) and exact resume of the trainer.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/config.h"
+#include "core/errors.h"
+#include "train/checkpoint.h"
+#include "train/schedule.h"
+#include "train/setup.h"
+#include "train/trainer.h"
+#include "test_util.h"
+
+using namespace caravan;
+using caravan::testing::TempDir;
+namespace fs = std::filesystem;
+
+TEST(Schedule, WarmupThenConstantStepCosine) {
+  ScheduleOptions o;
+  o.peakLr = 0.1;
+  o.warmupSteps = 4;
+  o.totalSteps = 104;
+  EXPECT_DOUBLE_EQ(learningRate(o, 0), 0.025);
+  EXPECT_DOUBLE_EQ(learningRate(o, 3), 0.1);
+  EXPECT_DOUBLE_EQ(learningRate(o, 50), 0.1);
+  o.kind = "step";
+  o.stepSize = 10;
+  o.gamma = 0.5;
+  EXPECT_DOUBLE_EQ(learningRate(o, 4), 0.1);
+  EXPECT_DOUBLE_EQ(learningRate(o, 13), 0.1);
+  EXPECT_DOUBLE_EQ(learningRate(o, 14), 0.05);
+  EXPECT_DOUBLE_EQ(learningRate(o, 34), 0.0125);
+  o.kind = "cosine";
+  o.minLr = 0.01;
+  EXPECT_DOUBLE_EQ(learningRate(o, 4), 0.1);
+  EXPECT_NEAR(learningRate(o, 54), 0.01 + 0.09 * 0.5, 1e-12);
+  EXPECT_NEAR(learningRate(o, 104), 0.01, 1e-12);
+}
+
+namespace {
+
+Config syntheticConfig(const std::vector<std::string>& extra) {
+  std::vector<std::string> o = {"data.dataset=synthetic", "data.synthetic_size=96",
+                                "data.batch_size=8", "train.max_steps=30", "train.log_every=1",
+                                "train.eval_every=10", "train.threads=1", "checkpoint.every=7"};
+  o.insert(o.end(), extra.begin(), extra.end());
+  return Config::fromString("", "<test>", o);
+}
+
+std::vector<double> trainLosses(const std::string& runDir) {
+  std::vector<double> losses;
+  std::ifstream in(runDir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "train") losses.push_back(j["loss"].get<double>());
+  }
+  return losses;
+}
+
+std::map<std::string, at::Tensor> finalWeights(const Config& config, const std::string& runDir) {
+  BlockModel model = buildModel(makeModelSpec(config), makeDatasets(config).train->shape());
+  auto optimizer = makeOptimizer(config, model);
+  CheckpointDir dir(runDir, 3);
+  loadCheckpoint(*dir.latest(), *model, *optimizer, runIdentity(config));
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : model->named_parameters()) out[p.key()] = p.value().detach().clone();
+  for (const auto& b : model->named_buffers()) out[b.key()] = b.value().detach().clone();
+  return out;
+}
+
+void expectExactResume(const Config& config) {
+  TempDir tmp;
+  TrainerOptions full;
+  full.runDir = tmp / "full";
+  full.quiet = true;
+  train(config, full);
+
+  TrainerOptions first = full;
+  first.runDir = tmp / "split";
+  first.stopAtStep = 13;  // between two periodic checkpoints; stopping writes its own
+  TrainSummary s1 = train(config, first);
+  EXPECT_TRUE(s1.stoppedEarly);
+  EXPECT_EQ(s1.steps, 13);
+  TrainerOptions second = first;
+  second.stopAtStep = 0;
+  second.resume = true;
+  TrainSummary s2 = train(config, second);
+  EXPECT_EQ(s2.steps, 30);
+
+  std::vector<double> a = trainLosses(full.runDir), b = trainLosses(first.runDir);
+  ASSERT_EQ(a.size(), 30u);
+  ASSERT_EQ(b.size(), 30u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+  auto wa = finalWeights(config, full.runDir), wb = finalWeights(config, first.runDir);
+  ASSERT_EQ(wa.size(), wb.size());
+  for (const auto& [name, t] : wa) EXPECT_TRUE(at::equal(t, wb.at(name))) << name;
+}
+
+}  // namespace
+
+TEST(Resume, CnnSgdMomentumIsExact) {
+  expectExactResume(syntheticConfig({"model.name=cnn", "model.width=4", "optim.name=sgd",
+                                     "schedule.kind=cosine", "schedule.warmup_steps=3"}));
+}
+
+TEST(Resume, GptAdamWWithDropoutIsExact) {
+  // Dropout draws from the default generator: the resumed run must restore its state.
+  expectExactResume(syntheticConfig({"data.synthetic_task=tokens", "data.seq_len=16",
+                                     "model.name=gpt", "model.width=16", "model.depth=2",
+                                     "model.heads=2", "model.dropout=0.2", "optim.name=adamw",
+                                     "optim.lr=0.003", "optim.grad_clip=1.0"}));
+}
+
+TEST(Resume, ResnetBatchNormNesterovIsExact) {
+  Config c = syntheticConfig({"model.name=resnet-mini", "model.width=4", "optim.nesterov=true",
+                              "checkpoint.keep=2"});
+  expectExactResume(c);
+}
+
+TEST(Trainer, RefusesToOverwriteAnExistingRun) {
+  TempDir tmp;
+  Config c = syntheticConfig({"model.name=mlp", "model.width=8", "train.max_steps=3"});
+  TrainerOptions o;
+  o.runDir = tmp / "run";
+  o.quiet = true;
+  train(c, o);
+  std::string before = testing::readFile(CheckpointDir(o.runDir, 3).latest().value());
+  EXPECT_THROW(train(c, o), ConfigError);
+  EXPECT_EQ(testing::readFile(CheckpointDir(o.runDir, 3).latest().value()), before);
+}
+
+TEST(Trainer, KeepsOnlyLastKCheckpoints) {
+  TempDir tmp;
+  Config c = syntheticConfig({"model.name=mlp", "model.width=8", "checkpoint.every=2",
+                              "checkpoint.keep=2"});
+  TrainerOptions o;
+  o.runDir = tmp / "run";
+  o.quiet = true;
+  train(c, o);
+  auto files = CheckpointDir(o.runDir, 2).list();
+  ASSERT_EQ(files.size(), 2u);
+  EXPECT_NE(files.back().find("step-00000030.ckpt"), std::string::npos);
+  EXPECT_NE(files.front().find("step-00000028.ckpt"), std::string::npos);
+  for (const auto& e : fs::directory_iterator(o.runDir + "/checkpoints")) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+  }
+  EXPECT_TRUE(fs::exists(o.runDir + "/model.pt"));
+  EXPECT_TRUE(fs::exists(o.runDir + "/config.toml"));
+}
+
+class CheckpointFile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    config_ = syntheticConfig({"model.name=mlp", "model.width=8", "optim.name=adamw"});
+    model_ = buildModel(makeModelSpec(config_), makeDatasets(config_).train->shape());
+    optimizer_ = makeOptimizer(config_, model_);
+    // One step so the optimizer has state to save.
+    auto out = model_->forward(torch::randn({4, 1, 28, 28}));
+    out.sum().backward();
+    optimizer_->step();
+    state_.step = 5;
+    state_.position = {1, 3};
+    state_.rngState = at::detail::getDefaultCPUGenerator().get_state();
+    state_.meta = runIdentity(config_);
+    path_ = tmp_ / "a.ckpt";
+    saveCheckpoint(path_, *model_, *optimizer_, state_);
+  }
+
+  Config config_;
+  BlockModel model_{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  TrainingState state_;
+  TempDir tmp_;
+  std::string path_;
+};
+
+TEST_F(CheckpointFile, RoundTrip) {
+  BlockModel other = buildModel(makeModelSpec(config_), makeDatasets(config_).train->shape());
+  auto otherOpt = makeOptimizer(config_, other);
+  TrainingState s = loadCheckpoint(path_, *other, *otherOpt, runIdentity(config_));
+  EXPECT_EQ(s.step, 5);
+  EXPECT_EQ(s.position, (SamplerPosition{1, 3}));
+  EXPECT_TRUE(at::equal(s.rngState, state_.rngState));
+  auto a = model_->named_parameters(), b = other->named_parameters();
+  for (const auto& p : a) EXPECT_TRUE(at::equal(p.value(), b[p.key()])) << p.key();
+  // Optimizer state restored: one more identical step gives identical parameters.
+  for (auto* m : {&model_, &other}) {
+    auto out = (*m)->forward(torch::ones({2, 1, 28, 28}));
+    out.sum().backward();
+  }
+  optimizer_->step();
+  otherOpt->step();
+  b = other->named_parameters();
+  for (const auto& p : model_->named_parameters()) {
+    EXPECT_TRUE(at::equal(p.value(), b[p.key()])) << p.key();
+  }
+}
+
+TEST_F(CheckpointFile, TruncatedIsRefusedAndLeftAlone) {
+  std::string bytes = testing::readFile(path_);
+  testing::writeFile(path_, bytes.substr(0, bytes.size() / 2));
+  try {
+    loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_));
+    FAIL() << "no error";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(path_), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(testing::readFile(path_), bytes.substr(0, bytes.size() / 2));
+  testing::writeFile(path_, bytes.substr(0, 10));
+  EXPECT_THROW(loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_)), CheckpointError);
+}
+
+TEST_F(CheckpointFile, CorruptedByteIsRefused) {
+  std::string bytes = testing::readFile(path_);
+  bytes[bytes.size() / 2] ^= 0x5a;
+  testing::writeFile(path_, bytes);
+  try {
+    loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_));
+    FAIL() << "no error";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("corrupt"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(CheckpointFile, OtherModelIsRefused) {
+  Config other = syntheticConfig({"model.name=mlp", "model.width=16", "optim.name=adamw"});
+  BlockModel m = buildModel(makeModelSpec(other), makeDatasets(other).train->shape());
+  auto o = makeOptimizer(other, m);
+  try {
+    loadCheckpoint(path_, *m, *o, runIdentity(other));
+    FAIL() << "no error";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.width"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ExportStateDict, WritesLoadableDict) {
+  TempDir tmp;
+  Config c = syntheticConfig({"model.name=mlp", "model.width=8"});
+  BlockModel m = buildModel(makeModelSpec(c), makeDatasets(c).train->shape());
+  exportStateDict(tmp / "model.pt", *m);
+  std::string bytes = testing::readFile(tmp / "model.pt");
+  auto dict = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
+  EXPECT_EQ(dict.size(), m->named_parameters().size() + m->named_buffers().size());
+  for (const auto& p : m->named_parameters()) {
+    EXPECT_TRUE(at::equal(dict.at(p.key()).toTensor(), p.value())) << p.key();
+  }
+}

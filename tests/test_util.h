@@ -1,0 +1,69 @@
+// Helpers shared by the tests: temporary directories, running the caravan binary, files.
+#pragma once
+
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace caravan::testing {
+
+// A fresh directory under the system temp dir, removed when the object dies.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "caravan-test-XXXXXX").string();
+    path_ = ::mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+inline std::string readFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+inline void writeFile(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
+struct CommandResult {
+  int exitCode = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs `caravan ARGS` (a shell-quoted string) with stdout/stderr captured, in `cwd`.
+inline CommandResult runCaravan(const std::string& args, const std::string& cwd = ".") {
+  TempDir io;
+  std::string cmd = "cd '" + cwd + "' && OMP_NUM_THREADS=1 " + std::string(CARAVAN_BINARY) + " " +
+                    args + " >" + (io / "out") + " 2>" + (io / "err") + " </dev/null";
+  int status = std::system(cmd.c_str());
+  CommandResult r;
+  r.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = readFile(io / "out");
+  r.err = readFile(io / "err");
+  return r;
+}
+
+inline int countLines(const std::string& text) {
+  int n = 0;
+  for (char c : text) n += c == '\n';
+  return n;
+}
+
+}  // namespace caravan::testing
