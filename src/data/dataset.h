@@ -1,0 +1,55 @@
+// Dataset interface: an indexable collection of examples that can assemble a batch.
+//
+// Threading: `get` is const and may be called from the loader's background thread while the
+// trainer thread calls other const methods; implementations hold immutable tensors only.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace caravan {
+
+// What the examples are, so models and losses can be built to match.
+enum class TaskKind {
+  kImageClassification,  // input [B, C, H, W] float32, target [B] int64 class ids
+  kLanguageModel,        // input [B, T] int64 token ids, target [B, T] int64 next tokens
+};
+
+struct Batch {
+  at::Tensor input;
+  at::Tensor target;
+  int64_t size() const { return input.defined() ? input.size(0) : 0; }
+};
+
+// Shape facts a model registry needs to build a matching model.
+struct DataShape {
+  TaskKind task = TaskKind::kImageClassification;
+  int64_t channels = 1;     // image tasks
+  int64_t height = 28;      // image tasks
+  int64_t width = 28;       // image tasks
+  int64_t numClasses = 10;  // image tasks
+  int64_t vocabSize = 0;    // language-model tasks
+  int64_t seqLen = 0;       // language-model tasks: tokens per example
+};
+
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual std::string name() const = 0;
+  virtual int64_t size() const = 0;
+  virtual DataShape shape() const = 0;
+  // Assembles the examples at `indices` (each in [0, size())) into one batch.
+  virtual Batch get(const std::vector<int64_t>& indices) const = 0;
+};
+
+// The train and evaluation splits of one dataset.
+struct DatasetSplits {
+  std::shared_ptr<const Dataset> train;
+  std::shared_ptr<const Dataset> test;
+};
+
+}  // namespace caravan

