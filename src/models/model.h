@@ -33,7 +33,8 @@ class BlockModelImpl : public torch::nn::Module {
  public:
   BlockModelImpl(std::string name, TaskKind task);
 
-  // Appends a block; registers it as submodule "blocks.<i>" (so parameter names are stable).
+  // Appends a block; registers it as submodule "b<i>_<label>" (e.g. "b0_conv1"), so parameter
+  // names are stable and readable: "b0_conv1.conv.weight".
   template <typename ModuleHolder>
   void addBlock(const std::string& label, ModuleHolder block) {
     register_module("b" + std::to_string(blocks_.size()) + "_" + label, block.ptr());
