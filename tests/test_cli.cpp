@@ -8,7 +8,7 @@
 
 #include "test_util.h"
 
-using namespace caravan::testing;
+using namespace caravan::test;
 namespace fs = std::filesystem;
 
 namespace {

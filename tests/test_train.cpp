@@ -16,7 +16,7 @@
 #include "test_util.h"
 
 using namespace caravan;
-using caravan::testing::TempDir;
+using caravan::test::TempDir;
 namespace fs = std::filesystem;
 
 TEST(Schedule, WarmupThenConstantStepCosine) {
@@ -129,9 +129,9 @@ TEST(Trainer, RefusesToOverwriteAnExistingRun) {
   o.runDir = tmp / "run";
   o.quiet = true;
   train(c, o);
-  std::string before = testing::readFile(CheckpointDir(o.runDir, 3).latest().value());
+  std::string before = test::readFile(CheckpointDir(o.runDir, 3).latest().value());
   EXPECT_THROW(train(c, o), ConfigError);
-  EXPECT_EQ(testing::readFile(CheckpointDir(o.runDir, 3).latest().value()), before);
+  EXPECT_EQ(test::readFile(CheckpointDir(o.runDir, 3).latest().value()), before);
 }
 
 TEST(Trainer, KeepsOnlyLastKCheckpoints) {
@@ -189,6 +189,8 @@ TEST_F(CheckpointFile, RoundTrip) {
   auto a = model_->named_parameters(), b = other->named_parameters();
   for (const auto& p : a) EXPECT_TRUE(at::equal(p.value(), b[p.key()])) << p.key();
   // Optimizer state restored: one more identical step gives identical parameters.
+  optimizer_->zero_grad();
+  otherOpt->zero_grad();
   for (auto* m : {&model_, &other}) {
     auto out = (*m)->forward(torch::ones({2, 1, 28, 28}));
     out.sum().backward();
@@ -202,8 +204,8 @@ TEST_F(CheckpointFile, RoundTrip) {
 }
 
 TEST_F(CheckpointFile, TruncatedIsRefusedAndLeftAlone) {
-  std::string bytes = testing::readFile(path_);
-  testing::writeFile(path_, bytes.substr(0, bytes.size() / 2));
+  std::string bytes = test::readFile(path_);
+  test::writeFile(path_, bytes.substr(0, bytes.size() / 2));
   try {
     loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_));
     FAIL() << "no error";
@@ -211,15 +213,15 @@ TEST_F(CheckpointFile, TruncatedIsRefusedAndLeftAlone) {
     EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find(path_), std::string::npos) << e.what();
   }
-  EXPECT_EQ(testing::readFile(path_), bytes.substr(0, bytes.size() / 2));
-  testing::writeFile(path_, bytes.substr(0, 10));
+  EXPECT_EQ(test::readFile(path_), bytes.substr(0, bytes.size() / 2));
+  test::writeFile(path_, bytes.substr(0, 10));
   EXPECT_THROW(loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_)), CheckpointError);
 }
 
 TEST_F(CheckpointFile, CorruptedByteIsRefused) {
-  std::string bytes = testing::readFile(path_);
+  std::string bytes = test::readFile(path_);
   bytes[bytes.size() / 2] ^= 0x5a;
-  testing::writeFile(path_, bytes);
+  test::writeFile(path_, bytes);
   try {
     loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_));
     FAIL() << "no error";
@@ -245,7 +247,7 @@ TEST(ExportStateDict, WritesLoadableDict) {
   Config c = syntheticConfig({"model.name=mlp", "model.width=8"});
   BlockModel m = buildModel(makeModelSpec(c), makeDatasets(c).train->shape());
   exportStateDict(tmp / "model.pt", *m);
-  std::string bytes = testing::readFile(tmp / "model.pt");
+  std::string bytes = test::readFile(tmp / "model.pt");
   auto dict = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
   EXPECT_EQ(dict.size(), m->named_parameters().size() + m->named_buffers().size());
   for (const auto& p : m->named_parameters()) {

@@ -9,7 +9,7 @@
 #include <sstream>
 #include <string>
 
-namespace caravan::testing {
+namespace caravan::test {
 
 // A fresh directory under the system temp dir, removed when the object dies.
 class TempDir {
@@ -66,4 +66,4 @@ inline int countLines(const std::string& text) {
   return n;
 }
 
-}  // namespace caravan::testing
+}  // namespace caravan::test

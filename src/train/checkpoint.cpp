@@ -100,6 +100,7 @@ void saveCheckpoint(const std::string& path, torch::nn::Module& model,
   archive.write("epoch", c10::IValue(state.position.epoch));
   archive.write("batch_in_epoch", c10::IValue(state.position.batchInEpoch));
   archive.write("rng", state.rngState, /*is_buffer=*/true);
+  archive.write("elapsed_s", c10::IValue(state.elapsedSeconds));
   archive.write("meta", c10::IValue(state.meta.dump()));
   std::ostringstream payloadStream;
   archive.save_to(payloadStream);
@@ -166,6 +167,8 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
     archive.read("batch_in_epoch", v);
     state.position.batchInEpoch = v.toInt();
     archive.read("rng", state.rngState, /*is_buffer=*/true);
+    archive.read("elapsed_s", v);
+    state.elapsedSeconds = v.toDouble();
   } catch (const CheckpointError&) {
     throw;
   } catch (const std::exception& e) {

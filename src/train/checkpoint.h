@@ -35,6 +35,7 @@ struct TrainingState {
   int64_t step = 0;                   // steps completed
   SamplerPosition position;           // where the next batch comes from
   at::Tensor rngState;                // default CPU generator (dropout)
+  double elapsedSeconds = 0.0;        // training time of the run so far (metrics time_s)
   nlohmann::json meta;                // identity of the run: model/optimizer/data keys
 };
 

@@ -99,8 +99,7 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
     state = loadCheckpoint(*resumeFrom, *model, *optimizer, identity);
     setDefaultRngState(state.rngState);
     loader.seek(state.position);
-    elapsedBefore = state.meta.value("time_s", 0.0);
-    state.meta = identity;
+    elapsedBefore = state.elapsedSeconds;
   } else {
     torch::manual_seed(static_cast<uint64_t>(config.i64("seed.dropout")));
   }
@@ -149,10 +148,8 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   };
   auto writeCheckpoint = [&] {
     state.rngState = defaultRngState();
-    state.meta = identity;
-    state.meta["time_s"] = trainSeconds();
+    state.elapsedSeconds = trainSeconds();
     summary.lastCheckpoint = checkpoints.save(*model, *optimizer, state);
-    state.meta = identity;
   };
 
   model->train();
