@@ -1,0 +1,64 @@
+#!/usr/bin/python3
+"""Trains a model in Python PyTorch from a dump written by tests/test_oracle.cpp and prints the
+per-step losses and final parameters, so the C++ test can compare Caravan against PyTorch.
+
+The dump (torch.load-able dict) holds: "state.<name>" initial parameters/buffers, "x<i>"/"y<i>"
+the batches and "lr" the learning rate of each step; CONFIG is a JSON file with the model spec
+and the optimizer settings. Usage: oracle_train.py DUMP CONFIG OUT. Output: a torch.save'd dict {"losses": tensor, "state.<name>": tensor}.
+Needs Debian's python3-torch: run with /usr/bin/python3.
+"""
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reference_models  # noqa: E402
+
+
+def main(dump_path, config_path, out_path):
+    torch.set_num_threads(1)
+    dump = torch.load(dump_path)
+    with open(config_path) as f:
+        cfg = json.load(f)
+    model = reference_models.build(cfg["model"], cfg["width"], cfg["depth"], cfg["heads"], 0.0,
+                                   channels=cfg.get("channels", 1), height=cfg.get("height", 28),
+                                   image_width=cfg.get("image_width", 28),
+                                   classes=cfg.get("classes", 10), vocab=cfg.get("vocab", 0),
+                                   seq=cfg.get("seq", 0))
+    state = {k[len("state."):]: v for k, v in dump.items() if k.startswith("state.")}
+    model.load_state_dict(state, strict=True)
+    model.train()
+    if cfg["optim"] == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
+                              nesterov=cfg["nesterov"], weight_decay=cfg["weight_decay"])
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]),
+                                eps=cfg["eps"], weight_decay=cfg["weight_decay"])
+    losses = []
+    lrs = dump["lr"].tolist()
+    for i, lr in enumerate(lrs):
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = dump[f"x{i}"], dump[f"y{i}"]
+        opt.zero_grad()
+        out = model(x)
+        if out.dim() == 3:
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+        else:
+            loss = torch.nn.functional.cross_entropy(out, y)
+        loss.backward()
+        if cfg["grad_clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        opt.step()
+        losses.append(loss.item())
+    result = {"losses": torch.tensor(losses, dtype=torch.float64)}
+    for k, v in model.state_dict().items():
+        result["state." + k] = v
+    torch.save(result, out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3]))
