@@ -1,6 +1,9 @@
 // Config schema validation: unknown keys, wrong types, ranges and overrides, with file lines.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <sstream>
+
 #include "core/config.h"
 #include "core/errors.h"
 
@@ -116,4 +119,12 @@ TEST(Config, ExampleConfigsAreValid) {
     std::string path = std::string(CARAVAN_SOURCE_DIR) + "/configs/" + name + ".toml";
     EXPECT_NO_THROW(Config::fromFile(path)) << path;
   }
+}
+
+TEST(Config, DocsMatchSchema) {
+  std::ifstream in(std::string(CARAVAN_SOURCE_DIR) + "/docs/config.md");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  EXPECT_NE(ss.str().find(Config::schemaMarkdown()), std::string::npos)
+      << "docs/config.md is stale: regenerate it with caravan config --schema";
 }

@@ -1,0 +1,94 @@
+#!/usr/bin/python3
+"""PyTorch peer for bench/train_throughput.py: times training steps of the same model, batch,
+optimizer and thread count as a Caravan config, in Python PyTorch (Debian's python3-torch).
+Prints one JSON object. Data: Fashion-MNIST images preloaded as one tensor (fmnist configs) or
+random token ids of the Brown vocabulary size (brown configs); batches are drawn by indexing
+preloaded tensors, the cheapest input path Python has.
+"""
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+import tomllib
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+import reference_models  # noqa: E402
+
+BROWN_VOCAB = 86  # what Caravan's Brown loader reports (85 characters + unknown)
+
+
+def load_fmnist(path):
+    with gzip.open(os.path.join(path, "train-images-idx3-ubyte.gz")) as f:
+        raw = f.read()[16:]
+    with gzip.open(os.path.join(path, "train-labels-idx1-ubyte.gz")) as f:
+        labels = torch.frombuffer(bytearray(f.read()[8:]), dtype=torch.uint8).long()
+    x = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, 1, 28, 28).float() / 255
+    x = (x - x.mean()) / x.std()
+    return x, labels
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    with open(a.config, "rb") as f:
+        cfg = tomllib.load(f)
+    data, model_cfg, optim = cfg.get("data", {}), cfg.get("model", {}), cfg.get("optim", {})
+    batch = data.get("batch_size", 64)
+    torch.manual_seed(0)
+    if data.get("dataset", "fashion-mnist") == "brown":
+        seq = data.get("seq_len", 128)
+        tokens = torch.randint(0, BROWN_VOCAB, (4096, seq + 1))
+        xs, ys = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        model = reference_models.build("gpt", model_cfg.get("width", 0), model_cfg.get("depth", 0),
+                                       model_cfg.get("heads", 0), model_cfg.get("dropout", 0.0),
+                                       vocab=BROWN_VOCAB, seq=seq)
+    else:
+        xs, ys = load_fmnist(data.get("path") or "/usr/share/datasets/fashion-mnist")
+        model = reference_models.build(model_cfg.get("name", "cnn"), model_cfg.get("width", 0),
+                                       model_cfg.get("depth", 0), model_cfg.get("heads", 0),
+                                       model_cfg.get("dropout", 0.0))
+    model.train()
+    lr = optim.get("lr", 0.01)
+    if optim.get("name", "sgd") == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=optim.get("weight_decay", 0.0))
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=optim.get("momentum", 0.9),
+                              nesterov=optim.get("nesterov", False),
+                              weight_decay=optim.get("weight_decay", 0.0))
+    clip = optim.get("grad_clip", 0.0)
+    n = xs.size(0)
+
+    def step():
+        idx = torch.randint(0, n, (batch,))
+        x, y = xs.index_select(0, idx), ys.index_select(0, idx)
+        opt.zero_grad()
+        out = model(x)
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        return loss.item()
+
+    for _ in range(a.warmup):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    s = time.perf_counter() - t0
+    print(json.dumps({"bench": "peer", "config": a.config, "threads": a.threads, "batch_size": batch,
+                      "steps": a.steps, "seconds": s, "samples_per_s": a.steps * batch / s,
+                      "torch": torch.__version__}))
+
+
+if __name__ == "__main__":
+    main()
