@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <map>
 
+#include <fmt/format.h>
+
 #include "test_util.h"
 
 using namespace caravan::test;
@@ -182,4 +184,25 @@ TEST_F(Cli, ResumeAndEval) {
   EXPECT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.out.find("\"step\":6"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\"accuracy\""), std::string::npos) << r.out;
+}
+
+TEST_F(Cli, InterruptWritesCheckpointAndResumes) {
+  std::string run = tmp_ / "run";
+  // A long run, interrupted with SIGINT after 3 s: it must checkpoint and exit 130.
+  std::string cmd = "OMP_NUM_THREADS=1 " + std::string(CARAVAN_BINARY) + " train -q --config " +
+                    configPath_ + " " + kSynthetic + "--set train.max_steps=10000000 --run-dir " +
+                    run + " 2>" + (tmp_ / "err") + " & pid=$!; sleep 3; kill -INT $pid; wait $pid";
+  int status = std::system(("bash -c '" + cmd + "'").c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 130) << readFile(tmp_ / "err");
+  auto files = snapshot(run + "/checkpoints");
+  ASSERT_EQ(files.size(), 1u);
+  CommandResult r = runCaravan("eval --run-dir " + run);
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  const std::string name = fs::path(files.begin()->first).filename().string();  // step-N.ckpt
+  const long step = std::stol(name.substr(5, 8));
+  r = runCaravan("train -q --resume " + run + " --set train.max_steps=" + std::to_string(step + 3));
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_TRUE(fs::exists(run + "/checkpoints/" +
+                         fmt::format("step-{:08d}.ckpt", step + 3)));
 }
