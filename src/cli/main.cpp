@@ -13,6 +13,8 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "cli/launcher.h"
+#include "comm/world.h"
 #include "core/config.h"
 #include "core/errors.h"
 #include "train/checkpoint.h"
@@ -39,10 +41,9 @@ std::string defaultRunDir(const std::string& configPath) {
   return (fs::path("runs") / (fs::path(configPath).stem().string() + "-" + stamp)).string();
 }
 
-int runTrain(const std::string& configPath, const std::vector<std::string>& overrides,
-             std::string runDir, const std::string& resumeDir, int64_t stopAtStep, bool quiet) {
-  TrainerOptions options;
-  Config config;
+// The config of `caravan train`: --config FILE, or RUN_DIR/config.toml of --resume RUN_DIR.
+Config loadTrainConfig(const std::string& configPath, const std::vector<std::string>& overrides,
+                       const std::string& resumeDir) {
   if (!resumeDir.empty()) {
     if (!configPath.empty()) {
       throw ConfigError("--resume takes the config from RUN_DIR/config.toml; drop --config "
@@ -54,14 +55,25 @@ int runTrain(const std::string& configPath, const std::vector<std::string>& over
                                         "Caravan run directory?)",
                                         resumeDir));
     }
-    config = Config::fromFile(saved, overrides);
+    return Config::fromFile(saved, overrides);
+  }
+  if (configPath.empty()) throw ConfigError("caravan train needs --config FILE or --resume RUN_DIR");
+  return Config::fromFile(configPath, overrides);
+}
+
+int runTrain(const std::string& configPath, const std::vector<std::string>& overrides,
+             std::string runDir, const std::string& resumeDir, int64_t stopAtStep, bool quiet) {
+  TrainerOptions options;
+  const Config config = loadTrainConfig(configPath, overrides, resumeDir);
+  if (!resumeDir.empty()) {
     options.runDir = resumeDir;
     options.resume = true;
   } else {
-    if (configPath.empty()) throw ConfigError("caravan train needs --config FILE or --resume RUN_DIR");
-    config = Config::fromFile(configPath, overrides);
     options.runDir = runDir.empty() ? defaultRunDir(configPath) : runDir;
   }
+  // Our rank: from the variables of caravan's own launcher (--workers), torchrun, srun or
+  // mpirun; none of them: a world of one.
+  options.world = worldFromEnvironment(processEnvironment());
   options.stopAtStep = stopAtStep;
   options.stopRequested = &gStopRequested;
   options.terminal = stderr;
@@ -81,12 +93,47 @@ int runTrain(const std::string& configPath, const std::vector<std::string>& over
   }
   if (s.stoppedEarly) {
     if (!quiet) {
-      std::fprintf(stderr, "checkpoint %s written; continue with: caravan train --resume %s\n",
-                   s.lastCheckpoint.c_str(), options.runDir.c_str());
+      const std::string workers = options.world.launcher == "caravan"
+                                      ? fmt::format(" --workers {}", options.world.worldSize)
+                                      : "";
+      std::fprintf(stderr, "checkpoint %s written; continue with: caravan train --resume %s%s\n",
+                   s.lastCheckpoint.c_str(), options.runDir.c_str(), workers.c_str());
     }
     if (gStopRequested.load()) return static_cast<int>(ExitCode::kInterrupted);
   }
   return 0;
+}
+
+// `caravan train --workers N`: this process supervises N local workers (cli/launcher.h).
+int launchTrain(int argc, char** argv, int workers, const std::string& configPath,
+                const std::vector<std::string>& overrides, const std::string& runDir,
+                const std::string& resumeDir) {
+  const WorldInfo world = worldFromEnvironment(processEnvironment());
+  if (world.launcher != "none") {
+    const char* vars = world.launcher == "openmpi" ? "OMPI_COMM_WORLD_*"
+                       : world.launcher == "slurm" ? "SLURM_PROCID/SLURM_NTASKS"
+                                                   : "RANK/WORLD_SIZE";
+    throw ConfigError(fmt::format(
+        "--workers starts its own worker processes, but {} are set: this process is already "
+        "rank {} of {} under {}; drop --workers (the launcher decides) or unset them",
+        vars, world.rank, world.worldSize, world.launcher));
+  }
+  // Check the config here, once, rather than in N workers.
+  const Config config = loadTrainConfig(configPath, overrides, resumeDir);
+  LaunchOptions launch;
+  launch.workers = workers;
+  launch.program = argv[0];
+  launch.args.assign(argv + 1, argv + argc);
+  if (!resumeDir.empty()) {
+    launch.runDir = resumeDir;
+  } else if (!runDir.empty()) {
+    launch.runDir = runDir;
+  } else {
+    launch.runDir = defaultRunDir(configPath);  // chosen once, so every rank agrees
+    launch.addRunDir = true;
+  }
+  launch.threadsConfigured = config.i64("train.threads") > 0;
+  return superviseWorkers(launch);
 }
 
 int runEval(const std::string& runDir, std::string checkpoint,
@@ -121,13 +168,15 @@ int main(int argc, char** argv) {
   CLI::App app{
       "caravan: train deep networks on one worker today; across a cluster and beyond memory "
       "as the engine grows.\nExit codes: 0 ok, 1 internal error, 2 bad usage or config, 3 "
-      "dataset, 4 checkpoint, 5 file system, 6 non-finite loss, 130 interrupted."};
+      "dataset, 4 checkpoint, 5 file system, 6 non-finite loss, 7 lost peer, 8 a worker process "
+      "failed, 130 interrupted."};
   app.require_subcommand(1);
 
   std::string configPath, runDir, resumeDir, checkpoint;
   std::vector<std::string> overrides;
   int64_t stopAtStep = 0;
   bool quiet = false;
+  int workers = 0;
 
   auto* train = app.add_subcommand("train", "train a model (config keys: caravan config --schema)");
   train->add_option("--config,-c", configPath, "TOML config file (see configs/)");
@@ -142,6 +191,11 @@ int main(int argc, char** argv) {
                     "stop after step N with a checkpoint, as if interrupted; --resume continues")
       ->check(CLI::NonNegativeNumber);
   train->add_flag("--quiet,-q", quiet, "print nothing to the terminal (metrics are still written)");
+  auto* workersOption =
+      train->add_option("--workers", workers,
+                        "spawn N local worker processes (data parallel); under "
+                        "torchrun/srun/mpirun the launcher's variables decide instead")
+          ->check(CLI::Range(1, 1024));
   train->footer("Config keys (TOML [section] key = value, or --set section.key=value):\n" +
                 Config::schemaText());
 
@@ -172,6 +226,9 @@ int main(int argc, char** argv) {
   // A failure is reported on a line of its own, even if a progress bar was being drawn.
   const char* clearLine = isatty(STDERR_FILENO) ? "\r\x1b[K" : "";
   try {
+    if (*train && workersOption->count() > 0) {
+      return launchTrain(argc, argv, workers, configPath, overrides, runDir, resumeDir);
+    }
     if (*train) return runTrain(configPath, overrides, runDir, resumeDir, stopAtStep, quiet);
     if (*eval) return runEval(runDir, checkpoint, overrides);
     if (*config) {

@@ -1,0 +1,117 @@
+// Worker environments, command lines and failure reports for the local launcher (launch.h).
+#include "comm/launch.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <string_view>
+
+#include <fmt/format.h>
+
+namespace caravan {
+
+Environment workerEnvironment(const Environment& base, int rank, int worldSize, int masterPort,
+                              bool threadsConfigured) {
+  Environment env = base;
+  env["RANK"] = std::to_string(rank);
+  env["WORLD_SIZE"] = std::to_string(worldSize);
+  env["LOCAL_RANK"] = std::to_string(rank);
+  env["MASTER_ADDR"] = kLocalMasterAddr;
+  env["MASTER_PORT"] = std::to_string(masterPort);
+  env["CARAVAN_LAUNCHER"] = kCaravanLauncher;
+  if (!threadsConfigured) {
+    // emplace keeps a value the user set.
+    env.emplace("OMP_NUM_THREADS", "1");
+    env.emplace("OPENBLAS_NUM_THREADS", "1");
+  }
+  return env;
+}
+
+std::vector<std::string> environmentStrings(const Environment& env) {
+  std::vector<std::string> out;
+  out.reserve(env.size());
+  for (const auto& [k, v] : env) out.push_back(k + "=" + v);
+  return out;
+}
+
+std::vector<std::string> workerArguments(const std::vector<std::string>& supervisorArgs,
+                                         int rank, const std::string& addRunDir) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < supervisorArgs.size(); ++i) {
+    const std::string& a = supervisorArgs[i];
+    if (a == "--workers") {
+      ++i;  // and its value
+      continue;
+    }
+    if (a.rfind("--workers=", 0) == 0) continue;
+    out.push_back(a);
+  }
+  if (!addRunDir.empty()) {
+    out.push_back("--run-dir");
+    out.push_back(addRunDir);
+  }
+  if (rank > 0) out.push_back("--quiet");
+  return out;
+}
+
+std::string rankLogPath(const std::string& runDir, int rank) {
+  return (std::filesystem::path(runDir) / fmt::format("rank-{}.log", rank)).string();
+}
+
+int pickFreeLoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    throw IoError(fmt::format("cannot create a socket to find a free port: {}",
+                              std::strerror(errno)));
+  }
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = 0;  // the kernel picks a free port
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw IoError(fmt::format("cannot bind a loopback TCP port for the workers' rendezvous: {}",
+                              std::strerror(err)));
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string describeExit(int waitStatus) {
+  if (WIFEXITED(waitStatus)) return fmt::format("exited with code {}", WEXITSTATUS(waitStatus));
+  if (WIFSIGNALED(waitStatus)) {
+    const int sig = WTERMSIG(waitStatus);
+    const char* abbrev = ::sigabbrev_np(sig);
+    return fmt::format("was killed by signal {}{}{}", sig,
+                       abbrev != nullptr ? fmt::format(" (SIG{})", abbrev) : "",
+                       WCOREDUMP(waitStatus) ? " and dumped core" : "");
+  }
+  return fmt::format("ended with wait status {:#x}", waitStatus);
+}
+
+std::string workerFailureMessage(int rank, pid_t pid, int waitStatus, int stopped,
+                                 int worldSize, const std::string& runDir) {
+  std::string others;
+  if (stopped == 0) {
+    others = worldSize == 1 ? "" : "; no other rank was still running";
+  } else if (stopped == worldSize - 1) {
+    others = stopped == 1 ? "; stopped the other rank" : fmt::format("; stopped the other {} ranks", stopped);
+  } else {
+    others = fmt::format("; stopped the {} {} still running", stopped, stopped == 1 ? "rank" : "ranks");
+  }
+  const std::string hint =
+      rank == 0 ? "see its output above" : fmt::format("see {}", rankLogPath(runDir, rank));
+  return fmt::format("rank {} (pid {}) {}{}; {}", rank, static_cast<long>(pid),
+                     describeExit(waitStatus), others, hint);
+}
+
+}  // namespace caravan

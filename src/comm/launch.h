@@ -1,0 +1,68 @@
+// The pure parts of caravan's local launcher (`caravan train --workers N`): each worker's
+// environment and command line, the rank log paths, a free loopback port, and the supervisor's
+// one-line report of a failed worker. Starting and supervising the processes is
+// cli/launcher.cpp; everything here is a function of its arguments, so it is unit-tested
+// directly (tests/test_launcher.cpp).
+//
+// Threading: free functions without shared state; any thread may call them.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "comm/world.h"
+#include "core/errors.h"
+
+namespace caravan {
+
+// A worker process of a local launch failed (non-zero exit or a signal). Exit code:
+// kWorkerFailed. The message names the rank, its pid, how it ended and where its log is.
+class WorkerError : public Error {
+ public:
+  explicit WorkerError(const std::string& m) : Error(ExitCode::kWorkerFailed, m) {}
+};
+
+constexpr const char* kLocalMasterAddr = "127.0.0.1";
+constexpr const char* kCaravanLauncher = "caravan";  // CARAVAN_LAUNCHER's value for our workers
+
+// `base` plus what a worker of a local launch needs: RANK, WORLD_SIZE, LOCAL_RANK (= RANK, one
+// machine), MASTER_ADDR=127.0.0.1, MASTER_PORT, CARAVAN_LAUNCHER=caravan. Unless
+// `threadsConfigured` (train.threads > 0), OMP_NUM_THREADS and OPENBLAS_NUM_THREADS are set to
+// 1 where `base` does not set them already, so N workers do not each start one thread per
+// core. RANK/WORLD_SIZE take precedence over other launchers' variables, so
+// worldFromEnvironment() of the result is exactly this worker.
+Environment workerEnvironment(const Environment& base, int rank, int worldSize, int masterPort,
+                              bool threadsConfigured);
+
+// "KEY=VALUE" strings for execve().
+std::vector<std::string> environmentStrings(const Environment& env);
+
+// A worker's arguments (without argv[0]) from the supervisor's: `--workers N` and
+// `--workers=N` removed; `--run-dir RUN_DIR` appended when `addRunDir` is non-empty (the
+// supervisor chose the default run directory, so every rank must be told the same one);
+// `--quiet` appended for ranks > 0 (only rank 0 draws on the terminal).
+std::vector<std::string> workerArguments(const std::vector<std::string>& supervisorArgs,
+                                         int rank, const std::string& addRunDir);
+
+// RUN_DIR/rank-<r>.log: where rank r > 0 writes its stdout and stderr.
+std::string rankLogPath(const std::string& runDir, int rank);
+
+// A TCP port on 127.0.0.1 that was free a moment ago: binds port 0, reads the port the kernel
+// chose, closes the socket. Another process may take the port before rank 0 binds it; that
+// race is accepted (rank 0's store then fails to bind with the port in its message, and a rerun
+// picks another port). Throws IoError when no socket can be bound.
+int pickFreeLoopbackPort();
+
+// How a waitpid() status ended: "exited with code 4", "was killed by signal 9 (SIGKILL)".
+std::string describeExit(int waitStatus);
+
+// The supervisor's one-line report of the first failed worker, e.g.
+// "rank 2 (pid 1234) was killed by signal 9 (SIGKILL); stopped the other 3 ranks; see
+// runs/x/rank-2.log". `stopped` is how many other ranks were still running and were stopped;
+// rank 0 has no log (it writes to the terminal), so its hint points at the output above.
+std::string workerFailureMessage(int rank, pid_t pid, int waitStatus, int stopped,
+                                 int worldSize, const std::string& runDir);
+
+}  // namespace caravan

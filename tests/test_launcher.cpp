@@ -1,0 +1,398 @@
+// The local launcher (`caravan train --workers N`): the pure pieces (worker environment,
+// arguments, failure line) as units, and the supervisor as real processes: all workers finish,
+// a worker killed with SIGKILL stops the others, SIGINT stops everything with exit 130, a
+// killed supervisor leaves no workers, and --workers under another launcher is refused.
+//
+// Every process test runs the supervisor in its own process group with a deadline, and the
+// fixture kills that group in TearDown, so a failing test leaves no processes behind.
+#include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <thread>
+
+#include "comm/launch.h"
+#include "comm/world.h"
+#include "test_util.h"
+
+extern char** environ;
+
+using namespace caravan;
+using namespace caravan::test;
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+namespace {
+
+const std::string kSynthetic =
+    "--set data.dataset=synthetic --set data.synthetic_size=64 --set data.batch_size=8 "
+    "--set model.name=mlp --set model.width=8 --set train.threads=1";
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream in(s);
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+std::string lastLine(const std::string& text) {
+  std::string t = text;
+  while (!t.empty() && t.back() == '\n') t.pop_back();
+  const auto nl = t.rfind('\n');
+  return nl == std::string::npos ? t : t.substr(nl + 1);
+}
+
+// Fields of /proc/PID/stat after the command name: state, ppid, ...
+std::vector<std::string> statFields(pid_t pid) {
+  const std::string stat = readFile("/proc/" + std::to_string(pid) + "/stat");
+  const auto close = stat.rfind(')');
+  if (close == std::string::npos) return {};
+  return split(stat.substr(close + 1));
+}
+
+// Running (a zombie has finished running: it only waits to be reaped).
+bool alive(pid_t pid) {
+  if (::kill(pid, 0) != 0) return false;
+  const auto f = statFields(pid);
+  return !f.empty() && f[0] != "Z";
+}
+
+std::vector<pid_t> childrenOf(pid_t parent) {
+  std::vector<pid_t> out;
+  DIR* d = ::opendir("/proc");
+  if (d == nullptr) return out;
+  while (dirent* e = ::readdir(d)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
+    if (pid <= 0) continue;
+    const auto f = statFields(pid);
+    if (f.size() > 1 && std::stoi(f[1]) == parent) out.push_back(pid);
+  }
+  ::closedir(d);
+  return out;
+}
+
+// The environment of a process, from /proc/PID/environ.
+Environment environmentOf(pid_t pid) {
+  Environment env;
+  const std::string raw = readFile("/proc/" + std::to_string(pid) + "/environ");
+  size_t start = 0;
+  while (start < raw.size()) {
+    size_t end = raw.find('\0', start);
+    if (end == std::string::npos) end = raw.size();
+    const std::string kv = raw.substr(start, end - start);
+    const auto eq = kv.find('=');
+    if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
+    start = end + 1;
+  }
+  return env;
+}
+
+template <typename Pred>
+bool waitUntil(Pred pred, milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (!pred()) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  return true;
+}
+
+// Runs `caravan ARGS` as a supervisor in its own process group, in a temporary directory.
+class LauncherProcess : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    if (supervisor_ > 0) {
+      ::killpg(supervisor_, SIGKILL);  // the supervisor and every worker it started
+      if (!reaped_) ::waitpid(supervisor_, nullptr, 0);
+    }
+    for (const auto& [rank, pid] : workers_) {
+      if (alive(pid)) ::kill(pid, SIGKILL);
+    }
+  }
+
+  void start(const std::string& args, const std::vector<std::string>& extraEnv = {}) {
+    configPath_ = tmp_ / "c.toml";
+    writeFile(configPath_, "[train]\nmax_steps = 4\n");
+    std::vector<std::string> argv = split(args);
+    argv.insert(argv.begin(), CARAVAN_BINARY);
+    std::vector<std::string> envp;
+    for (char** e = environ; *e != nullptr; ++e) envp.emplace_back(*e);
+    for (const auto& kv : extraEnv) envp.push_back(kv);
+    std::vector<char*> av, ev;
+    for (auto& s : argv) av.push_back(s.data());
+    av.push_back(nullptr);
+    for (auto& s : envp) ev.push_back(s.data());
+    ev.push_back(nullptr);
+    const std::string out = tmp_ / "out", err = tmp_ / "err", dir = tmp_.path();
+    supervisor_ = ::fork();
+    ASSERT_GE(supervisor_, 0);
+    if (supervisor_ == 0) {
+      ::setpgid(0, 0);
+      const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      const int n = ::open("/dev/null", O_RDONLY);
+      if (o < 0 || e < 0 || n < 0 || ::chdir(dir.c_str()) != 0) ::_exit(99);
+      ::dup2(n, 0);
+      ::dup2(o, 1);
+      ::dup2(e, 2);
+      ::execve(av[0], av.data(), ev.data());
+      ::_exit(98);
+    }
+    ::setpgid(supervisor_, supervisor_);  // also from here, so killpg works at once
+  }
+
+  // The supervisor's wait status, or nullopt after `timeout`.
+  std::optional<int> waitExit(milliseconds timeout) {
+    std::optional<int> result;
+    waitUntil(
+        [&] {
+          int status = 0;
+          if (::waitpid(supervisor_, &status, WNOHANG) == supervisor_) {
+            reaped_ = true;
+            result = status;
+          }
+          return result.has_value();
+        },
+        timeout);
+    return result;
+  }
+
+  // Waits until the supervisor has `n` workers that exec'd (RANK in their environment).
+  bool waitForWorkers(int n, milliseconds timeout) {
+    return waitUntil(
+        [&] {
+          for (pid_t pid : childrenOf(supervisor_)) {
+            const Environment env = environmentOf(pid);
+            if (env.count("RANK") != 0) {
+              workers_[std::stoi(env.at("RANK"))] = pid;
+              workerEnv_[pid] = env;
+            }
+          }
+          return static_cast<int>(workers_.size()) == n;
+        },
+        timeout);
+  }
+
+  // A long run of 3 workers, started and training (rank 0 wrote metrics.jsonl).
+  void startLongRun() {
+    run_ = tmp_ / "run";
+    start("train --config " + (tmp_ / "c.toml") + " " + kSynthetic +
+          " --set train.max_steps=10000000 --set train.log_every=1 --run-dir " + run_ +
+          " --workers 3");
+    ASSERT_TRUE(waitForWorkers(3, seconds(30))) << readFile(tmp_ / "err");
+    ASSERT_TRUE(waitUntil([&] { return fs::exists(run_ + "/metrics.jsonl"); }, seconds(60)))
+        << readFile(tmp_ / "err");
+    std::this_thread::sleep_for(milliseconds(500));
+  }
+
+  void expectNoWorkersLeft() {
+    for (const auto& [rank, pid] : workers_) {
+      EXPECT_TRUE(waitUntil([&] { return !alive(pid); }, seconds(5)))
+          << "rank " << rank << " (pid " << pid << ") is still running";
+    }
+  }
+
+  TempDir tmp_;
+  std::string configPath_;
+  std::string run_;
+  pid_t supervisor_ = -1;
+  bool reaped_ = false;
+  std::map<int, pid_t> workers_;  // rank -> pid
+  std::map<pid_t, Environment> workerEnv_;
+};
+
+}  // namespace
+
+TEST(LauncherUnits, WorkerEnvironmentIsTheWorkersWorld) {
+  const Environment base = {{"PATH", "/usr/bin"}, {"OMP_NUM_THREADS", "4"}};
+  for (int r = 0; r < 3; ++r) {
+    const Environment env = workerEnvironment(base, r, 3, 29511, false);
+    const WorldInfo w = worldFromEnvironment(env);
+    EXPECT_EQ(w.rank, r);
+    EXPECT_EQ(w.worldSize, 3);
+    EXPECT_EQ(w.localRank, r);
+    EXPECT_EQ(w.launcher, "caravan");
+    EXPECT_EQ(w.masterAddr, "127.0.0.1");
+    EXPECT_EQ(w.masterPort, 29511);
+    EXPECT_EQ(env.at("PATH"), "/usr/bin");
+    EXPECT_EQ(env.at("OMP_NUM_THREADS"), "4");  // the user's value wins
+    EXPECT_EQ(env.at("OPENBLAS_NUM_THREADS"), "1");
+  }
+  // train.threads set: the thread variables are left alone.
+  const Environment env = workerEnvironment({}, 0, 1, 1, true);
+  EXPECT_EQ(env.count("OMP_NUM_THREADS"), 0u);
+  EXPECT_EQ(env.count("OPENBLAS_NUM_THREADS"), 0u);
+  EXPECT_EQ(worldFromEnvironment(env).worldSize, 1);
+  EXPECT_EQ(worldFromEnvironment(env).launcher, "caravan");
+}
+
+TEST(LauncherUnits, WorkerArguments) {
+  const std::vector<std::string> args = {"train", "--config", "c.toml", "--workers", "3",
+                                         "--set", "a.b=1", "--workers=2"};
+  EXPECT_EQ(workerArguments(args, 0, "runs/c-1"),
+            (std::vector<std::string>{"train", "--config", "c.toml", "--set", "a.b=1",
+                                      "--run-dir", "runs/c-1"}));
+  EXPECT_EQ(workerArguments(args, 2, ""),
+            (std::vector<std::string>{"train", "--config", "c.toml", "--set", "a.b=1",
+                                      "--quiet"}));
+  EXPECT_EQ(rankLogPath("runs/x", 2), "runs/x/rank-2.log");
+}
+
+TEST(LauncherUnits, FailureLine) {
+  EXPECT_EQ(describeExit(W_EXITCODE(4, 0)), "exited with code 4");
+  EXPECT_EQ(describeExit(SIGKILL), "was killed by signal 9 (SIGKILL)");
+  EXPECT_EQ(workerFailureMessage(2, 1234, SIGKILL, 3, 4, "runs/x"),
+            "rank 2 (pid 1234) was killed by signal 9 (SIGKILL); stopped the other 3 ranks; see "
+            "runs/x/rank-2.log");
+  EXPECT_EQ(workerFailureMessage(1, 7, W_EXITCODE(4, 0), 1, 2, "r"),
+            "rank 1 (pid 7) exited with code 4; stopped the other rank; see r/rank-1.log");
+  EXPECT_EQ(workerFailureMessage(0, 7, W_EXITCODE(3, 0), 1, 4, "r"),
+            "rank 0 (pid 7) exited with code 3; stopped the 1 rank still running; see its "
+            "output above");
+  EXPECT_EQ(workerFailureMessage(0, 7, W_EXITCODE(3, 0), 0, 1, "r"),
+            "rank 0 (pid 7) exited with code 3; see its output above");
+}
+
+TEST(LauncherUnits, FreeLoopbackPortCanBeBound) {
+  const int port = pickFreeLoopbackPort();
+  ASSERT_GT(port, 0);
+  ASSERT_LE(port, 65535);
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::close(fd);
+}
+
+TEST_F(LauncherProcess, ThreeWorkersFinish) {
+  // No --run-dir: the supervisor chooses runs/c-<time> once and tells every rank.
+  start("train --config c.toml " + kSynthetic + " --workers 3");
+  const auto status = waitExit(seconds(120));
+  ASSERT_TRUE(status.has_value()) << "the supervisor did not finish in 120 s";
+  const std::string err = readFile(tmp_ / "err");
+  ASSERT_TRUE(WIFEXITED(*status)) << err;
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << err;
+  std::vector<fs::path> runs;
+  for (const auto& e : fs::directory_iterator(tmp_ / "runs")) runs.push_back(e.path());
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_EQ(runs[0].filename().string().rfind("c-", 0), 0u) << runs[0];
+  EXPECT_TRUE(fs::exists(runs[0] / "rank-1.log"));
+  EXPECT_TRUE(fs::exists(runs[0] / "rank-2.log"));
+  EXPECT_FALSE(fs::exists(runs[0] / "rank-0.log"));  // rank 0 writes to the terminal
+  EXPECT_TRUE(fs::exists(runs[0] / "config.toml"));
+  // Only rank 0 printed its summary.
+  size_t summaries = 0;
+  for (size_t at = 0; (at = err.find("run directory: ", at)) != std::string::npos; ++at) {
+    ++summaries;
+  }
+  EXPECT_EQ(summaries, 1u) << err;
+  EXPECT_NE(err.find("run directory: runs/c-"), std::string::npos) << err;
+}
+
+TEST_F(LauncherProcess, KilledWorkerStopsTheOthers) {
+  startLongRun();
+  // Each worker saw its own rank and the same world.
+  for (int r = 0; r < 3; ++r) {
+    const Environment& env = workerEnv_.at(workers_.at(r));
+    EXPECT_EQ(env.at("RANK"), std::to_string(r));
+    EXPECT_EQ(env.at("LOCAL_RANK"), std::to_string(r));
+    EXPECT_EQ(env.at("WORLD_SIZE"), "3");
+    EXPECT_EQ(env.at("MASTER_ADDR"), "127.0.0.1");
+    EXPECT_EQ(env.at("MASTER_PORT"), workerEnv_.at(workers_.at(0)).at("MASTER_PORT"));
+    EXPECT_EQ(env.at("CARAVAN_LAUNCHER"), "caravan");
+  }
+  const pid_t victim = workers_.at(1);
+  const auto killedAt = Clock::now();
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  const auto status = waitExit(seconds(20));
+  ASSERT_TRUE(status.has_value()) << "the supervisor did not exit within 20 s of the kill";
+  const double took = std::chrono::duration<double>(Clock::now() - killedAt).count();
+  const std::string err = readFile(tmp_ / "err");
+  ASSERT_TRUE(WIFEXITED(*status)) << err;
+  EXPECT_EQ(WEXITSTATUS(*status), 8) << err;
+  const std::string line = lastLine(err);
+  const std::string expected = "caravan: error: rank 1 (pid " + std::to_string(victim) +
+                               ") was killed by signal 9 (SIGKILL); ";
+  EXPECT_EQ(line.rfind(expected, 0), 0u) << line;
+  EXPECT_NE(line.find("see " + run_ + "/rank-1.log"), std::string::npos) << line;
+  expectNoWorkersLeft();
+  std::printf("supervisor exited %.1f s after the kill: %s\n", took, line.c_str());
+}
+
+TEST_F(LauncherProcess, InterruptStopsEveryWorker) {
+  startLongRun();
+  ASSERT_EQ(::kill(supervisor_, SIGINT), 0);
+  const auto status = waitExit(seconds(60));
+  ASSERT_TRUE(status.has_value()) << "the supervisor did not exit within 60 s of SIGINT";
+  const std::string err = readFile(tmp_ / "err");
+  ASSERT_TRUE(WIFEXITED(*status)) << err;
+  EXPECT_EQ(WEXITSTATUS(*status), 130) << err;
+  expectNoWorkersLeft();
+  // Rank 0 tells how to continue, with the same number of workers.
+  EXPECT_NE(err.find("continue with: caravan train --resume " + run_ + " --workers 3"),
+            std::string::npos)
+      << err;
+}
+
+TEST_F(LauncherProcess, KilledSupervisorLeavesNoWorkers) {
+  // Orphaned workers are re-parented to this process, so it can reap and check them.
+  ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+  startLongRun();
+  ASSERT_EQ(::kill(supervisor_, SIGKILL), 0);
+  ASSERT_TRUE(waitExit(seconds(5)).has_value());
+  for (const auto& [rank, pid] : workers_) {
+    EXPECT_TRUE(waitUntil(
+        [pid = pid] {
+          ::waitpid(pid, nullptr, WNOHANG);
+          return !alive(pid);
+        },
+        seconds(30)))
+        << "rank " << rank << " outlived the supervisor";
+  }
+  for (const auto& [rank, pid] : workers_) {
+    if (alive(pid)) ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+  }
+  ::prctl(PR_SET_CHILD_SUBREAPER, 0);
+}
+
+TEST_F(LauncherProcess, RefusedUnderAnotherLauncherOrWithABadConfig) {
+  start("train --config c.toml " + kSynthetic + " --run-dir run --workers 2",
+        {"RANK=1", "WORLD_SIZE=2"});
+  auto status = waitExit(seconds(30));
+  ASSERT_TRUE(status.has_value());
+  std::string err = readFile(tmp_ / "err");
+  ASSERT_TRUE(WIFEXITED(*status)) << err;
+  EXPECT_EQ(WEXITSTATUS(*status), 2) << err;
+  EXPECT_EQ(countLines(err), 1) << err;
+  EXPECT_EQ(err.rfind("caravan: error: --workers", 0), 0u) << err;
+  EXPECT_NE(err.find("RANK/WORLD_SIZE"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(tmp_ / "run"));
+
+  // A bad config is reported once, before any worker starts.
+  reaped_ = false;
+  start("train --config c.toml --set optim.lrr=1 --run-dir run --workers 2");
+  status = waitExit(seconds(30));
+  ASSERT_TRUE(status.has_value());
+  err = readFile(tmp_ / "err");
+  ASSERT_TRUE(WIFEXITED(*status)) << err;
+  EXPECT_EQ(WEXITSTATUS(*status), 2) << err;
+  EXPECT_EQ(countLines(err), 1) << err;
+  EXPECT_NE(err.find("optim.lrr"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(tmp_ / "run"));
+}
