@@ -1,0 +1,32 @@
+// makeCommunicator: the communicator a job's config names ("gloo" or "mpi") for this process.
+//
+// gloo: rendezvous through `store` with the launcher's rank and world size; the Gloo endpoint
+//       listens on the loopback address when the master is local, on the interface named by
+//       GLOO_SOCKET_IFNAME when set, else on the address this host's name resolves to.
+// mpi:  rank and size come from MPI (the store is not used); they must agree with what the
+//       launcher said, else ConfigError. A build without MPI throws ConfigError saying so.
+//
+// Threading: blocks the calling thread through the rendezvous (at most `timeout`). Every rank
+// calls it concurrently.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "comm/communicator.h"
+#include "comm/world.h"
+
+namespace caravan {
+
+std::unique_ptr<Communicator> makeCommunicator(const std::string& backend,
+                                               const WorldInfo& world,
+                                               c10::intrusive_ptr<c10d::Store> store,
+                                               std::chrono::milliseconds timeout);
+
+// True for 127.0.0.0/8, ::1 and "localhost".
+bool isLoopbackAddress(const std::string& address);
+
+}  // namespace caravan

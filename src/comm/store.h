@@ -1,0 +1,36 @@
+// The job's rendezvous store: a c10d::Store every rank reaches, used by the Gloo communicator
+// to exchange addresses and by strategies for small shared state (keys, counters).
+//
+// kind "tcp":  rank 0 serves a TcpStore on the master address and port (loopback unless the
+//              launcher says otherwise); other ranks connect to it, retrying until `timeout`.
+// kind "file": a c10d::FileStore at `filePath` on a file system every rank sees (NFS, Lustre).
+//              Use a fresh path per job: keys left in an old file would satisfy new waits.
+//
+// Errors: an unreachable master -> PeerError naming address:port and what to check; a port
+// rank 0 cannot bind, an unknown kind or a missing file path -> ConfigError.
+//
+// Threading: makeStore blocks (at most `timeout` while connecting) on the calling thread. The
+// returned store is thread-safe.
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "comm/world.h"
+
+namespace caravan {
+
+inline constexpr std::chrono::milliseconds kDefaultStoreTimeout{30000};
+
+struct StoreOptions {
+  std::string kind = "tcp";  // tcp | file
+  std::string filePath;      // kind "file" only
+  std::chrono::milliseconds timeout = kDefaultStoreTimeout;  // connect, requests, default waits
+  std::string token;  // tcp: every rank must present the same token (empty is a valid token)
+};
+
+c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOptions& options);
+
+}  // namespace caravan

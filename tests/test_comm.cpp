@@ -1,0 +1,700 @@
+// Tests of the comm/ layer: rendezvous stores, the communicator factory, and one collective
+// suite run against every backend with exact expected values.
+//
+// This file is compiled twice. In caravan_tests the Gloo backend runs W ranks as threads of
+// this process over an in-memory c10d::HashStore ("multi-rank in one process"), W = 1..4, and
+// the store and fault tests run. Compiled with CARAVAN_COMM_MPI_TESTS it is caravan_mpi_tests:
+// each process is one MPI rank, CTest starts it under mpirun with 1..4 processes (CommMpi.npN)
+// and the same collective checks run on the MPI world communicator.
+//
+// Inputs are small integers (-8..8), so sums over 4 ranks are exact in float32 and bfloat16,
+// and every result is compared bit for bit.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "comm/comm_util.h"
+#include "comm/communicator.h"
+#include "comm/factory.h"
+#include "comm/gloo_communicator.h"
+#include "comm/mpi_communicator.h"
+#include "comm/store.h"
+#include "comm/tcp_store.h"
+#include "comm/world.h"
+
+namespace caravan {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// Generous: two cores shared with other work. A hang still ends here, not at CTest's limit.
+constexpr milliseconds kOpTimeout{20000};
+const std::vector<int64_t> kCounts = {0, 1, 7, 1 << 20};
+
+int64_t elapsedMs(Clock::time_point start) {
+  return std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+}
+
+// Rank `rank`'s input elements [offset, offset + n) for a check numbered `salt`: integers in
+// -8..8, float32.
+// (A plain loop: ATen's int64 remainder is ~10x slower, and W rank threads call this a lot.)
+at::Tensor inputFor(int rank, int64_t n, int salt, int64_t offset = 0) {
+  at::Tensor t = at::empty({n}, at::kFloat);
+  float* p = t.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = static_cast<float>(((offset + i) * 7 + rank * 5 + salt * 3) % 17 - 8);
+  }
+  return t;
+}
+
+// Every rank's inputs stacked: (size, n).
+at::Tensor allInputs(int size, int64_t n, int salt, int64_t offset = 0) {
+  std::vector<at::Tensor> rows;
+  for (int r = 0; r < size; ++r) rows.push_back(inputFor(r, n, salt, offset));
+  return at::stack(rows);
+}
+
+at::Tensor reduceRows(const at::Tensor& rows, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return rows.sum(0);
+    case ReduceOp::kAvg: return rows.sum(0) / static_cast<double>(rows.size(0));
+    case ReduceOp::kMax: return std::get<0>(rows.max(0));
+    case ReduceOp::kMin: return std::get<0>(rows.min(0));
+  }
+  return rows;
+}
+
+const char* opName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "?";
+}
+
+// Bit-exact comparison; on a mismatch says where.
+void expectExact(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
+  ASSERT_EQ(actual.scalar_type(), expected.scalar_type()) << what;
+  ASSERT_EQ(actual.numel(), expected.numel()) << what;
+  const at::Tensor a = actual.reshape(-1).to(at::kFloat);
+  const at::Tensor e = expected.reshape(-1).to(at::kFloat);
+  if (at::equal(a, e)) return;
+  const int64_t i = (a != e).nonzero()[0][0].item<int64_t>();
+  ADD_FAILURE() << what << ": element " << i << " is " << a[i].item<float>() << ", expected "
+                << e[i].item<float>();
+}
+
+// The collective checks every backend must pass, from one rank's point of view. Every rank
+// calls this with the same arguments; it ends with a barrier, so no rank leaves early.
+// `arrived`, when given, is shared by all ranks (threads) and checks the barrier itself.
+void checkCollectives(Communicator& c, int64_t n, at::ScalarType dt,
+                      std::atomic<int>* arrived = nullptr) {
+  const int size = c.size();
+  const int rank = c.rank();
+  const std::string where = fmt::format("rank {} of {}, {} x {}", rank, size, n,
+                                        comm::dtypeName(dt));
+  int salt = 0;
+  // Every op at every size, except that the large size skips the variants that add time but
+  // no coverage (MIN, reduce-scatter AVG/MAX and int64 behave like their small-size runs).
+  const bool large = n > 4096;
+  const std::vector<ReduceOp> allreduceOps =
+      large ? std::vector<ReduceOp>{ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}
+            : std::vector<ReduceOp>{ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax,
+                                    ReduceOp::kMin};
+  const std::vector<ReduceOp> reduceScatterOps =
+      large ? std::vector<ReduceOp>{ReduceOp::kSum}
+            : std::vector<ReduceOp>{ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax};
+
+  for (ReduceOp op : allreduceOps) {
+    ++salt;
+    at::Tensor t = inputFor(rank, n, salt).to(dt);
+    c.allreduce(t, op)->wait(kOpTimeout);
+    expectExact(t, reduceRows(allInputs(size, n, salt), op).to(dt),
+                fmt::format("allreduce {} ({})", opName(op), where));
+  }
+
+  for (int root = 0; root < size; ++root) {
+    ++salt;
+    at::Tensor t = inputFor(rank, n, salt).to(dt);
+    c.broadcast(t, root)->wait(kOpTimeout);
+    expectExact(t, inputFor(root, n, salt).to(dt),
+                fmt::format("broadcast from {} ({})", root, where));
+  }
+
+  {
+    ++salt;
+    at::Tensor in = inputFor(rank, n, salt).to(dt);
+    at::Tensor out = at::full({size * n}, -99, dt);
+    c.allgather(out, in)->wait(kOpTimeout);
+    expectExact(out, allInputs(size, n, salt).reshape(-1).to(dt),
+                fmt::format("allgather ({})", where));
+  }
+
+  for (ReduceOp op : reduceScatterOps) {
+    ++salt;
+    at::Tensor in = inputFor(rank, size * n, salt).to(dt);
+    at::Tensor out = at::full({n}, -99, dt);
+    c.reduceScatter(out, in, op)->wait(kOpTimeout);
+    // Rank r's chunk: elements [r n, (r+1) n) of every rank's input, reduced.
+    expectExact(out, reduceRows(allInputs(size, n, salt, rank * n), op).to(dt),
+                fmt::format("reduceScatter {} ({})", opName(op), where));
+    expectExact(in, inputFor(rank, size * n, salt).to(dt),
+                fmt::format("reduceScatter {} leaves its input alone ({})", opName(op), where));
+  }
+
+  {
+    // Ring: receive from the previous rank, send to the next (to itself when alone).
+    ++salt;
+    const int next = (rank + 1) % size;
+    const int prev = (rank + size - 1) % size;
+    at::Tensor out = inputFor(rank, n, salt).to(dt);
+    at::Tensor in = at::full({n}, -99, dt);
+    WorkPtr r = c.recv(in, prev, 7);
+    WorkPtr s = c.send(out, next, 7);
+    r->wait(kOpTimeout);
+    s->wait(kOpTimeout);
+    expectExact(in, inputFor(prev, n, salt).to(dt), fmt::format("ring recv ({})", where));
+  }
+
+  if (!large) {
+    ++salt;
+    at::Tensor t = at::arange(n, at::kLong) * (rank + 1);
+    c.allreduce(t, ReduceOp::kSum)->wait(kOpTimeout);
+    expectExact(t, at::arange(n, at::kLong) * (size * (size + 1) / 2),
+                fmt::format("allreduce int64 ({})", where));
+  }
+
+  if (arrived != nullptr) ++*arrived;
+  c.barrier()->wait(kOpTimeout);
+  if (arrived != nullptr) {
+    EXPECT_GE(arrived->load(), size) << "barrier returned before every rank arrived (" << where
+                                     << ")";
+  }
+}
+
+std::string paramName(int size, int64_t n, at::ScalarType dt) {
+  std::string name = size > 0 ? fmt::format("w{}_", size) : "";
+  if (n >= 0) name += fmt::format("n{}_", n);
+  return name + comm::dtypeName(dt);
+}
+
+#ifndef CARAVAN_COMM_MPI_TESTS
+
+// ---------------------------------------------------------------------------------------------
+// Gloo: ranks as threads.
+
+// Runs body(comm) on `size` threads, each one rank with its own GlooCommunicator over `store`.
+// Returns each rank's exception message ("" when it returned normally).
+std::vector<std::string> runGlooRanks(int size, const GlooOptions& options,
+                                      const std::function<void(Communicator&)>& body,
+                                      c10::intrusive_ptr<c10d::Store> store = {},
+                                      const std::vector<int>& ranks = {}) {
+  if (!store) store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<int> which = ranks;
+  if (which.empty()) {
+    for (int r = 0; r < size; ++r) which.push_back(r);
+  }
+  std::vector<std::string> errors(size);
+  std::vector<std::thread> threads;
+  for (int r : which) {
+    threads.emplace_back([&, r] {
+      try {
+        GlooCommunicator comm(store, r, size, options);
+        body(comm);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+GlooOptions loopbackOptions(milliseconds timeout = kOpTimeout) {
+  GlooOptions o;
+  o.timeout = timeout;
+  o.hostname = "127.0.0.1";
+  return o;
+}
+
+class CommGlooCollectives : public ::testing::TestWithParam<std::tuple<int, at::ScalarType>> {};
+
+TEST_P(CommGlooCollectives, MatchExpected) {
+  const auto [size, dt] = GetParam();
+  // One set of communicators per world size and dtype; every element count runs on it.
+  std::vector<std::atomic<int>> arrived(kCounts.size());
+  auto errors = runGlooRanks(size, loopbackOptions(), [&](Communicator& c) {
+    for (size_t i = 0; i < kCounts.size(); ++i) checkCollectives(c, kCounts[i], dt, &arrived[i]);
+  });
+  for (int r = 0; r < size; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(CommGloo, CommGlooCollectives,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(at::kFloat, at::kBFloat16)),
+                         [](const auto& info) {
+                           return paramName(std::get<0>(info.param), -1, std::get<1>(info.param));
+                         });
+
+TEST(CommGlooFaults, RecvNobodySendsTimesOutNamingThePeer) {
+  std::atomic<bool> rank0Done{false};
+  int64_t waitedMs = -1;
+  std::string message, later;
+  auto errors = runGlooRanks(2, loopbackOptions(milliseconds(5000)), [&](Communicator& c) {
+    if (c.rank() == 0) {
+      at::Tensor t = at::zeros({4});
+      const auto start = Clock::now();
+      WorkPtr w = c.recv(t, 1, 5);
+      try {
+        w->wait(milliseconds(500));
+      } catch (const PeerError& e) {
+        message = e.what();
+      }
+      waitedMs = elapsedMs(start);
+      // The first failure is final: later operations fail at once with it.
+      try {
+        c.allreduce(t, ReduceOp::kSum)->wait(milliseconds(500));
+      } catch (const PeerError& e) {
+        later = e.what();
+      }
+      rank0Done = true;
+    } else {
+      while (!rank0Done) std::this_thread::sleep_for(milliseconds(10));  // alive, never sends
+    }
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
+  EXPECT_NE(message.find("500 ms"), std::string::npos) << message;
+  EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  EXPECT_GE(waitedMs, 450);
+  EXPECT_LT(waitedMs, 2500);
+  EXPECT_NE(later.find("earlier failure"), std::string::npos) << later;
+}
+
+TEST(CommGlooFaults, CollectiveTimeoutNamesThePeer) {
+  std::atomic<bool> rank0Done{false};
+  std::string message;
+  int64_t waitedMs = -1;
+  auto errors = runGlooRanks(2, loopbackOptions(milliseconds(2000)), [&](Communicator& c) {
+    if (c.rank() == 0) {
+      at::Tensor t = at::ones({3});
+      const auto start = Clock::now();
+      try {
+        c.allreduce(t, ReduceOp::kSum)->wait(milliseconds(300));
+      } catch (const PeerError& e) {
+        message = e.what();
+      }
+      waitedMs = elapsedMs(start);
+      rank0Done = true;
+    } else {
+      while (!rank0Done) std::this_thread::sleep_for(milliseconds(10));  // never joins
+    }
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
+  EXPECT_NE(message.find("allreduce #1"), std::string::npos) << message;
+  EXPECT_GE(waitedMs, 250);
+  EXPECT_LT(waitedMs, 2000);
+}
+
+TEST(CommGlooFaults, PeerClosingItsConnectionFailsFastNamingIt) {
+  std::string message;
+  int64_t waitedMs = -1;
+  auto errors = runGlooRanks(2, loopbackOptions(milliseconds(10000)), [&](Communicator& c) {
+    c.barrier()->wait(kOpTimeout);
+    if (c.rank() == 0) {
+      at::Tensor t = at::zeros({4});
+      const auto start = Clock::now();
+      try {
+        c.recv(t, 1, 3)->wait(milliseconds(10000));
+      } catch (const PeerError& e) {
+        message = e.what();
+      }
+      waitedMs = elapsedMs(start);
+    }
+    // rank 1 returns at once: its communicator is destroyed and its connections close.
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
+  EXPECT_LT(waitedMs, 5000) << message;
+}
+
+TEST(CommGlooFaults, MissingRankAtRendezvousIsNamed) {
+  const auto start = Clock::now();
+  auto errors = runGlooRanks(3, loopbackOptions(milliseconds(500)), [](Communicator&) {},
+                             {}, {0, 1});
+  EXPECT_LT(elapsedMs(start), 3000);
+  for (int r : {0, 1}) {
+    EXPECT_NE(errors[r].find("rank 2 did not join"), std::string::npos) << errors[r];
+  }
+}
+
+// The same checks with the stores a real job uses, through makeStore and makeCommunicator.
+TEST(CommGloo, RunsOverTheTcpAndFileStores) {
+  const int size = 3;
+  for (const std::string kind : {"tcp", "file"}) {
+    SCOPED_TRACE(kind);
+    char dirTemplate[] = "/tmp/caravan-comm-XXXXXX";
+    ASSERT_NE(::mkdtemp(dirTemplate), nullptr);
+    StoreOptions so;
+    so.kind = kind;
+    so.filePath = std::string(dirTemplate) + "/store";
+    so.timeout = milliseconds(10000);
+    WorldInfo w0;
+    w0.worldSize = size;
+    w0.masterPort = 0;  // tcp: rank 0 picks a free port, the others learn it below
+    c10::intrusive_ptr<c10d::Store> store0 = makeStore(w0, so);
+    if (kind == "tcp") w0.masterPort = dynamic_cast<TcpStore&>(*store0).port();
+    std::vector<std::string> errors(size);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < size; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          WorldInfo w = w0;
+          w.rank = r;
+          auto store = r == 0 ? store0 : makeStore(w, so);
+          auto comm = makeCommunicator("gloo", w, store, kOpTimeout);
+          EXPECT_EQ(comm->backend(), "gloo");
+          EXPECT_EQ(comm->rank(), r);
+          checkCollectives(*comm, 7, at::kFloat);
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < size; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+    store0.reset();
+    std::filesystem::remove_all(dirTemplate);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stores.
+
+TcpStoreOptions serverOptions(milliseconds timeout = milliseconds(5000)) {
+  TcpStoreOptions o;
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.isServer = true;
+  o.timeout = timeout;
+  o.token = "job-1";
+  return o;
+}
+
+TcpStoreOptions clientOptions(int port, milliseconds timeout = milliseconds(5000)) {
+  TcpStoreOptions o = serverOptions(timeout);
+  o.port = port;
+  o.isServer = false;
+  return o;
+}
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+TEST(CommStore, TcpStoreServesItsClients) {
+  TcpStore server(serverOptions());
+  ASSERT_GT(server.port(), 0);
+  TcpStore a(clientOptions(server.port()));
+  TcpStore b(clientOptions(server.port()));
+
+  a.set("x", bytes("hello"));
+  EXPECT_EQ(text(b.get("x")), "hello");
+  EXPECT_EQ(text(server.get("x")), "hello");
+  EXPECT_EQ(a.add("n", 2), 2);
+  EXPECT_EQ(b.add("n", 5), 7);
+  EXPECT_EQ(server.add("n", 1), 8);
+  EXPECT_EQ(text(a.get("n")), "8");
+  EXPECT_TRUE(b.check({"x", "n"}));
+  EXPECT_FALSE(b.check({"x", "missing"}));
+  EXPECT_EQ(a.getNumKeys(), 2);
+  // compareSet: swaps only when the current value is the expected one.
+  EXPECT_EQ(text(a.compareSet("x", bytes("nope"), bytes("y"))), "hello");
+  EXPECT_EQ(text(b.compareSet("x", bytes("hello"), bytes("y"))), "y");
+  EXPECT_EQ(text(a.compareSet("fresh", {}, bytes("z"))), "z");
+  EXPECT_TRUE(a.deleteKey("fresh"));
+  EXPECT_FALSE(a.deleteKey("fresh"));
+
+  // get() and wait() block until another rank sets the key.
+  std::thread setter([&] {
+    std::this_thread::sleep_for(milliseconds(100));
+    b.set("late", bytes("1"));
+    server.set("late2", bytes("2"));
+  });
+  EXPECT_EQ(text(a.get("late")), "1");
+  a.wait({"late", "late2"}, milliseconds(3000));
+  setter.join();
+
+  // A value of ~1 MB crosses intact.
+  std::vector<uint8_t> big(1 << 20);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<uint8_t>(i * 31);
+  a.set("big", big);
+  EXPECT_EQ(b.get("big"), big);
+}
+
+TEST(CommStore, WaitForAMissingKeyTimesOutWithPeerError) {
+  TcpStore server(serverOptions());
+  TcpStore client(clientOptions(server.port()));
+  for (c10d::Store* s : {static_cast<c10d::Store*>(&server), static_cast<c10d::Store*>(&client)}) {
+    const auto start = Clock::now();
+    try {
+      s->wait({"never"}, milliseconds(200));
+      ADD_FAILURE() << "wait returned";
+    } catch (const PeerError& e) {
+      EXPECT_NE(std::string(e.what()).find("'never'"), std::string::npos) << e.what();
+    }
+    EXPECT_GE(elapsedMs(start), 190);
+    EXPECT_LT(elapsedMs(start), 2000);
+  }
+}
+
+// A port nothing listens on (bound once, then closed).
+int closedPort() {
+  TcpStore probe(serverOptions());
+  return probe.port();
+}
+
+TEST(CommStore, UnreachableMasterFailsWithinTheTimeoutNamingIt) {
+  const int port = closedPort();
+  WorldInfo w;
+  w.rank = 1;
+  w.worldSize = 2;
+  w.masterAddr = "127.0.0.1";
+  w.masterPort = port;
+  StoreOptions so;
+  so.timeout = milliseconds(1000);
+  const auto start = Clock::now();
+  try {
+    makeStore(w, so);
+    ADD_FAILURE() << "connected to a closed port";
+  } catch (const PeerError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(fmt::format("127.0.0.1:{}", port)), std::string::npos) << m;
+    EXPECT_NE(m.find("MASTER_ADDR"), std::string::npos) << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+  EXPECT_GE(elapsedMs(start), 900);
+  EXPECT_LT(elapsedMs(start), 2500);
+}
+
+TEST(CommStore, ClientsMayStartBeforeTheServer) {
+  const int port = closedPort();
+  std::unique_ptr<TcpStore> server;
+  std::thread later([&] {
+    std::this_thread::sleep_for(milliseconds(300));
+    TcpStoreOptions o = serverOptions();
+    o.port = port;
+    server = std::make_unique<TcpStore>(o);
+    server->set("up", bytes("1"));
+  });
+  TcpStore client(clientOptions(port));
+  EXPECT_EQ(text(client.get("up")), "1");
+  later.join();
+}
+
+TEST(CommStore, PortInUseIsAConfigErrorNamingIt) {
+  TcpStore first(serverOptions());
+  TcpStoreOptions o = serverOptions();
+  o.port = first.port();
+  try {
+    TcpStore second(o);
+    ADD_FAILURE() << "two servers on one port";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(first.port())), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CommStore, AnotherJobsTokenIsRefused) {
+  TcpStore server(serverOptions());
+  TcpStoreOptions o = clientOptions(server.port());
+  o.token = "job-2";
+  EXPECT_THROW(TcpStore client(o), ConfigError);
+}
+
+// The server listens on the master address only (here loopback), not on every interface.
+TEST(CommStore, ServerListensOnTheMasterAddressOnly) {
+  TcpStore server(serverOptions());
+  std::ifstream in("/proc/net/tcp");
+  ASSERT_TRUE(in) << "no /proc/net/tcp";
+  const std::string wanted = fmt::format("0100007F:{:04X}", server.port());
+  std::string line;
+  bool found = false;
+  while (std::getline(in, line)) {
+    if (line.find(fmt::format(":{:04X} ", server.port())) == std::string::npos) continue;
+    if (line.find(" 0A ") == std::string::npos) continue;  // LISTEN
+    EXPECT_NE(line.find(wanted), std::string::npos) << line;
+    found = true;
+  }
+  EXPECT_TRUE(found);
+}
+
+TEST(CommStore, FileStoreAndBadOptions) {
+  char dirTemplate[] = "/tmp/caravan-store-XXXXXX";
+  ASSERT_NE(::mkdtemp(dirTemplate), nullptr);
+  StoreOptions so;
+  so.kind = "file";
+  so.filePath = std::string(dirTemplate) + "/store";
+  so.timeout = milliseconds(2000);
+  WorldInfo w;
+  w.worldSize = 2;
+  {
+    auto s0 = makeStore(w, so);
+    w.rank = 1;
+    auto s1 = makeStore(w, so);
+    s0->set("k", bytes("v"));
+    EXPECT_EQ(text(s1->get("k")), "v");
+  }
+  so.filePath = std::string(dirTemplate) + "/no/such/dir/store";
+  EXPECT_THROW(makeStore(w, so), ConfigError);
+  so.kind = "redis";
+  EXPECT_THROW(makeStore(w, so), ConfigError);
+  std::filesystem::remove_all(dirTemplate);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Factory and helpers.
+
+TEST(CommFactory, UnknownBackendIsAConfigError) {
+  WorldInfo w;
+  EXPECT_THROW(makeCommunicator("nccl", w, c10::make_intrusive<c10d::HashStore>(), kOpTimeout),
+               ConfigError);
+}
+
+TEST(CommFactory, MpiInABuildWithoutMpiSaysHowToGetIt) {
+  if (mpiBackendAvailable()) GTEST_SKIP() << "this build has MPI (CommMpi.* test it)";
+  try {
+    makeCommunicator("mpi", WorldInfo{}, {}, kOpTimeout);
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("install libopenmpi-dev"), std::string::npos);
+  }
+}
+
+TEST(CommUtil, FormatRanks) {
+  EXPECT_EQ(comm::formatRanks({}), "no rank");
+  EXPECT_EQ(comm::formatRanks({3}), "rank 3");
+  EXPECT_EQ(comm::formatRanks({1, 2}), "ranks 1, 2");
+  EXPECT_EQ(comm::formatRanks({1, 2, 3}), "ranks 1-3");
+  EXPECT_EQ(comm::formatRanks({0, 2, 5, 6, 7}), "ranks 0, 2, 5-7");
+  EXPECT_TRUE(isLoopbackAddress("127.0.0.1"));
+  EXPECT_TRUE(isLoopbackAddress("localhost"));
+  EXPECT_FALSE(isLoopbackAddress("10.0.0.1"));
+}
+
+#else  // CARAVAN_COMM_MPI_TESTS
+
+// ---------------------------------------------------------------------------------------------
+// MPI: this process is one rank of the mpirun job.
+
+Communicator* gWorld = nullptr;  // set by main() for the life of the test run
+
+class CommMpiCollectives
+    : public ::testing::TestWithParam<std::tuple<int64_t, at::ScalarType>> {};
+
+TEST_P(CommMpiCollectives, MatchExpected) {
+  const auto [n, dt] = GetParam();
+  checkCollectives(*gWorld, n, dt);
+}
+
+INSTANTIATE_TEST_SUITE_P(CommMpi, CommMpiCollectives,
+                         ::testing::Combine(::testing::ValuesIn(kCounts),
+                                            ::testing::Values(at::kFloat, at::kBFloat16)),
+                         [](const auto& info) {
+                           return paramName(0, std::get<0>(info.param), std::get<1>(info.param));
+                         });
+
+TEST(CommMpi, RankAndSizeComeFromMpi) {
+  const WorldInfo world = worldFromEnvironment(processEnvironment());
+  EXPECT_EQ(world.launcher, "openmpi");
+  EXPECT_EQ(gWorld->rank(), world.rank);
+  EXPECT_EQ(gWorld->size(), world.worldSize);
+  auto comm = makeCommunicator("mpi", world, {}, kOpTimeout);
+  EXPECT_EQ(comm->backend(), "mpi");
+  EXPECT_EQ(comm->rank(), world.rank);
+  WorldInfo wrong = world;
+  wrong.worldSize = world.worldSize + 1;
+  EXPECT_THROW(makeCommunicator("mpi", wrong, {}, kOpTimeout), ConfigError);
+  comm->barrier()->wait(kOpTimeout);
+}
+
+TEST(CommMpiFaults, RecvNobodySendsTimesOutNamingThePeer) {
+  // A communicator of its own: the timeout latches it failed.
+  auto comm = makeMpiCommunicator(MpiOptions{kOpTimeout});
+  if (comm->rank() == 0) {
+    const int peer = comm->size() > 1 ? 1 : 0;
+    at::Tensor t = at::zeros({4});
+    const auto start = Clock::now();
+    std::string message;
+    try {
+      comm->recv(t, peer, 999)->wait(milliseconds(500));
+    } catch (const PeerError& e) {
+      message = e.what();
+    }
+    EXPECT_NE(message.find(fmt::format("rank {}", peer)), std::string::npos) << message;
+    EXPECT_GE(elapsedMs(start), 450);
+    EXPECT_LT(elapsedMs(start), 2500);
+    EXPECT_THROW(comm->barrier()->wait(kOpTimeout), PeerError);  // latched
+    EXPECT_TRUE(at::equal(t, at::zeros({4})));  // the cancelled recv wrote nothing
+  }
+  gWorld->barrier()->wait(kOpTimeout);
+}
+
+// Only rank 0 prints the usual gtest output; the others report failures, prefixed.
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed()) {
+      fmt::print(stderr, "[rank {}] {}:{}: {}\n", rank_, r.file_name() ? r.file_name() : "?",
+                 r.line_number(), r.summary());
+    }
+  }
+
+ private:
+  int rank_;
+};
+
+#endif  // CARAVAN_COMM_MPI_TESTS
+
+}  // namespace
+}  // namespace caravan
+
+#ifdef CARAVAN_COMM_MPI_TESTS
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  auto world = caravan::makeMpiCommunicator(caravan::MpiOptions{caravan::kOpTimeout});
+  caravan::gWorld = world.get();
+  if (world->rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new caravan::FailurePrinter(world->rank()));
+  }
+  const int rc = RUN_ALL_TESTS();
+  world->barrier()->wait(caravan::kOpTimeout);
+  caravan::gWorld = nullptr;
+  world.reset();
+  // CommMpiFaults recovered from a PeerError, after which exit would skip MPI_Finalize.
+  caravan::finalizeMpi();
+  return rc;
+}
+#endif
