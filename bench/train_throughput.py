@@ -41,6 +41,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--configs", nargs="+", default=[c for c, _ in CASES],
+                   help="which configs to measure (default: all)")
     p.add_argument("--json", help="write all measurements here")
     a = p.parse_args()
     if not os.path.exists(BENCH):
@@ -55,6 +57,8 @@ def main():
 
     rows, raw = [], []
     for config, steps in CASES:
+        if config not in a.configs:
+            continue
         for t in a.threads:
             ours, theirs, flops = [], [], 0.0
             for _ in range(a.repeats):  # interleaved: caravan, pytorch, caravan, pytorch, ...
