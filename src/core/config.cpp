@@ -88,6 +88,27 @@ std::vector<ConfigOption> buildSchema() {
       intOpt("train.threads", 0, 0, 1024,
              "intra-op compute threads (0 = LibTorch's default: all cores)"),
 
+      strOpt("dist.backend", "gloo",
+             "communicator for multi-worker runs: gloo (c10d) or mpi (Open MPI)", {"gloo", "mpi"}),
+      strOpt("dist.store", "tcp",
+             "rendezvous store: tcp (on rank 0, MASTER_ADDR:MASTER_PORT) or file (shared "
+             "filesystem)",
+             {"tcp", "file"}),
+      strOpt("dist.store_path", "", "file store: path on a filesystem all ranks share "
+                                    "(empty = RUN_DIR/rendezvous)"),
+
+      strOpt("sync.mode", "allreduce", "how workers synchronize (multi-worker runs)",
+             {"allreduce"}),
+      floatOpt("sync.bucket_mb", 25.0, 0.0, 1e6, "allreduce: gradient bucket size cap (MiB)",
+               true),
+      floatOpt("sync.first_bucket_mb", 1.0, 0.0, 1e6,
+               "allreduce: first bucket cap (MiB); small so communication starts early", true),
+
+      floatOpt("fault.timeout", 60.0, 0.0, 1e6,
+               "seconds any rank waits for a peer (rendezvous, collectives) before failing "
+               "with the peer's rank",
+               true),
+
       intOpt("checkpoint.every", 0, 0, kMaxInt, "checkpoint every N steps (0 = only at the end)"),
       intOpt("checkpoint.keep", 3, 1, 1000, "checkpoints kept in RUN_DIR/checkpoints"),
   };

@@ -22,6 +22,7 @@ enum class ExitCode : int {
   kCheckpoint = 4,
   kIo = 5,
   kNonFinite = 6,
+  kPeer = 7,
   kWorkerFailed = 8,  // a local worker process (caravan train --workers N) failed
   kInterrupted = 130,
 };

@@ -4,7 +4,9 @@
 #include <torch/torch.h>
 
 #include "core/errors.h"
+#include "comm/communicator.h"
 #include "data/loader.h"
+#include "sync/strategy.h"
 
 namespace caravan {
 
@@ -17,12 +19,17 @@ at::Tensor taskLoss(TaskKind task, const at::Tensor& output, const at::Tensor& t
 }
 
 StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
-                     double gradClip) {
+                     double gradClip, Strategy* strategy, int64_t step) {
   optimizer.zero_grad();
+  if (strategy != nullptr) strategy->beforeForward(step);
+  StepResult result;
   at::Tensor output = model->forward(batch.input);
   at::Tensor loss = taskLoss(model->task(), output, batch.target);
+  result.forwardEnd = std::chrono::steady_clock::now();
   loss.backward();
-  StepResult result;
+  result.backwardEnd = std::chrono::steady_clock::now();
+  if (strategy != nullptr) strategy->finishGradients();
+  result.syncEnd = std::chrono::steady_clock::now();
   if (gradClip > 0.0) {
     result.gradNorm = torch::nn::utils::clip_grad_norm_(model->parameters(), gradClip);
   }
@@ -32,7 +39,7 @@ StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, cons
 }
 
 EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize,
-                    int64_t maxBatches) {
+                    int64_t maxBatches, Communicator* comm) {
   const bool wasTraining = model->is_training();
   model->eval();
   torch::NoGradGuard noGrad;
@@ -40,9 +47,13 @@ EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize
   double lossSum = 0.0;
   int64_t correct = 0;
   int64_t counted = 0;  // examples, or tokens for language models
-  int64_t done = 0;
+  const int rank = comm != nullptr ? comm->rank() : 0;
+  const int world = comm != nullptr ? comm->size() : 1;
+  int64_t index = -1;
   for (const auto& indices : sequentialBatches(dataset.size(), batchSize)) {
-    if (maxBatches > 0 && done++ >= maxBatches) break;
+    ++index;
+    if (maxBatches > 0 && index >= maxBatches) break;
+    if (index % world != rank) continue;
     Batch b = dataset.get(indices);
     at::Tensor out = model->forward(b.input);
     at::Tensor loss = taskLoss(model->task(), out, b.target);
@@ -53,6 +64,16 @@ EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize
     r.examples += b.size();
   }
   if (wasTraining) model->train();
+  if (comm != nullptr) {
+    at::Tensor sums = torch::tensor({lossSum}, at::kFloat);
+    at::Tensor counts = torch::tensor({correct, counted, r.examples}, at::kLong);
+    comm->allreduce(sums, ReduceOp::kSum)->wait(comm->timeout());
+    comm->allreduce(counts, ReduceOp::kSum)->wait(comm->timeout());
+    lossSum = sums[0].item<double>();
+    correct = counts[0].item<int64_t>();
+    counted = counts[1].item<int64_t>();
+    r.examples = counts[2].item<int64_t>();
+  }
   CARAVAN_CHECK(counted > 0, "empty evaluation set");
   r.loss = lossSum / static_cast<double>(counted);
   r.accuracy = static_cast<double>(correct) / static_cast<double>(counted);

@@ -2,6 +2,7 @@
 // tests, so that what is measured and tested is what `caravan train` runs.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 
 #include <ATen/ATen.h>
@@ -24,12 +25,16 @@ at::Tensor taskLoss(TaskKind task, const at::Tensor& output, const at::Tensor& t
 struct StepResult {
   double loss = 0.0;      // the mini-batch loss before the update
   double gradNorm = 0.0;  // global L2 norm of the gradient (before clipping); 0 if not computed
+  // When each phase ended, for the timeline: forward, backward, gradient synchronization.
+  std::chrono::steady_clock::time_point forwardEnd, backwardEnd, syncEnd;
 };
 
-// zero_grad, forward, loss, backward, optional clipping (gradClip > 0), optimizer step.
-// The optimizer's learning rate must already be set.
+class Strategy;
+
+// zero_grad, forward, loss, backward, the strategy's gradient synchronization (if any),
+// optional clipping (gradClip > 0), optimizer step. The learning rate must already be set.
 StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
-                     double gradClip);
+                     double gradClip, Strategy* strategy = nullptr, int64_t step = 0);
 
 struct EvalResult {
   double loss = 0.0;      // mean per example (per token for language models)
@@ -37,9 +42,12 @@ struct EvalResult {
   int64_t examples = 0;
 };
 
+class Communicator;
+
 // Evaluates in eval mode without gradients over the first `maxBatches` batches (0 = all) of
-// `dataset` in order; restores the model's training mode.
+// `dataset` in order; restores the model's training mode. With a communicator, rank r takes
+// batches r, r+W, ... and the totals are summed over ranks (every rank gets the result).
 EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize,
-                    int64_t maxBatches);
+                    int64_t maxBatches, Communicator* comm = nullptr);
 
 }  // namespace caravan

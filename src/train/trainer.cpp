@@ -15,6 +15,8 @@
 #include "data/loader.h"
 #include "models/model.h"
 #include "train/checkpoint.h"
+#include "train/distributed.h"
+#include "train/timeline.h"
 #include "train/metrics.h"
 #include "train/setup.h"
 #include "train/step.h"
@@ -73,6 +75,12 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   }
 
   applyThreadConfig(config);
+  // Rendezvous after the checks above and before rank 0 writes anything, so every rank has
+  // seen the run directory as it was.
+  std::unique_ptr<Distributed> dist;
+  if (options.world.worldSize > 1) dist = std::make_unique<Distributed>(config, options);
+  Communicator* comm = dist ? dist->comm.get() : nullptr;
+  const bool isRoot = options.world.rank == 0;
   DatasetSplits data = makeDatasets(config);
   const DataShape shape = data.train->shape();
 
@@ -84,6 +92,8 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   samplerOptions.datasetSize = data.train->size();
   samplerOptions.batchSize = config.i64("data.batch_size");
   samplerOptions.seed = static_cast<uint64_t>(config.i64("seed.data"));
+  samplerOptions.rank = options.world.rank;
+  samplerOptions.worldSize = options.world.worldSize;
   Loader loader(data.train, samplerOptions, config.i64("data.prefetch"));
   const int64_t perEpoch = loader.batchesPerEpoch();
   const int64_t totalSteps = config.i64("train.max_steps") > 0
@@ -103,22 +113,33 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   } else {
     torch::manual_seed(static_cast<uint64_t>(config.i64("seed.dropout")));
   }
-  writeFileAtomic((fs::path(options.runDir) / "config.toml").string(), config.toToml());
-  MetricsSink metrics(metricsPath, resumeFrom ? state.step : -1);
+  Strategy* strategy = nullptr;
+  if (dist) strategy = dist->attach(*model);
+  Timeline timeline(options.tracePath, options.world.rank);
+  if (dist && !options.tracePath.empty()) dist->traceTo(timeline);
+
+  std::unique_ptr<MetricsSink> metrics;
+  if (isRoot) {
+    writeFileAtomic((fs::path(options.runDir) / "config.toml").string(), config.toToml());
+    metrics = std::make_unique<MetricsSink>(metricsPath, resumeFrom ? state.step : -1);
+  }
 
   const int64_t params = [&] {
     int64_t n = 0;
     for (const auto& p : model->parameters()) n += p.numel();
     return n;
   }();
-  Progress progress(options.terminal, options.tty, options.quiet, totalSteps,
+  Progress progress(options.terminal, options.tty, options.quiet || !isRoot, totalSteps,
                     config.i64("train.log_every"));
   progress.line(fmt::format(
       "caravan: {} ({} blocks, {:.2f}M parameters) on {} ({} train / {} eval examples), "
-      "{} steps of batch {}{}",
+      "{} steps of batch {}{}{}",
       model->modelName(), model->numBlocks(), static_cast<double>(params) / 1e6,
       data.train->name(), data.train->size(), data.test->size(), totalSteps,
       samplerOptions.batchSize,
+      dist ? fmt::format(" per worker x {} workers ({})", options.world.worldSize,
+                         comm->backend())
+           : "",
       resumeFrom ? fmt::format(", resuming at step {} from {}", state.step, *resumeFrom) : ""));
 
   const Clock::time_point start = Clock::now();
@@ -135,11 +156,11 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   int64_t lastEvalStep = -1;
   int64_t epoch = state.position.epoch + 1;  // 1-based epoch of the latest step
   auto runEval = [&] {
-    EvalResult r = evaluate(model, *data.test, evalBatchSize, evalBatches);
+    EvalResult r = evaluate(model, *data.test, evalBatchSize, evalBatches, comm);
     nlohmann::json rec = {{"kind", "eval"}, {"step", state.step}, {"epoch", epoch},
                           {"loss", r.loss}, {"accuracy", r.accuracy},
                           {"examples", r.examples}, {"time_s", trainSeconds()}};
-    metrics.write(rec);
+    if (metrics) metrics->write(rec);
     progress.line(fmt::format("eval  step {} epoch {}: loss {:.4f} accuracy {:.2f}%", state.step,
                               epoch, r.loss, 100.0 * r.accuracy));
     summary.evalLoss = r.loss;
@@ -149,7 +170,11 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   auto writeCheckpoint = [&] {
     state.rngState = defaultRngState();
     state.elapsedSeconds = trainSeconds();
-    summary.lastCheckpoint = checkpoints.save(*model, *optimizer, state);
+    if (isRoot) {
+      summary.lastCheckpoint = checkpoints.save(*model, *optimizer, state);
+    } else {
+      summary.lastCheckpoint = checkpoints.pathFor(state.step);
+    }
   };
 
   model->train();
@@ -161,7 +186,22 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
     epoch = lb.position.epoch + 1;
     const double lr = learningRate(schedule, state.step);
     setLearningRate(*optimizer, lr);
-    StepResult r = trainStep(model, *optimizer, lb.batch, gradClip);
+    const auto stepStart = Clock::now();
+    StepResult r = trainStep(model, *optimizer, lb.batch, gradClip, strategy, state.step);
+    timeline.complete("forward", stepStart, r.forwardEnd);
+    timeline.complete("backward", r.forwardEnd, r.backwardEnd);
+    if (strategy != nullptr) timeline.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
+    timeline.complete("optimizer", r.syncEnd, Clock::now());
+    bool interrupted = (options.stopAtStep > 0 && state.step + 1 >= options.stopAtStep) ||
+                       (options.stopRequested != nullptr && options.stopRequested->load());
+    bool timeUp = maxSeconds > 0 && trainSeconds() >= maxSeconds;
+    if (dist) {
+      // One small all-reduce: the mean loss over ranks, and whether any rank must stop.
+      Agreement a = dist->agree(r.loss, interrupted, timeUp);
+      r.loss = a.meanLoss;
+      interrupted = a.interrupted;
+      timeUp = a.timeUp;
+    }
     if (!std::isfinite(r.loss)) {
       throw NonFiniteError(fmt::format(
           "loss became {} at step {} (epoch {}); the last good checkpoint is {}; lower optim.lr "
@@ -172,12 +212,12 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
     ++state.step;
     state.position = nextPosition(lb.position, perEpoch);
     lastLoss = r.loss;
-    windowSamples += static_cast<double>(lb.batch.size());
+    windowSamples += static_cast<double>(lb.batch.size() * options.world.worldSize);
     const double windowS = secondsSince(windowStart);
     const double samplesPerS = windowS > 0 ? windowSamples / windowS : 0.0;
     progress.update(state.step, epoch, r.loss, lr, samplesPerS);
     if (state.step % logEvery == 0 || state.step == totalSteps) {
-      metrics.write({{"kind", "train"}, {"step", state.step}, {"epoch", epoch},
+      if (metrics) metrics->write({{"kind", "train"}, {"step", state.step}, {"epoch", epoch},
                      {"loss", r.loss}, {"lr", lr}, {"samples_per_s", samplesPerS},
                      {"time_s", trainSeconds()}});
       windowSamples = 0.0;
@@ -187,9 +227,6 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
     if ((evalEvery > 0 && state.step % evalEvery == 0) || (evalEvery == 0 && epochEnd)) {
       runEval();
     }
-    const bool interrupted = (options.stopAtStep > 0 && state.step >= options.stopAtStep) ||
-                             (options.stopRequested != nullptr && options.stopRequested->load());
-    const bool timeUp = maxSeconds > 0 && trainSeconds() >= maxSeconds;
     if ((interrupted || timeUp) && state.step < totalSteps) {
       // Time up is a normal end (evaluate, export); an interruption only checkpoints.
       summary.stoppedEarly = !timeUp;
@@ -209,8 +246,11 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   summary.trainSeconds = trainSeconds();
   summary.samplesPerSecond =
       summary.trainSeconds > 0
-          ? static_cast<double>(state.step * samplerOptions.batchSize) / summary.trainSeconds
+          ? static_cast<double>(state.step * samplerOptions.batchSize * options.world.worldSize) /
+                summary.trainSeconds
           : 0.0;
+  timeline.flush();
+  if (!isRoot) return summary;
   if (!summary.stoppedEarly) {
     exportStateDict((fs::path(options.runDir) / "model.pt").string(), *model);
   }

@@ -1,6 +1,10 @@
 // The single-worker training loop: data -> model blocks -> loss -> backward -> optimizer,
 // with evaluation, metrics, progress, checkpoints and exact resume.
 //
+// Data-parallel runs (world size > 1): every rank runs this loop on its shard of each epoch;
+// the strategy (sync.mode) averages gradients; rank 0 alone writes the run directory and the
+// terminal. Ranks agree every step on the reported loss and on stopping (signal, time limit),
+// so they always leave the loop at the same step.
 // A run directory holds: config.toml (the resolved config), metrics.jsonl, checkpoints/,
 // model.pt (final weights for Python's torch.load) and summary.json.
 // Threading: run() is called once, from one thread; the loader uses one background thread.
@@ -11,6 +15,7 @@
 #include <cstdio>
 #include <string>
 
+#include "comm/world.h"
 #include "core/config.h"
 
 namespace caravan {
@@ -24,6 +29,8 @@ struct TrainerOptions {
   std::FILE* terminal = stderr;       // progress and summary
   bool tty = false;                   // draw a progress bar instead of periodic lines
   bool quiet = false;                 // print nothing (metrics are still written)
+  WorldInfo world;                    // this process's rank; a world > 1 trains data-parallel
+  std::string tracePath;              // non-empty: write a Chrome-trace timeline here
 };
 
 struct TrainSummary {

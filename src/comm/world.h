@@ -1,0 +1,37 @@
+// Who this process is in a job: rank, world size and where the rendezvous store lives, read
+// from the environment of whichever launcher started it (caravan's own, torchrun, Slurm or
+// Open MPI). Pure functions of an environment map, so every launcher is unit-testable.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace caravan {
+
+struct WorldInfo {
+  int rank = 0;
+  int worldSize = 1;
+  int localRank = 0;
+  std::string masterAddr = "127.0.0.1";
+  int masterPort = 29500;
+  std::string launcher = "none";  // none | caravan | torchrun | slurm | openmpi
+};
+
+using Environment = std::map<std::string, std::string>;
+
+// The current process environment as a map.
+Environment processEnvironment();
+
+// Reads the launcher variables, in this order of precedence: torchrun-style RANK/WORLD_SIZE
+// (also what `caravan train --workers N` sets), Open MPI's OMPI_COMM_WORLD_*, Slurm's
+// SLURM_PROCID/SLURM_NTASKS (master = first host of SLURM_STEP_NODELIST/SLURM_NODELIST unless
+// MASTER_ADDR is set). No variables: a world of one. Throws ConfigError for inconsistent or
+// malformed values (rank outside the world, non-numeric sizes, a port outside 1..65535).
+WorldInfo worldFromEnvironment(const Environment& env);
+
+// The first host of a Slurm node list: "node[03-05,7],gpu1" -> "node03".
+std::string firstSlurmHost(const std::string& nodeList);
+
+}  // namespace caravan

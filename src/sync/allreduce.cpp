@@ -1,0 +1,152 @@
+// BSP all-reduce with gradient buckets (see allreduce.h).
+#include "sync/allreduce.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include "core/errors.h"
+
+namespace caravan {
+
+using Clock = std::chrono::steady_clock;
+
+AllReduceStrategy::AllReduceStrategy(std::shared_ptr<Communicator> comm, AllReduceOptions options)
+    : comm_(std::move(comm)), options_(options) {
+  CARAVAN_CHECK(comm_ != nullptr, "allreduce needs a communicator");
+}
+
+AllReduceStrategy::~AllReduceStrategy() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hookKeys_[i]);
+}
+
+void AllReduceStrategy::attach(torch::nn::Module& model) {
+  std::vector<at::Tensor> params;
+  for (auto& p : model.parameters()) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  // Rank 0's initial parameters (and buffers) everywhere.
+  {
+    torch::NoGradGuard noGrad;
+    for (auto& p : params) comm_->broadcast(p.data(), 0)->wait(comm_->timeout());
+    for (auto& b : model.buffers()) {
+      if (b.is_floating_point()) comm_->broadcast(b, 0)->wait(comm_->timeout());
+    }
+  }
+  // Buckets in reverse registration order: backward produces the last block's gradients first.
+  slots_.clear();
+  buckets_.clear();
+  int64_t bucketBytes = 0;
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    CARAVAN_CHECK(it->scalar_type() == at::kFloat, "allreduce supports float32 parameters");
+    const int64_t bytes = it->numel() * static_cast<int64_t>(it->element_size());
+    const int64_t cap = buckets_.size() <= 1 ? options_.firstBucketBytes : options_.bucketBytes;
+    if (buckets_.empty() || (bucketBytes > 0 && bucketBytes + bytes > cap)) {
+      buckets_.emplace_back();
+      bucketBytes = 0;
+    }
+    Bucket& b = buckets_.back();
+    Slot s;
+    s.param = *it;
+    s.numel = it->numel();
+    s.offset = 0;
+    for (size_t j : b.slots) s.offset += slots_[j].numel;
+    b.slots.push_back(slots_.size());
+    slotBucket_.push_back(buckets_.size() - 1);
+    slots_.push_back(s);
+    bucketBytes += bytes;
+  }
+  for (auto& b : buckets_) {
+    int64_t n = 0;
+    for (size_t j : b.slots) n += slots_[j].numel;
+    b.buffer = at::zeros({n}, at::kFloat);
+    b.pending = static_cast<int64_t>(b.slots.size());
+  }
+  // A post hook on each parameter's gradient accumulator fires once its .grad is final for
+  // this backward pass.
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(slots_[i].param);
+    auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs,
+                  const torch::autograd::variable_list&) {
+          onGradReady(i);
+          return outputs;
+        }));
+    accumulators_.push_back(acc);
+    hookKeys_.push_back(key);
+  }
+}
+
+void AllReduceStrategy::beforeForward(int64_t) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& s : slots_) s.ready = false;
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int64_t>(b.slots.size());
+    b.work.reset();
+  }
+  nextLaunch_ = 0;
+}
+
+void AllReduceStrategy::onGradReady(size_t i) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Slot& s = slots_[i];
+  if (s.ready) return;  // a second backward in one step would double count: ignore
+  Bucket& b = buckets_[slotBucket_[i]];
+  at::Tensor grad = s.param.grad();
+  at::Tensor dst = b.buffer.narrow(0, s.offset, s.numel);
+  if (grad.defined()) {
+    dst.copy_(grad.reshape({-1}));
+  } else {
+    dst.zero_();
+  }
+  s.ready = true;
+  --b.pending;
+  launchReadyInOrder();
+}
+
+void AllReduceStrategy::launchReadyInOrder() {
+  while (nextLaunch_ < buckets_.size() && buckets_[nextLaunch_].pending == 0) {
+    Bucket& b = buckets_[nextLaunch_];
+    b.launchedAt = Clock::now();
+    b.work = comm_->allreduce(b.buffer, ReduceOp::kSum);
+    ++nextLaunch_;
+  }
+}
+
+void AllReduceStrategy::finishGradients() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Parameters without a gradient this step contribute zeros.
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      if (slots_[i].ready) continue;
+      Bucket& b = buckets_[slotBucket_[i]];
+      b.buffer.narrow(0, slots_[i].offset, slots_[i].numel).zero_();
+      slots_[i].ready = true;
+      --b.pending;
+    }
+    launchReadyInOrder();
+  }
+  const auto waitStart = Clock::now();
+  const double scale = 1.0 / static_cast<double>(comm_->size());
+  torch::NoGradGuard noGrad;
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    Bucket& b = buckets_[bi];
+    CARAVAN_CHECK(b.work != nullptr, "bucket {} was never launched", bi);
+    b.work->wait(comm_->timeout());
+    if (sink_) sink_("allreduce bucket " + std::to_string(bi), b.launchedAt, Clock::now());
+    b.buffer.mul_(scale);
+    for (size_t j : b.slots) {
+      Slot& s = slots_[j];
+      at::Tensor avg = b.buffer.narrow(0, s.offset, s.numel).view(s.param.sizes());
+      if (!s.param.grad().defined()) {
+        s.param.mutable_grad() = avg.clone();
+      } else {
+        s.param.mutable_grad().copy_(avg);
+      }
+    }
+  }
+  lastWaitSeconds_ = std::chrono::duration<double>(Clock::now() - waitStart).count();
+}
+
+}  // namespace caravan

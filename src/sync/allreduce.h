@@ -1,0 +1,91 @@
+// BSP all-reduce (DDP-style): gradients are grouped into buckets in reverse registration order
+// (the order backward produces them); a bucket's all-reduce starts as soon as its last
+// gradient is ready during backward, so communication overlaps the rest of backward.
+// finishGradients() waits for all buckets and writes the averaged gradients back to .grad.
+//
+// Parameters that received no gradient in a step contribute zeros; their buckets are launched
+// in finishGradients(). Buckets are always launched in index order on every rank (a bucket
+// whose predecessor is not launched yet waits for it), so collectives match across ranks
+// without any flag or extra round trip. The reduction order is fixed by the bucket layout and
+// the backend's algorithm, so reruns with the same world size are bitwise identical.
+//
+// Threading: the gradient hooks run on autograd's thread and only enqueue launches under a
+// mutex; attach/finishGradients run on the trainer thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "comm/communicator.h"
+#include "sync/strategy.h"
+
+namespace torch {
+namespace autograd {
+struct Node;
+}
+}  // namespace torch
+
+namespace caravan {
+
+struct AllReduceOptions {
+  int64_t firstBucketBytes = 1 << 20;  // small first bucket: starts communication early
+  int64_t bucketBytes = 25 << 20;      // later buckets, capped by bytes
+};
+
+// Timeline callback: (name, start, end) of each bucket's communication, for --trace.
+using CommEventSink = std::function<void(const std::string& name,
+                                         std::chrono::steady_clock::time_point start,
+                                         std::chrono::steady_clock::time_point end)>;
+
+class AllReduceStrategy : public Strategy {
+ public:
+  AllReduceStrategy(std::shared_ptr<Communicator> comm, AllReduceOptions options);
+  ~AllReduceStrategy() override;
+  std::string name() const override { return "allreduce"; }
+  void attach(torch::nn::Module& model) override;
+  void beforeForward(int64_t step) override;
+  void finishGradients() override;
+
+  size_t numBuckets() const { return buckets_.size(); }
+  void setEventSink(CommEventSink sink) { sink_ = std::move(sink); }
+  // Seconds spent in finishGradients waiting for communication in the last step.
+  double lastWaitSeconds() const { return lastWaitSeconds_; }
+
+ private:
+  struct Slot {
+    at::Tensor param;
+    int64_t offset = 0;  // elements into the bucket buffer
+    int64_t numel = 0;
+    bool ready = false;
+  };
+  struct Bucket {
+    std::vector<size_t> slots;  // indices into slots_
+    at::Tensor buffer;          // flat float32, sum of the bucket's numel
+    int64_t pending = 0;        // slots not ready yet this step
+    WorkPtr work;
+    std::chrono::steady_clock::time_point launchedAt;
+  };
+
+  void onGradReady(size_t slot);
+  void launchReadyInOrder();  // requires mutex_
+
+  std::shared_ptr<Communicator> comm_;
+  AllReduceOptions options_;
+  std::vector<Slot> slots_;
+  std::vector<size_t> slotBucket_;
+  std::vector<Bucket> buckets_;
+  size_t nextLaunch_ = 0;
+  std::mutex mutex_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hookKeys_;
+  CommEventSink sink_;
+  double lastWaitSeconds_ = 0.0;
+};
+
+}  // namespace caravan

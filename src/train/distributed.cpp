@@ -1,0 +1,58 @@
+// Rendezvous, communicator and strategy for a data-parallel run (see distributed.h).
+#include "train/distributed.h"
+
+#include <filesystem>
+
+#include <torch/torch.h>
+
+#include "comm/factory.h"
+#include "comm/store.h"
+#include "sync/allreduce.h"
+#include "train/timeline.h"
+
+namespace caravan {
+
+Distributed::Distributed(const Config& config, const TrainerOptions& options) : config_(config) {
+  const auto timeout = std::chrono::milliseconds(
+      static_cast<int64_t>(config.f64("fault.timeout") * 1000.0));
+  StoreOptions so;
+  so.kind = config.str("dist.store");
+  so.filePath = config.str("dist.store_path").empty()
+                    ? (std::filesystem::path(options.runDir) / "rendezvous").string()
+                    : config.str("dist.store_path");
+  so.timeout = timeout;
+  auto store = makeStore(options.world, so);
+  comm = makeCommunicator(config.str("dist.backend"), options.world, store, timeout);
+}
+
+Distributed::~Distributed() = default;
+
+Strategy* Distributed::attach(torch::nn::Module& model) {
+  AllReduceOptions o;
+  o.bucketBytes = static_cast<int64_t>(config_.f64("sync.bucket_mb") * (1 << 20));
+  o.firstBucketBytes = static_cast<int64_t>(config_.f64("sync.first_bucket_mb") * (1 << 20));
+  strategy_ = std::make_unique<AllReduceStrategy>(comm, o);
+  strategy_->attach(model);
+  return strategy_.get();
+}
+
+void Distributed::traceTo(Timeline& timeline) {
+  strategy_->setEventSink([&timeline](const std::string& name,
+                                      std::chrono::steady_clock::time_point start,
+                                      std::chrono::steady_clock::time_point end) {
+    timeline.complete(name, start, end, /*track=*/1);
+  });
+}
+
+Agreement Distributed::agree(double loss, bool interrupted, bool timeUp) {
+  at::Tensor t = torch::tensor({static_cast<float>(loss), interrupted ? 1.0f : 0.0f,
+                                timeUp ? 1.0f : 0.0f});
+  comm->allreduce(t, ReduceOp::kSum)->wait(comm->timeout());
+  Agreement a;
+  a.meanLoss = t[0].item<double>() / comm->size();
+  a.interrupted = t[1].item<float>() > 0;
+  a.timeUp = t[2].item<float>() > 0;
+  return a;
+}
+
+}  // namespace caravan

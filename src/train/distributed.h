@@ -1,0 +1,51 @@
+// The distributed side of a training run: rendezvous, the communicator, the synchronization
+// strategy from sync.mode, and the per-step agreement between ranks (mean loss, stop flags).
+//
+// Threading: created and used by the trainer thread.
+#pragma once
+
+#include <memory>
+
+#include "comm/communicator.h"
+#include "core/config.h"
+#include "sync/strategy.h"
+#include "train/trainer.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}
+}  // namespace torch
+
+namespace caravan {
+
+class AllReduceStrategy;
+class Timeline;
+
+struct Agreement {
+  double meanLoss = 0.0;
+  bool interrupted = false;  // some rank was asked to stop (signal, --stop-at-step)
+  bool timeUp = false;       // some rank reached train.max_minutes
+};
+
+class Distributed {
+ public:
+  // Connects to the job's store and builds the communicator (dist.backend); throws PeerError
+  // naming the master address when rendezvous fails within fault.timeout.
+  Distributed(const Config& config, const TrainerOptions& options);
+  ~Distributed();
+
+  // Builds the strategy, broadcasts rank 0's parameters. Returns the strategy for trainStep.
+  Strategy* attach(torch::nn::Module& model);
+  // Records each bucket's communication on the timeline's communication track.
+  void traceTo(Timeline& timeline);
+  Agreement agree(double loss, bool interrupted, bool timeUp);
+
+  std::shared_ptr<Communicator> comm;
+
+ private:
+  const Config& config_;
+  std::unique_ptr<AllReduceStrategy> strategy_;
+};
+
+}  // namespace caravan
