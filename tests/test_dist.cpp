@@ -11,6 +11,7 @@
 
 #include <filesystem>
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include "core/config.h"
@@ -130,4 +131,35 @@ TEST(DistDeterminism, RerunsAreBitwiseIdentical) {
   ASSERT_EQ(runRanks(3, tmp / "b", o), std::vector<int>(3, 0));
   auto a = finalParams(tmp / "a", o), b = finalParams(tmp / "b", o);
   for (const auto& [name, t] : a) EXPECT_TRUE(at::equal(t, b.at(name))) << name;
+}
+
+TEST(DistTrace, EachRankWritesAChromeTrace) {
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                        "train.max_steps=3", "sync.first_bucket_mb=0.001",
+                        "sync.bucket_mb=0.01"});
+  const int port = freePort();
+  std::string script;
+  for (int r = 0; r < 2; ++r) {
+    script += "RANK=" + std::to_string(r) + " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+              std::to_string(port) + " timeout 120 " + CARAVAN_BINARY +
+              " train -q --trace --config /dev/null" + setArgs(o) + " --run-dir " + (tmp / "run") +
+              " & ";
+  }
+  script += "wait";
+  ASSERT_EQ(std::system(("bash -c '" + script + "'").c_str()), 0);
+  for (int r = 0; r < 2; ++r) {
+    auto j = nlohmann::json::parse(test::readFile(tmp / ("run/trace-rank" + std::to_string(r) + ".json")));
+    std::map<std::string, int> names;
+    for (const auto& e : j["traceEvents"]) {
+      if (e["ph"] == "X") {
+        ++names[e["name"].get<std::string>().substr(0, 16)];
+        EXPECT_GE(e["dur"].get<double>(), 0.0);
+        EXPECT_EQ(e["pid"].get<int>(), r);
+      }
+    }
+    EXPECT_EQ(names["forward"], 3);
+    EXPECT_EQ(names["backward"], 3);
+    EXPECT_GE(names["allreduce bucket"], 3 * 2) << "expected at least 2 buckets per step";
+  }
 }

@@ -62,7 +62,8 @@ Config loadTrainConfig(const std::string& configPath, const std::vector<std::str
 }
 
 int runTrain(const std::string& configPath, const std::vector<std::string>& overrides,
-             std::string runDir, const std::string& resumeDir, int64_t stopAtStep, bool quiet) {
+             std::string runDir, const std::string& resumeDir, int64_t stopAtStep, bool quiet,
+             bool trace) {
   TrainerOptions options;
   const Config config = loadTrainConfig(configPath, overrides, resumeDir);
   if (!resumeDir.empty()) {
@@ -75,6 +76,10 @@ int runTrain(const std::string& configPath, const std::vector<std::string>& over
   // mpirun; none of them: a world of one.
   options.world = worldFromEnvironment(processEnvironment());
   options.stopAtStep = stopAtStep;
+  if (trace) {
+    options.tracePath = (fs::path(options.runDir) /
+                         fmt::format("trace-rank{}.json", options.world.rank)).string();
+  }
   options.stopRequested = &gStopRequested;
   options.terminal = stderr;
   options.tty = isatty(STDERR_FILENO) != 0;
@@ -191,6 +196,10 @@ int main(int argc, char** argv) {
                     "stop after step N with a checkpoint, as if interrupted; --resume continues")
       ->check(CLI::NonNegativeNumber);
   train->add_flag("--quiet,-q", quiet, "print nothing to the terminal (metrics are still written)");
+  bool trace = false;
+  train->add_flag("--trace", trace,
+                  "write RUN_DIR/trace-rank<r>.json, a Chrome-trace timeline (forward, backward, "
+                  "each gradient bucket's communication, waits) for Perfetto or chrome://tracing");
   auto* workersOption =
       train->add_option("--workers", workers,
                         "spawn N local worker processes (data parallel); under "
@@ -229,7 +238,7 @@ int main(int argc, char** argv) {
     if (*train && workersOption->count() > 0) {
       return launchTrain(argc, argv, workers, configPath, overrides, runDir, resumeDir);
     }
-    if (*train) return runTrain(configPath, overrides, runDir, resumeDir, stopAtStep, quiet);
+    if (*train) return runTrain(configPath, overrides, runDir, resumeDir, stopAtStep, quiet, trace);
     if (*eval) return runEval(runDir, checkpoint, overrides);
     if (*config) {
       if (schema) {
