@@ -121,6 +121,31 @@ TEST_P(DistEquivalence, GlooMatchesSingleWorkerWithWTimesBatch) {
   EXPECT_LE(diff, 1e-5);
 }
 
+TEST_P(DistEquivalence, MpiMatchesSingleWorkerWithWTimesBatch) {
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "mpirun not installed (bash scripts/setup.sh installs openmpi-bin)";
+  }
+  const int world = GetParam();
+  const int perWorker = 8;
+  TempDir tmp;
+  auto model = std::vector<std::string>{"model.name=cnn", "model.width=4",
+                                        "sync.first_bucket_mb=0.001", "sync.bucket_mb=0.01"};
+  auto single = with(with(kBase, model), {"data.batch_size=" + std::to_string(world * perWorker)});
+  auto multi = with(with(kBase, model), {"data.batch_size=" + std::to_string(perWorker),
+                                         "dist.backend=mpi"});
+  ASSERT_EQ(runRanks(1, tmp / "one", single), std::vector<int>{0});
+  std::string cmd = "cd " + tmp.path() +
+                    " && timeout 300 mpirun --allow-run-as-root --oversubscribe --bind-to none "
+                    "--mca btl self,vader -np " + std::to_string(world) +
+                    " -x OMP_NUM_THREADS=1 " + CARAVAN_BINARY +
+                    " train -q --config /dev/null" + setArgs(multi) + " --run-dir " +
+                    (tmp / "many") + " >" + (tmp / "mpi.log") + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << test::readFile(tmp / "mpi.log");
+  const double diff = maxAbsDiff(finalParams(tmp / "one", single), finalParams(tmp / "many", multi));
+  std::cout << "MPI W=" << world << " max |single - data-parallel| after 20 steps: " << diff << "\n";
+  EXPECT_LE(diff, 1e-5);
+}
+
 INSTANTIATE_TEST_SUITE_P(Workers, DistEquivalence, ::testing::Values(2, 3, 4));
 
 TEST(DistDeterminism, RerunsAreBitwiseIdentical) {

@@ -21,8 +21,11 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
                     ? (std::filesystem::path(options.runDir) / "rendezvous").string()
                     : config.str("dist.store_path");
   so.timeout = timeout;
-  auto store = makeStore(options.world, so);
-  comm = makeCommunicator(config.str("dist.backend"), options.world, store, timeout);
+  const std::string& backend = config.str("dist.backend");
+  // MPI brings its own wire-up (mpirun); only Gloo rendezvouses through the store.
+  c10::intrusive_ptr<c10d::Store> store;
+  if (backend != "mpi") store = makeStore(options.world, so);
+  comm = makeCommunicator(backend, options.world, store, timeout);
 }
 
 Distributed::~Distributed() = default;
