@@ -14,6 +14,7 @@
 #include "train/schedule.h"
 #include "train/setup.h"
 #include "train/step.h"
+#include "train/trainer.h"
 #include "test_util.h"
 
 using namespace caravan;
@@ -121,4 +122,22 @@ TEST(Oracle, CnnSgdNesterovMatchesPyTorch) {
 TEST(Oracle, CnnAdamWWithClippingMatchesPyTorch) {
   compareWithPyTorch({"model.name=cnn", "model.width=16", "optim.name=adamw", "optim.lr=0.002",
                       "optim.weight_decay=0.01", "optim.grad_clip=0.5"});
+}
+
+TEST(Oracle, ExportedModelLoadsInPyTorch) {
+  TempDir tmp;
+  Config c = Config::fromString("", "<export>",
+                                {"data.dataset=synthetic", "data.synthetic_size=64",
+                                 "data.batch_size=8", "train.max_steps=3", "train.threads=1",
+                                 "model.name=resnet-mini", "model.width=4"});
+  TrainerOptions o;
+  o.runDir = tmp / "run";
+  o.quiet = true;
+  train(c, o);
+  // torch.load, then a strict load_state_dict into the PyTorch twin: names and shapes match.
+  std::string cmd = std::string(kPython) + " -c \"import sys, torch; sys.path.insert(0, '" +
+                    CARAVAN_SOURCE_DIR + "/tests/python'); import reference_models as r; "
+                    "sd = torch.load('" + (tmp / "run/model.pt") + "'); "
+                    "m = r.build('resnet-mini', width=4); m.load_state_dict(sd, strict=True)\"";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
 }
