@@ -46,6 +46,11 @@ class Dataset {
   virtual Batch get(const std::vector<int64_t>& indices) const = 0;
 };
 
+// The rows `indices` of `input` and `target` (dimension 0) as one batch; checks each index
+// against the row count. The shared `get` of datasets that hold ready-made tensors.
+Batch selectRows(const at::Tensor& input, const at::Tensor& target,
+                 const std::vector<int64_t>& indices);
+
 // The train and evaluation splits of one dataset.
 struct DatasetSplits {
   std::shared_ptr<const Dataset> train;

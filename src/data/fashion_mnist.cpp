@@ -43,13 +43,7 @@ class FashionMnistDataset : public Dataset {
   }
 
   Batch get(const std::vector<int64_t>& indices) const override {
-    const int64_t n = size();
-    for (int64_t i : indices) CARAVAN_CHECK(i >= 0 && i < n, "index {} of {}", i, n);
-    // index_select reads the indices synchronously; no copy needed.
-    const at::Tensor index =
-        at::from_blob(const_cast<int64_t*>(indices.data()),
-                      {static_cast<int64_t>(indices.size())}, at::TensorOptions(at::kLong));
-    return Batch{images_.index_select(0, index), labels_.index_select(0, index)};
+    return selectRows(images_, labels_, indices);
   }
 
  private:

@@ -57,12 +57,7 @@ class SyntheticDataset : public Dataset {
   int64_t size() const override { return input_.size(0); }
   DataShape shape() const override { return shape_; }
   Batch get(const std::vector<int64_t>& indices) const override {
-    const int64_t n = size();
-    for (int64_t i : indices) CARAVAN_CHECK(i >= 0 && i < n, "index {} of {}", i, n);
-    const at::Tensor index =
-        at::from_blob(const_cast<int64_t*>(indices.data()),
-                      {static_cast<int64_t>(indices.size())}, at::TensorOptions(at::kLong));
-    return Batch{input_.index_select(0, index), target_.index_select(0, index)};
+    return selectRows(input_, target_, indices);
   }
 
  private:

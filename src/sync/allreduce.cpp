@@ -127,7 +127,6 @@ void AllReduceStrategy::finishGradients() {
     }
     launchReadyInOrder();
   }
-  const auto waitStart = Clock::now();
   const double scale = 1.0 / static_cast<double>(comm_->size());
   torch::NoGradGuard noGrad;
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
@@ -146,7 +145,6 @@ void AllReduceStrategy::finishGradients() {
       }
     }
   }
-  lastWaitSeconds_ = std::chrono::duration<double>(Clock::now() - waitStart).count();
 }
 
 }  // namespace caravan

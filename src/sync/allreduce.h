@@ -54,8 +54,6 @@ class AllReduceStrategy : public Strategy {
 
   size_t numBuckets() const { return buckets_.size(); }
   void setEventSink(CommEventSink sink) { sink_ = std::move(sink); }
-  // Seconds spent in finishGradients waiting for communication in the last step.
-  double lastWaitSeconds() const { return lastWaitSeconds_; }
 
  private:
   struct Slot {
@@ -85,7 +83,6 @@ class AllReduceStrategy : public Strategy {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;
   CommEventSink sink_;
-  double lastWaitSeconds_ = 0.0;
 };
 
 }  // namespace caravan
