@@ -3,9 +3,11 @@
 
 #include <filesystem>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "comm/factory.h"
+#include "comm/liveness.h"
 #include "comm/store.h"
 #include "sync/allreduce.h"
 #include "train/timeline.h"
@@ -26,6 +28,27 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
   c10::intrusive_ptr<c10d::Store> store;
   if (backend != "mpi") store = makeStore(options.world, so);
   comm = makeCommunicator(backend, options.world, store, timeout);
+  if (store) {
+    HeartbeatOptions ho;
+    ho.hostsStore = so.kind == "tcp" && options.world.rank == 0;
+    ho.storeAddress = so.kind == "tcp"
+                          ? fmt::format("{}:{}", options.world.masterAddr, options.world.masterPort)
+                          : so.filePath;
+    heartbeat_ = std::make_unique<Heartbeat>(store, options.world.rank, options.world.worldSize,
+                                             ho);
+  }
+}
+
+void Distributed::stepDone(int64_t step) {
+  if (heartbeat_) heartbeat_->setStep(step);
+}
+
+std::string Distributed::explain(const std::string& seen) {
+  return heartbeat_ ? heartbeat_->explain(seen) : seen;
+}
+
+void Distributed::leave(const std::string& reason) {
+  if (heartbeat_) heartbeat_->leave(reason);
 }
 
 Distributed::~Distributed() = default;

@@ -20,6 +20,7 @@ class Module;
 namespace caravan {
 
 class AllReduceStrategy;
+class Heartbeat;
 class Timeline;
 
 struct Agreement {
@@ -41,11 +42,21 @@ class Distributed {
   void traceTo(Timeline& timeline);
   Agreement agree(double loss, bool interrupted, bool timeUp);
 
+  // Liveness (Gloo runs; under MPI, mpirun itself stops the job when a rank dies and names it).
+  // The last step this rank completed, published with its heartbeat.
+  void stepDone(int64_t step);
+  // One line for a communication failure this rank saw, naming the lost rank when the
+  // heartbeats tell (waits up to the heartbeat window), else `seen` unchanged.
+  std::string explain(const std::string& seen);
+  // Tells the other ranks this one is leaving because of `reason`.
+  void leave(const std::string& reason);
+
   std::shared_ptr<Communicator> comm;
 
  private:
   const Config& config_;
   std::unique_ptr<AllReduceStrategy> strategy_;
+  std::unique_ptr<Heartbeat> heartbeat_;  // declared last: destroyed (lingers) first
 };
 
 }  // namespace caravan

@@ -50,35 +50,9 @@ void setDefaultRngState(const at::Tensor& state) {
   gen.set_state(state);
 }
 
-}  // namespace
-
-TrainSummary train(const Config& config, const TrainerOptions& options) {
-  std::error_code ec;
-  fs::create_directories(options.runDir, ec);
-  if (ec) {
-    throw IoError(fmt::format("cannot create run directory {}: {}", options.runDir, ec.message()));
-  }
-  CheckpointDir checkpoints(options.runDir, config.i64("checkpoint.keep"));
-  const std::string metricsPath = (fs::path(options.runDir) / "metrics.jsonl").string();
-  std::optional<std::string> resumeFrom;
-  if (options.resume) {
-    resumeFrom = checkpoints.latest();
-    if (!resumeFrom) {
-      throw CheckpointError(fmt::format("nothing to resume in {}: it has no checkpoints/ "
-                                        "(start a new run with --run-dir)",
-                                        options.runDir));
-    }
-  } else if (checkpoints.latest() || fs::exists(metricsPath)) {
-    throw ConfigError(fmt::format("{} already holds a run; continue it with --resume {} or "
-                                  "choose another --run-dir",
-                                  options.runDir, options.runDir));
-  }
-
-  applyThreadConfig(config);
-  // Rendezvous after the checks above and before rank 0 writes anything, so every rank has
-  // seen the run directory as it was.
-  std::unique_ptr<Distributed> dist;
-  if (options.world.worldSize > 1) dist = std::make_unique<Distributed>(config, options);
+TrainSummary runTraining(const Config& config, const TrainerOptions& options,
+                         CheckpointDir& checkpoints, const std::optional<std::string>& resumeFrom,
+                         const std::string& metricsPath, Distributed* dist) {
   Communicator* comm = dist ? dist->comm.get() : nullptr;
   const bool isRoot = options.world.rank == 0;
   DatasetSplits data = makeDatasets(config);
@@ -210,6 +184,7 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
           checkpoints.latest().value_or("(none: set checkpoint.every)")));
     }
     ++state.step;
+    if (dist) dist->stepDone(state.step);
     state.position = nextPosition(lb.position, perEpoch);
     lastLoss = r.loss;
     windowSamples += static_cast<double>(lb.batch.size() * options.world.worldSize);
@@ -265,6 +240,50 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
                        {"checkpoint", summary.lastCheckpoint}};
   writeFileAtomic((fs::path(options.runDir) / "summary.json").string(), sj.dump(2) + "\n");
   return summary;
+}
+
+}  // namespace
+
+TrainSummary train(const Config& config, const TrainerOptions& options) {
+  std::error_code ec;
+  fs::create_directories(options.runDir, ec);
+  if (ec) {
+    throw IoError(fmt::format("cannot create run directory {}: {}", options.runDir, ec.message()));
+  }
+  CheckpointDir checkpoints(options.runDir, config.i64("checkpoint.keep"));
+  const std::string metricsPath = (fs::path(options.runDir) / "metrics.jsonl").string();
+  std::optional<std::string> resumeFrom;
+  if (options.resume) {
+    resumeFrom = checkpoints.latest();
+    if (!resumeFrom) {
+      throw CheckpointError(fmt::format("nothing to resume in {}: it has no checkpoints/ "
+                                        "(start a new run with --run-dir)",
+                                        options.runDir));
+    }
+  } else if (checkpoints.latest() || fs::exists(metricsPath)) {
+    throw ConfigError(fmt::format("{} already holds a run; continue it with --resume {} or "
+                                  "choose another --run-dir",
+                                  options.runDir, options.runDir));
+  }
+
+  applyThreadConfig(config);
+  // Rendezvous after the checks above and before rank 0 writes anything, so every rank has
+  // seen the run directory as it was.
+  if (options.world.worldSize == 1) {
+    return runTraining(config, options, checkpoints, resumeFrom, metricsPath, nullptr);
+  }
+  Distributed dist(config, options);
+  try {
+    return runTraining(config, options, checkpoints, resumeFrom, metricsPath, &dist);
+  } catch (const PeerError& e) {
+    // Name the lost rank (from the heartbeats) rather than the socket that noticed.
+    const std::string line = dist.explain(e.what());
+    dist.leave(line);
+    throw PeerError(line);
+  } catch (const std::exception& e) {
+    dist.leave(e.what());
+    throw;
+  }
 }
 
 }  // namespace caravan
