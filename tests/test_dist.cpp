@@ -188,3 +188,39 @@ TEST(DistTrace, EachRankWritesAChromeTrace) {
     EXPECT_GE(names["allreduce bucket"], 3 * 2) << "expected at least 2 buckets per step";
   }
 }
+
+// Multi-host: each rank is a separate host in its own network namespace (scripts/
+// netns_hosts.sh: veth pairs to a bridge, addresses 198.18.0.i), the master address is rank
+// 0's host address, so the store and every Gloo connection cross the virtual network. The
+// result must equal the same job on one host (loopback) bit for bit.
+class DistMultiHost : public ::testing::TestWithParam<int> {};
+
+TEST_P(DistMultiHost, NamespaceHostsMatchOneHost) {
+  const int world = GetParam();
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                        "sync.first_bucket_mb=0.001", "sync.bucket_mb=0.01"});
+  const std::string ranks = std::string("RANK=$HOST_INDEX WORLD_SIZE=$HOSTS ") +
+                            "MASTER_ADDR=198.18.0.1 MASTER_PORT=29500 OMP_NUM_THREADS=1 " +
+                            CARAVAN_BINARY + " train -q --config /dev/null" + setArgs(o) +
+                            " --run-dir " + (tmp / "hosts") + " >" + (tmp / "hosts.log") +
+                            ".$HOST_INDEX 2>&1";
+  const std::string cmd = std::string(CARAVAN_SOURCE_DIR) + "/scripts/netns_hosts.sh --hosts " +
+                          std::to_string(world) + " --timeout 120 -- bash -c '" + ranks + "'";
+  const int status = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "needs root and ip netns";
+  std::string logs;
+  for (int r = 0; r < world; ++r) {
+    logs += test::readFile(tmp / ("hosts.log." + std::to_string(r)));
+  }
+  ASSERT_EQ(WEXITSTATUS(status), 0) << logs;
+  ASSERT_EQ(runRanks(world, tmp / "one", o), std::vector<int>(world, 0));
+  auto hosts = finalParams(tmp / "hosts", o), one = finalParams(tmp / "one", o);
+  ASSERT_FALSE(hosts.empty());
+  for (const auto& [name, t] : hosts) EXPECT_TRUE(at::equal(t, one.at(name))) << name;
+  std::printf("%d namespace hosts: max |difference| to one host %.3g\n", world,
+              maxAbsDiff(hosts, one));
+}
+
+INSTANTIATE_TEST_SUITE_P(Hosts, DistMultiHost, ::testing::Values(2, 3, 4));

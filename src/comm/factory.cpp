@@ -1,6 +1,10 @@
 // makeCommunicator (see factory.h).
 #include "comm/factory.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
 
 #include <fmt/format.h>
@@ -13,6 +17,34 @@ namespace caravan {
 
 bool isLoopbackAddress(const std::string& address) {
   return address == "localhost" || address == "::1" || address.rfind("127.", 0) == 0;
+}
+
+std::string localAddressToward(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) {
+    return "";
+  }
+  std::string out;
+  for (addrinfo* a = found; a != nullptr && out.empty(); a = a->ai_next) {
+    // Connecting a UDP socket sends nothing: it only asks the kernel for a route.
+    const int fd = ::socket(a->ai_family, SOCK_DGRAM, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    char text[INET6_ADDRSTRLEN] = {0};
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+        ::getnameinfo(reinterpret_cast<sockaddr*>(&local), len, text, sizeof(text), nullptr, 0,
+                      NI_NUMERICHOST) == 0) {
+      out = text;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return out;
 }
 
 std::unique_ptr<Communicator> makeCommunicator(const std::string& backend,
@@ -31,6 +63,10 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend,
       options.interface = ifname;
     } else if (isLoopbackAddress(world.masterAddr)) {
       options.hostname = world.masterAddr == "::1" ? "::1" : "127.0.0.1";
+    } else {
+      // The address this host reaches the master from, which the other hosts can reach too
+      // (this host's name may resolve to a loopback address, as on Debian's default hosts).
+      options.hostname = localAddressToward(world.masterAddr, world.masterPort);
     }
     return std::make_unique<GlooCommunicator>(std::move(store), world.rank, world.worldSize,
                                               options);

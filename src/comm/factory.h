@@ -1,8 +1,9 @@
 // makeCommunicator: the communicator a job's config names ("gloo" or "mpi") for this process.
 //
 // gloo: rendezvous through `store` with the launcher's rank and world size; the Gloo endpoint
-//       listens on the loopback address when the master is local, on the interface named by
-//       GLOO_SOCKET_IFNAME when set, else on the address this host's name resolves to.
+//       listens on the interface named by GLOO_SOCKET_IFNAME when set, else on the loopback
+//       address when the master is local, else on this host's address on the route to the
+//       master (not what the host name resolves to: Debian maps it to 127.0.1.1).
 // mpi:  rank and size come from MPI (the store is not used); they must agree with what the
 //       launcher said, else ConfigError. A build without MPI throws ConfigError saying so.
 //
@@ -28,5 +29,8 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend,
 
 // True for 127.0.0.0/8, ::1 and "localhost".
 bool isLoopbackAddress(const std::string& address);
+// This host's address on the route to host:port (numeric), "" when there is none. Sends
+// nothing.
+std::string localAddressToward(const std::string& host, int port);
 
 }  // namespace caravan

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Runs one command per "host" in its own network namespace, the hosts joined by veth pairs to a
+# bridge, to test multi-host behaviour on one machine. Needs root and iproute2 (tc for --rate
+# and --delay).
+#
+#   scripts/netns_hosts.sh [--hosts N] [--rate 1gbit] [--delay 1ms] [--timeout S] -- CMD [ARGS]
+#
+# Host i (0-based) gets address 198.18.0.<i+1>/24 (198.18.0.0/15 is reserved for network
+# benchmarking) on interface eth0 of namespace cv<pid>h<i>. CMD runs once per host, inside that
+# host's namespace, with HOST_INDEX=i, HOSTS=N and HOST_ADDRS="198.18.0.1 ..." in its
+# environment; its output goes to the terminal prefixed by nothing, so redirect per host in CMD
+# (e.g. `bash -c '... >log.$HOST_INDEX 2>&1'`). --rate/--delay limit every host's egress with
+# netem. Every command is killed after --timeout seconds (default 300).
+#
+# Exit status: 0 when every host's command exited 0, else the first non-zero status (124 on
+# timeout); 77 when this machine cannot make namespaces (not root, no `ip netns`). The
+# namespaces, links and bridge are removed on every exit path, including Ctrl-C.
+set -euo pipefail
+
+hosts=2
+rate=""
+delay=""
+timeout_s=300
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --hosts) hosts="$2"; shift 2 ;;
+    --rate) rate="$2"; shift 2 ;;
+    --delay) delay="$2"; shift 2 ;;
+    --timeout) timeout_s="$2"; shift 2 ;;
+    --) shift; break ;;
+    *) echo "netns_hosts.sh: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+if [[ $# -eq 0 ]]; then
+  echo "netns_hosts.sh: no command given after --" >&2
+  exit 2
+fi
+if ! [[ "$hosts" =~ ^[0-9]+$ ]] || (( hosts < 1 || hosts > 200 )); then
+  echo "netns_hosts.sh: --hosts must be 1..200, got $hosts" >&2
+  exit 2
+fi
+if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null || ! ip netns list >/dev/null 2>&1; then
+  echo "netns_hosts.sh: skipped: needs root and iproute2 (ip netns)" >&2
+  exit 77
+fi
+
+tag="cv$$"
+hub="${tag}hub"
+addrs=""
+for ((i = 0; i < hosts; i++)); do addrs+="198.18.0.$((i + 1)) "; done
+addrs="${addrs% }"
+pids=()
+
+cleanup() {
+  for p in "${pids[@]:-}"; do
+    [[ -n "$p" ]] && kill -KILL "$p" 2>/dev/null || true
+  done
+  for ((i = 0; i < hosts; i++)); do
+    # Killing what still runs inside before the namespace goes.
+    for p in $(ip netns pids "${tag}h$i" 2>/dev/null); do kill -KILL "$p" 2>/dev/null || true; done
+    ip netns del "${tag}h$i" 2>/dev/null || true
+  done
+  ip netns del "$hub" 2>/dev/null || true
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+ip netns add "$hub"
+ip -n "$hub" link add br0 type bridge
+ip -n "$hub" link set br0 up
+for ((i = 0; i < hosts; i++)); do
+  ns="${tag}h$i"
+  ip netns add "$ns"
+  ip link add "${tag}a$i" type veth peer name "${tag}b$i"
+  ip link set "${tag}a$i" netns "$ns"
+  ip link set "${tag}b$i" netns "$hub"
+  ip -n "$ns" link set "${tag}a$i" name eth0
+  ip -n "$ns" addr add "198.18.0.$((i + 1))/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set lo up
+  ip -n "$hub" link set "${tag}b$i" master br0
+  ip -n "$hub" link set "${tag}b$i" up
+  if [[ -n "$rate" || -n "$delay" ]]; then
+    netem=()
+    [[ -n "$delay" ]] && netem+=(delay "$delay")
+    [[ -n "$rate" ]] && netem+=(rate "$rate")
+    ip netns exec "$ns" tc qdisc add dev eth0 root netem "${netem[@]}"
+  fi
+done
+
+for ((i = 0; i < hosts; i++)); do
+  HOST_INDEX=$i HOSTS=$hosts HOST_ADDRS="$addrs" \
+    timeout --kill-after=5 "$timeout_s" ip netns exec "${tag}h$i" "$@" &
+  pids+=($!)
+done
+status=0
+for p in "${pids[@]}"; do
+  if wait "$p"; then :; else
+    rc=$?
+    [[ $status -eq 0 ]] && status=$rc
+  fi
+done
+pids=()
+exit $status
