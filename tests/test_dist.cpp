@@ -158,6 +158,17 @@ TEST(DistDeterminism, RerunsAreBitwiseIdentical) {
   for (const auto& [name, t] : a) EXPECT_TRUE(at::equal(t, b.at(name))) << name;
 }
 
+TEST(DistFileStore, RendezvousThroughASharedFileGivesTheSameRun) {
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8"});
+  ASSERT_EQ(runRanks(2, tmp / "tcp", o), std::vector<int>(2, 0));
+  auto f = with(o, {"dist.store=file", "dist.store_path=" + (tmp / "store")});
+  ASSERT_EQ(runRanks(2, tmp / "file", f), std::vector<int>(2, 0))
+      << test::readFile(tmp / "file.rank0.log") << test::readFile(tmp / "file.rank1.log");
+  auto a = finalParams(tmp / "tcp", o), b = finalParams(tmp / "file", o);
+  for (const auto& [name, t] : a) EXPECT_TRUE(at::equal(t, b.at(name))) << name;
+}
+
 TEST(DistTrace, EachRankWritesAChromeTrace) {
   TempDir tmp;
   auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
