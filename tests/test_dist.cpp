@@ -5,8 +5,6 @@
 // for the MPI backend.
 #include <gtest/gtest.h>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -14,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "comm/launch.h"
 #include "core/config.h"
 #include "train/checkpoint.h"
 #include "train/setup.h"
@@ -24,20 +23,6 @@ using caravan::test::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
-
-int freePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  int port = ntohs(addr.sin_port);
-  ::close(fd);
-  return port;
-}
 
 const std::vector<std::string> kBase = {
     "data.dataset=synthetic", "data.synthetic_size=480", "train.max_steps=20",
@@ -54,7 +39,7 @@ std::string setArgs(const std::vector<std::string>& overrides) {
 // Runs W ranks of `caravan train` with torchrun-style variables; returns the exit codes.
 std::vector<int> runRanks(int world, const std::string& runDir,
                           const std::vector<std::string>& overrides) {
-  const int port = freePort();
+  const int port = pickFreeLoopbackPort();
   std::string script;
   for (int r = 0; r < world; ++r) {
     script += "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
@@ -174,7 +159,7 @@ TEST(DistTrace, EachRankWritesAChromeTrace) {
   auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
                         "train.max_steps=3", "sync.first_bucket_mb=0.001",
                         "sync.bucket_mb=0.01"});
-  const int port = freePort();
+  const int port = pickFreeLoopbackPort();
   std::string script;
   for (int r = 0; r < 2; ++r) {
     script += "RANK=" + std::to_string(r) + " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +

@@ -7,9 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,6 +16,7 @@
 #include <optional>
 #include <thread>
 
+#include "comm/launch.h"
 #include "test_util.h"
 
 extern char** environ;
@@ -30,19 +29,6 @@ namespace {
 
 constexpr int kWorld = 3;
 constexpr double kTimeoutS = 10.0;  // fault.timeout of the run
-
-int freeLoopbackPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const int port = ntohs(addr.sin_port);
-  ::close(fd);
-  return port;
-}
 
 std::string lastLine(std::string t) {
   while (!t.empty() && t.back() == '\n') t.pop_back();
@@ -140,7 +126,7 @@ class LostRank : public ::testing::TestWithParam<Case> {
 
 TEST_P(LostRank, SurvivorsExitNamingIt) {
   const Case c = GetParam();
-  const int port = freeLoopbackPort();
+  const int port = caravan::pickFreeLoopbackPort();
   for (int r = 0; r < kWorld; ++r) startRank(r, port);
   // Training: rank 0 has logged a few steps.
   const auto started = Clock::now();
