@@ -35,6 +35,7 @@
 #include "comm/store.h"
 #include "comm/tcp_store.h"
 #include "comm/world.h"
+#include "gloo_ranks.h"
 
 namespace caravan {
 namespace {
@@ -206,32 +207,13 @@ std::vector<std::string> runGlooRanks(int size, const GlooOptions& options,
                                       const std::function<void(Communicator&)>& body,
                                       c10::intrusive_ptr<c10d::Store> store = {},
                                       const std::vector<int>& ranks = {}) {
-  if (!store) store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<int> which = ranks;
-  if (which.empty()) {
-    for (int r = 0; r < size; ++r) which.push_back(r);
-  }
-  std::vector<std::string> errors(size);
-  std::vector<std::thread> threads;
-  for (int r : which) {
-    threads.emplace_back([&, r] {
-      try {
-        GlooCommunicator comm(store, r, size, options);
-        body(comm);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
+  return test::runGlooRanks(
+      size, options, [&](std::shared_ptr<Communicator> c) { body(*c); }, std::move(store),
+      ranks);
 }
 
 GlooOptions loopbackOptions(milliseconds timeout = kOpTimeout) {
-  GlooOptions o;
-  o.timeout = timeout;
-  o.hostname = "127.0.0.1";
-  return o;
+  return test::loopbackOptions(timeout);
 }
 
 class CommGlooCollectives : public ::testing::TestWithParam<std::tuple<int, at::ScalarType>> {};

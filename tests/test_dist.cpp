@@ -220,3 +220,63 @@ TEST_P(DistMultiHost, NamespaceHostsMatchOneHost) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Hosts, DistMultiHost, ::testing::Values(2, 3, 4));
+
+// Local SGD with H = 1 and plain SGD averages x - lr*g_k, which is x - lr*mean(g_k): the BSP
+// all-reduce step, up to float rounding. With the post-local phase covering every step it is
+// BSP exactly (momentum included).
+TEST(DistLocalSgd, PeriodOneWithPlainSgdMatchesAllReduce) {
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                        "optim.momentum=0"});
+  ASSERT_EQ(runRanks(3, tmp / "bsp", o), std::vector<int>(3, 0));
+  auto l = with(o, {"sync.mode=local-sgd", "sync.local_period=1"});
+  ASSERT_EQ(runRanks(3, tmp / "local", l), std::vector<int>(3, 0))
+      << test::readFile(tmp / "local.rank0.log");
+  const double diff = maxAbsDiff(finalParams(tmp / "bsp", o), finalParams(tmp / "local", o));
+  EXPECT_LE(diff, 1e-5);
+  std::printf("local SGD H=1 vs all-reduce after 20 steps: max |difference| %.3g\n", diff);
+}
+
+TEST(DistLocalSgd, PostLocalPhaseIsBspExactly) {
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8"});
+  ASSERT_EQ(runRanks(2, tmp / "bsp", o), std::vector<int>(2, 0));
+  auto l = with(o, {"sync.mode=local-sgd", "sync.local_period=5", "sync.post_local_steps=20"});
+  ASSERT_EQ(runRanks(2, tmp / "local", l), std::vector<int>(2, 0));
+  auto a = finalParams(tmp / "bsp", o), b = finalParams(tmp / "local", o);
+  for (const auto& [name, t] : a) EXPECT_TRUE(at::equal(t, b.at(name))) << name;
+}
+
+// Local SGD (H = 4) and ring gossip train: the loss falls, and the evaluation records carry the
+// replicas' spread before consolidation (zero right after a local-SGD averaging, positive for
+// gossip).
+TEST(DistDecentralized, LocalSgdAndGossipTrainAndReportTheSpread) {
+  TempDir tmp;
+  auto base = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                           "train.max_steps=60", "train.eval_every=10", "optim.lr=0.05"});
+  for (const std::string mode : {"local-sgd", "gossip"}) {
+    const std::string dir = tmp / mode;
+    ASSERT_EQ(runRanks(3, dir, with(base, {"sync.mode=" + mode})), std::vector<int>(3, 0))
+        << test::readFile(dir + ".rank0.log");
+    std::vector<double> losses, spreads;
+    std::istringstream lines(test::readFile(dir + "/metrics.jsonl"));
+    for (std::string line; std::getline(lines, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j["kind"] == "train") losses.push_back(j["loss"].get<double>());
+      if (j["kind"] == "eval") spreads.push_back(j["consensus_distance"].get<double>());
+    }
+    ASSERT_EQ(losses.size(), 60u) << mode;
+    ASSERT_EQ(spreads.size(), 6u) << mode;
+    double first = 0, last = 0;
+    for (int i = 0; i < 10; ++i) first += losses[i], last += losses[losses.size() - 1 - i];
+    EXPECT_LT(last, 0.9 * first) << mode << ": the loss did not fall";
+    for (double d : spreads) {
+      EXPECT_TRUE(std::isfinite(d)) << mode;
+      if (mode == "gossip") EXPECT_GT(d, 0.0) << mode;
+    }
+    std::printf("%s: loss %.3f -> %.3f (mean of 10 steps), spread at evaluations %.3g .. %.3g\n",
+                mode.c_str(), first / 10, last / 10,
+                *std::min_element(spreads.begin(), spreads.end()),
+                *std::max_element(spreads.begin(), spreads.end()));
+  }
+}

@@ -97,8 +97,20 @@ std::vector<ConfigOption> buildSchema() {
       strOpt("dist.store_path", "", "file store: path on a filesystem all ranks share "
                                     "(empty = RUN_DIR/rendezvous)"),
 
-      strOpt("sync.mode", "allreduce", "how workers synchronize (multi-worker runs)",
-             {"allreduce"}),
+      strOpt("sync.mode", "allreduce",
+             "how workers synchronize (multi-worker runs): allreduce (BSP, gradients averaged "
+             "every step), local-sgd (parameters averaged every sync.local_period steps), "
+             "gossip (parameters mixed with neighbours every step, D-PSGD)",
+             {"allreduce", "local-sgd", "gossip"}),
+      intOpt("sync.local_period", 4, 1, kMaxInt,
+             "local-sgd: optimizer steps between parameter averagings (H)"),
+      intOpt("sync.post_local_steps", 0, 0, kMaxInt,
+             "local-sgd: BSP all-reduce for the first K steps, local steps after (post-local "
+             "SGD); 0 = local from the start"),
+      strOpt("sync.gossip_topology", "ring",
+             "gossip: ring (mix with ranks r-1 and r+1) or complete (mix with every rank: "
+             "parameter averaging)",
+             {"ring", "complete"}),
       floatOpt("sync.bucket_mb", 25.0, 0.0, 1e6, "allreduce: gradient bucket size cap (MiB)",
                true),
       floatOpt("sync.first_bucket_mb", 1.0, 0.0, 1e6,

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "core/errors.h"
+#include "sync/replicas.h"
 
 namespace caravan {
 
@@ -26,14 +27,7 @@ void AllReduceStrategy::attach(torch::nn::Module& model) {
   for (auto& p : model.parameters()) {
     if (p.requires_grad()) params.push_back(p);
   }
-  // Rank 0's initial parameters (and buffers) everywhere.
-  {
-    torch::NoGradGuard noGrad;
-    for (auto& p : params) comm_->broadcast(p.data(), 0)->wait(comm_->timeout());
-    for (auto& b : model.buffers()) {
-      if (b.is_floating_point()) comm_->broadcast(b, 0)->wait(comm_->timeout());
-    }
-  }
+  broadcastModel(*comm_, model);  // rank 0's initial parameters (and buffers) everywhere
   // Buckets in reverse registration order: backward produces the last block's gradients first.
   slots_.clear();
   buckets_.clear();
@@ -90,6 +84,7 @@ void AllReduceStrategy::beforeForward(int64_t) {
 
 void AllReduceStrategy::onGradReady(size_t i) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (!enabled_) return;
   Slot& s = slots_[i];
   if (s.ready) return;  // a second backward in one step would double count: ignore
   Bucket& b = buckets_[slotBucket_[i]];
@@ -115,6 +110,7 @@ void AllReduceStrategy::launchReadyInOrder() {
 }
 
 void AllReduceStrategy::finishGradients() {
+  if (!enabled_) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // Parameters without a gradient this step contribute zeros.

@@ -13,9 +13,9 @@
 // mutex; attach/finishGradients run on the trainer thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -38,11 +38,6 @@ struct AllReduceOptions {
   int64_t bucketBytes = 25 << 20;      // later buckets, capped by bytes
 };
 
-// Timeline callback: (name, start, end) of each bucket's communication, for --trace.
-using CommEventSink = std::function<void(const std::string& name,
-                                         std::chrono::steady_clock::time_point start,
-                                         std::chrono::steady_clock::time_point end)>;
-
 class AllReduceStrategy : public Strategy {
  public:
   AllReduceStrategy(std::shared_ptr<Communicator> comm, AllReduceOptions options);
@@ -53,7 +48,9 @@ class AllReduceStrategy : public Strategy {
   void finishGradients() override;
 
   size_t numBuckets() const { return buckets_.size(); }
-  void setEventSink(CommEventSink sink) { sink_ = std::move(sink); }
+  // Disabled, the gradient hooks do nothing and finishGradients() leaves the local gradients
+  // (local SGD's local phase). Set before a step's forward, on every rank alike.
+  void setEnabled(bool enabled) { enabled_ = enabled; }
 
  private:
   struct Slot {
@@ -82,7 +79,7 @@ class AllReduceStrategy : public Strategy {
   std::mutex mutex_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;
-  CommEventSink sink_;
+  std::atomic<bool> enabled_{true};
 };
 
 }  // namespace caravan

@@ -2,12 +2,15 @@
 // loop calls the hooks; a strategy knows nothing about memory tiers or the data pipeline.
 //
 // Call order per step (trainer thread): beforeForward(step) -> forward/backward (the strategy
-// may act on autograd's thread as gradients become ready) -> finishGradients() -> optimizer.
+// may act on autograd's thread as gradients become ready) -> finishGradients() -> optimizer
+// -> afterStep(step). consolidate() comes between steps, before evaluation and checkpoints.
 // Threading: hooks are called from the trainer thread; anything a strategy does on autograd's
 // thread it synchronizes itself.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -19,6 +22,10 @@ class Module;
 
 namespace caravan {
 
+using CommEventSink = std::function<void(const std::string& name,
+                                         std::chrono::steady_clock::time_point start,
+                                         std::chrono::steady_clock::time_point end)>;
+
 class Strategy {
  public:
   virtual ~Strategy() = default;
@@ -27,8 +34,20 @@ class Strategy {
   virtual void attach(torch::nn::Module& model) = 0;
   virtual void beforeForward(int64_t step) {}
   // After backward, before clipping and the optimizer: every rank's .grad holds what the
-  // optimizer should apply (e.g. the average over ranks).
+  // optimizer should apply (e.g. the average over ranks, or the local gradient).
   virtual void finishGradients() = 0;
+  // After the optimizer step: strategies that synchronize parameters act here.
+  virtual void afterStep(int64_t step) {}
+  // Makes every replica equal (the mean over ranks) where the strategy lets them drift apart
+  // (local SGD, gossip), so evaluation and checkpoints see one model. Returns how far apart
+  // they were (consensus distance, 0 for strategies that keep replicas equal).
+  virtual double consolidate() { return 0.0; }
+
+  // Timeline callback: (name, start, end) of each communication, for --trace.
+  virtual void setEventSink(CommEventSink sink) { sink_ = std::move(sink); }
+
+ protected:
+  CommEventSink sink_;
 };
 
 }  // namespace caravan

@@ -10,6 +10,8 @@
 #include "comm/liveness.h"
 #include "comm/store.h"
 #include "sync/allreduce.h"
+#include "sync/gossip.h"
+#include "sync/local_sgd.h"
 #include "train/timeline.h"
 
 namespace caravan {
@@ -57,7 +59,22 @@ Strategy* Distributed::attach(torch::nn::Module& model) {
   AllReduceOptions o;
   o.bucketBytes = static_cast<int64_t>(config_.f64("sync.bucket_mb") * (1 << 20));
   o.firstBucketBytes = static_cast<int64_t>(config_.f64("sync.first_bucket_mb") * (1 << 20));
-  strategy_ = std::make_unique<AllReduceStrategy>(comm, o);
+  const std::string& mode = config_.str("sync.mode");
+  if (mode == "allreduce") {
+    strategy_ = std::make_unique<AllReduceStrategy>(comm, o);
+  } else if (mode == "local-sgd") {
+    LocalSgdOptions l;
+    l.period = config_.i64("sync.local_period");
+    l.postLocalAfter = config_.i64("sync.post_local_steps");
+    l.allreduce = o;
+    strategy_ = std::make_unique<LocalSgdStrategy>(comm, l);
+  } else if (mode == "gossip") {
+    GossipOptions g;
+    g.topology = config_.str("sync.gossip_topology");
+    strategy_ = std::make_unique<GossipStrategy>(comm, g);
+  } else {
+    throw ConfigError(fmt::format("sync.mode \"{}\" is not built yet", mode));
+  }
   strategy_->attach(model);
   return strategy_.get();
 }

@@ -19,7 +19,6 @@ class Module;
 
 namespace caravan {
 
-class AllReduceStrategy;
 class Heartbeat;
 class Timeline;
 
@@ -55,7 +54,7 @@ class Distributed {
 
  private:
   const Config& config_;
-  std::unique_ptr<AllReduceStrategy> strategy_;
+  std::unique_ptr<Strategy> strategy_;
   std::unique_ptr<Heartbeat> heartbeat_;  // declared last: destroyed (lingers) first
 };
 

@@ -34,6 +34,7 @@ StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, cons
     result.gradNorm = torch::nn::utils::clip_grad_norm_(model->parameters(), gradClip);
   }
   optimizer.step();
+  if (strategy != nullptr) strategy->afterStep(step);
   result.loss = loss.item<double>();
   return result;
 }

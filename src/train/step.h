@@ -32,7 +32,8 @@ struct StepResult {
 class Strategy;
 
 // zero_grad, forward, loss, backward, the strategy's gradient synchronization (if any),
-// optional clipping (gradClip > 0), optimizer step. The learning rate must already be set.
+// optional clipping (gradClip > 0), optimizer step, the strategy's afterStep. The learning
+// rate must already be set.
 StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
                      double gradClip, Strategy* strategy = nullptr, int64_t step = 0);
 

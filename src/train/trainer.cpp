@@ -129,11 +129,16 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   TrainSummary summary;
   int64_t lastEvalStep = -1;
   int64_t epoch = state.position.epoch + 1;  // 1-based epoch of the latest step
+  // Strategies that let replicas drift (local SGD, gossip) average them first, so evaluation
+  // and checkpoints see one model; the spread they had is reported.
+  auto consolidate = [&] { return strategy != nullptr ? strategy->consolidate() : 0.0; };
   auto runEval = [&] {
+    const double consensus = consolidate();
     EvalResult r = evaluate(model, *data.test, evalBatchSize, evalBatches, comm);
     nlohmann::json rec = {{"kind", "eval"}, {"step", state.step}, {"epoch", epoch},
                           {"loss", r.loss}, {"accuracy", r.accuracy},
                           {"examples", r.examples}, {"time_s", trainSeconds()}};
+    if (strategy != nullptr) rec["consensus_distance"] = consensus;
     if (metrics) metrics->write(rec);
     progress.line(fmt::format("eval  step {} epoch {}: loss {:.4f} accuracy {:.2f}%", state.step,
                               epoch, r.loss, 100.0 * r.accuracy));
@@ -142,6 +147,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     lastEvalStep = state.step;
   };
   auto writeCheckpoint = [&] {
+    consolidate();
     state.rngState = defaultRngState();
     state.elapsedSeconds = trainSeconds();
     if (isRoot) {

@@ -1,0 +1,50 @@
+// Local SGD and post-local SGD (see local_sgd.h).
+#include "sync/local_sgd.h"
+
+#include "core/errors.h"
+#include "sync/replicas.h"
+
+namespace caravan {
+
+using Clock = std::chrono::steady_clock;
+
+LocalSgdStrategy::LocalSgdStrategy(std::shared_ptr<Communicator> comm, LocalSgdOptions options)
+    : comm_(std::move(comm)), options_(options) {
+  CARAVAN_CHECK(comm_ != nullptr, "local SGD needs a communicator");
+  CARAVAN_CHECK(options_.period >= 1, "local SGD period {} < 1", options_.period);
+}
+
+void LocalSgdStrategy::attach(torch::nn::Module& model) {
+  model_ = &model;
+  bsp_ = std::make_unique<AllReduceStrategy>(comm_, options_.allreduce);
+  bsp_->attach(model);  // also broadcasts rank 0's parameters
+  bsp_->setEventSink(sink_);
+}
+
+void LocalSgdStrategy::beforeForward(int64_t step) {
+  bsp_->setEnabled(bspPhase(step));
+  bsp_->beforeForward(step);
+}
+
+void LocalSgdStrategy::finishGradients() { bsp_->finishGradients(); }
+
+void LocalSgdStrategy::afterStep(int64_t step) {
+  if (bspPhase(step)) return;
+  if ((step + 1 - options_.postLocalAfter) % options_.period != 0) return;
+  const auto start = Clock::now();
+  averageModel(*comm_, *model_);
+  if (sink_) sink_("average parameters", start, Clock::now());
+}
+
+void LocalSgdStrategy::setEventSink(CommEventSink sink) {
+  sink_ = sink;
+  if (bsp_) bsp_->setEventSink(std::move(sink));
+}
+
+double LocalSgdStrategy::consolidate() {
+  const double distance = consensusDistance(*comm_, *model_);
+  averageModel(*comm_, *model_);
+  return distance;
+}
+
+}  // namespace caravan

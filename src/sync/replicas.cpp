@@ -1,0 +1,79 @@
+// Replica operations (see replicas.h).
+#include "sync/replicas.h"
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "core/errors.h"
+
+namespace caravan {
+
+std::vector<at::Tensor> syncedParameters(torch::nn::Module& model) {
+  std::vector<at::Tensor> out;
+  for (auto& p : model.parameters()) {
+    if (!p.requires_grad()) continue;
+    CARAVAN_CHECK(p.scalar_type() == at::kFloat, "strategies synchronize float32 parameters");
+    out.push_back(p);
+  }
+  return out;
+}
+
+at::Tensor flatten(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> views;
+  views.reserve(tensors.size());
+  for (const auto& t : tensors) views.push_back(t.detach().reshape({-1}));
+  return views.empty() ? at::zeros({0}, at::kFloat) : at::cat(views);
+}
+
+void unflattenInto(const at::Tensor& flat, const std::vector<at::Tensor>& tensors) {
+  torch::NoGradGuard noGrad;
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+  CARAVAN_CHECK(offset == flat.numel(), "flat buffer of {} elements for {} elements", flat.numel(),
+                offset);
+}
+
+namespace {
+
+std::vector<at::Tensor> floatBuffers(torch::nn::Module& model) {
+  std::vector<at::Tensor> out;
+  for (auto& b : model.buffers()) {
+    if (b.scalar_type() == at::kFloat) out.push_back(b);
+  }
+  return out;
+}
+
+}  // namespace
+
+void broadcastModel(Communicator& comm, torch::nn::Module& model) {
+  torch::NoGradGuard noGrad;
+  for (auto& p : model.parameters()) comm.broadcast(p.data(), 0)->wait(comm.timeout());
+  for (auto& b : model.buffers()) {
+    if (b.is_floating_point()) comm.broadcast(b, 0)->wait(comm.timeout());
+  }
+}
+
+void averageModel(Communicator& comm, torch::nn::Module& model) {
+  std::vector<at::Tensor> all = syncedParameters(model);
+  for (auto& b : floatBuffers(model)) all.push_back(b);
+  at::Tensor flat = flatten(all);
+  comm.allreduce(flat, ReduceOp::kSum)->wait(comm.timeout());
+  flat.div_(static_cast<double>(comm.size()));
+  unflattenInto(flat, all);
+}
+
+double consensusDistance(Communicator& comm, torch::nn::Module& model) {
+  at::Tensor x = flatten(syncedParameters(model)).to(at::kDouble);
+  at::Tensor mean = x.clone();
+  comm.allreduce(mean, ReduceOp::kSum)->wait(comm.timeout());
+  mean.div_(static_cast<double>(comm.size()));
+  at::Tensor sq = (x - mean).pow(2).sum().reshape({1});
+  comm.allreduce(sq, ReduceOp::kSum)->wait(comm.timeout());
+  return std::sqrt(sq.item<double>() / static_cast<double>(comm.size()));
+}
+
+}  // namespace caravan

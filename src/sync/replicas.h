@@ -1,0 +1,43 @@
+// Operations on the model replicas of a data-parallel job, shared by the strategies: make every
+// replica rank 0's (start of training), average the replicas (local SGD, consolidation), and
+// measure how far they drifted apart (gossip's consensus distance).
+//
+// Parameters are the model's trainable float32 parameters in registration order; buffers are
+// its floating-point buffers (batch-norm running statistics). Every rank must call each
+// function at the same point (they are collectives).
+//
+// Threading: trainer thread only.
+#pragma once
+
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "comm/communicator.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}
+}  // namespace torch
+
+namespace caravan {
+
+// The trainable parameters a strategy synchronizes (float32; anything else is a bug).
+std::vector<at::Tensor> syncedParameters(torch::nn::Module& model);
+
+// One flat float32 copy of `tensors`, and back.
+at::Tensor flatten(const std::vector<at::Tensor>& tensors);
+void unflattenInto(const at::Tensor& flat, const std::vector<at::Tensor>& tensors);
+
+// Rank 0's parameters and floating-point buffers on every rank.
+void broadcastModel(Communicator& comm, torch::nn::Module& model);
+
+// Every rank's parameters (and floating-point buffers) replaced by the mean over ranks.
+void averageModel(Communicator& comm, torch::nn::Module& model);
+
+// sqrt(mean over ranks of ||x_r - mean x||^2) over the synchronized parameters: 0 when every
+// replica is equal. Every rank gets the same value.
+double consensusDistance(Communicator& comm, torch::nn::Module& model);
+
+}  // namespace caravan

@@ -1,0 +1,142 @@
+// The synchronization strategies' parameter operations, with ranks as threads: gossip mixes
+// exactly (complete graph = the average; ring = the mean with both neighbours) and keeps the
+// local update; local SGD averages exactly every H steps and not in between; the consensus
+// distance is the spread of the replicas. Whole training runs of these modes are in
+// test_dist.cpp.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "sync/gossip.h"
+#include "sync/local_sgd.h"
+#include "sync/replicas.h"
+#include "gloo_ranks.h"
+
+using namespace caravan;
+using caravan::test::loopbackOptions;
+using caravan::test::runGlooRanks;
+
+namespace {
+
+constexpr std::chrono::milliseconds kTimeout{20000};
+
+// Rank r's parameter values: small integers, so means over 3 or 4 ranks are exact in float.
+at::Tensor valuesOf(int rank, int64_t n) {
+  return at::arange(n, at::kFloat).mul(3).add(rank * 12).remainder(17).sub(8);
+}
+
+struct Net : torch::nn::Module {
+  Net() {
+    a = register_parameter("a", torch::zeros({2, 3}));
+    b = register_parameter("b", torch::zeros({5}));
+  }
+  at::Tensor a, b;
+};
+
+void setReplica(Net& net, int rank) {
+  torch::NoGradGuard g;
+  at::Tensor v = valuesOf(rank, 11);
+  net.a.copy_(v.narrow(0, 0, 6).view({2, 3}));
+  net.b.copy_(v.narrow(0, 6, 5));
+}
+
+at::Tensor replica(Net& net) { return flatten({net.a, net.b}); }
+
+void expectNoErrors(const std::vector<std::string>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+}  // namespace
+
+class GossipMix : public ::testing::TestWithParam<int> {};
+
+TEST_P(GossipMix, CompleteGraphIsTheExactAverage) {
+  const int w = GetParam();
+  at::Tensor mean = at::zeros({11});
+  for (int r = 0; r < w; ++r) mean += valuesOf(r, 11);
+  mean /= w;
+  expectNoErrors(runGlooRanks(w, loopbackOptions(kTimeout), [&](auto comm) {
+    Net net;
+    GossipStrategy g(comm, {"complete"});
+    g.attach(net);
+    setReplica(net, comm->rank());  // after attach's broadcast: the replicas differ
+    g.beforeForward(0);
+    g.afterStep(0);
+    // x + (mean - x): exact for W = 2, 4; one rounding of a third for W = 3.
+    EXPECT_TRUE(at::allclose(replica(net), mean, 0, 1e-6)) << "rank " << comm->rank();
+  }));
+}
+
+TEST_P(GossipMix, RingMixesWithBothNeighboursAndKeepsTheLocalUpdate) {
+  const int w = GetParam();
+  expectNoErrors(runGlooRanks(w, loopbackOptions(kTimeout), [&](auto comm) {
+    const int r = comm->rank();
+    Net net;
+    GossipStrategy g(comm, {"ring"});
+    g.attach(net);
+    for (int step = 0; step < 3; ++step) {
+      setReplica(net, r + step);
+      g.beforeForward(step);
+      // The local optimizer's update, made between the exchange and the mix.
+      at::Tensor delta = at::full({11}, 0.5f * static_cast<float>(r + 1));
+      {
+        torch::NoGradGuard ng;
+        unflattenInto(replica(net) + delta, {net.a, net.b});
+      }
+      g.afterStep(step);
+      std::vector<int> group = {r};
+      for (int n : {(r + w - 1) % w, (r + 1) % w}) {
+        if (std::find(group.begin(), group.end(), n) == group.end()) group.push_back(n);
+      }
+      at::Tensor expected = at::zeros({11});
+      for (int j : group) expected += valuesOf(j + step, 11);
+      expected = expected / static_cast<double>(group.size()) + delta;
+      EXPECT_TRUE(at::allclose(replica(net), expected, 0, 1e-6))
+          << "rank " << r << " step " << step << ": " << replica(net) << " vs " << expected;
+    }
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(World, GossipMix, ::testing::Values(2, 3, 4));
+
+TEST(LocalSgd, AveragesExactlyEveryPeriodAndNotInBetween) {
+  const int w = 3;
+  at::Tensor mean = at::zeros({11});
+  for (int r = 0; r < w; ++r) mean += valuesOf(r, 11);
+  mean /= w;
+  expectNoErrors(runGlooRanks(w, loopbackOptions(kTimeout), [&](auto comm) {
+    Net net;
+    LocalSgdOptions o;
+    o.period = 3;
+    o.postLocalAfter = 2;  // steps 0, 1 are BSP; averaging after steps 4, 7, ...
+    LocalSgdStrategy s(comm, o);
+    s.attach(net);
+    for (int step = 2; step < 8; ++step) {
+      setReplica(net, comm->rank());
+      s.afterStep(step);
+      const bool averaged = step == 4 || step == 7;
+      EXPECT_TRUE(at::equal(replica(net), averaged ? mean : valuesOf(comm->rank(), 11)))
+          << "step " << step;
+    }
+  }));
+}
+
+TEST(Replicas, ConsensusDistanceIsTheSpreadAndConsolidateAverages) {
+  const int w = 4;
+  at::Tensor all = at::stack({valuesOf(0, 11), valuesOf(1, 11), valuesOf(2, 11), valuesOf(3, 11)})
+                       .to(at::kDouble);
+  const double expected =
+      std::sqrt((all - all.mean(0)).pow(2).sum().item<double>() / static_cast<double>(w));
+  ASSERT_GT(expected, 1.0);
+  expectNoErrors(runGlooRanks(w, loopbackOptions(kTimeout), [&](auto comm) {
+    Net net;
+    GossipStrategy g(comm, {"ring"});
+    g.attach(net);
+    setReplica(net, comm->rank());
+    EXPECT_NEAR(g.consolidate(), expected, 1e-9);
+    EXPECT_TRUE(at::equal(replica(net), all.mean(0).to(at::kFloat)));
+    EXPECT_EQ(consensusDistance(*comm, net), 0.0);
+  }));
+}
