@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include "sync/compression.h"
 #include "sync/gossip.h"
 #include "sync/local_sgd.h"
 #include "sync/replicas.h"
@@ -139,4 +140,61 @@ TEST(Replicas, ConsensusDistanceIsTheSpreadAndConsolidateAverages) {
     EXPECT_TRUE(at::equal(replica(net), all.mean(0).to(at::kFloat)));
     EXPECT_EQ(consensusDistance(*comm, net), 0.0);
   }));
+}
+
+// 16-bit ring all-reduce: inputs that are exact in 16 bits and sums that stay exact give the
+// exact sum on every rank (also with fewer elements than ranks, and none); general inputs give
+// identical results on every rank, within 16-bit rounding of the float32 sum.
+class Ring16 : public ::testing::TestWithParam<std::tuple<int, at::ScalarType>> {};
+
+TEST_P(Ring16, SumsExactlyAndEveryRankAgrees) {
+  const auto [w, wire] = GetParam();
+  std::vector<at::Tensor> results(w);
+  expectNoErrors(runGlooRanks(w, loopbackOptions(kTimeout), [&, w = w, wire = wire](auto comm) {
+    const int r = comm->rank();
+    for (int64_t n : {0, 2, 1001}) {
+      at::Tensor x = valuesOf(r, n);
+      ringAllreduce16(*comm, x, wire, 0, kTimeout);
+      at::Tensor expected = at::zeros({n});
+      for (int j = 0; j < w; ++j) expected += valuesOf(j, n);
+      EXPECT_TRUE(at::equal(x, expected)) << "n " << n << " rank " << r;
+    }
+    at::Tensor g = at::sin(at::arange(5000, at::kFloat) * 0.37 + r);  // not exact in 16 bits
+    at::Tensor exact = g.clone();
+    comm->allreduce(exact, ReduceOp::kSum)->wait(kTimeout);
+    ringAllreduce16(*comm, g, wire, 0, kTimeout);
+    const double tol = (wire == at::kHalf ? 1e-3 : 8e-3) * w;
+    EXPECT_LE((g - exact).abs().max().item<double>(), tol);
+    results[r] = g;
+  }));
+  for (int r = 1; r < w; ++r) EXPECT_TRUE(at::equal(results[r], results[0])) << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldAndWire, Ring16,
+                         ::testing::Combine(::testing::Values(2, 3, 4),
+                                            ::testing::Values(at::kHalf, at::kBFloat16)));
+
+// Error feedback loses nothing: over any number of steps, what was sent plus the residual is
+// exactly the sum of the gradients fed in (exact here: small integers). Ratio 1 sends all.
+TEST(TopK, ErrorFeedbackDelaysButNeverDrops) {
+  TopKCodec codec(100, 0.1);
+  EXPECT_EQ(codec.k(), 10);
+  at::Tensor fed = at::zeros({100}), sent = at::zeros({100}), out = at::empty({100});
+  for (int step = 0; step < 7; ++step) {
+    at::Tensor g = valuesOf(step, 100);
+    fed += g;
+    codec.decode(codec.encode(g), 1, out);
+    EXPECT_EQ(out.ne(0).sum().item<int64_t>(), 10) << "step " << step;
+    sent += out;
+  }
+  EXPECT_TRUE(at::equal(sent + codec.residual(), fed));
+  // The entries sent are the largest of residual + gradient.
+  TopKCodec one(6, 0.33);  // k = ceil(1.98) = 2
+  one.decode(one.encode(torch::tensor({0.1f, -5.f, 2.f, 0.f, 3.f, -0.5f})), 1, out);
+  EXPECT_TRUE(at::equal(out.narrow(0, 0, 6), torch::tensor({0.f, -5.f, 0.f, 0.f, 3.f, 0.f})));
+  TopKCodec all(50, 1.0);
+  at::Tensor g = valuesOf(3, 50), o = at::empty({50});
+  all.decode(all.encode(g), 1, o);
+  EXPECT_TRUE(at::equal(o, g));
+  EXPECT_EQ(all.residual().abs().sum().item<double>(), 0.0);
 }

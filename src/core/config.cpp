@@ -115,6 +115,13 @@ std::vector<ConfigOption> buildSchema() {
                true),
       floatOpt("sync.first_bucket_mb", 1.0, 0.0, 1e6,
                "allreduce: first bucket cap (MiB); small so communication starts early", true),
+      strOpt("sync.compression", "none",
+             "allreduce: how gradient buckets travel: none (float32), fp16 or bf16 (16-bit "
+             "values, summed in float32 at each hop), topk (largest entries with error "
+             "feedback, sync.topk_ratio)",
+             {"none", "fp16", "bf16", "topk"}),
+      floatOpt("sync.topk_ratio", 0.01, 0.0, 1.0,
+               "topk: fraction of each bucket's entries sent per step (> 0)", true),
 
       floatOpt("fault.timeout", 60.0, 0.0, 1e6,
                "seconds any rank waits for a peer (rendezvous, collectives) before failing "

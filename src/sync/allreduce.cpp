@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "core/errors.h"
@@ -56,6 +57,13 @@ void AllReduceStrategy::attach(torch::nn::Module& model) {
     for (size_t j : b.slots) n += slots_[j].numel;
     b.buffer = at::zeros({n}, at::kFloat);
     b.pending = static_cast<int64_t>(b.slots.size());
+    if (options_.compression == Compression::kTopK) {
+      b.topk = std::make_unique<TopKCodec>(n, options_.topkRatio);
+      b.gathered = at::empty({comm_->size() * 2 * b.topk->k()}, at::kFloat);
+    }
+  }
+  if (options_.compression == Compression::kFp16 || options_.compression == Compression::kBf16) {
+    commThread_ = std::make_unique<CommThread>();
   }
   // A post hook on each parameter's gradient accumulator fires once its .grad is final for
   // this backward pass.
@@ -104,8 +112,36 @@ void AllReduceStrategy::launchReadyInOrder() {
   while (nextLaunch_ < buckets_.size() && buckets_[nextLaunch_].pending == 0) {
     Bucket& b = buckets_[nextLaunch_];
     b.launchedAt = Clock::now();
-    b.work = comm_->allreduce(b.buffer, ReduceOp::kSum);
+    b.work = launch(nextLaunch_);
     ++nextLaunch_;
+  }
+}
+
+WorkPtr AllReduceStrategy::launch(size_t index) {
+  Bucket& b = buckets_[index];
+  switch (options_.compression) {
+    case Compression::kNone:
+      return comm_->allreduce(b.buffer, ReduceOp::kSum);
+    case Compression::kFp16:
+    case Compression::kBf16: {
+      const at::ScalarType wire =
+          options_.compression == Compression::kFp16 ? at::kHalf : at::kBFloat16;
+      return commThread_->submit(
+          fmt::format("rank {}: 16-bit ring all-reduce of bucket {}", comm_->rank(), index),
+          [this, buffer = b.buffer, wire] {
+            ringAllreduce16(*comm_, buffer, wire, /*tag=*/0, comm_->timeout());
+          });
+    }
+    case Compression::kTopK:
+      return comm_->allgather(b.gathered, b.topk->encode(b.buffer));
+  }
+  return nullptr;
+}
+
+void AllReduceStrategy::finishTransfer(size_t index) {
+  Bucket& b = buckets_[index];
+  if (options_.compression == Compression::kTopK) {
+    b.topk->decode(b.gathered, comm_->size(), b.buffer);
   }
 }
 
@@ -130,6 +166,7 @@ void AllReduceStrategy::finishGradients() {
     CARAVAN_CHECK(b.work != nullptr, "bucket {} was never launched", bi);
     b.work->wait(comm_->timeout());
     if (sink_) sink_("allreduce bucket " + std::to_string(bi), b.launchedAt, Clock::now());
+    finishTransfer(bi);
     b.buffer.mul_(scale);
     for (size_t j : b.slots) {
       Slot& s = slots_[j];

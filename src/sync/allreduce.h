@@ -3,6 +3,9 @@
 // gradient is ready during backward, so communication overlaps the rest of backward.
 // finishGradients() waits for all buckets and writes the averaged gradients back to .grad.
 //
+// With compression (sync.compression), buckets travel as 16-bit values or as top-k entries
+// with error feedback (compression.h); the launch order and the averaging stay the same.
+//
 // Parameters that received no gradient in a step contribute zeros; their buckets are launched
 // in finishGradients(). Buckets are always launched in index order on every rank (a bucket
 // whose predecessor is not launched yet waits for it), so collectives match across ranks
@@ -23,6 +26,8 @@
 #include <ATen/ATen.h>
 
 #include "comm/communicator.h"
+#include "sync/comm_thread.h"
+#include "sync/compression.h"
 #include "sync/strategy.h"
 
 namespace torch {
@@ -36,6 +41,8 @@ namespace caravan {
 struct AllReduceOptions {
   int64_t firstBucketBytes = 1 << 20;  // small first bucket: starts communication early
   int64_t bucketBytes = 25 << 20;      // later buckets, capped by bytes
+  Compression compression = Compression::kNone;  // how buckets travel (compression.h)
+  double topkRatio = 0.01;                       // topk: fraction of each bucket sent
 };
 
 class AllReduceStrategy : public Strategy {
@@ -65,10 +72,14 @@ class AllReduceStrategy : public Strategy {
     int64_t pending = 0;        // slots not ready yet this step
     WorkPtr work;
     std::chrono::steady_clock::time_point launchedAt;
+    std::unique_ptr<TopKCodec> topk;  // topk: this bucket's residual
+    at::Tensor gathered;              // topk: every rank's message
   };
 
   void onGradReady(size_t slot);
   void launchReadyInOrder();  // requires mutex_
+  WorkPtr launch(size_t index);
+  void finishTransfer(size_t index);  // after the bucket's work: buffer = sum over ranks
 
   std::shared_ptr<Communicator> comm_;
   AllReduceOptions options_;
@@ -80,6 +91,7 @@ class AllReduceStrategy : public Strategy {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;
   std::atomic<bool> enabled_{true};
+  std::unique_ptr<CommThread> commThread_;  // fp16/bf16: runs the 16-bit rings
 };
 
 }  // namespace caravan

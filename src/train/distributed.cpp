@@ -59,6 +59,8 @@ Strategy* Distributed::attach(torch::nn::Module& model) {
   AllReduceOptions o;
   o.bucketBytes = static_cast<int64_t>(config_.f64("sync.bucket_mb") * (1 << 20));
   o.firstBucketBytes = static_cast<int64_t>(config_.f64("sync.first_bucket_mb") * (1 << 20));
+  o.compression = parseCompression(config_.str("sync.compression"));
+  o.topkRatio = config_.f64("sync.topk_ratio");
   const std::string& mode = config_.str("sync.mode");
   if (mode == "allreduce") {
     strategy_ = std::make_unique<AllReduceStrategy>(comm, o);

@@ -1,0 +1,55 @@
+// Gradient compression for the all-reduce strategy (sync.compression), ALGORITHMS.md §1.5:
+//
+//   fp16, bf16  the bucket travels as 16-bit values: a ring reduce-scatter then all-gather over
+//               send/recv (ringAllreduce16), each hop adding in float32, so every rank sends
+//               and receives 2(W-1)/W x 2 bytes per element (float32's ring: x 4). The reduced
+//               chunks are rounded to 16 bits once more before the all-gather, so every rank
+//               ends with identical values.
+//   topk        (DGC, Lin et al. 2018) with error feedback: each rank adds the gradient to its
+//               residual, sends the k = ceil(ratio * n) largest-magnitude entries as (value,
+//               index) through one all-gather and keeps the rest in the residual; nothing is
+//               dropped, only delayed. Ratio 1 sends everything (= no compression up to the
+//               order of the float sums).
+//
+// Threading: ringAllreduce16 blocks its caller (the strategy runs it on its communication
+// thread); TopKCodec is used by one thread at a time.
+#pragma once
+
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "comm/communicator.h"
+
+namespace caravan {
+
+enum class Compression { kNone, kFp16, kBf16, kTopK };
+
+// "none" | "fp16" | "bf16" | "topk" (ConfigError otherwise).
+Compression parseCompression(const std::string& name);
+
+// In place: `buffer` (float32, contiguous) becomes the sum over ranks, with 16-bit `wire`
+// values (kHalf or kBFloat16) on the wire. Every rank calls it with the same numel; blocking;
+// waits at most `timeout` per hop (PeerError naming the neighbour after that).
+void ringAllreduce16(Communicator& comm, at::Tensor buffer, at::ScalarType wire, int tag,
+                     std::chrono::milliseconds timeout);
+
+// Top-k selection with error feedback for one bucket of n elements.
+class TopKCodec {
+ public:
+  TopKCodec(int64_t numel, double ratio);
+  int64_t k() const { return k_; }
+  // residual += grad; returns the packed message: k values then k int32 indices (as float32
+  // bits); the sent entries leave the residual.
+  at::Tensor encode(const at::Tensor& grad);
+  // The sum over ranks of what `gathered` (W packed messages back to back) carries, into `out`
+  // (numel elements, overwritten).
+  void decode(const at::Tensor& gathered, int world, at::Tensor& out) const;
+  const at::Tensor& residual() const { return residual_; }
+
+ private:
+  int64_t k_;
+  at::Tensor residual_;
+};
+
+}  // namespace caravan
