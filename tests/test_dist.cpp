@@ -300,3 +300,55 @@ TEST(DistCompression, TopKRatioOneMatchesNoneAnd16BitStaysClose) {
                 diff);
   }
 }
+
+// Parameter server (BSP): W workers + S servers give the BSP all-reduce's parameters after 20
+// steps up to the order of the float sums, with SGD momentum and with AdamW; one worker works.
+class DistParameterServer : public ::testing::TestWithParam<std::tuple<int, int, std::string>> {};
+
+TEST_P(DistParameterServer, MatchesAllReduce) {
+  const auto [workers, servers, optim] = GetParam();
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                        "optim.name=" + optim, "optim.weight_decay=0.01"});
+  ASSERT_EQ(runRanks(workers, tmp / "bsp", o), std::vector<int>(workers, 0));
+  auto p = with(o, {"sync.mode=ps-bsp", "sync.servers=" + std::to_string(servers)});
+  ASSERT_EQ(runRanks(workers + servers, tmp / "ps", p), std::vector<int>(workers + servers, 0))
+      << test::readFile(tmp / "ps.rank0.log") << test::readFile(tmp / "ps.rank1.log");
+  const double diff = maxAbsDiff(finalParams(tmp / "bsp", o), finalParams(tmp / "ps", o));
+  EXPECT_LE(diff, 1e-5);
+  std::printf("ps-bsp %d workers + %d servers (%s) vs all-reduce: max |difference| %.3g\n",
+              workers, servers, optim.c_str(), diff);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    WorkersServers, DistParameterServer,
+    ::testing::Values(std::make_tuple(1, 1, "sgd"), std::make_tuple(3, 1, "sgd"),
+                      std::make_tuple(3, 2, "adamw"), std::make_tuple(2, 2, "sgd")));
+
+// A server killed mid-run: the workers exit 7 naming it as a server.
+TEST(DistParameterServerFault, KilledServerIsNamed) {
+  TempDir tmp;
+  auto p = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                        "train.max_steps=10000000", "sync.mode=ps-bsp", "fault.timeout=10"});
+  const int port = pickFreeLoopbackPort();
+  std::string script;
+  for (int r = 0; r < 3; ++r) {
+    script += "RANK=" + std::to_string(r) + " WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+              std::to_string(port) + " timeout 60 " + CARAVAN_BINARY +
+              " train -q --config /dev/null" + setArgs(p) + " --run-dir " + (tmp / "run") +
+              " 2>" + (tmp / ("err" + std::to_string(r))) + " & pids[" + std::to_string(r) +
+              "]=$!; ";
+  }
+  // pids[2] is `timeout`; the server is its child.
+  script += "sleep 4; pkill -9 -P ${pids[2]}; wait ${pids[0]}; echo $?; wait ${pids[1]}; echo $?";
+  FILE* pipe = ::popen(("bash -c '" + script + "'").c_str(), "r");
+  std::vector<int> codes;
+  int code;
+  while (std::fscanf(pipe, "%d", &code) == 1) codes.push_back(code);
+  ::pclose(pipe);
+  ASSERT_EQ(codes, std::vector<int>({7, 7}));
+  for (int r = 0; r < 2; ++r) {
+    const std::string err = test::readFile(tmp / ("err" + std::to_string(r)));
+    EXPECT_EQ(err.rfind("caravan: error: rank 2 (server) is lost", 0), 0u) << err;
+  }
+}

@@ -61,6 +61,12 @@ Config loadTrainConfig(const std::string& configPath, const std::vector<std::str
   return Config::fromFile(configPath, overrides);
 }
 
+// Server processes beside the workers: sync.servers in parameter-server modes, else none.
+int serverCount(const Config& config) {
+  return config.str("sync.mode").rfind("ps-", 0) == 0 ? static_cast<int>(config.i64("sync.servers"))
+                                                       : 0;
+}
+
 int runTrain(const std::string& configPath, const std::vector<std::string>& overrides,
              std::string runDir, const std::string& resumeDir, int64_t stopAtStep, bool quiet,
              bool trace) {
@@ -99,7 +105,8 @@ int runTrain(const std::string& configPath, const std::vector<std::string>& over
   if (s.stoppedEarly) {
     if (!quiet) {
       const std::string workers = options.world.launcher == "caravan"
-                                      ? fmt::format(" --workers {}", options.world.worldSize)
+                                      ? fmt::format(" --workers {}", options.world.worldSize -
+                                                                         serverCount(config))
                                       : "";
       std::fprintf(stderr, "checkpoint %s written; continue with: caravan train --resume %s%s\n",
                    s.lastCheckpoint.c_str(), options.runDir.c_str(), workers.c_str());
@@ -126,7 +133,8 @@ int launchTrain(int argc, char** argv, int workers, const std::string& configPat
   // Check the config here, once, rather than in N workers.
   const Config config = loadTrainConfig(configPath, overrides, resumeDir);
   LaunchOptions launch;
-  launch.workers = workers;
+  // Parameter-server modes: N workers plus sync.servers server processes.
+  launch.workers = workers + serverCount(config);
   launch.program = argv[0];
   launch.args.assign(argv + 1, argv + argc);
   if (!resumeDir.empty()) {

@@ -184,16 +184,17 @@ std::string Heartbeat::explain(const std::string& seen) {
     return step < 0 ? std::string("it had reported no completed step")
                     : fmt::format("it last reported step {}", step);
   };
+  auto role = [this](int r) { return r < options_.workers ? "worker" : "server"; };
   std::vector<std::string> parts;
   if (storeLost_ && !options_.hostsStore) {
     parts.push_back(fmt::format("rank 0 ({}, host of the rendezvous store {}) is lost: the store "
                                 "stopped answering",
-                                options_.role, options_.storeAddress));
+                                role(0), options_.storeAddress));
   }
   for (const RankStatus& s : statuses) {
     if (s.state == RankStatus::State::kLost) {
       parts.push_back(fmt::format("rank {} ({}) is lost: no heartbeat for {} ({})", s.rank,
-                                  options_.role, comm::formatDuration(options_.window),
+                                  role(s.rank), comm::formatDuration(options_.window),
                                   after(s.lastStep)));
     }
   }
@@ -201,7 +202,7 @@ std::string Heartbeat::explain(const std::string& seen) {
     // Nobody lost: name the first rank that left with an error of its own.
     for (const RankStatus& s : statuses) {
       if (s.state == RankStatus::State::kLeft && s.reason != "finished") {
-        parts.push_back(fmt::format("rank {} ({}) failed ({}): {}", s.rank, options_.role,
+        parts.push_back(fmt::format("rank {} ({}) failed ({}): {}", s.rank, role(s.rank),
                                     after(s.lastStep), s.reason));
         break;
       }

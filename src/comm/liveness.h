@@ -35,7 +35,7 @@ struct HeartbeatOptions {
   std::chrono::milliseconds interval{500};  // between beats
   std::chrono::milliseconds window{2500};   // how long diagnose() watches for beats
   std::chrono::milliseconds linger{5000};   // store host: waits this long for others to leave
-  std::string role = "worker";              // how diagnoses name ranks ("worker", "server")
+  int workers = 1 << 30;  // ranks below are named "worker" in diagnoses, the others "server"
   bool hostsStore = false;                  // this rank serves the store (rank 0, TCP store)
   std::string storeAddress;                 // host:port of the store, for messages
 };

@@ -100,8 +100,12 @@ std::vector<ConfigOption> buildSchema() {
       strOpt("sync.mode", "allreduce",
              "how workers synchronize (multi-worker runs): allreduce (BSP, gradients averaged "
              "every step), local-sgd (parameters averaged every sync.local_period steps), "
-             "gossip (parameters mixed with neighbours every step, D-PSGD)",
-             {"allreduce", "local-sgd", "gossip"}),
+             "gossip (parameters mixed with neighbours every step, D-PSGD), ps-bsp (parameter "
+             "servers run the optimizer; BSP)",
+             {"allreduce", "local-sgd", "gossip", "ps-bsp"}),
+      intOpt("sync.servers", 1, 1, 1024,
+             "parameter-server modes (ps-*): how many of the world's ranks (the last ones) "
+             "serve parameter shards; --workers N then starts N workers plus these"),
       intOpt("sync.local_period", 4, 1, kMaxInt,
              "local-sgd: optimizer steps between parameter averagings (H)"),
       intOpt("sync.post_local_steps", 0, 0, kMaxInt,

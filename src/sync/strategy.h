@@ -33,6 +33,9 @@ class Strategy {
   // Called once, before the first step: e.g. broadcast rank 0's parameters.
   virtual void attach(torch::nn::Module& model) = 0;
   virtual void beforeForward(int64_t step) {}
+  // The step's learning rate, set before beforeForward; for strategies that run the
+  // optimizer elsewhere (parameter servers).
+  virtual void setLearningRate(double lr) {}
   // After backward, before clipping and the optimizer: every rank's .grad holds what the
   // optimizer should apply (e.g. the average over ranks, or the local gradient).
   virtual void finishGradients() = 0;
@@ -42,6 +45,11 @@ class Strategy {
   // (local SGD, gossip), so evaluation and checkpoints see one model. Returns how far apart
   // they were (consensus distance, 0 for strategies that keep replicas equal).
   virtual double consolidate() { return 0.0; }
+  // True when finishGradients() already installed the updated parameters (the optimizer runs
+  // on servers): the trainer skips its own optimizer step.
+  virtual bool updatesParameters() const { return false; }
+  // After the last step on every rank (normal end or a stop): say goodbye to servers.
+  virtual void finish() {}
 
   // Timeline callback: (name, start, end) of each communication, for --trace.
   virtual void setEventSink(CommEventSink sink) { sink_ = std::move(sink); }

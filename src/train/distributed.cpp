@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/torch.h>
 
 #include "comm/factory.h"
@@ -12,6 +13,8 @@
 #include "sync/allreduce.h"
 #include "sync/gossip.h"
 #include "sync/local_sgd.h"
+#include "sync/parameter_server.h"
+#include "train/setup.h"
 #include "train/timeline.h"
 
 namespace caravan {
@@ -29,9 +32,31 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
   // MPI brings its own wire-up (mpirun); only Gloo rendezvouses through the store.
   c10::intrusive_ptr<c10d::Store> store;
   if (backend != "mpi") store = makeStore(options.world, so);
-  comm = makeCommunicator(backend, options.world, store, timeout);
+  world = makeCommunicator(backend, options.world, store, timeout);
+  comm = world;
+  const std::string& mode = config.str("sync.mode");
+  servers_ = mode.rfind("ps-", 0) == 0 ? static_cast<int>(config.i64("sync.servers")) : 0;
+  workers_ = options.world.worldSize - servers_;
+  if (workers_ < 1) {
+    throw ConfigError(fmt::format("sync.mode {} with sync.servers = {} leaves no worker in a "
+                                  "world of {}; start more processes or use fewer servers",
+                                  mode, servers_, options.world.worldSize));
+  }
+  if (servers_ > 0) {
+    if (backend != "gloo") {
+      throw ConfigError(fmt::format("sync.mode {} runs on dist.backend = gloo only so far", mode));
+    }
+    // The workers' own group: evaluation, the per-step agreement, the initial broadcast.
+    if (!isServer()) {
+      WorldInfo group = options.world;
+      group.worldSize = workers_;
+      comm = makeCommunicator(backend, group,
+                              c10::make_intrusive<c10d::PrefixStore>("workers", store), timeout);
+    }
+  }
   if (store) {
     HeartbeatOptions ho;
+    ho.workers = workers_;
     ho.hostsStore = so.kind == "tcp" && options.world.rank == 0;
     ho.storeAddress = so.kind == "tcp"
                           ? fmt::format("{}:{}", options.world.masterAddr, options.world.masterPort)
@@ -39,6 +64,13 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
     heartbeat_ = std::make_unique<Heartbeat>(store, options.world.rank, options.world.worldSize,
                                              ho);
   }
+}
+
+void Distributed::serve() {
+  runParameterServer(
+      *world, workers_,
+      [this](std::vector<at::Tensor> params) { return makeOptimizer(config_, std::move(params)); },
+      [this](int64_t step) { stepDone(step); });
 }
 
 void Distributed::stepDone(int64_t step) {
@@ -62,7 +94,13 @@ Strategy* Distributed::attach(torch::nn::Module& model) {
   o.compression = parseCompression(config_.str("sync.compression"));
   o.topkRatio = config_.f64("sync.topk_ratio");
   const std::string& mode = config_.str("sync.mode");
-  if (mode == "allreduce") {
+  if (mode == "ps-bsp") {
+    if (config_.f64("optim.grad_clip") > 0.0) {
+      throw ConfigError("optim.grad_clip is not supported with parameter-server modes yet (the "
+                        "global norm spans the servers' shards); set optim.grad_clip = 0");
+    }
+    strategy_ = std::make_unique<PsWorkerStrategy>(world, comm, servers_);
+  } else if (mode == "allreduce") {
     strategy_ = std::make_unique<AllReduceStrategy>(comm, o);
   } else if (mode == "local-sgd") {
     LocalSgdOptions l;

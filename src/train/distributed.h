@@ -50,10 +50,18 @@ class Distributed {
   // Tells the other ranks this one is leaving because of `reason`.
   void leave(const std::string& reason);
 
-  std::shared_ptr<Communicator> comm;
+  // Parameter-server modes: the last sync.servers ranks serve; the others are workers.
+  bool isServer() const { return servers_ > 0 && world->rank() >= workers_; }
+  // A server's whole run (parameter_server.h); returns when every worker said goodbye.
+  void serve();
+
+  std::shared_ptr<Communicator> world;  // every rank
+  std::shared_ptr<Communicator> comm;   // the workers (= world without servers)
 
  private:
   const Config& config_;
+  int servers_ = 0;
+  int workers_ = 1;
   std::unique_ptr<Strategy> strategy_;
   std::unique_ptr<Heartbeat> heartbeat_;  // declared last: destroyed (lingers) first
 };

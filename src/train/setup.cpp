@@ -59,13 +59,18 @@ ModelSpec makeModelSpec(const Config& config) {
 }
 
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const Config& config, BlockModel& model) {
+  return makeOptimizer(config, model->parameters());
+}
+
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const Config& config,
+                                                       std::vector<at::Tensor> params) {
   const double lr = config.f64("optim.lr");
   if (config.str("optim.name") == "adamw") {
     torch::optim::AdamWOptions o(lr);
     o.betas({config.f64("optim.beta1"), config.f64("optim.beta2")});
     o.eps(config.f64("optim.eps"));
     o.weight_decay(config.f64("optim.weight_decay"));
-    return std::make_unique<torch::optim::AdamW>(model->parameters(), o);
+    return std::make_unique<torch::optim::AdamW>(params, o);
   }
   torch::optim::SGDOptions o(lr);
   o.momentum(config.f64("optim.momentum"));
@@ -74,7 +79,7 @@ std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const Config& config, Blo
   if (o.nesterov() && o.momentum() <= 0.0) {
     throw ConfigError("optim.nesterov = true needs optim.momentum > 0");
   }
-  return std::make_unique<torch::optim::SGD>(model->parameters(), o);
+  return std::make_unique<torch::optim::SGD>(params, o);
 }
 
 ScheduleOptions makeScheduleOptions(const Config& config, int64_t totalSteps) {

@@ -27,6 +27,9 @@ void applyThreadConfig(const Config& config);
 DatasetSplits makeDatasets(const Config& config);
 ModelSpec makeModelSpec(const Config& config);
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const Config& config, BlockModel& model);
+// The same optimizer over given tensors (a parameter server's shard).
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const Config& config,
+                                                       std::vector<at::Tensor> params);
 ScheduleOptions makeScheduleOptions(const Config& config, int64_t totalSteps);
 
 // Sets the learning rate of every parameter group.

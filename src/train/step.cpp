@@ -33,7 +33,7 @@ StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, cons
   if (gradClip > 0.0) {
     result.gradNorm = torch::nn::utils::clip_grad_norm_(model->parameters(), gradClip);
   }
-  optimizer.step();
+  if (strategy == nullptr || !strategy->updatesParameters()) optimizer.step();
   if (strategy != nullptr) strategy->afterStep(step);
   result.loss = loss.item<double>();
   return result;

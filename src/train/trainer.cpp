@@ -66,8 +66,10 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   samplerOptions.datasetSize = data.train->size();
   samplerOptions.batchSize = config.i64("data.batch_size");
   samplerOptions.seed = static_cast<uint64_t>(config.i64("seed.data"));
-  samplerOptions.rank = options.world.rank;
-  samplerOptions.worldSize = options.world.worldSize;
+  // Data is sharded over the workers (parameter servers read none).
+  const int workers = comm != nullptr ? comm->size() : 1;
+  samplerOptions.rank = comm != nullptr ? comm->rank() : 0;
+  samplerOptions.worldSize = workers;
   Loader loader(data.train, samplerOptions, config.i64("data.prefetch"));
   const int64_t perEpoch = loader.batchesPerEpoch();
   const int64_t totalSteps = config.i64("train.max_steps") > 0
@@ -111,8 +113,8 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
       model->modelName(), model->numBlocks(), static_cast<double>(params) / 1e6,
       data.train->name(), data.train->size(), data.test->size(), totalSteps,
       samplerOptions.batchSize,
-      dist ? fmt::format(" per worker x {} workers ({})", options.world.worldSize,
-                         comm->backend())
+      dist ? fmt::format(" per worker x {} workers ({}, {})", workers, comm->backend(),
+                         config.str("sync.mode"))
            : "",
       resumeFrom ? fmt::format(", resuming at step {} from {}", state.step, *resumeFrom) : ""));
 
@@ -166,6 +168,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     epoch = lb.position.epoch + 1;
     const double lr = learningRate(schedule, state.step);
     setLearningRate(*optimizer, lr);
+    if (strategy != nullptr) strategy->setLearningRate(lr);
     const auto stepStart = Clock::now();
     StepResult r = trainStep(model, *optimizer, lb.batch, gradClip, strategy, state.step);
     timeline.complete("forward", stepStart, r.forwardEnd);
@@ -193,7 +196,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     if (dist) dist->stepDone(state.step);
     state.position = nextPosition(lb.position, perEpoch);
     lastLoss = r.loss;
-    windowSamples += static_cast<double>(lb.batch.size() * options.world.worldSize);
+    windowSamples += static_cast<double>(lb.batch.size() * workers);
     const double windowS = secondsSince(windowStart);
     const double samplesPerS = windowS > 0 ? windowSamples / windowS : 0.0;
     progress.update(state.step, epoch, r.loss, lr, samplesPerS);
@@ -219,6 +222,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     }
   }
   progress.finish();
+  if (strategy != nullptr) strategy->finish();
   if (!summary.stoppedEarly && lastEvalStep != state.step) runEval();
   writeCheckpoint();
   summary.steps = state.step;
@@ -227,7 +231,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   summary.trainSeconds = trainSeconds();
   summary.samplesPerSecond =
       summary.trainSeconds > 0
-          ? static_cast<double>(state.step * samplerOptions.batchSize * options.world.worldSize) /
+          ? static_cast<double>(state.step * samplerOptions.batchSize * workers) /
                 summary.trainSeconds
           : 0.0;
   timeline.flush();
@@ -280,6 +284,10 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   }
   Distributed dist(config, options);
   try {
+    if (dist.isServer()) {
+      dist.serve();
+      return TrainSummary{};
+    }
     return runTraining(config, options, checkpoints, resumeFrom, metricsPath, &dist);
   } catch (const PeerError& e) {
     // Name the lost rank (from the heartbeats) rather than the socket that noticed.

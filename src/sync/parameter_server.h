@@ -1,0 +1,83 @@
+// Parameter server, BSP consistency (sync.mode = "ps-bsp"), ALGORITHMS.md §1.2.
+//
+// The world's first W ranks are workers, the last S (sync.servers) are servers. The flat
+// vector of the model's trainable parameters (float32, registration order) is cut into S
+// contiguous shards of equal size (balanced by bytes; a parameter may straddle two shards);
+// server s owns shard s and runs the optimizer on it. Per step every worker pushes its
+// gradient shard to each server with the step's learning rate; a server waits for all W
+// pushes, averages them in rank order, applies its optimizer and sends the new shard back;
+// workers install it. So every worker holds the same parameters after every step, and the
+// result equals the BSP all-reduce up to the order of the float sums (test).
+//
+// Messages (all through the Communicator, tags below): at start rank 0 sends each server the
+// parameter count and its shard's initial values. A push is [gradient shard, lr, stop]; stop
+// = 1 (with a zero gradient) is the worker's goodbye at the end of training; a server returns
+// when every worker said goodbye.
+//
+// Not yet (later steps of issue 4): ASP/SSP, OSP, pushes overlapped with backward, gradient
+// clipping (global norm across shards), server state in checkpoints.
+//
+// Threading: trainer thread (worker) / the server's main thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "comm/communicator.h"
+#include "sync/strategy.h"
+
+namespace torch {
+namespace optim {
+class Optimizer;
+}
+}  // namespace torch
+
+namespace caravan {
+
+// Which elements of the flat parameter vector server s owns: [begin(s), end(s)).
+struct ShardLayout {
+  int64_t total = 0;
+  int servers = 1;
+  int64_t begin(int s) const { return total * s / servers; }
+  int64_t end(int s) const { return total * (s + 1) / servers; }
+  int64_t size(int s) const { return end(s) - begin(s); }
+};
+
+class PsWorkerStrategy : public Strategy {
+ public:
+  // `world`: every rank (workers then servers); `workers`: the workers' own group.
+  PsWorkerStrategy(std::shared_ptr<Communicator> world, std::shared_ptr<Communicator> workers,
+                   int numServers);
+  std::string name() const override { return "ps-bsp"; }
+  void attach(torch::nn::Module& model) override;
+  void setLearningRate(double lr) override { lr_ = lr; }
+  void finishGradients() override;
+  bool updatesParameters() const override { return true; }
+  void finish() override;
+
+ private:
+  int serverRank(int s) const { return world_->size() - servers_ + s; }
+
+  std::shared_ptr<Communicator> world_;
+  std::shared_ptr<Communicator> workers_;
+  int servers_;
+  std::vector<at::Tensor> params_;
+  ShardLayout layout_;
+  double lr_ = 0.0;
+  bool finished_ = false;
+};
+
+// Builds the optimizer a server runs over its shard (the trainer's optim.* settings).
+using OptimizerFactory =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+
+// A server rank's whole life: receives its shard from rank 0, then serves pushes until every
+// worker said goodbye. `stepDone(n)` after the n-th update (for the heartbeat).
+void runParameterServer(Communicator& world, int numWorkers, const OptimizerFactory& optimizer,
+                        const std::function<void(int64_t)>& stepDone = {});
+
+}  // namespace caravan
