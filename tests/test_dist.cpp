@@ -352,3 +352,41 @@ TEST(DistParameterServerFault, KilledServerIsNamed) {
     EXPECT_EQ(err.rfind("caravan: error: rank 2 (server) is lost", 0), 0u) << err;
   }
 }
+
+// OSP with every chunk in stage 1 is ps-bsp (bitwise here: same sums, the optimizer stepping
+// chunks instead of the shard is elementwise the same); with half the chunks in stage 2 it
+// trains, with LGP on and off, across 2 servers and several chunks per server.
+TEST(DistOsp, FractionOneIsPsBspAndHalfTrains) {
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                        "sync.servers=2", "sync.osp_chunk=1000", "train.max_steps=40",
+                        "optim.lr=0.05"});
+  ASSERT_EQ(runRanks(5, tmp / "ps", with(o, {"sync.mode=ps-bsp"})), std::vector<int>(5, 0));
+  ASSERT_EQ(runRanks(5, tmp / "osp1", with(o, {"sync.mode=osp", "sync.osp_fraction=1"})),
+            std::vector<int>(5, 0))
+      << test::readFile(tmp / "osp1.rank0.log") << test::readFile(tmp / "osp1.rank3.log");
+  const double diff = maxAbsDiff(finalParams(tmp / "ps", o), finalParams(tmp / "osp1", o));
+  EXPECT_LE(diff, 1e-6);
+  std::printf("osp fraction 1 vs ps-bsp: max |difference| %.3g\n", diff);
+  for (const std::string lgp : {"true", "false"}) {
+    const std::string dir = tmp / ("half-" + lgp);
+    ASSERT_EQ(runRanks(5, dir, with(o, {"sync.mode=osp", "sync.osp_fraction=0.5",
+                                        "sync.osp_lgp=" + lgp})),
+              std::vector<int>(5, 0))
+        << test::readFile(dir + ".rank0.log") << test::readFile(dir + ".rank3.log");
+    std::vector<double> losses;
+    std::istringstream lines(test::readFile(dir + "/metrics.jsonl"));
+    for (std::string line; std::getline(lines, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j["kind"] == "train") losses.push_back(j["loss"].get<double>());
+    }
+    ASSERT_EQ(losses.size(), 40u);
+    double first = 0, last = 0;
+    for (int i = 0; i < 5; ++i) first += losses[i], last += losses[losses.size() - 1 - i];
+    EXPECT_LT(last, 0.8 * first) << "lgp " << lgp;
+    const double gap = maxAbsDiff(finalParams(dir, o), finalParams(tmp / "ps", o));
+    EXPECT_GT(gap, 0.0) << "half the chunks one step late cannot equal BSP";
+    std::printf("osp fraction 0.5 lgp %s: loss %.3f -> %.3f, max |difference| to ps-bsp %.3g\n",
+                lgp.c_str(), first / 5, last / 5, gap);
+  }
+}

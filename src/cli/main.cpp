@@ -18,6 +18,7 @@
 #include "core/config.h"
 #include "core/errors.h"
 #include "train/checkpoint.h"
+#include "train/distributed.h"
 #include "train/setup.h"
 #include "train/step.h"
 #include "train/trainer.h"
@@ -63,8 +64,7 @@ Config loadTrainConfig(const std::string& configPath, const std::vector<std::str
 
 // Server processes beside the workers: sync.servers in parameter-server modes, else none.
 int serverCount(const Config& config) {
-  return config.str("sync.mode").rfind("ps-", 0) == 0 ? static_cast<int>(config.i64("sync.servers"))
-                                                       : 0;
+  return usesServers(config.str("sync.mode")) ? static_cast<int>(config.i64("sync.servers")) : 0;
 }
 
 int runTrain(const std::string& configPath, const std::vector<std::string>& overrides,

@@ -101,16 +101,29 @@ std::vector<ConfigOption> buildSchema() {
              "how workers synchronize (multi-worker runs): allreduce (BSP, gradients averaged "
              "every step), local-sgd (parameters averaged every sync.local_period steps), "
              "gossip (parameters mixed with neighbours every step, D-PSGD), ps-bsp (parameter "
-             "servers run the optimizer; BSP)",
-             {"allreduce", "local-sgd", "gossip", "ps-bsp"}),
+             "servers run the optimizer; BSP), osp (parameter servers, two-stage "
+             "synchronization with local-gradient correction)",
+             {"allreduce", "local-sgd", "gossip", "ps-bsp", "osp"}),
       intOpt("sync.servers", 1, 1, 1024,
-             "parameter-server modes (ps-*): how many of the world's ranks (the last ones) "
+             "parameter-server modes (ps-*, osp): how many of the world's ranks (the last ones) "
              "serve parameter shards; --workers N then starts N workers plus these"),
       intOpt("sync.local_period", 4, 1, kMaxInt,
              "local-sgd: optimizer steps between parameter averagings (H)"),
       intOpt("sync.post_local_steps", 0, 0, kMaxInt,
              "local-sgd: BSP all-reduce for the first K steps, local steps after (post-local "
              "SGD); 0 = local from the start"),
+      floatOpt("sync.osp_fraction", 0.5, 0.0, 1.0,
+               "osp: fraction of each server's chunks synchronized in stage 1 (blocking); the "
+               "rest go in stage 2, overlapped with the next step",
+               true),
+      strOpt("sync.osp_policy", "magnitude",
+             "osp: which chunks go in stage 1: magnitude (largest mean |gradient| of the last "
+             "step) or layer-order (first layers first)",
+             {"magnitude", "layer-order"}),
+      boolOpt("sync.osp_lgp", true,
+              "osp: correct stage-2 parameters with the local gradient until the global values "
+              "arrive (false: they stay one step stale; for ablation)"),
+      intOpt("sync.osp_chunk", 4096, 1, kMaxInt, "osp: elements per chunk of a server's shard"),
       strOpt("sync.gossip_topology", "ring",
              "gossip: ring (mix with ranks r-1 and r+1) or complete (mix with every rank: "
              "parameter averaging)",

@@ -25,20 +25,36 @@ PsWorkerStrategy::PsWorkerStrategy(std::shared_ptr<Communicator> world,
                 world_->size());
 }
 
+void seedServers(Communicator& world, const Communicator& workers, const at::Tensor& flat,
+                 const ShardLayout& layout) {
+  if (workers.rank() != 0) return;
+  at::Tensor count = at::full({1}, layout.total, at::kLong);
+  for (int s = 0; s < layout.servers; ++s) {
+    const int server = workers.size() + s;
+    world.send(count, server, kTagSetup)->wait(world.timeout());
+    at::Tensor shard = flat.narrow(0, layout.begin(s), layout.size(s)).contiguous();
+    world.send(shard, server, kTagSetup)->wait(world.timeout());
+  }
+}
+
+at::Tensor receiveShard(Communicator& world, int numWorkers, ShardLayout* layout) {
+  const int s = world.rank() - numWorkers;
+  layout->servers = world.size() - numWorkers;
+  CARAVAN_CHECK(s >= 0 && s < layout->servers, "rank {} is not a server", world.rank());
+  at::Tensor count = at::empty({1}, at::kLong);
+  world.recv(count, 0, kTagSetup)->wait(world.timeout());
+  layout->total = count.item<int64_t>();
+  at::Tensor shard = at::empty({layout->size(s)}, at::kFloat);
+  world.recv(shard, 0, kTagSetup)->wait(world.timeout());
+  return shard;
+}
+
 void PsWorkerStrategy::attach(torch::nn::Module& model) {
   broadcastModel(*workers_, model);
   params_ = syncedParameters(model);
   layout_.servers = servers_;
   for (const auto& p : params_) layout_.total += p.numel();
-  if (workers_->rank() != 0) return;
-  // Rank 0 seeds every server with its shard.
-  const at::Tensor flat = flatten(params_);
-  at::Tensor count = at::full({1}, layout_.total, at::kLong);
-  for (int s = 0; s < servers_; ++s) {
-    world_->send(count, serverRank(s), kTagSetup)->wait(world_->timeout());
-    at::Tensor shard = flat.narrow(0, layout_.begin(s), layout_.size(s)).contiguous();
-    world_->send(shard, serverRank(s), kTagSetup)->wait(world_->timeout());
-  }
+  seedServers(*world_, *workers_, flatten(params_), layout_);
 }
 
 void PsWorkerStrategy::finishGradients() {
@@ -78,19 +94,11 @@ void PsWorkerStrategy::finish() {
 
 void runParameterServer(Communicator& world, int numWorkers, const OptimizerFactory& optimizer,
                         const std::function<void(int64_t)>& stepDone) {
-  const int s = world.rank() - numWorkers;
-  const int servers = world.size() - numWorkers;
-  CARAVAN_CHECK(s >= 0 && s < servers, "rank {} is not a server", world.rank());
-  // No timeout while waiting for rank 0 or pushes beyond the communicator's: a worker that is
+  // Waits (for rank 0, for pushes) are bounded by the communicator's timeout: a worker that is
   // slow to start or to step fails the wait with its rank named.
-  at::Tensor count = at::empty({1}, at::kLong);
-  world.recv(count, 0, kTagSetup)->wait(world.timeout());
   ShardLayout layout;
-  layout.total = count.item<int64_t>();
-  layout.servers = servers;
-  const int64_t n = layout.size(s);
-  at::Tensor shard = at::empty({n}, at::kFloat);
-  world.recv(shard, 0, kTagSetup)->wait(world.timeout());
+  at::Tensor shard = receiveShard(world, numWorkers, &layout);
+  const int64_t n = shard.numel();
   shard.set_requires_grad(true);
   auto opt = optimizer({shard});
   std::vector<at::Tensor> pushes(numWorkers);

@@ -47,6 +47,13 @@ struct ShardLayout {
   int64_t size(int s) const { return end(s) - begin(s); }
 };
 
+// Rank 0 of `workers` sends each server (world ranks W..W+S-1) the parameter count and its
+// shard of `flat`; the others do nothing. Collective-free (point to point).
+void seedServers(Communicator& world, const Communicator& workers, const at::Tensor& flat,
+                 const ShardLayout& layout);
+// A server's side of seedServers: its shard (float32) and the layout.
+at::Tensor receiveShard(Communicator& world, int numWorkers, ShardLayout* layout);
+
 class PsWorkerStrategy : public Strategy {
  public:
   // `world`: every rank (workers then servers); `workers`: the workers' own group.

@@ -13,11 +13,27 @@
 #include "sync/allreduce.h"
 #include "sync/gossip.h"
 #include "sync/local_sgd.h"
+#include "sync/osp.h"
 #include "sync/parameter_server.h"
 #include "train/setup.h"
 #include "train/timeline.h"
 
 namespace caravan {
+
+bool usesServers(const std::string& mode) { return mode.rfind("ps-", 0) == 0 || mode == "osp"; }
+
+namespace {
+
+OspOptions ospOptions(const Config& config) {
+  OspOptions o;
+  o.fraction = config.f64("sync.osp_fraction");
+  o.policy = config.str("sync.osp_policy");
+  o.lgp = config.flag("sync.osp_lgp");
+  o.chunkElements = config.i64("sync.osp_chunk");
+  return o;
+}
+
+}  // namespace
 
 Distributed::Distributed(const Config& config, const TrainerOptions& options) : config_(config) {
   const auto timeout = std::chrono::milliseconds(
@@ -35,7 +51,7 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
   world = makeCommunicator(backend, options.world, store, timeout);
   comm = world;
   const std::string& mode = config.str("sync.mode");
-  servers_ = mode.rfind("ps-", 0) == 0 ? static_cast<int>(config.i64("sync.servers")) : 0;
+  servers_ = usesServers(mode) ? static_cast<int>(config.i64("sync.servers")) : 0;
   workers_ = options.world.worldSize - servers_;
   if (workers_ < 1) {
     throw ConfigError(fmt::format("sync.mode {} with sync.servers = {} leaves no worker in a "
@@ -67,10 +83,15 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
 }
 
 void Distributed::serve() {
-  runParameterServer(
-      *world, workers_,
-      [this](std::vector<at::Tensor> params) { return makeOptimizer(config_, std::move(params)); },
-      [this](int64_t step) { stepDone(step); });
+  auto optimizer = [this](std::vector<at::Tensor> params) {
+    return makeOptimizer(config_, std::move(params));
+  };
+  auto onStep = [this](int64_t step) { stepDone(step); };
+  if (config_.str("sync.mode") == "osp") {
+    runOspServer(*world, workers_, ospOptions(config_), optimizer, onStep);
+  } else {
+    runParameterServer(*world, workers_, optimizer, onStep);
+  }
 }
 
 void Distributed::stepDone(int64_t step) {
@@ -94,12 +115,14 @@ Strategy* Distributed::attach(torch::nn::Module& model) {
   o.compression = parseCompression(config_.str("sync.compression"));
   o.topkRatio = config_.f64("sync.topk_ratio");
   const std::string& mode = config_.str("sync.mode");
+  if (usesServers(mode) && config_.f64("optim.grad_clip") > 0.0) {
+    throw ConfigError("optim.grad_clip is not supported with parameter-server modes yet (the "
+                      "global norm spans the servers' shards); set optim.grad_clip = 0");
+  }
   if (mode == "ps-bsp") {
-    if (config_.f64("optim.grad_clip") > 0.0) {
-      throw ConfigError("optim.grad_clip is not supported with parameter-server modes yet (the "
-                        "global norm spans the servers' shards); set optim.grad_clip = 0");
-    }
     strategy_ = std::make_unique<PsWorkerStrategy>(world, comm, servers_);
+  } else if (mode == "osp") {
+    strategy_ = std::make_unique<OspWorkerStrategy>(world, comm, servers_, ospOptions(config_));
   } else if (mode == "allreduce") {
     strategy_ = std::make_unique<AllReduceStrategy>(comm, o);
   } else if (mode == "local-sgd") {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "comm/communicator.h"
 #include "core/config.h"
@@ -20,6 +21,9 @@ class Module;
 namespace caravan {
 
 class Heartbeat;
+
+// Whether sync.mode `mode` runs parameter servers beside the workers (ps-*, osp).
+bool usesServers(const std::string& mode);
 class Timeline;
 
 struct Agreement {

@@ -1,0 +1,269 @@
+// OSP workers and servers (see osp.h).
+#include "sync/osp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <optional>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "core/errors.h"
+#include "sync/replicas.h"
+
+namespace caravan {
+namespace {
+
+constexpr int kTagPush1 = 21;  // worker -> server: [g[I], lr, stop]
+constexpr int kTagPull1 = 22;  // server -> worker: w[I]
+constexpr int kTagPush2 = 23;  // worker -> server: g[U]
+constexpr int kTagPull2 = 24;  // server -> worker: [w[U], next split flags]
+
+int64_t stage1Count(int64_t chunks, double fraction) {
+  if (chunks == 0) return 0;
+  return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(fraction * chunks)), 1, chunks);
+}
+
+// Shard-local element indices of the chunks with stage1 == `stage1`.
+at::Tensor localIndices(const ChunkSplit& split, bool stage1) {
+  std::vector<at::Tensor> parts;
+  for (int64_t c = 0; c < split.numChunks(); ++c) {
+    if ((split.stage1[c] != 0) == stage1) {
+      parts.push_back(at::arange(split.begin(c), split.begin(c) + split.size(c), at::kLong));
+    }
+  }
+  return parts.empty() ? at::empty({0}, at::kLong) : at::cat(parts);
+}
+
+}  // namespace
+
+ChunkSplit initialSplit(int64_t shardSize, const OspOptions& options) {
+  ChunkSplit s;
+  s.shardSize = shardSize;
+  s.chunk = std::max<int64_t>(1, options.chunkElements);
+  const int64_t chunks = (shardSize + s.chunk - 1) / s.chunk;
+  s.stage1.assign(static_cast<size_t>(chunks), 0);
+  const int64_t k = stage1Count(chunks, options.fraction);
+  for (int64_t c = 0; c < k; ++c) s.stage1[c] = 1;
+  return s;
+}
+
+OspWorkerStrategy::OspWorkerStrategy(std::shared_ptr<Communicator> world,
+                                     std::shared_ptr<Communicator> workers, int numServers,
+                                     OspOptions options)
+    : world_(std::move(world)),
+      workers_(std::move(workers)),
+      servers_(numServers),
+      options_(std::move(options)) {
+  CARAVAN_CHECK(world_ && workers_ && servers_ >= 1 &&
+                    workers_->size() + servers_ == world_->size(),
+                "OSP: {} servers in a world of {}", servers_, world_->size());
+  CARAVAN_CHECK(options_.fraction > 0.0 && options_.fraction <= 1.0, "OSP fraction {}",
+                options_.fraction);
+}
+
+void OspWorkerStrategy::attach(torch::nn::Module& model) {
+  broadcastModel(*workers_, model);
+  params_ = syncedParameters(model);
+  layout_.servers = servers_;
+  for (const auto& p : params_) layout_.total += p.numel();
+  global_ = flatten(params_);
+  seedServers(*world_, *workers_, global_, layout_);
+  splits_.clear();
+  for (int s = 0; s < servers_; ++s) splits_.push_back(initialSplit(layout_.size(s), options_));
+  commThread_ = std::make_unique<CommThread>();
+}
+
+at::Tensor OspWorkerStrategy::indices(int s, bool stage1) const {
+  return localIndices(splits_[s], stage1).add_(layout_.begin(s));
+}
+
+void OspWorkerStrategy::install(const at::Tensor& index, const at::Tensor& values) {
+  global_.index_copy_(0, index, values);
+}
+
+void OspWorkerStrategy::drainStage2() {
+  if (!stage2_) return;
+  stage2_->wait(world_->timeout());
+  stage2_.reset();
+  at::Tensor flat = flatten(params_);
+  for (int s = 0; s < servers_; ++s) {
+    const int64_t n = stage2Index_[s].numel();
+    const at::Tensor values = stage2Reply_[s].narrow(0, 0, n);
+    install(stage2Index_[s], values);
+    flat.index_copy_(0, stage2Index_[s], values);  // the global values replace the LGP guess
+    const at::Tensor flags = stage2Reply_[s].narrow(0, n, splits_[s].numChunks());
+    for (int64_t c = 0; c < splits_[s].numChunks(); ++c) {
+      splits_[s].stage1[c] = flags[c].item<float>() != 0.0f ? 1 : 0;
+    }
+  }
+  unflattenInto(flat, params_);
+}
+
+void OspWorkerStrategy::finishGradients() {
+  drainStage2();  // w_t complete; the split for this step known
+  std::vector<at::Tensor> grads;
+  grads.reserve(params_.size());
+  for (const auto& p : params_) grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
+  const at::Tensor g = flatten(grads);
+  // Stage 1: blocking.
+  const at::Tensor control = torch::tensor({static_cast<float>(lr_), 0.0f});
+  std::vector<at::Tensor> idx1(servers_), idx2(servers_), push1(servers_), pull1(servers_);
+  std::vector<WorkPtr> work;
+  for (int s = 0; s < servers_; ++s) {
+    idx1[s] = indices(s, true);
+    idx2[s] = indices(s, false);
+    pull1[s] = at::empty({idx1[s].numel()}, at::kFloat);
+    work.push_back(world_->recv(pull1[s], serverRank(s), kTagPull1));
+  }
+  for (int s = 0; s < servers_; ++s) {
+    push1[s] = at::cat({g.index_select(0, idx1[s]), control});
+    work.push_back(world_->send(push1[s], serverRank(s), kTagPush1));
+  }
+  for (auto& w : work) w->wait(world_->timeout());
+  for (int s = 0; s < servers_; ++s) install(idx1[s], pull1[s]);
+  // The working copy: global values where known (I_t now), LGP (or stale) values for U_t.
+  at::Tensor working = global_.clone();
+  if (options_.lgp) {
+    for (int s = 0; s < servers_; ++s) {
+      working.index_add_(0, idx2[s], g.index_select(0, idx2[s]), -lr_);
+    }
+  }
+  unflattenInto(working, params_);
+  // Stage 2: in the background, overlapping the next step.
+  stage2Index_ = idx2;
+  stage2Reply_.assign(servers_, at::Tensor());
+  std::vector<at::Tensor> push2(servers_);
+  for (int s = 0; s < servers_; ++s) {
+    push2[s] = g.index_select(0, idx2[s]);
+    stage2Reply_[s] = at::empty({idx2[s].numel() + splits_[s].numChunks()}, at::kFloat);
+  }
+  stage2_ = commThread_->submit(
+      fmt::format("rank {}: OSP stage 2", world_->rank()),
+      [this, push2, replies = stage2Reply_] {
+        std::vector<WorkPtr> w;
+        for (int s = 0; s < servers_; ++s) {
+          w.push_back(world_->recv(replies[s], serverRank(s), kTagPull2));
+        }
+        for (int s = 0; s < servers_; ++s) {
+          w.push_back(world_->send(push2[s], serverRank(s), kTagPush2));
+        }
+        for (auto& x : w) x->wait(world_->timeout());
+      });
+}
+
+double OspWorkerStrategy::consolidate() {
+  drainStage2();
+  return 0.0;
+}
+
+void OspWorkerStrategy::finish() {
+  if (finished_) return;
+  finished_ = true;
+  drainStage2();
+  std::vector<at::Tensor> byes;
+  std::vector<WorkPtr> work;
+  for (int s = 0; s < servers_; ++s) {
+    byes.push_back(at::zeros({indices(s, true).numel() + 2}, at::kFloat));
+    byes.back()[-1] = 1.0f;
+    work.push_back(world_->send(byes.back(), serverRank(s), kTagPush1));
+  }
+  for (auto& w : work) w->wait(world_->timeout());
+}
+
+void runOspServer(Communicator& world, int numWorkers, const OspOptions& options,
+                  const OptimizerFactory& optimizer,
+                  const std::function<void(int64_t)>& stepDone) {
+  ShardLayout layout;
+  const at::Tensor shard = receiveShard(world, numWorkers, &layout);
+  ChunkSplit split = initialSplit(shard.numel(), options);
+  // One optimizer parameter per chunk, so a stage steps exactly its chunks.
+  std::vector<at::Tensor> chunks;
+  for (int64_t c = 0; c < split.numChunks(); ++c) {
+    chunks.push_back(shard.narrow(0, split.begin(c), split.size(c)).clone().set_requires_grad(true));
+  }
+  auto opt = optimizer(chunks);
+  std::vector<double> score(chunks.size(), 0.0);  // mean |averaged gradient| of the last step
+  // One stage: receive every worker's values for the chosen chunks (plus, for stage 1, the
+  // control elements [lr, stop]), average in rank order, step those chunks. Returns the
+  // chunks' new values, or nullopt when every worker said goodbye.
+  auto stage = [&](bool stage1, int tag, double* lr) -> std::optional<std::vector<at::Tensor>> {
+    const int64_t extra = stage1 ? 2 : 0;
+    std::vector<int64_t> chosen;
+    int64_t n = 0;
+    for (int64_t c = 0; c < split.numChunks(); ++c) {
+      if ((split.stage1[c] != 0) == stage1) {
+        chosen.push_back(c);
+        n += split.size(c);
+      }
+    }
+    std::vector<at::Tensor> msgs(numWorkers);
+    std::vector<WorkPtr> work;
+    for (int k = 0; k < numWorkers; ++k) {
+      msgs[k] = at::empty({n + extra}, at::kFloat);
+      work.push_back(world.recv(msgs[k], k, tag));
+    }
+    for (auto& w : work) w->wait(world.timeout());
+    if (stage1) {
+      int goodbyes = 0;
+      for (const auto& m : msgs) goodbyes += m[n + 1].item<float>() != 0.0f;
+      if (goodbyes == numWorkers) return std::nullopt;
+      if (goodbyes != 0) {
+        throw PeerError(fmt::format("rank {} (server): some workers said goodbye and others "
+                                    "pushed gradients; the workers disagree about the last step",
+                                    world.rank()));
+      }
+      *lr = msgs[0][n].item<float>();
+    }
+    at::Tensor sum = msgs[0].narrow(0, 0, n).clone();
+    for (int k = 1; k < numWorkers; ++k) sum.add_(msgs[k].narrow(0, 0, n));
+    sum.mul_(1.0 / static_cast<double>(numWorkers));
+    for (auto& c : chunks) c.mutable_grad() = at::Tensor();
+    int64_t at = 0;
+    for (int64_t c : chosen) {
+      at::Tensor g = sum.narrow(0, at, split.size(c));
+      chunks[c].mutable_grad() = g;
+      score[c] = g.abs().mean().item<double>();
+      at += split.size(c);
+    }
+    for (auto& group : opt->param_groups()) group.options().set_lr(*lr);
+    opt->step();
+    std::vector<at::Tensor> values;
+    for (int64_t c : chosen) values.push_back(chunks[c].detach());
+    return values;
+  };
+  auto send = [&](const at::Tensor& reply, int tag) {
+    std::vector<WorkPtr> work;
+    for (int k = 0; k < numWorkers; ++k) work.push_back(world.send(reply, k, tag));
+    for (auto& w : work) w->wait(world.timeout());
+  };
+  auto catOrEmpty = [](const std::vector<at::Tensor>& v) {
+    return v.empty() ? at::empty({0}, at::kFloat) : at::cat(v);
+  };
+  double lr = 0.0;
+  for (int64_t step = 0;; ++step) {
+    const auto w1 = stage(true, kTagPush1, &lr);
+    if (!w1) return;  // every worker said goodbye
+    send(catOrEmpty(*w1), kTagPull1);
+    const auto w2 = stage(false, kTagPush2, &lr);
+    // The split for the next step, from this step's full averaged gradient.
+    ChunkSplit next = split;
+    if (options.policy == "magnitude") {
+      std::vector<int64_t> order(chunks.size());
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int64_t a, int64_t b) { return score[a] > score[b]; });
+      std::fill(next.stage1.begin(), next.stage1.end(), 0);
+      const int64_t k = stage1Count(split.numChunks(), options.fraction);
+      for (int64_t i = 0; i < k; ++i) next.stage1[order[i]] = 1;
+    }
+    at::Tensor flags = at::empty({next.numChunks()}, at::kFloat);
+    for (int64_t c = 0; c < next.numChunks(); ++c) flags[c] = next.stage1[c] ? 1.0f : 0.0f;
+    send(at::cat({catOrEmpty(*w2), flags}), kTagPull2);
+    split = next;
+    if (stepDone) stepDone(step + 1);
+  }
+}
+
+}  // namespace caravan

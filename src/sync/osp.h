@@ -1,0 +1,100 @@
+// OSP: two-stage synchronization with local-gradient parameter correction (sync.mode = "osp"),
+// ALGORITHMS.md §1.3, on the parameter-server layout of parameter_server.h.
+//
+// Each server cuts its shard into chunks of `chunkElements` and marks a fraction of them
+// stage 1 (I_t), the rest stage 2 (U_t). A worker's step t, after backward:
+//   1. waits for stage 2 of step t-1 and installs its global values w_t[U_{t-1}] (and the
+//      split for step t that came with them);
+//   2. stage 1 (blocking): pushes g_t[I_t] with the learning rate; servers average all W,
+//      update those chunks and return w_{t+1}[I_t], which the worker installs;
+//   3. LGP: w~_{t+1}[U_t] = w_t[U_t] - lr * g_t[U_t] (the worker's own gradient standing in for
+//      the global one; the plain-SGD correction for every optimizer (ours)); with LGP off
+//      U_t keeps w_t[U_t], one step stale;
+//   4. stage 2 (on the CommThread, overlapping step t+1's forward and backward): pushes
+//      g_t[U_t]; servers average, update, and return w_{t+1}[U_t] with the split for t+1.
+// Every gradient is applied exactly once, on the server, in step order: a server serves stage 1
+// then stage 2 of step t before stage 1 of step t+1, and its optimizer holds one parameter per
+// chunk and steps only the chunks of the current stage, so momentum and Adam moments see each
+// chunk's updates in order. Staleness is bounded by one step.
+//
+// The split for step t+1 is chosen from the full averaged gradient of step t, so it travels with
+// the stage-2 reply (ours; the paper's stage-1 reply would only know I_t's part). Policies:
+// "magnitude" (chunks by mean |g|, largest first), "layer-order" (the first chunks of the flat
+// vector — the first layers, which the next forward needs first). Step 0 uses layer order.
+// With fraction 1 every chunk is stage 1: exactly ps-bsp (test).
+//
+// Not yet: `auto` sizing of the fraction from measured compute time.
+//
+// Threading: trainer thread; stage 2 on the strategy's CommThread.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sync/comm_thread.h"
+#include "sync/parameter_server.h"
+
+namespace caravan {
+
+struct OspOptions {
+  double fraction = 0.5;             // of each server's chunks in stage 1, (0, 1]
+  std::string policy = "magnitude";  // magnitude | layer-order
+  bool lgp = true;
+  int64_t chunkElements = 4096;
+};
+
+// The chunks of one server's shard and which are stage 1.
+struct ChunkSplit {
+  int64_t shardSize = 0;
+  int64_t chunk = 1;
+  std::vector<uint8_t> stage1;  // per chunk
+  int64_t numChunks() const { return static_cast<int64_t>(stage1.size()); }
+  int64_t begin(int64_t c) const { return c * chunk; }
+  int64_t size(int64_t c) const { return std::min(chunk, shardSize - c * chunk); }
+};
+
+// Step 0's split: the first ceil(fraction * chunks) chunks (at least one when any).
+ChunkSplit initialSplit(int64_t shardSize, const OspOptions& options);
+
+class OspWorkerStrategy : public Strategy {
+ public:
+  OspWorkerStrategy(std::shared_ptr<Communicator> world, std::shared_ptr<Communicator> workers,
+                    int numServers, OspOptions options);
+  std::string name() const override { return "osp"; }
+  void attach(torch::nn::Module& model) override;
+  void setLearningRate(double lr) override { lr_ = lr; }
+  void finishGradients() override;
+  bool updatesParameters() const override { return true; }
+  double consolidate() override;
+  void finish() override;
+
+ private:
+  int serverRank(int s) const { return workers_->size() + s; }
+  // Flat indices of server s's stage-1 (stage1 = true) or stage-2 chunks.
+  at::Tensor indices(int s, bool stage1) const;
+  void install(const at::Tensor& index, const at::Tensor& values);
+  void drainStage2();
+
+  std::shared_ptr<Communicator> world_;
+  std::shared_ptr<Communicator> workers_;
+  int servers_;
+  OspOptions options_;
+  std::vector<at::Tensor> params_;
+  ShardLayout layout_;
+  std::vector<ChunkSplit> splits_;  // per server
+  at::Tensor global_;               // w_t as far as known: flat
+  double lr_ = 0.0;
+  bool finished_ = false;
+  // Stage 2 in flight: per server, the flat indices it covers and the reply buffer.
+  WorkPtr stage2_;
+  std::vector<at::Tensor> stage2Index_, stage2Reply_;
+  std::unique_ptr<CommThread> commThread_;
+};
+
+// A server rank's whole life under OSP (see runParameterServer).
+void runOspServer(Communicator& world, int numWorkers, const OspOptions& options,
+                  const OptimizerFactory& optimizer,
+                  const std::function<void(int64_t)>& stepDone = {});
+
+}  // namespace caravan
