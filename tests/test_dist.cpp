@@ -262,7 +262,15 @@ TEST(DistDecentralized, LocalSgdAndGossipTrainAndReportTheSpread) {
     std::istringstream lines(test::readFile(dir + "/metrics.jsonl"));
     for (std::string line; std::getline(lines, line);) {
       auto j = nlohmann::json::parse(line);
-      if (j["kind"] == "train") losses.push_back(j["loss"].get<double>());
+      if (j["kind"] == "train") {
+        losses.push_back(j["loss"].get<double>());
+        // The per-step split: positive compute, non-negative waiting, together no more than
+        // the step's share of wall time (batch * 3 workers / samples_per_s).
+        const double compute = j["compute_s"].get<double>(), wait = j["sync_wait_s"].get<double>();
+        EXPECT_GT(compute, 0.0);
+        EXPECT_GE(wait, 0.0);
+        EXPECT_LE(compute + wait, 1.01 * 24.0 / j["samples_per_s"].get<double>()) << line;
+      }
       if (j["kind"] == "eval") spreads.push_back(j["consensus_distance"].get<double>());
     }
     ASSERT_EQ(losses.size(), 60u) << mode;

@@ -34,8 +34,10 @@ StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, cons
     result.gradNorm = torch::nn::utils::clip_grad_norm_(model->parameters(), gradClip);
   }
   if (strategy == nullptr || !strategy->updatesParameters()) optimizer.step();
+  result.optimizerEnd = std::chrono::steady_clock::now();
   if (strategy != nullptr) strategy->afterStep(step);
   result.loss = loss.item<double>();
+  result.stepEnd = std::chrono::steady_clock::now();
   return result;
 }
 

@@ -25,8 +25,9 @@ at::Tensor taskLoss(TaskKind task, const at::Tensor& output, const at::Tensor& t
 struct StepResult {
   double loss = 0.0;      // the mini-batch loss before the update
   double gradNorm = 0.0;  // global L2 norm of the gradient (before clipping); 0 if not computed
-  // When each phase ended, for the timeline: forward, backward, gradient synchronization.
-  std::chrono::steady_clock::time_point forwardEnd, backwardEnd, syncEnd;
+  // When each phase ended, for the timeline and the compute/synchronization split: forward,
+  // backward, gradient synchronization, the optimizer, the strategy's afterStep.
+  std::chrono::steady_clock::time_point forwardEnd, backwardEnd, syncEnd, optimizerEnd, stepEnd;
 };
 
 class Strategy;

@@ -161,6 +161,10 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
 
   model->train();
   double windowSamples = 0.0;
+  // Per-step means over the log window (rank 0): forward + backward + optimizer, and the time
+  // blocked on synchronization (gradient exchange after backward, the strategy's afterStep).
+  double windowCompute = 0.0, windowSync = 0.0;
+  int64_t windowSteps = 0;
   Clock::time_point windowStart = Clock::now();
   double lastLoss = std::nan("");
   while (state.step < totalSteps) {
@@ -174,7 +178,15 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     timeline.complete("forward", stepStart, r.forwardEnd);
     timeline.complete("backward", r.forwardEnd, r.backwardEnd);
     if (strategy != nullptr) timeline.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
-    timeline.complete("optimizer", r.syncEnd, Clock::now());
+    timeline.complete("optimizer", r.syncEnd, r.optimizerEnd);
+    if (strategy != nullptr) timeline.complete("after-step sync", r.optimizerEnd, r.stepEnd);
+    auto seconds = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double>(b - a).count();
+    };
+    windowCompute += seconds(stepStart, r.syncEnd) - seconds(r.backwardEnd, r.syncEnd) +
+                     seconds(r.syncEnd, r.optimizerEnd);
+    windowSync += seconds(r.backwardEnd, r.syncEnd) + seconds(r.optimizerEnd, r.stepEnd);
+    ++windowSteps;
     bool interrupted = (options.stopAtStep > 0 && state.step + 1 >= options.stopAtStep) ||
                        (options.stopRequested != nullptr && options.stopRequested->load());
     bool timeUp = maxSeconds > 0 && trainSeconds() >= maxSeconds;
@@ -203,8 +215,11 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     if (state.step % logEvery == 0 || state.step == totalSteps) {
       if (metrics) metrics->write({{"kind", "train"}, {"step", state.step}, {"epoch", epoch},
                      {"loss", r.loss}, {"lr", lr}, {"samples_per_s", samplesPerS},
-                     {"time_s", trainSeconds()}});
+                     {"compute_s", windowCompute / windowSteps},
+                     {"sync_wait_s", windowSync / windowSteps}, {"time_s", trainSeconds()}});
       windowSamples = 0.0;
+      windowCompute = windowSync = 0.0;
+      windowSteps = 0;
       windowStart = Clock::now();
     }
     const bool epochEnd = state.position.batchInEpoch == 0;
