@@ -39,12 +39,15 @@ if ! [[ "$hosts" =~ ^[0-9]+$ ]] || (( hosts < 1 || hosts > 200 )); then
   echo "netns_hosts.sh: --hosts must be 1..200, got $hosts" >&2
   exit 2
 fi
-if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null || ! ip netns list >/dev/null 2>&1; then
-  echo "netns_hosts.sh: skipped: needs root and iproute2 (ip netns)" >&2
+tag="cv$$"
+# `ip netns list` works unprivileged; only adding one proves we may (CAP_SYS_ADMIN).
+if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null ||
+   ! ip netns add "${tag}probe" 2>/dev/null; then
+  echo "netns_hosts.sh: skipped: needs root and iproute2 (ip netns add failed)" >&2
   exit 77
 fi
+ip netns del "${tag}probe"
 
-tag="cv$$"
 hub="${tag}hub"
 addrs=""
 for ((i = 0; i < hosts; i++)); do addrs+="198.18.0.$((i + 1)) "; done
@@ -71,9 +74,8 @@ ip -n "$hub" link set br0 up
 for ((i = 0; i < hosts; i++)); do
   ns="${tag}h$i"
   ip netns add "$ns"
-  ip link add "${tag}a$i" type veth peer name "${tag}b$i"
-  ip link set "${tag}a$i" netns "$ns"
-  ip link set "${tag}b$i" netns "$hub"
+  # Both ends born inside their namespaces: nothing is left in the root namespace if we stop.
+  ip link add "${tag}a$i" netns "$ns" type veth peer name "${tag}b$i" netns "$hub"
   ip -n "$ns" link set "${tag}a$i" name eth0
   ip -n "$ns" addr add "198.18.0.$((i + 1))/24" dev eth0
   ip -n "$ns" link set eth0 up

@@ -7,11 +7,14 @@
 
 #include <cmath>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/torch.h>
 
 #include "sync/compression.h"
 #include "sync/gossip.h"
 #include "sync/local_sgd.h"
+#include "sync/osp.h"
+#include "sync/parameter_server.h"
 #include "sync/replicas.h"
 #include "gloo_ranks.h"
 
@@ -198,3 +201,71 @@ TEST(TopK, ErrorFeedbackDelaysButNeverDrops) {
   EXPECT_TRUE(at::equal(o, g));
   EXPECT_EQ(all.residual().abs().sum().item<double>(), 0.0);
 }
+
+// Parameter servers apply every gradient exactly once: workers (threads) push fixed gradients
+// for T steps through ps-bsp or OSP (half the chunks in stage 2, both split policies, 1 or 2
+// servers); with plain SGD and lr 1/8 the result must be exactly w0 - lr * sum_t mean_k g_t^k
+// (every value is a small binary fraction, so no rounding), on every worker.
+class ServersApplyOnce
+    : public ::testing::TestWithParam<std::tuple<std::string, std::string, int>> {};
+
+TEST_P(ServersApplyOnce, EveryGradientExactlyOnce) {
+  const auto [mode, policy, servers] = GetParam();
+  constexpr int kWorkers = 2, kSteps = 6;
+  constexpr double kLr = 0.125;
+  auto gradient = [](int rank, int step) { return valuesOf(rank * 7 + step, 11); };
+  at::Tensor expected = at::zeros({11});
+  for (int t = 0; t < kSteps; ++t) {
+    expected -= kLr * (gradient(0, t) + gradient(1, t)) / 2.0;
+  }
+  OspOptions o;
+  o.fraction = 0.5;
+  o.policy = policy;
+  o.chunkElements = 2;  // 11 elements: several chunks per server
+  auto sgd = [](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(kLr));
+  };
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  expectNoErrors(runGlooRanks(
+      kWorkers + servers, loopbackOptions(kTimeout),
+      [&, mode = mode, servers = servers](std::shared_ptr<Communicator> world) {
+        if (world->rank() >= kWorkers) {
+          if (mode == "osp") {
+            runOspServer(*world, kWorkers, o, sgd);
+          } else {
+            runParameterServer(*world, kWorkers, sgd);
+          }
+          return;
+        }
+        auto workers = std::make_shared<GlooCommunicator>(
+            c10::make_intrusive<c10d::PrefixStore>("workers", store), world->rank(), kWorkers,
+            loopbackOptions(kTimeout));
+        std::unique_ptr<Strategy> s;
+        if (mode == "osp") {
+          s = std::make_unique<OspWorkerStrategy>(world, workers, servers, o);
+        } else {
+          s = std::make_unique<PsWorkerStrategy>(world, workers, servers);
+        }
+        Net net;
+        s->attach(net);
+        for (int t = 0; t < kSteps; ++t) {
+          s->setLearningRate(kLr);
+          const at::Tensor g = gradient(world->rank(), t);
+          net.a.mutable_grad() = g.narrow(0, 0, 6).view({2, 3}).clone();
+          net.b.mutable_grad() = g.narrow(0, 6, 5).clone();
+          s->finishGradients();
+        }
+        s->consolidate();
+        s->finish();
+        EXPECT_TRUE(at::equal(replica(net), expected))
+            << "rank " << world->rank() << ": " << replica(net) << " vs " << expected;
+      },
+      store));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, ServersApplyOnce,
+    ::testing::Values(std::make_tuple("ps-bsp", "", 1), std::make_tuple("ps-bsp", "", 2),
+                      std::make_tuple("osp", "magnitude", 1),
+                      std::make_tuple("osp", "magnitude", 2),
+                      std::make_tuple("osp", "layer-order", 2)));

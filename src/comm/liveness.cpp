@@ -186,7 +186,10 @@ std::string Heartbeat::explain(const std::string& seen) {
   };
   auto role = [this](int r) { return r < options_.workers ? "worker" : "server"; };
   std::vector<std::string> parts;
-  if (storeLost_ && !options_.hostsStore) {
+  if (storeLost_ && !options_.storeOnRank0) {
+    parts.push_back(fmt::format("the rendezvous store {} stopped answering",
+                                options_.storeAddress));
+  } else if (storeLost_ && !options_.hostsStore) {
     parts.push_back(fmt::format("rank 0 ({}, host of the rendezvous store {}) is lost: the store "
                                 "stopped answering",
                                 role(0), options_.storeAddress));

@@ -37,6 +37,7 @@ struct HeartbeatOptions {
   std::chrono::milliseconds linger{5000};   // store host: waits this long for others to leave
   int workers = 1 << 30;  // ranks below are named "worker" in diagnoses, the others "server"
   bool hostsStore = false;                  // this rank serves the store (rank 0, TCP store)
+  bool storeOnRank0 = true;                 // TCP store: its host is rank 0; false: a file
   std::string storeAddress;                 // host:port of the store, for messages
 };
 

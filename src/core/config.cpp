@@ -118,7 +118,8 @@ std::vector<ConfigOption> buildSchema() {
                true),
       strOpt("sync.osp_policy", "magnitude",
              "osp: which chunks go in stage 1: magnitude (largest mean |gradient| of the last "
-             "step) or layer-order (first layers first)",
+             "step) or layer-order (each server's first chunks: the earliest layers of its "
+             "shard)",
              {"magnitude", "layer-order"}),
       boolOpt("sync.osp_lgp", true,
               "osp: correct stage-2 parameters with the local gradient until the global values "

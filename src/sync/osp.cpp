@@ -204,7 +204,7 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
       msgs[k] = at::empty({n + extra}, at::kFloat);
       work.push_back(world.recv(msgs[k], k, tag));
     }
-    for (auto& w : work) w->wait(world.timeout());
+    for (auto& w : work) w->wait(kServerWait);  // workers may be evaluating (parameter_server.h)
     if (stage1) {
       int goodbyes = 0;
       for (const auto& m : msgs) goodbyes += m[n + 1].item<float>() != 0.0f;

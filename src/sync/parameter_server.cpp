@@ -42,7 +42,7 @@ at::Tensor receiveShard(Communicator& world, int numWorkers, ShardLayout* layout
   layout->servers = world.size() - numWorkers;
   CARAVAN_CHECK(s >= 0 && s < layout->servers, "rank {} is not a server", world.rank());
   at::Tensor count = at::empty({1}, at::kLong);
-  world.recv(count, 0, kTagSetup)->wait(world.timeout());
+  world.recv(count, 0, kTagSetup)->wait(kServerWait);  // rank 0 may be loading a checkpoint
   layout->total = count.item<int64_t>();
   at::Tensor shard = at::empty({layout->size(s)}, at::kFloat);
   world.recv(shard, 0, kTagSetup)->wait(world.timeout());
@@ -94,8 +94,6 @@ void PsWorkerStrategy::finish() {
 
 void runParameterServer(Communicator& world, int numWorkers, const OptimizerFactory& optimizer,
                         const std::function<void(int64_t)>& stepDone) {
-  // Waits (for rank 0, for pushes) are bounded by the communicator's timeout: a worker that is
-  // slow to start or to step fails the wait with its rank named.
   ShardLayout layout;
   at::Tensor shard = receiveShard(world, numWorkers, &layout);
   const int64_t n = shard.numel();
@@ -106,7 +104,7 @@ void runParameterServer(Communicator& world, int numWorkers, const OptimizerFact
   for (int64_t step = 0;; ++step) {
     std::vector<WorkPtr> work;
     for (int k = 0; k < numWorkers; ++k) work.push_back(world.recv(pushes[k], k, kTagPush));
-    for (auto& w : work) w->wait(world.timeout());
+    for (auto& w : work) w->wait(kServerWait);
     int goodbyes = 0;
     for (const auto& p : pushes) goodbyes += p[n + 1].item<float>() != 0.0f;
     if (goodbyes == numWorkers) return;

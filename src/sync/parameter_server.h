@@ -14,12 +14,18 @@
 // = 1 (with a zero gradient) is the worker's goodbye at the end of training; a server returns
 // when every worker said goodbye.
 //
-// Not yet (later steps of issue 4): ASP/SSP, OSP, pushes overlapped with backward, gradient
-// clipping (global norm across shards), server state in checkpoints.
+// Servers wait for workers without a deadline of their own (kServerWait): workers evaluate and
+// checkpoint between steps for as long as they need. A worker that dies closes its connections,
+// which fails the server's wait at once; one that freezes is found by the other workers (their
+// collectives time out), and their exit closes the server's connections too.
+//
+// Not yet (later steps of issue 4): ASP/SSP, pushes overlapped with backward, gradient clipping
+// (global norm across shards), server state in checkpoints. OSP builds on this: osp.h.
 //
 // Threading: trainer thread (worker) / the server's main thread.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -37,6 +43,8 @@ class Optimizer;
 }  // namespace torch
 
 namespace caravan {
+
+inline constexpr std::chrono::milliseconds kServerWait = std::chrono::hours(24);
 
 // Which elements of the flat parameter vector server s owns: [begin(s), end(s)).
 struct ShardLayout {

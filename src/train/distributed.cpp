@@ -74,6 +74,7 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
     HeartbeatOptions ho;
     ho.workers = workers_;
     ho.hostsStore = so.kind == "tcp" && options.world.rank == 0;
+    ho.storeOnRank0 = so.kind == "tcp";
     ho.storeAddress = so.kind == "tcp"
                           ? fmt::format("{}:{}", options.world.masterAddr, options.world.masterPort)
                           : so.filePath;
@@ -115,6 +116,11 @@ Strategy* Distributed::attach(torch::nn::Module& model) {
   o.compression = parseCompression(config_.str("sync.compression"));
   o.topkRatio = config_.f64("sync.topk_ratio");
   const std::string& mode = config_.str("sync.mode");
+  if (o.compression != Compression::kNone && mode != "allreduce") {
+    throw ConfigError(fmt::format("sync.compression = {} works with sync.mode = allreduce only "
+                                  "so far; set sync.compression = none for {}",
+                                  config_.str("sync.compression"), mode));
+  }
   if (usesServers(mode) && config_.f64("optim.grad_clip") > 0.0) {
     throw ConfigError("optim.grad_clip is not supported with parameter-server modes yet (the "
                       "global norm spans the servers' shards); set optim.grad_clip = 0");
