@@ -36,17 +36,25 @@ std::string setArgs(const std::vector<std::string>& overrides) {
   return s;
 }
 
+// A shell command starting rank r of `world` in the background (torchrun-style variables,
+// killed after `limitS` seconds) as `caravan train -q ARGS`, its pid in ${pids[r]} (the pid
+// of `timeout`; caravan is its child).
+std::string rankCommand(int r, int world, int port, int limitS, const std::string& args) {
+  return "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
+         " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+         " OMP_NUM_THREADS=1 timeout " + std::to_string(limitS) + " " + CARAVAN_BINARY +
+         " train -q " + args + " & pids[" + std::to_string(r) + "]=$!; ";
+}
+
 // Runs W ranks of `caravan train` with torchrun-style variables; returns the exit codes.
 std::vector<int> runRanks(int world, const std::string& runDir,
                           const std::vector<std::string>& overrides) {
   const int port = pickFreeLoopbackPort();
   std::string script;
   for (int r = 0; r < world; ++r) {
-    script += "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
-              " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
-              " OMP_NUM_THREADS=1 timeout 300 " + CARAVAN_BINARY + " train -q --config /dev/null" +
-              setArgs(overrides) + " --run-dir " + runDir + " >" + runDir + ".rank" +
-              std::to_string(r) + ".log 2>&1 & pids[" + std::to_string(r) + "]=$!; ";
+    script += rankCommand(r, world, port, 300,
+                          "--config /dev/null" + setArgs(overrides) + " --run-dir " + runDir +
+                              " >" + runDir + ".rank" + std::to_string(r) + ".log 2>&1");
   }
   script += "for p in ${pids[@]}; do wait $p; echo $?; done";
   FILE* pipe = ::popen(("bash -c '" + script + "'").c_str(), "r");
@@ -162,10 +170,8 @@ TEST(DistTrace, EachRankWritesAChromeTrace) {
   const int port = pickFreeLoopbackPort();
   std::string script;
   for (int r = 0; r < 2; ++r) {
-    script += "RANK=" + std::to_string(r) + " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
-              std::to_string(port) + " timeout 120 " + CARAVAN_BINARY +
-              " train -q --trace --config /dev/null" + setArgs(o) + " --run-dir " + (tmp / "run") +
-              " & ";
+    script += rankCommand(r, 2, port, 120,
+                          "--trace --config /dev/null" + setArgs(o) + " --run-dir " + (tmp / "run"));
   }
   script += "wait";
   ASSERT_EQ(std::system(("bash -c '" + script + "'").c_str()), 0);
@@ -341,11 +347,9 @@ TEST(DistParameterServerFault, KilledServerIsNamed) {
   const int port = pickFreeLoopbackPort();
   std::string script;
   for (int r = 0; r < 3; ++r) {
-    script += "RANK=" + std::to_string(r) + " WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
-              std::to_string(port) + " timeout 60 " + CARAVAN_BINARY +
-              " train -q --config /dev/null" + setArgs(p) + " --run-dir " + (tmp / "run") +
-              " 2>" + (tmp / ("err" + std::to_string(r))) + " & pids[" + std::to_string(r) +
-              "]=$!; ";
+    script += rankCommand(r, 3, port, 60,
+                          "--config /dev/null" + setArgs(p) + " --run-dir " + (tmp / "run") +
+                              " 2>" + (tmp / ("err" + std::to_string(r))));
   }
   // pids[2] is `timeout`; the server is its child.
   script += "sleep 4; pkill -9 -P ${pids[2]}; wait ${pids[0]}; echo $?; wait ${pids[1]}; echo $?";
