@@ -4,6 +4,9 @@ optimizer and thread count as a Caravan config, in Python PyTorch (Debian's pyth
 Prints one JSON object. Data: Fashion-MNIST images preloaded as one tensor (fmnist configs) or
 random token ids of the Brown vocabulary size (brown configs); batches are drawn by indexing
 preloaded tensors, the cheapest input path Python has.
+
+The helpers (read_config, build, make_optimizer, draw_batch, task_loss) are shared with the
+data-parallel peer, bench/peer_ddp.py.
 """
 import argparse
 import gzip
@@ -31,19 +34,16 @@ def load_fmnist(path):
     return x, labels
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    with open(a.config, "rb") as f:
-        cfg = tomllib.load(f)
-    data, model_cfg, optim = cfg.get("data", {}), cfg.get("model", {}), cfg.get("optim", {})
+def read_config(path):
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def build(cfg):
+    """(model, xs, ys, batch, clip) for a config: the twin of Caravan's model (initialized from
+    the current torch seed) and the preloaded training inputs and targets."""
+    data, model_cfg = cfg.get("data", {}), cfg.get("model", {})
     batch = data.get("batch_size", 64)
-    torch.manual_seed(0)
     if data.get("dataset", "fashion-mnist") == "brown":
         seq = data.get("seq_len", 128)
         tokens = torch.randint(0, BROWN_VOCAB, (4096, seq + 1))
@@ -56,23 +56,47 @@ def main():
         model = reference_models.build(model_cfg.get("name", "cnn"), model_cfg.get("width", 0),
                                        model_cfg.get("depth", 0), model_cfg.get("heads", 0),
                                        model_cfg.get("dropout", 0.0))
-    model.train()
+    clip = cfg.get("optim", {}).get("grad_clip", 0.0)
+    return model, xs, ys, batch, clip
+
+
+def make_optimizer(cfg, params):
+    optim = cfg.get("optim", {})
     lr = optim.get("lr", 0.01)
     if optim.get("name", "sgd") == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=optim.get("weight_decay", 0.0))
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=optim.get("momentum", 0.9),
-                              nesterov=optim.get("nesterov", False),
-                              weight_decay=optim.get("weight_decay", 0.0))
-    clip = optim.get("grad_clip", 0.0)
-    n = xs.size(0)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=optim.get("weight_decay", 0.0))
+    return torch.optim.SGD(params, lr=lr, momentum=optim.get("momentum", 0.9),
+                           nesterov=optim.get("nesterov", False),
+                           weight_decay=optim.get("weight_decay", 0.0))
+
+
+def draw_batch(xs, ys, batch, generator=None):
+    idx = torch.randint(0, xs.size(0), (batch,), generator=generator)
+    return xs.index_select(0, idx), ys.index_select(0, idx)
+
+
+def task_loss(out, y):
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    cfg = read_config(a.config)
+    torch.manual_seed(0)
+    model, xs, ys, batch, clip = build(cfg)
+    model.train()
+    opt = make_optimizer(cfg, model.parameters())
 
     def step():
-        idx = torch.randint(0, n, (batch,))
-        x, y = xs.index_select(0, idx), ys.index_select(0, idx)
+        x, y = draw_batch(xs, ys, batch)
         opt.zero_grad()
-        out = model(x)
-        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+        loss = task_loss(model(x), y)
         loss.backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

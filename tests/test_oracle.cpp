@@ -38,7 +38,7 @@ void compareWithPyTorch(const std::vector<std::string>& overrides) {
   }
   o.insert(o.end(), overrides.begin(), overrides.end());
   Config config = Config::fromString("", "<oracle>", o);
-  applyThreadConfig(config);
+  applyRuntimeConfig(config);
   DatasetSplits data = makeDatasets(config);
   const DataShape shape = data.train->shape();
   torch::manual_seed(7);

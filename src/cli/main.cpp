@@ -157,7 +157,7 @@ int runEval(const std::string& runDir, std::string checkpoint,
                                       runDir));
   }
   Config config = Config::fromFile(saved, overrides);
-  applyThreadConfig(config);
+  applyRuntimeConfig(config);
   if (checkpoint.empty()) {
     CheckpointDir dir(runDir, config.i64("checkpoint.keep"));
     auto latest = dir.latest();

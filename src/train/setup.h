@@ -20,9 +20,10 @@ class Optimizer;
 
 namespace caravan {
 
-// Sets LibTorch's intra-op threads and OpenBLAS's threads from train.threads (0 = leave the
-// library defaults).
-void applyThreadConfig(const Config& config);
+// Process-wide settings from the config: LibTorch's intra-op threads and OpenBLAS's threads
+// from train.threads (0 = leave the library defaults), and the allocator's thresholds
+// (train.keep_freed_memory). Call before building the model.
+void applyRuntimeConfig(const Config& config);
 
 DatasetSplits makeDatasets(const Config& config);
 ModelSpec makeModelSpec(const Config& config);

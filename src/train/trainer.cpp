@@ -291,7 +291,7 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
                                   options.runDir, options.runDir));
   }
 
-  applyThreadConfig(config);
+  applyRuntimeConfig(config);
   // Rendezvous after the checks above and before rank 0 writes anything, so every rank has
   // seen the run directory as it was.
   if (options.world.worldSize == 1) {

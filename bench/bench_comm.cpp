@@ -1,0 +1,401 @@
+// caravan_bench_comm: all-reduce (sum, float32, in place) time and bus bandwidth of Caravan's
+// communicators against the libraries they wrap, measured in the same process and interleaved.
+// Driven by bench/comm_bandwidth.py; prints one JSON object per (size, implementation) on
+// rank 0's stdout.
+//
+//   mpirun -np 2 --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader
+//       build/caravan_bench_comm --min-bytes 1024 --max-bytes 67108864 --factor 4
+//
+// Implementations (each on its own buffer and its own connections):
+//   caravan-gloo  GlooCommunicator::allreduce(kSum) + Work::wait (c10d::ProcessGroupGloo)
+//   raw-gloo      gloo::allreduce with gloo::AllreduceOptions on a gloo::rendezvous::Context over
+//                 the TCP transport on 127.0.0.1: the call ProcessGroupGloo makes, minus c10d
+//   caravan-mpi   the MPI communicator's allreduce(kSum) + Work::wait (MPI_Iallreduce + MPI_Test)
+//   raw-mpi       MPI_Allreduce(MPI_IN_PLACE, MPI_FLOAT, MPI_SUM) (Open MPI: coll/tuned)
+//   raw-mpi-nb    MPI_Iallreduce + MPI_Wait: the call Caravan's MPI backend makes (Open MPI:
+//                 coll/libnbc, which coll_tuned_* parameters do not affect)
+//
+// Method: for each size, warm-up samples, then `repeats` rounds; each round takes one sample of
+// every implementation in turn (A B C D E A B C D E ...). A sample is a barrier followed by
+// `iters` back-to-back all-reduces (enough to fill ~--batch-bytes, at least 1); its time per
+// all-reduce is the slowest rank's. The barriers and the maximum run on a separate raw Gloo
+// context by default (--control gloo): it blocks rather than spins, so waiting ranks do not
+// take CPU time from ranks still working when ranks outnumber cores. Reported: the median (and min/max) over rounds,
+// algbw = bytes / time and busbw = algbw * 2 (n - 1) / n (nccl-tests' convention). Before timing,
+// every implementation's result is checked (rank r contributes r + 1).
+//
+// Rank and world size come from MPI. A build without MPI (CARAVAN_WITH_MPI off) measures only
+// caravan-gloo and raw-gloo, and takes rank/size/master from the environment
+// (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, as caravan's launcher and torchrun set them).
+#if CARAVAN_BENCH_MPI
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/math.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "comm/factory.h"
+#include "comm/mpi_communicator.h"
+#include "comm/store.h"
+#include "comm/tcp_store.h"
+#include "comm/world.h"
+#include "core/errors.h"
+
+using namespace caravan;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// gloo's rendezvous Store over a c10d::Store (what ProcessGroupGloo's GlooStore does).
+class GlooStoreAdapter : public ::gloo::rendezvous::Store {
+ public:
+  explicit GlooStoreAdapter(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::vector<char>& value) override {
+    store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    auto v = store_->get(key);
+    return std::vector<char>(v.begin(), v.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { store_->wait(keys); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    store_->wait(keys, timeout);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// Synchronization and the cross-rank max of sample times, outside the measured operations.
+class Control {
+ public:
+  virtual ~Control() = default;
+  virtual void barrier() = 0;
+  virtual double max(double v) = 0;
+};
+
+std::shared_ptr<::gloo::rendezvous::Context> glooContext(c10::intrusive_ptr<c10d::Store> store,
+                                                         const std::string& prefix, int rank,
+                                                         int size,
+                                                         std::chrono::milliseconds timeout) {
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, std::move(store));
+  GlooStoreAdapter adapter(prefixed);
+  ::gloo::transport::tcp::attr attr;
+  attr.hostname = "127.0.0.1";
+  auto device = ::gloo::transport::tcp::CreateDevice(attr);
+  auto context = std::make_shared<::gloo::rendezvous::Context>(rank, size);
+  context->setTimeout(timeout);
+  context->connectFullMesh(adapter, device);
+  return context;
+}
+
+class GlooControl : public Control {
+ public:
+  explicit GlooControl(std::shared_ptr<::gloo::Context> c) : context_(std::move(c)) {}
+  void barrier() override {
+    ::gloo::BarrierOptions o(context_);
+    o.setTag(tag_++);
+    ::gloo::barrier(o);
+  }
+  double max(double v) override {
+    ::gloo::AllreduceOptions o(context_);
+    o.setOutput(&v, 1);
+    o.setReduceFunction(
+        static_cast<void (*)(void*, const void*, const void*, size_t)>(&::gloo::max<double>));
+    o.setTag(tag_++);
+    ::gloo::allreduce(o);
+    return v;
+  }
+
+ private:
+  std::shared_ptr<::gloo::Context> context_;
+  uint32_t tag_ = 0;
+};
+
+#if CARAVAN_BENCH_MPI
+class MpiControl : public Control {
+ public:
+  MpiControl() { MPI_Comm_dup(MPI_COMM_WORLD, &comm_); }
+  ~MpiControl() override { MPI_Comm_free(&comm_); }
+  void barrier() override { MPI_Barrier(comm_); }
+  double max(double v) override {
+    MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, comm_);
+    return v;
+  }
+
+ private:
+  MPI_Comm comm_;
+};
+#endif
+
+// One implementation under test: runs one in-place float32 sum all-reduce of its buffer.
+struct Impl {
+  std::string name;
+  std::function<void(at::Tensor&)> allreduce;
+  at::Tensor buffer;  // sized per message size
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string envOr(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : fallback;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"caravan_bench_comm: all-reduce bus bandwidth, Caravan vs raw Gloo/MPI"};
+  int64_t minBytes = 1024, maxBytes = 64ll << 20, factor = 4;
+  int repeats = 10, warmup = 2;
+  int64_t batchBytes = 8ll << 20;
+  int maxIters = 100;
+  int timeoutS = 300;
+  std::vector<std::string> only;
+  std::string controlKind = "gloo";
+  app.add_option("--min-bytes", minBytes, "smallest message, bytes (float32)")->default_val(minBytes);
+  app.add_option("--max-bytes", maxBytes, "largest message, bytes")->default_val(maxBytes);
+  app.add_option("--factor", factor, "size step (multiplier)")->default_val(factor);
+  app.add_option("--repeats", repeats, "measured rounds per size")->default_val(repeats);
+  app.add_option("--warmup", warmup, "unmeasured rounds per size")->default_val(warmup);
+  app.add_option("--batch-bytes", batchBytes,
+                 "a sample runs ceil(batch-bytes / size) all-reduces back to back (1..max-iters)")
+      ->default_val(batchBytes);
+  app.add_option("--max-iters", maxIters, "most all-reduces per sample")->default_val(maxIters);
+  app.add_option("--timeout", timeoutS, "seconds for rendezvous and each wait")->default_val(timeoutS);
+  app.add_option("--impls", only, "measure only these (caravan-gloo raw-gloo caravan-mpi raw-mpi raw-mpi-nb)");
+  app.add_option("--control", controlKind,
+                 "what runs the barriers and time maxima between samples: gloo (a separate "
+                 "raw Gloo context; blocks, so a rank waiting there leaves the CPU to the "
+                 "others) or mpi (MPI_Barrier; busy-polls)")
+      ->check(CLI::IsMember({"mpi", "gloo"}))
+      ->default_val(controlKind);
+  CLI11_PARSE(app, argc, argv);
+  if (minBytes < 4 || maxBytes < minBytes || factor < 2 || repeats < 1 || warmup < 0 ||
+      maxIters < 1) {
+    std::cerr << "caravan_bench_comm: error: bad size range, factor, repeats or iters\n";
+    return 2;
+  }
+  const auto timeout = std::chrono::milliseconds(int64_t{timeoutS} * 1000);
+
+  try {
+    at::set_num_threads(1);
+    WorldInfo world;
+#if CARAVAN_BENCH_MPI
+    int provided = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+    MPI_Comm_rank(MPI_COMM_WORLD, &world.rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world.worldSize);
+    world.launcher = "openmpi";
+    world.masterAddr = "127.0.0.1";
+    // Rank 0 serves the rendezvous store on a free loopback port and tells the others.
+    c10::intrusive_ptr<c10d::Store> store;
+    int port = 0;
+    if (world.rank == 0) {
+      TcpStoreOptions o;
+      o.host = world.masterAddr;
+      o.port = 0;
+      o.isServer = true;
+      o.timeout = timeout;
+      auto server = c10::make_intrusive<TcpStore>(o);
+      port = server->port();
+      store = server;
+    }
+    MPI_Bcast(&port, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    world.masterPort = port;
+    if (world.rank != 0) {
+      StoreOptions so;
+      so.timeout = timeout;
+      store = makeStore(world, so);
+    }
+#else
+    world = worldFromEnvironment(processEnvironment());
+    StoreOptions so;
+    so.timeout = timeout;
+    auto store = makeStore(world, so);
+#endif
+    const int rank = world.rank, n = world.worldSize;
+
+    // Connections, in the same order on every rank.
+    auto glooComm = makeCommunicator("gloo", world, store, timeout);
+    auto rawGloo = glooContext(store, "bench/raw-gloo", rank, n, timeout);
+#if CARAVAN_BENCH_MPI
+    auto mpiComm = makeCommunicator("mpi", world, store, timeout);  // the store is unused
+    MPI_Comm rawComm;
+    MPI_Comm_dup(MPI_COMM_WORLD, &rawComm);
+#endif
+    std::unique_ptr<Control> control;
+    if (controlKind == "gloo") {
+      control = std::make_unique<GlooControl>(glooContext(store, "bench/control", rank, n, timeout));
+    } else {
+#if CARAVAN_BENCH_MPI
+      control = std::make_unique<MpiControl>();
+#else
+      throw ConfigError("--control mpi needs a build with MPI");
+#endif
+    }
+
+    uint32_t rawGlooTag = 0;
+    std::vector<Impl> impls;
+    impls.push_back({"caravan-gloo", [&](at::Tensor& t) {
+                       glooComm->allreduce(t, ReduceOp::kSum)->wait(timeout);
+                     }, {}});
+    impls.push_back({"raw-gloo", [&](at::Tensor& t) {
+                       ::gloo::AllreduceOptions o(rawGloo);
+                       o.setOutput(t.data_ptr<float>(), static_cast<size_t>(t.numel()));
+                       o.setReduceFunction(
+                           static_cast<void (*)(void*, const void*, const void*, size_t)>(
+                               &::gloo::sum<float>));
+                       o.setTag(rawGlooTag++);
+                       o.setTimeout(timeout);
+                       ::gloo::allreduce(o);
+                     }, {}});
+#if CARAVAN_BENCH_MPI
+    impls.push_back({"caravan-mpi", [&](at::Tensor& t) {
+                       mpiComm->allreduce(t, ReduceOp::kSum)->wait(timeout);
+                     }, {}});
+    impls.push_back({"raw-mpi", [&](at::Tensor& t) {
+                       MPI_Allreduce(MPI_IN_PLACE, t.data_ptr<float>(), static_cast<int>(t.numel()),
+                                     MPI_FLOAT, MPI_SUM, rawComm);
+                     }, {}});
+    impls.push_back({"raw-mpi-nb", [&](at::Tensor& t) {
+                       MPI_Request r;
+                       MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr<float>(),
+                                      static_cast<int>(t.numel()), MPI_FLOAT, MPI_SUM, rawComm, &r);
+                       MPI_Wait(&r, MPI_STATUS_IGNORE);
+                     }, {}});
+#endif
+    if (!only.empty()) {
+      for (const auto& name : only) {
+        if (std::none_of(impls.begin(), impls.end(), [&](const Impl& i) { return i.name == name; })) {
+          throw ConfigError(fmt::format("unknown or unavailable implementation \"{}\"", name));
+        }
+      }
+      impls.erase(std::remove_if(impls.begin(), impls.end(), [&](const Impl& i) {
+                    return std::find(only.begin(), only.end(), i.name) == only.end();
+                  }), impls.end());
+    }
+
+    if (rank == 0) {
+      nlohmann::json info = {
+          {"bench", "allreduce-info"},
+          {"ranks", n},
+          {"mpi", bool(CARAVAN_BENCH_MPI)},
+          {"impls", [&] {
+             std::vector<std::string> v;
+             for (auto& i : impls) v.push_back(i.name);
+             return v;
+           }()},
+          {"coll_tuned_use_dynamic_rules", envOr("OMPI_MCA_coll_tuned_use_dynamic_rules", "")},
+          {"coll_tuned_allreduce_algorithm", envOr("OMPI_MCA_coll_tuned_allreduce_algorithm", "")},
+          {"coll_libnbc_iallreduce_algorithm",
+           envOr("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "")},
+          {"repeats", repeats},
+          {"warmup", warmup},
+          {"control", controlKind}};
+      std::cout << info.dump() << std::endl;
+    }
+
+    const double busFactor = 2.0 * (n - 1) / n;
+    for (int64_t bytes = minBytes; bytes <= maxBytes; bytes *= factor) {
+      const int64_t elements = bytes / 4;
+      const int iters = static_cast<int>(
+          std::clamp<int64_t>((batchBytes + bytes - 1) / bytes, 1, maxIters));
+      // Correctness first: rank r contributes r + 1 everywhere; the sum is n (n + 1) / 2.
+      const float expected = static_cast<float>(n * (n + 1) / 2);
+      for (auto& impl : impls) {
+        impl.buffer = at::full({elements}, static_cast<float>(rank + 1), at::kFloat);
+        impl.allreduce(impl.buffer);
+        const double err = (impl.buffer - expected).abs().max().item<double>();
+        if (err != 0.0) {
+          throw Error(ExitCode::kInternal,
+                      fmt::format("{}: {} bytes: result off by {} (rank {})", impl.name, bytes,
+                                  err, rank));
+        }
+        impl.buffer.zero_();  // timed on zeros: sums stay finite and never denormal
+      }
+      std::vector<std::vector<double>> samples(impls.size());
+      for (int round = 0; round < warmup + repeats; ++round) {
+        for (size_t k = 0; k < impls.size(); ++k) {
+          control->barrier();
+          const auto start = Clock::now();
+          for (int i = 0; i < iters; ++i) impls[k].allreduce(impls[k].buffer);
+          const double perOp =
+              std::chrono::duration<double>(Clock::now() - start).count() / iters;
+          const double slowest = control->max(perOp);
+          if (round >= warmup) samples[k].push_back(slowest);
+        }
+      }
+      if (rank == 0) {
+        for (size_t k = 0; k < impls.size(); ++k) {
+          const double med = median(samples[k]);
+          const double algbw = static_cast<double>(bytes) / med / 1e9;
+          nlohmann::json row = {{"bench", "allreduce"},
+                                {"impl", impls[k].name},
+                                {"ranks", n},
+                                {"bytes", bytes},
+                                {"iters_per_sample", iters},
+                                {"repeats", repeats},
+                                {"median_s", med},
+                                {"min_s", *std::min_element(samples[k].begin(), samples[k].end())},
+                                {"max_s", *std::max_element(samples[k].begin(), samples[k].end())},
+                                {"algbw_GBps", algbw},
+                                {"busbw_GBps", algbw * busFactor}};
+          std::cout << row.dump() << std::endl;
+        }
+      }
+      for (auto& impl : impls) impl.buffer = at::Tensor();
+    }
+
+    control->barrier();
+    control.reset();
+    rawGloo.reset();
+    glooComm.reset();
+#if CARAVAN_BENCH_MPI
+    mpiComm.reset();
+    MPI_Comm_free(&rawComm);
+    store.reset();
+    MPI_Finalize();
+#endif
+    return 0;
+  } catch (const Error& e) {
+    std::cerr << "caravan_bench_comm: error: " << e.what() << std::endl;
+#if CARAVAN_BENCH_MPI
+    MPI_Abort(MPI_COMM_WORLD, static_cast<int>(e.code()));
+#endif
+    return static_cast<int>(e.code());
+  } catch (const std::exception& e) {
+    std::cerr << "caravan_bench_comm: error: " << e.what() << std::endl;
+#if CARAVAN_BENCH_MPI
+    MPI_Abort(MPI_COMM_WORLD, 1);
+#endif
+    return 1;
+  }
+}

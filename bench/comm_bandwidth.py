@@ -1,0 +1,183 @@
+#!/usr/bin/python3
+"""All-reduce bus bandwidth: Caravan's Gloo and MPI communicators against raw Gloo and raw MPI,
+measured in the same process with the implementations interleaved (build/caravan_bench_comm, see
+the comment at the top of bench/bench_comm.cpp). Runs the benchmark at each rank count once
+per Open MPI all-reduce rule (default; MPI_Allreduce forced to the ring with
+coll_tuned_use_dynamic_rules 1 + coll_tuned_allreduce_algorithm 4; and that plus
+coll_libnbc_iallreduce_algorithm 1, the ring for MPI_Iallreduce, which Caravan's MPI backend
+uses) and prints one markdown table per run.
+
+    /usr/bin/python3 bench/comm_bandwidth.py [--ranks 2 4] [--rules default ring ring+nbc]
+        [--repeats 10] [--min-bytes 1024] [--max-bytes 67108864] [--factor 4] [--json OUT]
+
+OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are removed from the measured processes' environment;
+the output says whether they were set. Bus bandwidth follows nccl-tests:
+busbw = bytes / time * 2 (n - 1) / n.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+DEFAULT_BENCH = os.path.join(ROOT, "build", "caravan_bench_comm")
+# Works as root (containers) and with more ranks than cores; no core binding (the machine is
+# shared); shared memory within the host. Unlike CTest's CommMpi tests this keeps vader's
+# single-copy mechanism (CMA) on: with it off, a 40 MB all-reduce took 7x longer here.
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+          "--mca", "btl", "self,vader"]
+# Open MPI's all-reduce rules. MPI_Allreduce goes through coll/tuned; MPI_Iallreduce (what
+# Caravan's MPI backend calls) through coll/libnbc, which has its own algorithm parameter.
+TUNED_RING = ["--mca", "coll_tuned_use_dynamic_rules", "1",
+              "--mca", "coll_tuned_allreduce_algorithm", "4"]
+RULES = {
+    "default": [],
+    "ring": TUNED_RING,                       # MPI_Allreduce forced to the ring
+    "ring+nbc": TUNED_RING + ["--mca", "coll_libnbc_iallreduce_algorithm", "1"],  # both
+}
+COLUMNS = ["caravan-gloo", "raw-gloo", "caravan-mpi", "raw-mpi-nb", "raw-mpi"]
+
+
+def env():
+    e = dict(os.environ)
+    removed = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if e.pop(k, None) is not None]
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        e.pop(k, None)
+    return e, removed
+
+
+def has_mpi(bench):
+    out = subprocess.run(["ldd", bench], capture_output=True, text=True)
+    return "libmpi" in out.stdout
+
+
+def run(bench, ranks, rule, a, environ, with_mpi):
+    args = [bench, "--min-bytes", str(a.min_bytes), "--max-bytes", str(a.max_bytes),
+            "--factor", str(a.factor), "--repeats", str(a.repeats), "--warmup", str(a.warmup)]
+    if with_mpi:
+        cmd = MPIRUN + RULES[rule] + a.mpirun_arg + ["-np", str(ranks)] + args
+        procs = [subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)]
+    else:  # caravan's own launcher variables; rank 0 serves the store on MASTER_PORT
+        cmd = args
+        procs = []
+        for r in range(ranks):
+            e = dict(environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=a.timeout))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.wait()
+        sys.exit(f"comm_bandwidth: {' '.join(cmd)} ran past {a.timeout} s")
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode != 0:
+            sys.exit(f"comm_bandwidth: {' '.join(cmd)} failed ({p.returncode}):\n{err}")
+    lines = [json.loads(l) for l in outs[0][0].splitlines() if l.startswith("{")]
+    info = next(l for l in lines if l["bench"] == "allreduce-info")
+    rows = [l for l in lines if l["bench"] == "allreduce"]
+    return " ".join(cmd), info, rows
+
+
+def size_label(b):
+    for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if b >= scale and b % scale == 0:
+            return f"{b // scale} {unit}"
+    return f"{b} B"
+
+
+def table(rows):
+    by = {}
+    for r in rows:
+        by.setdefault(r["bytes"], {})[r["impl"]] = r
+    cols = [c for c in COLUMNS if any(c in v for v in by.values())]
+    head = ["size"] + [f"{c} GB/s" for c in cols]
+    ratios = []
+    if {"caravan-gloo", "raw-gloo"} <= set(cols):
+        ratios.append(("gloo: caravan/raw", "caravan-gloo", "raw-gloo"))
+    if {"caravan-mpi", "raw-mpi"} <= set(cols):
+        ratios.append(("mpi: caravan/raw", "caravan-mpi", "raw-mpi"))
+    if {"caravan-mpi", "raw-mpi-nb"} <= set(cols):
+        ratios.append(("mpi: caravan/raw-nb", "caravan-mpi", "raw-mpi-nb"))
+    head += [r[0] for r in ratios]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for b in sorted(by):
+        v = by[b]
+        cells = [size_label(b)]
+        for c in cols:
+            cells.append(f"{v[c]['busbw_GBps']:.3g}" if c in v else "")
+        for _, num, den in ratios:
+            cells.append(f"{v[num]['busbw_GBps'] / v[den]['busbw_GBps']:.2f}"
+                         if num in v and den in v else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    times = ["| size | " + " | ".join(f"{c} us" for c in cols) + " |",
+             "|" + "---|" * (len(cols) + 1)]
+    for b in sorted(by):
+        times.append("| " + size_label(b) + " | " + " | ".join(
+            f"{by[b][c]['median_s'] * 1e6:.1f}" if c in by[b] else "" for c in cols) + " |")
+    return "\n".join(lines), "\n".join(times)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--rules", nargs="+", choices=list(RULES),
+                   default=["default", "ring", "ring+nbc"],
+                   help="Open MPI all-reduce rule(s), one run each: default; ring = "
+                        "MPI_Allreduce forced to the ring (coll_tuned algorithm 4); ring+nbc = "
+                        "also MPI_Iallreduce (libnbc algorithm 1)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--min-bytes", type=int, default=1024)
+    p.add_argument("--max-bytes", type=int, default=64 << 20)
+    p.add_argument("--factor", type=int, default=4)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per benchmark run")
+    p.add_argument("--port", type=int, default=29561, help="store port without MPI")
+    p.add_argument("--mpirun-arg", action="append", default=[],
+                   help="extra mpirun argument (repeatable)")
+    p.add_argument("--bench", default=os.environ.get("CARAVAN_BENCH_COMM", DEFAULT_BENCH))
+    p.add_argument("--times", action="store_true", help="also print median times (us)")
+    p.add_argument("--json", help="write all measurements here")
+    a = p.parse_args()
+    if not os.path.exists(a.bench):
+        sys.exit(f"comm_bandwidth: {a.bench} missing; build the caravan_bench_comm target "
+                 "(bash scripts/setup.sh)")
+    environ, removed = env()
+    with_mpi = has_mpi(a.bench)
+    rules = a.rules if with_mpi else ["default"]
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    print(f"all-reduce (sum, float32, in place), median of {a.repeats} interleaved rounds after "
+          f"{a.warmup} warm-up; {os.cpu_count()} CPUs, load average {' '.join(load)}; removed "
+          f"from the environment: {', '.join(removed) or 'nothing (not set)'}")
+    print("busbw = bytes / time * 2(n-1)/n; ratio = Caravan busbw / raw busbw (1.00 = as fast, "
+          "< 1 = Caravan slower)")
+    results = []
+    for n in a.ranks:
+        for rule in rules:
+            cmd, info, rows = run(a.bench, n, rule, a, environ, with_mpi)
+            results.append({"ranks": n, "rule": rule, "command": cmd, "info": info, "rows": rows})
+            oversub = f", {n} ranks on {os.cpu_count()} CPUs (oversubscribed)" \
+                if n > (os.cpu_count() or 1) else ""
+            print(f"\n### {n} ranks, MPI_Allreduce rule: {rule}{oversub}\n\n`{cmd}`\n")
+            bw, times = table(rows)
+            print(bw)
+            if a.times:
+                print("\nmedian time per all-reduce (us):\n")
+                print(times)
+            sys.stdout.flush()
+    with open("/proc/loadavg") as f:
+        print(f"\nload average after: {' '.join(f.read().split()[:3])}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"removed_env": removed, "load_before": load, "runs": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
