@@ -16,6 +16,7 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 std::string key(int rank) { return fmt::format("caravan/hb/{}", rank); }
+const std::string kLostKey = "caravan/lost";
 
 // One rank's published beat: "<beat> <step> <state>[ <reason>]".
 struct Beat {
@@ -102,6 +103,11 @@ void Heartbeat::run() {
     if (stop_) break;
     try {
       publish("run");
+      if (store_->check({kLostKey})) {
+        const auto v = store_->get(kLostKey);
+        std::lock_guard<std::mutex> loss(lossMutex_);
+        publishedLoss_.assign(v.begin(), v.end());
+      }
     } catch (const std::exception&) {
       storeLost_ = true;  // nothing to beat into; diagnose() says so
       return;
@@ -211,9 +217,22 @@ std::string Heartbeat::explain(const std::string& seen) {
       }
     }
   }
-  if (parts.empty()) return seen;
-  std::string out;
-  for (const auto& p : parts) out += p + "; ";
+  std::string found;
+  for (const auto& p : parts) found += p + "; ";
+  if (!parts.empty() && !storeLost_) {
+    // Tell the ranks still blocked in a collective what was lost, before the store goes.
+    try {
+      store_->set(kLostKey, std::vector<uint8_t>(found.begin(), found.end()));
+    } catch (const std::exception&) {
+    }
+  }
+  {
+    // The store went silent, but another rank had already named the loss: trust that.
+    std::lock_guard<std::mutex> loss(lossMutex_);
+    if (storeLost_ && !publishedLoss_.empty()) found = publishedLoss_;
+  }
+  if (found.empty()) return seen;
+  std::string out = found;
   // The communication errors start "rank <self>: "; say it as what this rank saw.
   const std::string self = fmt::format("rank {}: ", rank_);
   const std::string what = seen.rfind(self, 0) == 0 ? seen.substr(self.size()) : seen;

@@ -85,6 +85,10 @@ class Heartbeat {
   int64_t beat_ = 0;
   std::string leftReason_;  // set once by leave()
   std::set<int> knownLost_;  // ranks diagnose() found lost: the linger does not wait for them
+  // What another rank diagnosed (store key caravan/lost), read with each beat: a rank blocked
+  // in a collective until the store's host exits can still name the lost rank.
+  std::string publishedLoss_;
+  std::mutex lossMutex_;  // guards publishedLoss_ only (never held across store calls)
   std::mutex mutex_;        // guards stop_, leftReason_, beat_, and store writes
   std::condition_variable wake_;
   bool stop_ = false;
