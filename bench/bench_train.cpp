@@ -90,10 +90,7 @@ int benchTrain(const std::string& configPath, std::vector<std::string> overrides
   torch::manual_seed(static_cast<uint64_t>(config.i64("seed.init")));
   BlockModel model = buildModel(makeModelSpec(config), data.train->shape());
   auto optimizer = makeOptimizer(config, model);
-  SamplerOptions so;
-  so.datasetSize = data.train->size();
-  so.batchSize = config.i64("data.batch_size");
-  so.seed = static_cast<uint64_t>(config.i64("seed.data"));
+  const SamplerOptions so = makeSamplerOptions(config, data.train->size());
   Loader loader(data.train, so, config.i64("data.prefetch"));
   model->train();
   const double clip = config.f64("optim.grad_clip");
@@ -325,12 +322,8 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
   torch::manual_seed(static_cast<uint64_t>(config.i64("seed.init")));
   BlockModel model = buildModel(makeModelSpec(config), data.train->shape());
   auto optimizer = makeOptimizer(config, model);
-  SamplerOptions so;
-  so.datasetSize = data.train->size();
-  so.batchSize = config.i64("data.batch_size");
-  so.seed = static_cast<uint64_t>(config.i64("seed.data"));
-  so.rank = world.rank;
-  so.worldSize = world.worldSize;
+  const SamplerOptions so =
+      makeSamplerOptions(config, data.train->size(), dist.comm->rank(), dist.comm->size());
   Loader loader(data.train, so, config.i64("data.prefetch"));
   torch::manual_seed(static_cast<uint64_t>(config.i64("seed.dropout")));
   auto probe = std::make_shared<ProbedCommunicator>(dist.comm);

@@ -20,6 +20,8 @@ import os
 import subprocess
 import sys
 
+from train_throughput import env  # the measured processes' environment
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 DEFAULT_BENCH = os.path.join(ROOT, "build", "caravan_bench_comm")
 # Works as root (containers) and with more ranks than cores; no core binding (the machine is
@@ -37,14 +39,6 @@ RULES = {
     "ring+nbc": TUNED_RING + ["--mca", "coll_libnbc_iallreduce_algorithm", "1"],  # both
 }
 COLUMNS = ["caravan-gloo", "raw-gloo", "caravan-mpi", "raw-mpi-nb", "raw-mpi"]
-
-
-def env():
-    e = dict(os.environ)
-    removed = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if e.pop(k, None) is not None]
-    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        e.pop(k, None)
-    return e, removed
 
 
 def has_mpi(bench):

@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 
+from train_throughput import env  # the measured processes' environment
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 PEER = os.path.join(ROOT, "bench", "peer_ddp.py")
 # (config, timed steps, warm-up steps): 6-20 s of timed steps per run.
@@ -38,11 +40,9 @@ RUN_TIMEOUT = 600
 
 
 def environment(threads):
-    e = dict(os.environ)
-    removed = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if e.pop(k, None) is not None]
+    e, removed = env()
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CARAVAN_LAUNCHER",
-              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-              "MKL_NUM_THREADS"):
+              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         e.pop(k, None)
     e["OMP_NUM_THREADS"] = str(threads)
     e["OPENBLAS_NUM_THREADS"] = str(threads)

@@ -62,11 +62,6 @@ Config loadTrainConfig(const std::string& configPath, const std::vector<std::str
   return Config::fromFile(configPath, overrides);
 }
 
-// Server processes beside the workers: sync.servers in parameter-server modes, else none.
-int serverCount(const Config& config) {
-  return usesServers(config.str("sync.mode")) ? static_cast<int>(config.i64("sync.servers")) : 0;
-}
-
 int runTrain(const std::string& configPath, const std::vector<std::string>& overrides,
              std::string runDir, const std::string& resumeDir, int64_t stopAtStep, bool quiet,
              bool trace) {

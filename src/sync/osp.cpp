@@ -93,9 +93,9 @@ void OspWorkerStrategy::drainStage2() {
     const at::Tensor values = stage2Reply_[s].narrow(0, 0, n);
     install(stage2Index_[s], values);
     flat.index_copy_(0, stage2Index_[s], values);  // the global values replace the LGP guess
-    const at::Tensor flags = stage2Reply_[s].narrow(0, n, splits_[s].numChunks());
+    const float* flags = stage2Reply_[s].data_ptr<float>() + n;
     for (int64_t c = 0; c < splits_[s].numChunks(); ++c) {
-      splits_[s].stage1[c] = flags[c].item<float>() != 0.0f ? 1 : 0;
+      splits_[s].stage1[c] = flags[c] != 0.0f ? 1 : 0;
     }
   }
   unflattenInto(flat, params_);
@@ -103,10 +103,7 @@ void OspWorkerStrategy::drainStage2() {
 
 void OspWorkerStrategy::finishGradients() {
   drainStage2();  // w_t complete; the split for this step known
-  std::vector<at::Tensor> grads;
-  grads.reserve(params_.size());
-  for (const auto& p : params_) grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
-  const at::Tensor g = flatten(grads);
+  const at::Tensor g = flatGradients(params_);
   // Stage 1: blocking.
   const at::Tensor control = torch::tensor({static_cast<float>(lr_), 0.0f});
   std::vector<at::Tensor> idx1(servers_), idx2(servers_), push1(servers_), pull1(servers_);
@@ -188,7 +185,8 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
   // One stage: receive every worker's values for the chosen chunks (plus, for stage 1, the
   // control elements [lr, stop]), average in rank order, step those chunks. Returns the
   // chunks' new values, or nullopt when every worker said goodbye.
-  auto stage = [&](bool stage1, int tag, double* lr) -> std::optional<std::vector<at::Tensor>> {
+  auto stage = [&](bool stage1, int tag, int64_t step,
+                   double* lr) -> std::optional<std::vector<at::Tensor>> {
     const int64_t extra = stage1 ? 2 : 0;
     std::vector<int64_t> chosen;
     int64_t n = 0;
@@ -206,19 +204,10 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     }
     for (auto& w : work) w->wait(kServerWait);  // workers may be evaluating (parameter_server.h)
     if (stage1) {
-      int goodbyes = 0;
-      for (const auto& m : msgs) goodbyes += m[n + 1].item<float>() != 0.0f;
-      if (goodbyes == numWorkers) return std::nullopt;
-      if (goodbyes != 0) {
-        throw PeerError(fmt::format("rank {} (server): some workers said goodbye and others "
-                                    "pushed gradients; the workers disagree about the last step",
-                                    world.rank()));
-      }
+      if (allSaidGoodbye(msgs, n + 1, world.rank(), step + 1)) return std::nullopt;
       *lr = msgs[0][n].item<float>();
     }
-    at::Tensor sum = msgs[0].narrow(0, 0, n).clone();
-    for (int k = 1; k < numWorkers; ++k) sum.add_(msgs[k].narrow(0, 0, n));
-    sum.mul_(1.0 / static_cast<double>(numWorkers));
+    at::Tensor sum = averagePushes(msgs, n);
     for (auto& c : chunks) c.mutable_grad() = at::Tensor();
     int64_t at = 0;
     for (int64_t c : chosen) {
@@ -243,10 +232,10 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
   };
   double lr = 0.0;
   for (int64_t step = 0;; ++step) {
-    const auto w1 = stage(true, kTagPush1, &lr);
+    const auto w1 = stage(true, kTagPush1, step, &lr);
     if (!w1) return;  // every worker said goodbye
     send(catOrEmpty(*w1), kTagPull1);
-    const auto w2 = stage(false, kTagPush2, &lr);
+    const auto w2 = stage(false, kTagPush2, step, &lr);
     // The split for the next step, from this step's full averaged gradient.
     ChunkSplit next = split;
     if (options.policy == "magnitude") {
@@ -259,7 +248,8 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
       for (int64_t i = 0; i < k; ++i) next.stage1[order[i]] = 1;
     }
     at::Tensor flags = at::empty({next.numChunks()}, at::kFloat);
-    for (int64_t c = 0; c < next.numChunks(); ++c) flags[c] = next.stage1[c] ? 1.0f : 0.0f;
+    float* f = flags.data_ptr<float>();
+    for (int64_t c = 0; c < next.numChunks(); ++c) f[c] = next.stage1[c] ? 1.0f : 0.0f;
     send(at::cat({catOrEmpty(*w2), flags}), kTagPull2);
     split = next;
     if (stepDone) stepDone(step + 1);

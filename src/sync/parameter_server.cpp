@@ -49,6 +49,23 @@ at::Tensor receiveShard(Communicator& world, int numWorkers, ShardLayout* layout
   return shard;
 }
 
+bool allSaidGoodbye(const std::vector<at::Tensor>& pushes, int64_t stopAt, int serverRank,
+                    int64_t step) {
+  size_t goodbyes = 0;
+  for (const auto& p : pushes) goodbyes += p[stopAt].item<float>() != 0.0f;
+  if (goodbyes == 0) return false;
+  if (goodbyes == pushes.size()) return true;
+  throw PeerError(fmt::format("rank {} (server): at step {} some workers said goodbye and others "
+                              "pushed gradients; the workers disagree about the last step",
+                              serverRank, step));
+}
+
+at::Tensor averagePushes(const std::vector<at::Tensor>& pushes, int64_t n) {
+  at::Tensor sum = pushes[0].narrow(0, 0, n).clone();
+  for (size_t k = 1; k < pushes.size(); ++k) sum.add_(pushes[k].narrow(0, 0, n));
+  return sum.mul_(1.0 / static_cast<double>(pushes.size()));
+}
+
 void PsWorkerStrategy::attach(torch::nn::Module& model) {
   broadcastModel(*workers_, model);
   params_ = syncedParameters(model);
@@ -58,12 +75,7 @@ void PsWorkerStrategy::attach(torch::nn::Module& model) {
 }
 
 void PsWorkerStrategy::finishGradients() {
-  std::vector<at::Tensor> grads;
-  grads.reserve(params_.size());
-  for (const auto& p : params_) {
-    grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
-  }
-  const at::Tensor g = flatten(grads);
+  const at::Tensor g = flatGradients(params_);
   const at::Tensor control = torch::tensor({static_cast<float>(lr_), 0.0f});
   std::vector<at::Tensor> pushes, pulls;
   std::vector<WorkPtr> work;
@@ -105,19 +117,9 @@ void runParameterServer(Communicator& world, int numWorkers, const OptimizerFact
     std::vector<WorkPtr> work;
     for (int k = 0; k < numWorkers; ++k) work.push_back(world.recv(pushes[k], k, kTagPush));
     for (auto& w : work) w->wait(kServerWait);
-    int goodbyes = 0;
-    for (const auto& p : pushes) goodbyes += p[n + 1].item<float>() != 0.0f;
-    if (goodbyes == numWorkers) return;
-    if (goodbyes != 0) {
-      throw PeerError(fmt::format("rank {} (server): at step {} some workers said goodbye and "
-                                  "others pushed gradients; the workers disagree about the "
-                                  "last step",
-                                  world.rank(), step + 1));
-    }
+    if (allSaidGoodbye(pushes, n + 1, world.rank(), step + 1)) return;
     // The average in rank order, then the optimizer on this shard.
-    at::Tensor sum = pushes[0].narrow(0, 0, n).clone();
-    for (int k = 1; k < numWorkers; ++k) sum.add_(pushes[k].narrow(0, 0, n));
-    sum.mul_(1.0 / static_cast<double>(numWorkers));
+    at::Tensor sum = averagePushes(pushes, n);
     for (auto& group : opt->param_groups()) {
       group.options().set_lr(static_cast<double>(pushes[0][n].item<float>()));
     }

@@ -62,6 +62,13 @@ void seedServers(Communicator& world, const Communicator& workers, const at::Ten
 // A server's side of seedServers: its shard (float32) and the layout.
 at::Tensor receiveShard(Communicator& world, int numWorkers, ShardLayout* layout);
 
+// One round of pushes (one per worker, rank order) carrying a stop flag at element `stopAt`:
+// true when every worker said goodbye, false when none did; PeerError when they disagree.
+bool allSaidGoodbye(const std::vector<at::Tensor>& pushes, int64_t stopAt, int serverRank,
+                    int64_t step);
+// The mean over workers of the pushes' first n elements, summed in rank order.
+at::Tensor averagePushes(const std::vector<at::Tensor>& pushes, int64_t n);
+
 class PsWorkerStrategy : public Strategy {
  public:
   // `world`: every rank (workers then servers); `workers`: the workers' own group.

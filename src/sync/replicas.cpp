@@ -26,6 +26,13 @@ at::Tensor flatten(const std::vector<at::Tensor>& tensors) {
   return views.empty() ? at::zeros({0}, at::kFloat) : at::cat(views);
 }
 
+at::Tensor flatGradients(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> grads;
+  grads.reserve(params.size());
+  for (const auto& p : params) grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
+  return flatten(grads);
+}
+
 void unflattenInto(const at::Tensor& flat, const std::vector<at::Tensor>& tensors) {
   torch::NoGradGuard noGrad;
   int64_t offset = 0;

@@ -26,6 +26,10 @@ namespace caravan {
 // The trainable parameters a strategy synchronizes (float32; anything else is a bug).
 std::vector<at::Tensor> syncedParameters(torch::nn::Module& model);
 
+// The gradients of `params` as one flat float32 tensor; a parameter without a gradient this
+// step contributes zeros.
+at::Tensor flatGradients(const std::vector<at::Tensor>& params);
+
 // One flat float32 copy of `tensors`, and back.
 at::Tensor flatten(const std::vector<at::Tensor>& tensors);
 void unflattenInto(const at::Tensor& flat, const std::vector<at::Tensor>& tensors);

@@ -22,6 +22,10 @@ namespace caravan {
 
 bool usesServers(const std::string& mode) { return mode.rfind("ps-", 0) == 0 || mode == "osp"; }
 
+int serverCount(const Config& config) {
+  return usesServers(config.str("sync.mode")) ? static_cast<int>(config.i64("sync.servers")) : 0;
+}
+
 namespace {
 
 OspOptions ospOptions(const Config& config) {
@@ -51,7 +55,7 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
   world = makeCommunicator(backend, options.world, store, timeout);
   comm = world;
   const std::string& mode = config.str("sync.mode");
-  servers_ = usesServers(mode) ? static_cast<int>(config.i64("sync.servers")) : 0;
+  servers_ = serverCount(config);
   workers_ = options.world.worldSize - servers_;
   if (workers_ < 1) {
     throw ConfigError(fmt::format("sync.mode {} with sync.servers = {} leaves no worker in a "

@@ -24,6 +24,8 @@ class Heartbeat;
 
 // Whether sync.mode `mode` runs parameter servers beside the workers (ps-*, osp).
 bool usesServers(const std::string& mode);
+// How many of the world's processes are servers: sync.servers in those modes, else 0.
+int serverCount(const Config& config);
 class Timeline;
 
 struct Agreement {

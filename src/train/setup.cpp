@@ -91,6 +91,17 @@ std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const Config& config,
   return std::make_unique<torch::optim::SGD>(params, o);
 }
 
+SamplerOptions makeSamplerOptions(const Config& config, int64_t datasetSize, int rank,
+                                  int worldSize) {
+  SamplerOptions o;
+  o.datasetSize = datasetSize;
+  o.batchSize = config.i64("data.batch_size");
+  o.seed = static_cast<uint64_t>(config.i64("seed.data"));
+  o.rank = rank;
+  o.worldSize = worldSize;
+  return o;
+}
+
 ScheduleOptions makeScheduleOptions(const Config& config, int64_t totalSteps) {
   ScheduleOptions o;
   o.kind = config.str("schedule.kind");

@@ -9,6 +9,7 @@
 
 #include "core/config.h"
 #include "data/dataset.h"
+#include "data/loader.h"
 #include "models/model.h"
 #include "train/schedule.h"
 
@@ -32,6 +33,10 @@ std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const Config& config, Blo
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const Config& config,
                                                        std::vector<at::Tensor> params);
 ScheduleOptions makeScheduleOptions(const Config& config, int64_t totalSteps);
+// The training sampler for `datasetSize` examples (data.batch_size, seed.data), as shard `rank`
+// of `worldSize` data-parallel workers.
+SamplerOptions makeSamplerOptions(const Config& config, int64_t datasetSize, int rank = 0,
+                                  int worldSize = 1);
 
 // Sets the learning rate of every parameter group.
 void setLearningRate(torch::optim::Optimizer& optimizer, double lr);

@@ -62,14 +62,10 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   BlockModel model = buildModel(makeModelSpec(config), shape);
   auto optimizer = makeOptimizer(config, model);
 
-  SamplerOptions samplerOptions;
-  samplerOptions.datasetSize = data.train->size();
-  samplerOptions.batchSize = config.i64("data.batch_size");
-  samplerOptions.seed = static_cast<uint64_t>(config.i64("seed.data"));
   // Data is sharded over the workers (parameter servers read none).
   const int workers = comm != nullptr ? comm->size() : 1;
-  samplerOptions.rank = comm != nullptr ? comm->rank() : 0;
-  samplerOptions.worldSize = workers;
+  const SamplerOptions samplerOptions =
+      makeSamplerOptions(config, data.train->size(), comm != nullptr ? comm->rank() : 0, workers);
   Loader loader(data.train, samplerOptions, config.i64("data.prefetch"));
   const int64_t perEpoch = loader.batchesPerEpoch();
   const int64_t totalSteps = config.i64("train.max_steps") > 0
