@@ -339,6 +339,55 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(std::make_tuple(1, 1, "sgd"), std::make_tuple(3, 1, "sgd"),
                       std::make_tuple(3, 2, "adamw"), std::make_tuple(2, 2, "sgd")));
 
+// Every sync.mode runs to the end with 1 and 3 workers (and 1 and 2 servers where it has
+// servers), the loss falls, and the per-step metrics it promises are in metrics.jsonl: bytes
+// on the wire (with more than one worker), staleness (ps-asp, ps-ssp: within sync.staleness),
+// the stage-1 fraction (osp). Asynchronous modes agree only every train.log_every = 5 steps.
+// With one worker ps-asp and ps-ssp apply each gradient as it comes: exactly ps-bsp.
+class DistModesSurvive : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
+
+TEST_P(DistModesSurvive, RunsToTheEndAndReports) {
+  const auto [mode, workers, servers] = GetParam();
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                        "train.log_every=5", "sync.mode=" + mode, "sync.staleness=1",
+                        "sync.osp_chunk=1000"});
+  if (servers > 0) o = with(o, {"sync.servers=" + std::to_string(servers)});
+  const int world = workers + servers;
+  ASSERT_EQ(runRanks(world, tmp / "run", o), std::vector<int>(world, 0))
+      << test::readFile(tmp / "run.rank0.log") << test::readFile(tmp / "run.rank1.log");
+  std::vector<nlohmann::json> train;
+  std::istringstream lines(test::readFile(tmp / "run/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "train") train.push_back(j);
+  }
+  ASSERT_EQ(train.size(), 4u);
+  EXPECT_LT(train.back()["loss"].get<double>(), train.front()["loss"].get<double>());
+  for (const auto& j : train) {
+    if (workers > 1 || servers > 0) EXPECT_GT(j.at("sent_bytes").get<double>(), 0.0) << j;
+    if (mode == "ps-asp" || mode == "ps-ssp") {
+      EXPECT_GE(j.at("staleness").get<double>(), 0.0) << j;
+      if (mode == "ps-ssp") EXPECT_LE(j.at("staleness_max").get<double>(), 1.0) << j;
+    }
+    if (mode == "osp") EXPECT_NEAR(j.at("stage1_fraction").get<double>(), 0.5, 0.1) << j;
+  }
+  if (workers == 1 && (mode == "ps-asp" || mode == "ps-ssp")) {
+    auto b = with(o, {"sync.mode=ps-bsp"});
+    ASSERT_EQ(runRanks(world, tmp / "bsp", b), std::vector<int>(world, 0));
+    EXPECT_EQ(maxAbsDiff(finalParams(tmp / "bsp", b), finalParams(tmp / "run", o)), 0.0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, DistModesSurvive,
+    ::testing::Values(std::make_tuple("allreduce", 1, 0), std::make_tuple("allreduce", 3, 0),
+                      std::make_tuple("local-sgd", 3, 0), std::make_tuple("gossip", 3, 0),
+                      std::make_tuple("ps-bsp", 1, 2), std::make_tuple("ps-bsp", 3, 1),
+                      std::make_tuple("ps-asp", 1, 1), std::make_tuple("ps-asp", 3, 2),
+                      std::make_tuple("ps-ssp", 1, 2), std::make_tuple("ps-ssp", 3, 1),
+                      std::make_tuple("osp", 1, 1), std::make_tuple("osp", 3, 2)));
+
 // A server killed mid-run: the workers exit 7 naming it as a server.
 TEST(DistParameterServerFault, KilledServerIsNamed) {
   TempDir tmp;

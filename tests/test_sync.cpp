@@ -5,7 +5,9 @@
 // test_dist.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/torch.h>
@@ -203,7 +205,7 @@ TEST(TopK, ErrorFeedbackDelaysButNeverDrops) {
 }
 
 // Parameter servers apply every gradient exactly once: workers (threads) push fixed gradients
-// for T steps through ps-bsp or OSP (half the chunks in stage 2, both split policies, 1 or 2
+// for T steps through ps-bsp, ps-asp, ps-ssp (s = 1) or OSP (half the chunks in stage 2, both split policies, 1 or 2
 // servers); with plain SGD and lr 1/8 the result must be exactly w0 - lr * sum_t mean_k g_t^k
 // (every value is a small binary fraction, so no rounding), on every worker.
 class ServersApplyOnce
@@ -233,7 +235,7 @@ TEST_P(ServersApplyOnce, EveryGradientExactlyOnce) {
           if (mode == "osp") {
             runOspServer(*world, kWorkers, o, sgd);
           } else {
-            runParameterServer(*world, kWorkers, sgd);
+            runParameterServer(*world, kWorkers, psOptions(mode, 1), sgd);
           }
           return;
         }
@@ -244,7 +246,7 @@ TEST_P(ServersApplyOnce, EveryGradientExactlyOnce) {
         if (mode == "osp") {
           s = std::make_unique<OspWorkerStrategy>(world, workers, servers, o);
         } else {
-          s = std::make_unique<PsWorkerStrategy>(world, workers, servers);
+          s = std::make_unique<PsWorkerStrategy>(world, workers, servers, psOptions(mode, 1));
         }
         Net net;
         s->attach(net);
@@ -266,6 +268,79 @@ TEST_P(ServersApplyOnce, EveryGradientExactlyOnce) {
 INSTANTIATE_TEST_SUITE_P(
     Modes, ServersApplyOnce,
     ::testing::Values(std::make_tuple("ps-bsp", "", 1), std::make_tuple("ps-bsp", "", 2),
+                      std::make_tuple("ps-asp", "", 1), std::make_tuple("ps-asp", "", 2),
+                      std::make_tuple("ps-ssp", "", 2),
                       std::make_tuple("osp", "magnitude", 1),
                       std::make_tuple("osp", "magnitude", 2),
                       std::make_tuple("osp", "layer-order", 2)));
+
+// Bounded staleness, checked from what the workers read rather than from the server's own
+// bookkeeping: worker k's gradient is -W at element k and zero elsewhere, so with SGD, lr 1
+// and ASP/SSP's lr/W per push, element k of the parameters is exactly the number of worker k's
+// pushes applied: its clock. Worker 0 is slow (sleeps each step). After its c-th push a
+// worker must read its own element = c (read-my-writes) and, under ps-ssp, every other
+// element >= c - s. Under ps-asp the fast workers must run further ahead than s (so the
+// check can fail), and the staleness the strategy reports equals the largest gap read.
+class PsStaleness : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PsStaleness, WorkersReadWithinTheBound) {
+  const std::string mode = GetParam();
+  constexpr int kWorkers = 3, kSteps = 10;
+  constexpr int64_t kBound = 2;
+  const PsOptions options = psOptions(mode, kBound);
+  auto sgd = [](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(1.0));
+  };
+  std::vector<int64_t> largestGap(kWorkers, 0);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  expectNoErrors(runGlooRanks(
+      kWorkers + 1, loopbackOptions(kTimeout),
+      [&](std::shared_ptr<Communicator> world) {
+        if (world->rank() == kWorkers) {
+          runParameterServer(*world, kWorkers, options, sgd);
+          return;
+        }
+        const int k = world->rank();
+        auto workers = std::make_shared<GlooCommunicator>(
+            c10::make_intrusive<c10d::PrefixStore>("workers", store), k, kWorkers,
+            loopbackOptions(kTimeout));
+        PsWorkerStrategy s(world, workers, 1, options);
+        Net net;
+        s.attach(net);
+        for (int64_t c = 1; c <= kSteps; ++c) {
+          if (k == 0) std::this_thread::sleep_for(std::chrono::milliseconds(40));
+          s.setLearningRate(1.0);
+          net.a.mutable_grad() = at::zeros({2, 3});
+          net.b.mutable_grad() = at::zeros({5});
+          net.a.mutable_grad().view(-1)[k] = -static_cast<float>(kWorkers);
+          s.finishGradients();
+          const at::Tensor read = replica(net);
+          EXPECT_EQ(read[k].item<float>(), static_cast<float>(c)) << "worker " << k;
+          for (int j = 0; j < kWorkers; ++j) {
+            const auto gap = c - static_cast<int64_t>(read[j].item<float>());
+            largestGap[k] = std::max(largestGap[k], gap);
+            if (mode == "ps-ssp") {
+              EXPECT_LE(gap, kBound) << "worker " << k << " at clock " << c << " read worker "
+                                     << j << "'s clock " << read[j].item<float>();
+            }
+          }
+        }
+        const auto reported = s.takeMetrics();
+        EXPECT_EQ(reported.at("staleness_max"), static_cast<double>(largestGap[k]));
+        s.consolidate();
+        s.finish();
+        // Everything applied once: every worker's element is kSteps on every replica.
+        at::Tensor expected = at::zeros({11});
+        expected.narrow(0, 0, kWorkers).fill_(static_cast<float>(kSteps));
+        EXPECT_TRUE(at::equal(replica(net), expected)) << replica(net);
+      },
+      store));
+  const int64_t fastest = *std::max_element(largestGap.begin(), largestGap.end());
+  if (mode == "ps-ssp") {
+    EXPECT_EQ(fastest, kBound) << "the fast workers should run exactly s clocks ahead";
+  } else {
+    EXPECT_GT(fastest, kBound) << "ps-asp should let fast workers run further ahead";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, PsStaleness, ::testing::Values("ps-ssp", "ps-asp"));

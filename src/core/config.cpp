@@ -104,12 +104,17 @@ std::vector<ConfigOption> buildSchema() {
              "how workers synchronize (multi-worker runs): allreduce (BSP, gradients averaged "
              "every step), local-sgd (parameters averaged every sync.local_period steps), "
              "gossip (parameters mixed with neighbours every step, D-PSGD), ps-bsp (parameter "
-             "servers run the optimizer; BSP), osp (parameter servers, two-stage "
+             "servers run the optimizer; BSP), ps-asp (parameter servers applying each push "
+             "on arrival), ps-ssp (ps-asp with at most sync.staleness clocks between the "
+             "fastest and the slowest worker), osp (parameter servers, two-stage "
              "synchronization with local-gradient correction)",
-             {"allreduce", "local-sgd", "gossip", "ps-bsp", "osp"}),
+             {"allreduce", "local-sgd", "gossip", "ps-bsp", "ps-asp", "ps-ssp", "osp"}),
       intOpt("sync.servers", 1, 1, 1024,
              "parameter-server modes (ps-*, osp): how many of the world's ranks (the last ones) "
              "serve parameter shards; --workers N then starts N workers plus these"),
+      intOpt("sync.staleness", 3, 0, kMaxInt,
+             "ps-ssp: how many clocks (steps) a worker may run ahead of the slowest worker "
+             "before its pull waits (s; 0 waits like BSP)"),
       intOpt("sync.local_period", 4, 1, kMaxInt,
              "local-sgd: optimizer steps between parameter averagings (H)"),
       intOpt("sync.post_local_steps", 0, 0, kMaxInt,
@@ -119,6 +124,10 @@ std::vector<ConfigOption> buildSchema() {
                "osp: fraction of each server's chunks synchronized in stage 1 (blocking); the "
                "rest go in stage 2, overlapped with the next step",
                true),
+      boolOpt("sync.osp_auto_fraction", false,
+              "osp: size the stage-1 fraction every step from measured compute time and "
+              "exchange rate (the smallest whose stage 2 hides behind the next step's compute); "
+              "sync.osp_fraction is then step 0's fraction"),
       strOpt("sync.osp_policy", "magnitude",
              "osp: which chunks go in stage 1: magnitude (largest mean |gradient| of the last "
              "step) or layer-order (each server's first chunks: the earliest layers of its "

@@ -2,6 +2,7 @@
 #include "sync/osp.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <numeric>
 #include <optional>
@@ -15,10 +16,22 @@
 namespace caravan {
 namespace {
 
-constexpr int kTagPush1 = 21;  // worker -> server: [g[I], lr, stop]
+constexpr int kTagPush1 = 21;  // worker -> server: [g[I], lr, stop, requested fraction]
 constexpr int kTagPull1 = 22;  // server -> worker: w[I]
 constexpr int kTagPush2 = 23;  // worker -> server: g[U]
 constexpr int kTagPull2 = 24;  // server -> worker: [w[U], next split flags]
+
+constexpr int64_t kControl = 3;  // the elements after g[I] in a stage-1 push
+
+// Of the measured rate, the share auto sizing counts on stage 2 getting while the next step
+// computes (ours: the transfer competes with compute for the CPU and the link).
+constexpr double kOverlapMargin = 0.8;
+constexpr double kRateSmoothing = 0.3;  // weight of the newest measurement
+
+using Clock = std::chrono::steady_clock;
+double secondsBetween(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 
 int64_t stage1Count(int64_t chunks, double fraction) {
   if (chunks == 0) return 0;
@@ -101,11 +114,42 @@ void OspWorkerStrategy::drainStage2() {
   unflattenInto(flat, params_);
 }
 
+std::map<std::string, double> OspWorkerStrategy::takeMetrics() {
+  std::map<std::string, double> m;
+  if (fractionSteps_ > 0) m["stage1_fraction"] = fractionSum_ / static_cast<double>(fractionSteps_);
+  fractionSum_ = 0.0;
+  fractionSteps_ = 0;
+  return m;
+}
+
+double OspWorkerStrategy::requestedFraction() const {
+  if (!options_.autoFraction || elementsPerSecond_ <= 0.0 || computeSeconds_ <= 0.0) {
+    return options_.fraction;
+  }
+  const double overlapped = kOverlapMargin * elementsPerSecond_ * computeSeconds_;
+  return std::clamp(1.0 - overlapped / static_cast<double>(layout_.total), 0.0, 1.0);
+}
+
+void OspWorkerStrategy::measure(double computeSeconds, int64_t elements, double seconds) {
+  auto smooth = [](double& into, double value) {
+    into = into <= 0.0 ? value : (1.0 - kRateSmoothing) * into + kRateSmoothing * value;
+  };
+  if (computeSeconds > 0.0) smooth(computeSeconds_, computeSeconds);
+  if (elements > 0 && seconds > 0.0) smooth(elementsPerSecond_, elements / seconds);
+}
+
 void OspWorkerStrategy::finishGradients() {
+  const auto entered = Clock::now();
+  const double computeSeconds =
+      lastReturn_ == Clock::time_point{} ? 0.0 : secondsBetween(lastReturn_, entered);
   drainStage2();  // w_t complete; the split for this step known
+  // The exchange rate from the last stage 2 (its own thread timed it) and this stage 1.
+  measure(computeSeconds, stage2Timing_->elements, stage2Timing_->seconds);
   const at::Tensor g = flatGradients(params_);
   // Stage 1: blocking.
-  const at::Tensor control = torch::tensor({static_cast<float>(lr_), 0.0f});
+  const auto stage1Start = Clock::now();
+  const at::Tensor control =
+      torch::tensor({static_cast<float>(lr_), 0.0f, static_cast<float>(requestedFraction())});
   std::vector<at::Tensor> idx1(servers_), idx2(servers_), push1(servers_), pull1(servers_);
   std::vector<WorkPtr> work;
   for (int s = 0; s < servers_; ++s) {
@@ -120,6 +164,11 @@ void OspWorkerStrategy::finishGradients() {
   }
   for (auto& w : work) w->wait(world_->timeout());
   for (int s = 0; s < servers_; ++s) install(idx1[s], pull1[s]);
+  int64_t stage1 = 0;
+  for (int s = 0; s < servers_; ++s) stage1 += idx1[s].numel();
+  measure(0.0, stage1, secondsBetween(stage1Start, Clock::now()));
+  fractionSum_ += static_cast<double>(stage1) / static_cast<double>(std::max<int64_t>(1, layout_.total));
+  ++fractionSteps_;
   // The working copy: global values where known (I_t now), LGP (or stale) values for U_t.
   at::Tensor working = global_.clone();
   if (options_.lgp) {
@@ -136,9 +185,13 @@ void OspWorkerStrategy::finishGradients() {
     push2[s] = g.index_select(0, idx2[s]);
     stage2Reply_[s] = at::empty({idx2[s].numel() + splits_[s].numChunks()}, at::kFloat);
   }
+  int64_t stage2Elements = 0;
+  for (int s = 0; s < servers_; ++s) stage2Elements += idx2[s].numel();
+  stage2Timing_ = std::make_shared<Stage2Timing>();
   stage2_ = commThread_->submit(
       fmt::format("rank {}: OSP stage 2", world_->rank()),
-      [this, push2, replies = stage2Reply_] {
+      [this, push2, replies = stage2Reply_, timing = stage2Timing_, stage2Elements] {
+        const auto start = Clock::now();
         std::vector<WorkPtr> w;
         for (int s = 0; s < servers_; ++s) {
           w.push_back(world_->recv(replies[s], serverRank(s), kTagPull2));
@@ -147,7 +200,10 @@ void OspWorkerStrategy::finishGradients() {
           w.push_back(world_->send(push2[s], serverRank(s), kTagPush2));
         }
         for (auto& x : w) x->wait(world_->timeout());
+        timing->elements = stage2Elements;
+        timing->seconds = secondsBetween(start, Clock::now());
       });
+  lastReturn_ = Clock::now();
 }
 
 double OspWorkerStrategy::consolidate() {
@@ -162,8 +218,8 @@ void OspWorkerStrategy::finish() {
   std::vector<at::Tensor> byes;
   std::vector<WorkPtr> work;
   for (int s = 0; s < servers_; ++s) {
-    byes.push_back(at::zeros({indices(s, true).numel() + 2}, at::kFloat));
-    byes.back()[-1] = 1.0f;
+    byes.push_back(at::zeros({indices(s, true).numel() + kControl}, at::kFloat));
+    byes.back()[-2] = 1.0f;
     work.push_back(world_->send(byes.back(), serverRank(s), kTagPush1));
   }
   for (auto& w : work) w->wait(world_->timeout());
@@ -183,11 +239,12 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
   auto opt = optimizer(chunks);
   std::vector<double> score(chunks.size(), 0.0);  // mean |averaged gradient| of the last step
   // One stage: receive every worker's values for the chosen chunks (plus, for stage 1, the
-  // control elements [lr, stop]), average in rank order, step those chunks. Returns the
-  // chunks' new values, or nullopt when every worker said goodbye.
+  // control elements [lr, stop, requested fraction]), average in rank order, step those
+  // chunks. Returns the chunks' new values, or nullopt when every worker said goodbye.
+  double fraction = options.fraction;
   auto stage = [&](bool stage1, int tag, int64_t step,
                    double* lr) -> std::optional<std::vector<at::Tensor>> {
-    const int64_t extra = stage1 ? 2 : 0;
+    const int64_t extra = stage1 ? kControl : 0;
     std::vector<int64_t> chosen;
     int64_t n = 0;
     for (int64_t c = 0; c < split.numChunks(); ++c) {
@@ -206,6 +263,11 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     if (stage1) {
       if (allSaidGoodbye(msgs, n + 1, world.rank(), step + 1)) return std::nullopt;
       *lr = msgs[0][n].item<float>();
+      // auto: the largest stage-1 share any worker asked for (same on every server).
+      if (options.autoFraction) {
+        fraction = 0.0;
+        for (const auto& m : msgs) fraction = std::max(fraction, double{m[n + 2].item<float>()});
+      }
     }
     at::Tensor sum = averagePushes(msgs, n);
     for (auto& c : chunks) c.mutable_grad() = at::Tensor();
@@ -238,15 +300,15 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     const auto w2 = stage(false, kTagPush2, step, &lr);
     // The split for the next step, from this step's full averaged gradient.
     ChunkSplit next = split;
+    std::vector<int64_t> order(chunks.size());
+    std::iota(order.begin(), order.end(), 0);
     if (options.policy == "magnitude") {
-      std::vector<int64_t> order(chunks.size());
-      std::iota(order.begin(), order.end(), 0);
       std::stable_sort(order.begin(), order.end(),
                        [&](int64_t a, int64_t b) { return score[a] > score[b]; });
-      std::fill(next.stage1.begin(), next.stage1.end(), 0);
-      const int64_t k = stage1Count(split.numChunks(), options.fraction);
-      for (int64_t i = 0; i < k; ++i) next.stage1[order[i]] = 1;
     }
+    std::fill(next.stage1.begin(), next.stage1.end(), 0);
+    const int64_t k = stage1Count(split.numChunks(), fraction);
+    for (int64_t i = 0; i < k; ++i) next.stage1[order[i]] = 1;
     at::Tensor flags = at::empty({next.numChunks()}, at::kFloat);
     float* f = flags.data_ptr<float>();
     for (int64_t c = 0; c < next.numChunks(); ++c) f[c] = next.stage1[c] ? 1.0f : 0.0f;

@@ -23,11 +23,17 @@
 // vector — the first layers, which the next forward needs first). Step 0 uses layer order.
 // With fraction 1 every chunk is stage 1: exactly ps-bsp (test).
 //
-// Not yet: `auto` sizing of the fraction from measured compute time.
+// `auto` sizing (sync.osp_auto_fraction; ours in the details): each worker measures the time
+// between steps' exchanges (forward + backward: the compute stage 2 can hide behind) and the
+// rate of its exchanges (elements per second over stage 1 and the previous stage 2, smoothed),
+// and asks for the smallest stage-1 fraction whose stage 2 fits under 80% of that compute
+// time, with its stage-1 push. The servers take the largest request, so every server and
+// worker uses the same fraction for the next split; step 0 uses sync.osp_fraction.
 //
 // Threading: trainer thread; stage 2 on the strategy's CommThread.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,6 +45,7 @@ namespace caravan {
 
 struct OspOptions {
   double fraction = 0.5;             // of each server's chunks in stage 1, (0, 1]
+  bool autoFraction = false;         // size the fraction from measurements (step 0: fraction)
   std::string policy = "magnitude";  // magnitude | layer-order
   bool lgp = true;
   int64_t chunkElements = 4096;
@@ -67,6 +74,8 @@ class OspWorkerStrategy : public Strategy {
   void finishGradients() override;
   bool updatesParameters() const override { return true; }
   double consolidate() override;
+  // stage1_fraction: the share of parameters synchronized in stage 1, mean over the steps.
+  std::map<std::string, double> takeMetrics() override;
   void finish() override;
 
  private:
@@ -75,6 +84,9 @@ class OspWorkerStrategy : public Strategy {
   at::Tensor indices(int s, bool stage1) const;
   void install(const at::Tensor& index, const at::Tensor& values);
   void drainStage2();
+  // auto sizing: fold in one measurement; the fraction to ask the servers for.
+  void measure(double computeSeconds, int64_t elements, double seconds);
+  double requestedFraction() const;
 
   std::shared_ptr<Communicator> world_;
   std::shared_ptr<Communicator> workers_;
@@ -90,6 +102,17 @@ class OspWorkerStrategy : public Strategy {
   WorkPtr stage2_;
   std::vector<at::Tensor> stage2Index_, stage2Reply_;
   std::unique_ptr<CommThread> commThread_;
+  double fractionSum_ = 0.0;
+  int64_t fractionSteps_ = 0;
+  // auto sizing: smoothed compute time per step and exchange rate; the last stage 2's timing
+  // (written by the CommThread, read after drainStage2).
+  struct Stage2Timing {
+    int64_t elements = 0;
+    double seconds = 0.0;
+  };
+  std::shared_ptr<Stage2Timing> stage2Timing_ = std::make_shared<Stage2Timing>();
+  std::chrono::steady_clock::time_point lastReturn_{};
+  double computeSeconds_ = 0.0, elementsPerSecond_ = 0.0;
 };
 
 // A server rank's whole life under OSP (see runParameterServer).

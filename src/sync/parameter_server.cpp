@@ -1,9 +1,14 @@
-// Parameter server with BSP consistency (see parameter_server.h).
+// Parameter server with BSP, ASP and SSP consistency (see parameter_server.h).
 #include "sync/parameter_server.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "comm/completion_queue.h"
 #include "core/errors.h"
 #include "sync/replicas.h"
 
@@ -11,14 +16,47 @@ namespace caravan {
 namespace {
 
 constexpr int kTagSetup = 10;  // rank 0 -> server: [count], then the initial shard
-constexpr int kTagPush = 11;   // worker -> server: [gradient shard, lr, stop]
-constexpr int kTagPull = 12;   // server -> worker: the updated shard
+constexpr int kTagPush = 11;   // worker -> server: [gradient shard, lr, kind]
+constexpr int kTagPull = 12;   // server -> worker: [updated shard, staleness]
+
+// The last element of a push.
+constexpr float kPushGradient = 0.0f;
+constexpr float kPushGoodbye = 1.0f;
+constexpr float kPushSync = 2.0f;
 
 }  // namespace
 
+int64_t PsOptions::bound() const {
+  switch (consistency) {
+    case PsConsistency::kBsp: return 0;
+    case PsConsistency::kSsp: return staleness;
+    case PsConsistency::kAsp: break;
+  }
+  return std::numeric_limits<int64_t>::max();
+}
+
+PsOptions psOptions(const std::string& mode, int64_t staleness) {
+  PsOptions o;
+  o.staleness = staleness;
+  if (mode == "ps-bsp") {
+    o.consistency = PsConsistency::kBsp;
+  } else if (mode == "ps-asp") {
+    o.consistency = PsConsistency::kAsp;
+  } else if (mode == "ps-ssp") {
+    o.consistency = PsConsistency::kSsp;
+  } else {
+    CARAVAN_CHECK(false, "not a parameter-server mode: {}", mode);
+  }
+  return o;
+}
+
 PsWorkerStrategy::PsWorkerStrategy(std::shared_ptr<Communicator> world,
-                                   std::shared_ptr<Communicator> workers, int numServers)
-    : world_(std::move(world)), workers_(std::move(workers)), servers_(numServers) {
+                                   std::shared_ptr<Communicator> workers, int numServers,
+                                   PsOptions options)
+    : world_(std::move(world)),
+      workers_(std::move(workers)),
+      servers_(numServers),
+      options_(options) {
   CARAVAN_CHECK(world_ && workers_, "the parameter server needs both communicators");
   CARAVAN_CHECK(servers_ >= 1 && workers_->size() + servers_ == world_->size(),
                 "{} workers + {} servers in a world of {}", workers_->size(), servers_,
@@ -66,6 +104,15 @@ at::Tensor averagePushes(const std::vector<at::Tensor>& pushes, int64_t n) {
   return sum.mul_(1.0 / static_cast<double>(pushes.size()));
 }
 
+std::string PsWorkerStrategy::name() const {
+  switch (options_.consistency) {
+    case PsConsistency::kBsp: return "ps-bsp";
+    case PsConsistency::kAsp: return "ps-asp";
+    case PsConsistency::kSsp: return "ps-ssp";
+  }
+  return "ps";
+}
+
 void PsWorkerStrategy::attach(torch::nn::Module& model) {
   broadcastModel(*workers_, model);
   params_ = syncedParameters(model);
@@ -74,43 +121,86 @@ void PsWorkerStrategy::attach(torch::nn::Module& model) {
   seedServers(*world_, *workers_, flatten(params_), layout_);
 }
 
-void PsWorkerStrategy::finishGradients() {
-  const at::Tensor g = flatGradients(params_);
-  const at::Tensor control = torch::tensor({static_cast<float>(lr_), 0.0f});
+void PsWorkerStrategy::exchange(const at::Tensor& g, float kind) {
+  const at::Tensor control = torch::tensor({static_cast<float>(lr_), kind});
   std::vector<at::Tensor> pushes, pulls;
   std::vector<WorkPtr> work;
   for (int s = 0; s < servers_; ++s) {
-    pulls.push_back(at::empty({layout_.size(s)}, at::kFloat));
+    pulls.push_back(at::empty({layout_.size(s) + 1}, at::kFloat));
     work.push_back(world_->recv(pulls.back(), serverRank(s), kTagPull));
   }
   for (int s = 0; s < servers_; ++s) {
     pushes.push_back(at::cat({g.narrow(0, layout_.begin(s), layout_.size(s)), control}));
     work.push_back(world_->send(pushes.back(), serverRank(s), kTagPush));
   }
-  for (auto& w : work) w->wait(world_->timeout());
-  unflattenInto(at::cat(pulls), params_);
+  for (auto& w : work) w->wait(options_.asynchronous() ? kServerWait : world_->timeout());
+  std::vector<at::Tensor> shards;
+  double staleness = 0.0;
+  for (int s = 0; s < servers_; ++s) {
+    shards.push_back(pulls[s].narrow(0, 0, layout_.size(s)));
+    staleness = std::max(staleness, static_cast<double>(pulls[s][-1].item<float>()));
+  }
+  unflattenInto(at::cat(shards), params_);
+  if (kind == kPushGradient) {
+    stalenessSum_ += staleness;
+    stalenessMax_ = std::max(stalenessMax_, staleness);
+    ++stalenessSteps_;
+  }
+}
+
+void PsWorkerStrategy::finishGradients() { exchange(flatGradients(params_), kPushGradient); }
+
+double PsWorkerStrategy::consolidate() {
+  // Synchronous: every replica already holds the servers' values. After finish() the servers
+  // are gone; finish() synchronized the replicas and left the distance it measured.
+  if (!options_.asynchronous() || finished_) return std::exchange(finalDistance_, 0.0);
+  const double distance = consensusDistance(*workers_, params_);
+  exchange(at::zeros({layout_.total}, at::kFloat), kPushSync);
+  return distance;
+}
+
+std::map<std::string, double> PsWorkerStrategy::takeMetrics() {
+  std::map<std::string, double> m;
+  if (stalenessSteps_ > 0) {
+    m["staleness"] = stalenessSum_ / static_cast<double>(stalenessSteps_);
+    m["staleness_max"] = stalenessMax_;
+  }
+  stalenessSum_ = stalenessMax_ = 0.0;
+  stalenessSteps_ = 0;
+  return m;
 }
 
 void PsWorkerStrategy::finish() {
   if (finished_) return;
+  // The final evaluation and checkpoint come after the goodbye: give every replica the
+  // servers' values first.
+  if (options_.asynchronous()) finalDistance_ = consolidate();
   finished_ = true;
   std::vector<at::Tensor> byes;
   std::vector<WorkPtr> work;
   for (int s = 0; s < servers_; ++s) {
     byes.push_back(at::zeros({layout_.size(s) + 2}, at::kFloat));
-    byes.back()[-1] = 1.0f;
+    byes.back()[-1] = kPushGoodbye;
     work.push_back(world_->send(byes.back(), serverRank(s), kTagPush));
   }
   for (auto& w : work) w->wait(world_->timeout());
 }
 
-void runParameterServer(Communicator& world, int numWorkers, const OptimizerFactory& optimizer,
-                        const std::function<void(int64_t)>& stepDone) {
-  ShardLayout layout;
-  at::Tensor shard = receiveShard(world, numWorkers, &layout);
+namespace {
+
+void setLearningRate(torch::optim::Optimizer& opt, double lr) {
+  for (auto& group : opt.param_groups()) group.options().set_lr(lr);
+}
+
+// [shard, staleness] to `worker`, waited for.
+void reply(Communicator& world, const at::Tensor& shard, int worker, int64_t staleness) {
+  at::Tensor message = at::cat({shard.detach(), at::full({1}, static_cast<float>(staleness))});
+  world.send(message, worker, kTagPull)->wait(world.timeout());
+}
+
+void serveBsp(Communicator& world, int numWorkers, at::Tensor shard,
+              torch::optim::Optimizer& opt, const std::function<void(int64_t)>& stepDone) {
   const int64_t n = shard.numel();
-  shard.set_requires_grad(true);
-  auto opt = optimizer({shard});
   std::vector<at::Tensor> pushes(numWorkers);
   for (auto& p : pushes) p = at::empty({n + 2}, at::kFloat);
   for (int64_t step = 0;; ++step) {
@@ -119,16 +209,85 @@ void runParameterServer(Communicator& world, int numWorkers, const OptimizerFact
     for (auto& w : work) w->wait(kServerWait);
     if (allSaidGoodbye(pushes, n + 1, world.rank(), step + 1)) return;
     // The average in rank order, then the optimizer on this shard.
-    at::Tensor sum = averagePushes(pushes, n);
-    for (auto& group : opt->param_groups()) {
-      group.options().set_lr(static_cast<double>(pushes[0][n].item<float>()));
-    }
-    shard.mutable_grad() = sum;
-    opt->step();
-    work.clear();
-    for (int k = 0; k < numWorkers; ++k) work.push_back(world.send(shard.detach(), k, kTagPull));
-    for (auto& w : work) w->wait(world.timeout());
+    shard.mutable_grad() = averagePushes(pushes, n);
+    setLearningRate(opt, static_cast<double>(pushes[0][n].item<float>()));
+    opt.step();
+    for (int k = 0; k < numWorkers; ++k) reply(world, shard, k, 0);
     if (stepDone) stepDone(step + 1);
+  }
+}
+
+// ASP / SSP: pushes applied on arrival, replies held back while they would exceed the bound.
+void serveAsync(Communicator& world, int numWorkers, const PsOptions& options, at::Tensor shard,
+                torch::optim::Optimizer& opt, const std::function<void(int64_t)>& stepDone) {
+  const int64_t n = shard.numel();
+  const int64_t bound = options.bound();
+  const double scale = 1.0 / static_cast<double>(numWorkers);
+  std::vector<at::Tensor> pushes(numWorkers);
+  for (auto& p : pushes) p = at::empty({n + 2}, at::kFloat);
+  std::vector<int64_t> clock(numWorkers, 0);
+  std::vector<uint8_t> gone(numWorkers, 0), owed(numWorkers, 0), syncing(numWorkers, 0);
+  CompletionQueue arrivals(kServerWait);
+  for (int k = 0; k < numWorkers; ++k) arrivals.add(k, world.recv(pushes[k], k, kTagPush));
+  int64_t slowestDone = 0;
+  while (arrivals.outstanding() > 0) {
+    const int k = arrivals.next();
+    const float kind = pushes[k][n + 1].item<float>();
+    if (kind == kPushGoodbye) {
+      gone[k] = 1;
+      owed[k] = syncing[k] = 0;
+    } else if (kind == kPushSync) {
+      syncing[k] = 1;
+    } else {
+      shard.mutable_grad() = pushes[k].narrow(0, 0, n).mul(scale);
+      setLearningRate(opt, static_cast<double>(pushes[k][n].item<float>()));
+      opt.step();
+      ++clock[k];
+      owed[k] = 1;
+    }
+    if (kind != kPushGoodbye) arrivals.add(k, world.recv(pushes[k], k, kTagPush));
+    // The slowest clock among the workers still training.
+    int64_t slowest = std::numeric_limits<int64_t>::max();
+    bool allSyncing = true, anySyncing = false;
+    for (int j = 0; j < numWorkers; ++j) {
+      if (gone[j]) continue;
+      slowest = std::min(slowest, clock[j]);
+      allSyncing = allSyncing && syncing[j];
+      anySyncing = anySyncing || syncing[j];
+    }
+    for (int j = 0; j < numWorkers; ++j) {
+      if (owed[j] && clock[j] - slowest <= bound) {
+        reply(world, shard, j, clock[j] - slowest);
+        owed[j] = 0;
+      }
+    }
+    if (anySyncing && allSyncing) {
+      for (int j = 0; j < numWorkers; ++j) {
+        if (!syncing[j]) continue;
+        reply(world, shard, j, clock[j] - slowest);
+        syncing[j] = 0;
+      }
+    }
+    if (stepDone && slowest != std::numeric_limits<int64_t>::max() && slowest > slowestDone) {
+      slowestDone = slowest;
+      stepDone(slowest);
+    }
+  }
+}
+
+}  // namespace
+
+void runParameterServer(Communicator& world, int numWorkers, const PsOptions& options,
+                        const OptimizerFactory& optimizer,
+                        const std::function<void(int64_t)>& stepDone) {
+  ShardLayout layout;
+  at::Tensor shard = receiveShard(world, numWorkers, &layout);
+  shard.set_requires_grad(true);
+  auto opt = optimizer({shard});
+  if (options.asynchronous()) {
+    serveAsync(world, numWorkers, options, shard, *opt, stepDone);
+  } else {
+    serveBsp(world, numWorkers, shard, *opt, stepDone);
   }
 }
 

@@ -1,4 +1,5 @@
-// Parameter server, BSP consistency (sync.mode = "ps-bsp"), ALGORITHMS.md §1.2.
+// Parameter server: BSP, ASP and SSP consistency (sync.mode = "ps-bsp", "ps-asp", "ps-ssp"),
+// ALGORITHMS.md §1.2.
 //
 // The world's first W ranks are workers, the last S (sync.servers) are servers. The flat
 // vector of the model's trainable parameters (float32, registration order) is cut into S
@@ -9,18 +10,31 @@
 // workers install it. So every worker holds the same parameters after every step, and the
 // result equals the BSP all-reduce up to the order of the float sums (test).
 //
+// ASP and SSP(s): a server applies each push on arrival, with the learning rate divided by W
+// (so W pushes make about one BSP step; ours), and counts the pushes per worker: worker k's
+// clock c_k. The reply to worker k's push (its pull for the next step) goes out once
+// c_k - min_j c_j <= s, so no worker reads parameters missing more than s clocks of another
+// worker's updates (Ho et al.'s bounded staleness, read-my-writes included: a worker's own
+// push is applied before its reply). ASP is s = infinity: the reply goes out at once. A worker
+// that said goodbye no longer holds the others back. Pushes arrive in any order; the server
+// waits on every worker's recv at once (CompletionQueue). Workers' replicas differ between
+// pulls, so consolidate() (before evaluation and checkpoints) measures their consensus distance
+// and then pulls the same parameters everywhere: a sync request that the servers answer once
+// every worker sent it.
+//
 // Messages (all through the Communicator, tags below): at start rank 0 sends each server the
-// parameter count and its shard's initial values. A push is [gradient shard, lr, stop]; stop
-// = 1 (with a zero gradient) is the worker's goodbye at the end of training; a server returns
-// when every worker said goodbye.
+// parameter count and its shard's initial values. A push is [gradient shard, lr, kind]: kind 0
+// a gradient, 1 (with a zero gradient) the worker's goodbye at the end of training, 2 a sync
+// request (asynchronous modes); a server returns when every worker said goodbye. A pull is
+// [shard, staleness]: c_k - min_j c_j when the reply left (0 under BSP).
 //
 // Servers wait for workers without a deadline of their own (kServerWait): workers evaluate and
 // checkpoint between steps for as long as they need. A worker that dies closes its connections,
 // which fails the server's wait at once; one that freezes is found by the other workers (their
 // collectives time out), and their exit closes the server's connections too.
 //
-// Not yet (later steps of issue 4): ASP/SSP, pushes overlapped with backward, gradient clipping
-// (global norm across shards), server state in checkpoints. OSP builds on this: osp.h.
+// Not yet: pushes overlapped with backward, compression, gradient clipping (global norm across
+// shards), server state in checkpoints. OSP builds on this: osp.h.
 //
 // Threading: trainer thread (worker) / the server's main thread.
 #pragma once
@@ -28,6 +42,8 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -45,6 +61,18 @@ class Optimizer;
 namespace caravan {
 
 inline constexpr std::chrono::milliseconds kServerWait = std::chrono::hours(24);
+
+enum class PsConsistency { kBsp, kAsp, kSsp };
+
+struct PsOptions {
+  PsConsistency consistency = PsConsistency::kBsp;
+  int64_t staleness = 3;  // ps-ssp: s, the clocks a worker may run ahead of the slowest
+  bool asynchronous() const { return consistency != PsConsistency::kBsp; }
+  // The largest clock gap a reply may leave at (BSP: 0; ASP: unbounded).
+  int64_t bound() const;
+};
+// "ps-bsp" / "ps-asp" / "ps-ssp" (with sync.staleness).
+PsOptions psOptions(const std::string& mode, int64_t staleness);
 
 // Which elements of the flat parameter vector server s owns: [begin(s), end(s)).
 struct ShardLayout {
@@ -73,24 +101,35 @@ class PsWorkerStrategy : public Strategy {
  public:
   // `world`: every rank (workers then servers); `workers`: the workers' own group.
   PsWorkerStrategy(std::shared_ptr<Communicator> world, std::shared_ptr<Communicator> workers,
-                   int numServers);
-  std::string name() const override { return "ps-bsp"; }
+                   int numServers, PsOptions options = {});
+  std::string name() const override;
   void attach(torch::nn::Module& model) override;
   void setLearningRate(double lr) override { lr_ = lr; }
   void finishGradients() override;
   bool updatesParameters() const override { return true; }
+  bool lockstep() const override { return !options_.asynchronous(); }
+  double consolidate() override;
+  std::map<std::string, double> takeMetrics() override;
   void finish() override;
 
  private:
   int serverRank(int s) const { return world_->size() - servers_ + s; }
+  // Push [gradient, lr, kind] to every server and install the replies.
+  void exchange(const at::Tensor& flatGradient, float kind);
 
   std::shared_ptr<Communicator> world_;
   std::shared_ptr<Communicator> workers_;
   int servers_;
   std::vector<at::Tensor> params_;
   ShardLayout layout_;
+  PsOptions options_;
   double lr_ = 0.0;
   bool finished_ = false;
+  double finalDistance_ = 0.0;  // consensus distance finish() measured
+  // Staleness of the replies since takeMetrics(): the sum and max over steps of the largest
+  // over servers.
+  double stalenessSum_ = 0.0, stalenessMax_ = 0.0;
+  int64_t stalenessSteps_ = 0;
 };
 
 // Builds the optimizer a server runs over its shard (the trainer's optim.* settings).
@@ -98,8 +137,10 @@ using OptimizerFactory =
     std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
 
 // A server rank's whole life: receives its shard from rank 0, then serves pushes until every
-// worker said goodbye. `stepDone(n)` after the n-th update (for the heartbeat).
-void runParameterServer(Communicator& world, int numWorkers, const OptimizerFactory& optimizer,
+// worker said goodbye. `stepDone(n)` after the n-th update (BSP) or once the slowest worker's
+// clock reached n (ASP/SSP), for the heartbeat.
+void runParameterServer(Communicator& world, int numWorkers, const PsOptions& options,
+                        const OptimizerFactory& optimizer,
                         const std::function<void(int64_t)>& stepDone = {});
 
 }  // namespace caravan

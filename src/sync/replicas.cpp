@@ -74,7 +74,11 @@ void averageModel(Communicator& comm, torch::nn::Module& model) {
 }
 
 double consensusDistance(Communicator& comm, torch::nn::Module& model) {
-  at::Tensor x = flatten(syncedParameters(model)).to(at::kDouble);
+  return consensusDistance(comm, syncedParameters(model));
+}
+
+double consensusDistance(Communicator& comm, const std::vector<at::Tensor>& params) {
+  at::Tensor x = flatten(params).to(at::kDouble);
   at::Tensor mean = x.clone();
   comm.allreduce(mean, ReduceOp::kSum)->wait(comm.timeout());
   mean.div_(static_cast<double>(comm.size()));

@@ -43,5 +43,6 @@ void averageModel(Communicator& comm, torch::nn::Module& model);
 // sqrt(mean over ranks of ||x_r - mean x||^2) over the synchronized parameters: 0 when every
 // replica is equal. Every rank gets the same value.
 double consensusDistance(Communicator& comm, torch::nn::Module& model);
+double consensusDistance(Communicator& comm, const std::vector<at::Tensor>& params);
 
 }  // namespace caravan

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -50,6 +51,14 @@ class Strategy {
   virtual bool updatesParameters() const { return false; }
   // After the last step on every rank (normal end or a stop): say goodbye to servers.
   virtual void finish() {}
+  // True when the workers advance step by step together, so the trainer's per-step agreement
+  // (mean loss, stop flags; one small all-reduce) costs no extra waiting. Asynchronous
+  // strategies return false: the trainer then agrees only every train.log_every steps and at
+  // the last step, and stop requests take effect at the next agreement.
+  virtual bool lockstep() const { return true; }
+  // Strategy-specific numbers for the next train record of metrics.jsonl (e.g. staleness,
+  // stage-1 fraction), aggregated over the steps since the previous call.
+  virtual std::map<std::string, double> takeMetrics() { return {}; }
 
   // Timeline callback: (name, start, end) of each communication, for --trace.
   virtual void setEventSink(CommEventSink sink) { sink_ = std::move(sink); }

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/torch.h>
 
+#include "comm/counting_communicator.h"
 #include "comm/factory.h"
 #include "comm/liveness.h"
 #include "comm/store.h"
@@ -31,6 +32,7 @@ namespace {
 OspOptions ospOptions(const Config& config) {
   OspOptions o;
   o.fraction = config.f64("sync.osp_fraction");
+  o.autoFraction = config.flag("sync.osp_auto_fraction");
   o.policy = config.str("sync.osp_policy");
   o.lgp = config.flag("sync.osp_lgp");
   o.chunkElements = config.i64("sync.osp_chunk");
@@ -52,7 +54,7 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
   // MPI brings its own wire-up (mpirun); only Gloo rendezvouses through the store.
   c10::intrusive_ptr<c10d::Store> store;
   if (backend != "mpi") store = makeStore(options.world, so);
-  world = makeCommunicator(backend, options.world, store, timeout);
+  world = counted(makeCommunicator(backend, options.world, store, timeout));
   comm = world;
   const std::string& mode = config.str("sync.mode");
   servers_ = serverCount(config);
@@ -70,8 +72,8 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
     if (!isServer()) {
       WorldInfo group = options.world;
       group.worldSize = workers_;
-      comm = makeCommunicator(backend, group,
-                              c10::make_intrusive<c10d::PrefixStore>("workers", store), timeout);
+      comm = counted(makeCommunicator(
+          backend, group, c10::make_intrusive<c10d::PrefixStore>("workers", store), timeout));
     }
   }
   if (store) {
@@ -95,8 +97,26 @@ void Distributed::serve() {
   if (config_.str("sync.mode") == "osp") {
     runOspServer(*world, workers_, ospOptions(config_), optimizer, onStep);
   } else {
-    runParameterServer(*world, workers_, optimizer, onStep);
+    runParameterServer(*world, workers_, psOptions(config_.str("sync.mode"),
+                                                   config_.i64("sync.staleness")),
+                       optimizer, onStep);
   }
+}
+
+std::shared_ptr<Communicator> Distributed::counted(std::shared_ptr<Communicator> inner) {
+  auto c = std::make_shared<CountingCommunicator>(std::move(inner));
+  counters_.push_back(c);
+  return c;
+}
+
+ByteCount Distributed::bytes() const {
+  ByteCount total;
+  for (const auto& c : counters_) {
+    const ByteCount b = c->bytes();
+    total.sent += b.sent;
+    total.received += b.received;
+  }
+  return total;
 }
 
 void Distributed::stepDone(int64_t step) {
@@ -129,8 +149,9 @@ Strategy* Distributed::attach(torch::nn::Module& model) {
     throw ConfigError("optim.grad_clip is not supported with parameter-server modes yet (the "
                       "global norm spans the servers' shards); set optim.grad_clip = 0");
   }
-  if (mode == "ps-bsp") {
-    strategy_ = std::make_unique<PsWorkerStrategy>(world, comm, servers_);
+  if (mode == "ps-bsp" || mode == "ps-asp" || mode == "ps-ssp") {
+    strategy_ = std::make_unique<PsWorkerStrategy>(world, comm, servers_,
+                                                   psOptions(mode, config_.i64("sync.staleness")));
   } else if (mode == "osp") {
     strategy_ = std::make_unique<OspWorkerStrategy>(world, comm, servers_, ospOptions(config_));
   } else if (mode == "allreduce") {

@@ -6,8 +6,10 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
+#include "comm/counting_communicator.h"
 #include "core/config.h"
 #include "sync/strategy.h"
 #include "train/trainer.h"
@@ -64,7 +66,14 @@ class Distributed {
   std::shared_ptr<Communicator> world;  // every rank
   std::shared_ptr<Communicator> comm;   // the workers (= world without servers)
 
+  // Bytes this rank sent and received so far over both communicators (counting_communicator.h:
+  // exact for point to point, a ring estimate for collectives).
+  ByteCount bytes() const;
+
  private:
+  std::shared_ptr<Communicator> counted(std::shared_ptr<Communicator> inner);
+
+  std::vector<std::shared_ptr<CountingCommunicator>> counters_;
   const Config& config_;
   int servers_ = 0;
   int workers_ = 1;

@@ -161,6 +161,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   // blocked on synchronization (gradient exchange after backward, the strategy's afterStep).
   double windowCompute = 0.0, windowSync = 0.0;
   int64_t windowSteps = 0;
+  ByteCount windowBytes = dist ? dist->bytes() : ByteCount{};
   Clock::time_point windowStart = Clock::now();
   double lastLoss = std::nan("");
   while (state.step < totalSteps) {
@@ -187,11 +188,19 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
                        (options.stopRequested != nullptr && options.stopRequested->load());
     bool timeUp = maxSeconds > 0 && trainSeconds() >= maxSeconds;
     if (dist) {
-      // One small all-reduce: the mean loss over ranks, and whether any rank must stop.
-      Agreement a = dist->agree(r.loss, interrupted, timeUp);
-      r.loss = a.meanLoss;
-      interrupted = a.interrupted;
-      timeUp = a.timeUp;
+      // One small all-reduce: the mean loss over ranks, and whether any rank must stop. Under
+      // an asynchronous strategy only every log_every steps and at the end, so it does not
+      // hold fast workers back; a stop waits for the next agreement.
+      const bool agreeNow = strategy->lockstep() || (state.step + 1) % logEvery == 0 ||
+                            state.step + 1 == totalSteps;
+      if (agreeNow) {
+        Agreement a = dist->agree(r.loss, interrupted, timeUp);
+        r.loss = a.meanLoss;
+        interrupted = a.interrupted;
+        timeUp = a.timeUp;
+      } else {
+        interrupted = timeUp = false;
+      }
     }
     if (!std::isfinite(r.loss)) {
       throw NonFiniteError(fmt::format(
@@ -209,10 +218,20 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     const double samplesPerS = windowS > 0 ? windowSamples / windowS : 0.0;
     progress.update(state.step, epoch, r.loss, lr, samplesPerS);
     if (state.step % logEvery == 0 || state.step == totalSteps) {
-      if (metrics) metrics->write({{"kind", "train"}, {"step", state.step}, {"epoch", epoch},
-                     {"loss", r.loss}, {"lr", lr}, {"samples_per_s", samplesPerS},
-                     {"compute_s", windowCompute / windowSteps},
-                     {"sync_wait_s", windowSync / windowSteps}, {"time_s", trainSeconds()}});
+      nlohmann::json rec = {{"kind", "train"}, {"step", state.step}, {"epoch", epoch},
+                            {"loss", r.loss}, {"lr", lr}, {"samples_per_s", samplesPerS},
+                            {"compute_s", windowCompute / windowSteps},
+                            {"sync_wait_s", windowSync / windowSteps},
+                            {"time_s", trainSeconds()}};
+      if (dist) {
+        // This rank's bytes per step over the window, and the strategy's own numbers.
+        const ByteCount b = dist->bytes();
+        rec["sent_bytes"] = static_cast<double>(b.sent - windowBytes.sent) / windowSteps;
+        rec["recv_bytes"] = static_cast<double>(b.received - windowBytes.received) / windowSteps;
+        windowBytes = b;
+        for (const auto& [key, value] : strategy->takeMetrics()) rec[key] = value;
+      }
+      if (metrics) metrics->write(rec);
       windowSamples = 0.0;
       windowCompute = windowSync = 0.0;
       windowSteps = 0;
