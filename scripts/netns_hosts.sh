@@ -9,8 +9,12 @@
 # benchmarking) on interface eth0 of namespace cv<pid>h<i>. CMD runs once per host, inside that
 # host's namespace, with HOST_INDEX=i, HOSTS=N and HOST_ADDRS="198.18.0.1 ..." in its
 # environment; its output goes to the terminal prefixed by nothing, so redirect per host in CMD
-# (e.g. `bash -c '... >log.$HOST_INDEX 2>&1'`). --rate/--delay limit every host's egress with
-# netem. Every command is killed after --timeout seconds (default 300).
+# (e.g. `bash -c '... >log.$HOST_INDEX 2>&1'`). --rate (tc units: 100mbit, 1gbit) limits each
+# host's link in both directions with a token bucket (tbf) on the host's end and on the
+# bridge's end of its veth pair, so a host that many others send to (a parameter server)
+# receives at --rate in total, as through one real NIC. --delay adds one-way latency on the
+# host's egress with netem, which some kernels lack (then the script stops with tc's error).
+# Every command is killed after --timeout seconds (default 300).
 #
 # Exit status: 0 when every host's command exited 0, else the first non-zero status (124 on
 # timeout); 77 when this machine cannot make namespaces (not root, no `ip netns`). The
@@ -48,6 +52,21 @@ if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null ||
 fi
 ip netns del "${tag}probe"
 
+# tbf burst in bytes for a tc rate like 300mbit: max(64 KiB, 4 ms of traffic).
+tbf_burst() {
+  local r="${1,,}" bits
+  case "$r" in
+    *gbit) bits=$(( ${r%gbit} * 1000000000 )) ;;
+    *mbit) bits=$(( ${r%mbit} * 1000000 )) ;;
+    *kbit) bits=$(( ${r%kbit} * 1000 )) ;;
+    *) echo "netns_hosts.sh: --rate $1: use kbit, mbit or gbit (integer)" >&2; exit 2 ;;
+  esac
+  local b=$(( bits / 8 / 250 ))
+  (( b < 65536 )) && b=65536
+  echo "$b"
+}
+[[ -n "$rate" ]] && tbf_burst "$rate" >/dev/null
+
 hub="${tag}hub"
 addrs=""
 for ((i = 0; i < hosts; i++)); do addrs+="198.18.0.$((i + 1)) "; done
@@ -82,11 +101,18 @@ for ((i = 0; i < hosts; i++)); do
   ip -n "$ns" link set lo up
   ip -n "$hub" link set "${tag}b$i" master br0
   ip -n "$hub" link set "${tag}b$i" up
-  if [[ -n "$rate" || -n "$delay" ]]; then
-    netem=()
-    [[ -n "$delay" ]] && netem+=(delay "$delay")
-    [[ -n "$rate" ]] && netem+=(rate "$rate")
-    ip netns exec "$ns" tc qdisc add dev eth0 root netem "${netem[@]}"
+  if [[ -n "$rate" ]]; then
+    # Burst: a 64 KiB segment (veth passes TSO-sized packets) or 4 ms at the rate; queue: 100 ms.
+    tbf=(tbf rate "$rate" burst "$(tbf_burst "$rate")" latency 100ms)
+    if [[ -n "$delay" ]]; then
+      ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: netem delay "$delay"
+      ip netns exec "$ns" tc qdisc add dev eth0 parent 1:1 handle 10: "${tbf[@]}"
+    else
+      ip netns exec "$ns" tc qdisc add dev eth0 root "${tbf[@]}"
+    fi
+    ip netns exec "$hub" tc qdisc add dev "${tag}b$i" root "${tbf[@]}"
+  elif [[ -n "$delay" ]]; then
+    ip netns exec "$ns" tc qdisc add dev eth0 root netem delay "$delay"
   fi
 done
 

@@ -344,14 +344,20 @@ INSTANTIATE_TEST_SUITE_P(
 // on the wire (with more than one worker), staleness (ps-asp, ps-ssp: within sync.staleness),
 // the stage-1 fraction (osp). Asynchronous modes agree only every train.log_every = 5 steps.
 // With one worker ps-asp and ps-ssp apply each gradient as it comes: exactly ps-bsp.
+// "MODE+COMPRESSION" also sets sync.compression (top-k with ratio 0.1).
 class DistModesSurvive : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
 
 TEST_P(DistModesSurvive, RunsToTheEndAndReports) {
-  const auto [mode, workers, servers] = GetParam();
+  const auto [modeAndCompression, workers, servers] = GetParam();
+  const auto plus = modeAndCompression.find('+');
+  const std::string mode = modeAndCompression.substr(0, plus);
+  const std::string compression =
+      plus == std::string::npos ? "none" : modeAndCompression.substr(plus + 1);
   TempDir tmp;
   auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
                         "train.log_every=5", "sync.mode=" + mode, "sync.staleness=1",
-                        "sync.osp_chunk=1000"});
+                        "sync.osp_chunk=1000", "sync.compression=" + compression,
+                        "sync.topk_ratio=0.1"});
   if (servers > 0) o = with(o, {"sync.servers=" + std::to_string(servers)});
   const int world = workers + servers;
   ASSERT_EQ(runRanks(world, tmp / "run", o), std::vector<int>(world, 0))
@@ -386,7 +392,9 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple("ps-bsp", 1, 2), std::make_tuple("ps-bsp", 3, 1),
                       std::make_tuple("ps-asp", 1, 1), std::make_tuple("ps-asp", 3, 2),
                       std::make_tuple("ps-ssp", 1, 2), std::make_tuple("ps-ssp", 3, 1),
-                      std::make_tuple("osp", 1, 1), std::make_tuple("osp", 3, 2)));
+                      std::make_tuple("osp", 1, 1), std::make_tuple("osp", 3, 2),
+                      std::make_tuple("ps-ssp+fp16", 3, 1), std::make_tuple("ps-bsp+topk", 3, 2),
+                      std::make_tuple("allreduce+bf16", 3, 0)));
 
 // A server killed mid-run: the workers exit 7 naming it as a server.
 TEST(DistParameterServerFault, KilledServerIsNamed) {

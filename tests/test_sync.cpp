@@ -205,14 +205,22 @@ TEST(TopK, ErrorFeedbackDelaysButNeverDrops) {
 }
 
 // Parameter servers apply every gradient exactly once: workers (threads) push fixed gradients
-// for T steps through ps-bsp, ps-asp, ps-ssp (s = 1) or OSP (half the chunks in stage 2, both split policies, 1 or 2
+// for T steps through ps-bsp, ps-asp, ps-ssp (s = 1) — with pushes as float32, fp16, bf16 or
+// top-k with ratio 1 (the gradients are small integers, exact in 16 bits) — or OSP (half the chunks in stage 2, both split policies, 1 or 2
 // servers); with plain SGD and lr 1/8 the result must be exactly w0 - lr * sum_t mean_k g_t^k
 // (every value is a small binary fraction, so no rounding), on every worker.
 class ServersApplyOnce
     : public ::testing::TestWithParam<std::tuple<std::string, std::string, int>> {};
 
 TEST_P(ServersApplyOnce, EveryGradientExactlyOnce) {
-  const auto [mode, policy, servers] = GetParam();
+  // `variant`: OSP's split policy, or a parameter server's compression.
+  const auto [mode, variant, servers] = GetParam();
+  const std::string policy = mode == "osp" ? variant : "magnitude";
+  PsOptions ps = psOptions(mode == "osp" ? "ps-bsp" : mode, 1);
+  if (mode != "osp" && !variant.empty()) {
+    ps.compression = parseCompression(variant);
+    ps.topkRatio = 1.0;
+  }
   constexpr int kWorkers = 2, kSteps = 6;
   constexpr double kLr = 0.125;
   auto gradient = [](int rank, int step) { return valuesOf(rank * 7 + step, 11); };
@@ -235,7 +243,7 @@ TEST_P(ServersApplyOnce, EveryGradientExactlyOnce) {
           if (mode == "osp") {
             runOspServer(*world, kWorkers, o, sgd);
           } else {
-            runParameterServer(*world, kWorkers, psOptions(mode, 1), sgd);
+            runParameterServer(*world, kWorkers, ps, sgd);
           }
           return;
         }
@@ -246,7 +254,7 @@ TEST_P(ServersApplyOnce, EveryGradientExactlyOnce) {
         if (mode == "osp") {
           s = std::make_unique<OspWorkerStrategy>(world, workers, servers, o);
         } else {
-          s = std::make_unique<PsWorkerStrategy>(world, workers, servers, psOptions(mode, 1));
+          s = std::make_unique<PsWorkerStrategy>(world, workers, servers, ps);
         }
         Net net;
         s->attach(net);
@@ -269,7 +277,8 @@ INSTANTIATE_TEST_SUITE_P(
     Modes, ServersApplyOnce,
     ::testing::Values(std::make_tuple("ps-bsp", "", 1), std::make_tuple("ps-bsp", "", 2),
                       std::make_tuple("ps-asp", "", 1), std::make_tuple("ps-asp", "", 2),
-                      std::make_tuple("ps-ssp", "", 2),
+                      std::make_tuple("ps-ssp", "", 2), std::make_tuple("ps-bsp", "fp16", 2),
+                      std::make_tuple("ps-bsp", "bf16", 1), std::make_tuple("ps-asp", "topk", 2),
                       std::make_tuple("osp", "magnitude", 1),
                       std::make_tuple("osp", "magnitude", 2),
                       std::make_tuple("osp", "layer-order", 2)));

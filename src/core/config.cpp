@@ -146,9 +146,9 @@ std::vector<ConfigOption> buildSchema() {
       floatOpt("sync.first_bucket_mb", 1.0, 0.0, 1e6,
                "allreduce: first bucket cap (MiB); small so communication starts early", true),
       strOpt("sync.compression", "none",
-             "allreduce: how gradient buckets travel: none (float32), fp16 or bf16 (16-bit "
-             "values, summed in float32 at each hop), topk (largest entries with error "
-             "feedback, sync.topk_ratio)",
+             "allreduce and ps-*: how gradients travel: none (float32), fp16 or bf16 (16-bit "
+             "values; all-reduce sums them in float32 at each hop), topk (largest entries with "
+             "error feedback, sync.topk_ratio)",
              {"none", "fp16", "bf16", "topk"}),
       floatOpt("sync.topk_ratio", 0.01, 0.0, 1.0,
                "topk: fraction of each bucket's entries sent per step (> 0)", true),

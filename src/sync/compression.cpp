@@ -82,4 +82,53 @@ void TopKCodec::decode(const at::Tensor& gathered, int world, at::Tensor& out) c
   }
 }
 
+ShardCodec::ShardCodec(Compression compression, int64_t numel, double topkRatio)
+    : compression_(compression), numel_(numel) {
+  switch (compression_) {
+    case Compression::kNone: words_ = numel; break;
+    case Compression::kFp16:
+    case Compression::kBf16: words_ = (numel + 1) / 2; break;
+    case Compression::kTopK:
+      topk_ = std::make_unique<TopKCodec>(numel, topkRatio);
+      words_ = 2 * topk_->k();
+      break;
+  }
+}
+
+at::Tensor ShardCodec::encode(const at::Tensor& grad) {
+  CARAVAN_CHECK(grad.numel() == numel_, "ShardCodec: {} elements, expected {}", grad.numel(),
+                numel_);
+  switch (compression_) {
+    case Compression::kNone: return grad.reshape({-1});
+    case Compression::kFp16:
+    case Compression::kBf16: {
+      const auto wire = compression_ == Compression::kFp16 ? at::kHalf : at::kBFloat16;
+      at::Tensor packed = at::zeros({2 * words_}, at::TensorOptions().dtype(wire));
+      packed.narrow(0, 0, numel_).copy_(grad.reshape({-1}));
+      return packed.view(at::kFloat);
+    }
+    case Compression::kTopK: return topk_->encode(grad);
+  }
+  return {};
+}
+
+at::Tensor ShardCodec::decode(const at::Tensor& words) const {
+  CARAVAN_CHECK(words.numel() == words_ && words.scalar_type() == at::kFloat,
+                "ShardCodec: {} words, expected {}", words.numel(), words_);
+  switch (compression_) {
+    case Compression::kNone: return words;
+    case Compression::kFp16:
+    case Compression::kBf16: {
+      const auto wire = compression_ == Compression::kFp16 ? at::kHalf : at::kBFloat16;
+      return words.contiguous().view(wire).narrow(0, 0, numel_).to(at::kFloat);
+    }
+    case Compression::kTopK: {
+      at::Tensor out = at::empty({numel_}, at::kFloat);
+      topk_->decode(words.contiguous(), 1, out);
+      return out;
+    }
+  }
+  return {};
+}
+
 }  // namespace caravan

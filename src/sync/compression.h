@@ -1,4 +1,5 @@
-// Gradient compression for the all-reduce strategy (sync.compression), ALGORITHMS.md §1.5:
+// Gradient compression (sync.compression), ALGORITHMS.md §1.5, for the all-reduce strategy
+// and the parameter servers' pushes (ShardCodec below):
 //
 //   fp16, bf16  the bucket travels as 16-bit values: a ring reduce-scatter then all-gather over
 //               send/recv (ringAllreduce16), each hop adding in float32, so every rank sends
@@ -15,6 +16,7 @@
 // thread); TopKCodec is used by one thread at a time.
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -50,6 +52,26 @@ class TopKCodec {
  private:
   int64_t k_;
   at::Tensor residual_;
+};
+
+// How a parameter-server push carries a gradient shard of n elements as float32 words, so the
+// push stays one float32 message with its control tail: none n words; fp16/bf16 ceil(n/2) words
+// of packed 16-bit values (half the bytes); topk 2k words (values, int32 indices), the worker
+// keeping the rest in its residual (error feedback). Pulls (parameters) stay float32.
+class ShardCodec {
+ public:
+  ShardCodec(Compression compression, int64_t numel, double topkRatio);
+  int64_t words() const { return words_; }
+  // Worker: the words for gradient `grad` (numel elements); topk updates the residual.
+  at::Tensor encode(const at::Tensor& grad);
+  // Server: the dense float32 gradient (numel elements) that `words` carry.
+  at::Tensor decode(const at::Tensor& words) const;
+
+ private:
+  Compression compression_;
+  int64_t numel_;
+  int64_t words_;
+  std::unique_ptr<TopKCodec> topk_;
 };
 
 }  // namespace caravan

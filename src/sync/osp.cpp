@@ -25,7 +25,7 @@ constexpr int64_t kControl = 3;  // the elements after g[I] in a stage-1 push
 
 // Of the measured rate, the share auto sizing counts on stage 2 getting while the next step
 // computes (ours: the transfer competes with compute for the CPU and the link).
-constexpr double kOverlapMargin = 0.8;
+constexpr double kOverlapMargin = 0.95;
 constexpr double kRateSmoothing = 0.3;  // weight of the newest measurement
 
 using Clock = std::chrono::steady_clock;

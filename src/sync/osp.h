@@ -26,7 +26,7 @@
 // `auto` sizing (sync.osp_auto_fraction; ours in the details): each worker measures the time
 // between steps' exchanges (forward + backward: the compute stage 2 can hide behind) and the
 // rate of its exchanges (elements per second over stage 1 and the previous stage 2, smoothed),
-// and asks for the smallest stage-1 fraction whose stage 2 fits under 80% of that compute
+// and asks for the smallest stage-1 fraction whose stage 2 fits under 95% of that compute
 // time, with its stage-1 push. The servers take the largest request, so every server and
 // worker uses the same fraction for the next split; step 0 uses sync.osp_fraction.
 //

@@ -119,10 +119,21 @@ void PsWorkerStrategy::attach(torch::nn::Module& model) {
   layout_.servers = servers_;
   for (const auto& p : params_) layout_.total += p.numel();
   seedServers(*world_, *workers_, flatten(params_), layout_);
+  codecs_.clear();
+  for (int s = 0; s < servers_; ++s) {
+    codecs_.emplace_back(options_.compression, layout_.size(s), options_.topkRatio);
+  }
+}
+
+at::Tensor PsWorkerStrategy::pushMessage(int s, const at::Tensor& g, float kind) {
+  const at::Tensor control = torch::tensor({static_cast<float>(lr_), kind});
+  const at::Tensor payload = kind == kPushGradient
+                                 ? codecs_[s].encode(g.narrow(0, layout_.begin(s), layout_.size(s)))
+                                 : at::zeros({codecs_[s].words()}, at::kFloat);
+  return at::cat({payload, control});
 }
 
 void PsWorkerStrategy::exchange(const at::Tensor& g, float kind) {
-  const at::Tensor control = torch::tensor({static_cast<float>(lr_), kind});
   std::vector<at::Tensor> pushes, pulls;
   std::vector<WorkPtr> work;
   for (int s = 0; s < servers_; ++s) {
@@ -130,7 +141,7 @@ void PsWorkerStrategy::exchange(const at::Tensor& g, float kind) {
     work.push_back(world_->recv(pulls.back(), serverRank(s), kTagPull));
   }
   for (int s = 0; s < servers_; ++s) {
-    pushes.push_back(at::cat({g.narrow(0, layout_.begin(s), layout_.size(s)), control}));
+    pushes.push_back(pushMessage(s, g, kind));
     work.push_back(world_->send(pushes.back(), serverRank(s), kTagPush));
   }
   for (auto& w : work) w->wait(options_.asynchronous() ? kServerWait : world_->timeout());
@@ -155,7 +166,7 @@ double PsWorkerStrategy::consolidate() {
   // are gone; finish() synchronized the replicas and left the distance it measured.
   if (!options_.asynchronous() || finished_) return std::exchange(finalDistance_, 0.0);
   const double distance = consensusDistance(*workers_, params_);
-  exchange(at::zeros({layout_.total}, at::kFloat), kPushSync);
+  exchange(at::Tensor(), kPushSync);
   return distance;
 }
 
@@ -179,8 +190,7 @@ void PsWorkerStrategy::finish() {
   std::vector<at::Tensor> byes;
   std::vector<WorkPtr> work;
   for (int s = 0; s < servers_; ++s) {
-    byes.push_back(at::zeros({layout_.size(s) + 2}, at::kFloat));
-    byes.back()[-1] = kPushGoodbye;
+    byes.push_back(pushMessage(s, at::Tensor(), kPushGoodbye));
     work.push_back(world_->send(byes.back(), serverRank(s), kTagPush));
   }
   for (auto& w : work) w->wait(world_->timeout());
@@ -198,19 +208,20 @@ void reply(Communicator& world, const at::Tensor& shard, int worker, int64_t sta
   world.send(message, worker, kTagPull)->wait(world.timeout());
 }
 
-void serveBsp(Communicator& world, int numWorkers, at::Tensor shard,
+void serveBsp(Communicator& world, int numWorkers, const ShardCodec& codec, at::Tensor shard,
               torch::optim::Optimizer& opt, const std::function<void(int64_t)>& stepDone) {
-  const int64_t n = shard.numel();
-  std::vector<at::Tensor> pushes(numWorkers);
-  for (auto& p : pushes) p = at::empty({n + 2}, at::kFloat);
+  const int64_t n = shard.numel(), words = codec.words();
+  std::vector<at::Tensor> pushes(numWorkers), grads(numWorkers);
+  for (auto& p : pushes) p = at::empty({words + 2}, at::kFloat);
   for (int64_t step = 0;; ++step) {
     std::vector<WorkPtr> work;
     for (int k = 0; k < numWorkers; ++k) work.push_back(world.recv(pushes[k], k, kTagPush));
     for (auto& w : work) w->wait(kServerWait);
-    if (allSaidGoodbye(pushes, n + 1, world.rank(), step + 1)) return;
+    if (allSaidGoodbye(pushes, words + 1, world.rank(), step + 1)) return;
     // The average in rank order, then the optimizer on this shard.
-    shard.mutable_grad() = averagePushes(pushes, n);
-    setLearningRate(opt, static_cast<double>(pushes[0][n].item<float>()));
+    for (int k = 0; k < numWorkers; ++k) grads[k] = codec.decode(pushes[k].narrow(0, 0, words));
+    shard.mutable_grad() = averagePushes(grads, n);
+    setLearningRate(opt, static_cast<double>(pushes[0][words].item<float>()));
     opt.step();
     for (int k = 0; k < numWorkers; ++k) reply(world, shard, k, 0);
     if (stepDone) stepDone(step + 1);
@@ -218,13 +229,14 @@ void serveBsp(Communicator& world, int numWorkers, at::Tensor shard,
 }
 
 // ASP / SSP: pushes applied on arrival, replies held back while they would exceed the bound.
-void serveAsync(Communicator& world, int numWorkers, const PsOptions& options, at::Tensor shard,
-                torch::optim::Optimizer& opt, const std::function<void(int64_t)>& stepDone) {
-  const int64_t n = shard.numel();
+void serveAsync(Communicator& world, int numWorkers, const PsOptions& options,
+                const ShardCodec& codec, at::Tensor shard, torch::optim::Optimizer& opt,
+                const std::function<void(int64_t)>& stepDone) {
+  const int64_t words = codec.words();
   const int64_t bound = options.bound();
   const double scale = 1.0 / static_cast<double>(numWorkers);
   std::vector<at::Tensor> pushes(numWorkers);
-  for (auto& p : pushes) p = at::empty({n + 2}, at::kFloat);
+  for (auto& p : pushes) p = at::empty({words + 2}, at::kFloat);
   std::vector<int64_t> clock(numWorkers, 0);
   std::vector<uint8_t> gone(numWorkers, 0), owed(numWorkers, 0), syncing(numWorkers, 0);
   CompletionQueue arrivals(kServerWait);
@@ -232,15 +244,15 @@ void serveAsync(Communicator& world, int numWorkers, const PsOptions& options, a
   int64_t slowestDone = 0;
   while (arrivals.outstanding() > 0) {
     const int k = arrivals.next();
-    const float kind = pushes[k][n + 1].item<float>();
+    const float kind = pushes[k][words + 1].item<float>();
     if (kind == kPushGoodbye) {
       gone[k] = 1;
       owed[k] = syncing[k] = 0;
     } else if (kind == kPushSync) {
       syncing[k] = 1;
     } else {
-      shard.mutable_grad() = pushes[k].narrow(0, 0, n).mul(scale);
-      setLearningRate(opt, static_cast<double>(pushes[k][n].item<float>()));
+      shard.mutable_grad() = codec.decode(pushes[k].narrow(0, 0, words)).mul(scale);
+      setLearningRate(opt, static_cast<double>(pushes[k][words].item<float>()));
       opt.step();
       ++clock[k];
       owed[k] = 1;
@@ -284,10 +296,11 @@ void runParameterServer(Communicator& world, int numWorkers, const PsOptions& op
   at::Tensor shard = receiveShard(world, numWorkers, &layout);
   shard.set_requires_grad(true);
   auto opt = optimizer({shard});
+  const ShardCodec codec(options.compression, shard.numel(), options.topkRatio);
   if (options.asynchronous()) {
-    serveAsync(world, numWorkers, options, shard, *opt, stepDone);
+    serveAsync(world, numWorkers, options, codec, shard, *opt, stepDone);
   } else {
-    serveBsp(world, numWorkers, shard, *opt, stepDone);
+    serveBsp(world, numWorkers, codec, shard, *opt, stepDone);
   }
 }
 

@@ -26,15 +26,21 @@
 // parameter count and its shard's initial values. A push is [gradient shard, lr, kind]: kind 0
 // a gradient, 1 (with a zero gradient) the worker's goodbye at the end of training, 2 a sync
 // request (asynchronous modes); a server returns when every worker said goodbye. A pull is
-// [shard, staleness]: c_k - min_j c_j when the reply left (0 under BSP).
+// [shard, staleness]: c_k - min_j c_j when the reply left (0 under BSP). With compression a
+// push's gradient part is the codec's words instead of the shard.
 //
 // Servers wait for workers without a deadline of their own (kServerWait): workers evaluate and
 // checkpoint between steps for as long as they need. A worker that dies closes its connections,
 // which fails the server's wait at once; one that freezes is found by the other workers (their
 // collectives time out), and their exit closes the server's connections too.
 //
-// Not yet: pushes overlapped with backward, compression, gradient clipping (global norm across
-// shards), server state in checkpoints. OSP builds on this: osp.h.
+// sync.compression: pushes carry the gradient as 16-bit values or top-k with error feedback
+// (ShardCodec, compression.h); the worker keeps the top-k residual per server; pulls stay
+// float32. With ASP/SSP the residual's entries reach the server when they grow large enough,
+// as with all-reduce.
+//
+// Not yet: pushes overlapped with backward, gradient clipping (global norm across shards),
+// server and codec state in checkpoints. OSP builds on this: osp.h.
 //
 // Threading: trainer thread (worker) / the server's main thread.
 #pragma once
@@ -50,6 +56,7 @@
 #include <ATen/ATen.h>
 
 #include "comm/communicator.h"
+#include "sync/compression.h"
 #include "sync/strategy.h"
 
 namespace torch {
@@ -67,6 +74,9 @@ enum class PsConsistency { kBsp, kAsp, kSsp };
 struct PsOptions {
   PsConsistency consistency = PsConsistency::kBsp;
   int64_t staleness = 3;  // ps-ssp: s, the clocks a worker may run ahead of the slowest
+  // How pushes carry gradients (compression.h, ShardCodec); pulls stay float32.
+  Compression compression = Compression::kNone;
+  double topkRatio = 0.01;
   bool asynchronous() const { return consistency != PsConsistency::kBsp; }
   // The largest clock gap a reply may leave at (BSP: 0; ASP: unbounded).
   int64_t bound() const;
@@ -114,8 +124,11 @@ class PsWorkerStrategy : public Strategy {
 
  private:
   int serverRank(int s) const { return world_->size() - servers_ + s; }
-  // Push [gradient, lr, kind] to every server and install the replies.
+  // Push [gradient, lr, kind] to every server and install the replies. `flatGradient` only for
+  // kind 0 (a gradient).
   void exchange(const at::Tensor& flatGradient, float kind);
+  // Server s's push: [encoded gradient shard or zeros, lr, kind].
+  at::Tensor pushMessage(int s, const at::Tensor& flatGradient, float kind);
 
   std::shared_ptr<Communicator> world_;
   std::shared_ptr<Communicator> workers_;
@@ -123,6 +136,7 @@ class PsWorkerStrategy : public Strategy {
   std::vector<at::Tensor> params_;
   ShardLayout layout_;
   PsOptions options_;
+  std::vector<ShardCodec> codecs_;  // per server (top-k keeps its residual here)
   double lr_ = 0.0;
   bool finished_ = false;
   double finalDistance_ = 0.0;  // consensus distance finish() measured

@@ -29,6 +29,13 @@ int serverCount(const Config& config) {
 
 namespace {
 
+PsOptions serverOptions(const Config& config) {
+  PsOptions o = psOptions(config.str("sync.mode"), config.i64("sync.staleness"));
+  o.compression = parseCompression(config.str("sync.compression"));
+  o.topkRatio = config.f64("sync.topk_ratio");
+  return o;
+}
+
 OspOptions ospOptions(const Config& config) {
   OspOptions o;
   o.fraction = config.f64("sync.osp_fraction");
@@ -97,9 +104,7 @@ void Distributed::serve() {
   if (config_.str("sync.mode") == "osp") {
     runOspServer(*world, workers_, ospOptions(config_), optimizer, onStep);
   } else {
-    runParameterServer(*world, workers_, psOptions(config_.str("sync.mode"),
-                                                   config_.i64("sync.staleness")),
-                       optimizer, onStep);
+    runParameterServer(*world, workers_, serverOptions(config_), optimizer, onStep);
   }
 }
 
@@ -140,18 +145,18 @@ Strategy* Distributed::attach(torch::nn::Module& model) {
   o.compression = parseCompression(config_.str("sync.compression"));
   o.topkRatio = config_.f64("sync.topk_ratio");
   const std::string& mode = config_.str("sync.mode");
-  if (o.compression != Compression::kNone && mode != "allreduce") {
-    throw ConfigError(fmt::format("sync.compression = {} works with sync.mode = allreduce only "
-                                  "so far; set sync.compression = none for {}",
+  const bool psMode = mode == "ps-bsp" || mode == "ps-asp" || mode == "ps-ssp";
+  if (o.compression != Compression::kNone && mode != "allreduce" && !psMode) {
+    throw ConfigError(fmt::format("sync.compression = {} works with sync.mode = allreduce, "
+                                  "ps-bsp, ps-asp and ps-ssp; set sync.compression = none for {}",
                                   config_.str("sync.compression"), mode));
   }
   if (usesServers(mode) && config_.f64("optim.grad_clip") > 0.0) {
     throw ConfigError("optim.grad_clip is not supported with parameter-server modes yet (the "
                       "global norm spans the servers' shards); set optim.grad_clip = 0");
   }
-  if (mode == "ps-bsp" || mode == "ps-asp" || mode == "ps-ssp") {
-    strategy_ = std::make_unique<PsWorkerStrategy>(world, comm, servers_,
-                                                   psOptions(mode, config_.i64("sync.staleness")));
+  if (psMode) {
+    strategy_ = std::make_unique<PsWorkerStrategy>(world, comm, servers_, serverOptions(config_));
   } else if (mode == "osp") {
     strategy_ = std::make_unique<OspWorkerStrategy>(world, comm, servers_, ospOptions(config_));
   } else if (mode == "allreduce") {

@@ -1,0 +1,269 @@
+#!/usr/bin/python3
+"""Synchronization models on constrained links: W workers (+ S servers) as separate hosts in
+network namespaces (scripts/netns_hosts.sh: veth pairs to a bridge, each host's link limited
+to RATE in both directions with tc netem), one table from one invocation.
+
+    /usr/bin/python3 bench/network_sweep.py [--rates 1gbit 500mbit 300mbit 100mbit]
+        [--repeats 2] [--steps 40] [--epochs 2] [--accuracy-rate 500mbit]
+        [--out bench/results/network]
+
+Two parts, each interleaving its runs (mode A, B, ... at one rate, then the next rate, then the
+next repeat):
+  throughput  every mode at every rate for --steps steps; from rank 0's metrics.jsonl (the first
+              log window dropped as warm-up): compute s/step (forward + backward + optimizer),
+              wait s/step (blocked on synchronization), samples/s, MB sent per step. Medians
+              over repeats.
+  accuracy    every mode at --accuracy-rate for --epochs epochs, evaluating on the full test
+              set four times per epoch: test accuracy after the epochs, and the wall-clock time
+              (evaluations included) of the first evaluation at or above --target.
+OSP's speedup is its samples/s over ps-bsp's at the same rate; its bound is (compute + comm) /
+max(compute, comm) with ps-bsp's compute and wait per step (ps-bsp exposes all communication).
+
+Needs root and iproute2 (exit 77 otherwise, like netns_hosts.sh); the plots need
+python3-matplotlib (the table is written without it). OPENBLAS_CORETYPE is removed from the
+measured processes' environment (it slows OpenBLAS here); the table says so. Every process
+runs single-threaded: 5 processes share this machine's cores, so "compute" includes waiting
+for a core.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+CARAVAN = os.path.join(ROOT, "build", "caravan")
+HOSTS = os.path.join(ROOT, "scripts", "netns_hosts.sh")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_throughput import env  # noqa: E402  (the benchmark environment, shared)
+
+# name -> (sync.* settings, uses servers)
+MODES = {
+    "allreduce": ([], False),
+    "topk": (["sync.compression=topk", "sync.topk_ratio=0.01"], False),
+    "local-sgd": (["sync.mode=local-sgd", "sync.local_period=4"], False),
+    "gossip": (["sync.mode=gossip"], False),
+    "ps-bsp": (["sync.mode=ps-bsp"], True),
+    "ps-bsp-fp16": (["sync.mode=ps-bsp", "sync.compression=fp16"], True),
+    "ps-asp": (["sync.mode=ps-asp"], True),
+    "ps-ssp": (["sync.mode=ps-ssp", "sync.staleness=3"], True),
+    "osp": (["sync.mode=osp", "sync.osp_fraction=0.5"], True),
+    "osp-nolgp": (["sync.mode=osp", "sync.osp_fraction=0.5", "sync.osp_lgp=false"], True),
+    "osp-auto": (["sync.mode=osp", "sync.osp_auto_fraction=true"], True),
+}
+
+
+def mbit(rate):
+    r = rate.lower()
+    for suffix, scale in (("gbit", 1000.0), ("mbit", 1.0), ("kbit", 0.001)):
+        if r.endswith(suffix):
+            return float(r[: -len(suffix)]) * scale
+    sys.exit(f"network_sweep: cannot read rate {rate} (use e.g. 300mbit or 1gbit)")
+
+
+def run(mode, rate, a, run_dir, overrides):
+    """One job on W (+S) namespace hosts; returns the run directory's metrics records."""
+    settings, servers = MODES[mode]
+    world = a.workers + (a.servers if servers else 0)
+    sets = settings + overrides + ["train.threads=1", f"data.batch_size={a.batch}",
+                                   f"sync.servers={a.servers}", "fault.timeout=120",
+                                   "checkpoint.every=0"]
+    args = " ".join(f"--set '{s}'" for s in sets)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+    rank_cmd = (f"RANK=$HOST_INDEX WORLD_SIZE=$HOSTS MASTER_ADDR=198.18.0.1 MASTER_PORT=29500 "
+                f"OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 {CARAVAN} train -q "
+                f"--config {a.config} {args} --run-dir {run_dir} "
+                f">{run_dir}.log.$HOST_INDEX 2>&1")
+    cmd = [HOSTS, "--hosts", str(world), "--rate", rate, "--timeout", str(a.timeout), "--",
+           "bash", "-c", rank_cmd]
+    environ, _ = env()
+    rc = subprocess.run(cmd, env=environ).returncode
+    if rc == 77:
+        sys.exit(77)
+    if rc != 0:
+        logs = "".join(open(f"{run_dir}.log.{i}").read()[-600:]
+                       for i in range(world) if os.path.exists(f"{run_dir}.log.{i}"))
+        sys.exit(f"network_sweep: {mode} at {rate} failed (exit {rc}):\n{logs}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def throughput_numbers(records):
+    train = [r for r in records if r["kind"] == "train"][1:]  # first window: warm-up
+    med = lambda k: statistics.median(r.get(k, 0.0) for r in train)  # noqa: E731
+    return {"compute_s": med("compute_s"), "wait_s": med("sync_wait_s"),
+            "samples_per_s": med("samples_per_s"), "sent_mb": med("sent_bytes") / 1e6,
+            "stage1_fraction": med("stage1_fraction") if "stage1_fraction" in train[0] else None,
+            "staleness": med("staleness") if "staleness" in train[0] else None}
+
+
+def accuracy_numbers(records, target):
+    evals = [r for r in records if r["kind"] == "eval"]
+    reached = next((r["time_s"] for r in evals if r["accuracy"] >= target), None)
+    return {"accuracy": evals[-1]["accuracy"], "time_to_target_s": reached,
+            "curve": [(r["time_s"], r["accuracy"]) for r in evals],
+            "wall_s": evals[-1]["time_s"]}
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def plots(out, results, a):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(plots skipped: apt-get install python3-matplotlib)")
+        return []
+    files = []
+    if results["accuracy"]:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for mode, r in results["accuracy"].items():
+            t, acc = zip(*r["curve"])
+            ax.plot(t, [100 * x for x in acc], marker=".", label=mode)
+        ax.axhline(100 * a.target, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel("wall-clock time (s)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(f"{os.path.basename(a.config)}, {a.workers} workers + {a.servers} server, "
+                     f"links {a.accuracy_rate}")
+        ax.set_ylim(bottom=max(0, 100 * a.target - 25))
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        files.append(os.path.join(out, "accuracy_vs_time.png"))
+        fig.savefig(files[-1], dpi=110)
+    rates = [r for r in a.rates if r in results["speedup"]]
+    if rates:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        x = [mbit(r) for r in rates]
+        for mode in ("osp", "osp-nolgp", "osp-auto"):
+            if all(mode in results["speedup"][r] for r in rates):
+                ax.plot(x, [results["speedup"][r][mode] for r in rates], marker="o", label=mode)
+        ax.plot(x, [results["bound"][r] for r in rates], linestyle="--", color="grey",
+                label="bound (c+m)/max(c,m)")
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate (Mbit/s)")
+        ax.set_ylabel("throughput / ps-bsp")
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        files.append(os.path.join(out, "osp_speedup.png"))
+        fig.savefig(files[-1], dpi=110)
+    return files
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/fmnist-cnn.toml")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--servers", type=int, default=1)
+    p.add_argument("--batch", type=int, default=64, help="per-worker batch")
+    p.add_argument("--rates", nargs="+", default=["1gbit", "500mbit", "300mbit", "100mbit"])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=int, default=40, help="throughput runs: steps per run")
+    p.add_argument("--epochs", type=float, default=2, help="accuracy runs (0: skip them)")
+    p.add_argument("--accuracy-rate", default="500mbit")
+    p.add_argument("--target", type=float, default=0.88)
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "network"))
+    a = p.parse_args()
+    if not os.path.exists(CARAVAN):
+        sys.exit("network_sweep: build/caravan missing; run bash scripts/setup.sh first")
+    _, removed = env()
+    os.makedirs(a.out, exist_ok=True)
+    work = os.path.join(a.out, "runs")
+    started = time.time()
+
+    raw = {}  # (rate, mode) -> [numbers per repeat]
+    log_every = max(1, a.steps // 4)
+    for rep in range(a.repeats):
+        for rate in a.rates:
+            for mode in a.modes:
+                rec = run(mode, rate, a, os.path.join(work, f"tp-{rate}-{mode}-{rep}"),
+                          [f"train.max_steps={a.steps}", f"train.log_every={log_every}",
+                           "train.eval_every=1000000", "train.eval_batches=1"])
+                raw.setdefault((rate, mode), []).append(throughput_numbers(rec))
+                n = raw[(rate, mode)][-1]
+                print(f"[{time.time() - started:6.0f}s] {rate:>8} {mode:<10} repeat {rep}: "
+                      f"{n['samples_per_s']:7.1f} samples/s", flush=True)
+    tp = {}
+    for key, runs in raw.items():
+        tp[key] = {k: (statistics.median(r[k] for r in runs) if runs[0][k] is not None else None)
+                   for k in runs[0]}
+
+    acc = {}
+    if a.epochs > 0:
+        steps_per_epoch = 60000 // (a.workers * a.batch)
+        for mode in a.modes:
+            rec = run(mode, a.accuracy_rate, a, os.path.join(work, f"acc-{mode}"),
+                      [f"train.epochs={a.epochs}", f"train.eval_every={steps_per_epoch // 4}",
+                       f"train.log_every={steps_per_epoch // 4}", "train.eval_batches=0"])
+            acc[mode] = accuracy_numbers(rec, a.target)
+            print(f"[{time.time() - started:6.0f}s] accuracy {mode:<10}: "
+                  f"{100 * acc[mode]['accuracy']:.2f}%", flush=True)
+
+    speedup, bound = {}, {}
+    for rate in a.rates:
+        base = tp.get((rate, "ps-bsp"))
+        if not base:
+            continue
+        c, m = base["compute_s"], base["wait_s"]
+        bound[rate] = (c + m) / max(c, m)
+        speedup[rate] = {mode: tp[(rate, mode)]["samples_per_s"] / base["samples_per_s"]
+                         for mode in a.modes if (rate, mode) in tp}
+
+    lines = [f"# {os.path.basename(a.config)}: {a.workers} workers + {a.servers} server (PS "
+             f"modes), per-worker batch {a.batch}, each host's link limited in both directions",
+             f"# medians of {a.repeats} interleaved repeats of {a.steps} steps (first "
+             f"{log_every} dropped); OPENBLAS_CORETYPE "
+             f"{'removed from the environment' if removed else 'was not set'}; "
+             f"{os.cpu_count()} cores for {a.workers + a.servers} single-threaded processes",
+             "", "| rate | mode | compute s/step | wait s/step | samples/s | MB sent/step "
+             "(rank 0) | vs ps-bsp | stage-1 fraction | staleness |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for rate in a.rates:
+        for mode in a.modes:
+            n = tp[(rate, mode)]
+            lines.append(f"| {rate} | {mode} | {n['compute_s']:.3f} | {n['wait_s']:.3f} | "
+                         f"{n['samples_per_s']:.0f} | {n['sent_mb']:.2f} | "
+                         f"{fmt(speedup.get(rate, {}).get(mode), '.2f')} | "
+                         f"{fmt(n['stage1_fraction'], '.2f')} | {fmt(n['staleness'], '.2f')} |")
+    lines += ["", "| rate | ps-bsp compute s | ps-bsp comm s | bound | osp | % of bound | "
+              "osp-nolgp | osp-auto | % of bound |", "|---|---|---|---|---|---|---|---|---|"]
+    for rate in speedup:
+        base = tp[(rate, "ps-bsp")]
+        s = speedup[rate]
+        pct = lambda m: fmt(100 * s[m] / bound[rate] if m in s else None, ".0f")  # noqa: E731
+        lines.append(f"| {rate} | {base['compute_s']:.3f} | {base['wait_s']:.3f} | "
+                     f"{bound[rate]:.2f} | {fmt(s.get('osp'), '.2f')} | {pct('osp')} | "
+                     f"{fmt(s.get('osp-nolgp'), '.2f')} | {fmt(s.get('osp-auto'), '.2f')} | "
+                     f"{pct('osp-auto')} |")
+    if acc:
+        lines += ["", f"Accuracy at {a.accuracy_rate}, {a.epochs:g} epochs (one run each):", "",
+                  f"| mode | test accuracy | time to {100 * a.target:.0f}% (s) | wall s |",
+                  "|---|---|---|---|"]
+        for mode, r in acc.items():
+            lines.append(f"| {mode} | {100 * r['accuracy']:.2f}% | "
+                         f"{fmt(r['time_to_target_s'], '.0f')} | {r['wall_s']:.0f} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    results = {"throughput": {f"{r}/{m}": v for (r, m), v in tp.items()},
+               "raw": {f"{r}/{m}": v for (r, m), v in raw.items()},
+               "accuracy": acc, "speedup": speedup, "bound": bound,
+               "args": vars(a), "seconds": time.time() - started}
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(a.out, "table.md"), "w") as f:
+        f.write(table + "\n")
+    for path in plots(a.out, results, a):
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
