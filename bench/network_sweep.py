@@ -66,6 +66,10 @@ def mbit(rate):
 
 def run(mode, rate, a, run_dir, overrides):
     """One job on W (+S) namespace hosts; returns the run directory's metrics records."""
+    done = os.path.join(run_dir, "model.pt")
+    if a.reuse and os.path.exists(done):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
     settings, servers = MODES[mode]
     world = a.workers + (a.servers if servers else 0)
     sets = settings + overrides + ["train.threads=1", f"data.batch_size={a.batch}",
@@ -157,67 +161,8 @@ def plots(out, results, a):
     return files
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="configs/fmnist-cnn.toml")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--servers", type=int, default=1)
-    p.add_argument("--batch", type=int, default=64, help="per-worker batch")
-    p.add_argument("--rates", nargs="+", default=["1gbit", "500mbit", "300mbit", "100mbit"])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--steps", type=int, default=40, help="throughput runs: steps per run")
-    p.add_argument("--epochs", type=float, default=2, help="accuracy runs (0: skip them)")
-    p.add_argument("--accuracy-rate", default="500mbit")
-    p.add_argument("--target", type=float, default=0.88)
-    p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "network"))
-    a = p.parse_args()
-    if not os.path.exists(CARAVAN):
-        sys.exit("network_sweep: build/caravan missing; run bash scripts/setup.sh first")
-    _, removed = env()
-    os.makedirs(a.out, exist_ok=True)
-    work = os.path.join(a.out, "runs")
-    started = time.time()
-
-    raw = {}  # (rate, mode) -> [numbers per repeat]
-    log_every = max(1, a.steps // 4)
-    for rep in range(a.repeats):
-        for rate in a.rates:
-            for mode in a.modes:
-                rec = run(mode, rate, a, os.path.join(work, f"tp-{rate}-{mode}-{rep}"),
-                          [f"train.max_steps={a.steps}", f"train.log_every={log_every}",
-                           "train.eval_every=1000000", "train.eval_batches=1"])
-                raw.setdefault((rate, mode), []).append(throughput_numbers(rec))
-                n = raw[(rate, mode)][-1]
-                print(f"[{time.time() - started:6.0f}s] {rate:>8} {mode:<10} repeat {rep}: "
-                      f"{n['samples_per_s']:7.1f} samples/s", flush=True)
-    tp = {}
-    for key, runs in raw.items():
-        tp[key] = {k: (statistics.median(r[k] for r in runs) if runs[0][k] is not None else None)
-                   for k in runs[0]}
-
-    acc = {}
-    if a.epochs > 0:
-        steps_per_epoch = 60000 // (a.workers * a.batch)
-        for mode in a.modes:
-            rec = run(mode, a.accuracy_rate, a, os.path.join(work, f"acc-{mode}"),
-                      [f"train.epochs={a.epochs}", f"train.eval_every={steps_per_epoch // 4}",
-                       f"train.log_every={steps_per_epoch // 4}", "train.eval_batches=0"])
-            acc[mode] = accuracy_numbers(rec, a.target)
-            print(f"[{time.time() - started:6.0f}s] accuracy {mode:<10}: "
-                  f"{100 * acc[mode]['accuracy']:.2f}%", flush=True)
-
-    speedup, bound = {}, {}
-    for rate in a.rates:
-        base = tp.get((rate, "ps-bsp"))
-        if not base:
-            continue
-        c, m = base["compute_s"], base["wait_s"]
-        bound[rate] = (c + m) / max(c, m)
-        speedup[rate] = {mode: tp[(rate, mode)]["samples_per_s"] / base["samples_per_s"]
-                         for mode in a.modes if (rate, mode) in tp}
-
+def report(a, tp, raw, acc, speedup, bound, removed, log_every, started):
+    """Prints the table and writes table.md, results.json and the plots under --out."""
     lines = [f"# {os.path.basename(a.config)}: {a.workers} workers + {a.servers} server (PS "
              f"modes), per-worker batch {a.batch}, each host's link limited in both directions",
              f"# medians of {a.repeats} interleaved repeats of {a.steps} steps (first "
@@ -263,6 +208,77 @@ def main():
         f.write(table + "\n")
     for path in plots(a.out, results, a):
         print("wrote", path)
+
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/fmnist-cnn.toml")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--servers", type=int, default=1)
+    p.add_argument("--batch", type=int, default=64, help="per-worker batch")
+    p.add_argument("--rates", nargs="+", default=["1gbit", "500mbit", "300mbit", "100mbit"])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=int, default=40, help="throughput runs: steps per run")
+    p.add_argument("--epochs", type=int, default=2, help="accuracy runs (0: skip them)")
+    p.add_argument("--accuracy-rate", default="500mbit")
+    p.add_argument("--target", type=float, default=0.88)
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "network"))
+    p.add_argument("--reuse", action="store_true",
+                   help="read runs already finished under OUT/runs instead of rerunning them "
+                        "(to resume an interrupted sweep)")
+    a = p.parse_args()
+    if not os.path.exists(CARAVAN):
+        sys.exit("network_sweep: build/caravan missing; run bash scripts/setup.sh first")
+    _, removed = env()
+    os.makedirs(a.out, exist_ok=True)
+    work = os.path.join(a.out, "runs")
+    started = time.time()
+
+    raw = {}  # (rate, mode) -> [numbers per repeat]
+    log_every = max(1, a.steps // 4)
+    for rep in range(a.repeats):
+        for rate in a.rates:
+            for mode in a.modes:
+                rec = run(mode, rate, a, os.path.join(work, f"tp-{rate}-{mode}-{rep}"),
+                          [f"train.max_steps={a.steps}", f"train.log_every={log_every}",
+                           "train.eval_every=1000000", "train.eval_batches=1"])
+                raw.setdefault((rate, mode), []).append(throughput_numbers(rec))
+                n = raw[(rate, mode)][-1]
+                print(f"[{time.time() - started:6.0f}s] {rate:>8} {mode:<10} repeat {rep}: "
+                      f"{n['samples_per_s']:7.1f} samples/s", flush=True)
+    tp = {}
+    for key, runs in raw.items():
+        tp[key] = {k: (statistics.median(r[k] for r in runs) if runs[0][k] is not None else None)
+                   for k in runs[0]}
+
+    speedup, bound = {}, {}
+    for rate in a.rates:
+        base = tp.get((rate, "ps-bsp"))
+        if not base:
+            continue
+        c, m = base["compute_s"], base["wait_s"]
+        bound[rate] = (c + m) / max(c, m)
+        speedup[rate] = {mode: tp[(rate, mode)]["samples_per_s"] / base["samples_per_s"]
+                         for mode in a.modes if (rate, mode) in tp}
+
+    # The throughput table first, so an interrupted accuracy part loses nothing.
+    report(a, tp, raw, {}, speedup, bound, removed, log_every, started)
+    acc = {}
+    if a.epochs > 0:
+        steps_per_epoch = 60000 // (a.workers * a.batch)
+        for mode in a.modes:
+            rec = run(mode, a.accuracy_rate, a, os.path.join(work, f"acc-{mode}"),
+                      [f"train.epochs={a.epochs}", f"train.eval_every={steps_per_epoch // 4}",
+                       f"train.log_every={steps_per_epoch // 4}", "train.eval_batches=0"])
+            acc[mode] = accuracy_numbers(rec, a.target)
+            print(f"[{time.time() - started:6.0f}s] accuracy {mode:<10}: "
+                  f"{100 * acc[mode]['accuracy']:.2f}%", flush=True)
+
+    if acc:
+        report(a, tp, raw, acc, speedup, bound, removed, log_every, started)
 
 
 if __name__ == "__main__":

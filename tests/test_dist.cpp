@@ -388,7 +388,8 @@ TEST_P(DistModesSurvive, RunsToTheEndAndReports) {
 INSTANTIATE_TEST_SUITE_P(
     Modes, DistModesSurvive,
     ::testing::Values(std::make_tuple("allreduce", 1, 0), std::make_tuple("allreduce", 3, 0),
-                      std::make_tuple("local-sgd", 3, 0), std::make_tuple("gossip", 3, 0),
+                      std::make_tuple("local-sgd", 1, 0), std::make_tuple("local-sgd", 3, 0),
+                      std::make_tuple("gossip", 1, 0), std::make_tuple("gossip", 3, 0),
                       std::make_tuple("ps-bsp", 1, 2), std::make_tuple("ps-bsp", 3, 1),
                       std::make_tuple("ps-asp", 1, 1), std::make_tuple("ps-asp", 3, 2),
                       std::make_tuple("ps-ssp", 1, 2), std::make_tuple("ps-ssp", 3, 1),

@@ -251,8 +251,9 @@ void serveAsync(Communicator& world, int numWorkers, const PsOptions& options,
     } else if (kind == kPushSync) {
       syncing[k] = 1;
     } else {
-      shard.mutable_grad() = codec.decode(pushes[k].narrow(0, 0, words)).mul(scale);
-      setLearningRate(opt, static_cast<double>(pushes[k][words].item<float>()));
+      // lr/W, not gradient/W: weight decay (and Adam's normalized step) scale with lr.
+      shard.mutable_grad() = codec.decode(pushes[k].narrow(0, 0, words));
+      setLearningRate(opt, scale * static_cast<double>(pushes[k][words].item<float>()));
       opt.step();
       ++clock[k];
       owed[k] = 1;

@@ -11,7 +11,7 @@
 // result equals the BSP all-reduce up to the order of the float sums (test).
 //
 // ASP and SSP(s): a server applies each push on arrival, with the learning rate divided by W
-// (so W pushes make about one BSP step; ours), and counts the pushes per worker: worker k's
+// (so W pushes make about one BSP step, weight decay included; ours), and counts the pushes per worker: worker k's
 // clock c_k. The reply to worker k's push (its pull for the next step) goes out once
 // c_k - min_j c_j <= s, so no worker reads parameters missing more than s clocks of another
 // worker's updates (Ho et al.'s bounded staleness, read-my-writes included: a worker's own
