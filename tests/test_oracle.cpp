@@ -11,6 +11,8 @@
 #include "core/config.h"
 #include "data/loader.h"
 #include "data/sources.h"
+#include "memory/saved_tensors.h"
+#include "memory/tracker.h"
 #include "train/schedule.h"
 #include "train/setup.h"
 #include "train/step.h"
@@ -78,12 +80,23 @@ void compareWithPyTorch(const std::vector<std::string>& overrides) {
   test::writeFile(tmp / "dump.pt", std::string(bytes.begin(), bytes.end()));
   test::writeFile(tmp / "config.json", cfg.dump());
 
-  // Caravan.
+  // Caravan, with the saved-tensor hooks accounting the first step's activations.
+  installSavedTensorEngine();
+  MemoryTracker memory;
+  int64_t firstStepSaved = -1;
   std::vector<double> ours;
   model->train();
-  for (int i = 0; i < kSteps; ++i) {
-    setLearningRate(*optimizer, lrs[i]);
-    ours.push_back(trainStep(model, *optimizer, batches[i], config.f64("optim.grad_clip")).loss);
+  {
+    SavedTensorScope scope(memory, model->parameters());
+    for (int i = 0; i < kSteps; ++i) {
+      setLearningRate(*optimizer, lrs[i]);
+      ours.push_back(trainStep(model, *optimizer, batches[i], config.f64("optim.grad_clip")).loss);
+      if (i == 0) {
+        firstStepSaved = memory.peak(MemoryCategory::kActivations);
+        // Backward released every saved tensor.
+        EXPECT_EQ(memory.live(MemoryCategory::kActivations), 0);
+      }
+    }
   }
 
   // PyTorch.
@@ -93,6 +106,12 @@ void compareWithPyTorch(const std::vector<std::string>& overrides) {
   ASSERT_EQ(std::system(cmd.c_str()), 0)
       << "the PyTorch oracle failed; it needs Debian's python3-torch (bash scripts/setup.sh)";
   c10::Dict<c10::IValue, c10::IValue> theirs = readDict(tmp / "out.pt");
+  // The bytes saved for backward: what our hooks saw equals what PyTorch's hooks saw.
+  const int64_t theirSaved = theirs.at("saved_bytes").toTensor()[0].item<int64_t>();
+  EXPECT_GT(theirSaved, 0);
+  EXPECT_EQ(firstStepSaved, theirSaved);
+  std::cout << "activations saved for backward in step 1: caravan " << firstStepSaved
+            << " bytes, pytorch " << theirSaved << " bytes\n";
   at::Tensor theirLosses = theirs.at("losses").toTensor();
   ASSERT_EQ(theirLosses.numel(), kSteps);
   double worst = 0.0;

@@ -91,6 +91,11 @@ std::vector<ConfigOption> buildSchema() {
       intOpt("train.threads", 0, 0, 1024,
              "intra-op compute threads (0 = LibTorch's default: all cores)"),
 
+      strOpt("memory.budget", "",
+             "bytes the run may hold in tracked tensors (activations saved for backward, "
+             "weights, gradients, optimizer state), e.g. \"2GiB\"; \"\" = no limit. Checked "
+             "after every step; over it the run stops naming the smallest budget that works"),
+
       strOpt("dist.backend", "gloo",
              "communicator for multi-worker runs: gloo (c10d) or mpi (Open MPI)", {"gloo", "mpi"}),
       strOpt("dist.store", "tcp",

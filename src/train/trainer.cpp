@@ -13,6 +13,9 @@
 
 #include "core/errors.h"
 #include "data/loader.h"
+#include "memory/accounting.h"
+#include "memory/saved_tensors.h"
+#include "memory/tracker.h"
 #include "models/model.h"
 #include "train/checkpoint.h"
 #include "train/distributed.h"
@@ -114,6 +117,17 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
            : "",
       resumeFrom ? fmt::format(", resuming at step {} from {}", state.step, *resumeFrom) : ""));
 
+  // Memory accounting (memory/): activations through the saved-tensor hooks while the scope
+  // lives, the other categories measured after each step.
+  const std::vector<at::Tensor> parameterList = model->parameters();
+  const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
+  MemoryTracker memory;
+  memory.set(MemoryCategory::kWeights, tensorBytes(parameterList));
+  memory.set(MemoryCategory::kGradients, gradientBytes(parameterList));
+  memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
+  memory.resetPeaks();
+  SavedTensorScope savedTensors(memory, parameterList);
+
   const Clock::time_point start = Clock::now();
   auto trainSeconds = [&] { return elapsedBefore + secondsSince(start); };
   const double maxSeconds = config.f64("train.max_minutes") * 60.0;
@@ -172,6 +186,28 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     if (strategy != nullptr) strategy->setLearningRate(lr);
     const auto stepStart = Clock::now();
     StepResult r = trainStep(model, *optimizer, lb.batch, gradClip, strategy, state.step);
+    memory.set(MemoryCategory::kGradients, gradientBytes(parameterList));
+    memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
+    // What every later step needs: this step's activation peak on top of everything that
+    // persists (weights, gradients and optimizer state exist from the first step on).
+    const int64_t needed = std::max(
+        memory.totalPeak(), memory.peak(MemoryCategory::kActivations) +
+                                memory.live(MemoryCategory::kWeights) +
+                                memory.live(MemoryCategory::kGradients) +
+                                memory.live(MemoryCategory::kOptimizerState));
+    if (budget > 0 && needed > budget) {
+      // Nothing offloads or recomputes yet, so this is what the run needs at every step.
+      throw ConfigError(fmt::format(
+          "memory.budget = {} is below what step {} needs: {} tracked (activations {}, weights "
+          "{}, gradients {}, optimizer state {}); the smallest budget that works for this "
+          "model and batch is {} ({} bytes; Caravan cannot offload or recompute yet)",
+          formatBytes(budget), state.step + 1, formatBytes(needed),
+          formatBytes(memory.peak(MemoryCategory::kActivations)),
+          formatBytes(memory.live(MemoryCategory::kWeights)),
+          formatBytes(memory.live(MemoryCategory::kGradients)),
+          formatBytes(memory.live(MemoryCategory::kOptimizerState)), formatBytes(needed),
+          needed));
+    }
     timeline.complete("forward", stepStart, r.forwardEnd);
     timeline.complete("backward", r.forwardEnd, r.backwardEnd);
     if (strategy != nullptr) timeline.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
@@ -223,6 +259,14 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
                             {"compute_s", windowCompute / windowSteps},
                             {"sync_wait_s", windowSync / windowSteps},
                             {"time_s", trainSeconds()}};
+      // Tracked memory over the window (peaks) and the process's resident set now.
+      rec["mem_activations_peak"] = memory.peak(MemoryCategory::kActivations);
+      rec["mem_weights"] = memory.live(MemoryCategory::kWeights);
+      rec["mem_gradients"] = memory.live(MemoryCategory::kGradients);
+      rec["mem_optimizer_state"] = memory.live(MemoryCategory::kOptimizerState);
+      rec["mem_tracked_peak"] = memory.totalPeak();
+      rec["rss_bytes"] = residentBytes();
+      memory.resetPeaks();
       if (dist) {
         // This rank's bytes per step over the window, and the strategy's own numbers.
         const ByteCount b = dist->bytes();
@@ -307,6 +351,7 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   }
 
   applyRuntimeConfig(config);
+  installSavedTensorEngine();
   // Rendezvous after the checks above and before rank 0 writes anything, so every rank has
   // seen the run directory as it was.
   if (options.world.worldSize == 1) {

@@ -4,7 +4,9 @@ per-step losses and final parameters, so the C++ test can compare Caravan agains
 
 The dump (torch.load-able dict) holds: "state.<name>" initial parameters/buffers, "x<i>"/"y<i>"
 the batches and "lr" the learning rate of each step; CONFIG is a JSON file with the model spec
-and the optimizer settings. Usage: oracle_train.py DUMP CONFIG OUT. Output: a torch.save'd dict {"losses": tensor, "state.<name>": tensor}.
+and the optimizer settings. Usage: oracle_train.py DUMP CONFIG OUT. Output: a torch.save'd dict {"losses": tensor, "saved_bytes": the bytes autograd
+saved for backward in step 1's forward (storages once, parameters excluded), "state.<name>":
+tensor}.
 Needs Debian's python3-torch: run with /usr/bin/python3.
 """
 import json
@@ -38,22 +40,39 @@ def main(dump_path, config_path, out_path):
                                 eps=cfg["eps"], weight_decay=cfg["weight_decay"])
     losses = []
     lrs = dump["lr"].tolist()
+    # Bytes autograd saves for backward in the first step's forward: storages counted once,
+    # the parameters' own storages not (they are weights), as Caravan's MemoryTracker counts.
+    param_storages = {p.storage().data_ptr() for p in model.parameters()}
+    held = {}
+
+    def pack(t):
+        key = t.storage().data_ptr()
+        if key not in param_storages:
+            held[key] = t.storage().nbytes()
+        return t
+
+    saved_bytes = None
     for i, lr in enumerate(lrs):
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = dump[f"x{i}"], dump[f"y{i}"]
         opt.zero_grad()
-        out = model(x)
-        if out.dim() == 3:
-            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
-        else:
-            loss = torch.nn.functional.cross_entropy(out, y)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+            if out.dim() == 3:
+                loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)),
+                                                         y.reshape(-1))
+            else:
+                loss = torch.nn.functional.cross_entropy(out, y)
+        if saved_bytes is None:
+            saved_bytes = sum(held.values())
         loss.backward()
         if cfg["grad_clip"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         opt.step()
         losses.append(loss.item())
-    result = {"losses": torch.tensor(losses, dtype=torch.float64)}
+    result = {"losses": torch.tensor(losses, dtype=torch.float64),
+              "saved_bytes": torch.tensor([saved_bytes], dtype=torch.int64)}
     for k, v in model.state_dict().items():
         result["state." + k] = v
     torch.save(result, out_path)

@@ -1,0 +1,82 @@
+// Byte counts (see accounting.h).
+#include "memory/accounting.h"
+
+#include <unistd.h>
+
+#include <cctype>
+#include <cmath>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include "core/errors.h"
+
+namespace caravan {
+
+int64_t tensorBytes(const std::vector<at::Tensor>& tensors) {
+  int64_t n = 0;
+  for (const auto& t : tensors) {
+    if (t.defined()) n += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  return n;
+}
+
+int64_t gradientBytes(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) grads.push_back(p.grad());
+  return tensorBytes(grads);
+}
+
+int64_t optimizerStateBytes(const torch::optim::Optimizer& optimizer) {
+  int64_t n = 0;
+  for (const auto& [key, state] : optimizer.state()) {
+    if (const auto* s = dynamic_cast<const torch::optim::SGDParamState*>(state.get())) {
+      n += tensorBytes({s->momentum_buffer()});
+    } else if (const auto* a = dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
+      n += tensorBytes({a->exp_avg(), a->exp_avg_sq(), a->max_exp_avg_sq()});
+    } else if (const auto* b = dynamic_cast<const torch::optim::AdamParamState*>(state.get())) {
+      n += tensorBytes({b->exp_avg(), b->exp_avg_sq(), b->max_exp_avg_sq()});
+    }
+  }
+  return n;
+}
+
+int64_t residentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  if (!(statm >> size >> resident)) return 0;
+  return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+int64_t parseBytes(const std::string& text, const std::string& key) {
+  size_t i = 0;
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  if (i == text.size()) return 0;
+  size_t used = 0;
+  double value = 0.0;
+  try {
+    value = std::stod(text.substr(i), &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  std::string unit = text.substr(i + used);
+  unit.erase(0, unit.find_first_not_of(' '));
+  for (auto& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  double scale = -1.0;
+  if (unit.empty() || unit == "b") scale = 1.0;
+  if (unit == "k" || unit == "kib" || unit == "kb") scale = 1024.0;
+  if (unit == "m" || unit == "mib" || unit == "mb") scale = 1024.0 * 1024;
+  if (unit == "g" || unit == "gib" || unit == "gb") scale = 1024.0 * 1024 * 1024;
+  if (unit == "t" || unit == "tib" || unit == "tb") scale = 1024.0 * 1024 * 1024 * 1024;
+  if (used == 0 || scale < 0 || !(value >= 0) || !std::isfinite(value)) {
+    throw ConfigError(fmt::format("{} = \"{}\" is not a size; write e.g. \"2GiB\", \"512MiB\" or "
+                                  "\"\" for no limit (units B, KiB, MiB, GiB, TiB; 1024-based)",
+                                  key, text));
+  }
+  return static_cast<int64_t>(std::llround(value * scale));
+}
+
+}  // namespace caravan

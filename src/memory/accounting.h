@@ -1,0 +1,34 @@
+// Byte counts of what a training run holds, for the MemoryTracker's measured categories
+// (weights, gradients, optimizer state) and the process's resident set.
+//
+// Threading: any thread; reads only.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace torch {
+namespace optim {
+class Optimizer;
+}
+}  // namespace torch
+
+namespace caravan {
+
+// Sum of numel * element size over defined tensors.
+int64_t tensorBytes(const std::vector<at::Tensor>& tensors);
+// Bytes of the .grad tensors of `params` that are defined.
+int64_t gradientBytes(const std::vector<at::Tensor>& params);
+// Bytes of an optimizer's per-parameter state (SGD momentum buffers; Adam/AdamW moments).
+int64_t optimizerStateBytes(const torch::optim::Optimizer& optimizer);
+// This process's resident set size (Linux /proc/self/statm; 0 when unreadable).
+int64_t residentBytes();
+
+// "2GiB", "512 MiB", "1.5G", "1000000" (bytes) -> bytes; "" -> 0 (no budget). ConfigError for
+// anything else, naming `key`.
+int64_t parseBytes(const std::string& text, const std::string& key);
+
+}  // namespace caravan
