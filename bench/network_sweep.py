@@ -53,6 +53,8 @@ MODES = {
     "osp": (["sync.mode=osp", "sync.osp_fraction=0.5"], True),
     "osp-nolgp": (["sync.mode=osp", "sync.osp_fraction=0.5", "sync.osp_lgp=false"], True),
     "osp-auto": (["sync.mode=osp", "sync.osp_auto_fraction=true"], True),
+    "osp-auto-nolgp": (["sync.mode=osp", "sync.osp_auto_fraction=true", "sync.osp_lgp=false"],
+                       True),
 }
 
 

@@ -143,6 +143,12 @@ void OspWorkerStrategy::finishGradients() {
   const double computeSeconds =
       lastReturn_ == Clock::time_point{} ? 0.0 : secondsBetween(lastReturn_, entered);
   drainStage2();  // w_t complete; the split for this step known
+  // Heavy-ball LGP: the server's last update w_t - w_{t-1} is -lr * its momentum buffer.
+  at::Tensor lastUpdate;
+  if (options_.lgp && options_.lgpMomentum > 0.0) {
+    if (previous_.defined()) lastUpdate = global_ - previous_;
+    previous_ = global_.clone();
+  }
   // The exchange rate from the last stage 2 (its own thread timed it) and this stage 1.
   measure(computeSeconds, stage2Timing_->elements, stage2Timing_->seconds);
   const at::Tensor g = flatGradients(params_);
@@ -174,6 +180,10 @@ void OspWorkerStrategy::finishGradients() {
   if (options_.lgp) {
     for (int s = 0; s < servers_; ++s) {
       working.index_add_(0, idx2[s], g.index_select(0, idx2[s]), -lr_);
+      if (lastUpdate.defined()) {
+        working.index_add_(0, idx2[s], lastUpdate.index_select(0, idx2[s]),
+                           options_.lgpMomentum);
+      }
     }
   }
   unflattenInto(working, params_);

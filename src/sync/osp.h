@@ -7,9 +7,12 @@
 //      split for step t that came with them);
 //   2. stage 1 (blocking): pushes g_t[I_t] with the learning rate; servers average all W,
 //      update those chunks and return w_{t+1}[I_t], which the worker installs;
-//   3. LGP: w~_{t+1}[U_t] = w_t[U_t] - lr * g_t[U_t] (the worker's own gradient standing in for
-//      the global one; the plain-SGD correction for every optimizer (ours)); with LGP off
-//      U_t keeps w_t[U_t], one step stale;
+//   3. LGP: w~_{t+1}[U_t] = w_t[U_t] - lr * g_t[U_t] + mu * (w_t - w_{t-1})[U_t]: the update
+//      the servers' optimizer would make with the worker's own gradient standing in for the
+//      global one. For SGD with momentum mu the last global update w_t - w_{t-1} is
+//      -lr * the momentum buffer, so this is heavy-ball SGD's step (ours: weight decay and
+//      Nesterov's look-ahead are left out); for other optimizers mu = 0, the plain-SGD
+//      correction. With LGP off U_t keeps w_t[U_t], one step stale;
 //   4. stage 2 (on the CommThread, overlapping step t+1's forward and backward): pushes
 //      g_t[U_t]; servers average, update, and return w_{t+1}[U_t] with the split for t+1.
 // Every gradient is applied exactly once, on the server, in step order: a server serves stage 1
@@ -48,6 +51,7 @@ struct OspOptions {
   bool autoFraction = false;         // size the fraction from measurements (step 0: fraction)
   std::string policy = "magnitude";  // magnitude | layer-order
   bool lgp = true;
+  double lgpMomentum = 0.0;  // mu of the servers' SGD (0: plain-SGD correction)
   int64_t chunkElements = 4096;
 };
 
@@ -113,6 +117,7 @@ class OspWorkerStrategy : public Strategy {
   std::shared_ptr<Stage2Timing> stage2Timing_ = std::make_shared<Stage2Timing>();
   std::chrono::steady_clock::time_point lastReturn_{};
   double computeSeconds_ = 0.0, elementsPerSecond_ = 0.0;
+  at::Tensor previous_;  // heavy-ball LGP: w_{t-1}, flat
 };
 
 // A server rank's whole life under OSP (see runParameterServer).

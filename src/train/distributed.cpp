@@ -42,6 +42,7 @@ OspOptions ospOptions(const Config& config) {
   o.autoFraction = config.flag("sync.osp_auto_fraction");
   o.policy = config.str("sync.osp_policy");
   o.lgp = config.flag("sync.osp_lgp");
+  if (config.str("optim.name") == "sgd") o.lgpMomentum = config.f64("optim.momentum");
   o.chunkElements = config.i64("sync.osp_chunk");
   return o;
 }
