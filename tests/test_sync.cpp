@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/torch.h>
 
+#include "comm/counting_communicator.h"
 #include "sync/compression.h"
 #include "sync/gossip.h"
 #include "sync/local_sgd.h"
@@ -353,3 +354,24 @@ TEST_P(PsStaleness, WorkersReadWithinTheBound) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, PsStaleness, ::testing::Values("ps-ssp", "ps-asp"));
+
+// The bytes metric: point to point counts exactly what was sent and received; collectives
+// count the ring estimate 2(P-1)/P of the tensor each way (counting_communicator.h).
+TEST(CountingCommunicator, CountsPointToPointExactlyAndRingEstimates) {
+  expectNoErrors(runGlooRanks(2, loopbackOptions(kTimeout), [](std::shared_ptr<Communicator> c) {
+    CountingCommunicator counted(c);
+    const int peer = 1 - counted.rank();
+    at::Tensor out = at::ones({10}), in = at::empty({10});
+    auto r = counted.recv(in, peer, 3);
+    counted.send(out, peer, 3)->wait(kTimeout);
+    r->wait(kTimeout);
+    EXPECT_EQ(counted.bytes().sent, 40);
+    EXPECT_EQ(counted.bytes().received, 40);
+    counted.allreduce(at::ones({100}), ReduceOp::kSum)->wait(kTimeout);  // 2(2-1)/2 * 400
+    EXPECT_EQ(counted.bytes().sent, 440);
+    EXPECT_EQ(counted.bytes().received, 440);
+    counted.send(out, counted.rank(), 4)->wait(kTimeout);  // to oneself: not on the wire
+    counted.recv(in, counted.rank(), 4)->wait(kTimeout);
+    EXPECT_EQ(counted.bytes().sent, 440);
+  }));
+}
