@@ -146,7 +146,7 @@ Strategy* Distributed::attach(torch::nn::Module& model) {
   o.compression = parseCompression(config_.str("sync.compression"));
   o.topkRatio = config_.f64("sync.topk_ratio");
   const std::string& mode = config_.str("sync.mode");
-  const bool psMode = mode == "ps-bsp" || mode == "ps-asp" || mode == "ps-ssp";
+  const bool psMode = usesServers(mode) && mode != "osp";  // ps-bsp, ps-asp, ps-ssp
   if (o.compression != Compression::kNone && mode != "allreduce" && !psMode) {
     throw ConfigError(fmt::format("sync.compression = {} works with sync.mode = allreduce, "
                                   "ps-bsp, ps-asp and ps-ssp; set sync.compression = none for {}",
