@@ -207,9 +207,10 @@ TEST(TopK, ErrorFeedbackDelaysButNeverDrops) {
 
 // Parameter servers apply every gradient exactly once: workers (threads) push fixed gradients
 // for T steps through ps-bsp, ps-asp, ps-ssp (s = 1) — with pushes as float32, fp16, bf16 or
-// top-k with ratio 1 (the gradients are small integers, exact in 16 bits) — or OSP (half the chunks in stage 2, both split policies, 1 or 2
-// servers); with plain SGD and lr 1/8 the result must be exactly w0 - lr * sum_t mean_k g_t^k
-// (every value is a small binary fraction, so no rounding), on every worker.
+// top-k with ratio 1 (the gradients are small integers, exact in 16 bits) — or OSP (half the
+// chunks in stage 2, both split policies, 1 or 2 servers); with plain SGD and lr 1/8 the
+// result must be exactly w0 - lr * sum_t mean_k g_t^k (every value is a small binary fraction,
+// so no rounding), on every worker.
 class ServersApplyOnce
     : public ::testing::TestWithParam<std::tuple<std::string, std::string, int>> {};
 

@@ -116,7 +116,9 @@ void OspWorkerStrategy::drainStage2() {
 
 std::map<std::string, double> OspWorkerStrategy::takeMetrics() {
   std::map<std::string, double> m;
-  if (fractionSteps_ > 0) m["stage1_fraction"] = fractionSum_ / static_cast<double>(fractionSteps_);
+  if (fractionSteps_ > 0) {
+    m["stage1_fraction"] = fractionSum_ / static_cast<double>(fractionSteps_);
+  }
   fractionSum_ = 0.0;
   fractionSteps_ = 0;
   return m;
@@ -173,7 +175,8 @@ void OspWorkerStrategy::finishGradients() {
   int64_t stage1 = 0;
   for (int s = 0; s < servers_; ++s) stage1 += idx1[s].numel();
   measure(0.0, stage1, secondsBetween(stage1Start, Clock::now()));
-  fractionSum_ += static_cast<double>(stage1) / static_cast<double>(std::max<int64_t>(1, layout_.total));
+  fractionSum_ +=
+      static_cast<double>(stage1) / static_cast<double>(std::max<int64_t>(1, layout_.total));
   ++fractionSteps_;
   // The working copy: global values where known (I_t now), LGP (or stale) values for U_t.
   at::Tensor working = global_.clone();
@@ -288,7 +291,7 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
       score[c] = g.abs().mean().item<double>();
       at += split.size(c);
     }
-    for (auto& group : opt->param_groups()) group.options().set_lr(*lr);
+    setServerLearningRate(*opt, *lr);
     opt->step();
     std::vector<at::Tensor> values;
     for (int64_t c : chosen) values.push_back(chunks[c].detach());

@@ -196,11 +196,11 @@ void PsWorkerStrategy::finish() {
   for (auto& w : work) w->wait(world_->timeout());
 }
 
-namespace {
-
-void setLearningRate(torch::optim::Optimizer& opt, double lr) {
+void setServerLearningRate(torch::optim::Optimizer& opt, double lr) {
   for (auto& group : opt.param_groups()) group.options().set_lr(lr);
 }
+
+namespace {
 
 // [shard, staleness] to `worker`, waited for.
 void reply(Communicator& world, const at::Tensor& shard, int worker, int64_t staleness) {
@@ -221,7 +221,7 @@ void serveBsp(Communicator& world, int numWorkers, const ShardCodec& codec, at::
     // The average in rank order, then the optimizer on this shard.
     for (int k = 0; k < numWorkers; ++k) grads[k] = codec.decode(pushes[k].narrow(0, 0, words));
     shard.mutable_grad() = averagePushes(grads, n);
-    setLearningRate(opt, static_cast<double>(pushes[0][words].item<float>()));
+    setServerLearningRate(opt, static_cast<double>(pushes[0][words].item<float>()));
     opt.step();
     for (int k = 0; k < numWorkers; ++k) reply(world, shard, k, 0);
     if (stepDone) stepDone(step + 1);
@@ -253,7 +253,7 @@ void serveAsync(Communicator& world, int numWorkers, const PsOptions& options,
     } else {
       // lr/W, not gradient/W: weight decay (and Adam's normalized step) scale with lr.
       shard.mutable_grad() = codec.decode(pushes[k].narrow(0, 0, words));
-      setLearningRate(opt, scale * static_cast<double>(pushes[k][words].item<float>()));
+      setServerLearningRate(opt, scale * static_cast<double>(pushes[k][words].item<float>()));
       opt.step();
       ++clock[k];
       owed[k] = 1;

@@ -11,16 +11,16 @@
 // result equals the BSP all-reduce up to the order of the float sums (test).
 //
 // ASP and SSP(s): a server applies each push on arrival, with the learning rate divided by W
-// (so W pushes make about one BSP step, weight decay included; ours), and counts the pushes per worker: worker k's
-// clock c_k. The reply to worker k's push (its pull for the next step) goes out once
-// c_k - min_j c_j <= s, so no worker reads parameters missing more than s clocks of another
-// worker's updates (Ho et al.'s bounded staleness, read-my-writes included: a worker's own
-// push is applied before its reply). ASP is s = infinity: the reply goes out at once. A worker
-// that said goodbye no longer holds the others back. Pushes arrive in any order; the server
-// waits on every worker's recv at once (CompletionQueue). Workers' replicas differ between
-// pulls, so consolidate() (before evaluation and checkpoints) measures their consensus distance
-// and then pulls the same parameters everywhere: a sync request that the servers answer once
-// every worker sent it.
+// (so W pushes make about one BSP step, weight decay included; ours), and counts the pushes
+// per worker: worker k's clock c_k. The reply to worker k's push (its pull for the next step)
+// goes out once c_k - min_j c_j <= s, so no worker reads parameters missing more than s clocks
+// of another worker's updates (Ho et al.'s bounded staleness, read-my-writes included: a
+// worker's own push is applied before its reply). ASP is s = infinity: the reply goes out at
+// once. A worker that said goodbye no longer holds the others back. Pushes arrive in any
+// order; the server waits on every worker's recv at once (CompletionQueue). Workers' replicas
+// differ between pulls, so consolidate() (before evaluation and checkpoints) measures their
+// consensus distance and then pulls the same parameters everywhere: a sync request that the
+// servers answer once every worker sent it.
 //
 // Messages (all through the Communicator, tags below): at start rank 0 sends each server the
 // parameter count and its shard's initial values. A push is [gradient shard, lr, kind]: kind 0
@@ -49,8 +49,8 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <string>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -149,6 +149,9 @@ class PsWorkerStrategy : public Strategy {
 // Builds the optimizer a server runs over its shard (the trainer's optim.* settings).
 using OptimizerFactory =
     std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+// Sets a server optimizer's learning rate (every parameter group) to the one a push carried.
+// (The trainer's twin, train/setup.h setLearningRate, sits in a layer sync/ may not include.)
+void setServerLearningRate(torch::optim::Optimizer& opt, double lr);
 
 // A server rank's whole life: receives its shard from rank 0, then serves pushes until every
 // worker said goodbye. `stepDone(n)` after the n-th update (BSP) or once the slowest worker's
