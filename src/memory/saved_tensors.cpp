@@ -2,9 +2,6 @@
 #include "memory/saved_tensors.h"
 
 #include <atomic>
-#include <mutex>
-#include <unordered_map>
-#include <unordered_set>
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
@@ -13,58 +10,59 @@
 
 namespace caravan {
 
-struct SavedTensorScope::State {
-  MemoryTracker* tracker = nullptr;
-  // The parameters' storages: a saved parameter, or a view of one (linear saves weight.t()),
-  // is a weight, not an activation.
-  std::unordered_set<const c10::StorageImpl*> parameters;
-  std::mutex mutex;
-  // Saved tensors per storage: a storage's bytes count while any saved tensor holds it.
-  std::unordered_map<const c10::StorageImpl*, int64_t> holders;
+SavedTensorAccounting::SavedTensorAccounting(MemoryTracker& tracker,
+                                             const std::vector<at::Tensor>& parameters)
+    : tracker_(&tracker) {
+  for (const auto& p : parameters) parameters_.insert(p.storage().unsafeGetStorageImpl());
+}
 
-  void hold(const at::Tensor& t) {
-    const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-    std::lock_guard<std::mutex> lock(mutex);
-    if (holders[s]++ == 0) {
-      tracker->add(MemoryCategory::kActivations, static_cast<int64_t>(t.storage().nbytes()));
-    }
+bool SavedTensorAccounting::isParameter(const at::Tensor& t) const {
+  return t.defined() && t.has_storage() &&
+         parameters_.count(t.storage().unsafeGetStorageImpl()) != 0;
+}
+
+void SavedTensorAccounting::hold(const at::Storage& s) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (holders_[s.unsafeGetStorageImpl()]++ == 0) {
+    tracker_->add(MemoryCategory::kActivations, static_cast<int64_t>(s.nbytes()));
   }
-  void release(const at::Tensor& t) {
-    const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = holders.find(s);
-    CARAVAN_CHECK(it != holders.end(), "saved tensor released twice");
-    if (--it->second == 0) {
-      holders.erase(it);
-      tracker->add(MemoryCategory::kActivations, -static_cast<int64_t>(t.storage().nbytes()));
-    }
+}
+
+void SavedTensorAccounting::release(const at::Storage& s) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = holders_.find(s.unsafeGetStorageImpl());
+  CARAVAN_CHECK(it != holders_.end(), "saved tensor released twice");
+  if (--it->second == 0) {
+    holders_.erase(it);
+    tracker_->add(MemoryCategory::kActivations, -static_cast<int64_t>(s.nbytes()));
   }
-};
+}
 
 namespace {
 
-thread_local std::shared_ptr<SavedTensorScope::State> tActive;
+thread_local std::shared_ptr<SavedTensorAccounting> tActive;
+thread_local SavedTensorPlacement* tPlacement = nullptr;
 std::atomic<bool> gInstalled{false};
 
-// One saved variable: holds the tensor (policy `keep`) and accounts for it until released.
-class Hooks final : public torch::autograd::SavedVariableHooks {
+// One saved variable outside any placement: held in memory (policy `keep`) and accounted
+// until released.
+class KeepHooks final : public torch::autograd::SavedVariableHooks {
  public:
-  explicit Hooks(std::shared_ptr<SavedTensorScope::State> state) : state_(std::move(state)) {}
-  ~Hooks() override {
-    if (counted_) state_->release(tensor_);
+  explicit KeepHooks(std::shared_ptr<SavedTensorAccounting> state) : state_(std::move(state)) {}
+  ~KeepHooks() override {
+    if (counted_) state_->release(tensor_.storage());
   }
 
   void call_pack_hook(const at::Tensor& tensor) override {
     tensor_ = tensor;
-    if (!tensor.defined() || !tensor.has_storage()) return;
-    if (state_->parameters.count(tensor.storage().unsafeGetStorageImpl()) != 0) return;
-    state_->hold(tensor);
+    if (!tensor.defined() || !tensor.has_storage() || state_->isParameter(tensor)) return;
+    state_->hold(tensor.storage());
     counted_ = true;
   }
   at::Tensor call_unpack_hook() override { return tensor_; }
 
  private:
-  std::shared_ptr<SavedTensorScope::State> state_;
+  std::shared_ptr<SavedTensorAccounting> state_;
   at::Tensor tensor_;
   bool counted_ = false;
 };
@@ -74,8 +72,9 @@ struct CaravanEngine final : torch::autograd::Engine {
   ~CaravanEngine() override { stop(); }
   std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks()
       override {
+    if (tPlacement != nullptr) return tPlacement->makeHooks();
     if (!tActive) return nullptr;
-    return std::make_unique<Hooks>(tActive);
+    return std::make_unique<KeepHooks>(tActive);
   }
 };
 
@@ -93,15 +92,22 @@ void installSavedTensorEngine() {
 
 bool savedTensorEngineInstalled() { return gInstalled.load(); }
 
+std::shared_ptr<SavedTensorAccounting> activeAccounting() { return tActive; }
+
+PlacementGuard::PlacementGuard(SavedTensorPlacement* placement) : previous_(tPlacement) {
+  CARAVAN_CHECK(placement == nullptr || gInstalled.load(),
+                "a saved-tensor placement without installSavedTensorEngine(): saves would "
+                "bypass it");
+  tPlacement = placement;
+}
+
+PlacementGuard::~PlacementGuard() { tPlacement = previous_; }
+
 SavedTensorScope::SavedTensorScope(MemoryTracker& tracker,
                                    const std::vector<at::Tensor>& parameters)
-    : state_(std::make_shared<State>()), previous_(tActive) {
+    : state_(std::make_shared<SavedTensorAccounting>(tracker, parameters)), previous_(tActive) {
   CARAVAN_CHECK(gInstalled.load(),
                 "SavedTensorScope without installSavedTensorEngine(): saves would bypass it");
-  state_->tracker = &tracker;
-  for (const auto& p : parameters) {
-    state_->parameters.insert(p.storage().unsafeGetStorageImpl());
-  }
   tActive = state_;
 }
 

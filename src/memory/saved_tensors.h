@@ -18,13 +18,64 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include <ATen/ATen.h>
 
 #include "memory/tracker.h"
 
+namespace torch {
+namespace autograd {
+struct SavedVariableHooks;
+}
+}  // namespace torch
+
 namespace caravan {
+
+// The accounting of one SavedTensorScope: which storages are parameters, and the activation
+// bytes held in memory, counted once per storage however many holders it has.
+class SavedTensorAccounting {
+ public:
+  SavedTensorAccounting(MemoryTracker& tracker, const std::vector<at::Tensor>& parameters);
+  // True if `t` lives on a parameter's storage (a weight, held anyway).
+  bool isParameter(const at::Tensor& t) const;
+  // A holder of `s` appears / goes away; the storage's bytes count while it has holders.
+  void hold(const at::Storage& s);
+  void release(const at::Storage& s);
+  MemoryTracker& tracker() { return *tracker_; }
+
+ private:
+  MemoryTracker* tracker_;
+  std::unordered_set<const c10::StorageImpl*> parameters_;
+  std::mutex mutex_;
+  std::unordered_map<const c10::StorageImpl*, int64_t> holders_;
+};
+
+// The accounting of the scope active on this thread (nullptr outside any scope).
+std::shared_ptr<SavedTensorAccounting> activeAccounting();
+
+// Decides what happens to tensors saved while it is current on a thread (the executor's
+// per-block policies, memory/executor.h). Without one, saves are kept and accounted.
+class SavedTensorPlacement {
+ public:
+  virtual ~SavedTensorPlacement() = default;
+  virtual std::unique_ptr<torch::autograd::SavedVariableHooks> makeHooks() = 0;
+};
+
+// Makes `placement` current on this thread while alive (nullptr: back to plain keep).
+class PlacementGuard {
+ public:
+  explicit PlacementGuard(SavedTensorPlacement* placement);
+  ~PlacementGuard();
+  PlacementGuard(const PlacementGuard&) = delete;
+  PlacementGuard& operator=(const PlacementGuard&) = delete;
+
+ private:
+  SavedTensorPlacement* previous_;
+};
 
 // Installs the engine; idempotent. Call it before any autograd work (backward calls already
 // running keep the engine they started with).
@@ -41,11 +92,9 @@ class SavedTensorScope {
   SavedTensorScope(const SavedTensorScope&) = delete;
   SavedTensorScope& operator=(const SavedTensorScope&) = delete;
 
-  struct State;
-
  private:
-  std::shared_ptr<State> state_;
-  std::shared_ptr<State> previous_;
+  std::shared_ptr<SavedTensorAccounting> state_;
+  std::shared_ptr<SavedTensorAccounting> previous_;
 };
 
 }  // namespace caravan

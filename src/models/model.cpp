@@ -15,7 +15,10 @@ BlockModelImpl::BlockModelImpl(std::string name, TaskKind task)
     : name_(std::move(name)), task_(task) {}
 
 torch::Tensor BlockModelImpl::forward(torch::Tensor x) {
-  for (auto& block : blocks_) x = block.forward(std::move(x));
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    x = runner_ != nullptr ? runner_->run(i, blocks_[i], std::move(x))
+                           : blocks_[i].forward(std::move(x));
+  }
   return x;
 }
 

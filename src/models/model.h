@@ -29,6 +29,14 @@ struct ModelSpec {
   double dropout = 0.0;      // gpt and mlp: dropout probability
 };
 
+// Runs one block's forward on behalf of BlockModel::forward: the memory executor
+// (memory/executor.h) places what each block saves for backward this way.
+class BlockRunner {
+ public:
+  virtual ~BlockRunner() = default;
+  virtual torch::Tensor run(size_t index, torch::nn::AnyModule& block, torch::Tensor x) = 0;
+};
+
 class BlockModelImpl : public torch::nn::Module {
  public:
   BlockModelImpl(std::string name, TaskKind task);
@@ -42,8 +50,12 @@ class BlockModelImpl : public torch::nn::Module {
     labels_.push_back(label);
   }
 
-  // Runs all blocks in order. input/output shapes depend on the task (see DataShape).
+  // Runs all blocks in order, through the runner if one is set. input/output shapes depend on
+  // the task (see DataShape).
   torch::Tensor forward(torch::Tensor x);
+  // nullptr = run blocks directly. The runner must outlive its use here.
+  void setRunner(BlockRunner* runner) { runner_ = runner; }
+  BlockRunner* runner() const { return runner_; }
 
   size_t numBlocks() const { return blocks_.size(); }
   torch::nn::AnyModule& block(size_t i) { return blocks_.at(i); }
@@ -62,6 +74,7 @@ class BlockModelImpl : public torch::nn::Module {
   std::vector<torch::nn::AnyModule> blocks_;
   std::vector<std::string> labels_;
   double forwardFlops_ = 0.0;
+  BlockRunner* runner_ = nullptr;
 };
 TORCH_MODULE(BlockModel);
 

@@ -1,0 +1,454 @@
+// The activation executor (see executor.h).
+#include "memory/executor.h"
+
+#include <chrono>
+#include <sstream>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
+#include <torch/nn/modules/container/any.h>
+
+#include "core/errors.h"
+#include "memory/saved_tensors.h"
+
+namespace caravan {
+
+const char* policyName(BlockPolicy p) {
+  switch (p) {
+    case BlockPolicy::kKeep: return "keep";
+    case BlockPolicy::kRecompute: return "recompute";
+    case BlockPolicy::kSwap: return "swap";
+    case BlockPolicy::kSwapInput: return "swap-input";
+  }
+  return "?";
+}
+
+std::vector<BlockPolicy> parsePolicies(const std::string& text, size_t blocks,
+                                       const std::string& key) {
+  std::vector<BlockPolicy> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    item.erase(0, item.find_first_not_of(' '));
+    item.erase(item.find_last_not_of(' ') + 1);
+    bool found = false;
+    for (int p = 0; p < kBlockPolicies; ++p) {
+      if (item == policyName(static_cast<BlockPolicy>(p))) {
+        out.push_back(static_cast<BlockPolicy>(p));
+        found = true;
+      }
+    }
+    if (!found) {
+      throw ConfigError(fmt::format(
+          "{} = '{}': '{}' is not a policy; use keep, recompute, swap, swap-input or auto, or a "
+          "comma-separated list with one per block",
+          key, text, item));
+    }
+  }
+  if (out.size() == 1) out.assign(blocks, out[0]);
+  if (out.size() != blocks) {
+    throw ConfigError(fmt::format("{} = '{}' lists {} policies but the model has {} blocks; "
+                                  "give one policy for all or one per block",
+                                  key, text, out.size(), blocks));
+  }
+  return out;
+}
+
+std::string formatPolicies(const std::vector<BlockPolicy>& policies) {
+  std::string s;
+  for (size_t i = 0; i < policies.size(); ++i) {
+    if (i > 0) s += ",";
+    s += policyName(policies[i]);
+  }
+  return s;
+}
+
+bool needsTier(const std::vector<BlockPolicy>& policies) {
+  for (BlockPolicy p : policies) {
+    if (p == BlockPolicy::kSwap || p == BlockPolicy::kSwapInput) return true;
+  }
+  return false;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double secondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// How a saved tensor sits on its storage, to rebuild it on a storage read back from a tier.
+struct TensorMeta {
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  at::ScalarType dtype = at::kFloat;
+
+  explicit TensorMeta(const at::Tensor& t)
+      : sizes(t.sizes().vec()),
+        strides(t.strides().vec()),
+        offset(t.storage_offset()),
+        dtype(t.scalar_type()) {}
+  at::Tensor rebuild(const at::Storage& s) const {
+    return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(s, offset, sizes, strides);
+  }
+};
+
+}  // namespace
+
+struct ActivationExecutor::Frame {
+  ActivationExecutor* exec = nullptr;
+  size_t index = 0;
+  BlockPolicy policy = BlockPolicy::kKeep;
+  std::shared_ptr<SavedTensorAccounting> acct;  // nullptr outside a SavedTensorScope
+  torch::nn::AnyModule* block = nullptr;
+
+  std::mutex mutex;
+  std::atomic<bool> touched{false};
+  int64_t saves = 0;  // tensors saved by the block's forward, in order
+
+  // recompute / swap-input
+  at::Tensor input;                     // recompute: held until recomputed
+  std::shared_ptr<Offload> inputOffload;  // swap-input
+  std::unique_ptr<TensorMeta> inputMeta;
+  bool inputRequiresGrad = false;
+  at::Tensor rng;  // the CPU generator's state before the block ran
+  bool materialized = false;
+  std::vector<at::Tensor> recomputed;  // by save index (undefined: a parameter, or dropped)
+
+  // swap: one Offload per storage. The weak reference keeps a storage that died (written and
+  // dropped) from being mistaken for a new one allocated at the same address.
+  struct Swapped {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+    std::shared_ptr<Offload> offload;
+  };
+  std::unordered_map<const c10::StorageImpl*, Swapped> offloads;
+
+  ~Frame() {
+    if (input.defined()) release(input.storage());
+    for (auto& t : recomputed) {
+      if (t.defined()) release(t.storage());
+    }
+  }
+
+  void hold(const at::Storage& s) {
+    if (acct) acct->hold(s);
+  }
+  void release(const at::Storage& s) {
+    if (acct) acct->release(s);
+  }
+  Offload::ResidentFn residentFn() {
+    std::shared_ptr<SavedTensorAccounting> a = acct;
+    if (!a) return nullptr;
+    return [a](const at::Storage& s, int delta) {
+      if (delta > 0) {
+        a->hold(s);
+      } else {
+        a->release(s);
+      }
+    };
+  }
+
+  void touch() {
+    if (!touched.exchange(true)) exec->reached(index);
+  }
+
+  void prefetch() {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (inputOffload) inputOffload->prefetch();
+    for (auto& [impl, swapped] : offloads) swapped.offload->prefetch();
+  }
+
+  std::shared_ptr<Offload> offloadFor(const at::Storage& s) {
+    std::lock_guard<std::mutex> lock(mutex);
+    Swapped& entry = offloads[s.unsafeGetStorageImpl()];
+    if (!entry.offload || entry.storage.expired()) {
+      entry.storage = s.getWeakStorageImpl();
+      entry.offload = Offload::start(*exec->tier(), s, residentFn());
+      exec->addOffloaded(static_cast<int64_t>(s.nbytes()));
+    }
+    return entry.offload;
+  }
+
+  at::Tensor recomputedAt(int64_t i) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!materialized) materialize();
+    CARAVAN_CHECK(i < static_cast<int64_t>(recomputed.size()) && recomputed[i].defined(),
+                  "recomputed saved tensor used twice or missing");
+    return recomputed[i];
+  }
+
+  void dropRecomputed(int64_t i) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (i < static_cast<int64_t>(recomputed.size()) && recomputed[i].defined()) {
+      release(recomputed[i].storage());
+      recomputed[i] = at::Tensor();
+    }
+  }
+
+  void materialize();  // under mutex
+};
+
+namespace {
+
+using Frame = ActivationExecutor::Frame;
+
+// Captures what a block's forward saves while it is recomputed (the graph it builds is thrown
+// away; only the saved tensors are kept, in order).
+class CaptureHooks final : public torch::autograd::SavedVariableHooks {
+ public:
+  explicit CaptureHooks(Frame* frame) : frame_(frame) {}
+  void call_pack_hook(const at::Tensor& tensor) override {
+    if (!tensor.defined() || !tensor.has_storage() ||
+        (frame_->acct && frame_->acct->isParameter(tensor))) {
+      frame_->recomputed.emplace_back();  // parameters are held by the original hooks
+      return;
+    }
+    frame_->hold(tensor.storage());
+    frame_->recomputed.push_back(tensor.detach());
+  }
+  at::Tensor call_unpack_hook() override {
+    CARAVAN_CHECK(false, "a recomputation's own graph was used for backward");
+    return {};
+  }
+
+ private:
+  Frame* frame_;
+};
+
+class CapturePlacement final : public SavedTensorPlacement {
+ public:
+  explicit CapturePlacement(Frame* frame) : frame_(frame) {}
+  std::unique_ptr<torch::autograd::SavedVariableHooks> makeHooks() override {
+    return std::make_unique<CaptureHooks>(frame_);
+  }
+
+ private:
+  Frame* frame_;
+};
+
+// One tensor saved by a block's forward, placed by the block's policy.
+class BlockHooks final : public torch::autograd::SavedVariableHooks {
+ public:
+  explicit BlockHooks(std::shared_ptr<Frame> frame) : frame_(std::move(frame)) {}
+  ~BlockHooks() override {
+    switch (mode_) {
+      case Mode::kKept: frame_->release(held_.storage()); break;
+      case Mode::kRecomputed: frame_->dropRecomputed(index_); break;
+      default: break;
+    }
+  }
+
+  void call_pack_hook(const at::Tensor& tensor) override {
+    index_ = frame_->saves++;
+    if (!tensor.defined() || !tensor.has_storage() ||
+        (frame_->acct && frame_->acct->isParameter(tensor))) {
+      held_ = tensor;  // a weight (or nothing): held as it is, not an activation
+      mode_ = Mode::kParameter;
+      return;
+    }
+    switch (frame_->policy) {
+      case BlockPolicy::kKeep:
+        held_ = tensor;
+        frame_->hold(tensor.storage());
+        mode_ = Mode::kKept;
+        break;
+      case BlockPolicy::kRecompute:
+      case BlockPolicy::kSwapInput:
+        mode_ = Mode::kRecomputed;  // dropped now, recomputed in backward
+        break;
+      case BlockPolicy::kSwap:
+        offload_ = frame_->offloadFor(tensor.storage());
+        meta_ = std::make_unique<TensorMeta>(tensor);
+        mode_ = Mode::kSwapped;
+        break;
+    }
+  }
+
+  at::Tensor call_unpack_hook() override {
+    frame_->touch();
+    switch (mode_) {
+      case Mode::kParameter:
+      case Mode::kKept: return held_;
+      case Mode::kRecomputed: return frame_->recomputedAt(index_);
+      case Mode::kSwapped: {
+        const auto t0 = Clock::now();
+        at::Storage s = offload_->get();
+        frame_->exec->addStall(secondsSince(t0));
+        return meta_->rebuild(s);
+      }
+    }
+    return {};
+  }
+
+ private:
+  enum class Mode { kParameter, kKept, kRecomputed, kSwapped };
+  std::shared_ptr<Frame> frame_;
+  Mode mode_ = Mode::kParameter;
+  int64_t index_ = 0;
+  at::Tensor held_;
+  std::shared_ptr<Offload> offload_;
+  std::unique_ptr<TensorMeta> meta_;
+};
+
+class BlockPlacement final : public SavedTensorPlacement {
+ public:
+  explicit BlockPlacement(std::shared_ptr<Frame> frame) : frame_(std::move(frame)) {}
+  std::unique_ptr<torch::autograd::SavedVariableHooks> makeHooks() override {
+    return std::make_unique<BlockHooks>(frame_);
+  }
+
+ private:
+  std::shared_ptr<Frame> frame_;
+};
+
+at::Tensor rngState() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void setRngState(const at::Tensor& state) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+}  // namespace
+
+void Frame::materialize() {
+  const auto t0 = Clock::now();
+  at::Tensor x;
+  if (inputOffload) {
+    x = inputMeta->rebuild(inputOffload->get());
+    exec->addStall(secondsSince(t0));
+  } else {
+    x = input;
+  }
+  const auto t1 = Clock::now();
+  x = x.detach();
+  if (inputRequiresGrad) x.requires_grad_(true);
+
+  // The forward must see what it saw the first time: the RNG state (dropout) and the buffers
+  // (batch norm's running statistics, which it updates again and we put back).
+  std::vector<at::Tensor> buffers = block->ptr()->buffers();
+  std::vector<at::Tensor> saved;
+  {
+    at::NoGradGuard noGrad;
+    for (const auto& b : buffers) saved.push_back(b.clone());
+  }
+  at::Tensor now = rngState();
+  setRngState(rng);
+  recomputed.clear();
+  {
+    CapturePlacement capture(this);
+    PlacementGuard guard(&capture);
+    at::AutoGradMode enable(true);
+    block->forward(x);
+  }
+  setRngState(now);
+  {
+    at::NoGradGuard noGrad;
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+  }
+  CARAVAN_CHECK(static_cast<int64_t>(recomputed.size()) == saves,
+                fmt::format("recomputing block {} saved {} tensors; its forward saved {}",
+                            index, recomputed.size(), saves));
+  materialized = true;
+  if (input.defined()) {
+    release(input.storage());
+    input = at::Tensor();
+  }
+  inputOffload.reset();
+  exec->addRecompute(secondsSince(t1));
+}
+
+ActivationExecutor::ActivationExecutor(BlockModel model, std::vector<BlockPolicy> policies,
+                                       Tier* tier, int prefetchDepth)
+    : model_(std::move(model)),
+      policies_(std::move(policies)),
+      tier_(tier),
+      prefetchDepth_(prefetchDepth) {
+  CARAVAN_CHECK(policies_.size() == model_->numBlocks(), "one policy per block");
+  CARAVAN_CHECK(tier_ != nullptr || !needsTier(policies_), "swap policies need a tier");
+  CARAVAN_CHECK(savedTensorEngineInstalled(),
+                "ActivationExecutor without installSavedTensorEngine()");
+  model_->setRunner(this);
+}
+
+ActivationExecutor::~ActivationExecutor() {
+  if (model_->runner() == this) model_->setRunner(nullptr);
+}
+
+torch::Tensor ActivationExecutor::run(size_t index, torch::nn::AnyModule& block,
+                                      torch::Tensor x) {
+  if (!at::GradMode::is_enabled()) return block.forward(std::move(x));
+  if (tier_ != nullptr) tier_->check();
+  const size_t n = policies_.size();
+  auto frame = std::make_shared<Frame>();
+  frame->exec = this;
+  frame->index = index;
+  frame->policy = policies_.at(index);
+  frame->acct = activeAccounting();
+  frame->block = &block;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (index == 0) frames_.assign(n, {});
+    frames_.at(index) = frame;
+  }
+  if (frame->policy == BlockPolicy::kRecompute || frame->policy == BlockPolicy::kSwapInput) {
+    frame->inputRequiresGrad = x.requires_grad();
+    frame->rng = rngState();
+    if (frame->policy == BlockPolicy::kRecompute) {
+      frame->input = x;
+      frame->hold(x.storage());
+    } else {
+      frame->inputMeta = std::make_unique<TensorMeta>(x);
+      frame->inputOffload = Offload::start(*tier_, x.storage(), frame->residentFn());
+      addOffloaded(static_cast<int64_t>(x.storage().nbytes()));
+    }
+  }
+  at::Tensor y;
+  {
+    BlockPlacement placement(frame);
+    PlacementGuard guard(&placement);
+    y = block.forward(std::move(x));
+  }
+  if (index + 1 == n) reached(n);  // backward starts next: fetch the last blocks
+  return y;
+}
+
+void ActivationExecutor::reached(size_t block) {
+  std::vector<std::shared_ptr<Frame>> next;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t k = 1; k <= static_cast<size_t>(prefetchDepth_) && k <= block; ++k) {
+      if (block - k >= frames_.size()) continue;
+      if (auto f = frames_[block - k].lock()) next.push_back(std::move(f));
+    }
+  }
+  for (auto& f : next) f->prefetch();
+}
+
+void ActivationExecutor::addStall(double seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.stallSeconds += seconds;
+}
+
+void ActivationExecutor::addOffloaded(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.bytesOffloaded += bytes;
+}
+
+void ActivationExecutor::addRecompute(double seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.recomputeSeconds += seconds;
+}
+
+ExecutorStats ActivationExecutor::takeStats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ExecutorStats s = stats_;
+  stats_ = {};
+  return s;
+}
+
+}  // namespace caravan

@@ -1,0 +1,84 @@
+// The activation executor: runs each block of a BlockModel under a policy for what its
+// backward needs (ALGORITHMS.md §2.1).
+//   keep        what autograd saves stays in memory.
+//   recompute   only the block's input is kept; the first time backward needs one of the
+//               block's saved tensors, the block's forward reruns (same RNG state, buffers
+//               restored) and its saves are captured in order; backward uses those.
+//   swap        every saved tensor (by storage) is written to the tier as it is saved, while
+//               later blocks compute; it leaves memory once written and is read back ahead of
+//               the block's backward.
+//   swap-input  only the block's input, written to the tier; read back and recomputed.
+// Parameters saved by ops (a linear layer saves its weight) are held as they are.
+//
+// Everything goes through the saved-tensor hooks (saved_tensors.h): the graph autograd builds
+// is the one `keep` builds and the tensors backward gets are bitwise the ones forward saved (or
+// recomputed by the same ops from the same input), so every policy gives `keep`'s gradients.
+//
+// Prefetch: when backward first unpacks a tensor of block i, the reads of the next
+// `prefetchDepth` blocks below i are queued; at the end of forward those of the last blocks.
+//
+// Threading: run() on the training thread; hooks release and unpack on autograd's threads.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "memory/tier.h"
+#include "models/model.h"
+
+namespace caravan {
+
+enum class BlockPolicy { kKeep, kRecompute, kSwap, kSwapInput };
+inline constexpr int kBlockPolicies = 4;
+const char* policyName(BlockPolicy p);  // "keep", "recompute", "swap", "swap-input"
+// One policy for every block ("swap"), or a comma-separated list with one per block
+// ("keep,swap,recompute"). ConfigError naming `key` otherwise.
+std::vector<BlockPolicy> parsePolicies(const std::string& text, size_t blocks,
+                                       const std::string& key);
+std::string formatPolicies(const std::vector<BlockPolicy>& policies);
+bool needsTier(const std::vector<BlockPolicy>& policies);
+
+struct ExecutorStats {
+  int64_t bytesOffloaded = 0;     // handed to the tier (writes queued)
+  double recomputeSeconds = 0.0;  // rerunning forwards inside backward
+  double stallSeconds = 0.0;      // backward waiting for reads
+};
+
+class ActivationExecutor final : public BlockRunner {
+ public:
+  // Installs itself as the model's runner until destroyed. `tier` may be nullptr when no
+  // policy swaps; it must outlive the executor and every graph built under it.
+  ActivationExecutor(BlockModel model, std::vector<BlockPolicy> policies, Tier* tier,
+                     int prefetchDepth);
+  ~ActivationExecutor() override;
+  ActivationExecutor(const ActivationExecutor&) = delete;
+  ActivationExecutor& operator=(const ActivationExecutor&) = delete;
+
+  torch::Tensor run(size_t index, torch::nn::AnyModule& block, torch::Tensor x) override;
+  const std::vector<BlockPolicy>& policies() const { return policies_; }
+  ExecutorStats takeStats();
+
+  struct Frame;
+  // Called by the hooks (internal).
+  void reached(size_t block);
+  void addStall(double seconds);
+  void addRecompute(double seconds);
+  void addOffloaded(int64_t bytes);
+  Tier* tier() const { return tier_; }
+  BlockModel& model() { return model_; }
+
+ private:
+  BlockModel model_;
+  std::vector<BlockPolicy> policies_;
+  Tier* tier_;
+  int prefetchDepth_;
+  std::mutex mutex_;
+  std::vector<std::weak_ptr<Frame>> frames_;  // this forward's, by block
+  ExecutorStats stats_;
+};
+
+}  // namespace caravan

@@ -1,0 +1,171 @@
+// Offload tiers: where bytes go when they leave the memory budget, and come back from.
+//
+// A Tier stores blobs of bytes in slots: FileTier in an unnamed file on disk (direct I/O, so
+// the bytes really leave memory instead of sitting in the page cache), HostTier in separate
+// host memory (the device -> host tier of a CUDA build; on a CPU build it only moves bytes
+// out of the tracked budget, which tests use). Tier calls are blocking; Offload (below) runs
+// them on the tier's I/O threads, one writer and one reader, so writes overlap compute and
+// reads can be prefetched without queueing behind writes.
+//
+// Offload is one storage's trip through a tier: created with the storage (write queued at
+// once), the storage is dropped from memory when the write completes, prefetch() queues the
+// read back into a new storage, get() waits for it. A prefetch before the write has started
+// cancels the write; one during the write keeps the storage. Errors (disk full, file size
+// limit, I/O error) are kept: get() and Tier::check() throw IoError with the first of them,
+// naming the tier and what to do.
+//
+// Threading: Tier's blocking calls run on its I/O threads only; Offload methods and check()
+// may be called from any thread.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <ATen/ATen.h>
+
+namespace caravan {
+
+struct TierBandwidth {
+  double writeBytesPerSecond = 0.0;
+  double readBytesPerSecond = 0.0;
+};
+
+class Tier {
+ public:
+  Tier();
+  virtual ~Tier();
+  Tier(const Tier&) = delete;
+  Tier& operator=(const Tier&) = delete;
+
+  // "file /var/tmp (direct I/O)", "host memory".
+  virtual std::string describe() const = 0;
+
+  // Blocking (I/O threads only). A slot is an opaque id with room for `bytes` bytes.
+  virtual int64_t allocate(int64_t bytes) = 0;
+  virtual void free(int64_t slot) = 0;
+  // Throw IoError on failure.
+  virtual void store(int64_t slot, const void* data, int64_t bytes) = 0;
+  virtual void load(int64_t slot, void* data, int64_t bytes) = 0;
+  // Host memory that load() can fill without a copy (FileTier: aligned for direct I/O).
+  virtual at::DataPtr allocateHost(int64_t bytes);
+
+  // Queues `job` on the writer or the reader thread.
+  void submitWrite(std::function<void()> job);
+  void submitRead(std::function<void()> job);
+  // Throws the first I/O error any job hit (IoError), so the training thread fails promptly.
+  void check() const;
+  void fail(const std::string& message);
+
+  // Writes and reads `bytes` through the I/O threads (in 4 MiB blobs) and times it.
+  TierBandwidth measure(int64_t bytes);
+
+  // Call from the most-derived destructor: drains the queues before the slots go away.
+  void stopThreads();
+
+ private:
+  struct Queue {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> jobs;
+    bool stop = false;
+    std::thread thread;
+  };
+  static void run(Queue& q);
+  Queue writer_, reader_;
+  mutable std::mutex errorMutex_;
+  std::string error_;
+};
+
+// An unnamed file (O_TMPFILE) in `directory`, opened with O_DIRECT where the file system
+// allows it (else buffered, with each range flushed and dropped from the page cache after use).
+// Refuses tmpfs (offloading there would stay in memory). Slots are first-fit extents of the
+// file, 4 KiB aligned; the file is gone when the tier is (or the process) is.
+class FileTier final : public Tier {
+ public:
+  explicit FileTier(const std::string& directory);
+  ~FileTier() override;
+  std::string describe() const override;
+  int64_t allocate(int64_t bytes) override;
+  void free(int64_t slot) override;
+  void store(int64_t slot, const void* data, int64_t bytes) override;
+  void load(int64_t slot, void* data, int64_t bytes) override;
+  at::DataPtr allocateHost(int64_t bytes) override;
+  bool direct() const { return direct_; }
+
+ private:
+  std::string directory_;
+  int fd_ = -1;
+  bool direct_ = false;
+  std::mutex mutex_;
+  std::map<int64_t, int64_t> free_;   // offset -> length of free extents
+  std::map<int64_t, int64_t> used_;   // offset -> length of allocated extents
+  int64_t end_ = 0;                   // file length in use
+  void* bounce_ = nullptr;            // aligned staging buffer for writes of unaligned data
+};
+
+// Separate host memory (malloc). See the file comment.
+class HostTier final : public Tier {
+ public:
+  HostTier() = default;
+  ~HostTier() override;
+  std::string describe() const override { return "host memory"; }
+  int64_t allocate(int64_t bytes) override;
+  void free(int64_t slot) override;
+  void store(int64_t slot, const void* data, int64_t bytes) override;
+  void load(int64_t slot, void* data, int64_t bytes) override;
+
+ private:
+  std::mutex mutex_;
+  std::map<int64_t, std::unique_ptr<char[]>> blobs_;
+  int64_t next_ = 0;
+};
+
+// Creates the tier named by memory.tier: "disk" (FileTier in `directory`) or "host".
+std::unique_ptr<Tier> makeTier(const std::string& kind, const std::string& directory);
+
+// One storage's trip through a tier (see the file comment).
+class Offload : public std::enable_shared_from_this<Offload> {
+ public:
+  // `onResident(storage, +1/-1)` is told when a storage of these bytes starts and stops being
+  // held in memory by this Offload (the memory accounting).
+  using ResidentFn = std::function<void(const at::Storage&, int)>;
+  static std::shared_ptr<Offload> start(Tier& tier, at::Storage storage, ResidentFn onResident);
+  ~Offload();
+
+  // Queues the read (no-op if resident, reading, or the write has not finished: then the
+  // storage stays).
+  void prefetch();
+  // The storage, waiting for a read in flight (starting one if needed). Throws IoError.
+  at::Storage get();
+  // Drops the in-memory copy if the bytes are on the tier (after the block used them).
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  enum class State { kWriting, kOnTier, kReading, kResident, kFailed };
+  Offload(Tier& tier, at::Storage storage, ResidentFn onResident);
+  void write();
+  void read();
+  void setResident(at::Storage s);  // under mutex_
+
+  Tier& tier_;
+  ResidentFn onResident_;
+  const int64_t bytes_;
+  const at::Device device_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  State state_ = State::kWriting;
+  bool wanted_ = false;  // a prefetch/get came while writing: keep the storage
+  bool writeStarted_ = false;
+  int64_t slot_ = -1;
+  at::Storage storage_;  // defined while resident (or writing)
+  std::string error_;
+};
+
+}  // namespace caravan

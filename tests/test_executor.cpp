@@ -1,0 +1,245 @@
+// The activation executor (src/memory/executor.h) and tiers (tier.h): every policy gives the
+// losses and gradients of `keep`, bitwise, on the GPT (with dropout, so recomputation must
+// replay the RNG), the CNN and the ResNet (batch norm: running statistics must not be updated
+// twice); what is accounted drops to zero after backward; recomputation really holds less.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include <torch/torch.h>
+
+#include "core/errors.h"
+#include "memory/executor.h"
+#include "memory/saved_tensors.h"
+#include "memory/tier.h"
+#include "memory/tracker.h"
+#include "models/model.h"
+#include "train/step.h"
+#include "test_util.h"
+
+using namespace caravan;
+
+namespace {
+
+DataShape lmShape() {
+  DataShape shape;
+  shape.task = TaskKind::kLanguageModel;
+  shape.vocabSize = 13;
+  shape.seqLen = 16;
+  return shape;
+}
+
+DataShape imageShape() {
+  DataShape shape;
+  shape.task = TaskKind::kImageClassification;
+  return shape;
+}
+
+ModelSpec gptSpec() {
+  ModelSpec s;
+  s.name = "gpt";
+  s.width = 32;
+  s.depth = 3;
+  s.heads = 4;
+  s.dropout = 0.1;
+  return s;
+}
+
+ModelSpec imageSpec(const std::string& name) {
+  ModelSpec s;
+  s.name = name;
+  s.width = 8;
+  return s;
+}
+
+Batch makeBatch(const DataShape& shape, int64_t n) {
+  torch::manual_seed(3);
+  Batch b;
+  if (shape.task == TaskKind::kLanguageModel) {
+    b.input = torch::randint(0, shape.vocabSize, {n, shape.seqLen}, torch::kLong);
+    b.target = torch::randint(0, shape.vocabSize, {n, shape.seqLen}, torch::kLong);
+  } else {
+    b.input = torch::randn({n, shape.channels, shape.height, shape.width});
+    b.target = torch::randint(0, shape.numClasses, {n}, torch::kLong);
+  }
+  return b;
+}
+
+struct Outcome {
+  std::vector<double> losses;
+  std::vector<at::Tensor> grads;    // after the last step's backward
+  std::vector<at::Tensor> buffers;  // batch-norm running statistics
+  int64_t activationPeak = 0;
+  int64_t activationsAfter = -1;  // live after the last backward
+  ExecutorStats stats;
+};
+
+// Two steps of SGD from the same initialization and batch; `policies` "" runs without an
+// executor (stock forward, still accounted).
+Outcome train(const ModelSpec& spec, const DataShape& shape, const std::string& policies,
+              Tier* tier) {
+  installSavedTensorEngine();
+  torch::manual_seed(7);
+  BlockModel model = buildModel(spec, shape);
+  model->train();
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const Batch batch = makeBatch(shape, 4);
+  MemoryTracker tracker;
+  Outcome out;
+  {
+    SavedTensorScope scope(tracker, model->parameters());
+    std::unique_ptr<ActivationExecutor> exec;
+    if (!policies.empty()) {
+      exec = std::make_unique<ActivationExecutor>(
+          model, parsePolicies(policies, model->numBlocks(), "test"), tier, 1);
+    }
+    torch::manual_seed(11);  // dropout draws
+    for (int step = 0; step < 2; ++step) {
+      sgd.zero_grad();
+      at::Tensor loss = taskLoss(model->task(), model->forward(batch.input), batch.target);
+      loss.backward();
+      out.losses.push_back(loss.item<double>());
+      if (step == 1) {
+        for (const auto& p : model->parameters()) out.grads.push_back(p.grad().clone());
+      }
+      sgd.step();
+    }
+    out.activationsAfter = tracker.live(MemoryCategory::kActivations);
+    out.activationPeak = tracker.peak(MemoryCategory::kActivations);
+    if (exec) out.stats = exec->takeStats();
+  }
+  for (const auto& b : model->buffers()) out.buffers.push_back(b.clone());
+  return out;
+}
+
+void expectSame(const Outcome& keep, const Outcome& other, const std::string& what) {
+  ASSERT_EQ(keep.losses.size(), other.losses.size());
+  for (size_t i = 0; i < keep.losses.size(); ++i) {
+    EXPECT_EQ(keep.losses[i], other.losses[i]) << what << " step " << i;
+  }
+  ASSERT_EQ(keep.grads.size(), other.grads.size());
+  for (size_t i = 0; i < keep.grads.size(); ++i) {
+    EXPECT_TRUE(at::equal(keep.grads[i], other.grads[i]))
+        << what << " gradient " << i << " differs by "
+        << (keep.grads[i] - other.grads[i]).abs().max().item<double>();
+  }
+  ASSERT_EQ(keep.buffers.size(), other.buffers.size());
+  for (size_t i = 0; i < keep.buffers.size(); ++i) {
+    EXPECT_TRUE(at::equal(keep.buffers[i], other.buffers[i])) << what << " buffer " << i;
+  }
+  EXPECT_EQ(other.activationsAfter, 0) << what << ": saved tensors outlived backward";
+}
+
+std::unique_ptr<Tier> diskTier(const test::TempDir& dir) {
+  try {
+    return std::make_unique<FileTier>(dir.path());
+  } catch (const ConfigError&) {
+    return nullptr;  // the temp dir is on tmpfs: the file tier refuses it
+  }
+}
+
+void checkEveryPolicy(const ModelSpec& spec, const DataShape& shape, const std::string& mixed) {
+  test::TempDir dir;
+  HostTier host;
+  std::unique_ptr<Tier> disk = diskTier(dir);
+  const Outcome plain = train(spec, shape, "", nullptr);
+  const Outcome keep = train(spec, shape, "keep", nullptr);
+  expectSame(plain, keep, "keep under the executor");
+  EXPECT_EQ(plain.activationPeak, keep.activationPeak);
+
+  const Outcome recompute = train(spec, shape, "recompute", nullptr);
+  expectSame(keep, recompute, "recompute");
+  EXPECT_LT(recompute.activationPeak, keep.activationPeak)
+      << "recompute held as much as keep";
+  EXPECT_GT(recompute.stats.recomputeSeconds, 0.0);
+
+  for (Tier* tier : {static_cast<Tier*>(&host), disk.get()}) {
+    if (tier == nullptr) continue;
+    SCOPED_TRACE(tier->describe());
+    const Outcome swap = train(spec, shape, "swap", tier);
+    expectSame(keep, swap, "swap");
+    EXPECT_GT(swap.stats.bytesOffloaded, 0);
+    const Outcome swapInput = train(spec, shape, "swap-input", tier);
+    expectSame(keep, swapInput, "swap-input");
+    EXPECT_LT(swapInput.activationPeak, keep.activationPeak);
+    expectSame(keep, train(spec, shape, mixed, tier), mixed);
+  }
+  if (!disk) std::cerr << "note: the temp dir is on tmpfs; the disk tier was not tested\n";
+}
+
+}  // namespace
+
+TEST(Executor, EveryPolicyGivesKeepsGradientsOnGpt) {
+  // Blocks: embedding, 3 transformer blocks, head.
+  checkEveryPolicy(gptSpec(), lmShape(), "swap,recompute,swap-input,keep,swap");
+}
+
+TEST(Executor, EveryPolicyGivesKeepsGradientsOnCnn) {
+  checkEveryPolicy(imageSpec("cnn"), imageShape(), "recompute,swap,keep");
+}
+
+TEST(Executor, EveryPolicyGivesKeepsGradientsAndBuffersOnResnet) {
+  // Blocks: stem, 3 stages, head.
+  checkEveryPolicy(imageSpec("resnet-mini"), imageShape(), "swap-input,recompute,swap,keep,swap");
+}
+
+TEST(Executor, ParsesPolicies) {
+  EXPECT_EQ(formatPolicies(parsePolicies("swap", 3, "k")), "swap,swap,swap");
+  EXPECT_EQ(formatPolicies(parsePolicies("keep, swap-input,recompute", 3, "k")),
+            "keep,swap-input,recompute");
+  for (const char* bad : {"swop", "keep,swap", ""}) {
+    try {
+      parsePolicies(bad, 3, "memory.policy");
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("memory.policy"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Tier, OffloadRoundTripsBytesAndFreesSlots) {
+  test::TempDir dir;
+  std::unique_ptr<Tier> disk = diskTier(dir);
+  HostTier host;
+  for (Tier* tier : {static_cast<Tier*>(&host), disk.get()}) {
+    if (tier == nullptr) continue;
+    SCOPED_TRACE(tier->describe());
+    // Sizes around the 4 KiB direct-I/O alignment and the 8 MiB staging buffer.
+    for (int64_t n : {int64_t{1}, int64_t{4095}, int64_t{4096}, int64_t{12345},
+                      int64_t{(8 << 20) + 3}}) {
+      at::Tensor data = at::randint(0, 255, {n}, at::TensorOptions().dtype(at::kByte));
+      std::atomic<int> held{0};
+      auto offload = Offload::start(*tier, data.clone().storage(),
+                                    [&](const at::Storage&, int d) { held += d; });
+      // Until read back the bytes are written and (eventually) dropped; get() reads them.
+      at::Storage back = offload->get();
+      ASSERT_EQ(static_cast<int64_t>(back.nbytes()), n);
+      at::Tensor t = at::empty({0}, at::kByte).set_(back, 0, {n}, {1});
+      EXPECT_TRUE(at::equal(t, data)) << n << " bytes";
+      EXPECT_EQ(held, 1);
+      offload.reset();  // the writer may still hold it for a moment after the write
+      for (int i = 0; i < 1000 && held != 0; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      EXPECT_EQ(held, 0);
+    }
+    const TierBandwidth bw = tier->measure(8 << 20);
+    EXPECT_GT(bw.writeBytesPerSecond, 0.0);
+    EXPECT_GT(bw.readBytesPerSecond, 0.0);
+    tier->check();
+  }
+}
+
+TEST(Tier, RefusesTmpfsAndMissingDirectories) {
+  EXPECT_THROW(FileTier("/nonexistent/caravan"), IoError);
+  if (std::system("mountpoint -q /dev/shm") == 0) {
+    try {
+      FileTier tier("/dev/shm");
+      ADD_FAILURE() << "a tier on /dev/shm (tmpfs) was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("tmpfs"), std::string::npos) << e.what();
+    }
+  }
+}
