@@ -19,6 +19,9 @@
 #include "core/errors.h"
 #include "train/checkpoint.h"
 #include "train/distributed.h"
+#include "memory/saved_tensors.h"
+#include "memory/tracker.h"
+#include "train/memory_setup.h"
 #include "train/setup.h"
 #include "train/step.h"
 #include "train/trainer.h"
@@ -144,6 +147,35 @@ int launchTrain(int argc, char** argv, int workers, const std::string& configPat
   return superviseWorkers(launch);
 }
 
+// caravan plan: profile the config's model on one batch, plan its blocks under memory.budget
+// and print the plan; exit 2 if no plan fits.
+int runPlan(const std::string& configPath, const std::vector<std::string>& overrides) {
+  const Config config = configPath.empty() ? Config::fromString("", "<defaults>", overrides)
+                                           : Config::fromFile(configPath, overrides);
+  applyRuntimeConfig(config);
+  installSavedTensorEngine();
+  DatasetSplits data = makeDatasets(config);
+  torch::manual_seed(static_cast<uint64_t>(config.i64("seed.init")));
+  BlockModel model = buildModel(makeModelSpec(config), data.train->shape());
+  model->train();
+  std::vector<int64_t> first;
+  for (int64_t i = 0; i < std::min(config.i64("data.batch_size"), data.train->size()); ++i) {
+    first.push_back(i);
+  }
+  const Batch sample = data.train->get(first);
+  ActivationMemory m = makeActivationMemory(config, model, sample, /*plan=*/true);
+  std::cout << fmt::format("{} ({} blocks), batch {}\n", model->modelName(), model->numBlocks(),
+                           sample.size())
+            << m.report;
+  if (!m.plan->fits) {
+    const int64_t smallest = m.plan->prediction.peakBytes + persistentBytes(config, model);
+    throw ConfigError(fmt::format("no plan fits memory.budget = {}; the smallest budget the "
+                                  "planner can fit is {} ({} bytes)",
+                                  config.str("memory.budget"), formatBytes(smallest), smallest));
+  }
+  return 0;
+}
+
 int runEval(const std::string& runDir, std::string checkpoint,
             const std::vector<std::string>& overrides) {
   const std::string saved = (fs::path(runDir) / "config.toml").string();
@@ -217,6 +249,13 @@ int main(int argc, char** argv) {
   eval->add_option("--checkpoint", checkpoint, "checkpoint file (default: the run's newest)");
   eval->add_option("--set", overrides, "override a config key (e.g. data.path)");
 
+  auto* plan = app.add_subcommand(
+      "plan", "profile the model's blocks on one batch and print the per-block memory plan "
+              "(keep/recompute/swap/swap-input) under memory.budget, with predicted peak and "
+              "step time");
+  plan->add_option("--config,-c", configPath, "TOML config file");
+  plan->add_option("--set", overrides, "override a config key (e.g. memory.budget=1GiB)");
+
   bool schema = false;
   auto* config = app.add_subcommand("config", "print the resolved config of --config/--set, or "
                                               "the schema with --schema");
@@ -243,6 +282,7 @@ int main(int argc, char** argv) {
     }
     if (*train) return runTrain(configPath, overrides, runDir, resumeDir, stopAtStep, quiet, trace);
     if (*eval) return runEval(runDir, checkpoint, overrides);
+    if (*plan) return runPlan(configPath, overrides);
     if (*config) {
       if (schema) {
         std::cout << Config::schemaMarkdown();

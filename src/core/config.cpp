@@ -86,7 +86,8 @@ std::vector<ConfigOption> buildSchema() {
              "evaluation batches per evaluation (0 = the whole test/validation set)"),
       boolOpt("train.keep_freed_memory", true,
               "keep freed memory mapped between steps (malloc trim/mmap thresholds 256/32 MiB) "
-              "instead of faulting activations back in every step; false = glibc defaults"),
+              "instead of faulting activations back in every step (under memory.budget at most "
+              "a sixteenth of it); false = glibc defaults"),
       intOpt("train.log_every", 50, 1, kMaxInt, "write a train metrics line every N steps"),
       intOpt("train.threads", 0, 0, 1024,
              "intra-op compute threads (0 = LibTorch's default: all cores)"),
@@ -95,6 +96,22 @@ std::vector<ConfigOption> buildSchema() {
              "bytes the run may hold in tracked tensors (activations saved for backward, "
              "weights, gradients, optimizer state), e.g. \"2GiB\"; \"\" = no limit. Checked "
              "after every step; over it the run stops naming the smallest budget that works"),
+      strOpt("memory.policy", "keep",
+             "what each block's backward keeps: keep, recompute (rerun the block's forward in "
+             "backward), swap (saved tensors to the tier and back), swap-input (the block's input "
+             "to the tier, then recompute), a comma-separated list with one per block, or auto "
+             "(the planner picks per block to fit memory.budget fastest; see caravan plan)"),
+      strOpt("memory.tier", "disk",
+             "where swapped bytes go: disk (a file in memory.swap_dir, direct I/O) or host "
+             "(separate host memory: out of the budget, not out of the process)",
+             {"disk", "host"}),
+      strOpt("memory.swap_dir", "/var/tmp",
+             "directory for the disk tier's file (unnamed: nothing is left behind); must not be "
+             "tmpfs"),
+      intOpt("memory.prefetch", 1, 1, 64,
+             "blocks whose swapped tensors are read back ahead of the block backward is in"),
+      intOpt("memory.profile_repeats", 3, 1, 100,
+             "memory.policy = auto: timed repeats per block when profiling (median)"),
 
       strOpt("dist.backend", "gloo",
              "communicator for multi-worker runs: gloo (c10d) or mpi (Open MPI)", {"gloo", "mpi"}),

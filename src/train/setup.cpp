@@ -4,9 +4,12 @@
 #include <dlfcn.h>
 #include <malloc.h>
 
+#include <algorithm>
+
 #include <torch/torch.h>
 
 #include "core/errors.h"
+#include "memory/accounting.h"
 #include "data/sources.h"
 
 namespace caravan {
@@ -16,9 +19,13 @@ void applyRuntimeConfig(const Config& config) {
     // glibc returns freed heap to the kernel and maps large blocks per allocation by default,
     // so every step page-faults its activations back in (~19k faults per GPT step, measured:
     // bench/README.md). Tensors up to 32 MiB come from the heap, and up to 256 MiB of freed
-    // heap stays mapped for the next step.
-    mallopt(M_MMAP_THRESHOLD, 32 << 20);
-    mallopt(M_TRIM_THRESHOLD, 256 << 20);
+    // heap stays mapped for the next step. Under memory.budget the retained heap is capped at
+    // a sixteenth of the budget: it is memory the process holds that no tracker counts.
+    int64_t trim = int64_t{256} << 20;
+    const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
+    if (budget > 0) trim = std::clamp<int64_t>(budget / 16, int64_t{4} << 20, trim);
+    mallopt(M_MMAP_THRESHOLD, static_cast<int>(std::min<int64_t>(trim, int64_t{32} << 20)));
+    mallopt(M_TRIM_THRESHOLD, static_cast<int>(trim));
   }
   const int64_t threads = config.i64("train.threads");
   if (threads <= 0) return;

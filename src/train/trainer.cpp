@@ -20,6 +20,7 @@
 #include "train/checkpoint.h"
 #include "train/distributed.h"
 #include "train/timeline.h"
+#include "train/memory_setup.h"
 #include "train/metrics.h"
 #include "train/setup.h"
 #include "train/step.h"
@@ -127,6 +128,25 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
   memory.resetPeaks();
   SavedTensorScope savedTensors(memory, parameterList);
+  // Per-block policies (memory.policy; planned under the budget for auto) and their executor.
+  Batch sample;
+  if (config.str("memory.policy") == "auto") {
+    std::vector<int64_t> first;
+    for (int64_t i = 0; i < std::min(samplerOptions.batchSize, data.train->size()); ++i) {
+      first.push_back(i);
+    }
+    sample = data.train->get(first);
+  }
+  ActivationMemory activations = makeActivationMemory(config, model, sample, /*plan=*/false);
+  {
+    std::istringstream report(activations.report);
+    for (std::string line; std::getline(report, line);) progress.line(line);
+  }
+  if (isRoot && activations.plan) {
+    writeFileAtomic((fs::path(options.runDir) / "memory_plan.txt").string(), activations.report);
+  }
+  std::vector<double> forwardBackward;  // per step, for measured vs predicted
+  int64_t runActivationPeak = 0, runTrackedPeak = 0;
 
   const Clock::time_point start = Clock::now();
   auto trainSeconds = [&] { return elapsedBefore + secondsSince(start); };
@@ -196,17 +216,25 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
                                 memory.live(MemoryCategory::kGradients) +
                                 memory.live(MemoryCategory::kOptimizerState));
     if (budget > 0 && needed > budget) {
-      // Nothing offloads or recomputes yet, so this is what the run needs at every step.
+      // The policies are fixed for the run, so this is what every step needs.
       throw ConfigError(fmt::format(
           "memory.budget = {} is below what step {} needs: {} tracked (activations {}, weights "
           "{}, gradients {}, optimizer state {}); the smallest budget that works for this "
-          "model and batch is {} ({} bytes; Caravan cannot offload or recompute yet)",
+          "model, batch and memory.policy = {} is {} ({} bytes){}",
           formatBytes(budget), state.step + 1, formatBytes(needed),
           formatBytes(memory.peak(MemoryCategory::kActivations)),
           formatBytes(memory.live(MemoryCategory::kWeights)),
           formatBytes(memory.live(MemoryCategory::kGradients)),
-          formatBytes(memory.live(MemoryCategory::kOptimizerState)), formatBytes(needed),
-          needed));
+          formatBytes(memory.live(MemoryCategory::kOptimizerState)),
+          config.str("memory.policy"), formatBytes(needed), needed,
+          config.str("memory.policy") == "auto"
+              ? "; the plan's prediction was short: see memory_plan.txt"
+              : "; or set memory.policy = auto to recompute or swap blocks within the budget"));
+    }
+    runActivationPeak = std::max(runActivationPeak, memory.peak(MemoryCategory::kActivations));
+    runTrackedPeak = std::max(runTrackedPeak, needed);
+    if (state.step > 0 || resumeFrom) {  // the first step allocates; it is not typical
+      forwardBackward.push_back(std::chrono::duration<double>(r.backwardEnd - stepStart).count());
     }
     timeline.complete("forward", stepStart, r.forwardEnd);
     timeline.complete("backward", r.forwardEnd, r.backwardEnd);
@@ -267,6 +295,12 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
       rec["mem_tracked_peak"] = memory.totalPeak();
       rec["rss_bytes"] = residentBytes();
       memory.resetPeaks();
+      if (activations.executor) {
+        const ExecutorStats x = activations.executor->takeStats();
+        rec["offloaded_bytes"] = static_cast<double>(x.bytesOffloaded) / windowSteps;
+        rec["recompute_s"] = x.recomputeSeconds / windowSteps;
+        rec["swap_stall_s"] = x.stallSeconds / windowSteps;
+      }
       if (dist) {
         // This rank's bytes per step over the window, and the strategy's own numbers.
         const ByteCount b = dist->bytes();
@@ -297,6 +331,21 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   }
   progress.finish();
   if (strategy != nullptr) strategy->finish();
+  double measuredFwdBwd = 0.0;
+  if (!forwardBackward.empty()) {
+    std::vector<double> sorted = forwardBackward;
+    std::sort(sorted.begin(), sorted.end());
+    measuredFwdBwd = sorted[sorted.size() / 2];
+  }
+  if (activations.plan && measuredFwdBwd > 0) {
+    const Prediction& p = activations.plan->prediction;
+    progress.line(fmt::format(
+        "memory plan: forward+backward measured {:.1f} ms (median) vs predicted {:.1f} ms "
+        "({:+.1f}%); activation peak measured {} vs predicted {}",
+        measuredFwdBwd * 1e3, p.stepSeconds * 1e3,
+        (measuredFwdBwd / p.stepSeconds - 1.0) * 100.0, formatBytes(runActivationPeak),
+        formatBytes(p.peakBytes)));
+  }
   if (!summary.stoppedEarly && lastEvalStep != state.step) runEval();
   writeCheckpoint();
   summary.steps = state.step;
@@ -321,7 +370,15 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
                        {"train_seconds", summary.trainSeconds},
                        {"samples_per_s", summary.samplesPerSecond},
                        {"stopped_early", summary.stoppedEarly},
+                       {"memory_policy", formatPolicies(activations.policies)},
+                       {"fwd_bwd_s", measuredFwdBwd},
+                       {"activation_peak_bytes", runActivationPeak},
+                       {"tracked_peak_bytes", runTrackedPeak},
                        {"checkpoint", summary.lastCheckpoint}};
+  if (activations.plan) {
+    sj["predicted_fwd_bwd_s"] = activations.plan->prediction.stepSeconds;
+    sj["predicted_activation_peak_bytes"] = activations.plan->prediction.peakBytes;
+  }
   writeFileAtomic((fs::path(options.runDir) / "summary.json").string(), sj.dump(2) + "\n");
   return summary;
 }

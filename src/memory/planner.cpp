@@ -1,0 +1,340 @@
+// The planner: profile, performance model, search (see planner.h).
+#include "memory/planner.h"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <torch/nn/modules/container/any.h>
+
+#include "core/errors.h"
+#include "memory/saved_tensors.h"
+#include "memory/tracker.h"
+#include "train/step.h"
+
+namespace caravan {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double secondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+double median(std::vector<double> v) {
+  CARAVAN_CHECK(!v.empty(), "median of nothing");
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
+  CARAVAN_CHECK(repeats >= 1, "profile repeats");
+  BlockRunner* runner = model->runner();
+  model->setRunner(nullptr);
+  // Leave no trace: the RNG (dropout) and buffers (batch norm) are put back afterwards.
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor rng;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng = gen.get_state();
+  }
+  std::vector<at::Tensor> buffers = model->buffers(), savedBuffers;
+  {
+    at::NoGradGuard noGrad;
+    for (const auto& b : buffers) savedBuffers.push_back(b.clone());
+  }
+  const std::vector<at::Tensor> params = model->parameters();
+
+  // Every block's input, from one forward.
+  std::vector<at::Tensor> inputs;
+  at::Tensor output;
+  {
+    at::NoGradGuard noGrad;
+    at::Tensor x = batch.input;
+    for (size_t i = 0; i < model->numBlocks(); ++i) {
+      inputs.push_back(x);
+      x = model->block(i).forward(x);
+    }
+    output = x;
+  }
+
+  ModelProfile profile;
+  for (size_t i = 0; i < model->numBlocks(); ++i) {
+    BlockProfile b;
+    b.label = model->blockLabel(i);
+    b.inputBytes = static_cast<int64_t>(inputs[i].storage().nbytes());
+    std::vector<double> forward, backward;
+    for (int r = 0; r <= repeats; ++r) {  // r = 0 warms up
+      at::Tensor x = inputs[i].detach();
+      // As in training: every block's input but the first is an activation that needs grad.
+      if (i > 0 && x.is_floating_point()) x.requires_grad_(true);
+      MemoryTracker tracker;
+      at::Tensor y, g;
+      double f = 0.0;
+      {
+        SavedTensorScope scope(tracker, params);
+        const auto t0 = Clock::now();
+        y = model->block(i).forward(x);
+        f = secondsSince(t0);
+        b.savedBytes = tracker.live(MemoryCategory::kActivations);
+        g = at::randn_like(y);
+        const auto t1 = Clock::now();
+        y.backward(g);
+        if (r > 0) backward.push_back(secondsSince(t1));
+      }
+      if (r > 0) forward.push_back(f);
+    }
+    b.forwardSeconds = median(forward);
+    b.backwardSeconds = median(backward);
+    profile.blocks.push_back(b);
+  }
+  {
+    std::vector<double> loss;
+    for (int r = 0; r <= repeats; ++r) {
+      at::Tensor logits = output.detach().requires_grad_(true);
+      const auto t0 = Clock::now();
+      taskLoss(model->task(), logits, batch.target).backward();
+      if (r > 0) loss.push_back(secondsSince(t0));
+    }
+    profile.lossSeconds = median(loss);
+  }
+
+  for (const auto& p : params) {
+    if (p.grad().defined()) p.grad().zero_();
+  }
+  {
+    at::NoGradGuard noGrad;
+    for (size_t k = 0; k < buffers.size(); ++k) buffers[k].copy_(savedBuffers[k]);
+  }
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng);
+  }
+  model->setRunner(runner);
+  return profile;
+}
+
+Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& policies,
+                   const TierBandwidth& bandwidth, int prefetchDepth) {
+  const auto& blocks = profile.blocks;
+  const size_t n = blocks.size();
+  CARAVAN_CHECK(policies.size() == n, "one policy per block");
+  const double inf = std::numeric_limits<double>::infinity();
+  auto offloaded = [&](size_t i) -> int64_t {  // bytes block i sends to the tier
+    switch (policies[i]) {
+      case BlockPolicy::kSwap: return blocks[i].savedBytes;
+      case BlockPolicy::kSwapInput: return blocks[i].inputBytes;
+      default: return 0;
+    }
+  };
+  auto heldInMemory = [&](size_t i) -> int64_t {  // bytes block i holds until its backward
+    switch (policies[i]) {
+      case BlockPolicy::kKeep: return blocks[i].savedBytes;
+      case BlockPolicy::kRecompute: return blocks[i].inputBytes;
+      default: return 0;
+    }
+  };
+  const double wbw = bandwidth.writeBytesPerSecond > 0 ? bandwidth.writeBytesPerSecond : 1e-9;
+  const double rbw = bandwidth.readBytesPerSecond > 0 ? bandwidth.readBytesPerSecond : 1e-9;
+
+  // Forward: compute and the write queue.
+  std::vector<double> writeStart(n, inf), writeEnd(n, -inf);
+  std::vector<double> forwardEnd(n, 0.0);
+  double t = 0.0, writerFree = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    const double start = t;
+    t += blocks[i].forwardSeconds;
+    forwardEnd[i] = t;
+    const int64_t bytes = offloaded(i);
+    if (bytes > 0) {
+      const double issue = policies[i] == BlockPolicy::kSwapInput ? start : t;
+      writeStart[i] = std::max(issue, writerFree);
+      writeEnd[i] = writeStart[i] + static_cast<double>(bytes) / wbw;
+      writerFree = writeEnd[i];
+    }
+  }
+  const double forwardSeconds = t;
+  t += profile.lossSeconds;
+
+  // Memory during forward: after block i's forward, what blocks <= i hold (offloaded bytes
+  // until their write ends).
+  int64_t peak = 0;
+  auto residentAt = [&](size_t j, double when) -> int64_t {
+    if (offloaded(j) > 0) return writeEnd[j] > when ? offloaded(j) : 0;
+    return heldInMemory(j);
+  };
+  for (size_t i = 0; i < n; ++i) {
+    int64_t live = 0;
+    for (size_t j = 0; j <= i; ++j) live += residentAt(j, forwardEnd[i]);
+    // A swap block's saves exist in memory while it computes, whatever the writer does.
+    if (policies[i] == BlockPolicy::kSwap) live += blocks[i].savedBytes - residentAt(i, forwardEnd[i]);
+    peak = std::max(peak, live);
+  }
+
+  // Backward: reads queued `prefetchDepth` blocks ahead, compute waits for its read.
+  std::vector<double> readEnd(n, -inf);
+  std::vector<bool> issued(n, false), cancelled(n, false);
+  double readerFree = 0.0;
+  auto issueReads = [&](size_t above, double when) {  // backward reached block `above`
+    for (size_t k = 1; k <= static_cast<size_t>(prefetchDepth) && k <= above; ++k) {
+      const size_t j = above - k;
+      if (issued[j] || offloaded(j) == 0) continue;
+      issued[j] = true;
+      if (when < writeStart[j]) {  // queued before its write started: cancelled
+        cancelled[j] = true;
+        readEnd[j] = when;
+        continue;
+      }
+      const double start = std::max({when, readerFree, writeEnd[j]});
+      readEnd[j] = start + static_cast<double>(offloaded(j)) / rbw;
+      readerFree = readEnd[j];
+    }
+  };
+  issueReads(n, forwardSeconds);
+  for (size_t step = 0; step < n; ++step) {
+    const size_t i = n - 1 - step;
+    double start = t;
+    if (offloaded(i) > 0) {
+      if (!issued[i]) issueReads(i + 1, t);
+      start = std::max(start, readEnd[i]);
+    }
+    issueReads(i, start);
+    // Memory while block i runs backward: what blocks below hold (offloaded bytes resident
+    // again once their read was queued, or never written), plus its own saves rematerialized
+    // (recompute also holds its input while rerunning).
+    int64_t live = blocks[i].savedBytes;
+    if (policies[i] == BlockPolicy::kRecompute || policies[i] == BlockPolicy::kSwapInput) {
+      live += blocks[i].inputBytes;
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (offloaded(j) > 0) {
+        live += (issued[j] || cancelled[j] || writeEnd[j] > start) ? offloaded(j) : 0;
+      } else {
+        live += heldInMemory(j);
+      }
+    }
+    peak = std::max(peak, live);
+    const bool recomputes =
+        policies[i] == BlockPolicy::kRecompute || policies[i] == BlockPolicy::kSwapInput;
+    t = start + blocks[i].backwardSeconds + (recomputes ? blocks[i].forwardSeconds : 0.0);
+  }
+  Prediction p;
+  p.stepSeconds = t;
+  p.forwardSeconds = forwardSeconds;
+  p.peakBytes = peak;
+  return p;
+}
+
+namespace {
+
+// Lexicographic: fitting first, then time (fitting) or peak (not fitting).
+bool better(const Plan& a, const Plan& b) {
+  if (a.fits != b.fits) return a.fits;
+  if (a.fits) return a.prediction.stepSeconds < b.prediction.stepSeconds;
+  return a.prediction.peakBytes < b.prediction.peakBytes;
+}
+
+}  // namespace
+
+Plan planPolicies(const ModelProfile& profile, const TierBandwidth& bandwidth,
+                  int64_t activationBudget, int prefetchDepth) {
+  const size_t n = profile.blocks.size();
+  auto evaluate = [&](std::vector<BlockPolicy> policies) {
+    Plan p;
+    p.prediction = predict(profile, policies, bandwidth, prefetchDepth);
+    p.fits = activationBudget <= 0 || p.prediction.peakBytes <= activationBudget;
+    p.policies = std::move(policies);
+    return p;
+  };
+  const bool canSwap = bandwidth.writeBytesPerSecond > 0 && bandwidth.readBytesPerSecond > 0;
+  std::vector<BlockPolicy> choices = {BlockPolicy::kKeep, BlockPolicy::kRecompute};
+  if (canSwap) {
+    choices.push_back(BlockPolicy::kSwap);
+    choices.push_back(BlockPolicy::kSwapInput);
+  }
+
+  // Hill-climbing over single-block changes.
+  auto climb = [&](Plan p) {
+    for (int round = 0; round < 100; ++round) {
+      Plan best = p;
+      for (size_t i = 0; i < n; ++i) {
+        for (BlockPolicy c : choices) {
+          if (c == p.policies[i]) continue;
+          std::vector<BlockPolicy> q = p.policies;
+          q[i] = c;
+          Plan candidate = evaluate(std::move(q));
+          if (better(candidate, best)) best = std::move(candidate);
+        }
+      }
+      if (!better(best, p)) break;
+      p = std::move(best);
+    }
+    return p;
+  };
+
+  // Greedy from all-keep: most peak bytes freed per second added, until it fits.
+  Plan greedy = evaluate(std::vector<BlockPolicy>(n, BlockPolicy::kKeep));
+  while (!greedy.fits) {
+    Plan pick;
+    double bestScore = -1.0;
+    for (size_t i = 0; i < n; ++i) {
+      for (BlockPolicy c : choices) {
+        if (c == greedy.policies[i]) continue;
+        std::vector<BlockPolicy> q = greedy.policies;
+        q[i] = c;
+        Plan candidate = evaluate(std::move(q));
+        const double freed = static_cast<double>(greedy.prediction.peakBytes -
+                                                 candidate.prediction.peakBytes);
+        if (freed <= 0) continue;
+        const double added =
+            std::max(candidate.prediction.stepSeconds - greedy.prediction.stepSeconds, 1e-9);
+        if (freed / added > bestScore) {
+          bestScore = freed / added;
+          pick = std::move(candidate);
+        }
+      }
+    }
+    if (bestScore < 0) break;  // nothing frees more
+    greedy = std::move(pick);
+  }
+
+  Plan best = climb(greedy);
+  for (BlockPolicy c : choices) {
+    Plan uniform = evaluate(std::vector<BlockPolicy>(n, c));
+    Plan climbed = climb(uniform);
+    if (better(climbed, best)) best = std::move(climbed);
+    if (better(uniform, best)) best = std::move(uniform);
+  }
+  return best;
+}
+
+std::string formatPlan(const ModelProfile& profile, const Plan& plan,
+                       const TierBandwidth& bandwidth, int prefetchDepth) {
+  std::string s = fmt::format("{:>5}  {:<16} {:>10} {:>10} {:>10} {:>10}  {}\n", "block", "label",
+                              "fwd ms", "bwd ms", "input", "saved", "policy");
+  int64_t saved = 0;
+  for (size_t i = 0; i < profile.blocks.size(); ++i) {
+    const BlockProfile& b = profile.blocks[i];
+    saved += b.savedBytes;
+    s += fmt::format("{:>5}  {:<16} {:>10.2f} {:>10.2f} {:>10} {:>10}  {}\n", i, b.label,
+                     b.forwardSeconds * 1e3, b.backwardSeconds * 1e3, formatBytes(b.inputBytes),
+                     formatBytes(b.savedBytes), policyName(plan.policies[i]));
+  }
+  s += fmt::format(
+      "loss {:.2f} ms; all blocks save {}; tier write {:.2f} GB/s, read {:.2f} GB/s; prefetch "
+      "{} block(s) ahead\n",
+      profile.lossSeconds * 1e3, formatBytes(saved), bandwidth.writeBytesPerSecond / 1e9,
+      bandwidth.readBytesPerSecond / 1e9, prefetchDepth);
+  s += fmt::format("predicted: forward+backward {:.1f} ms (forward {:.1f} ms), activation peak {} "
+                   "({} bytes){}\n",
+                   plan.prediction.stepSeconds * 1e3, plan.prediction.forwardSeconds * 1e3,
+                   formatBytes(plan.prediction.peakBytes), plan.prediction.peakBytes,
+                   plan.fits ? "" : " -- does NOT fit the budget");
+  return s;
+}
+
+}  // namespace caravan

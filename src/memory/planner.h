@@ -1,0 +1,79 @@
+// The planner (KARMA's performance model, ALGORITHMS.md §2.2): from each block's measured
+// forward and backward time and the bytes it saves, and the tier's measured bandwidths, it
+// predicts a policy assignment's step time and activation peak, and picks the assignment with
+// the smallest predicted time whose peak fits the budget.
+//
+// The model. Three engines run at once: compute, tier writes and tier reads (one queue each,
+// FIFO). Forward: block i computes F_i; swap queues A_i bytes (what it saves) when it ends,
+// swap-input queues X_i (its input) when it starts. Backward, last block first: when block
+// i's backward starts, the reads of the `prefetch` blocks below it are queued (those of the
+// last blocks when forward ends); a read starts when its write is done and the reader is free,
+// and one queued before its write started cancels both (the bytes never left). Block i's
+// backward starts when the previous one ended and its read (if any) is done, and takes B_i,
+// plus F_i if it recomputes. Live activation bytes, in the tracker's terms (saved tensors,
+// not transient outputs): after each block's forward, Σ of what earlier blocks hold (keep A,
+// recompute X, swap/swap-input their bytes until written); during block i's backward, what
+// blocks below i hold, plus A_i rematerialized, plus the reads already queued.
+//
+// The search: greedy from all-keep (change the block whose move frees the most peak bytes per
+// second added until the plan fits), then hill-climbing over single-block changes from that
+// plan and from each uniform plan that fits; the fastest plan found wins. Uniform plans are
+// candidates, so the plan is never predicted slower than the best single policy.
+//
+// Threading: profileModel runs forward/backward on the calling thread; the rest is pure.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "data/dataset.h"
+#include "memory/executor.h"
+#include "memory/tier.h"
+#include "models/model.h"
+
+namespace caravan {
+
+struct BlockProfile {
+  std::string label;
+  double forwardSeconds = 0.0;
+  double backwardSeconds = 0.0;
+  int64_t inputBytes = 0;  // X: the block's input storage
+  int64_t savedBytes = 0;  // A: what its forward saves for backward (parameters excluded)
+};
+
+struct ModelProfile {
+  std::vector<BlockProfile> blocks;
+  double lossSeconds = 0.0;  // the loss's forward and backward, outside the blocks
+};
+
+// Profiles each block in isolation on this batch: forward with grad on its (detached) input,
+// backward from a random output gradient; medians over `repeats` after one warm-up. Runs
+// without the model's runner; gradients it leaves are zeroed.
+ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats);
+
+struct Prediction {
+  double stepSeconds = 0.0;      // forward + loss + backward
+  double forwardSeconds = 0.0;
+  int64_t peakBytes = 0;         // activation bytes (tracked saved tensors)
+};
+
+Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& policies,
+                   const TierBandwidth& bandwidth, int prefetchDepth);
+
+struct Plan {
+  std::vector<BlockPolicy> policies;
+  Prediction prediction;
+  bool fits = false;  // prediction.peakBytes <= the activation budget
+};
+
+// `activationBudget` <= 0: no limit (all keep). Without a fitting plan, returns the plan with
+// the smallest predicted peak (fits = false).
+Plan planPolicies(const ModelProfile& profile, const TierBandwidth& bandwidth,
+                  int64_t activationBudget, int prefetchDepth);
+
+// The per-block table `caravan plan` prints.
+std::string formatPlan(const ModelProfile& profile, const Plan& plan,
+                       const TierBandwidth& bandwidth, int prefetchDepth);
+
+}  // namespace caravan

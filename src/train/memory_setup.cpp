@@ -1,0 +1,84 @@
+// Activation memory for a run (see memory_setup.h).
+#include "train/memory_setup.h"
+
+#include <fmt/format.h>
+
+#include "core/errors.h"
+#include "memory/accounting.h"
+#include "memory/tracker.h"
+
+namespace caravan {
+
+namespace {
+
+constexpr int64_t kBandwidthProbeBytes = 64 << 20;
+
+}  // namespace
+
+int64_t persistentBytes(const Config& config, BlockModel& model) {
+  const int64_t weights = tensorBytes(model->parameters());
+  int64_t state = 0;  // per weight byte: AdamW two moments, SGD one momentum buffer
+  if (config.str("optim.name") == "adamw") {
+    state = 2 * weights;
+  } else if (config.f64("optim.momentum") > 0.0) {
+    state = weights;
+  }
+  return weights + weights + state;
+}
+
+ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
+                                      const Batch& sample, bool plan) {
+  ActivationMemory m;
+  const std::string policy = config.str("memory.policy");
+  const bool automatic = policy == "auto";
+  const int prefetch = static_cast<int>(config.i64("memory.prefetch"));
+  const size_t n = model->numBlocks();
+  if (!automatic) m.policies = parsePolicies(policy, n, "memory.policy");
+  if (automatic || plan || needsTier(m.policies)) {
+    m.tier = makeTier(config.str("memory.tier"), config.str("memory.swap_dir"));
+    m.bandwidth = m.tier->measure(kBandwidthProbeBytes);
+    m.report += fmt::format("memory tier: {}, measured write {:.2f} GB/s, read {:.2f} GB/s\n",
+                            m.tier->describe(), m.bandwidth.writeBytesPerSecond / 1e9,
+                            m.bandwidth.readBytesPerSecond / 1e9);
+  }
+  if (automatic || plan) {
+    const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
+    const int64_t persistent = persistentBytes(config, model);
+    m.profile = profileModel(model, sample, static_cast<int>(config.i64("memory.profile_repeats")));
+    const int64_t activationBudget = budget > 0 ? std::max<int64_t>(budget - persistent, 1) : 0;
+    if (automatic || budget > 0) {
+      m.plan = planPolicies(*m.profile, m.bandwidth, activationBudget, prefetch);
+    } else {
+      // caravan plan of a given policy: predict it.
+      Plan p;
+      p.policies = m.policies;
+      p.prediction = predict(*m.profile, m.policies, m.bandwidth, prefetch);
+      p.fits = true;
+      m.plan = p;
+    }
+    m.report += formatPlan(*m.profile, *m.plan, m.bandwidth, prefetch);
+    m.report += fmt::format("weights, gradients and optimizer state: {}; memory.budget: {}\n",
+                            formatBytes(persistent),
+                            budget > 0 ? formatBytes(budget) : std::string("none"));
+    if (automatic && !plan && !m.plan->fits) {
+      const int64_t smallest = m.plan->prediction.peakBytes + persistent;
+      throw ConfigError(fmt::format(
+          "memory.budget = {} is below what this model and batch need with the best plan: "
+          "activations {} ({}) + weights, gradients and optimizer state {}; the smallest budget "
+          "the planner can fit is {} ({} bytes), or lower data.batch_size",
+          formatBytes(budget), formatBytes(m.plan->prediction.peakBytes),
+          formatPolicies(m.plan->policies), formatBytes(persistent), formatBytes(smallest),
+          smallest));
+    }
+    if (automatic) m.policies = m.plan->policies;
+  }
+  bool allKeep = true;
+  for (BlockPolicy p : m.policies) allKeep = allKeep && p == BlockPolicy::kKeep;
+  if (!allKeep) {
+    m.executor = std::make_unique<ActivationExecutor>(model, m.policies, m.tier.get(), prefetch);
+    m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
+  }
+  return m;
+}
+
+}  // namespace caravan
