@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -175,6 +176,9 @@ FileTier::FileTier(const std::string& directory) : directory_(directory) {
                               directory, std::strerror(errno)));
   }
   bounce_ = alignedAlloc(kBounceBytes);
+  // Past the file size limit (ulimit -f) a write should fail with EFBIG, which the tier
+  // reports, rather than kill the process with SIGXFSZ.
+  std::signal(SIGXFSZ, SIG_IGN);
 }
 
 FileTier::~FileTier() {
