@@ -105,3 +105,65 @@ TEST(MemoryBudget, NamesTheSmallestBudgetThatWorks) {
   o.runDir = tmp / "short";
   EXPECT_THROW(train(budgetConfig(std::to_string(smallest - 1)), o), ConfigError);
 }
+
+namespace {
+
+Config gptBudgetConfig(const std::vector<std::string>& extra) {
+  std::vector<std::string> o = {"data.dataset=synthetic", "data.synthetic_task=tokens",
+                                "data.seq_len=32", "data.synthetic_size=64", "data.batch_size=16",
+                                "train.max_steps=3", "train.log_every=1", "train.threads=1",
+                                "model.name=gpt", "model.width=32", "model.depth=4",
+                                "model.heads=2", "optim.name=sgd", "memory.profile_repeats=1"};
+  o.insert(o.end(), extra.begin(), extra.end());
+  return Config::fromString("", "<test>", o);
+}
+
+nlohmann::json summaryOf(const std::string& runDir) {
+  return nlohmann::json::parse(test::readFile(runDir + "/summary.json"));
+}
+
+}  // namespace
+
+// memory.policy = auto fits a budget that `keep` cannot: the tracked peak of the whole run
+// stays under it. Below what any plan needs, the run refuses to start and says what would fit.
+TEST(MemoryBudget, AutoPlanKeepsTheTrackedPeakUnderABudgetKeepExceeds) {
+  TempDir tmp;
+  TrainerOptions o;
+  o.quiet = true;
+  o.runDir = tmp / "keep";
+  train(gptBudgetConfig({}), o);
+  const int64_t keepPeak = summaryOf(o.runDir).at("tracked_peak_bytes").get<int64_t>();
+  const int64_t activations = summaryOf(o.runDir).at("activation_peak_bytes").get<int64_t>();
+  ASSERT_GT(activations, 0);
+  // Half of keep's activations on top of what persists.
+  const int64_t budget = keepPeak - activations / 2;
+
+  o.runDir = tmp / "keep-budget";
+  try {
+    train(gptBudgetConfig({"memory.budget=" + std::to_string(budget)}), o);
+    ADD_FAILURE() << "keep fitted a budget below its own peak";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("memory.policy = auto"), std::string::npos) << e.what();
+  }
+
+  o.runDir = tmp / "auto";
+  train(gptBudgetConfig({"memory.budget=" + std::to_string(budget), "memory.policy=auto"}), o);
+  const nlohmann::json s = summaryOf(o.runDir);
+  EXPECT_LE(s.at("tracked_peak_bytes").get<int64_t>(), budget) << s;
+  EXPECT_NE(s.at("memory_policy").get<std::string>().find_first_of("rs"), std::string::npos)
+      << "the plan under a budget keep exceeds kept every block: " << s;
+  EXPECT_GT(s.at("predicted_fwd_bwd_s").get<double>(), 0.0) << s;
+  EXPECT_TRUE(std::filesystem::exists(o.runDir + "/memory_plan.txt"));
+
+  o.runDir = tmp / "tiny";
+  try {
+    train(gptBudgetConfig({"memory.budget=64KiB", "memory.policy=auto"}), o);
+    ADD_FAILURE() << "a 64 KiB budget was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("smallest budget the planner can fit"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(tmp / "tiny/metrics.jsonl"))
+      << "a run that cannot fit started training";
+}

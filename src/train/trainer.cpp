@@ -89,6 +89,18 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   } else {
     torch::manual_seed(static_cast<uint64_t>(config.i64("seed.dropout")));
   }
+  // Per-block policies (memory.policy; planned under the budget for auto) and their executor:
+  // before anything is written, so a run that cannot fit leaves nothing behind, and before the
+  // strategy attaches, so the profile's backward passes start no gradient exchange.
+  Batch sample;
+  if (config.str("memory.policy") == "auto") {
+    std::vector<int64_t> first;
+    for (int64_t i = 0; i < std::min(samplerOptions.batchSize, data.train->size()); ++i) {
+      first.push_back(i);
+    }
+    sample = data.train->get(first);
+  }
+  ActivationMemory activations = makeActivationMemory(config, model, sample, /*plan=*/false);
   Strategy* strategy = nullptr;
   if (dist) strategy = dist->attach(*model);
   Timeline timeline(options.tracePath, options.world.rank);
@@ -128,16 +140,6 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
   memory.resetPeaks();
   SavedTensorScope savedTensors(memory, parameterList);
-  // Per-block policies (memory.policy; planned under the budget for auto) and their executor.
-  Batch sample;
-  if (config.str("memory.policy") == "auto") {
-    std::vector<int64_t> first;
-    for (int64_t i = 0; i < std::min(samplerOptions.batchSize, data.train->size()); ++i) {
-      first.push_back(i);
-    }
-    sample = data.train->get(first);
-  }
-  ActivationMemory activations = makeActivationMemory(config, model, sample, /*plan=*/false);
   {
     std::istringstream report(activations.report);
     for (std::string line; std::getline(report, line);) progress.line(line);
