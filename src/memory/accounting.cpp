@@ -5,6 +5,8 @@
 
 #include <cctype>
 #include <cmath>
+#include <malloc.h>
+
 #include <fstream>
 
 #include <fmt/format.h>
@@ -50,6 +52,16 @@ int64_t residentBytes() {
   if (!(statm >> size >> resident)) return 0;
   return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
 }
+
+HeapBytes heapBytes() {
+  const struct mallinfo2 m = ::mallinfo2();
+  HeapBytes h;
+  h.inUse = static_cast<int64_t>(m.uordblks + m.hblkhd);
+  h.free = static_cast<int64_t>(m.fordblks);
+  return h;
+}
+
+void releaseFreeHeap() { ::malloc_trim(0); }
 
 int64_t parseBytes(const std::string& text, const std::string& key) {
   size_t i = 0;

@@ -27,6 +27,18 @@ int64_t optimizerStateBytes(const torch::optim::Optimizer& optimizer);
 // This process's resident set size (Linux /proc/self/statm; 0 when unreadable).
 int64_t residentBytes();
 
+// The C heap (glibc mallinfo2, all arenas): bytes handed out (mmapped chunks included) and
+// bytes free but still held by the allocator. RSS minus these is code, data and the rest.
+struct HeapBytes {
+  int64_t inUse = 0;
+  int64_t free = 0;
+};
+HeapBytes heapBytes();
+// Returns the heap's free memory to the kernel (malloc_trim): setup (reading and tokenizing a
+// dataset, profiling) leaves hundreds of MiB free but mapped under a raised trim threshold
+// (train.keep_freed_memory), which no step needs.
+void releaseFreeHeap();
+
 // "2GiB", "512 MiB", "1.5G", "1000000" (bytes) -> bytes; "" -> 0 (no budget). ConfigError for
 // anything else, naming `key`.
 int64_t parseBytes(const std::string& text, const std::string& key);

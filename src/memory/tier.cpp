@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "core/errors.h"
+#include "memory/host_allocator.h"
 #include "memory/tracker.h"
 
 namespace caravan {
@@ -309,7 +310,13 @@ void FileTier::load(int64_t slot, void* data, int64_t bytes) {
   if (!direct_) ::posix_fadvise(fd_, slot, bytes, POSIX_FADV_DONTNEED);
 }
 
-at::DataPtr FileTier::allocateHost(int64_t bytes) { return Tier::allocateHost(alignUp(bytes)); }
+at::DataPtr FileTier::allocateHost(int64_t bytes) {
+  // Mappings are page aligned; the caching allocator reuses them step after step.
+  if (HostAllocator::installed()) {
+    return HostAllocator::instance().allocatePages(static_cast<size_t>(alignUp(bytes)));
+  }
+  return Tier::allocateHost(alignUp(bytes));
+}
 
 // ---- HostTier -----------------------------------------------------------------------------
 

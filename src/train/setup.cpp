@@ -2,7 +2,6 @@
 #include "train/setup.h"
 
 #include <dlfcn.h>
-#include <malloc.h>
 
 #include <algorithm>
 
@@ -10,22 +9,21 @@
 
 #include "core/errors.h"
 #include "memory/accounting.h"
+#include "memory/host_allocator.h"
 #include "data/sources.h"
 
 namespace caravan {
 
 void applyRuntimeConfig(const Config& config) {
   if (config.flag("train.keep_freed_memory")) {
-    // glibc returns freed heap to the kernel and maps large blocks per allocation by default,
-    // so every step page-faults its activations back in (~19k faults per GPT step, measured:
-    // bench/README.md). Tensors up to 32 MiB come from the heap, and up to 256 MiB of freed
-    // heap stays mapped for the next step. Under memory.budget the retained heap is capped at
-    // a sixteenth of the budget: it is memory the process holds that no tracker counts.
-    int64_t trim = int64_t{256} << 20;
+    // Tensor storages from mappings cached by size (memory/host_allocator.h): with the C heap,
+    // every step page-faulted its activations back in (~19k faults per GPT step, measured:
+    // bench/README.md) or, with raised malloc thresholds, fragmented. The cache (free memory
+    // the process keeps) is at most 1 GiB, or a quarter of memory.budget.
+    int64_t cacheLimit = int64_t{1} << 30;
     const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
-    if (budget > 0) trim = std::clamp<int64_t>(budget / 16, int64_t{4} << 20, trim);
-    mallopt(M_MMAP_THRESHOLD, static_cast<int>(std::min<int64_t>(trim, int64_t{32} << 20)));
-    mallopt(M_TRIM_THRESHOLD, static_cast<int>(trim));
+    if (budget > 0) cacheLimit = std::min(cacheLimit, budget / 4);
+    HostAllocator::install(cacheLimit);
   }
   const int64_t threads = config.i64("train.threads");
   if (threads <= 0) return;

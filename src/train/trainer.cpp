@@ -14,6 +14,7 @@
 #include "core/errors.h"
 #include "data/loader.h"
 #include "memory/accounting.h"
+#include "memory/host_allocator.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
 #include "models/model.h"
@@ -147,6 +148,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   if (isRoot && activations.plan) {
     writeFileAtomic((fs::path(options.runDir) / "memory_plan.txt").string(), activations.report);
   }
+  releaseFreeHeap();
   std::vector<double> forwardBackward;  // per step, for measured vs predicted
   int64_t runActivationPeak = 0, runTrackedPeak = 0;
 
@@ -296,6 +298,14 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
       rec["mem_optimizer_state"] = memory.live(MemoryCategory::kOptimizerState);
       rec["mem_tracked_peak"] = memory.totalPeak();
       rec["rss_bytes"] = residentBytes();
+      const HeapBytes heap = heapBytes();
+      rec["heap_in_use_bytes"] = heap.inUse;
+      rec["heap_free_bytes"] = heap.free;
+      if (HostAllocator::installed()) {
+        const HostAllocator::Stats h = HostAllocator::instance().stats();
+        rec["host_mapped_bytes"] = h.mapped;
+        rec["host_cached_bytes"] = h.cached;
+      }
       memory.resetPeaks();
       if (activations.executor) {
         const ExecutorStats x = activations.executor->takeStats();

@@ -1,0 +1,258 @@
+#!/usr/bin/python3
+"""Training beyond the memory budget (issue 5): brown-gpt sized so that keep-everything needs
+several times the smallest budget; for a sweep of budgets, forward+backward time per step with
+the planner (memory.policy = auto), all-recompute, all-swap and all-swap-input, against
+keep-everything without a budget; predicted vs measured; one table from one invocation.
+
+    /usr/bin/python3 bench/memory_sweep.py [--depth 12] [--fractions 0.5 0.33 0.25 0.2]
+        [--steps 6] [--repeats 2] [--overhead-mib 512] [--out bench/results/memory]
+
+Runs are interleaved (keep, then every mode at each budget, then the next repeat) and each
+number is the median over repeats of a run's median forward+backward time (its first step
+dropped). Every budgeted run is verified inside a memory cgroup limited to the budget plus
+--overhead-mib (the LibTorch runtime, the dataset, transient tensors the tracker does not
+count: block outputs, gradients, temporaries): a run the kernel kills is reported as killed.
+A mode whose tracked peak does not fit the budget stops with caravan's own error; it is
+reported as "does not fit". Needs root for the cgroup (cgroup v1 memory controller or v2);
+without one the runs are not verified and the table says so.
+
+OPENBLAS_CORETYPE is removed from the measured processes' environment; every run is
+single-threaded (train.threads = 1), leaving the other core to the tier's I/O threads and the
+data loader. The tier is the disk (memory.swap_dir, default /var/tmp) with direct I/O.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+CARAVAN = os.path.join(ROOT, "build", "caravan")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_throughput import env  # noqa: E402  (the benchmark environment, shared)
+
+MODES = ["auto", "recompute", "swap", "swap-input"]
+MIB = 1 << 20
+
+
+class Cgroup:
+    """A memory cgroup (v1 or v2) for one process tree; None where neither is writable."""
+
+    def __init__(self, name, limit):
+        self.v1 = os.path.isdir("/sys/fs/cgroup/memory")
+        base = "/sys/fs/cgroup/memory" if self.v1 else "/sys/fs/cgroup"
+        self.path = os.path.join(base, name)
+        os.mkdir(self.path)
+        if limit:
+            self.write("memory.limit_in_bytes" if self.v1 else "memory.max", str(limit))
+            if self.v1 and os.path.exists(os.path.join(self.path, "memory.memsw.limit_in_bytes")):
+                self.write("memory.memsw.limit_in_bytes", str(limit))  # no escape into swap
+
+    def write(self, name, value):
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(value)
+
+    def read(self, name):
+        with open(os.path.join(self.path, name)) as f:
+            return f.read()
+
+    def enter(self):  # in the child, before exec
+        self.write("cgroup.procs", str(os.getpid()))
+
+    def max_usage(self):
+        return int(self.read("memory.max_usage_in_bytes" if self.v1 else "memory.peak"))
+
+    def oom_kills(self):
+        text = self.read("memory.oom_control" if self.v1 else "memory.events")
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill":
+                return int(v)
+        return 0
+
+    def remove(self):
+        for _ in range(50):
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def cgroups_available():
+    try:
+        c = Cgroup(f"caravan-probe-{os.getpid()}", 0)
+        c.remove()
+        return True
+    except OSError:
+        return False
+
+
+def run(args, mode, budget, environ, tmp, use_cgroup, tag):
+    run_dir = os.path.join(tmp, tag)
+    sets = [f"model.depth={args.depth}", "train.threads=1", f"train.max_steps={args.steps}",
+            "train.log_every=1", "train.eval_batches=1", "checkpoint.every=0",
+            f"memory.profile_repeats={args.profile_repeats}", f"memory.swap_dir={args.swap_dir}"]
+    if mode != "keep":
+        sets += [f"memory.policy={mode}", f"memory.budget={budget}"]
+    cmd = [CARAVAN, "train", "-c", os.path.join(ROOT, "configs", "brown-gpt.toml"), "--run-dir",
+           run_dir, "-q"]
+    for s in sets:
+        cmd += ["--set", s]
+    cgroup = None
+    if use_cgroup:
+        limit = budget + args.overhead_mib * MIB if mode != "keep" else 0
+        cgroup = Cgroup(f"caravan-bench-{os.getpid()}-{tag}", limit)
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True,
+                           timeout=1800, preexec_fn=cgroup.enter if cgroup else None)
+        r = {"mode": mode, "budget": budget, "rc": p.returncode, "wall_s": time.time() - t0}
+        if cgroup:
+            r["cgroup_max_usage"] = cgroup.max_usage()
+            r["oom_kills"] = cgroup.oom_kills()
+    finally:
+        if cgroup:
+            cgroup.remove()
+    r["killed"] = p.returncode in (-9, 137) or r.get("oom_kills", 0) > 0
+    if p.returncode == 0:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            r["summary"] = json.load(f)
+    else:
+        r["error"] = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return r
+
+
+def med(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--depth", type=int, default=12)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.33, 0.25, 0.2],
+                    help="budgets as fractions of what keep-everything tracks")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile-repeats", type=int, default=2)
+    ap.add_argument("--overhead-mib", type=int, default=512)
+    ap.add_argument("--swap-dir", default="/var/tmp")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "memory"))
+    args = ap.parse_args()
+    if not os.path.exists(CARAVAN):
+        sys.exit("memory_sweep: build/caravan missing; run bash scripts/setup.sh first")
+    environ, removed = env()
+    use_cgroup = cgroups_available()
+    tmp = tempfile.mkdtemp(prefix="caravan-memory-sweep-")
+    runs = []
+    try:
+        # The keep-everything size decides the budgets: one keep run first.
+        first = run(args, "keep", 0, environ, tmp, use_cgroup, "probe")
+        if first["rc"] != 0:
+            sys.exit(f"memory_sweep: keep run failed: {first.get('error')}")
+        keep_need = first["summary"]["tracked_peak_bytes"]
+        budgets = [int(keep_need * f) for f in args.fractions]
+        print(f"keep-everything tracks {keep_need / MIB:.1f} MiB; budgets (MiB): "
+              f"{', '.join(f'{b / MIB:.1f}' for b in budgets)}", flush=True)
+        for rep in range(args.repeats):
+            for bi, budget in enumerate(budgets):
+                # keep (no budget) next to each budget's runs: A B A B ...
+                for mode in ["keep"] + MODES:
+                    tag = f"r{rep}-b{bi}-{mode}"
+                    r = run(args, mode, budget, environ, tmp, use_cgroup, tag)
+                    r["repeat"], r["budget_index"] = rep, bi
+                    runs.append(r)
+                    s = r.get("summary", {})
+                    print(f"  repeat {rep} budget {budget / MIB:.1f} MiB {mode:<10} rc {r['rc']} "
+                          f"fwd+bwd {s.get('fwd_bwd_s', float('nan')) * 1e3:.0f} ms "
+                          f"pred {s.get('predicted_fwd_bwd_s', float('nan')) * 1e3:.0f} ms "
+                          f"tracked {s.get('tracked_peak_bytes', 0) / MIB:.1f} MiB "
+                          f"cgroup {r.get('cgroup_max_usage', 0) / MIB:.0f} MiB "
+                          f"{r.get('error', '')}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    # Table: per budget and mode, medians over repeats.
+    keep_times = [r["summary"]["fwd_bwd_s"] for r in runs if r["mode"] == "keep" and r["rc"] == 0]
+    keep_t = med(keep_times)
+    lines = []
+    lines.append(f"brown-gpt depth {args.depth} (width 128, context 128, batch 32, 1 thread), "
+                 f"{args.steps} steps per run, {args.repeats} repeats interleaved; "
+                 f"keep-everything tracks {keep_need / MIB:.1f} MiB and takes "
+                 f"{keep_t * 1e3:.0f} ms forward+backward (median of {len(keep_times)} runs). "
+                 + ("Each budgeted run ran in a memory cgroup limited to budget + "
+                    f"{args.overhead_mib} MiB." if use_cgroup else
+                    "NO cgroup was available: runs were not verified.")
+                 + (f" {', '.join(removed)} removed from the environment." if removed else ""))
+    lines.append("")
+    lines.append("| budget | keep needs | mode | plan | fwd+bwd ms | vs keep | predicted ms | "
+                 "error | tracked peak MiB | cgroup max MiB | verdict |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    summary = {}
+    for bi, budget in enumerate(budgets):
+        per_mode = {}
+        for mode in MODES:
+            rs = [r for r in runs if r["budget_index"] == bi and r["mode"] == mode]
+            ok = [r for r in rs if r["rc"] == 0]
+            killed = any(r["killed"] for r in rs)
+            t = med([r["summary"]["fwd_bwd_s"] for r in ok])
+            pred = med([r["summary"].get("predicted_fwd_bwd_s") for r in ok])
+            peak = max((r["summary"]["tracked_peak_bytes"] for r in ok), default=None)
+            cg = max((r.get("cgroup_max_usage", 0) for r in rs), default=0)
+            if killed:
+                verdict = "KILLED by the cgroup"
+            elif not ok:
+                verdict = "does not fit: " + rs[0].get("error", "")[:80]
+            elif len(ok) < len(rs):
+                verdict = "failed in some repeats"
+            else:
+                verdict = "ok"
+            plan = ok[0]["summary"]["memory_policy"] if ok else ""
+            if mode != "auto" and plan:
+                plan = mode  # uniform
+            short = {"keep": "k", "recompute": "r", "swap": "s", "swap-input": "i"}
+            if mode == "auto" and plan:
+                plan = "".join(short[p] for p in plan.split(","))
+            per_mode[mode] = {"time": t if len(ok) == len(rs) and not killed else None,
+                              "pred": pred, "peak": peak, "cgroup": cg, "verdict": verdict,
+                              "plan": plan}
+            cells = [f"{budget / MIB:.1f} MiB", f"{keep_need / budget:.1f}x", mode, plan,
+                     f"{t * 1e3:.0f}" if t else "-", f"{keep_t / t:.2f}" if t else "-",
+                     f"{pred * 1e3:.0f}" if pred else "-",
+                     f"{(pred / t - 1) * 100:+.1f}%" if t and pred else "",
+                     f"{peak / MIB:.1f}" if peak else "-", f"{cg / MIB:.0f}" if cg else "-",
+                     verdict]
+            lines.append("| " + " | ".join(cells) + " |")
+        singles = {m: v["time"] for m, v in per_mode.items() if m != "auto" and v["time"]}
+        best_single = min(singles.items(), key=lambda kv: kv[1]) if singles else None
+        summary[budget] = {"modes": per_mode, "best_single": best_single}
+    lines.append("")
+    lines.append("Planner against the best single policy that fits (forward+backward time):")
+    lines.append("")
+    for budget, s in summary.items():
+        a = s["modes"]["auto"]["time"]
+        b = s["best_single"]
+        vs = f"{b[1] / a:.2f}x the best single policy ({b[0]})" if a and b else \
+            ("no single policy fits" if a else "the planner's run failed")
+        lines.append(f"- {budget / MIB:.1f} MiB ({keep_need / budget:.1f}x below keep): planner "
+                     + (f"{keep_t / a * 100:.0f}% of keep's throughput, " if a else "") + vs)
+    table = "\n".join(lines) + "\n"
+    print()
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"keep_need": keep_need, "budgets": budgets, "runs": runs,
+                   "overhead_mib": args.overhead_mib, "cgroup": use_cgroup,
+                   "removed_env": removed}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
