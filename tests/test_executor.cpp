@@ -12,6 +12,7 @@
 
 #include "core/errors.h"
 #include "memory/executor.h"
+#include "memory/host_allocator.h"
 #include "memory/saved_tensors.h"
 #include "memory/tier.h"
 #include "memory/tracker.h"
@@ -270,4 +271,42 @@ TEST(Executor, TierWriteErrorFailsTheRunWithAClearMessage) {
   // One line, and no checkpoint was half-written.
   EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
   EXPECT_FALSE(std::filesystem::exists(run / "r/checkpoints")) << "a checkpoint was written";
+}
+
+TEST(HostAllocator, ReusesMappingsBySizeWithinTheCacheLimit) {
+  HostAllocator& a = HostAllocator::instance();
+  a.emptyCache();
+  a.setCacheLimit(int64_t{4} << 20);
+  const HostAllocator::Stats before = a.stats();
+  void* first = nullptr;
+  {
+    c10::DataPtr p = a.allocate(1 << 20);
+    first = p.get();
+    static_cast<char*>(p.get())[(1 << 20) - 1] = 7;  // writable to the last byte
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p.get()) % 4096, 0u);
+  }
+  EXPECT_EQ(a.stats().cached - before.cached, 1 << 20);
+  {
+    c10::DataPtr p = a.allocate(1 << 20);  // the same size: the cached mapping again
+    EXPECT_EQ(p.get(), first);
+    EXPECT_EQ(a.stats().cached, before.cached);
+  }
+  {
+    // Past the limit, freed mappings go back to the kernel.
+    c10::DataPtr big = a.allocate(8 << 20);
+    const int64_t mapped = a.stats().mapped;
+    big.clear();
+    EXPECT_EQ(a.stats().mapped, mapped - (8 << 20));
+  }
+  {
+    // Small allocations come from the heap, and raw_deallocate (used by some kernels) works.
+    void* small = a.raw_allocate(100);
+    ASSERT_NE(small, nullptr);
+    a.raw_deallocate(small);
+    void* large = a.raw_allocate(1 << 20);
+    EXPECT_EQ(large, first);
+    a.raw_deallocate(large);
+  }
+  a.emptyCache();
+  EXPECT_EQ(a.stats().cached, 0);
 }
