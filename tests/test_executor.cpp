@@ -90,7 +90,9 @@ Outcome train(const ModelSpec& spec, const DataShape& shape, const std::string& 
   MemoryTracker tracker;
   Outcome out;
   {
-    SavedTensorScope scope(tracker, model->parameters());
+    std::vector<at::Tensor> state = model->parameters();
+    for (const auto& b : model->buffers()) state.push_back(b);
+    SavedTensorScope scope(tracker, state);
     std::unique_ptr<ActivationExecutor> exec;
     if (!policies.empty()) {
       exec = std::make_unique<ActivationExecutor>(
@@ -159,9 +161,13 @@ void checkEveryPolicy(const ModelSpec& spec, const DataShape& shape, const std::
   for (Tier* tier : {static_cast<Tier*>(&host), disk.get()}) {
     if (tier == nullptr) continue;
     SCOPED_TRACE(tier->describe());
+    const int64_t readBefore = tier->bytesRead();
     const Outcome swap = train(spec, shape, "swap", tier);
     expectSame(keep, swap, "swap");
     EXPECT_GT(swap.stats.bytesOffloaded, 0);
+    // Some saved tensors really came back from the tier (not all were kept by a cancelled
+    // write: the early blocks' writes finish long before their backward).
+    EXPECT_GT(tier->bytesRead(), readBefore);
     const Outcome swapInput = train(spec, shape, "swap-input", tier);
     expectSame(keep, swapInput, "swap-input");
     EXPECT_LT(swapInput.activationPeak, keep.activationPeak);
@@ -214,8 +220,12 @@ TEST(Tier, OffloadRoundTripsBytesAndFreesSlots) {
       std::atomic<int> held{0};
       auto offload = Offload::start(*tier, data.clone().storage(),
                                     [&](const at::Storage&, int d) { held += d; });
-      // Until read back the bytes are written and (eventually) dropped; get() reads them.
+      // Once written the bytes leave memory (held 0); get() reads them back.
+      tier->drainWrites();
+      EXPECT_EQ(held, 0);
+      const int64_t readBefore = tier->bytesRead();
       at::Storage back = offload->get();
+      EXPECT_EQ(tier->bytesRead() - readBefore, n) << "get() did not read from the tier";
       ASSERT_EQ(static_cast<int64_t>(back.nbytes()), n);
       at::Tensor t = at::empty({0}, at::kByte).set_(back, 0, {n}, {1});
       EXPECT_TRUE(at::equal(t, data)) << n << " bytes";
@@ -246,8 +256,10 @@ TEST(Tier, RefusesTmpfsAndMissingDirectories) {
 }
 
 TEST(Executor, TierWriteErrorFailsTheRunWithAClearMessage) {
-  // A real I/O error: the file size limit (ulimit -f, in KiB) is below one step's swapped
-  // activations, so the tier's write fails with EFBIG.
+  // A real I/O error during training: the file size limit (ulimit -f, in KiB) is below one
+  // step's swapped activations, so a tier write in the middle of forward fails with EFBIG
+  // (fixed policies do not probe the tier's bandwidth at start-up), and the error reaches the
+  // training thread at the next block or through backward.
   test::TempDir run, swap;
   test::writeFile(run / "c.toml", "[model]\nname = \"cnn\"\n");
   const std::string cmd =
@@ -275,6 +287,7 @@ TEST(Executor, TierWriteErrorFailsTheRunWithAClearMessage) {
 
 TEST(HostAllocator, ReusesMappingsBySizeWithinTheCacheLimit) {
   HostAllocator& a = HostAllocator::instance();
+  const int64_t previousLimit = a.cacheLimit();
   a.emptyCache();
   a.setCacheLimit(int64_t{4} << 20);
   const HostAllocator::Stats before = a.stats();
@@ -309,4 +322,25 @@ TEST(HostAllocator, ReusesMappingsBySizeWithinTheCacheLimit) {
   }
   a.emptyCache();
   EXPECT_EQ(a.stats().cached, 0);
+  a.setCacheLimit(previousLimit);
+}
+
+TEST(SavedTensors, AnInPlaceChangeAfterSavingFailsBackwardAsWithoutHooks) {
+  installSavedTensorEngine();
+  MemoryTracker tracker;
+  at::Tensor w = torch::randn({4}, torch::requires_grad());
+  SavedTensorScope scope(tracker, {});
+  at::Tensor x = w * 2;   // not a leaf, so it may be changed in place
+  at::Tensor y = x.sin();  // saves x
+  {
+    at::NoGradGuard noGrad;
+    x.add_(1);
+  }
+  try {
+    y.sum().backward();
+    ADD_FAILURE() << "backward used a saved tensor changed in place";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("modified by an inplace operation"), std::string::npos)
+        << e.what();
+  }
 }

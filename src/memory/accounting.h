@@ -35,8 +35,7 @@ struct HeapBytes {
 };
 HeapBytes heapBytes();
 // Returns the heap's free memory to the kernel (malloc_trim): setup (reading and tokenizing a
-// dataset, profiling) leaves hundreds of MiB free but mapped under a raised trim threshold
-// (train.keep_freed_memory), which no step needs.
+// dataset, profiling) leaves free heap mapped that no step needs.
 void releaseFreeHeap();
 
 // "2GiB", "512 MiB", "1.5G", "1000000" (bytes) -> bytes; "" -> 0 (no budget). ConfigError for

@@ -111,6 +111,7 @@ struct ActivationExecutor::Frame {
   std::shared_ptr<Offload> inputOffload;  // swap-input
   std::unique_ptr<TensorMeta> inputMeta;
   bool inputRequiresGrad = false;
+  SavedVersion inputVersion;
   at::Tensor rng;  // the CPU generator's state before the block ran
   bool materialized = false;
   std::vector<at::Tensor> recomputed;  // by save index (undefined: a parameter, or dropped)
@@ -130,6 +131,9 @@ struct ActivationExecutor::Frame {
     }
   }
 
+  bool isParameter(const at::Tensor& t) const {
+    return !t.defined() || !t.has_storage() || exec->isParameter(t);
+  }
   void hold(const at::Storage& s) {
     if (acct) acct->hold(s);
   }
@@ -148,8 +152,12 @@ struct ActivationExecutor::Frame {
     };
   }
 
+  // Backward reached this block: its own reads first (unless prefetched already, they would
+  // otherwise queue behind the lower blocks'), then the blocks below.
   void touch() {
-    if (!touched.exchange(true)) exec->reached(index);
+    if (touched.exchange(true)) return;
+    prefetch();
+    exec->reached(index);
   }
 
   void prefetch() {
@@ -198,8 +206,7 @@ class CaptureHooks final : public torch::autograd::SavedVariableHooks {
  public:
   explicit CaptureHooks(Frame* frame) : frame_(frame) {}
   void call_pack_hook(const at::Tensor& tensor) override {
-    if (!tensor.defined() || !tensor.has_storage() ||
-        (frame_->acct && frame_->acct->isParameter(tensor))) {
+    if (frame_->isParameter(tensor)) {
       frame_->recomputed.emplace_back();  // parameters are held by the original hooks
       return;
     }
@@ -240,15 +247,19 @@ class BlockHooks final : public torch::autograd::SavedVariableHooks {
 
   void call_pack_hook(const at::Tensor& tensor) override {
     index_ = frame_->saves++;
-    if (!tensor.defined() || !tensor.has_storage() ||
-        (frame_->acct && frame_->acct->isParameter(tensor))) {
-      held_ = tensor;  // a weight (or nothing): held as it is, not an activation
+    if (frame_->isParameter(tensor)) {
+      // A weight or buffer (or nothing): held as it is, not an activation. Detached, as in keep
+      // (see KeepHooks in saved_tensors.cpp: no tensor -> grad_fn -> hooks cycle). No version
+      // check: recomputing a batch-norm block updates and restores its running statistics,
+      // which its backward (training mode) does not read.
+      held_ = tensor.defined() ? tensor.detach() : tensor;
       mode_ = Mode::kParameter;
       return;
     }
+    version_ = SavedVersion(tensor);
     switch (frame_->policy) {
       case BlockPolicy::kKeep:
-        held_ = tensor;
+        held_ = tensor.detach();
         frame_->hold(tensor.storage());
         mode_ = Mode::kKept;
         break;
@@ -265,6 +276,7 @@ class BlockHooks final : public torch::autograd::SavedVariableHooks {
   }
 
   at::Tensor call_unpack_hook() override {
+    version_.check();
     frame_->touch();
     switch (mode_) {
       case Mode::kParameter:
@@ -288,6 +300,7 @@ class BlockHooks final : public torch::autograd::SavedVariableHooks {
   at::Tensor held_;
   std::shared_ptr<Offload> offload_;
   std::unique_ptr<TensorMeta> meta_;
+  SavedVersion version_;
 };
 
 class BlockPlacement final : public SavedTensorPlacement {
@@ -317,6 +330,7 @@ void setRngState(const at::Tensor& state) {
 
 void Frame::materialize() {
   const auto t0 = Clock::now();
+  inputVersion.check();  // recomputing from an input changed in place would be silently wrong
   at::Tensor x;
   if (inputOffload) {
     x = inputMeta->rebuild(inputOffload->get());
@@ -329,26 +343,34 @@ void Frame::materialize() {
   if (inputRequiresGrad) x.requires_grad_(true);
 
   // The forward must see what it saw the first time: the RNG state (dropout) and the buffers
-  // (batch norm's running statistics, which it updates again and we put back).
+  // (batch norm's running statistics, which it updates again); both are put back afterwards,
+  // also when the forward throws.
   std::vector<at::Tensor> buffers = block->ptr()->buffers();
   std::vector<at::Tensor> saved;
   {
     at::NoGradGuard noGrad;
     for (const auto& b : buffers) saved.push_back(b.clone());
   }
-  at::Tensor now = rngState();
+  struct Restore {
+    at::Tensor rng;
+    std::vector<at::Tensor>& buffers;
+    std::vector<at::Tensor>& saved;
+    ~Restore() {
+      setRngState(rng);
+      at::NoGradGuard noGrad;
+      for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+    }
+  } restore{rngState(), buffers, saved};
   setRngState(rng);
+  for (auto& t : recomputed) {  // a recomputation that threw half-way left some
+    if (t.defined()) release(t.storage());
+  }
   recomputed.clear();
   {
     CapturePlacement capture(this);
     PlacementGuard guard(&capture);
     at::AutoGradMode enable(true);
     block->forward(x);
-  }
-  setRngState(now);
-  {
-    at::NoGradGuard noGrad;
-    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
   }
   CARAVAN_CHECK(static_cast<int64_t>(recomputed.size()) == saves,
                 fmt::format("recomputing block {} saved {} tensors; its forward saved {}",
@@ -372,6 +394,12 @@ ActivationExecutor::ActivationExecutor(BlockModel model, std::vector<BlockPolicy
   CARAVAN_CHECK(tier_ != nullptr || !needsTier(policies_), "swap policies need a tier");
   CARAVAN_CHECK(savedTensorEngineInstalled(),
                 "ActivationExecutor without installSavedTensorEngine()");
+  for (const auto& p : model_->parameters()) {
+    parameterStorages_.insert(p.storage().unsafeGetStorageImpl());
+  }
+  for (const auto& b : model_->buffers()) {
+    parameterStorages_.insert(b.storage().unsafeGetStorageImpl());
+  }
   model_->setRunner(this);
 }
 
@@ -383,12 +411,22 @@ torch::Tensor ActivationExecutor::run(size_t index, torch::nn::AnyModule& block,
                                       torch::Tensor x) {
   if (!at::GradMode::is_enabled()) return block.forward(std::move(x));
   if (tier_ != nullptr) tier_->check();
+  std::shared_ptr<SavedTensorAccounting> acct = activeAccounting();
+  if (activationLimit_ > 0 && tier_ != nullptr && acct) {
+    const int64_t next = index < savedBytes_.size() ? savedBytes_[index] : 0;
+    if (acct->tracker().live(MemoryCategory::kActivations) + next > activationLimit_) {
+      const auto t0 = Clock::now();
+      tier_->drainWrites();
+      tier_->check();
+      addStall(secondsSince(t0));
+    }
+  }
   const size_t n = policies_.size();
   auto frame = std::make_shared<Frame>();
   frame->exec = this;
   frame->index = index;
   frame->policy = policies_.at(index);
-  frame->acct = activeAccounting();
+  frame->acct = acct;
   frame->block = &block;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -397,6 +435,7 @@ torch::Tensor ActivationExecutor::run(size_t index, torch::nn::AnyModule& block,
   }
   if (frame->policy == BlockPolicy::kRecompute || frame->policy == BlockPolicy::kSwapInput) {
     frame->inputRequiresGrad = x.requires_grad();
+    frame->inputVersion = SavedVersion(x);
     frame->rng = rngState();
     if (frame->policy == BlockPolicy::kRecompute) {
       frame->input = x;
@@ -415,6 +454,15 @@ torch::Tensor ActivationExecutor::run(size_t index, torch::nn::AnyModule& block,
   }
   if (index + 1 == n) reached(n);  // backward starts next: fetch the last blocks
   return y;
+}
+
+void ActivationExecutor::setActivationLimit(int64_t limit, std::vector<int64_t> savedBytes) {
+  activationLimit_ = limit;
+  savedBytes_ = std::move(savedBytes);
+}
+
+bool ActivationExecutor::isParameter(const at::Tensor& t) const {
+  return parameterStorages_.count(t.storage().unsafeGetStorageImpl()) != 0;
 }
 
 void ActivationExecutor::reached(size_t block) {

@@ -8,7 +8,8 @@
 //               later blocks compute; it leaves memory once written and is read back ahead of
 //               the block's backward.
 //   swap-input  only the block's input, written to the tier; read back and recomputed.
-// Parameters saved by ops (a linear layer saves its weight) are held as they are.
+// Parameters and buffers saved by ops (a linear layer saves its weight, batch norm its running
+// statistics) are held as they are.
 //
 // Everything goes through the saved-tensor hooks (saved_tensors.h): the graph autograd builds
 // is the one `keep` builds and the tensors backward gets are bitwise the ones forward saved (or
@@ -17,6 +18,11 @@
 // Prefetch: when backward first unpacks a tensor of block i, the reads of the next
 // `prefetchDepth` blocks below i are queued; at the end of forward those of the last blocks.
 //
+// Saved tensors are checked on unpack for in-place changes since they were saved (autograd
+// skips that check for tensors saved through hooks), and a recomputed block's input too.
+//
+// Lifetime: the executor and the tier must outlive every graph built under the executor (the
+// trainer drops each step's graph in backward; a graph kept past them is a use-after-free).
 // Threading: run() on the training thread; hooks release and unpack on autograd's threads.
 #pragma once
 
@@ -25,6 +31,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "memory/tier.h"
@@ -59,6 +66,12 @@ class ActivationExecutor final : public BlockRunner {
   ActivationExecutor& operator=(const ActivationExecutor&) = delete;
 
   torch::Tensor run(size_t index, torch::nn::AnyModule& block, torch::Tensor x) override;
+  // Write backpressure: before block i's forward, if the activations held plus what block i
+  // will save (savedBytes[i], from the profile) exceed `limit`, wait for the tier's queued
+  // writes (their storages leave memory). The planner assumes writes keep up; when they do not
+  // (small writes, a busy disk), this keeps the tracked peak under the budget at the cost of a
+  // stall (counted in stallSeconds).
+  void setActivationLimit(int64_t limit, std::vector<int64_t> savedBytes);
   const std::vector<BlockPolicy>& policies() const { return policies_; }
   ExecutorStats takeStats();
 
@@ -69,6 +82,9 @@ class ActivationExecutor final : public BlockRunner {
   void addRecompute(double seconds);
   void addOffloaded(int64_t bytes);
   Tier* tier() const { return tier_; }
+  // `t` lives on the storage of one of the model's parameters or buffers (a weight or batch
+  // norm's running statistics saved by an op): held as it is, whatever the policy.
+  bool isParameter(const at::Tensor& t) const;
   BlockModel& model() { return model_; }
 
  private:
@@ -76,8 +92,11 @@ class ActivationExecutor final : public BlockRunner {
   std::vector<BlockPolicy> policies_;
   Tier* tier_;
   int prefetchDepth_;
+  int64_t activationLimit_ = 0;
+  std::vector<int64_t> savedBytes_;
   std::mutex mutex_;
   std::vector<std::weak_ptr<Frame>> frames_;  // this forward's, by block
+  std::unordered_set<const c10::StorageImpl*> parameterStorages_;
   ExecutorStats stats_;
 };
 

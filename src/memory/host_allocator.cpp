@@ -39,7 +39,7 @@ bool HostAllocator::installed() { return gInstalled.load(); }
 c10::DataPtr HostAllocator::allocate(size_t bytes) const {
   if (bytes < kMappedBytes) {
     void* p = c10::alloc_cpu(bytes);
-    return {p, p, &HostAllocator::release, c10::Device(c10::DeviceType::CPU)};
+    return {p, p, &c10::free_cpu, c10::Device(c10::DeviceType::CPU)};
   }
   return allocatePages(bytes);
 }
@@ -67,8 +67,10 @@ c10::DataPtr HostAllocator::allocatePages(size_t bytes) const {
     live_.emplace(p, size);
   }
   // ctx == ptr: LibTorch's raw_allocate/raw_deallocate (used by some kernels) require it.
-  return {p, p, &HostAllocator::release, c10::Device(c10::DeviceType::CPU)};
+  return {p, p, &HostAllocator::releaseMapping, c10::Device(c10::DeviceType::CPU)};
 }
+
+void HostAllocator::releaseMapping(void* ptr) { release(ptr); }
 
 void HostAllocator::release(void* ptr) {
   HostAllocator& a = instance();
@@ -99,6 +101,11 @@ void HostAllocator::release(void* ptr) {
 void HostAllocator::setCacheLimit(int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   limit_ = bytes;
+}
+
+int64_t HostAllocator::cacheLimit() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return limit_;
 }
 
 HostAllocator::Stats HostAllocator::stats() const {

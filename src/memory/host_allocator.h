@@ -10,8 +10,8 @@
 // block recomputed: ~30 MiB of free-but-mapped heap per block, 436 MiB in all, against 99 MiB
 // of tracked tensors (docs/architecture.md, "Memory accounting").
 //
-// The cache is bounded (cacheLimit bytes beyond what is live); past it, freed mappings go back
-// to the kernel. Threading: any thread.
+// The cache holds only storages that were live and is bounded (cacheLimit bytes); past it,
+// freed mappings go back to the kernel. Threading: any thread.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +38,7 @@ class HostAllocator final : public c10::Allocator {
   c10::DataPtr allocatePages(size_t bytes) const;
 
   void setCacheLimit(int64_t bytes);
+  int64_t cacheLimit() const;
   struct Stats {
     int64_t mapped = 0;  // bytes in mappings, live or cached
     int64_t cached = 0;  // of which free, kept for reuse
@@ -48,8 +49,10 @@ class HostAllocator final : public c10::Allocator {
 
  private:
   HostAllocator() = default;
-  // Frees what allocate() returned (a mapping, or else c10's heap allocation).
+  // Frees what allocate() returned (a mapping, or else c10's heap allocation): the raw
+  // deleter, which must tell them apart by a lookup. DataPtrs carry the right one directly.
   static void release(void* ptr);
+  static void releaseMapping(void* ptr);
 
 
   mutable std::mutex mutex_;

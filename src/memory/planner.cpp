@@ -48,6 +48,8 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
     for (const auto& b : buffers) savedBuffers.push_back(b.clone());
   }
   const std::vector<at::Tensor> params = model->parameters();
+  std::vector<bool> hadGrad;  // gradients the profile creates are removed again
+  for (const auto& p : params) hadGrad.push_back(p.grad().defined());
 
   // Every block's input, from one forward.
   std::vector<at::Tensor> inputs;
@@ -103,8 +105,13 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
     profile.lossSeconds = median(loss);
   }
 
-  for (const auto& p : params) {
-    if (p.grad().defined()) p.grad().zero_();
+  for (size_t k = 0; k < params.size(); ++k) {
+    at::Tensor p = params[k];
+    if (!hadGrad[k]) {
+      p.mutable_grad() = at::Tensor();
+    } else if (p.grad().defined()) {
+      p.mutable_grad().zero_();
+    }
   }
   {
     at::NoGradGuard noGrad;

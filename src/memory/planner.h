@@ -49,7 +49,7 @@ struct ModelProfile {
 
 // Profiles each block in isolation on this batch: forward with grad on its (detached) input,
 // backward from a random output gradient; medians over `repeats` after one warm-up. Runs
-// without the model's runner; gradients it leaves are zeroed.
+// without the model's runner; gradients it creates are removed, existing ones zeroed.
 ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats);
 
 struct Prediction {

@@ -38,6 +38,24 @@ void SavedTensorAccounting::release(const at::Storage& s) {
   }
 }
 
+SavedVersion::SavedVersion(const at::Tensor& t) {
+  if (!t.defined() || t.is_inference()) return;
+  counter_ = torch::autograd::impl::version_counter(t);
+  version_ = counter_.current_version();
+  sizes_ = t.sizes().vec();
+  tracked_ = true;
+}
+
+void SavedVersion::check() const {
+  if (!tracked_) return;
+  const uint32_t now = counter_.current_version();
+  TORCH_CHECK(now == version_,
+              "one of the variables needed for gradient computation has been modified by an "
+              "inplace operation: a tensor of shape ",
+              c10::IntArrayRef(sizes_), " is at version ", now, "; expected version ", version_,
+              " instead (saved through Caravan's saved-tensor hooks)");
+}
+
 namespace {
 
 thread_local std::shared_ptr<SavedTensorAccounting> tActive;
@@ -54,16 +72,24 @@ class KeepHooks final : public torch::autograd::SavedVariableHooks {
   }
 
   void call_pack_hook(const at::Tensor& tensor) override {
-    tensor_ = tensor;
+    // Detached: a saved output held with its grad_fn would make a cycle (tensor -> grad_fn ->
+    // saved variable -> hooks -> tensor) that leaks a graph dropped without backward; unpack
+    // rebuilds the autograd edge from the saved variable's metadata anyway.
+    tensor_ = tensor.defined() ? tensor.detach() : tensor;
+    version_ = SavedVersion(tensor);
     if (!tensor.defined() || !tensor.has_storage() || state_->isParameter(tensor)) return;
     state_->hold(tensor.storage());
     counted_ = true;
   }
-  at::Tensor call_unpack_hook() override { return tensor_; }
+  at::Tensor call_unpack_hook() override {
+    version_.check();
+    return tensor_;
+  }
 
  private:
   std::shared_ptr<SavedTensorAccounting> state_;
   at::Tensor tensor_;
+  SavedVersion version_;
   bool counted_ = false;
 };
 

@@ -1,6 +1,6 @@
 // Saved tensors under Caravan's control: every tensor autograd saves for backward passes
 // through Caravan's hooks (pack when saved, unpack when backward needs it, release when the
-// saved variable dies), so the engine can account for it and, later, place it on a tier.
+// saved variable dies), so the engine can account for it and place it (memory/executor.h).
 //
 // How (LibTorch 1.13, pure C++): installSavedTensorEngine() replaces autograd's default engine
 // with a subclass whose get_default_saved_variable_hooks() returns a fresh hooks object for
@@ -54,6 +54,23 @@ class SavedTensorAccounting {
   std::unordered_map<const c10::StorageImpl*, int64_t> holders_;
 };
 
+// The version a saved tensor had when it was saved. Autograd does not check that a tensor
+// saved through hooks was left alone (it cannot see through them), so the hooks check it on
+// unpack: an in-place change after saving fails as it would without hooks.
+class SavedVersion {
+ public:
+  SavedVersion() = default;
+  explicit SavedVersion(const at::Tensor& t);
+  // Throws c10::Error (autograd's message) if the tensor was modified in place since.
+  void check() const;
+
+ private:
+  c10::VariableVersion counter_{c10::VariableVersion::DISABLED};
+  uint32_t version_ = 0;
+  std::vector<int64_t> sizes_;
+  bool tracked_ = false;
+};
+
 // The accounting of the scope active on this thread (nullptr outside any scope).
 std::shared_ptr<SavedTensorAccounting> activeAccounting();
 
@@ -86,7 +103,8 @@ bool savedTensorEngineInstalled();
 class SavedTensorScope {
  public:
   // While alive, tensors saved on this thread are accounted in `tracker`; saves on the storage
-  // of any tensor in `parameters` are not (they are weights).
+  // of any tensor in `parameters` are not (pass the model's parameters and buffers: weights and
+  // running statistics, held anyway).
   SavedTensorScope(MemoryTracker& tracker, const std::vector<at::Tensor>& parameters);
   ~SavedTensorScope();
   SavedTensorScope(const SavedTensorScope&) = delete;

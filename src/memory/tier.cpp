@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
 
 #include "core/errors.h"
@@ -72,24 +73,43 @@ void Tier::run(Queue& q) {
       job = std::move(q.jobs.front());
       q.jobs.pop_front();
     }
-    job();  // jobs catch their own errors
+    try {
+      job();  // jobs record their own I/O errors; this is the last line of defence
+    } catch (const std::exception& e) {
+      fail(std::string("memory tier: ") + e.what());
+    } catch (...) {
+      fail("memory tier: unknown error in an I/O job");
+    }
   }
 }
 
-void Tier::submitWrite(std::function<void()> job) {
+void Tier::submit(Queue& q, std::function<void()> job) {
   {
-    std::lock_guard<std::mutex> lock(writer_.mutex);
-    writer_.jobs.push_back(std::move(job));
+    std::lock_guard<std::mutex> lock(q.mutex);
+    if (!q.stop) {
+      q.jobs.push_back(std::move(job));
+      q.cv.notify_one();
+      return;
+    }
   }
-  writer_.cv.notify_one();
+  job();  // no thread will run it any more
 }
 
-void Tier::submitRead(std::function<void()> job) {
-  {
-    std::lock_guard<std::mutex> lock(reader_.mutex);
-    reader_.jobs.push_back(std::move(job));
-  }
-  reader_.cv.notify_one();
+void Tier::submitWrite(std::function<void()> job) { submit(writer_, std::move(job)); }
+
+void Tier::submitRead(std::function<void()> job) { submit(reader_, std::move(job)); }
+
+void Tier::drainWrites() {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  submitWrite([&] {
+    std::lock_guard<std::mutex> lock(m);
+    done = true;
+    cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(m);
+  cv.wait(lock, [&] { return done; });
 }
 
 void Tier::check() const {
@@ -111,26 +131,17 @@ TierBandwidth Tier::measure(int64_t bytes) {
   using Clock = std::chrono::steady_clock;
   const int64_t blob = std::min<int64_t>(bytes, 4 << 20);
   const int64_t count = std::max<int64_t>(1, bytes / blob);
-  // Random bytes, so no layer can compress or deduplicate them.
-  at::Tensor data = at::randint(0, 255, {blob}, at::TensorOptions().dtype(at::kByte));
+  // Random bytes (no layer can compress or deduplicate them) from a private generator: the
+  // default one drives dropout and is part of a run's exact state.
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/20201109);
+  at::Tensor data =
+      at::randint(0, 255, {blob}, gen, at::TensorOptions().dtype(at::kByte));
   std::vector<std::shared_ptr<Offload>> offloads;
   const auto t0 = Clock::now();
   for (int64_t i = 0; i < count; ++i) {
     offloads.push_back(Offload::start(*this, data.storage(), nullptr));
   }
-  // A write is done when the reader can start: drain the writer with a marker job.
-  std::mutex m;
-  std::condition_variable cv;
-  bool written = false;
-  submitWrite([&] {
-    std::lock_guard<std::mutex> lock(m);
-    written = true;
-    cv.notify_all();
-  });
-  {
-    std::unique_lock<std::mutex> lock(m);
-    cv.wait(lock, [&] { return written; });
-  }
+  drainWrites();
   const auto t1 = Clock::now();
   check();
   for (auto& o : offloads) o->prefetch();
@@ -157,11 +168,21 @@ FileTier::FileTier(const std::string& directory) : directory_(directory) {
         "directory on disk, e.g. /var/tmp",
         directory));
   }
+  bounce_ = alignedAlloc(kBounceBytes);
   auto openFile = [&](int extra) {
     return ::open(directory.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC | extra, 0600);
   };
   fd_ = openFile(O_DIRECT);
   direct_ = fd_ >= 0;
+  if (direct_) {
+    // Some file systems accept O_DIRECT at open and refuse the I/O (EINVAL): try one block.
+    std::memset(bounce_, 0, kAlign);
+    if (::pwrite(fd_, bounce_, kAlign, 0) != kAlign || ::pread(fd_, bounce_, kAlign, 0) != kAlign) {
+      ::close(fd_);
+      fd_ = -1;
+      direct_ = false;
+    }
+  }
   if (fd_ < 0) fd_ = openFile(0);
   if (fd_ < 0) {
     // No O_TMPFILE on this file system: a named file, unlinked at once.
@@ -172,11 +193,12 @@ FileTier::FileTier(const std::string& directory) : directory_(directory) {
     if (fd_ >= 0) ::unlink(name.data());
   }
   if (fd_ < 0) {
+    const int err = errno;
+    alignedFree(bounce_);
     throw IoError(fmt::format("memory.swap_dir = '{}': cannot create the tier file: {}; choose "
                               "a writable directory on disk",
-                              directory, std::strerror(errno)));
+                              directory, std::strerror(err)));
   }
-  bounce_ = alignedAlloc(kBounceBytes);
   // Past the file size limit (ulimit -f) a write should fail with EFBIG, which the tier
   // reports, rather than kill the process with SIGXFSZ.
   std::signal(SIGXFSZ, SIG_IGN);
@@ -273,6 +295,7 @@ void FileTier::store(int64_t slot, const void* data, int64_t bytes) {
   const char* src = static_cast<const char*>(data);
   if (!direct_) {
     fullWrite(fd_, src, bytes, slot, directory_);
+    countWrite(bytes);
     // Flush this range and drop it from the page cache, so the bytes leave memory.
     if (::sync_file_range(fd_, slot, bytes,
                           SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
@@ -300,6 +323,7 @@ void FileTier::store(int64_t slot, const void* data, int64_t bytes) {
     fullWrite(fd_, from, padded, slot + done, directory_);
     done += n;
   }
+  countWrite(bytes);
 }
 
 void FileTier::load(int64_t slot, void* data, int64_t bytes) {
@@ -307,6 +331,7 @@ void FileTier::load(int64_t slot, void* data, int64_t bytes) {
   char* dst = static_cast<char*>(data);
   const int64_t padded = direct_ ? alignUp(bytes) : bytes;
   fullRead(fd_, dst, padded, slot, directory_);
+  countRead(bytes);
   if (!direct_) ::posix_fadvise(fd_, slot, bytes, POSIX_FADV_DONTNEED);
 }
 
@@ -341,6 +366,7 @@ void HostTier::store(int64_t slot, const void* data, int64_t bytes) {
     dst = blobs_.at(slot).get();
   }
   std::memcpy(dst, data, static_cast<size_t>(bytes));
+  countWrite(bytes);
 }
 
 void HostTier::load(int64_t slot, void* data, int64_t bytes) {
@@ -350,6 +376,7 @@ void HostTier::load(int64_t slot, void* data, int64_t bytes) {
     src = blobs_.at(slot).get();
   }
   std::memcpy(data, src, static_cast<size_t>(bytes));
+  countRead(bytes);
 }
 
 std::unique_ptr<Tier> makeTier(const std::string& kind, const std::string& directory) {
@@ -403,16 +430,18 @@ void Offload::write() {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   slot_ = slot;
-  if (!error.empty()) {
-    error_ = error;
-    state_ = State::kFailed;
-    tier_.fail(error);
-  } else if (wanted_) {
-    state_ = State::kResident;  // asked for during the write: keep the storage
-  } else {
-    state_ = State::kOnTier;
-    if (onResident_) onResident_(storage_, -1);
-    storage_ = at::Storage();
+  try {
+    if (!error.empty()) {
+      failLocked(error);
+    } else if (wanted_) {
+      state_ = State::kResident;  // asked for during the write: keep the storage
+    } else {
+      state_ = State::kOnTier;
+      if (onResident_) onResident_(storage_, -1);
+      storage_ = at::Storage();
+    }
+  } catch (const std::exception& e) {
+    failLocked(e.what());
   }
   cv_.notify_all();
 }
@@ -429,20 +458,24 @@ void Offload::read() {
     error = e.what();
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!error.empty()) {
-    error_ = error;
-    state_ = State::kFailed;
-    tier_.fail(error);
-  } else {
-    setResident(std::move(s));
+  try {
+    if (!error.empty()) {
+      failLocked(error);
+    } else {
+      storage_ = std::move(s);
+      if (onResident_) onResident_(storage_, +1);
+      state_ = State::kResident;
+    }
+  } catch (const std::exception& e) {
+    failLocked(e.what());
   }
   cv_.notify_all();
 }
 
-void Offload::setResident(at::Storage s) {
-  storage_ = std::move(s);
-  if (onResident_) onResident_(storage_, +1);
-  state_ = State::kResident;
+void Offload::failLocked(const std::string& message) {
+  error_ = message;
+  state_ = State::kFailed;
+  tier_.fail(message);
 }
 
 void Offload::prefetch() {

@@ -18,6 +18,7 @@
 // may be called from any thread.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -47,7 +48,8 @@ class Tier {
   // "file /var/tmp (direct I/O)", "host memory".
   virtual std::string describe() const = 0;
 
-  // Blocking (I/O threads only). A slot is an opaque id with room for `bytes` bytes.
+  // store/load block (I/O threads); allocate/free are quick and thread-safe. A slot is an opaque
+  // id with room for `bytes` bytes.
   virtual int64_t allocate(int64_t bytes) = 0;
   virtual void free(int64_t slot) = 0;
   // Throw IoError on failure.
@@ -56,9 +58,17 @@ class Tier {
   // Host memory that load() can fill without a copy (FileTier: aligned for direct I/O).
   virtual at::DataPtr allocateHost(int64_t bytes);
 
-  // Queues `job` on the writer or the reader thread.
+  // Queues `job` on the writer or the reader thread (after stopThreads(): runs it inline, so
+  // nothing waits for a job no thread will run).
   void submitWrite(std::function<void()> job);
   void submitRead(std::function<void()> job);
+  // Waits until every write queued so far has run.
+  void drainWrites();
+  // Bytes stored and loaded so far (cancelled writes never count).
+  int64_t bytesWritten() const { return bytesWritten_.load(); }
+  int64_t bytesRead() const { return bytesRead_.load(); }
+  void countWrite(int64_t n) { bytesWritten_ += n; }
+  void countRead(int64_t n) { bytesRead_ += n; }
   // Throws the first I/O error any job hit (IoError), so the training thread fails promptly.
   void check() const;
   void fail(const std::string& message);
@@ -77,8 +87,10 @@ class Tier {
     bool stop = false;
     std::thread thread;
   };
-  static void run(Queue& q);
+  void run(Queue& q);
+  void submit(Queue& q, std::function<void()> job);
   Queue writer_, reader_;
+  std::atomic<int64_t> bytesWritten_{0}, bytesRead_{0};
   mutable std::mutex errorMutex_;
   std::string error_;
 };
@@ -144,7 +156,6 @@ class Offload : public std::enable_shared_from_this<Offload> {
   void prefetch();
   // The storage, waiting for a read in flight (starting one if needed). Throws IoError.
   at::Storage get();
-  // Drops the in-memory copy if the bytes are on the tier (after the block used them).
   int64_t bytes() const { return bytes_; }
 
  private:
@@ -152,7 +163,7 @@ class Offload : public std::enable_shared_from_this<Offload> {
   Offload(Tier& tier, at::Storage storage, ResidentFn onResident);
   void write();
   void read();
-  void setResident(at::Storage s);  // under mutex_
+  void failLocked(const std::string& message);  // under mutex_
 
   Tier& tier_;
   ResidentFn onResident_;

@@ -34,14 +34,26 @@ ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
   const int prefetch = static_cast<int>(config.i64("memory.prefetch"));
   const size_t n = model->numBlocks();
   if (!automatic) m.policies = parsePolicies(policy, n, "memory.policy");
-  if (automatic || plan || needsTier(m.policies)) {
+  const bool planning = automatic || plan;
+  if (needsTier(m.policies)) {
     m.tier = makeTier(config.str("memory.tier"), config.str("memory.swap_dir"));
+    if (!planning) m.report += fmt::format("memory tier: {}\n", m.tier->describe());
+  } else if (planning) {
+    // The planner may swap if there is a tier; without one it plans keep and recompute only.
+    try {
+      m.tier = makeTier(config.str("memory.tier"), config.str("memory.swap_dir"));
+    } catch (const Error& e) {
+      m.report += fmt::format("memory tier unavailable, planning without swap: {}\n", e.what());
+    }
+  }
+  if (planning && m.tier) {
+    // Only the planner uses the bandwidths: fixed policies skip the probe.
     m.bandwidth = m.tier->measure(kBandwidthProbeBytes);
     m.report += fmt::format("memory tier: {}, measured write {:.2f} GB/s, read {:.2f} GB/s\n",
                             m.tier->describe(), m.bandwidth.writeBytesPerSecond / 1e9,
                             m.bandwidth.readBytesPerSecond / 1e9);
   }
-  if (automatic || plan) {
+  if (planning) {
     const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
     const int64_t persistent = persistentBytes(config, model);
     m.profile = profileModel(model, sample, static_cast<int>(config.i64("memory.profile_repeats")));
@@ -75,7 +87,17 @@ ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
   bool allKeep = true;
   for (BlockPolicy p : m.policies) allKeep = allKeep && p == BlockPolicy::kKeep;
   if (!allKeep) {
+    if (needsTier(m.policies) && !m.tier) {
+      m.tier = makeTier(config.str("memory.tier"), config.str("memory.swap_dir"));
+    }
     m.executor = std::make_unique<ActivationExecutor>(model, m.policies, m.tier.get(), prefetch);
+    const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
+    if (budget > 0 && m.profile) {
+      std::vector<int64_t> saved;
+      for (const auto& b : m.profile->blocks) saved.push_back(b.savedBytes);
+      m.executor->setActivationLimit(
+          std::max<int64_t>(budget - persistentBytes(config, model), 1), std::move(saved));
+    }
     m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
   }
   return m;

@@ -3,12 +3,9 @@
 
 #include <dlfcn.h>
 
-#include <algorithm>
-
 #include <torch/torch.h>
 
 #include "core/errors.h"
-#include "memory/accounting.h"
 #include "memory/host_allocator.h"
 #include "data/sources.h"
 
@@ -18,13 +15,11 @@ void applyRuntimeConfig(const Config& config) {
   if (config.flag("train.keep_freed_memory")) {
     // Tensor storages from mappings cached by size (memory/host_allocator.h): with the C heap,
     // every step page-faulted its activations back in (~19k faults per GPT step, measured:
-    // bench/README.md) or, with raised malloc thresholds, fragmented. The cache (free memory
-    // the process keeps) is at most 1 GiB, and at most memory.budget: a quarter of the budget
-    // made a swap-input step 2x slower (brown-gpt depth 12: 4.2 s against 2.1 s), every step
-    // unmapping and faulting back its transient tensors.
-    int64_t cacheLimit = int64_t{1} << 30;
-    const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
-    if (budget > 0) cacheLimit = std::min(cacheLimit, budget);
+    // bench/README.md) or, with raised malloc thresholds, fragmented. The cache holds at most
+    // 1 GiB of storages a step freed; it is not tied to memory.budget: a cache of a quarter of
+    // the budget made swap-input steps 2x slower (brown-gpt depth 12: 4.2 s against 2.1 s),
+    // every step unmapping and faulting back its transient tensors.
+    const int64_t cacheLimit = int64_t{1} << 30;
     HostAllocator::install(cacheLimit);
   }
   const int64_t threads = config.i64("train.threads");

@@ -140,7 +140,10 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   memory.set(MemoryCategory::kGradients, gradientBytes(parameterList));
   memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
   memory.resetPeaks();
-  SavedTensorScope savedTensors(memory, parameterList);
+  // Weights and buffers (batch norm's running statistics) saved by ops are not activations.
+  std::vector<at::Tensor> modelState = parameterList;
+  for (const auto& b : model->buffers()) modelState.push_back(b);
+  SavedTensorScope savedTensors(memory, modelState);
   {
     std::istringstream report(activations.report);
     for (std::string line; std::getline(report, line);) progress.line(line);
