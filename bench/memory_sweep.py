@@ -84,8 +84,9 @@ class Cgroup:
 
 
 def cgroups_available():
+    """A memory cgroup can be made and limited here (v1, or v2 with the memory controller)."""
     try:
-        c = Cgroup(f"caravan-probe-{os.getpid()}", 0)
+        c = Cgroup(f"caravan-probe-{os.getpid()}", 1 << 30)
         c.remove()
         return True
     except OSError:
@@ -109,8 +110,11 @@ def run(args, mode, budget, environ, tmp, use_cgroup, tag):
         cgroup = Cgroup(f"caravan-bench-{os.getpid()}-{tag}", limit)
     t0 = time.time()
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True,
-                           timeout=1800, preexec_fn=cgroup.enter if cgroup else None)
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True,
+                               timeout=1800, preexec_fn=cgroup.enter if cgroup else None)
+        except subprocess.TimeoutExpired:
+            sys.exit(f"memory_sweep: {' '.join(cmd)} ran past 30 minutes")
         r = {"mode": mode, "budget": budget, "rc": p.returncode, "wall_s": time.time() - t0}
         if cgroup:
             r["cgroup_max_usage"] = cgroup.max_usage()
