@@ -4,7 +4,8 @@ several times the smallest budget; for a sweep of budgets, forward+backward time
 the planner (memory.policy = auto), all-recompute, all-swap and all-swap-input, against
 keep-everything without a budget; predicted vs measured; one table from one invocation.
 
-    /usr/bin/python3 bench/memory_sweep.py [--depth 12] [--fractions 0.5 0.33 0.25 0.2]
+    /usr/bin/python3 bench/memory_sweep.py [--depth 12] [--context 128] [--heads 4] [--batch 32]
+        [--fractions 0.5 0.33 0.25 0.2]
         [--steps 6] [--repeats 2] [--overhead-mib 512] [--out bench/results/memory]
 
 Runs are interleaved (keep, then every mode at each budget, then the next repeat) and each
@@ -95,7 +96,9 @@ def cgroups_available():
 
 def run(args, mode, budget, environ, tmp, use_cgroup, tag):
     run_dir = os.path.join(tmp, tag)
-    sets = [f"model.depth={args.depth}", "train.threads=1", f"train.max_steps={args.steps}",
+    sets = [f"model.depth={args.depth}", f"model.heads={args.heads}",
+            f"data.seq_len={args.context}", f"data.batch_size={args.batch}",
+            "train.threads=1", f"train.max_steps={args.steps}",
             "train.log_every=1", "train.eval_batches=1", "checkpoint.every=0",
             f"memory.profile_repeats={args.profile_repeats}", f"memory.swap_dir={args.swap_dir}"]
     if mode != "keep":
@@ -140,6 +143,9 @@ def med(values):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--depth", type=int, default=12)
+    ap.add_argument("--context", type=int, default=128, help="data.seq_len")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.33, 0.25, 0.2],
                     help="budgets as fractions of what keep-everything tracks")
     ap.add_argument("--steps", type=int, default=6)
@@ -186,7 +192,8 @@ def main():
     keep_times = [r["summary"]["fwd_bwd_s"] for r in runs if r["mode"] == "keep" and r["rc"] == 0]
     keep_t = med(keep_times)
     lines = []
-    lines.append(f"brown-gpt depth {args.depth} (width 128, context 128, batch 32, 1 thread), "
+    lines.append(f"brown-gpt depth {args.depth} (width 128, {args.heads} heads, context "
+                 f"{args.context}, batch {args.batch}, 1 thread), "
                  f"{args.steps} steps per run, {args.repeats} repeats interleaved; "
                  f"keep-everything tracks {keep_need / MIB:.1f} MiB and takes "
                  f"{keep_t * 1e3:.0f} ms forward+backward (median of {len(keep_times)} runs). "
