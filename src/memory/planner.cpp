@@ -178,7 +178,9 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
     int64_t live = 0;
     for (size_t j = 0; j <= i; ++j) live += residentAt(j, forwardEnd[i]);
     // A swap block's saves exist in memory while it computes, whatever the writer does.
-    if (policies[i] == BlockPolicy::kSwap) live += blocks[i].savedBytes - residentAt(i, forwardEnd[i]);
+    if (policies[i] == BlockPolicy::kSwap) {
+      live += blocks[i].savedBytes - residentAt(i, forwardEnd[i]);
+    }
     peak = std::max(peak, live);
   }
 
@@ -264,18 +266,26 @@ Plan planPolicies(const ModelProfile& profile, const TierBandwidth& bandwidth,
     choices.push_back(BlockPolicy::kSwapInput);
   }
 
+  // Every plan one block's policy away from `p`, evaluated.
+  auto neighbours = [&](const Plan& p) {
+    std::vector<Plan> out;
+    for (size_t i = 0; i < n; ++i) {
+      for (BlockPolicy c : choices) {
+        if (c == p.policies[i]) continue;
+        std::vector<BlockPolicy> q = p.policies;
+        q[i] = c;
+        out.push_back(evaluate(std::move(q)));
+      }
+    }
+    return out;
+  };
+
   // Hill-climbing over single-block changes.
   auto climb = [&](Plan p) {
     for (int round = 0; round < 100; ++round) {
       Plan best = p;
-      for (size_t i = 0; i < n; ++i) {
-        for (BlockPolicy c : choices) {
-          if (c == p.policies[i]) continue;
-          std::vector<BlockPolicy> q = p.policies;
-          q[i] = c;
-          Plan candidate = evaluate(std::move(q));
-          if (better(candidate, best)) best = std::move(candidate);
-        }
+      for (Plan& candidate : neighbours(p)) {
+        if (better(candidate, best)) best = std::move(candidate);
       }
       if (!better(best, p)) break;
       p = std::move(best);
@@ -288,21 +298,15 @@ Plan planPolicies(const ModelProfile& profile, const TierBandwidth& bandwidth,
   while (!greedy.fits) {
     Plan pick;
     double bestScore = -1.0;
-    for (size_t i = 0; i < n; ++i) {
-      for (BlockPolicy c : choices) {
-        if (c == greedy.policies[i]) continue;
-        std::vector<BlockPolicy> q = greedy.policies;
-        q[i] = c;
-        Plan candidate = evaluate(std::move(q));
-        const double freed = static_cast<double>(greedy.prediction.peakBytes -
-                                                 candidate.prediction.peakBytes);
-        if (freed <= 0) continue;
-        const double added =
-            std::max(candidate.prediction.stepSeconds - greedy.prediction.stepSeconds, 1e-9);
-        if (freed / added > bestScore) {
-          bestScore = freed / added;
-          pick = std::move(candidate);
-        }
+    for (Plan& candidate : neighbours(greedy)) {
+      const double freed =
+          static_cast<double>(greedy.prediction.peakBytes - candidate.prediction.peakBytes);
+      if (freed <= 0) continue;
+      const double added =
+          std::max(candidate.prediction.stepSeconds - greedy.prediction.stepSeconds, 1e-9);
+      if (freed / added > bestScore) {
+        bestScore = freed / added;
+        pick = std::move(candidate);
       }
     }
     if (bestScore < 0) break;  // nothing frees more

@@ -99,17 +99,32 @@ void Tier::submitWrite(std::function<void()> job) { submit(writer_, std::move(jo
 
 void Tier::submitRead(std::function<void()> job) { submit(reader_, std::move(job)); }
 
-void Tier::drainWrites() {
+namespace {
+
+// Queues a marker with `submit` and waits for it: FIFO, one thread per queue.
+template <typename Submit>
+void waitForQueue(Submit submit) {
   std::mutex m;
   std::condition_variable cv;
   bool done = false;
-  submitWrite([&] {
+  submit([&] {
     std::lock_guard<std::mutex> lock(m);
     done = true;
     cv.notify_all();
   });
   std::unique_lock<std::mutex> lock(m);
   cv.wait(lock, [&] { return done; });
+}
+
+}  // namespace
+
+void Tier::drainWrites() {
+  waitForQueue([this](std::function<void()> job) { submitWrite(std::move(job)); });
+}
+
+void Tier::drain() {
+  drainWrites();  // writes may be followed by reads of what they wrote
+  waitForQueue([this](std::function<void()> job) { submitRead(std::move(job)); });
 }
 
 void Tier::check() const {

@@ -62,8 +62,10 @@ class Tier {
   // nothing waits for a job no thread will run).
   void submitWrite(std::function<void()> job);
   void submitRead(std::function<void()> job);
-  // Waits until every write queued so far has run.
+  // Waits until every write (drainWrites) or every job (drain) queued so far has run, objects
+  // the jobs held included.
   void drainWrites();
+  void drain();
   // Bytes stored and loaded so far (cancelled writes never count).
   int64_t bytesWritten() const { return bytesWritten_.load(); }
   int64_t bytesRead() const { return bytesRead_.load(); }

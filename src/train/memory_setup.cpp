@@ -12,6 +12,7 @@ namespace caravan {
 namespace {
 
 constexpr int64_t kBandwidthProbeBytes = 64 << 20;
+constexpr double kPlanMargin = 0.95;
 
 }  // namespace
 
@@ -57,7 +58,12 @@ ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
     const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
     const int64_t persistent = persistentBytes(config, model);
     m.profile = profileModel(model, sample, static_cast<int>(config.i64("memory.profile_repeats")));
-    const int64_t activationBudget = budget > 0 ? std::max<int64_t>(budget - persistent, 1) : 0;
+    // The plan aims at 95% of what the budget leaves for activations: the model does not see
+    // threads scheduled late on a busy machine (a swap write that lands after the next block's
+    // saves; measured: up to 2% over a plan's peak with the tests running two at a time).
+    const double room = kPlanMargin * static_cast<double>(budget - persistent);
+    const int64_t activationBudget =
+        budget > 0 ? std::max<int64_t>(static_cast<int64_t>(room), 1) : 0;
     if (automatic || budget > 0) {
       m.plan = planPolicies(*m.profile, m.bandwidth, activationBudget, prefetch);
     } else {
