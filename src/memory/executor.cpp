@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <torch/nn/modules/container/any.h>
 
+#include "core/clock.h"
 #include "core/errors.h"
 #include "memory/saved_tensors.h"
 
@@ -63,6 +64,18 @@ std::string formatPolicies(const std::vector<BlockPolicy>& policies) {
   return s;
 }
 
+at::Tensor defaultRngState() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void setDefaultRngState(const at::Tensor& state) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
 bool needsTier(const std::vector<BlockPolicy>& policies) {
   for (BlockPolicy p : policies) {
     if (p == BlockPolicy::kSwap || p == BlockPolicy::kSwapInput) return true;
@@ -73,9 +86,6 @@ bool needsTier(const std::vector<BlockPolicy>& policies) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double secondsSince(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
 
 // How a saved tensor sits on its storage, to rebuild it on a storage read back from a tier.
 struct TensorMeta {
@@ -314,18 +324,6 @@ class BlockPlacement final : public SavedTensorPlacement {
   std::shared_ptr<Frame> frame_;
 };
 
-at::Tensor rngState() {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-void setRngState(const at::Tensor& state) {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
-}
-
 }  // namespace
 
 void Frame::materialize() {
@@ -356,12 +354,12 @@ void Frame::materialize() {
     std::vector<at::Tensor>& buffers;
     std::vector<at::Tensor>& saved;
     ~Restore() {
-      setRngState(rng);
+      setDefaultRngState(rng);
       at::NoGradGuard noGrad;
       for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
     }
-  } restore{rngState(), buffers, saved};
-  setRngState(rng);
+  } restore{defaultRngState(), buffers, saved};
+  setDefaultRngState(rng);
   for (auto& t : recomputed) {  // a recomputation that threw half-way left some
     if (t.defined()) release(t.storage());
   }
@@ -436,7 +434,7 @@ torch::Tensor ActivationExecutor::run(size_t index, torch::nn::AnyModule& block,
   if (frame->policy == BlockPolicy::kRecompute || frame->policy == BlockPolicy::kSwapInput) {
     frame->inputRequiresGrad = x.requires_grad();
     frame->inputVersion = SavedVersion(x);
-    frame->rng = rngState();
+    frame->rng = defaultRngState();
     if (frame->policy == BlockPolicy::kRecompute) {
       frame->input = x;
       frame->hold(x.storage());

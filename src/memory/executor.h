@@ -49,6 +49,11 @@ std::vector<BlockPolicy> parsePolicies(const std::string& text, size_t blocks,
 std::string formatPolicies(const std::vector<BlockPolicy>& policies);
 bool needsTier(const std::vector<BlockPolicy>& policies);
 
+// The default CPU generator's state (dropout's draws), read and set under its lock: recompute
+// replays a block's draws, the planner's profile and checkpoints put the state back.
+at::Tensor defaultRngState();
+void setDefaultRngState(const at::Tensor& state);
+
 struct ExecutorStats {
   int64_t bytesOffloaded = 0;     // handed to the tier (writes queued)
   double recomputeSeconds = 0.0;  // rerunning forwards inside backward

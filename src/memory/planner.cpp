@@ -5,10 +5,10 @@
 #include <chrono>
 #include <limits>
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
 #include <torch/nn/modules/container/any.h>
 
+#include "core/clock.h"
 #include "core/errors.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
@@ -19,9 +19,6 @@ namespace caravan {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double secondsSince(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
 
 double median(std::vector<double> v) {
   CARAVAN_CHECK(!v.empty(), "median of nothing");
@@ -36,12 +33,7 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
   BlockRunner* runner = model->runner();
   model->setRunner(nullptr);
   // Leave no trace: the RNG (dropout) and buffers (batch norm) are put back afterwards.
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  at::Tensor rng;
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    rng = gen.get_state();
-  }
+  const at::Tensor rng = defaultRngState();
   std::vector<at::Tensor> buffers = model->buffers(), savedBuffers;
   {
     at::NoGradGuard noGrad;
@@ -117,10 +109,7 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
     at::NoGradGuard noGrad;
     for (size_t k = 0; k < buffers.size(); ++k) buffers[k].copy_(savedBuffers[k]);
   }
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rng);
-  }
+  setDefaultRngState(rng);
   model->setRunner(runner);
   return profile;
 }

@@ -7,13 +7,14 @@
 #include <fstream>
 #include <sstream>
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "core/clock.h"
 #include "core/errors.h"
 #include "data/loader.h"
 #include "memory/accounting.h"
+#include "memory/executor.h"
 #include "memory/host_allocator.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
@@ -32,14 +33,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double secondsSince(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-at::Tensor defaultRngState() {
-  return at::detail::getDefaultCPUGenerator().get_state();
-}
-
 // The sampler position after the batch drawn at `p`.
 SamplerPosition nextPosition(SamplerPosition p, int64_t batchesPerEpoch) {
   if (++p.batchInEpoch == batchesPerEpoch) {
@@ -47,12 +40,6 @@ SamplerPosition nextPosition(SamplerPosition p, int64_t batchesPerEpoch) {
     p.batchInEpoch = 0;
   }
   return p;
-}
-
-void setDefaultRngState(const at::Tensor& state) {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
 }
 
 TrainSummary runTraining(const Config& config, const TrainerOptions& options,
