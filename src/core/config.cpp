@@ -101,6 +101,11 @@ std::vector<ConfigOption> buildSchema() {
              "backward), swap (saved tensors to the tier and back), swap-input (the block's input "
              "to the tier, then recompute), a comma-separated list with one per block, or auto "
              "(the planner picks per block to fit memory.budget fastest; see caravan plan)"),
+      strOpt("memory.weights", "core",
+             "where weights, gradients and optimizer state live: core (in memory) or offload "
+             "(on memory.tier, each block's brought in while it is used and updated as soon as "
+             "its gradients exist; single process or sync.mode = allreduce)",
+             {"core", "offload"}),
       strOpt("memory.tier", "disk",
              "where swapped bytes go: disk (a file in memory.swap_dir, direct I/O) or host "
              "(separate host memory: out of the budget, not out of the process)",

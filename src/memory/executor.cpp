@@ -11,6 +11,7 @@
 #include "core/clock.h"
 #include "core/errors.h"
 #include "memory/saved_tensors.h"
+#include "memory/weights.h"
 
 namespace caravan {
 
@@ -166,6 +167,7 @@ struct ActivationExecutor::Frame {
   // otherwise queue behind the lower blocks'), then the blocks below.
   void touch() {
     if (touched.exchange(true)) return;
+    if (OutOfCoreWeights* w = exec->weights()) w->acquire(index);  // and prefetches below
     prefetch();
     exec->reached(index);
   }
@@ -257,6 +259,20 @@ class BlockHooks final : public torch::autograd::SavedVariableHooks {
 
   void call_pack_hook(const at::Tensor& tensor) override {
     index_ = frame_->saves++;
+    OutOfCoreWeights* weights = frame_->exec->weights();
+    if (weights != nullptr && tensor.defined() && tensor.has_storage()) {
+      const int owner = weights->blockOf(tensor.storage().unsafeGetStorageImpl());
+      if (owner >= 0) {
+        // A view of an out-of-core weight: its place in the blob, rebuilt in backward on the
+        // blob fetched back (holding it would keep the blob in memory). The version check
+        // catches an update of the weights before backward used them.
+        weightBlock_ = static_cast<size_t>(owner);
+        meta_ = std::make_unique<TensorMeta>(tensor);
+        version_ = SavedVersion(tensor);
+        mode_ = Mode::kWeightView;
+        return;
+      }
+    }
     if (frame_->isParameter(tensor)) {
       // A weight or buffer (or nothing): held as it is, not an activation. Detached, as in keep
       // (see KeepHooks in saved_tensors.cpp: no tensor -> grad_fn -> hooks cycle). No version
@@ -292,6 +308,8 @@ class BlockHooks final : public torch::autograd::SavedVariableHooks {
       case Mode::kParameter:
       case Mode::kKept: return held_;
       case Mode::kRecomputed: return frame_->recomputedAt(index_);
+      case Mode::kWeightView:
+        return meta_->rebuild(frame_->exec->weights()->acquire(weightBlock_));
       case Mode::kSwapped: {
         const auto t0 = Clock::now();
         at::Storage s = offload_->get();
@@ -303,10 +321,11 @@ class BlockHooks final : public torch::autograd::SavedVariableHooks {
   }
 
  private:
-  enum class Mode { kParameter, kKept, kRecomputed, kSwapped };
+  enum class Mode { kParameter, kKept, kRecomputed, kSwapped, kWeightView };
   std::shared_ptr<Frame> frame_;
   Mode mode_ = Mode::kParameter;
   int64_t index_ = 0;
+  size_t weightBlock_ = 0;
   at::Tensor held_;
   std::shared_ptr<Offload> offload_;
   std::unique_ptr<TensorMeta> meta_;
@@ -460,7 +479,22 @@ void ActivationExecutor::setActivationLimit(int64_t limit, std::vector<int64_t> 
 }
 
 bool ActivationExecutor::isParameter(const at::Tensor& t) const {
-  return parameterStorages_.count(t.storage().unsafeGetStorageImpl()) != 0;
+  const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  return parameterStorages_.count(s) != 0 || (weights_ != nullptr && weights_->blockOf(s) >= 0);
+}
+
+void ActivationExecutor::setWeights(OutOfCoreWeights* weights) {
+  weights_ = weights;
+  // Parameters now move between storages (the store knows its blobs); buffers stay put.
+  parameterStorages_.clear();
+  for (const auto& b : model_->buffers()) {
+    parameterStorages_.insert(b.storage().unsafeGetStorageImpl());
+  }
+  if (weights_ == nullptr) {
+    for (const auto& p : model_->parameters()) {
+      parameterStorages_.insert(p.storage().unsafeGetStorageImpl());
+    }
+  }
 }
 
 void ActivationExecutor::reached(size_t block) {

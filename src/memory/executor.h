@@ -9,7 +9,9 @@
 //               the block's backward.
 //   swap-input  only the block's input, written to the tier; read back and recomputed.
 // Parameters and buffers saved by ops (a linear layer saves its weight, batch norm its running
-// statistics) are held as they are.
+// statistics) are held as they are; with out-of-core weights (memory/weights.h) a saved view of
+// a weight is kept as its place in the block's blob and rebuilt on the blob fetched back, and
+// the first unpack of block i in backward fetches block i's weights.
 //
 // Everything goes through the saved-tensor hooks (saved_tensors.h): the graph autograd builds
 // is the one `keep` builds and the tensors backward gets are bitwise the ones forward saved (or
@@ -38,6 +40,8 @@
 #include "models/model.h"
 
 namespace caravan {
+
+class OutOfCoreWeights;
 
 enum class BlockPolicy { kKeep, kRecompute, kSwap, kSwapInput };
 inline constexpr int kBlockPolicies = 4;
@@ -91,6 +95,10 @@ class ActivationExecutor final : public BlockRunner {
   // norm's running statistics saved by an op): held as it is, whatever the policy.
   bool isParameter(const at::Tensor& t) const;
   BlockModel& model() { return model_; }
+  // Out-of-core weights: saved views of weights become descriptions (see the file comment).
+  // Set before the first forward under it; the store must outlive its use here.
+  void setWeights(OutOfCoreWeights* weights);
+  OutOfCoreWeights* weights() const { return weights_; }
 
  private:
   BlockModel model_;
@@ -102,6 +110,7 @@ class ActivationExecutor final : public BlockRunner {
   std::mutex mutex_;
   std::vector<std::weak_ptr<Frame>> frames_;  // this forward's, by block
   std::unordered_set<const c10::StorageImpl*> parameterStorages_;
+  OutOfCoreWeights* weights_ = nullptr;
   ExecutorStats stats_;
 };
 

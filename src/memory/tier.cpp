@@ -132,6 +132,11 @@ void Tier::check() const {
   if (!error_.empty()) throw IoError(error_);
 }
 
+bool Tier::failed() const {
+  std::lock_guard<std::mutex> lock(errorMutex_);
+  return !error_.empty();
+}
+
 void Tier::fail(const std::string& message) {
   std::lock_guard<std::mutex> lock(errorMutex_);
   if (error_.empty()) error_ = message;

@@ -74,6 +74,7 @@ class Tier {
   // Throws the first I/O error any job hit (IoError), so the training thread fails promptly.
   void check() const;
   void fail(const std::string& message);
+  bool failed() const;
 
   // Writes and reads `bytes` through the I/O threads (in 4 MiB blobs) and times it.
   TierBandwidth measure(int64_t bytes);

@@ -32,33 +32,51 @@ void AllReduceStrategy::attach(torch::nn::Module& model) {
   // Buckets in reverse registration order: backward produces the last block's gradients first.
   slots_.clear();
   buckets_.clear();
-  int64_t bucketBytes = 0;
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {
-    CARAVAN_CHECK(it->scalar_type() == at::kFloat, "allreduce supports float32 parameters");
-    const int64_t bytes = it->numel() * static_cast<int64_t>(it->element_size());
-    const int64_t cap = buckets_.size() <= 1 ? options_.firstBucketBytes : options_.bucketBytes;
-    if (buckets_.empty() || (bucketBytes > 0 && bucketBytes + bytes > cap)) {
-      buckets_.emplace_back();
-      bucketBytes = 0;
-    }
+  slotBucket_.clear();
+  auto addSlot = [&](const at::Tensor& p) {
+    CARAVAN_CHECK(p.scalar_type() == at::kFloat, "allreduce supports float32 parameters");
     Bucket& b = buckets_.back();
     Slot s;
-    s.param = *it;
-    s.numel = it->numel();
-    s.offset = 0;
-    for (size_t j : b.slots) s.offset += slots_[j].numel;
+    s.param = p;
+    s.numel = p.numel();
+    s.offset = b.numel;
+    b.numel += s.numel;
     b.slots.push_back(slots_.size());
     slotBucket_.push_back(buckets_.size() - 1);
     slots_.push_back(s);
-    bucketBytes += bytes;
+  };
+  if (!groups_.empty()) {
+    CARAVAN_CHECK(options_.compression == Compression::kNone,
+                  "parameter groups need uncompressed buckets");
+    groupBucket_.assign(groups_.size(), -1);
+    size_t counted = 0;
+    for (size_t g = groups_.size(); g-- > 0;) {
+      if (groups_[g].empty()) continue;
+      groupBucket_[g] = static_cast<int64_t>(buckets_.size());
+      buckets_.emplace_back();
+      for (const auto& p : groups_[g]) addSlot(p);
+      counted += groups_[g].size();
+    }
+    CARAVAN_CHECK(counted == params.size(), "parameter groups must hold every parameter once");
+  } else {
+    int64_t bucketBytes = 0;
+    for (auto it = params.rbegin(); it != params.rend(); ++it) {
+      const int64_t bytes = it->numel() * static_cast<int64_t>(it->element_size());
+      const int64_t cap = buckets_.size() <= 1 ? options_.firstBucketBytes : options_.bucketBytes;
+      if (buckets_.empty() || (bucketBytes > 0 && bucketBytes + bytes > cap)) {
+        buckets_.emplace_back();
+        bucketBytes = 0;
+      }
+      addSlot(*it);
+      bucketBytes += bytes;
+    }
   }
   for (auto& b : buckets_) {
-    int64_t n = 0;
-    for (size_t j : b.slots) n += slots_[j].numel;
-    b.buffer = at::zeros({n}, at::kFloat);
+    // Grouped buckets allocate their buffer when the first gradient arrives.
+    if (groups_.empty()) b.buffer = at::zeros({b.numel}, at::kFloat);
     b.pending = static_cast<int64_t>(b.slots.size());
     if (options_.compression == Compression::kTopK) {
-      b.topk = std::make_unique<TopKCodec>(n, options_.topkRatio);
+      b.topk = std::make_unique<TopKCodec>(b.numel, options_.topkRatio);
       b.gathered = at::empty({comm_->size() * 2 * b.topk->k()}, at::kFloat);
     }
   }
@@ -86,8 +104,28 @@ void AllReduceStrategy::beforeForward(int64_t) {
   for (auto& b : buckets_) {
     b.pending = static_cast<int64_t>(b.slots.size());
     b.work.reset();
+    b.done = Bucket::Done::kPending;
+    b.error = nullptr;
   }
   nextLaunch_ = 0;
+}
+
+void AllReduceStrategy::setParameterGroups(std::vector<std::vector<at::Tensor>> groups) {
+  CARAVAN_CHECK(slots_.empty(), "setParameterGroups after attach");
+  groups_ = std::move(groups);
+}
+
+void AllReduceStrategy::cancelGroupWaits() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    cancelled_ = true;
+  }
+  cv_.notify_all();
+}
+
+void AllReduceStrategy::finishGroup(size_t group) {
+  CARAVAN_CHECK(group < groupBucket_.size(), "finishGroup({}) without parameter groups", group);
+  if (groupBucket_[group] >= 0) finishBucket(static_cast<size_t>(groupBucket_[group]));
 }
 
 void AllReduceStrategy::onGradReady(size_t i) {
@@ -96,6 +134,7 @@ void AllReduceStrategy::onGradReady(size_t i) {
   Slot& s = slots_[i];
   if (s.ready) return;  // a second backward in one step would double count: ignore
   Bucket& b = buckets_[slotBucket_[i]];
+  if (!b.buffer.defined()) b.buffer = at::empty({b.numel}, at::kFloat);
   at::Tensor grad = s.param.grad();
   at::Tensor dst = b.buffer.narrow(0, s.offset, s.numel);
   if (grad.defined()) {
@@ -103,6 +142,8 @@ void AllReduceStrategy::onGradReady(size_t i) {
   } else {
     dst.zero_();
   }
+  // Grouped: the bucket holds the gradient until finishBucket() hands the average back.
+  if (!groups_.empty()) s.param.mutable_grad() = at::Tensor();
   s.ready = true;
   --b.pending;
   launchReadyInOrder();
@@ -115,6 +156,7 @@ void AllReduceStrategy::launchReadyInOrder() {
     b.work = launch(nextLaunch_);
     ++nextLaunch_;
   }
+  cv_.notify_all();
 }
 
 WorkPtr AllReduceStrategy::launch(size_t index) {
@@ -145,6 +187,57 @@ void AllReduceStrategy::finishTransfer(size_t index) {
   }
 }
 
+void AllReduceStrategy::finishBucket(size_t index) {
+  Bucket& b = buckets_[index];
+  WorkPtr work;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] {
+      return b.work != nullptr || b.done != Bucket::Done::kPending || cancelled_;
+    });
+    if (b.done == Bucket::Done::kFinishing) {
+      cv_.wait(lock, [&] { return b.done == Bucket::Done::kFinished || cancelled_; });
+    }
+    if (b.done == Bucket::Done::kFinished) {
+      if (b.error) std::rethrow_exception(b.error);
+      return;
+    }
+    CARAVAN_CHECK(!cancelled_, "the gradient exchange was cancelled");
+    b.done = Bucket::Done::kFinishing;
+    work = b.work;
+  }
+  std::exception_ptr error;
+  try {
+    work->wait(comm_->timeout());
+    if (sink_) sink_("allreduce bucket " + std::to_string(index), b.launchedAt, Clock::now());
+    finishTransfer(index);
+    const double scale = 1.0 / static_cast<double>(comm_->size());
+    torch::NoGradGuard noGrad;
+    b.buffer.mul_(scale);
+    for (size_t j : b.slots) {
+      Slot& s = slots_[j];
+      at::Tensor avg = b.buffer.narrow(0, s.offset, s.numel).view(s.param.sizes());
+      if (!groups_.empty()) {
+        s.param.mutable_grad() = avg;  // a view: the bucket's buffer lives as long as the grads
+      } else if (!s.param.grad().defined()) {
+        s.param.mutable_grad() = avg.clone();
+      } else {
+        s.param.mutable_grad().copy_(avg);
+      }
+    }
+    if (!groups_.empty()) b.buffer = at::Tensor();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    b.done = Bucket::Done::kFinished;
+    b.error = error;
+  }
+  cv_.notify_all();
+  if (error) std::rethrow_exception(error);
+}
+
 void AllReduceStrategy::finishGradients() {
   if (!enabled_) return;
   {
@@ -153,30 +246,17 @@ void AllReduceStrategy::finishGradients() {
     for (size_t i = 0; i < slots_.size(); ++i) {
       if (slots_[i].ready) continue;
       Bucket& b = buckets_[slotBucket_[i]];
+      if (!b.buffer.defined()) b.buffer = at::empty({b.numel}, at::kFloat);
       b.buffer.narrow(0, slots_[i].offset, slots_[i].numel).zero_();
+      if (!groups_.empty()) slots_[i].param.mutable_grad() = at::Tensor();
       slots_[i].ready = true;
       --b.pending;
     }
     launchReadyInOrder();
   }
-  const double scale = 1.0 / static_cast<double>(comm_->size());
-  torch::NoGradGuard noGrad;
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
-    Bucket& b = buckets_[bi];
-    CARAVAN_CHECK(b.work != nullptr, "bucket {} was never launched", bi);
-    b.work->wait(comm_->timeout());
-    if (sink_) sink_("allreduce bucket " + std::to_string(bi), b.launchedAt, Clock::now());
-    finishTransfer(bi);
-    b.buffer.mul_(scale);
-    for (size_t j : b.slots) {
-      Slot& s = slots_[j];
-      at::Tensor avg = b.buffer.narrow(0, s.offset, s.numel).view(s.param.sizes());
-      if (!s.param.grad().defined()) {
-        s.param.mutable_grad() = avg.clone();
-      } else {
-        s.param.mutable_grad().copy_(avg);
-      }
-    }
+    CARAVAN_CHECK(buckets_[bi].work != nullptr, "bucket {} was never launched", bi);
+    finishBucket(bi);
   }
 }
 

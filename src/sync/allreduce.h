@@ -12,12 +12,20 @@
 // without any flag or extra round trip. The reduction order is fixed by the bucket layout and
 // the backend's algorithm, so reruns with the same world size are bitwise identical.
 //
+// Parameter groups (out-of-core weights): one bucket per group, launched as the group's last
+// gradient is ready; the bucket's buffer exists only from its first gradient (copied in, the
+// .grad dropped) until the optimizer drops the averaged .grad, which is a view of it, so
+// gradients are held once. finishGroup() finishes one bucket from the updater thread.
+//
 // Threading: the gradient hooks run on autograd's thread and only enqueue launches under a
 // mutex; attach/finishGradients run on the trainer thread.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <string>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -53,6 +61,10 @@ class AllReduceStrategy : public Strategy {
   void attach(torch::nn::Module& model) override;
   void beforeForward(int64_t step) override;
   void finishGradients() override;
+  bool supportsParameterGroups() const override { return true; }
+  void setParameterGroups(std::vector<std::vector<at::Tensor>> groups) override;
+  void finishGroup(size_t group) override;
+  void cancelGroupWaits() override;
 
   size_t numBuckets() const { return buckets_.size(); }
   // Disabled, the gradient hooks do nothing and finishGradients() leaves the local gradients
@@ -74,12 +86,18 @@ class AllReduceStrategy : public Strategy {
     std::chrono::steady_clock::time_point launchedAt;
     std::unique_ptr<TopKCodec> topk;  // topk: this bucket's residual
     at::Tensor gathered;              // topk: every rank's message
+    int64_t numel = 0;
+    enum class Done { kPending, kFinishing, kFinished } done = Done::kPending;
+    std::exception_ptr error;  // what finishing it threw
   };
 
   void onGradReady(size_t slot);
   void launchReadyInOrder();  // requires mutex_
   WorkPtr launch(size_t index);
   void finishTransfer(size_t index);  // after the bucket's work: buffer = sum over ranks
+  // Waits for bucket `index`'s work and writes the averaged gradients to .grad, once per step
+  // whoever calls first (the other caller waits for it).
+  void finishBucket(size_t index);
 
   std::shared_ptr<Communicator> comm_;
   AllReduceOptions options_;
@@ -88,6 +106,10 @@ class AllReduceStrategy : public Strategy {
   std::vector<Bucket> buckets_;
   size_t nextLaunch_ = 0;
   std::mutex mutex_;
+  std::condition_variable cv_;  // a bucket launched or finished
+  bool cancelled_ = false;
+  std::vector<std::vector<at::Tensor>> groups_;  // empty: buckets by size
+  std::vector<int64_t> groupBucket_;             // -1: a group without parameters
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;
   std::atomic<bool> enabled_{true};

@@ -14,6 +14,9 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
 
 namespace torch {
 namespace nn {
@@ -59,6 +62,17 @@ class Strategy {
   // Strategy-specific numbers for the next train record of metrics.jsonl (e.g. staleness,
   // stage-1 fraction), aggregated over the steps since the previous call.
   virtual std::map<std::string, double> takeMetrics() { return {}; }
+
+  // Out-of-core weights (memory/weights.h) update each block as soon as its gradients are
+  // final. A strategy that supports it exchanges gradients in the given groups (one per block,
+  // set before attach()); finishGroup(g), callable from any thread, waits for group g's
+  // exchange and leaves its final gradients in .grad (finishGradients() still finishes every
+  // group). cancelGroupWaits() releases a finishGroup() waiting for a launch when the run is
+  // torn down (it then throws).
+  virtual bool supportsParameterGroups() const { return false; }
+  virtual void setParameterGroups(std::vector<std::vector<at::Tensor>> groups) {}
+  virtual void finishGroup(size_t group) {}
+  virtual void cancelGroupWaits() {}
 
   // Timeline callback: (name, start, end) of each communication, for --trace.
   virtual void setEventSink(CommEventSink sink) { sink_ = std::move(sink); }

@@ -139,7 +139,8 @@ void Distributed::leave(const std::string& reason) {
 
 Distributed::~Distributed() = default;
 
-Strategy* Distributed::attach(torch::nn::Module& model) {
+Strategy* Distributed::attach(torch::nn::Module& model,
+                              std::vector<std::vector<at::Tensor>> groups) {
   AllReduceOptions o;
   o.bucketBytes = static_cast<int64_t>(config_.f64("sync.bucket_mb") * (1 << 20));
   o.firstBucketBytes = static_cast<int64_t>(config_.f64("sync.first_bucket_mb") * (1 << 20));
@@ -174,6 +175,19 @@ Strategy* Distributed::attach(torch::nn::Module& model) {
     strategy_ = std::make_unique<GossipStrategy>(comm, g);
   } else {
     throw ConfigError(fmt::format("sync.mode \"{}\" is not built yet", mode));
+  }
+  if (!groups.empty()) {
+    if (!strategy_->supportsParameterGroups()) {
+      throw ConfigError(fmt::format(
+          "memory.weights = offload works with sync.mode = allreduce (or one process), not {}; "
+          "set memory.weights = core or sync.mode = allreduce",
+          mode));
+    }
+    if (o.compression != Compression::kNone) {
+      throw ConfigError("memory.weights = offload exchanges uncompressed per-block buckets; set "
+                        "sync.compression = none");
+    }
+    strategy_->setParameterGroups(std::move(groups));
   }
   strategy_->attach(model);
   return strategy_.get();

@@ -44,7 +44,10 @@ class Distributed {
   ~Distributed();
 
   // Builds the strategy, broadcasts rank 0's parameters. Returns the strategy for trainStep.
-  Strategy* attach(torch::nn::Module& model);
+  // `groups` (out-of-core weights: one per block) makes the strategy exchange gradients per
+  // group (Strategy::setParameterGroups); ConfigError for a strategy that cannot.
+  Strategy* attach(torch::nn::Module& model,
+                   std::vector<std::vector<at::Tensor>> groups = {});
   // Records each bucket's communication on the timeline's communication track.
   void traceTo(Timeline& timeline);
   Agreement agree(double loss, bool interrupted, bool timeUp);

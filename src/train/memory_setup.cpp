@@ -16,15 +16,26 @@ constexpr double kPlanMargin = 0.95;
 
 }  // namespace
 
-int64_t persistentBytes(const Config& config, BlockModel& model) {
-  const int64_t weights = tensorBytes(model->parameters());
-  int64_t state = 0;  // per weight byte: AdamW two moments, SGD one momentum buffer
+bool offloadsWeights(const Config& config) { return config.str("memory.weights") == "offload"; }
+
+WeightOptions weightOptions(const Config& config) {
+  WeightOptions o;
+  o.prefetch = static_cast<int>(config.i64("memory.prefetch"));
+  o.overlapUpdates = config.f64("optim.grad_clip") <= 0.0;  // clipping needs every gradient
+  // Optimizer state per weight byte: AdamW two moments, SGD one momentum buffer.
   if (config.str("optim.name") == "adamw") {
-    state = 2 * weights;
+    o.stateFactor = 2;
   } else if (config.f64("optim.momentum") > 0.0) {
-    state = weights;
+    o.stateFactor = 1;
   }
-  return weights + weights + state;
+  return o;
+}
+
+int64_t persistentBytes(const Config& config, BlockModel& model) {
+  const WeightOptions o = weightOptions(config);
+  if (offloadsWeights(config)) return OutOfCoreWeights::windowBytes(model, o);
+  const int64_t weights = tensorBytes(model->parameters());
+  return weights + weights + o.stateFactor * weights;
 }
 
 ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
@@ -36,7 +47,8 @@ ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
   const size_t n = model->numBlocks();
   if (!automatic) m.policies = parsePolicies(policy, n, "memory.policy");
   const bool planning = automatic || plan;
-  if (needsTier(m.policies)) {
+  const bool offload = offloadsWeights(config);
+  if (needsTier(m.policies) || offload) {
     m.tier = makeTier(config.str("memory.tier"), config.str("memory.swap_dir"));
     if (!planning) m.report += fmt::format("memory tier: {}\n", m.tier->describe());
   } else if (planning) {
@@ -92,7 +104,9 @@ ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
   }
   bool allKeep = true;
   for (BlockPolicy p : m.policies) allKeep = allKeep && p == BlockPolicy::kKeep;
-  if (!allKeep) {
+  // Out-of-core weights need the executor even when every block keeps: it turns saved views of
+  // weights into descriptions, so they do not hold the blobs in memory.
+  if (!allKeep || offload) {
     if (needsTier(m.policies) && !m.tier) {
       m.tier = makeTier(config.str("memory.tier"), config.str("memory.swap_dir"));
     }
@@ -105,6 +119,11 @@ ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
           std::max<int64_t>(budget - persistentBytes(config, model), 1), std::move(saved));
     }
     m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
+  }
+  if (offload) {
+    m.report += fmt::format(
+        "weights, gradients and optimizer state: out of core on the tier, at most {} in memory\n",
+        formatBytes(persistentBytes(config, model)));
   }
   return m;
 }

@@ -13,21 +13,28 @@
 #include "memory/executor.h"
 #include "memory/planner.h"
 #include "memory/tier.h"
+#include "memory/weights.h"
 #include "models/model.h"
 
 namespace caravan {
 
+// memory.weights = offload (memory/weights.h).
+bool offloadsWeights(const Config& config);
+// The out-of-core store's options from the config (memory.prefetch, optim.*).
+WeightOptions weightOptions(const Config& config);
+
 // Weights + gradients + optimizer state the run will hold from its first step on (what the
-// activations share memory.budget with).
+// activations share memory.budget with); with out-of-core weights, the most of them that will
+// be in memory at once (OutOfCoreWeights::windowBytes).
 int64_t persistentBytes(const Config& config, BlockModel& model);
 
 struct ActivationMemory {
   std::vector<BlockPolicy> policies;
-  std::unique_ptr<Tier> tier;  // when a policy swaps (or the planner may swap)
+  std::unique_ptr<Tier> tier;  // when a policy swaps (or the planner may swap), or weights offload
   TierBandwidth bandwidth;
   std::optional<ModelProfile> profile;  // when planned
   std::optional<Plan> plan;
-  std::unique_ptr<ActivationExecutor> executor;  // nullptr when every block keeps
+  std::unique_ptr<ActivationExecutor> executor;  // nullptr when every block keeps in core
   std::string report;                            // lines for the terminal
 };
 

@@ -6,6 +6,7 @@
 #include "core/errors.h"
 #include "comm/communicator.h"
 #include "data/loader.h"
+#include "memory/weights.h"
 #include "sync/strategy.h"
 
 namespace caravan {
@@ -19,7 +20,8 @@ at::Tensor taskLoss(TaskKind task, const at::Tensor& output, const at::Tensor& t
 }
 
 StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
-                     double gradClip, Strategy* strategy, int64_t step) {
+                     double gradClip, Strategy* strategy, int64_t step,
+                     OutOfCoreWeights* weights) {
   optimizer.zero_grad();
   if (strategy != nullptr) strategy->beforeForward(step);
   StepResult result;
@@ -33,7 +35,13 @@ StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, cons
   if (gradClip > 0.0) {
     result.gradNorm = torch::nn::utils::clip_grad_norm_(model->parameters(), gradClip);
   }
-  if (strategy == nullptr || !strategy->updatesParameters()) optimizer.step();
+  if (strategy == nullptr || !strategy->updatesParameters()) {
+    if (weights != nullptr) {
+      weights->finishStep();
+    } else {
+      optimizer.step();
+    }
+  }
   result.optimizerEnd = std::chrono::steady_clock::now();
   if (strategy != nullptr) strategy->afterStep(step);
   result.loss = loss.item<double>();

@@ -31,12 +31,15 @@ struct StepResult {
 };
 
 class Strategy;
+class OutOfCoreWeights;
 
 // zero_grad, forward, loss, backward, the strategy's gradient synchronization (if any),
 // optional clipping (gradClip > 0), optimizer step, the strategy's afterStep. The learning
-// rate must already be set.
+// rate must already be set. With out-of-core weights the blocks' own optimizers update (some
+// during backward) and `weights->finishStep()` stands in for optimizer.step().
 StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
-                     double gradClip, Strategy* strategy = nullptr, int64_t step = 0);
+                     double gradClip, Strategy* strategy = nullptr, int64_t step = 0,
+                     OutOfCoreWeights* weights = nullptr);
 
 struct EvalResult {
   double loss = 0.0;      // mean per example (per token for language models)

@@ -18,6 +18,7 @@
 #include "memory/host_allocator.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
+#include "memory/weights.h"
 #include "models/model.h"
 #include "train/checkpoint.h"
 #include "train/distributed.h"
@@ -89,8 +90,13 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     sample = data.train->get(first);
   }
   ActivationMemory activations = makeActivationMemory(config, model, sample, /*plan=*/false);
+  // Out-of-core weights exchange and update gradients per block: the strategy's groups.
+  const bool offload = offloadsWeights(config);
   Strategy* strategy = nullptr;
-  if (dist) strategy = dist->attach(*model);
+  if (dist) {
+    strategy = dist->attach(*model, offload ? blockParameters(model)
+                                            : std::vector<std::vector<at::Tensor>>{});
+  }
   Timeline timeline(options.tracePath, options.world.rank);
   if (dist && !options.tracePath.empty()) dist->traceTo(timeline);
 
@@ -123,12 +129,24 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   const std::vector<at::Tensor> parameterList = model->parameters();
   const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
   MemoryTracker memory;
-  memory.set(MemoryCategory::kWeights, tensorBytes(parameterList));
-  memory.set(MemoryCategory::kGradients, gradientBytes(parameterList));
-  memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
+  // Out-of-core weights (memory.weights = offload): after the strategy attached (it broadcast
+  // rank 0's parameters), the blocks move to the tier; the store counts what is in memory.
+  std::unique_ptr<OutOfCoreWeights> weights;
+  if (offload) {
+    weights = std::make_unique<OutOfCoreWeights>(
+        model, *optimizer,
+        [&config](std::vector<at::Tensor> ps) { return makeOptimizer(config, std::move(ps)); },
+        *activations.tier, &memory, strategy, weightOptions(config));
+    activations.executor->setWeights(weights.get());
+  } else {
+    memory.set(MemoryCategory::kWeights, tensorBytes(parameterList));
+    memory.set(MemoryCategory::kGradients, gradientBytes(parameterList));
+    memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
+  }
   memory.resetPeaks();
-  // Weights and buffers (batch norm's running statistics) saved by ops are not activations.
-  std::vector<at::Tensor> modelState = parameterList;
+  // Weights and buffers (batch norm's running statistics) saved by ops are not activations
+  // (out-of-core weights move between storages: the executor asks the store).
+  std::vector<at::Tensor> modelState = offload ? std::vector<at::Tensor>{} : parameterList;
   for (const auto& b : model->buffers()) modelState.push_back(b);
   SavedTensorScope savedTensors(memory, modelState);
   {
@@ -177,7 +195,12 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     state.rngState = defaultRngState();
     state.elapsedSeconds = trainSeconds();
     if (isRoot) {
-      summary.lastCheckpoint = checkpoints.save(*model, *optimizer, state);
+      auto save = [&] { summary.lastCheckpoint = checkpoints.save(*model, *optimizer, state); };
+      if (weights) {
+        weights->withAllResident(save);  // the in-core format (weights.h)
+      } else {
+        save();
+      }
     } else {
       summary.lastCheckpoint = checkpoints.pathFor(state.step);
     }
@@ -199,9 +222,12 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     setLearningRate(*optimizer, lr);
     if (strategy != nullptr) strategy->setLearningRate(lr);
     const auto stepStart = Clock::now();
-    StepResult r = trainStep(model, *optimizer, lb.batch, gradClip, strategy, state.step);
-    memory.set(MemoryCategory::kGradients, gradientBytes(parameterList));
-    memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
+    StepResult r =
+        trainStep(model, *optimizer, lb.batch, gradClip, strategy, state.step, weights.get());
+    if (!weights) {
+      memory.set(MemoryCategory::kGradients, gradientBytes(parameterList));
+      memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
+    }
     // What every later step needs: this step's activation peak on top of everything that
     // persists (weights, gradients and optimizer state exist from the first step on).
     const int64_t needed = std::max(
@@ -214,7 +240,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
       throw ConfigError(fmt::format(
           "memory.budget = {} is below what step {} needs: {} tracked (activations {}, weights "
           "{}, gradients {}, optimizer state {}); the smallest budget that works for this "
-          "model, batch and memory.policy = {} is {} ({} bytes){}",
+          "model, batch and memory.policy = {} is {} ({} bytes){}{}",
           formatBytes(budget), state.step + 1, formatBytes(needed),
           formatBytes(memory.peak(MemoryCategory::kActivations)),
           formatBytes(memory.live(MemoryCategory::kWeights)),
@@ -223,7 +249,8 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
           config.str("memory.policy"), formatBytes(needed), needed,
           config.str("memory.policy") == "auto"
               ? "; the plan's prediction was short: see memory_plan.txt"
-              : "; or set memory.policy = auto to recompute or swap blocks within the budget"));
+              : "; or set memory.policy = auto to recompute or swap blocks within the budget",
+          offload ? "" : " (memory.weights = offload keeps weights and optimizer state on the tier)"));
     }
     runActivationPeak = std::max(runActivationPeak, memory.peak(MemoryCategory::kActivations));
     runTrackedPeak = std::max(runTrackedPeak, needed);
@@ -303,6 +330,13 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
         rec["recompute_s"] = x.recomputeSeconds / windowSteps;
         rec["swap_stall_s"] = x.stallSeconds / windowSteps;
       }
+      if (weights) {
+        const WeightStats w = weights->takeStats();
+        rec["weights_read_bytes"] = static_cast<double>(w.bytesRead) / windowSteps;
+        rec["weights_written_bytes"] = static_cast<double>(w.bytesWritten) / windowSteps;
+        rec["weights_update_s"] = w.updateSeconds / windowSteps;
+        rec["weights_stall_s"] = w.stallSeconds / windowSteps;
+      }
       if (dist) {
         // This rank's bytes per step over the window, and the strategy's own numbers.
         const ByteCount b = dist->bytes();
@@ -362,7 +396,12 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   timeline.flush();
   if (!isRoot) return summary;
   if (!summary.stoppedEarly) {
-    exportStateDict((fs::path(options.runDir) / "model.pt").string(), *model);
+    auto save = [&] { exportStateDict((fs::path(options.runDir) / "model.pt").string(), *model); };
+    if (weights) {
+      weights->withAllResident(save);
+    } else {
+      save();
+    }
   }
   nlohmann::json sj = {{"steps", summary.steps},
                        {"epochs", summary.epochs},
@@ -373,6 +412,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
                        {"samples_per_s", summary.samplesPerSecond},
                        {"stopped_early", summary.stoppedEarly},
                        {"memory_policy", formatPolicies(activations.policies)},
+                       {"memory_weights", config.str("memory.weights")},
                        {"fwd_bwd_s", measuredFwdBwd},
                        {"activation_peak_bytes", runActivationPeak},
                        {"tracked_peak_bytes", runTrackedPeak},

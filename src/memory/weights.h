@@ -1,0 +1,173 @@
+// Out-of-core weights, gradients and optimizer state (ALGORITHMS.md §2.3, memory.weights =
+// offload): each block's parameters and optimizer state live on a tier and come into memory
+// only while the block is used.
+//
+// Layout: one blob per block, holding the block's parameters and then their optimizer state
+// (momentum, Adam's moments), 64-byte aligned. While the blob is in memory every member is a
+// view of it (a parameter keeps its identity and trades storages with set_data, so the
+// optimizer, autograd's accumulators and the sync strategy still point at it); out of memory
+// every member is an empty tensor and the blob's bytes are on the tier. One read and one write
+// per block move everything the block has.
+//
+// Per step (a block's blob is in memory while it is pinned; unpinned, a clean blob is dropped):
+//   forward   block i is fetched (waiting for its prefetch), i+1..i+prefetch are prefetched,
+//             the block runs, and its blob is dropped (clean: the tier copy is current). The
+//             last block stays, backward starts there.
+//   backward  block i is fetched when backward reaches it (the activation executor's first
+//             unpack, or at the latest the pre-hook of a parameter's gradient accumulator, since
+//             accumulating into an evicted parameter would use its empty shape), blocks below
+//             are prefetched; saved views of weights (a linear layer saves weight.t()) are
+//             rebuilt on the blob fetched back (memory/executor.cpp).
+//   update    when the last gradient of block i is accumulated (and, in data-parallel runs,
+//             the block's all-reduce has finished: Strategy::finishGroup), the updater thread
+//             runs the block's own optimizer (same options as the run's) on it, drops its
+//             gradients and queues the blob's write; written, it leaves memory. This overlaps
+//             the backward of blocks i-1..0 (KARMA's host update, ZeRO-Offload's CPU optimizer).
+//   end       finishStep() (in place of optimizer.step()) updates blocks whose gradients never
+//             completed (parameters without a gradient) and waits for every update.
+// Block 0 finishes last and is needed first: it stays in memory (double-buffered weights).
+// With gradient clipping the global norm needs every gradient, so updates wait for
+// finishStep() (no overlap; gradients then peak at their full size).
+//
+// Per-parameter optimizers (SGD, AdamW) give the same result whether one optimizer steps all
+// parameters or one per block steps each block: training is bitwise the in-core run's (tests).
+// Checkpoints and exports call withAllResident(): every block comes into memory for the save
+// (not counted against memory.budget) and the state goes through the run's optimizer, so the
+// checkpoint format is the in-core one.
+//
+// Memory accounting: the blob bytes in memory (weights, optimizer state) and the gradients are
+// added to and taken from the tracker as they appear and go.
+//
+// Threading: run(), finishStep() and withAllResident() on the training thread; acquire() and
+// the accumulator hooks on autograd's threads; updates on the updater thread; I/O on the tier's.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "memory/tier.h"
+#include "memory/tracker.h"
+#include "models/model.h"
+
+namespace torch {
+namespace optim {
+class Optimizer;
+}
+namespace autograd {
+struct Node;
+}
+}  // namespace torch
+
+namespace caravan {
+
+class Strategy;
+
+// Each block's trainable parameters, in registration order (a strategy's per-block groups).
+std::vector<std::vector<at::Tensor>> blockParameters(BlockModel& model);
+
+struct WeightOptions {
+  int prefetch = 1;                 // blocks fetched ahead (forward) / below (backward)
+  bool overlapUpdates = true;       // update blocks during backward (false with clipping)
+  int maxWritesInFlight = 2;        // updated blobs waiting for their write, at most
+  // Optimizer state per weight byte (AdamW 2, SGD with momentum 1), for windowBytes().
+  int stateFactor = 0;
+};
+
+struct WeightStats {
+  int64_t bytesRead = 0, bytesWritten = 0;
+  double updateSeconds = 0.0;  // optimizer steps on the updater thread
+  double stallSeconds = 0.0;   // the training/autograd thread waiting for a block's blob
+};
+
+class OutOfCoreWeights final : public BlockRunner {
+ public:
+  using OptimizerFactory =
+      std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+
+  // Moves every block but block 0 to `tier` (written, then dropped). The optimizer state in
+  // `optimizer` (a resumed run's) moves into per-block optimizers made by `make`; `optimizer`
+  // keeps the learning rate (set it there each step) and is otherwise empty. Installs itself as
+  // the model's runner around the current one (the activation executor), until destroyed.
+  // `strategy` (nullptr: one process) exchanges each block's gradients before its update; its
+  // parameter groups must be blockParameters(model).
+  OutOfCoreWeights(BlockModel model, torch::optim::Optimizer& optimizer,
+                   const OptimizerFactory& make, Tier& tier, MemoryTracker* tracker,
+                   Strategy* strategy, WeightOptions options);
+  ~OutOfCoreWeights() override;
+  OutOfCoreWeights(const OutOfCoreWeights&) = delete;
+  OutOfCoreWeights& operator=(const OutOfCoreWeights&) = delete;
+
+  torch::Tensor run(size_t index, torch::nn::AnyModule& block, torch::Tensor x) override;
+
+  // The block whose blob `s` is (-1: none), for saved views of weights.
+  int blockOf(const c10::StorageImpl* s) const;
+  // Backward needs block i: fetched (waiting), kept in memory until its update; returns the
+  // blob. Queues the prefetch of the blocks below.
+  at::Storage acquire(size_t block);
+  void prefetch(size_t block);
+  // In place of optimizer.step(): updates what the gradients did not trigger, waits for every
+  // update. Throws what an update or I/O threw.
+  void finishStep();
+  // Every block in memory and the optimizer state in the run's optimizer while `fn` runs.
+  void withAllResident(const std::function<void()>& fn);
+
+  size_t numBlocks() const { return blocks_.size(); }
+  int64_t blobBytes(size_t block) const;
+  WeightStats takeStats();
+
+  // What the weights need in memory at most (block 0, the blocks in flight, two blocks'
+  // gradients), for the budget: before the store exists, from the model and the options.
+  static int64_t windowBytes(BlockModel& model, const WeightOptions& options);
+
+  struct Block;
+
+ private:
+  void buildLayout(Block& b);                // under mutex_: blob from the members in memory
+  void attachViews(Block& b, const at::Storage& blob);  // under mutex_
+  void evictLocked(Block& b);                // under mutex_
+  // Pins block i and waits until it is in memory; returns the seconds waited.
+  double fetchLocked(size_t i, std::unique_lock<std::mutex>& lock);
+  void startReadLocked(size_t i);
+  void unpinLocked(size_t i);
+  void writeLocked(size_t i, std::unique_lock<std::mutex>& lock);
+  void update(size_t i);
+  void updaterLoop();
+  void queueUpdateLocked(size_t i);
+  void onGradient(size_t block, int64_t bytes);
+  void checkLocked() const;
+  void beginStepLocked();
+
+  BlockModel model_;
+  torch::optim::Optimizer& optimizer_;
+  Tier& tier_;
+  MemoryTracker* tracker_;
+  Strategy* strategy_;
+  WeightOptions options_;
+  BlockRunner* inner_;
+  std::vector<std::unique_ptr<Block>> blocks_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::unordered_map<const c10::StorageImpl*, size_t> blobOwner_;
+  std::deque<size_t> updates_;
+  size_t updatesRunning_ = 0;
+  int writesInFlight_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  WeightStats stats_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> postKeys_;
+  std::thread updater_;
+};
+
+}  // namespace caravan
