@@ -19,6 +19,7 @@
 #include "memory/tracker.h"
 #include "models/model.h"
 #include "train/step.h"
+#include "run_util.h"
 #include "test_util.h"
 
 using namespace caravan;
@@ -269,29 +270,9 @@ TEST(Executor, TierWriteErrorFailsTheRunWithAClearMessage) {
   // step's swapped activations, so a tier write in the middle of forward fails with EFBIG
   // (fixed policies do not probe the tier's bandwidth at start-up), and the error reaches the
   // training thread at the next block or through backward.
-  test::TempDir run, swap;
-  test::writeFile(run / "c.toml", "[model]\nname = \"cnn\"\n");
-  const std::string cmd =
-      "ulimit -f 2048; exec " + std::string(CARAVAN_BINARY) + " train --config " +
-      (run / "c.toml") + " --set data.dataset=synthetic --set data.synthetic_size=256 --set "
-      "data.batch_size=64 --set train.max_steps=3 --set memory.policy=swap --set "
-      "memory.swap_dir=" + swap.path() + " --run-dir " + (run / "r") + " --quiet";
-  test::TempDir io;
-  const int status =
-      std::system(("sh -c '" + cmd + "' >" + (io / "out") + " 2>" + (io / "err")).c_str());
-  const std::string err = test::readFile(io / "err");
-  ASSERT_TRUE(WIFEXITED(status)) << err;
-  if (WEXITSTATUS(status) == static_cast<int>(ExitCode::kConfig) &&
-      err.find("tmpfs") != std::string::npos) {
-    GTEST_SKIP() << "the temp dir is on tmpfs: " << err;
+  if (!test::expectTierWriteFailure(2048, "--set memory.policy=swap")) {
+    GTEST_SKIP() << "the temp dir is on tmpfs";
   }
-  EXPECT_EQ(WEXITSTATUS(status), static_cast<int>(ExitCode::kIo)) << err;
-  EXPECT_NE(err.find("memory tier: writing"), std::string::npos) << err;
-  EXPECT_NE(err.find("File too large"), std::string::npos) << err;
-  EXPECT_NE(err.find("memory.swap_dir"), std::string::npos) << err;
-  // One line, and no checkpoint was half-written.
-  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
-  EXPECT_FALSE(std::filesystem::exists(run / "r/checkpoints")) << "a checkpoint was written";
 }
 
 TEST(HostAllocator, ReusesMappingsBySizeWithinTheCacheLimit) {

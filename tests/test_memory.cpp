@@ -13,6 +13,7 @@
 #include "memory/accounting.h"
 #include "memory/tracker.h"
 #include "train/trainer.h"
+#include "run_util.h"
 #include "test_util.h"
 
 using namespace caravan;
@@ -168,19 +169,6 @@ TEST(MemoryBudget, AutoPlanKeepsTheTrackedPeakUnderABudgetKeepExceeds) {
       << "a run that cannot fit started training";
 }
 
-namespace {
-
-std::vector<double> trainLosses(const std::string& runDir) {
-  std::vector<double> losses;
-  std::istringstream lines(test::readFile(runDir + "/metrics.jsonl"));
-  for (std::string line; std::getline(lines, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (j["kind"] == "train") losses.push_back(j.at("loss").get<double>());
-  }
-  return losses;
-}
-
-}  // namespace
 
 // Through the whole trainer, with dropout: swap, recompute and an auto plan (whose start-up
 // probes the tier and profiles the blocks) give keep's losses exactly, step by step. Nothing
@@ -191,7 +179,7 @@ TEST(MemoryBudget, EveryPolicyTrainsLikeKeepWithDropout) {
   o.quiet = true;
   o.runDir = tmp / "keep";
   train(gptBudgetConfig({"model.dropout=0.1", "train.max_steps=4"}), o);
-  const std::vector<double> keep = trainLosses(o.runDir);
+  const std::vector<double> keep = test::trainLosses(o.runDir);
   ASSERT_EQ(keep.size(), 4u);
   const int64_t activations = summaryOf(o.runDir).at("activation_peak_bytes").get<int64_t>();
   const int64_t tracked = summaryOf(o.runDir).at("tracked_peak_bytes").get<int64_t>();
@@ -204,6 +192,6 @@ TEST(MemoryBudget, EveryPolicyTrainsLikeKeepWithDropout) {
     sets.insert(sets.end(), variants[v].begin(), variants[v].end());
     o.runDir = tmp / ("v" + std::to_string(v));
     train(gptBudgetConfig(sets), o);
-    EXPECT_EQ(trainLosses(o.runDir), keep) << variants[v][0];
+    EXPECT_EQ(test::trainLosses(o.runDir), keep) << variants[v][0];
   }
 }

@@ -13,10 +13,13 @@
 #include "train/schedule.h"
 #include "train/setup.h"
 #include "train/trainer.h"
+#include "run_util.h"
 #include "test_util.h"
 
 using namespace caravan;
+using caravan::test::finalWeights;
 using caravan::test::TempDir;
+using caravan::test::trainLosses;
 namespace fs = std::filesystem;
 
 TEST(Schedule, WarmupThenConstantStepCosine) {
@@ -49,28 +52,6 @@ Config syntheticConfig(const std::vector<std::string>& extra) {
                                 "train.eval_every=10", "train.threads=1", "checkpoint.every=7"};
   o.insert(o.end(), extra.begin(), extra.end());
   return Config::fromString("", "<test>", o);
-}
-
-std::vector<double> trainLosses(const std::string& runDir) {
-  std::vector<double> losses;
-  std::ifstream in(runDir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = nlohmann::json::parse(line);
-    if (j["kind"] == "train") losses.push_back(j["loss"].get<double>());
-  }
-  return losses;
-}
-
-std::map<std::string, at::Tensor> finalWeights(const Config& config, const std::string& runDir) {
-  BlockModel model = buildModel(makeModelSpec(config), makeDatasets(config).train->shape());
-  auto optimizer = makeOptimizer(config, model);
-  CheckpointDir dir(runDir, 3);
-  loadCheckpoint(*dir.latest(), *model, *optimizer, runIdentity(config));
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : model->named_parameters()) out[p.key()] = p.value().detach().clone();
-  for (const auto& b : model->named_buffers()) out[b.key()] = b.value().detach().clone();
-  return out;
 }
 
 void expectExactResume(const Config& config) {

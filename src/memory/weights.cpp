@@ -90,6 +90,7 @@ struct OutOfCoreWeights::Block {
   int64_t gradsPending = 0;  // this step
   int64_t gradBytes = 0;     // counted in the tracker
   bool queued = false;       // update queued (or done) this step
+  bool updated = false;      // update done this step
 };
 
 namespace {
@@ -135,14 +136,15 @@ int64_t OutOfCoreWeights::windowBytes(BlockModel& model, const WeightOptions& op
   std::vector<int64_t> rest(blob.begin() + 1, blob.end());
   std::sort(rest.rbegin(), rest.rend());
   // In memory at once besides block 0: the block in use, its prefetches, the block being
-  // updated and the blobs waiting for their write.
+  // updated and the blobs waiting for their write; gradients: the block in backward and at most
+  // two waiting for or in their update (acquire()'s backpressure).
   const size_t inFlight = static_cast<size_t>(options.prefetch + 2 + options.maxWritesInFlight);
   for (size_t k = 0; k < rest.size() && k < inFlight; ++k) total += rest[k];
   std::sort(grads.rbegin(), grads.rend());
   if (!options.overlapUpdates) {
     for (int64_t g : grads) total += g;  // every gradient waits for finishStep()
   } else {
-    for (size_t k = 0; k < grads.size() && k < 2; ++k) total += grads[k];
+    for (size_t k = 0; k < grads.size() && k < 3; ++k) total += grads[k];
   }
   return total;
 }
@@ -403,7 +405,25 @@ at::Storage OutOfCoreWeights::acquire(size_t i) {
   std::unique_lock<std::mutex> lock(mutex_);
   Block& b = *blocks_.at(i);
   if (b.backwardPin && b.blob) return b.blob;
-  stats_.stallSeconds += fetchLocked(i, lock);
+  const auto t0 = Clock::now();
+  if (options_.overlapUpdates) {
+    // Gradient backpressure: backward moves on to block i once at most one block waits for its
+    // update, so gradients of at most three blocks are in memory when the updater lags. Only
+    // while every block above has all its gradients: a block waiting for one that never comes
+    // (an unused parameter) holds back the exchange of the blocks below until finishStep.
+    auto settled = [&] {
+      int awaiting = 0;
+      for (size_t k = i + 1; k < blocks_.size(); ++k) {
+        const Block& above = *blocks_[k];
+        if (above.gradsPending > 0) return true;
+        awaiting += above.queued && !above.updated ? 1 : 0;
+      }
+      return awaiting <= 1;
+    };
+    cv_.wait(lock, [&] { return settled() || error_ || tier_.failed() || stop_; });
+    checkLocked();
+  }
+  stats_.stallSeconds += secondsSince(t0) + fetchLocked(i, lock);
   b.backwardPin = true;
   unpinLocked(i);
   for (int k = 1; k <= options_.prefetch && static_cast<size_t>(k) <= i; ++k) {
@@ -415,7 +435,7 @@ at::Storage OutOfCoreWeights::acquire(size_t i) {
 void OutOfCoreWeights::beginStepLocked() {
   for (auto& b : blocks_) {
     b->gradsPending = static_cast<int64_t>(b->params.size());
-    b->queued = b->params.empty();
+    b->queued = b->updated = b->params.empty();
   }
 }
 
@@ -524,6 +544,7 @@ void OutOfCoreWeights::update(size_t i) {
   }
   b.clean = false;
   b.backwardPin = false;
+  b.updated = true;
   stats_.updateSeconds += secondsSince(t0);
   if (!b.keep) writeLocked(i, lock);
   unpinLocked(i);

@@ -25,6 +25,9 @@
 //             the backward of blocks i-1..0 (KARMA's host update, ZeRO-Offload's CPU optimizer).
 //   end       finishStep() (in place of optimizer.step()) updates blocks whose gradients never
 //             completed (parameters without a gradient) and waits for every update.
+// Backpressure: backward enters block i only when at most one block above waits for its
+// update (so gradients do not pile up when the updater lags), and updated blobs wait for their
+// write at most maxWritesInFlight at a time; windowBytes() is the most this keeps in memory.
 // Block 0 finishes last and is needed first: it stays in memory (double-buffered weights).
 // With gradient clipping the global norm needs every gradient, so updates wait for
 // finishStep() (no overlap; gradients then peak at their full size).

@@ -1,0 +1,92 @@
+// Helpers for tests that read what a training run left: its losses, its final weights, and
+// runs under a file size limit (a real tier write error).
+#pragma once
+
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "core/config.h"
+#include "core/errors.h"
+#include "train/checkpoint.h"
+#include "train/setup.h"
+#include "test_util.h"
+
+namespace caravan::test {
+
+// The loss of every train record in RUN_DIR/metrics.jsonl.
+inline std::vector<double> trainLosses(const std::string& runDir) {
+  std::vector<double> losses;
+  std::istringstream lines(readFile(runDir + "/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "train") losses.push_back(j.at("loss").get<double>());
+  }
+  return losses;
+}
+
+// Parameters and buffers of the newest checkpoint in `runDir`, loaded into a fresh model.
+inline std::map<std::string, at::Tensor> finalWeights(const Config& config,
+                                                      const std::string& runDir) {
+  BlockModel model = buildModel(makeModelSpec(config), makeDatasets(config).train->shape());
+  auto optimizer = makeOptimizer(config, model);
+  CheckpointDir dir(runDir, 3);
+  loadCheckpoint(*dir.latest(), *model, *optimizer, runIdentity(config));
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : model->named_parameters()) out[p.key()] = p.value().detach().clone();
+  for (const auto& b : model->named_buffers()) out[b.key()] = b.value().detach().clone();
+  return out;
+}
+
+// `caravan ARGS` under `ulimit -f LIMIT_KIB`; the exit code is -1 if it did not exit.
+inline CommandResult runCaravanWithFileLimit(int limitKiB, const std::string& args) {
+  TempDir io;
+  const std::string cmd = "ulimit -f " + std::to_string(limitKiB) + "; exec " +
+                          std::string(CARAVAN_BINARY) + " " + args;
+  const int status =
+      std::system(("sh -c '" + cmd + "' >" + (io / "out") + " 2>" + (io / "err")).c_str());
+  CommandResult r;
+  r.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = readFile(io / "out");
+  r.err = readFile(io / "err");
+  return r;
+}
+
+// The CNN trained on synthetic data for 3 steps with `settings` (--set ...) and the disk tier in
+// a fresh directory, under `ulimit -f LIMIT_KIB`: expects exit 5 with one line naming the
+// failed tier write and memory.swap_dir, and no checkpoint. Returns false (nothing checked)
+// where the temp dir is tmpfs, which the disk tier refuses: the caller skips.
+inline bool expectTierWriteFailure(int limitKiB, const std::string& settings) {
+  TempDir run, swap;
+  writeFile(run / "c.toml", "[model]\nname = \"cnn\"\n");
+  const CommandResult r = runCaravanWithFileLimit(
+      limitKiB, "train --config " + (run / "c.toml") +
+                    " --set data.dataset=synthetic --set data.synthetic_size=256 --set "
+                    "data.batch_size=64 --set train.max_steps=3 " + settings +
+                    " --set memory.swap_dir=" + swap.path() + " --run-dir " + (run / "r") +
+                    " --quiet");
+  const std::string& err = r.err;
+  if (r.exitCode == static_cast<int>(ExitCode::kConfig) && err.find("tmpfs") != std::string::npos) {
+    return false;
+  }
+  EXPECT_EQ(r.exitCode, static_cast<int>(ExitCode::kIo)) << err;
+  EXPECT_NE(err.find("memory tier: writing"), std::string::npos) << err;
+  EXPECT_NE(err.find("File too large"), std::string::npos) << err;
+  EXPECT_NE(err.find("memory.swap_dir"), std::string::npos) << err;
+  // One line, and no checkpoint was half-written.
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+  EXPECT_FALSE(std::filesystem::exists(run / "r/checkpoints")) << "a checkpoint was written";
+  return true;
+}
+
+}  // namespace caravan::test
