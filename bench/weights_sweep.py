@@ -1,0 +1,241 @@
+#!/usr/bin/python3
+"""Out-of-core weights and optimizer state with 2 data-parallel workers (issue 5): brown-gpt
+sized so that weights, gradients and AdamW state alone need more than the budgets; for a sweep
+of per-worker budgets, the step time of 2 workers (BSP all-reduce) with memory.weights =
+offload and memory.policy = auto, against the in-core data-parallel run without a budget; one
+table from one invocation.
+
+    /usr/bin/python3 bench/weights_sweep.py [--width 512] [--depth 8] [--heads 8]
+        [--context 64] [--batch 16] [--fractions 0.6 0.45 0.35]
+        [--steps 6] [--repeats 2] [--overhead-mib 512] [--out bench/results/weights]
+
+Runs (each `caravan train --workers 2`):
+  core-keep      in core, everything kept, no budget: the data-parallel baseline
+  offload-keep   weights offloaded, activations kept, no budget: the cost of moving weights
+  offload@B      weights offloaded, the planner places activations in what B leaves
+  core-auto@B    in core under B (the planner): shows whether B needs the offload at all
+Runs are interleaved (core-keep, offload-keep, then every budget's runs, then the next repeat).
+Step time is the median over a run's steps (the first dropped) of the time between train
+records (forward, backward, gradient exchange, the optimizer: everything), then the median over
+repeats. Every budgeted run is verified inside one memory cgroup for the job (launcher and both
+workers) limited to 2 x (budget + --overhead-mib). Needs root for the cgroup.
+
+OPENBLAS_CORETYPE is removed from the measured processes' environment; every worker is
+single-threaded (train.threads = 1). The tier is the disk (memory.swap_dir, default /var/tmp)
+with direct I/O, shared by both workers.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+CARAVAN = os.path.join(ROOT, "build", "caravan")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory_sweep import Cgroup, cgroups_available, med  # noqa: E402
+from train_throughput import env  # noqa: E402
+
+MIB = 1 << 20
+WORKERS = 2
+
+
+def step_times(run_dir):
+    """Seconds between consecutive train records (log_every = 1), the first step dropped."""
+    times = []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            j = json.loads(line)
+            if j["kind"] == "train":
+                times.append(j["time_s"])
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def run(args, kind, budget, environ, tmp, use_cgroup, tag):
+    run_dir = os.path.join(tmp, tag)
+    sets = [f"model.width={args.width}", f"model.depth={args.depth}", f"model.heads={args.heads}",
+            f"data.seq_len={args.context}", f"data.batch_size={args.batch}",
+            "train.threads=1", f"train.max_steps={args.steps}", "train.log_every=1",
+            "train.eval_every=0", "train.eval_batches=1", "checkpoint.every=0",
+            "sync.mode=allreduce", f"memory.profile_repeats={args.profile_repeats}",
+            f"memory.swap_dir={args.swap_dir}"]
+    if kind.startswith("offload"):
+        sets.append("memory.weights=offload")
+    if budget:
+        sets += ["memory.policy=auto", f"memory.budget={budget}"]
+    cmd = [CARAVAN, "train", "-c", os.path.join(ROOT, "configs", "brown-gpt.toml"), "--run-dir",
+           run_dir, "-q", "--workers", str(WORKERS)]
+    for s in sets:
+        cmd += ["--set", s]
+    cgroup = None
+    if use_cgroup:
+        limit = WORKERS * (budget + args.overhead_mib * MIB) if budget else 0
+        cgroup = Cgroup(f"caravan-wbench-{os.getpid()}-{tag}", limit)
+    t0 = time.time()
+    try:
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True,
+                               timeout=1800, preexec_fn=cgroup.enter if cgroup else None)
+        except subprocess.TimeoutExpired:
+            sys.exit(f"weights_sweep: {' '.join(cmd)} ran past 30 minutes")
+        r = {"kind": kind, "budget": budget, "rc": p.returncode, "wall_s": time.time() - t0}
+        if cgroup:
+            r["cgroup_max_usage"] = cgroup.max_usage()
+            r["oom_kills"] = cgroup.oom_kills()
+    finally:
+        if cgroup:
+            cgroup.remove()
+    r["killed"] = p.returncode in (-9, 137) or r.get("oom_kills", 0) > 0
+    if p.returncode == 0:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            r["summary"] = json.load(f)
+        steps = step_times(run_dir)
+        r["step_s"] = statistics.median(steps[1:] if len(steps) > 1 else steps)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            last = [json.loads(l) for l in f if '"train"' in l][-1]
+        r["last_record"] = last
+    else:
+        lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
+        r["error"] = next((l for l in lines if "caravan:" in l), lines[-1] if lines else "")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--context", type=int, default=64, help="data.seq_len")
+    ap.add_argument("--batch", type=int, default=16, help="per worker")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.6, 0.45, 0.35],
+                    help="budgets as fractions of what in-core keep-everything tracks")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile-repeats", type=int, default=2)
+    ap.add_argument("--overhead-mib", type=int, default=512)
+    ap.add_argument("--swap-dir", default="/var/tmp")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "weights"))
+    args = ap.parse_args()
+    if not os.path.exists(CARAVAN):
+        sys.exit("weights_sweep: build/caravan missing; run bash scripts/setup.sh first")
+    environ, removed = env()
+    use_cgroup = cgroups_available()
+    tmp = tempfile.mkdtemp(prefix="caravan-weights-sweep-")
+    runs = []
+
+    def record(r, rep, bi):
+        r["repeat"], r["budget_index"] = rep, bi
+        runs.append(r)
+        s = r.get("summary", {})
+        lr = r.get("last_record", {})
+        print(f"  repeat {rep} {r['kind']:<13} budget {r['budget'] / MIB:6.1f} MiB rc {r['rc']} "
+              f"step {r.get('step_s', float('nan')) * 1e3:.0f} ms "
+              f"tracked {s.get('tracked_peak_bytes', 0) / MIB:.1f} MiB "
+              f"cgroup {r.get('cgroup_max_usage', 0) / MIB:.0f} MiB "
+              f"weights read {lr.get('weights_read_bytes', 0) / MIB:.0f} MiB/step "
+              f"{r.get('error', '')}", flush=True)
+
+    try:
+        first = run(args, "core-keep", 0, environ, tmp, use_cgroup, "probe")
+        if first["rc"] != 0:
+            sys.exit(f"weights_sweep: in-core run failed: {first.get('error')}")
+        keep_need = first["summary"]["tracked_peak_bytes"]
+        budgets = [int(keep_need * f) for f in args.fractions]
+        print(f"in-core keep-everything tracks {keep_need / MIB:.1f} MiB per worker; budgets "
+              f"(MiB): {', '.join(f'{b / MIB:.1f}' for b in budgets)}", flush=True)
+        for rep in range(args.repeats):
+            record(run(args, "core-keep", 0, environ, tmp, use_cgroup, f"r{rep}-core"), rep, -1)
+            record(run(args, "offload-keep", 0, environ, tmp, use_cgroup, f"r{rep}-off"), rep, -1)
+            for bi, budget in enumerate(budgets):
+                record(run(args, "offload", budget, environ, tmp, use_cgroup, f"r{rep}-b{bi}-off"),
+                       rep, bi)
+                if rep == 0:  # in core under a budget: a deterministic refusal, or a run
+                    record(run(args, "core-auto", budget, environ, tmp, use_cgroup,
+                               f"r{rep}-b{bi}-core"), rep, bi)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def times(kind, bi):
+        return [r["step_s"] for r in runs
+                if r["kind"] == kind and r["budget_index"] == bi and r["rc"] == 0]
+
+    core_t = med(times("core-keep", -1))
+    off_t = med(times("offload-keep", -1))
+    lines = [f"brown-gpt width {args.width}, depth {args.depth}, {args.heads} heads, context "
+             f"{args.context}, batch {args.batch} per worker, {WORKERS} workers (BSP all-reduce, "
+             f"gloo), AdamW, 1 thread each; {args.steps} steps per run, {args.repeats} repeats "
+             f"interleaved. In core, keep-everything tracks {keep_need / MIB:.1f} MiB per worker "
+             f"and a step takes {core_t * 1e3:.0f} ms (median of {len(times('core-keep', -1))} "
+             "runs). "
+             + (f"Each budgeted job ran in a memory cgroup limited to {WORKERS} x (budget + "
+                f"{args.overhead_mib} MiB)." if use_cgroup else
+                "NO cgroup was available: runs were not verified.")
+             + (f" {', '.join(removed)} removed from the environment." if removed else ""),
+             "",
+             "| run | budget per worker | below in-core keep | step ms | vs in-core DP | "
+             "activation plan | tracked peak MiB | weights read / written per step MiB | "
+             "cgroup max MiB (job) | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def row(kind, bi, budget):
+        rs = [r for r in runs if r["kind"] == kind and r["budget_index"] == bi]
+        ok = [r for r in rs if r["rc"] == 0]
+        t = med([r["step_s"] for r in ok]) if ok else None
+        killed = any(r["killed"] for r in rs)
+        if killed:
+            verdict = "KILLED by the cgroup"
+        elif not ok:
+            verdict = "does not fit: " + rs[0].get("error", "")[:100] if rs else "not run"
+        elif len(ok) < len(rs):
+            verdict = "failed in some repeats"
+        else:
+            verdict = "ok"
+        plan = ok[0]["summary"]["memory_policy"] if ok else ""
+        short = {"keep": "k", "recompute": "r", "swap": "s", "swap-input": "i"}
+        plan = "".join(short.get(p, "?") for p in plan.split(",")) if plan else ""
+        peak = max((r["summary"]["tracked_peak_bytes"] for r in ok), default=None)
+        rd = med([r["last_record"].get("weights_read_bytes") for r in ok]) if ok else None
+        wr = med([r["last_record"].get("weights_written_bytes") for r in ok]) if ok else None
+        cg = max((r.get("cgroup_max_usage", 0) for r in rs), default=0)
+        cells = [kind, f"{budget / MIB:.1f} MiB" if budget else "none",
+                 f"{keep_need / budget:.2f}x" if budget else "-",
+                 f"{t * 1e3:.0f}" if t else "-",
+                 f"{core_t / t:.2f}" if t and core_t else "-", plan,
+                 f"{peak / MIB:.1f}" if peak else "-",
+                 f"{rd / MIB:.0f} / {wr / MIB:.0f}" if rd else "-",
+                 f"{cg / MIB:.0f}" if cg else "-", verdict]
+        lines.append("| " + " | ".join(cells) + " |")
+        return t
+
+    row("core-keep", -1, 0)
+    row("offload-keep", -1, 0)
+    results = {}
+    for bi, budget in enumerate(budgets):
+        results[budget] = row("offload", bi, budget)
+        row("core-auto", bi, budget)
+    lines += ["", "Out of core against the in-core data-parallel run (throughput ratio):", ""]
+    if off_t and core_t:
+        lines.append(f"- no budget, activations kept: {core_t / off_t * 100:.0f}% of in-core")
+    for budget, t in results.items():
+        lines.append(f"- {budget / MIB:.1f} MiB per worker ({keep_need / budget:.2f}x below "
+                     f"in-core keep): " + (f"{core_t / t * 100:.0f}% of in-core" if t else
+                                           "did not run"))
+    table = "\n".join(lines) + "\n"
+    print()
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"keep_need": keep_need, "budgets": budgets, "runs": runs,
+                   "overhead_mib": args.overhead_mib, "cgroup": use_cgroup,
+                   "removed_env": removed, "args": vars(args)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
