@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -91,6 +92,7 @@ struct OutOfCoreWeights::Block {
   int64_t gradBytes = 0;     // counted in the tracker
   bool queued = false;       // update queued (or done) this step
   bool updated = false;      // update done this step
+  bool counted = false;      // the blob in memory is counted in the tracker
 };
 
 namespace {
@@ -135,10 +137,11 @@ int64_t OutOfCoreWeights::windowBytes(BlockModel& model, const WeightOptions& op
   int64_t total = blob[0];
   std::vector<int64_t> rest(blob.begin() + 1, blob.end());
   std::sort(rest.rbegin(), rest.rend());
-  // In memory at once besides block 0: the block in use, its prefetches, the block being
-  // updated and the blobs waiting for their write; gradients: the block in backward and at most
+  // In memory at once besides block 0: the block in use, its prefetches, one block waiting for
+  // its update, the block being updated (waiting for a write slot) and the blobs being written;
+  // gradients: the block in backward and at most
   // two waiting for or in their update (acquire()'s backpressure).
-  const size_t inFlight = static_cast<size_t>(options.prefetch + 2 + options.maxWritesInFlight);
+  const size_t inFlight = static_cast<size_t>(options.prefetch + 3 + options.maxWritesInFlight);
   for (size_t k = 0; k < rest.size() && k < inFlight; ++k) total += rest[k];
   std::sort(grads.rbegin(), grads.rend());
   if (!options.overlapUpdates) {
@@ -196,26 +199,44 @@ OutOfCoreWeights::OutOfCoreWeights(BlockModel model, torch::optim::Optimizer& op
   for (auto& b : blocks_) {
     if (!b->params.empty()) buildLayout(*b);
   }
+  // An accumulator records its parameter's shape when it is made: make (and hold) them while
+  // every parameter has its own, before anything leaves memory.
+  std::vector<size_t> accumulatorBlock;
+  std::vector<int64_t> gradientBytes;
   for (size_t i = 0; i < blocks_.size(); ++i) {
     for (const auto& p : blocks_[i]->params) {
       auto acc = torch::autograd::impl::grad_accumulator(p);
       CARAVAN_CHECK(acc != nullptr, "a parameter without a gradient accumulator");
-      acc->add_pre_hook(std::make_unique<FetchBeforeAccumulate>(this, i));
-      const int64_t bytes = bytesOf(p);
-      postKeys_.push_back(acc->add_post_hook(
-          std::make_unique<torch::autograd::utils::LambdaPostHook>(
-              [this, i, bytes](const torch::autograd::variable_list& outputs,
-                               const torch::autograd::variable_list&) {
-                onGradient(i, bytes);
-                return outputs;
-              })));
       accumulators_.push_back(std::move(acc));
+      accumulatorBlock.push_back(i);
+      gradientBytes.push_back(bytesOf(p));
     }
   }
-  // Out to the tier only now: an accumulator records its parameter's shape when it is made, so
-  // the hooks above are made while every parameter has its own.
-  for (auto& b : blocks_) {
-    if (!b->params.empty() && !b->keep) writeLocked(b->index, lock);
+  try {
+    for (auto& b : blocks_) {
+      if (!b->params.empty() && !b->keep) writeLocked(b->index, lock);
+    }
+  } catch (...) {
+    // A write failed (disk full, file size limit): the queued jobs refer to this store.
+    lock.unlock();
+    tier_.drain();
+    for (auto& b : blocks_) {
+      if (b->slot >= 0) tier_.free(b->slot);
+    }
+    throw;
+  }
+  // The hooks last: nothing below can fail, so a store that was never made leaves none.
+  for (size_t k = 0; k < accumulators_.size(); ++k) {
+    const size_t i = accumulatorBlock[k];
+    auto& acc = accumulators_[k];
+    acc->add_pre_hook(std::make_unique<FetchBeforeAccumulate>(this, i));
+    const int64_t bytes = gradientBytes[k];
+    postKeys_.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i, bytes](const torch::autograd::variable_list& outputs,
+                         const torch::autograd::variable_list&) {
+          onGradient(i, bytes);
+          return outputs;
+        })));
   }
   lock.unlock();
   updater_ = std::thread([this] { updaterLoop(); });
@@ -300,10 +321,7 @@ void OutOfCoreWeights::buildLayout(Block& b) {
   }
   if (b.blob) {
     blobOwner_.erase(b.blob.unsafeGetStorageImpl());
-    if (tracker_ != nullptr) {
-      tracker_->add(MemoryCategory::kWeights, -b.paramBytes);
-      tracker_->add(MemoryCategory::kOptimizerState, -b.stateBytes);
-    }
+    uncount(b);
     b.blob = at::Storage();
   }
   if (b.slot >= 0 && bytes != b.bytes) {
@@ -322,10 +340,20 @@ void OutOfCoreWeights::attachViews(Block& b, const at::Storage& blob) {
   for (auto& m : b.members) m.tensor.set_data(viewOf(blob, m.offset, m.dtype, m.sizes));
   b.blob = blob;
   blobOwner_[blob.unsafeGetStorageImpl()] = b.index;
-  if (tracker_ != nullptr) {
+  // Blocks read in for a checkpoint are not training's memory (weights.h).
+  if (tracker_ != nullptr && !gathering_) {
     tracker_->add(MemoryCategory::kWeights, b.paramBytes);
     tracker_->add(MemoryCategory::kOptimizerState, b.stateBytes);
+    b.counted = true;
   }
+}
+
+void OutOfCoreWeights::uncount(Block& b) {
+  if (tracker_ != nullptr && b.counted) {
+    tracker_->add(MemoryCategory::kWeights, -b.paramBytes);
+    tracker_->add(MemoryCategory::kOptimizerState, -b.stateBytes);
+  }
+  b.counted = false;
 }
 
 void OutOfCoreWeights::evictLocked(Block& b) {
@@ -334,10 +362,7 @@ void OutOfCoreWeights::evictLocked(Block& b) {
   }
   blobOwner_.erase(b.blob.unsafeGetStorageImpl());
   b.blob = at::Storage();
-  if (tracker_ != nullptr) {
-    tracker_->add(MemoryCategory::kWeights, -b.paramBytes);
-    tracker_->add(MemoryCategory::kOptimizerState, -b.stateBytes);
-  }
+  uncount(b);
 }
 
 void OutOfCoreWeights::unpinLocked(size_t i) {
@@ -369,12 +394,12 @@ void OutOfCoreWeights::startReadLocked(size_t i) {
     std::lock_guard<std::mutex> lock(mutex_);
     Block& blk = *blocks_[i];
     blk.reading = false;
-    if (!err.empty()) {
-      tier_.fail(err);
-    } else {
-      tier_.countRead(bytes);
+    try {
+      if (!err.empty()) throw IoError(err);
       stats_.bytesRead += bytes;
       attachViews(blk, s);
+    } catch (const std::exception& e) {
+      tier_.fail(e.what());  // waiters wake on it
     }
     cv_.notify_all();
   });
@@ -404,6 +429,7 @@ void OutOfCoreWeights::prefetch(size_t i) {
 at::Storage OutOfCoreWeights::acquire(size_t i) {
   std::unique_lock<std::mutex> lock(mutex_);
   Block& b = *blocks_.at(i);
+  if (b.params.empty()) return at::Storage();
   if (b.backwardPin && b.blob) return b.blob;
   const auto t0 = Clock::now();
   if (options_.overlapUpdates) {
@@ -423,7 +449,8 @@ at::Storage OutOfCoreWeights::acquire(size_t i) {
     cv_.wait(lock, [&] { return settled() || error_ || tier_.failed() || stop_; });
     checkLocked();
   }
-  stats_.stallSeconds += secondsSince(t0) + fetchLocked(i, lock);
+  fetchLocked(i, lock);
+  stats_.stallSeconds += secondsSince(t0);  // backpressure and the read
   b.backwardPin = true;
   unpinLocked(i);
   for (int k = 1; k <= options_.prefetch && static_cast<size_t>(k) <= i; ++k) {
@@ -459,7 +486,13 @@ torch::Tensor OutOfCoreWeights::run(size_t index, torch::nn::AnyModule& block, t
   }
   std::lock_guard<std::mutex> lock(mutex_);
   Block& b = *blocks_[index];
-  if (training && index + 1 == n && !b.params.empty()) b.backwardPin = true;  // backward's first
+  if (training && index + 1 == n) {
+    // Backward starts here: keep this block, fetch the ones below it.
+    if (!b.params.empty()) b.backwardPin = true;
+    for (int k = 1; k <= options_.prefetch && static_cast<size_t>(k) <= index; ++k) {
+      startReadLocked(index - k);
+    }
+  }
   unpinLocked(index);
   return y;
 }
@@ -469,7 +502,15 @@ void OutOfCoreWeights::onGradient(size_t i, int64_t bytes) {
   Block& b = *blocks_[i];
   b.gradBytes += bytes;
   if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, bytes);
-  if (--b.gradsPending == 0 && options_.overlapUpdates && !b.queued) queueUpdateLocked(i);
+  if (--b.gradsPending > 0) return;
+  if (options_.overlapUpdates) {
+    if (!b.queued) queueUpdateLocked(i);
+  } else {
+    // The update waits for finishStep() (clipping): the clean blob need not wait in memory.
+    b.backwardPin = false;
+    ++b.pins;
+    unpinLocked(i);
+  }
 }
 
 void OutOfCoreWeights::queueUpdateLocked(size_t i) {
@@ -500,10 +541,8 @@ void OutOfCoreWeights::writeLocked(size_t i, std::unique_lock<std::mutex>& lock)
     Block& blk = *blocks_[i];
     blk.writing = false;
     --writesInFlight_;
-    if (!err.empty()) {
-      tier_.fail(err);
-    } else {
-      tier_.countWrite(bytes);
+    try {
+      if (!err.empty()) throw IoError(err);
       stats_.bytesWritten += bytes;
       // Clean unless the blob was replaced meanwhile (it is not: updates wait for the write).
       blk.clean = blk.blob && blk.blob.unsafeGetStorageImpl() == blob.unsafeGetStorageImpl();
@@ -511,13 +550,14 @@ void OutOfCoreWeights::writeLocked(size_t i, std::unique_lock<std::mutex>& lock)
         ++blk.pins;  // unpinLocked decides
         unpinLocked(i);
       }
+    } catch (const std::exception& e) {
+      tier_.fail(e.what());  // waiters wake on it
     }
     cv_.notify_all();
   });
 }
 
 void OutOfCoreWeights::update(size_t i) {
-  if (strategy_ != nullptr) strategy_->finishGroup(i);  // the averaged gradients in .grad
   Block& b = *blocks_[i];
   {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -525,6 +565,8 @@ void OutOfCoreWeights::update(size_t i) {
     cv_.wait(lock, [&] { return !b.writing || error_ || tier_.failed(); });
     checkLocked();
   }
+  // The averaged gradients in .grad (the parameters have their shapes again).
+  if (strategy_ != nullptr) strategy_->finishGroup(i);
   const auto t0 = Clock::now();
   {
     at::NoGradGuard noGrad;
@@ -545,12 +587,14 @@ void OutOfCoreWeights::update(size_t i) {
   b.clean = false;
   b.backwardPin = false;
   b.updated = true;
+  cv_.notify_all();  // backward may be waiting for this (acquire's backpressure)
   stats_.updateSeconds += secondsSince(t0);
   if (!b.keep) writeLocked(i, lock);
   unpinLocked(i);
 }
 
 void OutOfCoreWeights::updaterLoop() {
+  at::init_num_threads();  // train.threads, as on the training thread
   for (;;) {
     size_t i = 0;
     {
@@ -586,10 +630,28 @@ void OutOfCoreWeights::finishStep() {
 }
 
 void OutOfCoreWeights::withAllResident(const std::function<void()>& fn) {
+  size_t pinned = 0;
+  struct Release {
+    OutOfCoreWeights* self;
+    size_t& pinned;
+    ~Release() {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      self->optimizer_.state().clear();
+      for (size_t i = 0; i < pinned; ++i) self->unpinLocked(i);
+    }
+  } release{this, pinned};
   {
     std::unique_lock<std::mutex> lock(mutex_);
+    gathering_ = true;
+    struct Done {
+      bool& flag;
+      ~Done() { flag = false; }
+    } done{gathering_};
     for (size_t i = 0; i < blocks_.size(); ++i) startReadLocked(i);
-    for (size_t i = 0; i < blocks_.size(); ++i) fetchLocked(i, lock);
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      fetchLocked(i, lock);
+      ++pinned;
+    }
     for (auto& b : blocks_) {
       if (!b->optimizer) continue;
       for (const auto& p : b->params) {
@@ -598,14 +660,6 @@ void OutOfCoreWeights::withAllResident(const std::function<void()>& fn) {
       }
     }
   }
-  struct Release {
-    OutOfCoreWeights* self;
-    ~Release() {
-      std::lock_guard<std::mutex> lock(self->mutex_);
-      self->optimizer_.state().clear();
-      for (size_t i = 0; i < self->blocks_.size(); ++i) self->unpinLocked(i);
-    }
-  } release{this};
   fn();
 }
 

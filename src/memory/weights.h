@@ -28,21 +28,28 @@
 // Backpressure: backward enters block i only when at most one block above waits for its
 // update (so gradients do not pile up when the updater lags), and updated blobs wait for their
 // write at most maxWritesInFlight at a time; windowBytes() is the most this keeps in memory.
-// Block 0 finishes last and is needed first: it stays in memory (double-buffered weights).
-// With gradient clipping the global norm needs every gradient, so updates wait for
-// finishStep() (no overlap; gradients then peak at their full size).
+// The exception: a block above whose gradients never all arrive (a parameter unused this step)
+// turns the backpressure off until finishStep(), and under all-reduce holds back the exchange
+// (and so the updates) of every block below it, which then wait in memory.
+// Block 0 finishes last and is needed first: it stays in memory (no read at the start of the
+// next forward). With gradient clipping the global norm needs every gradient, so updates wait
+// for finishStep() (no overlap; every gradient is in memory then, and each blob is read again
+// for its update).
 //
 // Per-parameter optimizers (SGD, AdamW) give the same result whether one optimizer steps all
 // parameters or one per block steps each block: training is bitwise the in-core run's (tests).
 // Checkpoints and exports call withAllResident(): every block comes into memory for the save
-// (not counted against memory.budget) and the state goes through the run's optimizer, so the
-// checkpoint format is the in-core one.
+// (not counted in the tracker, so not against memory.budget: the cgroup of a budgeted run must
+// allow for it) and the state goes through the run's optimizer, so the checkpoint format is the
+// in-core one.
 //
 // Memory accounting: the blob bytes in memory (weights, optimizer state) and the gradients are
 // added to and taken from the tracker as they appear and go.
 //
 // Threading: run(), finishStep() and withAllResident() on the training thread; acquire() and
 // the accumulator hooks on autograd's threads; updates on the updater thread; I/O on the tier's.
+// The store must go before the tier stops its threads (jobs submitted then would run inline,
+// under the store's lock).
 #pragma once
 
 #include <condition_variable>
@@ -128,8 +135,9 @@ class OutOfCoreWeights final : public BlockRunner {
   int64_t blobBytes(size_t block) const;
   WeightStats takeStats();
 
-  // What the weights need in memory at most (block 0, the blocks in flight, two blocks'
-  // gradients), for the budget: before the store exists, from the model and the options.
+  // What the weights need in memory at most (block 0, prefetch + 3 + maxWritesInFlight blobs,
+  // three blocks' gradients, or all of them with clipping), for the budget: before the store
+  // exists, from the model and the options.
   static int64_t windowBytes(BlockModel& model, const WeightOptions& options);
 
   struct Block;
@@ -138,6 +146,7 @@ class OutOfCoreWeights final : public BlockRunner {
   void buildLayout(Block& b);                // under mutex_: blob from the members in memory
   void attachViews(Block& b, const at::Storage& blob);  // under mutex_
   void evictLocked(Block& b);                // under mutex_
+  void uncount(Block& b);                    // under mutex_: its blob leaves the tracker
   // Pins block i and waits until it is in memory; returns the seconds waited.
   double fetchLocked(size_t i, std::unique_lock<std::mutex>& lock);
   void startReadLocked(size_t i);
@@ -166,6 +175,7 @@ class OutOfCoreWeights final : public BlockRunner {
   size_t updatesRunning_ = 0;
   int writesInFlight_ = 0;
   bool stop_ = false;
+  bool gathering_ = false;  // withAllResident() is reading blocks in: not counted
   std::exception_ptr error_;
   WeightStats stats_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;

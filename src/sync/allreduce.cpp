@@ -30,6 +30,7 @@ void AllReduceStrategy::attach(torch::nn::Module& model) {
   }
   broadcastModel(*comm_, model);  // rank 0's initial parameters (and buffers) everywhere
   // Buckets in reverse registration order: backward produces the last block's gradients first.
+  cancelled_ = false;
   slots_.clear();
   buckets_.clear();
   slotBucket_.clear();
@@ -38,6 +39,7 @@ void AllReduceStrategy::attach(torch::nn::Module& model) {
     Bucket& b = buckets_.back();
     Slot s;
     s.param = p;
+    s.sizes = p.sizes().vec();
     s.numel = p.numel();
     s.offset = b.numel;
     b.numel += s.numel;
@@ -216,7 +218,7 @@ void AllReduceStrategy::finishBucket(size_t index) {
     b.buffer.mul_(scale);
     for (size_t j : b.slots) {
       Slot& s = slots_[j];
-      at::Tensor avg = b.buffer.narrow(0, s.offset, s.numel).view(s.param.sizes());
+      at::Tensor avg = b.buffer.narrow(0, s.offset, s.numel).view(s.sizes);
       if (!groups_.empty()) {
         s.param.mutable_grad() = avg;  // a view: the bucket's buffer lives as long as the grads
       } else if (!s.param.grad().defined()) {

@@ -18,7 +18,8 @@
 // gradients are held once. finishGroup() finishes one bucket from the updater thread.
 //
 // Threading: the gradient hooks run on autograd's thread and only enqueue launches under a
-// mutex; attach/finishGradients run on the trainer thread.
+// mutex; attach/finishGradients run on the trainer thread, finishGroup on the out-of-core
+// weights' updater thread (finishBucket makes each bucket's finish happen once).
 #pragma once
 
 #include <atomic>
@@ -74,7 +75,8 @@ class AllReduceStrategy : public Strategy {
  private:
   struct Slot {
     at::Tensor param;
-    int64_t offset = 0;  // elements into the bucket buffer
+    std::vector<int64_t> sizes;  // the parameter's shape (out-of-core weights empty it)
+    int64_t offset = 0;          // elements into the bucket buffer
     int64_t numel = 0;
     bool ready = false;
   };
