@@ -21,7 +21,8 @@ repeats. Every budgeted run is verified inside one memory cgroup for the job (la
 workers) limited to 2 x (budget + --overhead-mib). Needs root for the cgroup.
 
 OPENBLAS_CORETYPE is removed from the measured processes' environment; every worker is
-single-threaded (train.threads = 1). The tier is the disk (memory.swap_dir, default /var/tmp)
+single-threaded (train.threads = 1). optim.grad_clip = 0 in every run: clipping needs every
+gradient before any update, which takes away the overlap of updates with backward. The tier is the disk (memory.swap_dir, default /var/tmp)
 with direct I/O, shared by both workers.
 """
 import argparse
@@ -61,7 +62,8 @@ def run(args, kind, budget, environ, tmp, use_cgroup, tag):
             f"data.seq_len={args.context}", f"data.batch_size={args.batch}",
             "train.threads=1", f"train.max_steps={args.steps}", "train.log_every=1",
             "train.eval_every=0", "train.eval_batches=1", "checkpoint.every=0",
-            "sync.mode=allreduce", f"memory.profile_repeats={args.profile_repeats}",
+            "sync.mode=allreduce", "optim.grad_clip=0",
+            f"memory.profile_repeats={args.profile_repeats}",
             f"memory.swap_dir={args.swap_dir}"]
     if kind.startswith("offload"):
         sets.append("memory.weights=offload")
@@ -168,7 +170,7 @@ def main():
     off_t = med(times("offload-keep", -1))
     lines = [f"brown-gpt width {args.width}, depth {args.depth}, {args.heads} heads, context "
              f"{args.context}, batch {args.batch} per worker, {WORKERS} workers (BSP all-reduce, "
-             f"gloo), AdamW, 1 thread each; {args.steps} steps per run, {args.repeats} repeats "
+             f"gloo), AdamW without clipping, 1 thread each; {args.steps} steps per run, {args.repeats} repeats "
              f"interleaved. In core, keep-everything tracks {keep_need / MIB:.1f} MiB per worker "
              f"and a step takes {core_t * 1e3:.0f} ms (median of {len(times('core-keep', -1))} "
              "runs). "
