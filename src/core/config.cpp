@@ -85,9 +85,13 @@ std::vector<ConfigOption> buildSchema() {
       intOpt("train.eval_batches", 0, 0, kMaxInt,
              "evaluation batches per evaluation (0 = the whole test/validation set)"),
       boolOpt("train.keep_freed_memory", true,
-              "keep freed tensor memory mapped for reuse (a cache by size, at most 1 GiB) "
-              "instead of faulting activations back in every step; false = LibTorch's default "
-              "allocator"),
+              "keep freed tensor memory mapped for reuse (a cache by size, at most "
+              "train.freed_memory_cache) instead of faulting activations back in every step; "
+              "false = LibTorch's default allocator"),
+      strOpt("train.freed_memory_cache", "1GiB",
+             "train.keep_freed_memory: the most freed memory kept for reuse (e.g. \"256MiB\"); "
+             "not counted in memory.budget, so a memory cgroup around a budgeted run must allow "
+             "for it"),
       intOpt("train.log_every", 50, 1, kMaxInt, "write a train metrics line every N steps"),
       intOpt("train.threads", 0, 0, 1024,
              "intra-op compute threads (0 = LibTorch's default: all cores)"),

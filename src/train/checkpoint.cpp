@@ -36,10 +36,10 @@ uint32_t crc(const std::string& s) {
       crc32(0L, reinterpret_cast<const Bytef*>(s.data()), static_cast<uInt>(s.size())));
 }
 
-void writeAll(int fd, const std::string& bytes, const std::string& path) {
+void writeAll(int fd, const char* data, size_t size, const std::string& path) {
   size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+  while (done < size) {
+    ssize_t n = ::write(fd, data + done, size - done);
     if (n < 0) {
       if (errno == EINTR) continue;
       throw IoError(fmt::format("cannot write {}: {} (free disk space and retry)", path,
@@ -49,9 +49,57 @@ void writeAll(int fd, const std::string& bytes, const std::string& path) {
   }
 }
 
+// An output stream buffer onto a file descriptor that keeps the CRC-32 and the length of what
+// went through it: a checkpoint's payload goes to the file as it is serialized, never whole in
+// memory (with out-of-core weights the model itself is all the memory there is to spare).
+class CrcFileBuf final : public std::streambuf {
+ public:
+  CrcFileBuf(int fd, std::string path) : fd_(fd), path_(std::move(path)), buffer_(1 << 20) {
+    setp(buffer_.data(), buffer_.data() + buffer_.size());
+  }
+  uint32_t crc() const { return static_cast<uint32_t>(crc_); }
+  uint64_t size() const { return size_; }
+  void flush() {
+    const size_t n = static_cast<size_t>(pptr() - pbase());
+    if (n == 0) return;
+    crc_ = crc32(crc_, reinterpret_cast<const Bytef*>(pbase()), static_cast<uInt>(n));
+    writeAll(fd_, pbase(), n, path_);
+    size_ += n;
+    setp(buffer_.data(), buffer_.data() + buffer_.size());
+  }
+
+ protected:
+  int_type overflow(int_type c) override {
+    flush();
+    if (!traits_type::eq_int_type(c, traits_type::eof())) {
+      *pptr() = traits_type::to_char_type(c);
+      pbump(1);
+    }
+    return traits_type::not_eof(c);
+  }
+  int sync() override {
+    flush();
+    return 0;
+  }
+
+ private:
+  int fd_;
+  std::string path_;
+  std::vector<char> buffer_;
+  uLong crc_ = crc32(0L, Z_NULL, 0);
+  uint64_t size_ = 0;
+};
+
 }  // namespace
 
 void writeFileAtomic(const std::string& path, const std::string& bytes) {
+  writeFileAtomic(path, [&](int fd, const std::string& tmp) {
+    writeAll(fd, bytes.data(), bytes.size(), tmp);
+  });
+}
+
+void writeFileAtomic(const std::string& path,
+                     const std::function<void(int fd, const std::string& tmp)>& fill) {
   fs::path target(path);
   fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
   std::string tmpl = (dir / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
@@ -65,7 +113,7 @@ void writeFileAtomic(const std::string& path, const std::string& bytes) {
   }
   std::string tmp(name.data());
   try {
-    writeAll(fd, bytes, tmp);
+    fill(fd, tmp);
     if (::fsync(fd) != 0) {
       throw IoError(fmt::format("cannot sync {}: {}", tmp, std::strerror(errno)));
     }
@@ -102,16 +150,27 @@ void saveCheckpoint(const std::string& path, torch::nn::Module& model,
   archive.write("rng", state.rngState, /*is_buffer=*/true);
   archive.write("elapsed_s", c10::IValue(state.elapsedSeconds));
   archive.write("meta", c10::IValue(state.meta.dump()));
-  std::ostringstream payloadStream;
-  archive.save_to(payloadStream);
-  std::string payload = payloadStream.str();
-
-  std::string file(kMagic, sizeof(kMagic));
-  putLe(file, payload.size(), 8);
-  putLe(file, crc(payload), 4);
-  putLe(file, 0, 4);
-  file += payload;
-  writeFileAtomic(path, file);
+  // Header (magic, payload length, CRC-32) written last, over a placeholder: the payload is
+  // streamed to the file.
+  writeFileAtomic(path, [&](int fd, const std::string& tmp) {
+    writeAll(fd, std::string(kHeaderSize, '\0').data(), kHeaderSize, tmp);
+    CrcFileBuf buf(fd, tmp);
+    {
+      std::ostream out(&buf);
+      out.exceptions(std::ios::badbit);  // the buffer's IoError comes through
+      archive.save_to(out);
+      out.flush();
+    }
+    buf.flush();
+    std::string header(kMagic, sizeof(kMagic));
+    putLe(header, buf.size(), 8);
+    putLe(header, buf.crc(), 4);
+    putLe(header, 0, 4);
+    if (::pwrite(fd, header.data(), header.size(), 0) != static_cast<ssize_t>(header.size())) {
+      throw IoError(fmt::format("cannot write {}: {} (free disk space and retry)", tmp,
+                                std::strerror(errno)));
+    }
+  });
 }
 
 TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
@@ -224,8 +283,10 @@ void exportStateDict(const std::string& path, torch::nn::Module& model) {
   c10::Dict<std::string, at::Tensor> dict;
   for (const auto& p : model.named_parameters()) dict.insert(p.key(), p.value().detach());
   for (const auto& b : model.named_buffers()) dict.insert(b.key(), b.value().detach());
-  std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
-  writeFileAtomic(path, std::string(bytes.begin(), bytes.end()));
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
+  writeFileAtomic(path, [&](int fd, const std::string& tmp) {
+    writeAll(fd, bytes.data(), bytes.size(), tmp);
+  });
 }
 
 }  // namespace caravan

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -41,6 +42,10 @@ struct TrainingState {
 
 // Writes `bytes` to `path` atomically (tmp + fsync + rename + fsync dir). Throws IoError.
 void writeFileAtomic(const std::string& path, const std::string& bytes);
+// The same, with the bytes written by `fill` into the open temporary file `tmp` (fd); fill
+// throws IoError on a failed write.
+void writeFileAtomic(const std::string& path,
+                     const std::function<void(int fd, const std::string& tmp)>& fill);
 
 void saveCheckpoint(const std::string& path, torch::nn::Module& model,
                     torch::optim::Optimizer& optimizer, const TrainingState& state);

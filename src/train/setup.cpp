@@ -8,6 +8,7 @@
 #include "core/errors.h"
 #include "memory/host_allocator.h"
 #include "data/sources.h"
+#include "memory/accounting.h"
 
 namespace caravan {
 
@@ -16,11 +17,12 @@ void applyRuntimeConfig(const Config& config) {
     // Tensor storages from mappings cached by size (memory/host_allocator.h): with the C heap,
     // every step page-faulted its activations back in (~19k faults per GPT step, measured:
     // bench/README.md) or, with raised malloc thresholds, fragmented. The cache holds at most
-    // 1 GiB of storages a step freed; it is not tied to memory.budget: a cache of a quarter of
-    // the budget made swap-input steps 2x slower (brown-gpt depth 12: 4.2 s against 2.1 s),
-    // every step unmapping and faulting back its transient tensors.
-    const int64_t cacheLimit = int64_t{1} << 30;
-    HostAllocator::install(cacheLimit);
+    // train.freed_memory_cache (1 GiB) of storages a step freed; it is not tied to
+    // memory.budget: a cache of a quarter of the budget made swap-input steps 2x slower
+    // (brown-gpt depth 12: 4.2 s against 2.1 s), every step unmapping and faulting back its
+    // transient tensors.
+    HostAllocator::install(
+        parseBytes(config.str("train.freed_memory_cache"), "train.freed_memory_cache"));
   }
   const int64_t threads = config.i64("train.threads");
   if (threads <= 0) return;
