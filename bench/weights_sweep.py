@@ -18,7 +18,10 @@ Runs are interleaved (core-keep, offload-keep, then every budget's runs, then th
 Step time is the median over a run's steps (the first dropped) of the time between train
 records (forward, backward, gradient exchange, the optimizer: everything), then the median over
 repeats. Every budgeted run is verified inside one memory cgroup for the job (launcher and both
-workers) limited to 2 x (budget + --overhead-mib). Needs root for the cgroup.
+workers) limited to 2 x (budget + --overhead-mib); the overhead holds the LibTorch runtime,
+untracked transients and the allocator's cache of freed memory, which the budgeted runs bound
+with train.freed_memory_cache = --freed-cache-mib (the unbudgeted runs keep the default 1 GiB).
+Needs root for the cgroup.
 
 OPENBLAS_CORETYPE is removed from the measured processes' environment; every worker is
 single-threaded (train.threads = 1). optim.grad_clip = 0 in every run: clipping needs every
@@ -68,7 +71,8 @@ def run(args, kind, budget, environ, tmp, use_cgroup, tag):
     if kind.startswith("offload"):
         sets.append("memory.weights=offload")
     if budget:
-        sets += ["memory.policy=auto", f"memory.budget={budget}"]
+        sets += ["memory.policy=auto", f"memory.budget={budget}",
+                 f"train.freed_memory_cache={args.freed_cache_mib}MiB"]
     cmd = [CARAVAN, "train", "-c", os.path.join(ROOT, "configs", "brown-gpt.toml"), "--run-dir",
            run_dir, "-q", "--workers", str(WORKERS)]
     for s in sets:
@@ -120,6 +124,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--profile-repeats", type=int, default=2)
     ap.add_argument("--overhead-mib", type=int, default=512)
+    ap.add_argument("--freed-cache-mib", type=int, default=256,
+                    help="train.freed_memory_cache of the budgeted runs (inside the overhead)")
     ap.add_argument("--swap-dir", default="/var/tmp")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "weights"))
     args = ap.parse_args()
@@ -175,7 +181,8 @@ def main():
              f"and a step takes {core_t * 1e3:.0f} ms (median of {len(times('core-keep', -1))} "
              "runs). "
              + (f"Each budgeted job ran in a memory cgroup limited to {WORKERS} x (budget + "
-                f"{args.overhead_mib} MiB)." if use_cgroup else
+                f"{args.overhead_mib} MiB), with train.freed_memory_cache = "
+                f"{args.freed_cache_mib} MiB." if use_cgroup else
                 "NO cgroup was available: runs were not verified.")
              + (f" {', '.join(removed)} removed from the environment." if removed else ""),
              "",

@@ -16,6 +16,7 @@
 
 #include "core/clock.h"
 #include "core/errors.h"
+#include "memory/host_allocator.h"
 #include "sync/strategy.h"
 
 namespace caravan {
@@ -640,6 +641,8 @@ void OutOfCoreWeights::withAllResident(const std::function<void()>& fn) {
       for (size_t i = 0; i < pinned; ++i) self->unpinLocked(i);
     }
   } release{this, pinned};
+  // The whole model comes in: first give back what the allocator keeps for reuse.
+  if (HostAllocator::installed()) HostAllocator::instance().emptyCache();
   {
     std::unique_lock<std::mutex> lock(mutex_);
     gathering_ = true;
