@@ -24,6 +24,8 @@
 
 #include "comm/launch.h"
 #include "comm/world.h"
+#include "core/config.h"
+#include "run_util.h"
 #include "test_util.h"
 
 extern char** environ;
@@ -249,6 +251,22 @@ TEST(LauncherUnits, WorkerArguments) {
             (std::vector<std::string>{"train", "--config", "c.toml", "--set", "a.b=1",
                                       "--quiet"}));
   EXPECT_EQ(rankLogPath("runs/x", 2), "runs/x/rank-2.log");
+  // Workers do not supervise: --max-restarts goes too.
+  EXPECT_EQ(workerArguments({"train", "-c", "c.toml", "--max-restarts", "2", "--workers", "2",
+                             "--max-restarts=3"},
+                            1, ""),
+            (std::vector<std::string>{"train", "-c", "c.toml", "--quiet"}));
+}
+
+TEST(LauncherUnits, RestartArgumentsResumeTheRunDirectory) {
+  const std::vector<std::string> args = {
+      "train", "--config", "c.toml", "--set", "a.b=1", "--run-dir", "r", "--workers", "2",
+      "--max-restarts", "3", "-q", "--stop-at-step=7", "--set=c.d=2", "--trace"};
+  EXPECT_EQ(restartArguments(args, "r"),
+            (std::vector<std::string>{"train", "--workers", "2", "--max-restarts", "3", "-q",
+                                      "--trace", "--resume", "r"}));
+  EXPECT_EQ(restartArguments({"train", "--resume", "r", "--workers", "2"}, "r"),
+            (std::vector<std::string>{"train", "--workers", "2", "--resume", "r"}));
 }
 
 TEST(LauncherUnits, FailureLine) {
@@ -332,6 +350,54 @@ TEST_F(LauncherProcess, KilledWorkerStopsTheOthers) {
   EXPECT_NE(line.find("see " + run_ + "/rank-1.log"), std::string::npos) << line;
   expectNoWorkersLeft();
   std::printf("supervisor exited %.1f s after the kill: %s\n", took, line.c_str());
+}
+
+TEST_F(LauncherProcess, MaxRestartsContinuesFromTheLastCheckpointAfterAKilledWorker) {
+  // A worker killed mid-run: with --max-restarts 1 the supervisor says so and starts the job
+  // again from the newest checkpoint; deterministic BSP then ends exactly as a run that never
+  // failed (every step's loss and the final weights, bitwise).
+  const std::string job = kSynthetic +
+                          " --set train.max_steps=3000 --set checkpoint.every=50 "
+                          "--set train.log_every=1";
+  writeFile(tmp_ / "c.toml", "[train]\nmax_steps = 4\n");
+  const test::CommandResult ref =
+      test::runCaravan("train --config c.toml " + job + " --run-dir ref --workers 2", tmp_.path());
+  ASSERT_EQ(ref.exitCode, 0) << ref.err;
+
+  run_ = tmp_ / "run";
+  start("train --config c.toml " + job + " --run-dir " + run_ + " --workers 2 --max-restarts 1");
+  ASSERT_TRUE(waitForWorkers(2, seconds(30))) << readFile(tmp_ / "err");
+  ASSERT_TRUE(waitUntil(
+      [&] { return fs::exists(run_ + "/checkpoints") && !fs::is_empty(run_ + "/checkpoints"); },
+      seconds(60)))
+      << readFile(tmp_ / "err");
+  const pid_t victim = workers_.at(1);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  const auto status = waitExit(seconds(120));
+  ASSERT_TRUE(status.has_value()) << "the restarted job did not finish within 120 s";
+  const std::string err = readFile(tmp_ / "err");
+  ASSERT_TRUE(WIFEXITED(*status)) << err;
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << err;
+  EXPECT_NE(err.find("rank 1 (pid " + std::to_string(victim) + ") was killed by signal 9"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("caravan: restart 1 of 1, from " + run_ + "/checkpoints/"),
+            std::string::npos)
+      << err;
+  const std::vector<double> expected = test::trainLosses(tmp_ / "ref");
+  ASSERT_EQ(expected.size(), 3000u);
+  EXPECT_EQ(test::trainLosses(run_), expected);
+  const Config config = Config::fromFile(tmp_ / "ref/config.toml", {});
+  const auto a = test::finalWeights(config, tmp_ / "ref"), b = test::finalWeights(config, run_);
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : a) EXPECT_TRUE(at::equal(t, b.at(name))) << name;
+}
+
+TEST_F(LauncherProcess, MaxRestartsNeedsWorkers) {
+  const test::CommandResult r = test::runCaravan("train --config /dev/null --max-restarts 1");
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+  EXPECT_NE(r.err.find("--max-restarts restarts the workers of --workers N"), std::string::npos)
+      << r.err;
 }
 
 TEST_F(LauncherProcess, InterruptStopsEveryWorker) {

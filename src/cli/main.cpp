@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "cli/launcher.h"
+#include "comm/launch.h"
 #include "comm/world.h"
 #include "core/config.h"
 #include "core/errors.h"
@@ -115,9 +116,9 @@ int runTrain(const std::string& configPath, const std::vector<std::string>& over
 }
 
 // `caravan train --workers N`: this process supervises N local workers (cli/launcher.h).
-int launchTrain(int argc, char** argv, int workers, const std::string& configPath,
-                const std::vector<std::string>& overrides, const std::string& runDir,
-                const std::string& resumeDir) {
+int launchTrain(int argc, char** argv, int workers, int maxRestarts,
+                const std::string& configPath, const std::vector<std::string>& overrides,
+                const std::string& runDir, const std::string& resumeDir) {
   const WorldInfo world = worldFromEnvironment(processEnvironment());
   if (world.launcher != "none") {
     const char* vars = world.launcher == "openmpi" ? "OMPI_COMM_WORLD_*"
@@ -144,7 +145,26 @@ int launchTrain(int argc, char** argv, int workers, const std::string& configPat
     launch.addRunDir = true;
   }
   launch.threadsConfigured = config.i64("train.threads") > 0;
-  return superviseWorkers(launch);
+  // --max-restarts K: after a failed worker, the job starts again from the run's newest
+  // checkpoint (the workers that were stopped wrote one if they could), K times at most.
+  for (int restart = 1;; ++restart) {
+    try {
+      return superviseWorkers(launch);
+    } catch (const WorkerError& e) {
+      if (restart > maxRestarts) throw;
+      const std::optional<std::string> latest =
+          CheckpointDir(launch.runDir, config.i64("checkpoint.keep")).latest();
+      if (!latest) {
+        throw WorkerError(fmt::format("{}; not restarted: {} has no checkpoint yet (set "
+                                      "checkpoint.every to restart from one)",
+                                      e.what(), launch.runDir));
+      }
+      std::fprintf(stderr, "caravan: %s\ncaravan: restart %d of %d, from %s\n", e.what(),
+                   restart, maxRestarts, latest->c_str());
+      launch.args = restartArguments(launch.args, launch.runDir);
+      launch.addRunDir = false;
+    }
+  }
 }
 
 // caravan plan: profile the config's model on one batch, plan its blocks under memory.budget
@@ -217,6 +237,7 @@ int main(int argc, char** argv) {
   int64_t stopAtStep = 0;
   bool quiet = false;
   int workers = 0;
+  int maxRestarts = 0;
 
   auto* train = app.add_subcommand("train", "train a model (config keys: caravan config --schema)");
   train->add_option("--config,-c", configPath, "TOML config file (see configs/)");
@@ -240,6 +261,11 @@ int main(int argc, char** argv) {
                         "spawn N local worker processes (data parallel); under "
                         "torchrun/srun/mpirun the launcher's variables decide instead")
           ->check(CLI::Range(1, 1024));
+  auto* restartsOption =
+      train->add_option("--max-restarts", maxRestarts,
+                        "with --workers: after a worker fails, restart the job from the run's "
+                        "newest checkpoint, at most K times (each restart is announced)")
+          ->check(CLI::Range(0, 1000));
   train->footer("Config keys (TOML [section] key = value, or --set section.key=value):\n" +
                 Config::schemaText());
 
@@ -277,8 +303,13 @@ int main(int argc, char** argv) {
   // A failure is reported on a line of its own, even if a progress bar was being drawn.
   const char* clearLine = isatty(STDERR_FILENO) ? "\r\x1b[K" : "";
   try {
+    if (*train && restartsOption->count() > 0 && workersOption->count() == 0) {
+      throw ConfigError("--max-restarts restarts the workers of --workers N; under torchrun, "
+                        "srun or mpirun use the launcher's own restart policy");
+    }
     if (*train && workersOption->count() > 0) {
-      return launchTrain(argc, argv, workers, configPath, overrides, runDir, resumeDir);
+      return launchTrain(argc, argv, workers, maxRestarts, configPath, overrides, runDir,
+                         resumeDir);
     }
     if (*train) return runTrain(configPath, overrides, runDir, resumeDir, stopAtStep, quiet, trace);
     if (*eval) return runEval(runDir, checkpoint, overrides);

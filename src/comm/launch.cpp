@@ -40,18 +40,43 @@ std::vector<std::string> environmentStrings(const Environment& env) {
   return out;
 }
 
+namespace {
+
+// `args` without the options named in `drop` (each with its value: "--x v" or "--x=v").
+std::vector<std::string> withoutOptions(const std::vector<std::string>& args,
+                                        const std::vector<std::string>& drop) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    bool dropped = false;
+    for (const std::string& d : drop) {
+      if (a == d) {
+        ++i;  // and its value
+        dropped = true;
+      } else if (a.rfind(d + "=", 0) == 0) {
+        dropped = true;
+      }
+    }
+    if (!dropped) out.push_back(a);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> restartArguments(const std::vector<std::string>& supervisorArgs,
+                                          const std::string& runDir) {
+  std::vector<std::string> out = withoutOptions(
+      supervisorArgs, {"--config", "-c", "--run-dir", "--resume", "--set", "--stop-at-step"});
+  out.push_back("--resume");
+  out.push_back(runDir);
+  return out;
+}
+
 std::vector<std::string> workerArguments(const std::vector<std::string>& supervisorArgs,
                                          int rank, const std::string& addRunDir) {
-  std::vector<std::string> out;
-  for (size_t i = 0; i < supervisorArgs.size(); ++i) {
-    const std::string& a = supervisorArgs[i];
-    if (a == "--workers") {
-      ++i;  // and its value
-      continue;
-    }
-    if (a.rfind("--workers=", 0) == 0) continue;
-    out.push_back(a);
-  }
+  // The workers are not supervisors: no --workers, no --max-restarts.
+  std::vector<std::string> out = withoutOptions(supervisorArgs, {"--workers", "--max-restarts"});
   if (!addRunDir.empty()) {
     out.push_back("--run-dir");
     out.push_back(addRunDir);

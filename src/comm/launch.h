@@ -39,10 +39,16 @@ Environment workerEnvironment(const Environment& base, int rank, int worldSize, 
 // "KEY=VALUE" strings for execve().
 std::vector<std::string> environmentStrings(const Environment& env);
 
-// A worker's arguments (without argv[0]) from the supervisor's: `--workers N` and
-// `--workers=N` removed; `--run-dir RUN_DIR` appended when `addRunDir` is non-empty (the
+// A worker's arguments (without argv[0]) from the supervisor's: `--workers N`, `--workers=N`
+// and `--max-restarts K` removed; `--run-dir RUN_DIR` appended when `addRunDir` is non-empty (the
 // supervisor chose the default run directory, so every rank must be told the same one);
 // `--quiet` appended for ranks > 0 (only rank 0 draws on the terminal).
+// The supervisor's arguments for a restart after a failure (--max-restarts): the same flags
+// and --workers, with `--resume RUN_DIR` in place of --config/-c, --run-dir, --resume, --set
+// (RUN_DIR/config.toml has them) and --stop-at-step (the first run's stop, passed already).
+std::vector<std::string> restartArguments(const std::vector<std::string>& supervisorArgs,
+                                          const std::string& runDir);
+
 std::vector<std::string> workerArguments(const std::vector<std::string>& supervisorArgs,
                                          int rank, const std::string& addRunDir);
 
