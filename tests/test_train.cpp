@@ -12,6 +12,7 @@
 #include "train/checkpoint.h"
 #include "train/schedule.h"
 #include "train/setup.h"
+#include "train/step.h"
 #include "train/trainer.h"
 #include "run_util.h"
 #include "test_util.h"
@@ -233,5 +234,107 @@ TEST(ExportStateDict, WritesLoadableDict) {
   EXPECT_EQ(dict.size(), m->named_parameters().size() + m->named_buffers().size());
   for (const auto& p : m->named_parameters()) {
     EXPECT_TRUE(at::equal(dict.at(p.key()).toTensor(), p.value())) << p.key();
+  }
+}
+
+TEST(NonFinite, ASkippedStepLeavesTheModelAsIfTheBatchNeverCame) {
+  // Three batches, the middle one poisoned with a NaN: with skipNonFinite the poisoned step
+  // changes nothing (weights, momentum), so the run equals one that saw only the good batches.
+  DataShape shape;
+  shape.task = TaskKind::kImageClassification;
+  ModelSpec spec;
+  spec.name = "cnn";
+  spec.width = 4;
+  auto batch = [&](uint64_t seed) {
+    torch::manual_seed(seed);
+    Batch b;
+    b.input = torch::randn({4, shape.channels, shape.height, shape.width});
+    b.target = torch::randint(0, shape.numClasses, {4}, torch::kLong);
+    return b;
+  };
+  Batch poisoned = batch(2);
+  poisoned.input[1][0][3][3] = std::nan("");
+  auto train = [&](const std::vector<Batch>& batches, std::vector<bool>* skipped) {
+    torch::manual_seed(7);
+    BlockModel model = buildModel(spec, shape);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (const Batch& b : batches) {
+      StepResult r = trainStep(model, sgd, b, 0.0, nullptr, 0, nullptr, /*skipNonFinite=*/true);
+      skipped->push_back(r.skipped);
+    }
+    std::vector<at::Tensor> out;
+    for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
+    return out;
+  };
+  std::vector<bool> withPoison, without;
+  const auto a = train({batch(1), poisoned, batch(3)}, &withPoison);
+  const auto b = train({batch(1), batch(3)}, &without);
+  EXPECT_EQ(withPoison, (std::vector<bool>{false, true, false}));
+  EXPECT_EQ(without, (std::vector<bool>{false, false}));
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(at::isfinite(a[i]).all().item<bool>()) << i;
+    EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i;
+  }
+}
+
+TEST(NonFinite, StopsNamingTheStepAfterTheAllowedSkips) {
+  // A learning rate of 1e6 blows the weights up within a few updates: from some step F on,
+  // every loss is not finite. Without skips the run stops at F naming it; with 2 skips the
+  // weights stay as they were at F, so it stops at F + 2, saying so, and metrics.jsonl counts
+  // the skipped steps.
+  int64_t first = -1;
+  for (const int64_t skips : {int64_t{0}, int64_t{2}}) {
+    SCOPED_TRACE(skips);
+    const Config c = syntheticConfig({"model.name=mlp", "model.width=8", "optim.lr=1e6",
+                                      "optim.momentum=0", "checkpoint.every=0",
+                                      "train.nonfinite_skips=" + std::to_string(skips)});
+    TempDir tmp;
+    TrainerOptions o;
+    o.runDir = tmp / "run";
+    o.quiet = true;
+    std::string m;
+    try {
+      train(c, o);
+      ADD_FAILURE() << "a run whose loss is not finite finished";
+    } catch (const NonFiniteError& e) {
+      m = e.what();
+    }
+    const size_t at = m.find(" at step ");
+    ASSERT_NE(at, std::string::npos) << m;
+    const int64_t step = std::stoll(m.substr(at + 9));
+    if (skips == 0) {
+      first = step;
+      EXPECT_GE(first, 2) << m;
+    } else {
+      EXPECT_EQ(step, first + 2) << m;
+      EXPECT_NE(m.find("after 2 skipped steps"), std::string::npos) << m;
+    }
+    EXPECT_NE(m.find("the last good checkpoint is (none: set checkpoint.every)"),
+              std::string::npos)
+        << m;
+    int64_t lastSkipped = -1;
+    std::istringstream lines(test::readFile(tmp / "run/metrics.jsonl"));
+    for (std::string line; std::getline(lines, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j["kind"] == "train" && j.contains("skipped_steps")) lastSkipped = j["skipped_steps"];
+    }
+    EXPECT_EQ(lastSkipped, skips > 0 ? 2 : -1);
+  }
+}
+
+TEST(NonFinite, SkippingIsRefusedWhereUpdatesComeBeforeTheCheck) {
+  const Config c = syntheticConfig({"model.name=mlp", "model.width=8", "memory.weights=offload",
+                                    "memory.tier=host", "train.nonfinite_skips=1"});
+  TempDir tmp;
+  TrainerOptions o;
+  o.runDir = tmp / "run";
+  o.quiet = true;
+  try {
+    train(c, o);
+    ADD_FAILURE() << "train.nonfinite_skips with out-of-core weights was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("memory.weights = offload"), std::string::npos)
+        << e.what();
   }
 }

@@ -93,6 +93,11 @@ std::vector<ConfigOption> buildSchema() {
              "not counted in memory.budget, so a memory cgroup around a budgeted run must allow "
              "for it"),
       intOpt("train.log_every", 50, 1, kMaxInt, "write a train metrics line every N steps"),
+      intOpt("train.nonfinite_skips", 0, 0, kMaxInt,
+             "steps whose loss or gradient is not finite that are skipped (no update: the batch "
+             "and the step's learning rate are used up; counted in metrics.jsonl as "
+             "skipped_steps) before the run stops at the next one; 0 = stop at the first. Not with parameter-server modes or "
+             "memory.weights = offload (their updates happen before the check)"),
       intOpt("train.threads", 0, 0, 1024,
              "intra-op compute threads (0 = LibTorch's default: all cores)"),
 

@@ -1,6 +1,8 @@
 // Training step and evaluation (see step.h).
 #include "train/step.h"
 
+#include <cmath>
+
 #include <torch/torch.h>
 
 #include "core/errors.h"
@@ -21,7 +23,7 @@ at::Tensor taskLoss(TaskKind task, const at::Tensor& output, const at::Tensor& t
 
 StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
                      double gradClip, Strategy* strategy, int64_t step,
-                     OutOfCoreWeights* weights) {
+                     OutOfCoreWeights* weights, bool skipNonFinite) {
   optimizer.zero_grad();
   if (strategy != nullptr) strategy->beforeForward(step);
   StepResult result;
@@ -32,10 +34,21 @@ StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, cons
   result.backwardEnd = std::chrono::steady_clock::now();
   if (strategy != nullptr) strategy->finishGradients();
   result.syncEnd = std::chrono::steady_clock::now();
-  if (gradClip > 0.0) {
+  if (skipNonFinite) {
+    bool finite = std::isfinite(loss.item<double>());
+    for (const auto& p : model->parameters()) {
+      if (finite && p.grad().defined()) finite = at::isfinite(p.grad()).all().item<bool>();
+    }
+    if (!finite) {
+      optimizer.zero_grad();
+      for (auto p : model->parameters()) p.mutable_grad() = at::Tensor();
+      result.skipped = true;
+    }
+  }
+  if (!result.skipped && gradClip > 0.0) {
     result.gradNorm = torch::nn::utils::clip_grad_norm_(model->parameters(), gradClip);
   }
-  if (strategy == nullptr || !strategy->updatesParameters()) {
+  if (!result.skipped && (strategy == nullptr || !strategy->updatesParameters())) {
     if (weights != nullptr) {
       weights->finishStep();
     } else {

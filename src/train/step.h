@@ -25,6 +25,7 @@ at::Tensor taskLoss(TaskKind task, const at::Tensor& output, const at::Tensor& t
 struct StepResult {
   double loss = 0.0;      // the mini-batch loss before the update
   double gradNorm = 0.0;  // global L2 norm of the gradient (before clipping); 0 if not computed
+  bool skipped = false;   // skipNonFinite: the loss or a gradient was not finite, no update
   // When each phase ended, for the timeline and the compute/synchronization split: forward,
   // backward, gradient synchronization, the optimizer, the strategy's afterStep.
   std::chrono::steady_clock::time_point forwardEnd, backwardEnd, syncEnd, optimizerEnd, stepEnd;
@@ -37,9 +38,12 @@ class OutOfCoreWeights;
 // optional clipping (gradClip > 0), optimizer step, the strategy's afterStep. The learning
 // rate must already be set. With out-of-core weights the blocks' own optimizers update (some
 // during backward) and `weights->finishStep()` stands in for optimizer.step().
+// `skipNonFinite`: when the loss or any gradient (after the strategy's exchange, so every rank
+// of an all-reduce decides alike) is not finite, the gradients are dropped and the optimizer
+// does not run (result.skipped); the strategy's afterStep still runs.
 StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
                      double gradClip, Strategy* strategy = nullptr, int64_t step = 0,
-                     OutOfCoreWeights* weights = nullptr);
+                     OutOfCoreWeights* weights = nullptr, bool skipNonFinite = false);
 
 struct EvalResult {
   double loss = 0.0;      // mean per example (per token for language models)

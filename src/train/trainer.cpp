@@ -169,6 +169,15 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   const int64_t evalBatchSize = config.i64("data.eval_batch_size");
   const int64_t evalBatches = config.i64("train.eval_batches");
   const double gradClip = config.f64("optim.grad_clip");
+  // train.nonfinite_skips: steps with a non-finite loss or gradient skipped before stopping.
+  const int64_t nonfiniteSkips = config.i64("train.nonfinite_skips");
+  if (nonfiniteSkips > 0 && (offload || (strategy != nullptr && strategy->updatesParameters()))) {
+    throw ConfigError(fmt::format(
+        "train.nonfinite_skips needs the update after backward; {} updates before it can be "
+        "checked: set train.nonfinite_skips = 0",
+        offload ? "memory.weights = offload" : "sync.mode = " + config.str("sync.mode")));
+  }
+  int64_t skippedSteps = 0;
 
   TrainSummary summary;
   int64_t lastEvalStep = -1;
@@ -223,7 +232,8 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     if (strategy != nullptr) strategy->setLearningRate(lr);
     const auto stepStart = Clock::now();
     StepResult r =
-        trainStep(model, *optimizer, lb.batch, gradClip, strategy, state.step, weights.get());
+        trainStep(model, *optimizer, lb.batch, gradClip, strategy, state.step, weights.get(),
+                  /*skipNonFinite=*/nonfiniteSkips > 0);
     if (!weights) {
       memory.set(MemoryCategory::kGradients, gradientBytes(parameterList));
       memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
@@ -287,11 +297,22 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
         interrupted = timeUp = false;
       }
     }
-    if (!std::isfinite(r.loss)) {
+    // Non-finite here, or (local SGD, gossip: gradients are per rank) on another rank: every
+    // rank sees the mean loss, so they count alike.
+    const bool nonFinite = r.skipped || !std::isfinite(r.loss);
+    if (nonFinite && skippedSteps < nonfiniteSkips) {
+      ++skippedSteps;
+      progress.line(fmt::format("step {}: loss {}, a non-finite loss or gradient; update "
+                                "skipped ({} of train.nonfinite_skips = {})",
+                                state.step + 1, r.loss, skippedSteps, nonfiniteSkips));
+    } else if (nonFinite) {
       throw NonFiniteError(fmt::format(
-          "loss became {} at step {} (epoch {}); the last good checkpoint is {}; lower optim.lr "
+          "loss became {} at step {} (epoch {}){}; the last good checkpoint is {}; lower optim.lr "
           "or set optim.grad_clip",
           r.loss, state.step + 1, epoch,
+          nonfiniteSkips > 0
+              ? fmt::format(" after {} skipped steps (train.nonfinite_skips)", skippedSteps)
+              : "",
           checkpoints.latest().value_or("(none: set checkpoint.every)")));
     }
     ++state.step;
@@ -314,6 +335,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
       rec["mem_gradients"] = memory.live(MemoryCategory::kGradients);
       rec["mem_optimizer_state"] = memory.live(MemoryCategory::kOptimizerState);
       rec["mem_tracked_peak"] = memory.totalPeak();
+      if (nonfiniteSkips > 0) rec["skipped_steps"] = skippedSteps;  // so far in this process
       rec["rss_bytes"] = residentBytes();
       const HeapBytes heap = heapBytes();
       rec["heap_in_use_bytes"] = heap.inUse;
@@ -413,6 +435,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
                        {"stopped_early", summary.stoppedEarly},
                        {"memory_policy", formatPolicies(activations.policies)},
                        {"memory_weights", config.str("memory.weights")},
+                       {"skipped_steps", skippedSteps},
                        {"fwd_bwd_s", measuredFwdBwd},
                        {"activation_peak_bytes", runActivationPeak},
                        {"tracked_peak_bytes", runTrackedPeak},
