@@ -200,6 +200,23 @@ TEST_F(CheckpointFile, TruncatedIsRefusedAndLeftAlone) {
   EXPECT_THROW(loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_)), CheckpointError);
 }
 
+TEST_F(CheckpointFile, AHeaderClaimingMoreThanTheFileIsRefusedBeforeReading) {
+  // A crafted header claiming 1 TiB of payload: refused from the file's size, nothing that
+  // size allocated (the loader would fail with bad_alloc or be killed if it trusted it).
+  std::string bytes = test::readFile(path_);
+  const uint64_t claimed = uint64_t{1} << 40;
+  for (int i = 0; i < 8; ++i) bytes[8 + i] = static_cast<char>((claimed >> (8 * i)) & 0xff);
+  test::writeFile(path_, bytes);
+  try {
+    loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_));
+    FAIL() << "no error";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("header says 1099511627776 bytes"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(test::readFile(path_), bytes);
+}
+
 TEST_F(CheckpointFile, CorruptedByteIsRefused) {
   std::string bytes = test::readFile(path_);
   bytes[bytes.size() / 2] ^= 0x5a;

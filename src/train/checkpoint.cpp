@@ -31,10 +31,6 @@ uint64_t getLe(const std::string& in, size_t off, int bytes) {
   for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(in[off + i])) << (8 * i);
   return v;
 }
-uint32_t crc(const std::string& s) {
-  return static_cast<uint32_t>(
-      crc32(0L, reinterpret_cast<const Bytef*>(s.data()), static_cast<uInt>(s.size())));
-}
 
 void writeAll(int fd, const char* data, size_t size, const std::string& path) {
   size_t done = 0;
@@ -178,23 +174,45 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
                              const nlohmann::json& expectedMeta) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw CheckpointError(fmt::format("cannot read checkpoint {}: file not found", path));
-  std::string file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (file.size() < kHeaderSize || std::memcmp(file.data(), kMagic, sizeof(kMagic)) != 0) {
+  // The header first: its length is checked against the file before anything that size is
+  // allocated; the CRC is computed in 1 MiB pieces and the archive reads the payload from the
+  // file, so no copy of the payload is ever in memory (out-of-core weights: nor the model).
+  std::string header(kHeaderSize, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(kHeaderSize));
+  if (in.gcount() != static_cast<std::streamsize>(kHeaderSize) ||
+      std::memcmp(header.data(), kMagic, sizeof(kMagic)) != 0) {
     throw CheckpointError(fmt::format("{} is not a Caravan checkpoint (bad header); delete it "
                                       "or pass another checkpoint",
                                       path));
   }
-  const uint64_t size = getLe(file, 8, 8);
-  const uint32_t sum = static_cast<uint32_t>(getLe(file, 16, 4));
-  if (file.size() - kHeaderSize != size) {
+  const uint64_t size = getLe(header, 8, 8);
+  const uint32_t sum = static_cast<uint32_t>(getLe(header, 16, 4));
+  std::error_code ec;
+  const uint64_t fileSize = fs::file_size(path, ec);
+  const uint64_t holds = ec ? 0 : fileSize - kHeaderSize;
+  if (ec || holds != size) {
     throw CheckpointError(fmt::format(
         "checkpoint {} is truncated or damaged: header says {} bytes, file holds {}; delete it "
         "to resume from the previous checkpoint",
-        path, size, file.size() - kHeaderSize));
+        path, size, holds));
   }
-  std::string payload = file.substr(kHeaderSize);
-  file.clear();
-  if (crc(payload) != sum) {
+  uLong running = crc32(0L, Z_NULL, 0);
+  {
+    std::vector<char> piece(1 << 20);
+    uint64_t left = size;
+    while (left > 0) {
+      const auto want = static_cast<std::streamsize>(std::min<uint64_t>(left, piece.size()));
+      in.read(piece.data(), want);
+      if (in.gcount() != want) {
+        throw CheckpointError(
+            fmt::format("cannot read checkpoint {}: it changed while being read", path));
+      }
+      running = crc32(running, reinterpret_cast<const Bytef*>(piece.data()),
+                      static_cast<uInt>(want));
+      left -= static_cast<uint64_t>(want);
+    }
+  }
+  if (static_cast<uint32_t>(running) != sum) {
     throw CheckpointError(fmt::format("checkpoint {} is corrupt (CRC mismatch); delete it to "
                                       "resume from the previous checkpoint",
                                       path));
@@ -202,8 +220,29 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
   TrainingState state;
   try {
     torch::serialize::InputArchive archive;
-    std::istringstream payloadStream(payload);
-    archive.load_from(payloadStream);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      throw CheckpointError(fmt::format("cannot read checkpoint {}: {}", path, std::strerror(errno)));
+    }
+    struct Close {
+      int fd;
+      ~Close() { ::close(fd); }
+    } closeFd{fd};
+    archive.load_from(
+        [fd, size](uint64_t pos, void* buf, size_t n) -> size_t {
+          if (pos >= size) return 0;
+          n = static_cast<size_t>(std::min<uint64_t>(n, size - pos));
+          size_t done = 0;
+          while (done < n) {
+            const ssize_t r = ::pread(fd, static_cast<char*>(buf) + done, n - done,
+                                      static_cast<off_t>(kHeaderSize + pos + done));
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) break;
+            done += static_cast<size_t>(r);
+          }
+          return done;
+        },
+        [size] { return static_cast<size_t>(size); });
     c10::IValue meta;
     archive.read("meta", meta);
     state.meta = nlohmann::json::parse(meta.toStringRef());
