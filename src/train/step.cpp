@@ -35,7 +35,9 @@ StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, cons
   if (strategy != nullptr) strategy->finishGradients();
   result.syncEnd = std::chrono::steady_clock::now();
   if (skipNonFinite) {
-    bool finite = std::isfinite(loss.item<double>());
+    // With a strategy the decision rests on the exchanged gradients alone (equal on every rank
+    // of an all-reduce; a rank's own loss is not), so replicas stay equal.
+    bool finite = strategy != nullptr || std::isfinite(loss.item<double>());
     for (const auto& p : model->parameters()) {
       if (finite && p.grad().defined()) finite = at::isfinite(p.grad()).all().item<bool>();
     }

@@ -38,9 +38,9 @@ class OutOfCoreWeights;
 // optional clipping (gradClip > 0), optimizer step, the strategy's afterStep. The learning
 // rate must already be set. With out-of-core weights the blocks' own optimizers update (some
 // during backward) and `weights->finishStep()` stands in for optimizer.step().
-// `skipNonFinite`: when the loss or any gradient (after the strategy's exchange, so every rank
-// of an all-reduce decides alike) is not finite, the gradients are dropped and the optimizer
-// does not run (result.skipped); the strategy's afterStep still runs.
+// `skipNonFinite`: when any gradient (after the strategy's exchange, so every rank of an
+// all-reduce decides alike) or, in one process, the loss is not finite, the gradients are
+// dropped and the optimizer does not run (result.skipped); the strategy's afterStep still runs.
 StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
                      double gradClip, Strategy* strategy = nullptr, int64_t step = 0,
                      OutOfCoreWeights* weights = nullptr, bool skipNonFinite = false);
