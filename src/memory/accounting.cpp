@@ -32,17 +32,25 @@ int64_t gradientBytes(const std::vector<at::Tensor>& params) {
   return tensorBytes(grads);
 }
 
+std::vector<at::Tensor> optimizerStateTensors(const torch::optim::OptimizerParamState& state) {
+  std::vector<at::Tensor> all;
+  if (const auto* s = dynamic_cast<const torch::optim::SGDParamState*>(&state)) {
+    all = {s->momentum_buffer()};
+  } else if (const auto* a = dynamic_cast<const torch::optim::AdamWParamState*>(&state)) {
+    all = {a->exp_avg(), a->exp_avg_sq(), a->max_exp_avg_sq()};
+  } else if (const auto* b = dynamic_cast<const torch::optim::AdamParamState*>(&state)) {
+    all = {b->exp_avg(), b->exp_avg_sq(), b->max_exp_avg_sq()};
+  }
+  std::vector<at::Tensor> out;
+  for (auto& t : all) {
+    if (t.defined()) out.push_back(std::move(t));
+  }
+  return out;
+}
+
 int64_t optimizerStateBytes(const torch::optim::Optimizer& optimizer) {
   int64_t n = 0;
-  for (const auto& [key, state] : optimizer.state()) {
-    if (const auto* s = dynamic_cast<const torch::optim::SGDParamState*>(state.get())) {
-      n += tensorBytes({s->momentum_buffer()});
-    } else if (const auto* a = dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
-      n += tensorBytes({a->exp_avg(), a->exp_avg_sq(), a->max_exp_avg_sq()});
-    } else if (const auto* b = dynamic_cast<const torch::optim::AdamParamState*>(state.get())) {
-      n += tensorBytes({b->exp_avg(), b->exp_avg_sq(), b->max_exp_avg_sq()});
-    }
-  }
+  for (const auto& [key, state] : optimizer.state()) n += tensorBytes(optimizerStateTensors(*state));
   return n;
 }
 

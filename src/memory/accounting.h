@@ -13,6 +13,7 @@
 namespace torch {
 namespace optim {
 class Optimizer;
+class OptimizerParamState;
 }
 }  // namespace torch
 
@@ -22,6 +23,9 @@ namespace caravan {
 int64_t tensorBytes(const std::vector<at::Tensor>& tensors);
 // Bytes of the .grad tensors of `params` that are defined.
 int64_t gradientBytes(const std::vector<at::Tensor>& params);
+// The defined tensors of one parameter's optimizer state (SGD's momentum buffer; Adam's and
+// AdamW's moments): shallow handles, so set_data on them moves the optimizer's own tensors.
+std::vector<at::Tensor> optimizerStateTensors(const torch::optim::OptimizerParamState& state);
 // Bytes of an optimizer's per-parameter state (SGD momentum buffers; Adam/AdamW moments).
 int64_t optimizerStateBytes(const torch::optim::Optimizer& optimizer);
 // This process's resident set size (Linux /proc/self/statm; 0 when unreadable).

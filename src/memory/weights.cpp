@@ -9,13 +9,11 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
-#include <torch/optim/sgd.h>
 
 #include "core/clock.h"
 #include "core/errors.h"
+#include "memory/accounting.h"
 #include "memory/host_allocator.h"
 #include "sync/strategy.h"
 
@@ -33,38 +31,17 @@ std::string stateKey(const at::Tensor& p) {
   return c10::guts::to_string(p.unsafeGetTensorImpl());
 }
 
-// The optimizer state tensors of one parameter (shallow handles: set_data on them moves the
-// optimizer's own tensors).
+// The optimizer state tensors of one parameter (none before its first step).
 std::vector<at::Tensor> stateTensors(torch::optim::Optimizer& opt, const at::Tensor& p) {
-  std::vector<at::Tensor> out;
   auto it = opt.state().find(stateKey(p));
-  if (it == opt.state().end()) return out;
-  auto add = [&](const at::Tensor& t) {
-    if (t.defined()) out.push_back(t);
-  };
-  torch::optim::OptimizerParamState* s = it->second.get();
-  if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(s)) {
-    add(sgd->momentum_buffer());
-  } else if (auto* aw = dynamic_cast<torch::optim::AdamWParamState*>(s)) {
-    add(aw->exp_avg());
-    add(aw->exp_avg_sq());
-    add(aw->max_exp_avg_sq());
-  } else if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(s)) {
-    add(a->exp_avg());
-    add(a->exp_avg_sq());
-    add(a->max_exp_avg_sq());
-  }
-  return out;
+  if (it == opt.state().end()) return {};
+  return optimizerStateTensors(*it->second);
 }
 
 at::Tensor viewOf(const at::Storage& s, int64_t offsetBytes, at::ScalarType dtype,
                   const std::vector<int64_t>& sizes) {
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
   return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(s, offsetBytes / elem, sizes);
-}
-
-int64_t bytesOf(const at::Tensor& t) {
-  return t.numel() * static_cast<int64_t>(t.element_size());
 }
 
 }  // namespace
@@ -129,8 +106,7 @@ std::vector<std::vector<at::Tensor>> blockParameters(BlockModel& model) {
 int64_t OutOfCoreWeights::windowBytes(BlockModel& model, const WeightOptions& options) {
   std::vector<int64_t> blob, grads;
   for (const auto& ps : blockParameters(model)) {
-    int64_t w = 0;
-    for (const auto& p : ps) w += bytesOf(p);
+    const int64_t w = tensorBytes(ps);
     blob.push_back(w * (1 + options.stateFactor));
     grads.push_back(w);
   }
@@ -210,7 +186,7 @@ OutOfCoreWeights::OutOfCoreWeights(BlockModel model, torch::optim::Optimizer& op
       CARAVAN_CHECK(acc != nullptr, "a parameter without a gradient accumulator");
       accumulators_.push_back(std::move(acc));
       accumulatorBlock.push_back(i);
-      gradientBytes.push_back(bytesOf(p));
+      gradientBytes.push_back(tensorBytes({p}));
     }
   }
   try {
@@ -308,7 +284,7 @@ void OutOfCoreWeights::buildLayout(Block& b) {
     m.sizes = m.tensor.sizes().vec();
     m.dtype = m.tensor.scalar_type();
     m.offset = offset;
-    const int64_t n = bytesOf(m.tensor);
+    const int64_t n = tensorBytes({m.tensor});
     offset = alignUp(offset + n);
     (m.parameter ? paramBytes : stateBytes) += n;
   }
@@ -369,6 +345,10 @@ void OutOfCoreWeights::evictLocked(Block& b) {
 void OutOfCoreWeights::unpinLocked(size_t i) {
   Block& b = *blocks_[i];
   if (b.pins > 0) --b.pins;
+  evictIfUnusedLocked(b);
+}
+
+void OutOfCoreWeights::evictIfUnusedLocked(Block& b) {
   if (b.pins == 0 && !b.backwardPin && !b.keep && b.clean && !b.writing && b.blob) {
     evictLocked(b);
   }
@@ -509,8 +489,7 @@ void OutOfCoreWeights::onGradient(size_t i, int64_t bytes) {
   } else {
     // The update waits for finishStep() (clipping): the clean blob need not wait in memory.
     b.backwardPin = false;
-    ++b.pins;
-    unpinLocked(i);
+    evictIfUnusedLocked(b);
   }
 }
 
@@ -547,10 +526,7 @@ void OutOfCoreWeights::writeLocked(size_t i, std::unique_lock<std::mutex>& lock)
       stats_.bytesWritten += bytes;
       // Clean unless the blob was replaced meanwhile (it is not: updates wait for the write).
       blk.clean = blk.blob && blk.blob.unsafeGetStorageImpl() == blob.unsafeGetStorageImpl();
-      if (blk.pins == 0) {
-        ++blk.pins;  // unpinLocked decides
-        unpinLocked(i);
-      }
+      evictIfUnusedLocked(blk);
     } catch (const std::exception& e) {
       tier_.fail(e.what());  // waiters wake on it
     }

@@ -151,6 +151,8 @@ class OutOfCoreWeights final : public BlockRunner {
   double fetchLocked(size_t i, std::unique_lock<std::mutex>& lock);
   void startReadLocked(size_t i);
   void unpinLocked(size_t i);
+  // Drops the blob when nothing needs it in memory and the tier copy is current.
+  void evictIfUnusedLocked(Block& b);
   void writeLocked(size_t i, std::unique_lock<std::mutex>& lock);
   void update(size_t i);
   void updaterLoop();

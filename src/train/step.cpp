@@ -42,7 +42,6 @@ StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, cons
       if (finite && p.grad().defined()) finite = at::isfinite(p.grad()).all().item<bool>();
     }
     if (!finite) {
-      optimizer.zero_grad();
       for (auto p : model->parameters()) p.mutable_grad() = at::Tensor();
       result.skipped = true;
     }
