@@ -48,6 +48,21 @@ inline std::map<std::string, at::Tensor> finalWeights(const Config& config,
   return out;
 }
 
+// `n` random examples of `shape` (token ids for language models, normal images otherwise),
+// drawn from the default generator seeded with `seed`.
+inline Batch randomBatch(const DataShape& shape, int64_t n, uint64_t seed) {
+  torch::manual_seed(seed);
+  Batch b;
+  if (shape.task == TaskKind::kLanguageModel) {
+    b.input = torch::randint(0, shape.vocabSize, {n, shape.seqLen}, torch::kLong);
+    b.target = torch::randint(0, shape.vocabSize, {n, shape.seqLen}, torch::kLong);
+  } else {
+    b.input = torch::randn({n, shape.channels, shape.height, shape.width});
+    b.target = torch::randint(0, shape.numClasses, {n}, torch::kLong);
+  }
+  return b;
+}
+
 // `caravan ARGS` under `ulimit -f LIMIT_KIB`; the exit code is -1 if it did not exit.
 inline CommandResult runCaravanWithFileLimit(int limitKiB, const std::string& args) {
   TempDir io;

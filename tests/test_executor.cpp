@@ -57,19 +57,6 @@ ModelSpec imageSpec(const std::string& name) {
   return s;
 }
 
-Batch makeBatch(const DataShape& shape, int64_t n) {
-  torch::manual_seed(3);
-  Batch b;
-  if (shape.task == TaskKind::kLanguageModel) {
-    b.input = torch::randint(0, shape.vocabSize, {n, shape.seqLen}, torch::kLong);
-    b.target = torch::randint(0, shape.vocabSize, {n, shape.seqLen}, torch::kLong);
-  } else {
-    b.input = torch::randn({n, shape.channels, shape.height, shape.width});
-    b.target = torch::randint(0, shape.numClasses, {n}, torch::kLong);
-  }
-  return b;
-}
-
 struct Outcome {
   std::vector<double> losses;
   std::vector<at::Tensor> grads;    // after the last step's backward
@@ -88,7 +75,7 @@ Outcome train(const ModelSpec& spec, const DataShape& shape, const std::string& 
   BlockModel model = buildModel(spec, shape);
   model->train();
   torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  const Batch batch = makeBatch(shape, 4);
+  const Batch batch = test::randomBatch(shape, 4, 3);
   MemoryTracker tracker;
   Outcome out;
   {

@@ -262,13 +262,7 @@ TEST(NonFinite, ASkippedStepLeavesTheModelAsIfTheBatchNeverCame) {
   ModelSpec spec;
   spec.name = "cnn";
   spec.width = 4;
-  auto batch = [&](uint64_t seed) {
-    torch::manual_seed(seed);
-    Batch b;
-    b.input = torch::randn({4, shape.channels, shape.height, shape.width});
-    b.target = torch::randint(0, shape.numClasses, {4}, torch::kLong);
-    return b;
-  };
+  auto batch = [&](uint64_t seed) { return test::randomBatch(shape, 4, seed); };
   Batch poisoned = batch(2);
   poisoned.input[1][0][3][3] = std::nan("");
   auto train = [&](const std::vector<Batch>& batches, std::vector<bool>* skipped) {

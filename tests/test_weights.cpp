@@ -64,19 +64,6 @@ Case imageCase(const std::string& name) {
   return c;
 }
 
-Batch makeBatch(const DataShape& shape, int64_t n, uint64_t seed) {
-  torch::manual_seed(seed);
-  Batch b;
-  if (shape.task == TaskKind::kLanguageModel) {
-    b.input = torch::randint(0, shape.vocabSize, {n, shape.seqLen}, torch::kLong);
-    b.target = torch::randint(0, shape.vocabSize, {n, shape.seqLen}, torch::kLong);
-  } else {
-    b.input = torch::randn({n, shape.channels, shape.height, shape.width});
-    b.target = torch::randint(0, shape.numClasses, {n}, torch::kLong);
-  }
-  return b;
-}
-
 std::unique_ptr<torch::optim::Optimizer> makeOpt(const std::string& kind,
                                                  std::vector<at::Tensor> params) {
   if (kind == "adamw") {
@@ -137,7 +124,7 @@ Outcome run(const Case& c, Tier* tier, const std::string& policies, double clip)
     }
     torch::manual_seed(11);  // dropout draws
     for (int step = 0; step < 4; ++step) {
-      const Batch batch = makeBatch(c.shape, 4, 100 + step);
+      const Batch batch = test::randomBatch(c.shape, 4, 100 + step);
       for (auto& g : optimizer->param_groups()) g.options().set_lr(0.05 / (1 + step));
       StepResult r = trainStep(model, *optimizer, batch, clip, nullptr, step, weights.get());
       out.losses.push_back(r.loss);
@@ -212,7 +199,9 @@ void checkCase(const Case& c, const std::string& mixed) {
     const int64_t peaks = out.weightsPeak + out.gradientsPeak + out.statePeak;
     EXPECT_LE(peaks, out.window) << "weights " << out.weightsPeak << " gradients "
                                  << out.gradientsPeak << " state " << out.statePeak;
-    if (c.name == "gpt") EXPECT_LT(out.weightsPeak + out.statePeak, out.inCoreBytes * 3 / 4);
+    if (c.name == "gpt") {
+      EXPECT_LT(out.weightsPeak + out.statePeak, out.inCoreBytes * 3 / 4);
+    }
     expectSame(inCore, run(c, tier, "recompute", 0.0), "offload, recompute");
     expectSame(inCore, run(c, tier, mixed, 0.0), "offload, " + mixed);
   }
