@@ -94,31 +94,24 @@ def cgroups_available():
         return False
 
 
-def run(args, mode, budget, environ, tmp, use_cgroup, tag):
-    run_dir = os.path.join(tmp, tag)
-    sets = [f"model.depth={args.depth}", f"model.heads={args.heads}",
-            f"data.seq_len={args.context}", f"data.batch_size={args.batch}",
-            "train.threads=1", f"train.max_steps={args.steps}",
-            "train.log_every=1", "train.eval_batches=1", "checkpoint.every=0",
-            f"memory.profile_repeats={args.profile_repeats}", f"memory.swap_dir={args.swap_dir}"]
-    if mode != "keep":
-        sets += [f"memory.policy={mode}", f"memory.budget={budget}"]
+def run_train(sets, run_dir, environ, limit, use_cgroup, name, extra_args=()):
+    """`caravan train` of configs/brown-gpt.toml with --set `sets` into `run_dir`, inside a memory cgroup limited to `limit` bytes (0: no limit) when
+    `use_cgroup`. Returns a record: rc, wall_s, the cgroup's peak and OOM kills, killed, and
+    the run's summary.json (rc 0) or its error (the first "caravan:" line of stderr, else the
+    last line). The run directory stays for the caller to read and remove."""
     cmd = [CARAVAN, "train", "-c", os.path.join(ROOT, "configs", "brown-gpt.toml"), "--run-dir",
-           run_dir, "-q"]
+           run_dir, "-q", *extra_args]
     for s in sets:
         cmd += ["--set", s]
-    cgroup = None
-    if use_cgroup:
-        limit = budget + args.overhead_mib * MIB if mode != "keep" else 0
-        cgroup = Cgroup(f"caravan-bench-{os.getpid()}-{tag}", limit)
+    cgroup = Cgroup(name, limit) if use_cgroup else None
     t0 = time.time()
     try:
         try:
             p = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True,
                                timeout=1800, preexec_fn=cgroup.enter if cgroup else None)
         except subprocess.TimeoutExpired:
-            sys.exit(f"memory_sweep: {' '.join(cmd)} ran past 30 minutes")
-        r = {"mode": mode, "budget": budget, "rc": p.returncode, "wall_s": time.time() - t0}
+            sys.exit(f"{os.path.basename(sys.argv[0])}: {' '.join(cmd)} ran past 30 minutes")
+        r = {"rc": p.returncode, "wall_s": time.time() - t0}
         if cgroup:
             r["cgroup_max_usage"] = cgroup.max_usage()
             r["oom_kills"] = cgroup.oom_kills()
@@ -130,7 +123,25 @@ def run(args, mode, budget, environ, tmp, use_cgroup, tag):
         with open(os.path.join(run_dir, "summary.json")) as f:
             r["summary"] = json.load(f)
     else:
-        r["error"] = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
+        r["error"] = next((l for l in lines if "caravan:" in l),
+                          lines[-1] if lines else "(no output)")
+    return r
+
+
+def run(args, mode, budget, environ, tmp, use_cgroup, tag):
+    run_dir = os.path.join(tmp, tag)
+    sets = [f"model.depth={args.depth}", f"model.heads={args.heads}",
+            f"data.seq_len={args.context}", f"data.batch_size={args.batch}",
+            "train.threads=1", f"train.max_steps={args.steps}",
+            "train.log_every=1", "train.eval_batches=1", "checkpoint.every=0",
+            f"memory.profile_repeats={args.profile_repeats}", f"memory.swap_dir={args.swap_dir}"]
+    if mode != "keep":
+        sets += [f"memory.policy={mode}", f"memory.budget={budget}"]
+    limit = budget + args.overhead_mib * MIB if mode != "keep" else 0
+    r = {"mode": mode, "budget": budget,
+         **run_train(sets, run_dir, environ, limit, use_cgroup,
+                     f"caravan-bench-{os.getpid()}-{tag}")}
     shutil.rmtree(run_dir, ignore_errors=True)
     return r
 

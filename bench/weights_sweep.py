@@ -33,15 +33,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 CARAVAN = os.path.join(ROOT, "build", "caravan")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory_sweep import Cgroup, cgroups_available, med  # noqa: E402
+from memory_sweep import cgroups_available, med, run_train  # noqa: E402
 from train_throughput import env  # noqa: E402
 
 MIB = 1 << 20
@@ -73,40 +71,16 @@ def run(args, kind, budget, environ, tmp, use_cgroup, tag):
     if budget:
         sets += ["memory.policy=auto", f"memory.budget={budget}",
                  f"train.freed_memory_cache={args.freed_cache_mib}MiB"]
-    cmd = [CARAVAN, "train", "-c", os.path.join(ROOT, "configs", "brown-gpt.toml"), "--run-dir",
-           run_dir, "-q", "--workers", str(WORKERS)]
-    for s in sets:
-        cmd += ["--set", s]
-    cgroup = None
-    if use_cgroup:
-        limit = WORKERS * (budget + args.overhead_mib * MIB) if budget else 0
-        cgroup = Cgroup(f"caravan-wbench-{os.getpid()}-{tag}", limit)
-    t0 = time.time()
-    try:
-        try:
-            p = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True,
-                               timeout=1800, preexec_fn=cgroup.enter if cgroup else None)
-        except subprocess.TimeoutExpired:
-            sys.exit(f"weights_sweep: {' '.join(cmd)} ran past 30 minutes")
-        r = {"kind": kind, "budget": budget, "rc": p.returncode, "wall_s": time.time() - t0}
-        if cgroup:
-            r["cgroup_max_usage"] = cgroup.max_usage()
-            r["oom_kills"] = cgroup.oom_kills()
-    finally:
-        if cgroup:
-            cgroup.remove()
-    r["killed"] = p.returncode in (-9, 137) or r.get("oom_kills", 0) > 0
-    if p.returncode == 0:
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            r["summary"] = json.load(f)
+    limit = WORKERS * (budget + args.overhead_mib * MIB) if budget else 0
+    r = {"kind": kind, "budget": budget,
+         **run_train(sets, run_dir, environ, limit, use_cgroup,
+                     f"caravan-wbench-{os.getpid()}-{tag}", ["--workers", str(WORKERS)])}
+    if r["rc"] == 0:
         steps = step_times(run_dir)
         r["step_s"] = statistics.median(steps[1:] if len(steps) > 1 else steps)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             last = [json.loads(l) for l in f if '"train"' in l][-1]
         r["last_record"] = last
-    else:
-        lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
-        r["error"] = next((l for l in lines if "caravan:" in l), lines[-1] if lines else "")
     shutil.rmtree(run_dir, ignore_errors=True)
     return r
 
