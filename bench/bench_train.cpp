@@ -328,7 +328,7 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
   torch::manual_seed(static_cast<uint64_t>(config.i64("seed.dropout")));
   auto probe = std::make_shared<ProbedCommunicator>(dist.comm);
   dist.comm = probe;  // attach() hands dist.comm to the strategy
-  Strategy* strategy = dist.attach(*model);
+  Strategy* strategy = dist.attach(*model, *optimizer, /*resumed=*/nullptr);
   Timeline timeline(tracePath.empty() ? "" : tracePath + ".rank" + std::to_string(world.rank) +
                                                  ".json",
                     world.rank);

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include <fmt/format.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -177,6 +179,10 @@ TEST(IdxTest, BadDimensions) {
   const std::string none = dir.file("none.idx");
   writePlain(none, idxBytes({}, {}));
   expectDataError([&] { readIdx(none); }, {none, "0 dimensions"});
+  // 8 bytes may not claim 2^31 - 1 bytes of data (fuzz/fuzz_idx.cpp: they were allocated first).
+  const std::string claims = dir.file("claims.idx");
+  writePlain(claims, idxBytes({0x7fffffff}, {}));
+  expectDataError([&] { readIdx(claims); }, {claims, "more than a 8-byte file can hold"});
 }
 
 TEST(IdxTest, TooShortForHeader) {
@@ -593,6 +599,52 @@ TEST(SamplerTest, ShardsAreDisjointAndEqual) {
       for (int64_t i : indices) EXPECT_TRUE(seen.insert(i).second) << i << " in two shards";
     }
   }
+}
+
+// Resharding (loader.h reshardPosition): W ranks of batch b stopped after k batches; W' ranks
+// of batch b' continue from the resharded position. What they take in the rest of the epoch
+// is disjoint from what was taken, and only the samples the position rounds over (fewer than
+// W' x b') plus what drop-last leaves at the epoch's end are never taken.
+TEST(SamplerTest, ReshardedPositionContinuesWithTheSamplesNotTakenYet) {
+  struct Case {
+    int64_t w, b, k, w2, b2;
+  };
+  for (const Case& c : {Case{4, 8, 5, 2, 16}, Case{2, 16, 5, 4, 8}, Case{3, 5, 4, 2, 4},
+                        Case{2, 4, 11, 3, 7}, Case{1, 6, 9, 4, 6}}) {
+    SCOPED_TRACE(fmt::format("{} x {} after {} batches -> {} x {}", c.w, c.b, c.k, c.w2, c.b2));
+    const int64_t n = 200;
+    std::set<int64_t> taken;
+    for (int64_t r = 0; r < c.w; ++r) {
+      SamplerOptions o = samplerOptions(n, c.b);
+      o.rank = r;
+      o.worldSize = c.w;
+      Sampler s(o);
+      for (int64_t i : flatten(take(s, c.k))) taken.insert(i);
+    }
+    ASSERT_EQ(static_cast<int64_t>(taken.size()), c.w * c.b * c.k);
+    SamplerOptions o2 = samplerOptions(n, c.b2);
+    o2.worldSize = c.w2;
+    const int64_t perEpoch = Sampler(o2).batchesPerEpoch();
+    const SamplerPosition p = reshardPosition({0, c.k}, c.w * c.b, c.w2 * c.b2, perEpoch);
+    ASSERT_EQ(p.epoch, 0);
+    std::set<int64_t> rest;
+    for (int64_t r = 0; r < c.w2; ++r) {
+      o2.rank = r;
+      Sampler s(o2);
+      s.setPosition(p);
+      for (int64_t i : flatten(take(s, perEpoch - p.batchInEpoch))) {
+        EXPECT_EQ(taken.count(i), 0u) << i << " taken twice";
+        rest.insert(i);
+      }
+    }
+    const int64_t skipped = p.batchInEpoch * c.w2 * c.b2 - c.w * c.b * c.k;
+    EXPECT_GE(skipped, 0);
+    EXPECT_LT(skipped, c.w2 * c.b2);
+    EXPECT_EQ(static_cast<int64_t>(taken.size() + rest.size()) + skipped,
+              perEpoch * c.w2 * c.b2);
+  }
+  // Past the new epoch's last batch: the next epoch's start.
+  EXPECT_EQ(reshardPosition({2, 9}, 10, 100, 1), (SamplerPosition{3, 0}));
 }
 
 TEST(SamplerTest, RejectsBatchLargerThanDataset) {

@@ -46,15 +46,14 @@ std::string rankCommand(int r, int world, int port, int limitS, const std::strin
          " train -q " + args + " & pids[" + std::to_string(r) + "]=$!; ";
 }
 
-// Runs W ranks of `caravan train` with torchrun-style variables; returns the exit codes.
-std::vector<int> runRanks(int world, const std::string& runDir,
-                          const std::vector<std::string>& overrides) {
+// Runs W ranks of `caravan train ARGS` with torchrun-style variables, rank r's output in
+// LOG.rank<r>.log; returns the exit codes.
+std::vector<int> runRanksWith(int world, const std::string& log, const std::string& args) {
   const int port = pickFreeLoopbackPort();
   std::string script;
   for (int r = 0; r < world; ++r) {
     script += rankCommand(r, world, port, 300,
-                          "--config /dev/null" + setArgs(overrides) + " --run-dir " + runDir +
-                              " >" + runDir + ".rank" + std::to_string(r) + ".log 2>&1");
+                          args + " >" + log + ".rank" + std::to_string(r) + ".log 2>&1");
   }
   script += "for p in ${pids[@]}; do wait $p; echo $?; done";
   FILE* pipe = ::popen(("bash -c '" + script + "'").c_str(), "r");
@@ -63,6 +62,13 @@ std::vector<int> runRanks(int world, const std::string& runDir,
   while (std::fscanf(pipe, "%d", &code) == 1) codes.push_back(code);
   ::pclose(pipe);
   return codes;
+}
+
+// Runs W ranks of `caravan train --config /dev/null --set OVERRIDES --run-dir RUN_DIR`.
+std::vector<int> runRanks(int world, const std::string& runDir,
+                          const std::vector<std::string>& overrides) {
+  return runRanksWith(world, runDir, "--config /dev/null" + setArgs(overrides) + " --run-dir " +
+                                         runDir);
 }
 
 std::map<std::string, at::Tensor> finalParams(const std::string& runDir,
@@ -503,4 +509,95 @@ TEST(DistOutOfCore, StrategiesWithoutPerBlockExchangeAreRefused) {
   EXPECT_NE(err.find("memory.weights = offload works with sync.mode = allreduce"),
             std::string::npos)
       << err;
+}
+
+// Kill and resume with the strategy's state in the checkpoint: a run stopped at step 9 (as a
+// signal or a failed rank would stop it, with a checkpoint) and resumed ends with bitwise the
+// parameters of the run that was not interrupted (and checkpointed at step 9 too: a checkpoint
+// consolidates, e.g. OSP installs its pending stage 2 for it), for the deterministic strategies: all-reduce with top-k
+// (every worker's residual), ps-bsp with momentum SGD and AdamW (the servers' optimizer state),
+// ps-bsp with top-k pushes, and OSP with its layer-order split (servers' state and heavy-ball
+// LGP's previous weights). A resumed run that restarted the servers' momentum or Adam moments
+// could not be bitwise equal.
+class DistResume : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
+
+TEST_P(DistResume, StopAndResumeEqualsUninterrupted) {
+  const auto [modeAndMore, workers, servers] = GetParam();
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                        "checkpoint.every=9", "sync.osp_chunk=1000",
+                        "sync.osp_policy=layer-order", "sync.osp_fraction=0.5",
+                        "sync.topk_ratio=0.1"});
+  std::istringstream parts(modeAndMore);
+  for (std::string part; std::getline(parts, part, ',');) o.push_back(part);
+  if (servers > 0) o.push_back("sync.servers=" + std::to_string(servers));
+  const int world = workers + servers;
+  ASSERT_EQ(runRanks(world, tmp / "whole", o), std::vector<int>(world, 0))
+      << test::readFile(tmp / "whole.rank0.log");
+  const std::string cut = tmp / "cut";
+  ASSERT_EQ(runRanksWith(world, cut, "--config /dev/null" + setArgs(o) + " --run-dir " + cut +
+                                         " --stop-at-step 9"),
+            std::vector<int>(world, 0))
+      << test::readFile(cut + ".rank0.log");
+  ASSERT_EQ(runRanksWith(world, cut + "-resumed", "--resume " + cut),
+            std::vector<int>(world, 0))
+      << test::readFile(cut + "-resumed.rank0.log")
+      << test::readFile(cut + "-resumed.rank" + std::to_string(world - 1) + ".log");
+  const double diff = maxAbsDiff(finalParams(tmp / "whole", o), finalParams(cut, o));
+  EXPECT_EQ(diff, 0.0) << modeAndMore;
+  std::printf("%s, %d workers + %d servers, stopped at step 9 and resumed: max |difference| "
+              "%.3g\n",
+              modeAndMore.c_str(), workers, servers, diff);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, DistResume,
+    ::testing::Values(
+        std::make_tuple("sync.mode=allreduce,sync.compression=topk", 2, 0),
+        std::make_tuple("sync.mode=ps-bsp", 2, 1),
+        std::make_tuple("sync.mode=ps-bsp,optim.name=adamw", 2, 2),
+        std::make_tuple("sync.mode=ps-bsp,sync.compression=topk", 2, 1),
+        std::make_tuple("sync.mode=osp", 2, 1)));
+
+// Resharding: a checkpoint of W workers resumes on W' workers. With the global batch kept
+// (W x b = W' x b') the resumed run takes the same samples in the same steps, so it ends with
+// the uninterrupted run's parameters up to the order of the float sums: 4 -> 2 and 2 -> 4
+// workers under all-reduce, and ps-bsp with AdamW from 2 workers + 1 server to 4 workers + 2
+// servers (the servers' Adam moments cut anew: restarted moments would make the first steps
+// after the resume move each parameter by about lr = 3e-3, far beyond the bound).
+TEST(DistReshard, ResumesOnAnotherNumberOfWorkers) {
+  TempDir tmp;
+  const auto o = with(kBase, {"model.name=mlp", "model.width=16", "checkpoint.every=0",
+                              "optim.name=adamw", "optim.lr=0.003"});
+  struct Case {
+    std::string name;
+    int from, to, servers;  // workers before and after; servers: before (after: 2x)
+    std::string mode;
+  };
+  for (const Case& c : {Case{"allreduce 4 -> 2", 4, 2, 0, "allreduce"},
+                        Case{"allreduce 2 -> 4", 2, 4, 0, "allreduce"},
+                        Case{"ps-bsp 2+1 -> 4+2", 2, 4, 1, "ps-bsp"}}) {
+    SCOPED_TRACE(c.name);
+    const int global = 16;
+    auto before = with(o, {"sync.mode=" + c.mode, "data.batch_size=" + std::to_string(global / c.from)});
+    const int serversAfter = 2 * c.servers;
+    if (c.servers > 0) before.push_back("sync.servers=" + std::to_string(c.servers));
+    const std::string whole = tmp / (c.mode + std::to_string(c.from) + "whole");
+    const std::string cut = tmp / (c.mode + std::to_string(c.from) + "cut");
+    ASSERT_EQ(runRanks(c.from + c.servers, whole, before),
+              std::vector<int>(c.from + c.servers, 0));
+    ASSERT_EQ(runRanksWith(c.from + c.servers, cut,
+                           "--config /dev/null" + setArgs(before) + " --run-dir " + cut +
+                               " --stop-at-step 7"),
+              std::vector<int>(c.from + c.servers, 0));
+    std::string after = " --set data.batch_size=" + std::to_string(global / c.to);
+    if (c.servers > 0) after += " --set sync.servers=" + std::to_string(serversAfter);
+    ASSERT_EQ(runRanksWith(c.to + serversAfter, cut + "-resumed", "--resume " + cut + after),
+              std::vector<int>(c.to + serversAfter, 0))
+        << test::readFile(cut + "-resumed.rank0.log");
+    const double diff = maxAbsDiff(finalParams(whole, before), finalParams(cut, before));
+    EXPECT_LE(diff, 2e-6);
+    std::printf("%s workers, global batch %d: max |difference| to the uninterrupted run %.3g\n",
+                c.name.c_str(), global, diff);
+  }
 }

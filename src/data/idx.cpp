@@ -19,6 +19,7 @@ namespace {
 constexpr int kIdxTypeUnsignedByte = 0x08;
 constexpr int kMaxDims = 8;
 constexpr int64_t kMaxElements = int64_t{1} << 31;  // exclusive
+constexpr int64_t kMaxGzipRatio = 1032;               // deflate expands a byte at most 1032x
 constexpr unsigned kReadChunk = 1u << 24;             // bytes per gzread call
 constexpr unsigned kGzBufferSize = 1u << 17;
 
@@ -152,6 +153,14 @@ IdxArray readIdx(const std::string& path) {
     result.dims.push_back(size);
   }
 
+  // Before allocating: a few bytes must not claim gigabytes (a plain file holds its data as is).
+  const auto fileBytes = static_cast<int64_t>(std::filesystem::file_size(path, ec));
+  if (!ec && elements > kMaxGzipRatio * fileBytes) {
+    throw DataError(fmt::format(
+        "truncated IDX file {}: its header describes {} bytes of data, more than a {}-byte file "
+        "can hold (re-download or reinstall the dataset)",
+        path, elements, fileBytes));
+  }
   result.data = at::empty(result.dims, at::TensorOptions().dtype(at::kByte));
   const int64_t found = reader.read(result.data.data_ptr<uint8_t>(), elements);
   if (found < elements) {

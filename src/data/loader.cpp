@@ -60,6 +60,16 @@ SamplerOptions normalized(SamplerOptions o) {
 
 }  // namespace
 
+SamplerPosition reshardPosition(SamplerPosition saved, int64_t savedGlobal, int64_t global,
+                                int64_t batchesPerEpoch) {
+  CARAVAN_CHECK(savedGlobal > 0 && global > 0 && batchesPerEpoch > 0, "reshard {} -> {}",
+                savedGlobal, global);
+  const int64_t samples = saved.batchInEpoch * savedGlobal;
+  SamplerPosition p{saved.epoch, (samples + global - 1) / global};
+  if (p.batchInEpoch >= batchesPerEpoch) p = SamplerPosition{saved.epoch + 1, 0};
+  return p;
+}
+
 Sampler::Sampler(SamplerOptions options) : options_(normalized(options)) {}
 
 int64_t Sampler::batchesPerEpoch() const { return countBatches(options_); }

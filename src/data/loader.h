@@ -35,6 +35,16 @@ struct SamplerPosition {
   }
 };
 
+// Resuming on another number of workers or batch size (resharding). A step of W workers with
+// batch b takes the permutation's next W*b entries (rank r takes every W-th), so a position is
+// a count of samples into the epoch. Returns the position of a job taking `global` samples per
+// step whose first batch holds no sample taken before `saved` (a job taking `savedGlobal` per
+// step): the same epoch, batch ceil(samples / global), or the next epoch's start when that
+// is past `batchesPerEpoch`. Up to global - 1 samples of the epoch are skipped when the counts
+// do not divide.
+SamplerPosition reshardPosition(SamplerPosition saved, int64_t savedGlobal, int64_t global,
+                                int64_t batchesPerEpoch);
+
 // Epoch e's order is a permutation drawn from a generator seeded with (seed, e), independent
 // of any global RNG and of LibTorch's version. Not thread-safe: one owner.
 class Sampler {

@@ -23,6 +23,32 @@ AllReduceStrategy::~AllReduceStrategy() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hookKeys_[i]);
 }
 
+void AllReduceStrategy::forEachResidual(const std::function<void(at::Tensor, int64_t)>& f) {
+  int64_t at = 0;
+  for (size_t i = slots_.size(); i-- > 0;) {  // registration order
+    const Slot& s = slots_[i];
+    f(buckets_[slotBucket_[i]].topk->residual().narrow(0, s.offset, s.numel), at);
+    at += s.numel;
+  }
+}
+
+std::map<std::string, at::Tensor> AllReduceStrategy::saveState() {
+  if (options_.compression != Compression::kTopK || buckets_.empty()) return {};
+  int64_t n = 0;
+  for (const auto& s : slots_) n += s.numel;
+  at::Tensor mine = at::empty({n}, at::kFloat);
+  forEachResidual([&](at::Tensor part, int64_t at) { mine.narrow(0, at, part.numel()).copy_(part); });
+  return {{"allreduce_residuals", gatherRows(*comm_, mine)}};
+}
+
+void AllReduceStrategy::restoreState(const std::map<std::string, at::Tensor>& state,
+                                     int64_t savedWorkers) {
+  auto it = state.find("allreduce_residuals");
+  if (it != state.end() && options_.compression == Compression::kTopK) {
+    restoredResidual_ = rowForRank(it->second, comm_->rank(), comm_->size());
+  }
+}
+
 void AllReduceStrategy::attach(torch::nn::Module& model) {
   std::vector<at::Tensor> params;
   for (auto& p : model.parameters()) {
@@ -84,6 +110,12 @@ void AllReduceStrategy::attach(torch::nn::Module& model) {
   }
   if (options_.compression == Compression::kFp16 || options_.compression == Compression::kBf16) {
     commThread_ = std::make_unique<CommThread>();
+  }
+  if (restoredResidual_.defined()) {
+    forEachResidual([&](at::Tensor part, int64_t at) {
+      part.copy_(restoredResidual_.narrow(0, at, part.numel()));
+    });
+    restoredResidual_ = at::Tensor();
   }
   // A post hook on each parameter's gradient accumulator fires once its .grad is final for
   // this backward pass.

@@ -26,6 +26,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <functional>
+#include <map>
 #include <string>
 #include <cstdint>
 #include <memory>
@@ -66,6 +68,10 @@ class AllReduceStrategy : public Strategy {
   void setParameterGroups(std::vector<std::vector<at::Tensor>> groups) override;
   void finishGroup(size_t group) override;
   void cancelGroupWaits() override;
+  // topk: every rank's residual (registration order), kept per rank or averaged on resume.
+  std::map<std::string, at::Tensor> saveState() override;
+  void restoreState(const std::map<std::string, at::Tensor>& state,
+                    int64_t savedWorkers) override;
 
   size_t numBuckets() const { return buckets_.size(); }
   // Disabled, the gradient hooks do nothing and finishGradients() leaves the local gradients
@@ -100,6 +106,8 @@ class AllReduceStrategy : public Strategy {
   // Waits for bucket `index`'s work and writes the averaged gradients to .grad, once per step
   // whoever calls first (the other caller waits for it).
   void finishBucket(size_t index);
+  // f(part of a bucket's top-k residual, its offset in the flat registration order) per slot.
+  void forEachResidual(const std::function<void(at::Tensor, int64_t)>& f);
 
   std::shared_ptr<Communicator> comm_;
   AllReduceOptions options_;
@@ -116,6 +124,7 @@ class AllReduceStrategy : public Strategy {
   std::vector<uintptr_t> hookKeys_;
   std::atomic<bool> enabled_{true};
   std::unique_ptr<CommThread> commThread_;  // fp16/bf16: runs the 16-bit rings
+  at::Tensor restoredResidual_;             // topk: from a checkpoint, installed by attach()
 };
 
 }  // namespace caravan

@@ -78,6 +78,13 @@ void TopKCodec::decode(const at::Tensor& gathered, int world, at::Tensor& out) c
   for (int j = 0; j < world; ++j) {
     at::Tensor msg = gathered.narrow(0, j * 2 * k_, 2 * k_);
     at::Tensor idx = msg.narrow(0, k_, k_).view(at::kInt).to(at::kLong);
+    const at::Tensor outside = idx.lt(0).logical_or_(idx.ge(out.numel()));
+    if (outside.any().item<bool>()) {
+      throw PeerError(fmt::format(
+          "a top-k message holds index {}, outside the {} entries of its bucket (a peer runs "
+          "another version of caravan, or the message was damaged)",
+          idx.masked_select(outside)[0].item<int64_t>(), out.numel()));
+    }
     out.index_add_(0, idx, msg.narrow(0, 0, k_));
   }
 }

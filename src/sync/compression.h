@@ -66,6 +66,9 @@ class ShardCodec {
   at::Tensor encode(const at::Tensor& grad);
   // Server: the dense float32 gradient (numel elements) that `words` carry.
   at::Tensor decode(const at::Tensor& words) const;
+  // topk: the worker's residual (numel elements; written in place when resuming); else
+  // undefined.
+  at::Tensor residual() const { return topk_ ? topk_->residual() : at::Tensor(); }
 
  private:
   Compression compression_;

@@ -20,6 +20,7 @@ constexpr int kTagPush1 = 21;  // worker -> server: [g[I], lr, stop, requested f
 constexpr int kTagPull1 = 22;  // server -> worker: w[I]
 constexpr int kTagPush2 = 23;  // worker -> server: g[U]
 constexpr int kTagPull2 = 24;  // server -> worker: [w[U], next split flags]
+constexpr int kTagState = 25;  // server -> worker 0: its shard's optimizer state
 
 constexpr int64_t kControl = 3;  // the elements after g[I] in a stage-1 push
 
@@ -82,7 +83,17 @@ void OspWorkerStrategy::attach(torch::nn::Module& model) {
   layout_.servers = servers_;
   for (const auto& p : params_) layout_.total += p.numel();
   global_ = flatten(params_);
-  seedServers(*world_, *workers_, global_, layout_);
+  // As for the parameter server: rank 0's optimizer holds the servers' state when resuming.
+  FlatOptimizerState state;
+  if (workers_->rank() == 0 && optimizer_ != nullptr) {
+    state = gatherOptimizerState(*optimizer_, params_);
+    scatterOptimizerState(*optimizer_, params_, FlatOptimizerState{});
+  }
+  seedServers(*world_, *workers_, global_, state, layout_);
+  if (restoredPrevious_.defined() && restoredPrevious_.numel() == layout_.total) {
+    previous_ = restoredPrevious_;
+  }
+  restoredPrevious_ = at::Tensor();
   splits_.clear();
   for (int s = 0; s < servers_; ++s) splits_.push_back(initialSplit(layout_.size(s), options_));
   commThread_ = std::make_unique<CommThread>();
@@ -219,6 +230,33 @@ void OspWorkerStrategy::finishGradients() {
   lastReturn_ = Clock::now();
 }
 
+std::map<std::string, at::Tensor> OspWorkerStrategy::saveState() {
+  drainStage2();
+  // A stage-1 round whose control says "state": each server sends worker 0 its shard's
+  // optimizer state and steps nothing.
+  std::vector<at::Tensor> requests;
+  std::vector<WorkPtr> work;
+  for (int s = 0; s < servers_; ++s) {
+    requests.push_back(at::zeros({indices(s, true).numel() + kControl}, at::kFloat));
+    requests.back()[-2] = static_cast<float>(PushKind::kState);
+    work.push_back(world_->send(requests.back(), serverRank(s), kTagPush1));
+  }
+  for (auto& w : work) w->wait(world_->timeout());
+  if (workers_->rank() == 0) {
+    CARAVAN_CHECK(optimizer_ != nullptr, "OSP has no optimizer");
+    receiveServerStates(*world_, layout_, kTagState, *optimizer_, params_);
+  }
+  // Heavy-ball LGP's w_{t-1} (the same on every worker).
+  if (previous_.defined()) return {{"osp_previous", previous_.clone()}};
+  return {};
+}
+
+void OspWorkerStrategy::restoreState(const std::map<std::string, at::Tensor>& state,
+                                     int64_t savedWorkers) {
+  auto it = state.find("osp_previous");
+  if (it != state.end()) restoredPrevious_ = it->second.to(at::kFloat).contiguous();
+}
+
 double OspWorkerStrategy::consolidate() {
   drainStage2();
   return 0.0;
@@ -242,7 +280,8 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
                   const OptimizerFactory& optimizer,
                   const std::function<void(int64_t)>& stepDone) {
   ShardLayout layout;
-  const at::Tensor shard = receiveShard(world, numWorkers, &layout);
+  FlatOptimizerState state;
+  const at::Tensor shard = receiveShard(world, numWorkers, &layout, &state);
   ChunkSplit split = initialSplit(shard.numel(), options);
   // One optimizer parameter per chunk, so a stage steps exactly its chunks.
   std::vector<at::Tensor> chunks;
@@ -250,13 +289,14 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     chunks.push_back(shard.narrow(0, split.begin(c), split.size(c)).clone().set_requires_grad(true));
   }
   auto opt = optimizer(chunks);
+  scatterOptimizerState(*opt, chunks, state);
   std::vector<double> score(chunks.size(), 0.0);  // mean |averaged gradient| of the last step
   // One stage: receive every worker's values for the chosen chunks (plus, for stage 1, the
   // control elements [lr, stop, requested fraction]), average in rank order, step those
   // chunks. Returns the chunks' new values, or nullopt when every worker said goodbye.
   double fraction = options.fraction;
-  auto stage = [&](bool stage1, int tag, int64_t step,
-                   double* lr) -> std::optional<std::vector<at::Tensor>> {
+  auto stage = [&](bool stage1, int tag, int64_t step, double* lr,
+                   PushKind* kind) -> std::vector<at::Tensor> {
     const int64_t extra = stage1 ? kControl : 0;
     std::vector<int64_t> chosen;
     int64_t n = 0;
@@ -274,7 +314,8 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     }
     for (auto& w : work) w->wait(kServerWait);  // workers may be evaluating (parameter_server.h)
     if (stage1) {
-      if (allSaidGoodbye(msgs, n + 1, world.rank(), step + 1)) return std::nullopt;
+      *kind = roundKind(msgs, n + 1, world.rank(), step + 1);
+      if (*kind != PushKind::kGradient) return {};
       *lr = msgs[0][n].item<float>();
       // auto: the largest stage-1 share any worker asked for (same on every server).
       if (options.autoFraction) {
@@ -306,11 +347,22 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     return v.empty() ? at::empty({0}, at::kFloat) : at::cat(v);
   };
   double lr = 0.0;
-  for (int64_t step = 0;; ++step) {
-    const auto w1 = stage(true, kTagPush1, step, &lr);
-    if (!w1) return;  // every worker said goodbye
-    send(catOrEmpty(*w1), kTagPull1);
-    const auto w2 = stage(false, kTagPush2, step, &lr);
+  for (int64_t step = 0;;) {
+    PushKind kind = PushKind::kGradient;
+    const auto w1 = stage(true, kTagPush1, step, &lr, &kind);
+    if (kind == PushKind::kGoodbye) return;  // every worker said goodbye
+    if (kind == PushKind::kState) {          // a checkpoint
+      sendOptimizerState(world, gatherOptimizerState(*opt, chunks), 0, kTagState);
+      continue;
+    }
+    if (kind != PushKind::kGradient) {
+      throw PeerError(fmt::format("rank {} (server): the workers sent a sync request, which OSP "
+                                  "does not use; they run another version of caravan",
+                                  world.rank()));
+    }
+    send(catOrEmpty(w1), kTagPull1);
+    PushKind none = PushKind::kGradient;
+    const auto w2 = stage(false, kTagPush2, step, &lr, &none);
     // The split for the next step, from this step's full averaged gradient.
     ChunkSplit next = split;
     std::vector<int64_t> order(chunks.size());
@@ -325,9 +377,10 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     at::Tensor flags = at::empty({next.numChunks()}, at::kFloat);
     float* f = flags.data_ptr<float>();
     for (int64_t c = 0; c < next.numChunks(); ++c) f[c] = next.stage1[c] ? 1.0f : 0.0f;
-    send(at::cat({catOrEmpty(*w2), flags}), kTagPull2);
+    send(at::cat({catOrEmpty(w2), flags}), kTagPull2);
     split = next;
-    if (stepDone) stepDone(step + 1);
+    ++step;
+    if (stepDone) stepDone(step);
   }
 }
 

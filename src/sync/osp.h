@@ -81,6 +81,12 @@ class OspWorkerStrategy : public Strategy {
   // stage1_fraction: the share of parameters synchronized in stage 1, mean over the steps.
   std::map<std::string, double> takeMetrics() override;
   void finish() override;
+  // The servers' optimizer state into rank 0's optimizer (a stage-1 round whose control asks
+  // for it); heavy-ball LGP's w_{t-1}. Not kept: the split for the next step (the resumed
+  // run's first step uses layer order) and auto sizing's measurements.
+  std::map<std::string, at::Tensor> saveState() override;
+  void restoreState(const std::map<std::string, at::Tensor>& state,
+                    int64_t savedWorkers) override;
 
  private:
   int serverRank(int s) const { return workers_->size() + s; }
@@ -118,6 +124,7 @@ class OspWorkerStrategy : public Strategy {
   std::chrono::steady_clock::time_point lastReturn_{};
   double computeSeconds_ = 0.0, elementsPerSecond_ = 0.0;
   at::Tensor previous_;  // heavy-ball LGP: w_{t-1}, flat
+  at::Tensor restoredPrevious_;  // from a checkpoint, installed by attach()
 };
 
 // A server rank's whole life under OSP (see runParameterServer).

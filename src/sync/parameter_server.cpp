@@ -18,11 +18,13 @@ namespace {
 constexpr int kTagSetup = 10;  // rank 0 -> server: [count], then the initial shard
 constexpr int kTagPush = 11;   // worker -> server: [gradient shard, lr, kind]
 constexpr int kTagPull = 12;   // server -> worker: [updated shard, staleness]
+constexpr int kTagState = 13;  // server -> worker 0: its shard's optimizer state
 
 // The last element of a push.
-constexpr float kPushGradient = 0.0f;
-constexpr float kPushGoodbye = 1.0f;
-constexpr float kPushSync = 2.0f;
+constexpr float kPushGradient = static_cast<float>(PushKind::kGradient);
+constexpr float kPushGoodbye = static_cast<float>(PushKind::kGoodbye);
+constexpr float kPushSync = static_cast<float>(PushKind::kSync);
+constexpr float kPushState = static_cast<float>(PushKind::kState);
 
 }  // namespace
 
@@ -64,7 +66,7 @@ PsWorkerStrategy::PsWorkerStrategy(std::shared_ptr<Communicator> world,
 }
 
 void seedServers(Communicator& world, const Communicator& workers, const at::Tensor& flat,
-                 const ShardLayout& layout) {
+                 const FlatOptimizerState& state, const ShardLayout& layout) {
   if (workers.rank() != 0) return;
   at::Tensor count = at::full({1}, layout.total, at::kLong);
   for (int s = 0; s < layout.servers; ++s) {
@@ -72,30 +74,71 @@ void seedServers(Communicator& world, const Communicator& workers, const at::Ten
     world.send(count, server, kTagSetup)->wait(world.timeout());
     at::Tensor shard = flat.narrow(0, layout.begin(s), layout.size(s)).contiguous();
     world.send(shard, server, kTagSetup)->wait(world.timeout());
+    sendOptimizerState(world, state.narrow(layout.begin(s), layout.size(s)), server, kTagSetup);
   }
 }
 
-at::Tensor receiveShard(Communicator& world, int numWorkers, ShardLayout* layout) {
+at::Tensor receiveShard(Communicator& world, int numWorkers, ShardLayout* layout,
+                        FlatOptimizerState* state) {
   const int s = world.rank() - numWorkers;
   layout->servers = world.size() - numWorkers;
   CARAVAN_CHECK(s >= 0 && s < layout->servers, "rank {} is not a server", world.rank());
   at::Tensor count = at::empty({1}, at::kLong);
   world.recv(count, 0, kTagSetup)->wait(kServerWait);  // rank 0 may be loading a checkpoint
   layout->total = count.item<int64_t>();
+  if (layout->total < 0) {
+    throw PeerError(fmt::format("rank 0 announced {} parameters; it runs another version of "
+                                "caravan or is not part of this job",
+                                layout->total));
+  }
   at::Tensor shard = at::empty({layout->size(s)}, at::kFloat);
   world.recv(shard, 0, kTagSetup)->wait(world.timeout());
+  *state = recvOptimizerState(world, layout->size(s), 0, kTagSetup, world.timeout());
   return shard;
 }
 
-bool allSaidGoodbye(const std::vector<at::Tensor>& pushes, int64_t stopAt, int serverRank,
-                    int64_t step) {
-  size_t goodbyes = 0;
-  for (const auto& p : pushes) goodbyes += p[stopAt].item<float>() != 0.0f;
-  if (goodbyes == 0) return false;
-  if (goodbyes == pushes.size()) return true;
-  throw PeerError(fmt::format("rank {} (server): at step {} some workers said goodbye and others "
-                              "pushed gradients; the workers disagree about the last step",
-                              serverRank, step));
+void receiveServerStates(Communicator& world, const ShardLayout& layout, int tag,
+                         torch::optim::Optimizer& optimizer,
+                         const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> slots;
+  FlatOptimizerState all;
+  for (int s = 0; s < layout.servers; ++s) {
+    const int server = world.size() - layout.servers + s;
+    FlatOptimizerState part =
+        recvOptimizerState(world, layout.size(s), server, tag, world.timeout());
+    if (s == 0) all.step = part.step;
+    if (part.rows() > 0) slots.push_back(part.slots);
+  }
+  if (!slots.empty()) {
+    CARAVAN_CHECK(static_cast<int>(slots.size()) == layout.servers, "some servers sent no state");
+    all.slots = at::cat(slots, 1);
+  }
+  scatterOptimizerState(optimizer, params, all);
+}
+
+PushKind pushKind(const at::Tensor& push, int64_t kindAt, int worker, int serverRank) {
+  const float kind = push[kindAt].item<float>();
+  for (PushKind k : {PushKind::kGradient, PushKind::kGoodbye, PushKind::kSync, PushKind::kState}) {
+    if (kind == static_cast<float>(k)) return k;
+  }
+  throw PeerError(fmt::format("rank {} (server): worker {} sent a message of unknown kind {}; "
+                              "it runs another version of caravan or is not part of this job",
+                              serverRank, worker, kind));
+}
+
+PushKind roundKind(const std::vector<at::Tensor>& pushes, int64_t kindAt, int serverRank,
+                   int64_t step) {
+  const PushKind first = pushKind(pushes[0], kindAt, 0, serverRank);
+  for (size_t k = 1; k < pushes.size(); ++k) {
+    const PushKind kind = pushKind(pushes[k], kindAt, static_cast<int>(k), serverRank);
+    if (kind != first) {
+      throw PeerError(fmt::format(
+          "rank {} (server): at step {} worker 0 sent kind {} and worker {} kind {} (0 "
+          "gradient, 1 goodbye, 2 sync, 3 checkpoint); the workers disagree about the step",
+          serverRank, step, static_cast<int>(first), k, static_cast<int>(kind)));
+    }
+  }
+  return first;
 }
 
 at::Tensor averagePushes(const std::vector<at::Tensor>& pushes, int64_t n) {
@@ -118,10 +161,45 @@ void PsWorkerStrategy::attach(torch::nn::Module& model) {
   params_ = syncedParameters(model);
   layout_.servers = servers_;
   for (const auto& p : params_) layout_.total += p.numel();
-  seedServers(*world_, *workers_, flatten(params_), layout_);
+  // Rank 0's optimizer holds the servers' state when resuming (saveState put it there); it
+  // goes to the servers cut for their number, and rank 0 keeps no copy.
+  FlatOptimizerState state;
+  if (workers_->rank() == 0 && optimizer_ != nullptr) {
+    state = gatherOptimizerState(*optimizer_, params_);
+    scatterOptimizerState(*optimizer_, params_, FlatOptimizerState{});
+  }
+  seedServers(*world_, *workers_, flatten(params_), state, layout_);
   codecs_.clear();
   for (int s = 0; s < servers_; ++s) {
     codecs_.emplace_back(options_.compression, layout_.size(s), options_.topkRatio);
+    if (restoredResidual_.defined()) {
+      codecs_.back().residual().copy_(restoredResidual_.narrow(0, layout_.begin(s), layout_.size(s)));
+    }
+  }
+  restoredResidual_ = at::Tensor();
+}
+
+std::map<std::string, at::Tensor> PsWorkerStrategy::saveState() {
+  std::map<std::string, at::Tensor> out;
+  if (options_.compression == Compression::kTopK) {
+    std::vector<at::Tensor> mine;
+    for (const auto& c : codecs_) mine.push_back(c.residual());
+    out["ps_residuals"] = gatherRows(*workers_, at::cat(mine));
+  }
+  // Answered like a sync; then each server sends worker 0 its shard's optimizer state.
+  exchange(at::Tensor(), kPushState);
+  if (workers_->rank() == 0) {
+    CARAVAN_CHECK(optimizer_ != nullptr, "the parameter-server strategy has no optimizer");
+    receiveServerStates(*world_, layout_, kTagState, *optimizer_, params_);
+  }
+  return out;
+}
+
+void PsWorkerStrategy::restoreState(const std::map<std::string, at::Tensor>& state,
+                                    int64_t savedWorkers) {
+  auto it = state.find("ps_residuals");
+  if (it != state.end() && options_.compression == Compression::kTopK) {
+    restoredResidual_ = rowForRank(it->second, workers_->rank(), workers_->size());
   }
 }
 
@@ -208,23 +286,35 @@ void reply(Communicator& world, const at::Tensor& shard, int worker, int64_t sta
   world.send(message, worker, kTagPull)->wait(world.timeout());
 }
 
+// A state request: worker 0 gets this server's optimizer state (after the pulls went out).
+void sendState(Communicator& world, torch::optim::Optimizer& opt, const at::Tensor& shard) {
+  sendOptimizerState(world, gatherOptimizerState(opt, {shard}), 0, kTagState);
+}
+
 void serveBsp(Communicator& world, int numWorkers, const ShardCodec& codec, at::Tensor shard,
               torch::optim::Optimizer& opt, const std::function<void(int64_t)>& stepDone) {
   const int64_t n = shard.numel(), words = codec.words();
   std::vector<at::Tensor> pushes(numWorkers), grads(numWorkers);
   for (auto& p : pushes) p = at::empty({words + 2}, at::kFloat);
-  for (int64_t step = 0;; ++step) {
+  for (int64_t step = 0;;) {
     std::vector<WorkPtr> work;
     for (int k = 0; k < numWorkers; ++k) work.push_back(world.recv(pushes[k], k, kTagPush));
     for (auto& w : work) w->wait(kServerWait);
-    if (allSaidGoodbye(pushes, words + 1, world.rank(), step + 1)) return;
+    const PushKind kind = roundKind(pushes, words + 1, world.rank(), step + 1);
+    if (kind == PushKind::kGoodbye) return;
+    if (kind != PushKind::kGradient) {  // a checkpoint's state request (sync: nothing to do)
+      for (int k = 0; k < numWorkers; ++k) reply(world, shard, k, 0);
+      if (kind == PushKind::kState) sendState(world, opt, shard);
+      continue;
+    }
+    ++step;
     // The average in rank order, then the optimizer on this shard.
     for (int k = 0; k < numWorkers; ++k) grads[k] = codec.decode(pushes[k].narrow(0, 0, words));
     shard.mutable_grad() = averagePushes(grads, n);
     setServerLearningRate(opt, static_cast<double>(pushes[0][words].item<float>()));
     opt.step();
     for (int k = 0; k < numWorkers; ++k) reply(world, shard, k, 0);
-    if (stepDone) stepDone(step + 1);
+    if (stepDone) stepDone(step);
   }
 }
 
@@ -239,17 +329,19 @@ void serveAsync(Communicator& world, int numWorkers, const PsOptions& options,
   for (auto& p : pushes) p = at::empty({words + 2}, at::kFloat);
   std::vector<int64_t> clock(numWorkers, 0);
   std::vector<uint8_t> gone(numWorkers, 0), owed(numWorkers, 0), syncing(numWorkers, 0);
+  bool stateRequested = false;  // a sync that also sends worker 0 the optimizer state
   CompletionQueue arrivals(kServerWait);
   for (int k = 0; k < numWorkers; ++k) arrivals.add(k, world.recv(pushes[k], k, kTagPush));
   int64_t slowestDone = 0;
   while (arrivals.outstanding() > 0) {
     const int k = arrivals.next();
-    const float kind = pushes[k][words + 1].item<float>();
+    const float kind = static_cast<float>(pushKind(pushes[k], words + 1, k, world.rank()));
     if (kind == kPushGoodbye) {
       gone[k] = 1;
       owed[k] = syncing[k] = 0;
-    } else if (kind == kPushSync) {
+    } else if (kind == kPushSync || kind == kPushState) {
       syncing[k] = 1;
+      stateRequested = stateRequested || kind == kPushState;
     } else {
       // lr/W, not gradient/W: weight decay (and Adam's normalized step) scale with lr.
       shard.mutable_grad() = codec.decode(pushes[k].narrow(0, 0, words));
@@ -280,6 +372,8 @@ void serveAsync(Communicator& world, int numWorkers, const PsOptions& options,
         reply(world, shard, j, clock[j] - slowest);
         syncing[j] = 0;
       }
+      if (stateRequested) sendState(world, opt, shard);
+      stateRequested = false;
     }
     if (stepDone && slowest != std::numeric_limits<int64_t>::max() && slowest > slowestDone) {
       slowestDone = slowest;
@@ -294,9 +388,11 @@ void runParameterServer(Communicator& world, int numWorkers, const PsOptions& op
                         const OptimizerFactory& optimizer,
                         const std::function<void(int64_t)>& stepDone) {
   ShardLayout layout;
-  at::Tensor shard = receiveShard(world, numWorkers, &layout);
+  FlatOptimizerState state;
+  at::Tensor shard = receiveShard(world, numWorkers, &layout, &state);
   shard.set_requires_grad(true);
   auto opt = optimizer({shard});
+  scatterOptimizerState(*opt, {shard}, state);
   const ShardCodec codec(options.compression, shard.numel(), options.topkRatio);
   if (options.asynchronous()) {
     serveAsync(world, numWorkers, options, codec, shard, *opt, stepDone);

@@ -23,11 +23,19 @@
 // servers answer once every worker sent it.
 //
 // Messages (all through the Communicator, tags below): at start rank 0 sends each server the
-// parameter count and its shard's initial values. A push is [gradient shard, lr, kind]: kind 0
-// a gradient, 1 (with a zero gradient) the worker's goodbye at the end of training, 2 a sync
-// request (asynchronous modes); a server returns when every worker said goodbye. A pull is
-// [shard, staleness]: c_k - min_j c_j when the reply left (0 under BSP). With compression a
-// push's gradient part is the codec's words instead of the shard.
+// parameter count, its shard's initial values and its shard of the optimizer state (from a
+// checkpoint, cut for this number of servers; optimizer_state.h). A push is [gradient shard,
+// lr, kind]: kind 0 a gradient, 1 (with a zero gradient) the worker's goodbye at the end of
+// training, 2 a sync request (asynchronous modes), 3 a state request (checkpoints: answered
+// like a sync, after the server sent worker 0 its shard's optimizer state); a server returns
+// when every worker said goodbye. A pull is [shard, staleness]: c_k - min_j c_j when the reply
+// left (0 under BSP). With compression a push's gradient part is the codec's words instead of
+// the shard.
+//
+// Checkpoints hold the servers' optimizer state in rank 0's own optimizer (the in-core form,
+// so a checkpoint resumes on any number of servers and workers, or under another sync.mode)
+// and every worker's top-k residual (resumed on another number of workers: each gets their
+// mean, which keeps the update the residuals still owe).
 //
 // Servers wait for workers without a deadline of their own (kServerWait): workers evaluate and
 // checkpoint between steps for as long as they need. A worker that dies closes its connections,
@@ -39,8 +47,8 @@
 // float32. With ASP/SSP the residual's entries reach the server when they grow large enough,
 // as with all-reduce.
 //
-// Not yet: pushes overlapped with backward, gradient clipping (global norm across shards),
-// server and codec state in checkpoints. OSP builds on this: osp.h.
+// Not yet: pushes overlapped with backward, gradient clipping (global norm across shards).
+// OSP builds on this: osp.h.
 //
 // Threading: trainer thread (worker) / the server's main thread.
 #pragma once
@@ -57,6 +65,7 @@
 
 #include "comm/communicator.h"
 #include "sync/compression.h"
+#include "sync/optimizer_state.h"
 #include "sync/strategy.h"
 
 namespace torch {
@@ -93,17 +102,30 @@ struct ShardLayout {
   int64_t size(int s) const { return end(s) - begin(s); }
 };
 
-// Rank 0 of `workers` sends each server (world ranks W..W+S-1) the parameter count and its
-// shard of `flat`; the others do nothing. Collective-free (point to point).
+// Rank 0 of `workers` sends each server (world ranks W..W+S-1) the parameter count, its shard
+// of `flat` and its shard of `state` (the optimizer state rank 0 holds for the flat vector:
+// none at the start, the checkpoint's when resuming); the others do nothing. Point to point.
 void seedServers(Communicator& world, const Communicator& workers, const at::Tensor& flat,
-                 const ShardLayout& layout);
-// A server's side of seedServers: its shard (float32) and the layout.
-at::Tensor receiveShard(Communicator& world, int numWorkers, ShardLayout* layout);
+                 const FlatOptimizerState& state, const ShardLayout& layout);
+// A server's side of seedServers: its shard (float32), the layout and its shard's optimizer
+// state.
+at::Tensor receiveShard(Communicator& world, int numWorkers, ShardLayout* layout,
+                        FlatOptimizerState* state);
 
-// One round of pushes (one per worker, rank order) carrying a stop flag at element `stopAt`:
-// true when every worker said goodbye, false when none did; PeerError when they disagree.
-bool allSaidGoodbye(const std::vector<at::Tensor>& pushes, int64_t stopAt, int serverRank,
-                    int64_t step);
+// Worker 0's side of a checkpoint's state request: each server's optimizer state for its
+// shard (sent on `tag`), put together into `optimizer`'s state for `params` (the flat vector).
+void receiveServerStates(Communicator& world, const ShardLayout& layout, int tag,
+                         torch::optim::Optimizer& optimizer,
+                         const std::vector<at::Tensor>& params);
+
+// What a round of pushes (one per worker, rank order) asks for, from the kind each carries at
+// element `kindAt`: every worker must ask for the same; PeerError naming the workers when they
+// disagree or a kind is not one of these.
+enum class PushKind { kGradient = 0, kGoodbye = 1, kSync = 2, kState = 3 };
+PushKind roundKind(const std::vector<at::Tensor>& pushes, int64_t kindAt, int serverRank,
+                   int64_t step);
+// The kind one push carries (PeerError naming `worker` for anything else).
+PushKind pushKind(const at::Tensor& push, int64_t kindAt, int worker, int serverRank);
 // The mean over workers of the pushes' first n elements, summed in rank order.
 at::Tensor averagePushes(const std::vector<at::Tensor>& pushes, int64_t n);
 
@@ -121,6 +143,10 @@ class PsWorkerStrategy : public Strategy {
   double consolidate() override;
   std::map<std::string, double> takeMetrics() override;
   void finish() override;
+  // The servers' optimizer state into rank 0's optimizer; every worker's top-k residual.
+  std::map<std::string, at::Tensor> saveState() override;
+  void restoreState(const std::map<std::string, at::Tensor>& state,
+                    int64_t savedWorkers) override;
 
  private:
   int serverRank(int s) const { return world_->size() - servers_ + s; }
@@ -137,6 +163,7 @@ class PsWorkerStrategy : public Strategy {
   ShardLayout layout_;
   PsOptions options_;
   std::vector<ShardCodec> codecs_;  // per server (top-k keeps its residual here)
+  at::Tensor restoredResidual_;     // flat, from a checkpoint, installed by attach()
   double lr_ = 0.0;
   bool finished_ = false;
   double finalDistance_ = 0.0;  // consensus distance finish() measured

@@ -87,4 +87,16 @@ double consensusDistance(Communicator& comm, const std::vector<at::Tensor>& para
   return std::sqrt(sq.item<double>() / static_cast<double>(comm.size()));
 }
 
+at::Tensor gatherRows(Communicator& comm, const at::Tensor& mine) {
+  const at::Tensor input = mine.to(at::kFloat).contiguous().reshape({-1});
+  at::Tensor rows = at::empty({comm.size(), input.numel()}, at::kFloat);
+  comm.allgather(rows.view({-1}), input)->wait(comm.timeout());
+  return rows;
+}
+
+at::Tensor rowForRank(const at::Tensor& rows, int rank, int worldSize) {
+  if (rows.size(0) == worldSize) return rows[rank].clone();
+  return rows.mean(0);
+}
+
 }  // namespace caravan

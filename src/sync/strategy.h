@@ -22,6 +22,9 @@ namespace torch {
 namespace nn {
 class Module;
 }
+namespace optim {
+class Optimizer;
+}
 }  // namespace torch
 
 namespace caravan {
@@ -74,11 +77,28 @@ class Strategy {
   virtual void finishGroup(size_t group) {}
   virtual void cancelGroupWaits() {}
 
+  // The run's own optimizer (rank 0's is the one checkpoints hold), set before attach().
+  // Strategies whose optimizer runs elsewhere (parameter servers) seed it from this one and
+  // put its state back into it for checkpoints.
+  void setOptimizer(torch::optim::Optimizer* optimizer) { optimizer_ = optimizer; }
+
+  // Strategy state in checkpoints. saveState(): on every rank, after consolidate(), before rank
+  // 0 writes the checkpoint (a collective over the job): puts state kept elsewhere into the
+  // optimizer of setOptimizer() in its in-core form (the servers' optimizer state), and
+  // returns the strategy's own tensors for the checkpoint (rank 0's return value is stored;
+  // e.g. every worker's top-k residual). restoreState(): before attach(), with what a
+  // checkpoint stored and the number of workers that wrote it, which may differ from this
+  // job's (resharding: the strategy says what it keeps, e.g. the residuals' mean).
+  virtual std::map<std::string, at::Tensor> saveState() { return {}; }
+  virtual void restoreState(const std::map<std::string, at::Tensor>& state,
+                            int64_t savedWorkers) {}
+
   // Timeline callback: (name, start, end) of each communication, for --trace.
   virtual void setEventSink(CommEventSink sink) { sink_ = std::move(sink); }
 
  protected:
   CommEventSink sink_;
+  torch::optim::Optimizer* optimizer_ = nullptr;
 };
 
 }  // namespace caravan

@@ -145,6 +145,11 @@ void saveCheckpoint(const std::string& path, torch::nn::Module& model,
   archive.write("rng", state.rngState, /*is_buffer=*/true);
   archive.write("elapsed_s", c10::IValue(state.elapsedSeconds));
   archive.write("meta", c10::IValue(state.meta.dump()));
+  archive.write("workers", c10::IValue(state.workers));
+  archive.write("batch_size", c10::IValue(state.batchSize));
+  torch::serialize::OutputArchive strategyArchive;
+  for (const auto& [name, tensor] : state.strategy) strategyArchive.write(name, tensor);
+  archive.write("strategy", strategyArchive);
   // Header (magic, payload length, CRC-32) written last, over a placeholder: the payload is
   // streamed to the file.
   writeFileAtomic(path, [&](int fd, const std::string& tmp) {
@@ -266,6 +271,22 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
     archive.read("rng", state.rngState, /*is_buffer=*/true);
     archive.read("elapsed_s", v);
     state.elapsedSeconds = v.toDouble();
+    // Checkpoints from before these were stored: one worker's, of the config's batch size.
+    if (archive.try_read("workers", v)) state.workers = v.toInt();
+    if (archive.try_read("batch_size", v)) state.batchSize = v.toInt();
+    if (state.workers < 1 || state.batchSize < 0) {
+      throw CheckpointError(fmt::format("checkpoint {} says it was written by {} workers with "
+                                        "batch size {}; it is damaged",
+                                        path, state.workers, state.batchSize));
+    }
+    torch::serialize::InputArchive strategyArchive;
+    if (archive.try_read("strategy", strategyArchive)) {
+      for (const auto& name : strategyArchive.keys()) {
+        at::Tensor t;
+        strategyArchive.read(name, t);
+        state.strategy[name] = t;
+      }
+    }
   } catch (const CheckpointError&) {
     throw;
   } catch (const std::exception& e) {

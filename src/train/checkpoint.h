@@ -1,5 +1,7 @@
 // Checkpoints: everything needed to continue a run exactly (model parameters and buffers,
-// optimizer state, step, sampler position, RNG state), in one file per checkpoint.
+// optimizer state — the servers' too, in the in-core form —, step, sampler position with the
+// workers and batch size it counts in, RNG state, the strategy's own state), in one file per
+// checkpoint.
 //
 // File format: a 24-byte header (magic "CRVNCKP1", payload size u64 LE, CRC-32 of the
 // payload u32 LE, 4 reserved bytes) followed by the payload, a LibTorch archive. A file whose
@@ -12,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -35,6 +38,9 @@ namespace caravan {
 struct TrainingState {
   int64_t step = 0;                   // steps completed
   SamplerPosition position;           // where the next batch comes from
+  int64_t workers = 1;                // data-parallel workers that wrote it (servers not counted)
+  int64_t batchSize = 0;              // per worker (0: a checkpoint from before it was stored)
+  std::map<std::string, at::Tensor> strategy;  // Strategy::saveState (empty in one process)
   at::Tensor rngState;                // default CPU generator (dropout)
   double elapsedSeconds = 0.0;        // training time of the run so far (metrics time_s)
   nlohmann::json meta;                // identity of the run: model/optimizer/data keys

@@ -139,7 +139,8 @@ void Distributed::leave(const std::string& reason) {
 
 Distributed::~Distributed() = default;
 
-Strategy* Distributed::attach(torch::nn::Module& model,
+Strategy* Distributed::attach(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                              const TrainingState* resumed,
                               std::vector<std::vector<at::Tensor>> groups) {
   AllReduceOptions o;
   o.bucketBytes = static_cast<int64_t>(config_.f64("sync.bucket_mb") * (1 << 20));
@@ -189,6 +190,8 @@ Strategy* Distributed::attach(torch::nn::Module& model,
     }
     strategy_->setParameterGroups(std::move(groups));
   }
+  strategy_->setOptimizer(&optimizer);
+  if (resumed != nullptr) strategy_->restoreState(resumed->strategy, resumed->workers);
   strategy_->attach(model);
   return strategy_.get();
 }

@@ -12,11 +12,15 @@
 #include "comm/counting_communicator.h"
 #include "core/config.h"
 #include "sync/strategy.h"
+#include "train/checkpoint.h"
 #include "train/trainer.h"
 
 namespace torch {
 namespace nn {
 class Module;
+}
+namespace optim {
+class Optimizer;
 }
 }  // namespace torch
 
@@ -44,9 +48,12 @@ class Distributed {
   ~Distributed();
 
   // Builds the strategy, broadcasts rank 0's parameters. Returns the strategy for trainStep.
-  // `groups` (out-of-core weights: one per block) makes the strategy exchange gradients per
-  // group (Strategy::setParameterGroups); ConfigError for a strategy that cannot.
-  Strategy* attach(torch::nn::Module& model,
+  // `optimizer`: the run's own (Strategy::setOptimizer); `resumed`: the checkpoint the run
+  // continues from (its strategy state), or null. `groups` (out-of-core weights: one per
+  // block) makes the strategy exchange gradients per group (Strategy::setParameterGroups);
+  // ConfigError for a strategy that cannot.
+  Strategy* attach(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                   const TrainingState* resumed,
                    std::vector<std::vector<at::Tensor>> groups = {});
   // Records each bucket's communication on the timeline's communication track.
   void traceTo(Timeline& timeline);

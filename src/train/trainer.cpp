@@ -5,6 +5,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -70,9 +72,22 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   TrainingState state;
   state.meta = identity;
   double elapsedBefore = 0.0;  // training seconds of earlier processes of this run
+  std::string reshardNote;
   if (resumeFrom) {
     state = loadCheckpoint(*resumeFrom, *model, *optimizer, identity);
     setDefaultRngState(state.rngState);
+    if (state.batchSize == 0) state.batchSize = samplerOptions.batchSize;  // older checkpoints
+    if (state.workers != workers || state.batchSize != samplerOptions.batchSize) {
+      // Resharding: the position counts samples of the epoch (loader.h).
+      const SamplerPosition saved = state.position;
+      state.position = reshardPosition(saved, state.workers * state.batchSize,
+                                       workers * samplerOptions.batchSize, perEpoch);
+      reshardNote = fmt::format(
+          "caravan: the checkpoint was written by {} workers x batch {} (epoch {} batch {}); "
+          "continuing with {} x {} at epoch {} batch {}",
+          state.workers, state.batchSize, saved.epoch + 1, saved.batchInEpoch, workers,
+          samplerOptions.batchSize, state.position.epoch + 1, state.position.batchInEpoch);
+    }
     loader.seek(state.position);
     elapsedBefore = state.elapsedSeconds;
   } else {
@@ -94,8 +109,10 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   const bool offload = offloadsWeights(config);
   Strategy* strategy = nullptr;
   if (dist) {
-    strategy = dist->attach(*model, offload ? blockParameters(model)
-                                            : std::vector<std::vector<at::Tensor>>{});
+    strategy = dist->attach(*model, *optimizer, resumeFrom ? &state : nullptr,
+                            offload ? blockParameters(model)
+                                    : std::vector<std::vector<at::Tensor>>{});
+    state.strategy.clear();  // handed to the strategy
   }
   Timeline timeline(options.tracePath, options.world.rank);
   if (dist && !options.tracePath.empty()) dist->traceTo(timeline);
@@ -123,6 +140,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
                          config.str("sync.mode"))
            : "",
       resumeFrom ? fmt::format(", resuming at step {} from {}", state.step, *resumeFrom) : ""));
+  if (!reshardNote.empty()) progress.line(reshardNote);
 
   // Memory accounting (memory/): activations through the saved-tensor hooks while the scope
   // lives, the other categories measured after each step.
@@ -185,8 +203,9 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   // Strategies that let replicas drift (local SGD, gossip) average them first, so evaluation
   // and checkpoints see one model; the spread they had is reported.
   auto consolidate = [&] { return strategy != nullptr ? strategy->consolidate() : 0.0; };
-  auto runEval = [&] {
-    const double consensus = consolidate();
+  // `distance`: the consensus distance when the caller consolidated already.
+  auto runEval = [&](std::optional<double> distance = std::nullopt) {
+    const double consensus = distance ? *distance : consolidate();
     EvalResult r = evaluate(model, *data.test, evalBatchSize, evalBatches, comm);
     nlohmann::json rec = {{"kind", "eval"}, {"step", state.step}, {"epoch", epoch},
                           {"loss", r.loss}, {"accuracy", r.accuracy},
@@ -199,8 +218,16 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     summary.evalAccuracy = r.accuracy;
     lastEvalStep = state.step;
   };
-  auto writeCheckpoint = [&] {
-    consolidate();
+  // `collected`: the strategy's state when the caller consolidated and collected it already.
+  auto writeCheckpoint = [&](std::map<std::string, at::Tensor>* collected = nullptr) {
+    if (collected != nullptr) {
+      state.strategy = std::move(*collected);
+    } else {
+      consolidate();
+      if (strategy != nullptr) state.strategy = strategy->saveState();
+    }
+    state.workers = workers;
+    state.batchSize = samplerOptions.batchSize;
     state.rngState = defaultRngState();
     state.elapsedSeconds = trainSeconds();
     if (isRoot) {
@@ -388,7 +415,14 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     }
   }
   progress.finish();
-  if (strategy != nullptr) strategy->finish();
+  // One model from here on, and the final checkpoint's strategy state collected while the
+  // servers still serve: finish() says goodbye to them.
+  const double finalDistance = consolidate();
+  std::map<std::string, at::Tensor> finalStrategyState;
+  if (strategy != nullptr) {
+    finalStrategyState = strategy->saveState();
+    strategy->finish();
+  }
   double measuredFwdBwd = 0.0;
   if (!forwardBackward.empty()) {
     std::vector<double> sorted = forwardBackward;
@@ -404,8 +438,8 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
         (measuredFwdBwd / p.stepSeconds - 1.0) * 100.0, formatBytes(runActivationPeak),
         formatBytes(p.peakBytes)));
   }
-  if (!summary.stoppedEarly && lastEvalStep != state.step) runEval();
-  writeCheckpoint();
+  if (!summary.stoppedEarly && lastEvalStep != state.step) runEval(finalDistance);
+  writeCheckpoint(&finalStrategyState);
   summary.steps = state.step;
   summary.epochs = epoch;
   summary.finalTrainLoss = lastLoss;
