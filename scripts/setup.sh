@@ -10,6 +10,7 @@ packages=(
   build-essential cmake ninja-build ccache pkg-config
   libtorch-dev libopenblas-dev libgloo-dev          # LibTorch 1.13 (CPU), fast BLAS, c10d headers
   libtomlplusplus-dev libcli11-dev nlohmann-json3-dev libspdlog-dev libfmt-dev zlib1g-dev
+  libssl-dev                                          # HMAC-SHA256 for job-token proofs
   libgtest-dev libgmock-dev
   libopenmpi-dev openmpi-bin                          # the mpi communicator backend (optional)
   dataset-fashion-mnist                               # /usr/share/datasets/fashion-mnist

@@ -27,6 +27,7 @@
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "comm/auth.h"
 #include "comm/comm_util.h"
 #include "comm/communicator.h"
 #include "comm/factory.h"
@@ -234,6 +235,30 @@ INSTANTIATE_TEST_SUITE_P(CommGloo, CommGlooCollectives,
                          [](const auto& info) {
                            return paramName(std::get<0>(info.param), -1, std::get<1>(info.param));
                          });
+
+// Job-token proofs over Gloo's connections (comm/auth.h): ranks with the same token pass and
+// can communicate after; a rank with another token (a stranger in a peer's place) is refused by
+// every other rank, naming it, and itself refuses them.
+TEST(CommAuth, PeersProveTheJobTokenWithoutSendingIt) {
+  auto same = runGlooRanks(3, loopbackOptions(), [&](Communicator& c) {
+    authenticatePeers(c, "job-secret");
+    at::Tensor t = at::ones({4});
+    c.allreduce(t, ReduceOp::kSum)->wait(kOpTimeout);
+    if (t[0].item<float>() != 3.0f) throw std::runtime_error("wrong sum after authentication");
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(same[r], "") << "rank " << r;
+  auto mixed = runGlooRanks(3, loopbackOptions(), [&](Communicator& c) {
+    authenticatePeers(c, c.rank() == 2 ? "a-guess" : "job-secret");
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(mixed[r].find("rank 2's connection to rank " + std::to_string(r) +
+                            " did not prove the job token"),
+              std::string::npos)
+        << mixed[r];
+  }
+  EXPECT_NE(mixed[2].find("did not prove the job token"), std::string::npos) << mixed[2];
+  EXPECT_EQ(mixed[2].find("job-secret"), std::string::npos) << "the token is never shown";
+}
 
 TEST(CommGlooFaults, RecvNobodySendsTimesOutNamingThePeer) {
   std::atomic<bool> rank0Done{false};

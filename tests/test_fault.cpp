@@ -7,6 +7,9 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,7 +17,12 @@
 #include <chrono>
 #include <filesystem>
 #include <optional>
+#include <sstream>
 #include <thread>
+#include <cstdlib>
+#include <random>
+
+#include <fmt/format.h>
 
 #include "comm/launch.h"
 #include "test_util.h"
@@ -50,7 +58,8 @@ std::string caseName(const ::testing::TestParamInfo<Case>& info) {
          (info.param.signal == SIGKILL ? "Killed" : "Stopped");
 }
 
-class LostRank : public ::testing::TestWithParam<Case> {
+// A job of caravan processes started by the test (torchrun-style variables), reaped by it.
+class Job : public ::testing::Test {
  protected:
   void TearDown() override {
     for (pid_t pid : pids_) {
@@ -61,31 +70,49 @@ class LostRank : public ::testing::TestWithParam<Case> {
     }
   }
 
-  // Starts rank `r` of the job: caravan train with torchrun-style variables, stderr to a file.
-  void startRank(int r, int port) {
-    const std::string err = tmp_ / ("err" + std::to_string(r));
+  // Starts rank `r` of a job of `world` ranks: caravan train with torchrun-style variables
+  // (plus `env`, "KEY=VALUE"), its config the base below plus `sets`, its run directory
+  // tmp/RUN, stderr to tmp/err<r> (tmp/err<r>-RUN for another run than "run"); returns the
+  // pid.
+  pid_t startRank(int r, int port, const std::vector<std::string>& sets = {},
+                  int world = kWorld, const std::vector<std::string>& env = {},
+                  const std::string& run = "run") {
+    const std::string err =
+        tmp_ / ("err" + std::to_string(r) + (run == "run" ? "" : "-" + run));
     std::vector<std::string> argv = {
-        CARAVAN_BINARY, "train", "-q", "--config", "/dev/null", "--run-dir", tmp_ / "run",
+        CARAVAN_BINARY, "train", "-q", "--config", "/dev/null", "--run-dir", tmp_ / run,
         "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=64",
         "--set", "data.batch_size=8", "--set", "model.name=mlp", "--set", "model.width=8",
-        "--set", "train.threads=1", "--set", "train.max_steps=10000000",
-        "--set", "train.log_every=1", "--set", "train.eval_every=0",
+        "--set", "train.threads=1", "--set", "train.log_every=1", "--set", "train.eval_every=0",
         "--set", "fault.timeout=" + std::to_string(kTimeoutS)};
+    bool steps = false;
+    for (const auto& s : sets) {
+      argv.push_back("--set");
+      argv.push_back(s);
+      steps = steps || s.rfind("train.max_steps=", 0) == 0;
+    }
+    if (!steps) {
+      argv.push_back("--set");
+      argv.push_back("train.max_steps=10000000");
+    }
     std::vector<std::string> envp;
-    for (char** e = environ; *e != nullptr; ++e) envp.emplace_back(*e);
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (std::string(*e).rfind("CARAVAN_JOB_TOKEN=", 0) != 0) envp.emplace_back(*e);
+    }
     for (const std::string& kv :
          {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
-          "WORLD_SIZE=" + std::to_string(kWorld), std::string("MASTER_ADDR=127.0.0.1"),
+          "WORLD_SIZE=" + std::to_string(world), std::string("MASTER_ADDR=127.0.0.1"),
           "MASTER_PORT=" + std::to_string(port), std::string("OMP_NUM_THREADS=1")}) {
       envp.push_back(kv);
     }
+    for (const auto& kv : env) envp.push_back(kv);
     std::vector<char*> av, ev;
     for (auto& s : argv) av.push_back(s.data());
     av.push_back(nullptr);
     for (auto& s : envp) ev.push_back(s.data());
     ev.push_back(nullptr);
     const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
+    EXPECT_GE(pid, 0);
     if (pid == 0) {
       const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       const int n = ::open("/dev/null", O_RDWR);
@@ -97,6 +124,7 @@ class LostRank : public ::testing::TestWithParam<Case> {
       ::_exit(98);
     }
     pids_.push_back(pid);
+    return pid;
   }
 
   // Reaps every rank other than `except` that exits before `deadline`.
@@ -117,10 +145,25 @@ class LostRank : public ::testing::TestWithParam<Case> {
     }
   }
 
+  // Waits until RUN_DIR/metrics.jsonl has `lines` lines, every rank still running.
+  void waitForMetrics(const std::string& run, int lines) {
+    const auto started = Clock::now();
+    while (countLines(readFile(tmp_ / (run + "/metrics.jsonl"))) < lines) {
+      ASSERT_LT(Clock::now() - started, std::chrono::seconds(60))
+          << "the job did not train within 60 s: " << readFile(tmp_ / "err0");
+      for (pid_t pid : pids_) {
+        if (exit_.count(pid) == 0) ASSERT_EQ(::waitpid(pid, nullptr, WNOHANG), 0) << "a rank exited";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
   TempDir tmp_;
   std::vector<pid_t> pids_;
   std::map<pid_t, std::pair<int, Clock::time_point>> exit_;
 };
+
+class LostRank : public Job, public ::testing::WithParamInterface<Case> {};
 
 }  // namespace
 
@@ -129,13 +172,7 @@ TEST_P(LostRank, SurvivorsExitNamingIt) {
   const int port = caravan::pickFreeLoopbackPort();
   for (int r = 0; r < kWorld; ++r) startRank(r, port);
   // Training: rank 0 has logged a few steps.
-  const auto started = Clock::now();
-  while (countLines(readFile(tmp_ / "run/metrics.jsonl")) < 20) {
-    ASSERT_LT(Clock::now() - started, std::chrono::seconds(60))
-        << "the job did not train within 60 s: " << readFile(tmp_ / "err0");
-    for (pid_t pid : pids_) ASSERT_EQ(::waitpid(pid, nullptr, WNOHANG), 0) << "a rank exited";
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  waitForMetrics("run", 20);
   std::this_thread::sleep_for(std::chrono::seconds(1));  // two heartbeats carry a step
   const pid_t victim = pids_.at(c.victim);
   const auto lostAt = Clock::now();
@@ -171,3 +208,176 @@ INSTANTIATE_TEST_SUITE_P(ExternalLauncher, LostRank,
                          ::testing::Values(Case{1, SIGKILL}, Case{0, SIGKILL},
                                            Case{2, SIGSTOP}),
                          caseName);
+
+// The kill harness: 20 times, a random rank (worker or server) of a 3-rank job is SIGKILLed at
+// a random step (3 to 40 steps logged), cycling through every strategy. Zero hangs: every
+// survivor exits 7 within fault.timeout (plus 3 s to reap), its one error line naming the
+// killed rank and its role first. The seed is printed; CARAVAN_KILL_SEED repeats a sequence.
+TEST_F(Job, KillHarnessRandomRankAtARandomStep) {
+  const char* given = std::getenv("CARAVAN_KILL_SEED");
+  const uint64_t seed = given != nullptr ? std::stoull(given)
+                                         : static_cast<uint64_t>(::time(nullptr));
+  std::printf("kill harness seed %llu\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<std::vector<std::string>> modes = {
+      {"sync.mode=allreduce"},
+      {"sync.mode=ps-bsp", "sync.servers=1"},
+      {"sync.mode=osp", "sync.servers=1", "sync.osp_chunk=64"},
+      {"sync.mode=local-sgd", "sync.local_period=4"},
+      {"sync.mode=ps-asp", "sync.servers=1"},
+      {"sync.mode=gossip"},
+      {"sync.mode=ps-ssp", "sync.servers=1", "sync.staleness=2"},
+      {"sync.mode=allreduce", "sync.compression=topk", "sync.topk_ratio=0.1"}};
+  for (int i = 0; i < 20; ++i) {
+    const auto& sets = modes[static_cast<size_t>(i) % modes.size()];
+    const bool servers = sets.size() > 1 && sets[1] == "sync.servers=1";
+    const int victim = static_cast<int>(rng() % kWorld);
+    const int after = 3 + static_cast<int>(rng() % 38);
+    const std::string run = "kill" + std::to_string(i);
+    std::string mode;
+    for (const auto& kv : sets) mode += (mode.empty() ? "" : " ") + kv.substr(kv.find('.') + 1);
+    const std::string what = fmt::format("{}: rank {} ({}) killed after {} steps", mode,
+                                         victim, servers && victim == 2 ? "server" : "worker",
+                                         after);
+    SCOPED_TRACE(what);
+    const int port = caravan::pickFreeLoopbackPort();
+    std::vector<pid_t> job;
+    for (int r = 0; r < kWorld; ++r) job.push_back(startRank(r, port, sets, kWorld, {}, run));
+    waitForMetrics(run, after);
+    const auto lostAt = Clock::now();
+    ASSERT_EQ(::kill(job[victim], SIGKILL), 0);
+    ::waitpid(job[victim], nullptr, 0);
+    exit_[job[victim]] = {0, Clock::now()};
+    reapUntil(lostAt + std::chrono::milliseconds(static_cast<int>((kTimeoutS + 3.0) * 1000)),
+              job[victim]);
+    const std::string role = servers && victim == 2 ? "server" : "worker";
+    double slowest = 0.0;
+    for (int r = 0; r < kWorld; ++r) {
+      if (r == victim) continue;
+      const std::string err = readFile(tmp_ / ("err" + std::to_string(r) + "-" + run));
+      ASSERT_EQ(exit_.count(job[r]), 1u) << "rank " << r << " hangs: " << err;
+      const auto [status, when] = exit_.at(job[r]);
+      ASSERT_TRUE(WIFEXITED(status)) << "rank " << r << ": " << err;
+      EXPECT_EQ(WEXITSTATUS(status), 7) << "rank " << r << ": " << err;
+      const std::string line = lastLine(err);
+      // Rank 0 is also named as the store's host: "rank 0 (worker, host of ...) is lost".
+      EXPECT_EQ(line.rfind(fmt::format("caravan: error: rank {} ({}", victim, role), 0), 0u)
+          << "rank " << r << ": " << line;
+      EXPECT_NE(line.find(") is lost"), std::string::npos) << "rank " << r << ": " << line;
+      EXPECT_EQ(countLines(err), 1) << err;
+      slowest = std::max(slowest, std::chrono::duration<double>(when - lostAt).count());
+    }
+    std::printf("%2d %-75s survivors out in %.1f s\n", i, what.c_str(), slowest);
+  }
+}
+
+namespace {
+
+// A stranger's TCP connection to 127.0.0.1:port: sends `bytes`, then returns what comes back
+// before the peer closes (at most 5 s; "timeout" if it neither answers nor closes).
+std::string strangerExchange(int port, const std::string& bytes) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    ::close(fd);
+    return "connect failed";
+  }
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  (void)!::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  std::string got;
+  char buf[256];
+  for (;;) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n > 0) {
+      got.append(buf, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) got += "timeout";
+    break;
+  }
+  ::close(fd);
+  return got;
+}
+
+std::string le32(uint32_t v) {
+  std::string s(4, '\0');
+  for (int i = 0; i < 4; ++i) s[i] = static_cast<char>(v >> (8 * i));
+  return s;
+}
+
+// The store's hello frame (tcp_store.cpp): [u8 op 1][u32 magic "CRV1"][u32 length][token].
+std::string helloFrame(const std::string& token) {
+  const std::string payload = std::string(1, '\x01') + le32(0x31565243) +
+                              le32(static_cast<uint32_t>(token.size())) + token;
+  return le32(static_cast<uint32_t>(payload.size())) + payload;
+}
+
+std::vector<std::string> trainLosses(const std::string& metrics) {
+  std::vector<std::string> out;
+  std::istringstream lines(metrics);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("\"kind\":\"train\"") == std::string::npos) continue;
+    const auto at = line.find("\"loss\":");
+    out.push_back(line.substr(at, line.find(',', at) - at));
+  }
+  return out;
+}
+
+}  // namespace
+
+// A job with a token (CARAVAN_JOB_TOKEN) while strangers try to get in: a process started as
+// rank 1 with a guessed token, and raw connections to the rendezvous store with a wrong token,
+// an empty one, a frame header claiming 300 MB, and garbage. The impostor exits 2 with the
+// refusal; every stranger connection is closed without being served (a wrong token gets the
+// one-byte refusal); the job runs to its end with every loss bitwise the same as the same job
+// without strangers.
+TEST_F(Job, StrangersAreRefusedAndTheJobCarriesOn) {
+  const std::vector<std::string> sets = {"train.max_steps=2500", "checkpoint.every=0"};
+  const std::vector<std::string> token = {"CARAVAN_JOB_TOKEN=7f3a9c0e5b1d4a6f8e2c0b9d7a5f3e1c"};
+  // The same job undisturbed.
+  {
+    const int port = caravan::pickFreeLoopbackPort();
+    std::vector<pid_t> job;
+    for (int r = 0; r < 2; ++r) job.push_back(startRank(r, port, sets, 2, token, "quiet"));
+    reapUntil(Clock::now() + std::chrono::seconds(120), -1);
+    for (pid_t pid : job) {
+      ASSERT_TRUE(exit_.count(pid) && WIFEXITED(exit_[pid].first) &&
+                  WEXITSTATUS(exit_[pid].first) == 0)
+          << readFile(tmp_ / "err0-quiet");
+    }
+  }
+  const int port = caravan::pickFreeLoopbackPort();
+  std::vector<pid_t> job;
+  for (int r = 0; r < 2; ++r) job.push_back(startRank(r, port, sets, 2, token, "run"));
+  waitForMetrics("run", 5);
+  // An impostor rank.
+  const pid_t impostor =
+      startRank(1, port, sets, 2, {"CARAVAN_JOB_TOKEN=guessed"}, "impostor");
+  int status = 0;
+  ASSERT_EQ(::waitpid(impostor, &status, 0), impostor);
+  exit_[impostor] = {status, Clock::now()};
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << status;
+  const std::string impostorErr = readFile(tmp_ / "err1-impostor");
+  EXPECT_NE(impostorErr.find("refused this process's job token"), std::string::npos)
+      << impostorErr;
+  // Raw connections.
+  const std::string refused = le32(1) + std::string(1, '\x02');  // one frame: status kRefused
+  EXPECT_EQ(strangerExchange(port, helloFrame("guessed")), refused);
+  EXPECT_EQ(strangerExchange(port, helloFrame("")), refused);
+  EXPECT_EQ(strangerExchange(port, le32(300u << 20) + std::string(64, 'x')), "");
+  EXPECT_EQ(strangerExchange(port, std::string(4096, '\xff')), "");
+  reapUntil(Clock::now() + std::chrono::seconds(120), -1);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(exit_.count(job[r]), 1u) << "rank " << r << " still runs";
+    EXPECT_TRUE(WIFEXITED(exit_[job[r]].first) && WEXITSTATUS(exit_[job[r]].first) == 0)
+        << readFile(tmp_ / ("err" + std::to_string(r)));
+  }
+  const auto quiet = trainLosses(readFile(tmp_ / "quiet/metrics.jsonl"));
+  const auto disturbed = trainLosses(readFile(tmp_ / "run/metrics.jsonl"));
+  EXPECT_EQ(quiet.size(), 2500u);
+  EXPECT_EQ(disturbed, quiet);
+}

@@ -221,8 +221,9 @@ class LauncherProcess : public ::testing::Test {
 TEST(LauncherUnits, WorkerEnvironmentIsTheWorkersWorld) {
   const Environment base = {{"PATH", "/usr/bin"}, {"OMP_NUM_THREADS", "4"}};
   for (int r = 0; r < 3; ++r) {
-    const Environment env = workerEnvironment(base, r, 3, 29511, false);
+    const Environment env = workerEnvironment(base, r, 3, 29511, false, "s3cret");
     const WorldInfo w = worldFromEnvironment(env);
+    EXPECT_EQ(w.token, "s3cret");
     EXPECT_EQ(w.rank, r);
     EXPECT_EQ(w.worldSize, 3);
     EXPECT_EQ(w.localRank, r);
@@ -234,11 +235,19 @@ TEST(LauncherUnits, WorkerEnvironmentIsTheWorkersWorld) {
     EXPECT_EQ(env.at("OPENBLAS_NUM_THREADS"), "1");
   }
   // train.threads set: the thread variables are left alone.
-  const Environment env = workerEnvironment({}, 0, 1, 1, true);
+  const Environment env = workerEnvironment({}, 0, 1, 1, true, "t");
   EXPECT_EQ(env.count("OMP_NUM_THREADS"), 0u);
   EXPECT_EQ(env.count("OPENBLAS_NUM_THREADS"), 0u);
   EXPECT_EQ(worldFromEnvironment(env).worldSize, 1);
   EXPECT_EQ(worldFromEnvironment(env).launcher, "caravan");
+}
+
+// Job tokens are 128 random bits: 32 hex digits, a new one each time.
+TEST(LauncherUnits, JobTokensAreFreshRandomHex) {
+  const std::string a = newJobToken(), b = newJobToken();
+  EXPECT_EQ(a.size(), 32u);
+  EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos) << a;
+  EXPECT_NE(a, b);
 }
 
 TEST(LauncherUnits, WorkerArguments) {

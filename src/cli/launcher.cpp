@@ -159,6 +159,10 @@ class Supervisor {
     }
     const int port = pickFreeLoopbackPort();
     const Environment base = processEnvironment();
+    // The job's token: the user's (CARAVAN_JOB_TOKEN) or a new one for this start.
+    auto given = base.find(kJobTokenVariable);
+    const std::string token =
+        given != base.end() && !given->second.empty() ? given->second : newJobToken();
     std::vector<WorkerSpec> specs(static_cast<size_t>(o_.workers));
     std::vector<Fd> logs;
     for (int r = 0; r < o_.workers; ++r) {
@@ -166,7 +170,7 @@ class Supervisor {
       s.argv = workerArguments(o_.args, r, o_.addRunDir ? o_.runDir : "");
       s.argv.insert(s.argv.begin(), o_.program);
       s.envp = environmentStrings(workerEnvironment(base, r, o_.workers, port,
-                                                    o_.threadsConfigured));
+                                                    o_.threadsConfigured, token));
       if (r > 0) {
         const std::string path = rankLogPath(o_.runDir, r);
         logs.emplace_back(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));

@@ -14,11 +14,14 @@
 
 #include <fmt/format.h>
 
+#include "comm/auth.h"
+
 namespace caravan {
 
 Environment workerEnvironment(const Environment& base, int rank, int worldSize, int masterPort,
-                              bool threadsConfigured) {
+                              bool threadsConfigured, const std::string& token) {
   Environment env = base;
+  env[kJobTokenVariable] = token;
   env["RANK"] = std::to_string(rank);
   env["WORLD_SIZE"] = std::to_string(worldSize);
   env["LOCAL_RANK"] = std::to_string(rank);
@@ -31,6 +34,14 @@ Environment workerEnvironment(const Environment& base, int rank, int worldSize, 
     env.emplace("OPENBLAS_NUM_THREADS", "1");
   }
   return env;
+}
+
+std::string newJobToken() {
+  unsigned char bytes[16];
+  randomBytes(bytes, sizeof(bytes));
+  std::string hex;
+  for (unsigned char b : bytes) hex += fmt::format("{:02x}", b);
+  return hex;
 }
 
 std::vector<std::string> environmentStrings(const Environment& env) {

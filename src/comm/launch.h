@@ -34,7 +34,10 @@ constexpr const char* kCaravanLauncher = "caravan";  // CARAVAN_LAUNCHER's value
 // core. RANK/WORLD_SIZE take precedence over other launchers' variables, so
 // worldFromEnvironment() of the result is exactly this worker.
 Environment workerEnvironment(const Environment& base, int rank, int worldSize, int masterPort,
-                              bool threadsConfigured);
+                              bool threadsConfigured, const std::string& token);
+
+// A new job token: 128 random bits (getrandom) as 32 hex digits.
+std::string newJobToken();
 
 // "KEY=VALUE" strings for execve().
 std::vector<std::string> environmentStrings(const Environment& env);

@@ -56,6 +56,19 @@ enum class Op : uint8_t {
 enum class Status : uint8_t { kOk = 0, kTimeout = 1, kRefused = 2, kError = 3 };
 constexpr uint32_t kMagic = 0x31565243;  // "CRV1"
 constexpr uint32_t kMaxFrame = 1u << 30;
+// Before the token is checked a stranger may not make the server allocate: the hello is small.
+constexpr uint32_t kMaxHello = 4096;
+// Connections served at once (each has a thread); more are closed at once.
+constexpr size_t kMaxConnections = 4096;
+
+// Compares secrets in a time that does not depend on where they differ.
+bool sameSecret(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
 
 class Writer {
  public:
@@ -198,13 +211,13 @@ Io sendFrame(int fd, const Bytes& payload, Clock::time_point deadline) {
   return sendAll(fd, frame.data(), frame.size(), deadline);
 }
 
-Io recvFrame(int fd, Bytes* payload, Clock::time_point deadline) {
+Io recvFrame(int fd, Bytes* payload, Clock::time_point deadline, uint32_t maxBytes = kMaxFrame) {
   uint8_t header[4];
   Io r = recvAll(fd, header, 4, deadline);
   if (r != Io::kOk) return r;
   uint32_t n = 0;
   for (int i = 0; i < 4; ++i) n |= static_cast<uint32_t>(header[i]) << (8 * i);
-  if (n > kMaxFrame) return Io::kError;
+  if (n > maxBytes) return Io::kError;
   payload->resize(n);
   return recvAll(fd, payload->data(), n, deadline);
 }
@@ -422,12 +435,18 @@ class TcpStore::Server {
       setSocketOptions(fd);
       std::lock_guard<std::mutex> lock(connsMutex_);
       reapFinished();
+      if (conns_.size() >= kMaxConnections) {
+        ::close(fd);
+        continue;
+      }
       auto conn = std::make_unique<Conn>();
       conn->fd = fd;
       Conn* c = conn.get();
       conns_.push_back(std::move(conn));
       c->thread = std::thread([this, c] {
         serve(c->fd);
+        // The client sees the end at once (a refused stranger too); the fd is closed by reap.
+        ::shutdown(c->fd, SHUT_RDWR);
         c->finished = true;
       });
     }
@@ -449,11 +468,11 @@ class TcpStore::Server {
   void serve(int fd) {
     Bytes request;
     // A connection that does not introduce itself within the timeout is dropped.
-    if (recvFrame(fd, &request, deadlineAfter(timeout_)) != Io::kOk) return;
+    if (recvFrame(fd, &request, deadlineAfter(timeout_), kMaxHello) != Io::kOk) return;
     try {
       Reader hello(std::move(request));
       const bool ok = hello.u8() == static_cast<uint8_t>(Op::kHello) && hello.u32() == kMagic &&
-                      hello.str() == token_;
+                      sameSecret(hello.str(), token_);
       Writer reply;
       reply.status(ok ? Status::kOk : Status::kRefused);
       if (sendFrame(fd, reply.data(), deadlineAfter(timeout_)) != Io::kOk || !ok) return;

@@ -17,7 +17,13 @@ struct WorldInfo {
   std::string masterAddr = "127.0.0.1";
   int masterPort = 29500;
   std::string launcher = "none";  // none | caravan | torchrun | slurm | openmpi
+  // The job's secret (CARAVAN_JOB_TOKEN; `--workers` makes one): a process without it cannot
+  // use the rendezvous store nor complete a connection to a rank. Empty: not authenticated.
+  std::string token;
 };
+
+// The variable that carries the job token (never a config key: config.toml is written out).
+inline constexpr const char* kJobTokenVariable = "CARAVAN_JOB_TOKEN";
 
 using Environment = std::map<std::string, std::string>;
 

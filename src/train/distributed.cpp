@@ -1,12 +1,14 @@
 // Rendezvous, communicator and strategy for a data-parallel run (see distributed.h).
 #include "train/distributed.h"
 
+#include <cstdio>
 #include <filesystem>
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/torch.h>
 
+#include "comm/auth.h"
 #include "comm/counting_communicator.h"
 #include "comm/factory.h"
 #include "comm/liveness.h"
@@ -58,11 +60,23 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
                     ? (std::filesystem::path(options.runDir) / "rendezvous").string()
                     : config.str("dist.store_path");
   so.timeout = timeout;
+  so.token = options.world.token;
   const std::string& backend = config.str("dist.backend");
   // MPI brings its own wire-up (mpirun); only Gloo rendezvouses through the store.
   c10::intrusive_ptr<c10d::Store> store;
   if (backend != "mpi") store = makeStore(options.world, so);
   world = counted(makeCommunicator(backend, options.world, store, timeout));
+  // Gloo's connections carry no credential of their own (comm/auth.h).
+  const bool authenticate = backend == "gloo" && !options.world.token.empty();
+  if (authenticate) authenticatePeers(*world, options.world.token);
+  if (backend == "gloo" && options.world.token.empty() && options.world.rank == 0 &&
+      !isLoopbackAddress(options.world.masterAddr)) {
+    std::fprintf(stderr,
+                 "caravan: warning: %s is not set: any process that reaches %s:%d can join this "
+                 "job; give every rank the same secret in %s\n",
+                 kJobTokenVariable, options.world.masterAddr.c_str(), options.world.masterPort,
+                 kJobTokenVariable);
+  }
   comm = world;
   const std::string& mode = config.str("sync.mode");
   servers_ = serverCount(config);
@@ -82,6 +96,7 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
       group.worldSize = workers_;
       comm = counted(makeCommunicator(
           backend, group, c10::make_intrusive<c10d::PrefixStore>("workers", store), timeout));
+      if (authenticate) authenticatePeers(*comm, options.world.token);
     }
   }
   if (store) {
