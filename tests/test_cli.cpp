@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "run_util.h"
 #include "test_util.h"
 
 using namespace caravan::test;
@@ -173,6 +174,41 @@ TEST_F(Cli, FailuresLeaveAnExistingRunUntouched) {
   expectOneLineError(runCaravan("train --resume " + run + " --set model.width=16"), 4,
                      "another run configuration");
   EXPECT_EQ(snapshot(run), before);
+}
+
+// A checkpoint that cannot be written whole (a file-size limit, as a full disk) is exit 5 with
+// one line; the temporary file is gone, the earlier checkpoints and every other file of the
+// run are as they were, and a later resume continues from the last good checkpoint.
+TEST_F(Cli, CheckpointWriteFailureLosesNothing) {
+  const std::string wide = "--set model.width=256 --set train.max_steps=8 ";
+  std::string widerRun = tmp_ / "wide";
+  CommandResult first = runCaravan("train -q --config " + configPath_ + " " + kSynthetic + wide +
+                                   "--set checkpoint.every=2 --stop-at-step 2 --run-dir " +
+                                   widerRun);
+  ASSERT_EQ(first.exitCode, 0) << first.err;
+  const auto before = snapshot(widerRun);
+  const std::string good = widerRun + "/checkpoints/step-00000002.ckpt";
+  ASSERT_GT(fs::file_size(good), 200u * 1024) << "the checkpoint must exceed the limit";
+  // 150 KiB: metrics.jsonl and config.toml fit, a checkpoint does not.
+  const CommandResult r = runCaravanWithFileLimit(150, "train -q --resume " + widerRun);
+  expectOneLineError(r, 5, "File too large");
+  EXPECT_NE(r.err.find("(free disk space and retry)"), std::string::npos) << r.err;
+  for (const auto& e : fs::directory_iterator(widerRun + "/checkpoints")) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos)
+        << "left behind: " << e.path();
+  }
+  EXPECT_EQ(readFile(good), before.at(good));
+  // Resumed without the limit: from step 2 to the end.
+  const CommandResult again = runCaravan("train -q --resume " + widerRun);
+  EXPECT_EQ(again.exitCode, 0) << again.err;
+  EXPECT_TRUE(fs::exists(widerRun + "/checkpoints/step-00000008.ckpt"));
+}
+
+// A directory given as the config file is refused (it used to read as an empty config).
+TEST_F(Cli, ConfigThatIsADirectoryIsRefused) {
+  expectOneLineError(runCaravan("train --config " + tmp_.path() + " --run-dir " + (tmp_ / "r")),
+                     2, "is a directory");
+  EXPECT_FALSE(fs::exists(tmp_ / "r"));
 }
 
 TEST_F(Cli, ResumeAndEval) {

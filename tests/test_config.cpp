@@ -94,6 +94,13 @@ TEST(Config, Overrides) {
   EXPECT_NE(m.find("train.epochs must be an integer"), std::string::npos) << m;
   m = configError("", {"novalue"});
   EXPECT_NE(m.find("expected key=value"), std::string::npos) << m;
+  // A bare word that is not UTF-8 would print (toToml, RUN_DIR/config.toml) as another string
+  // (found by fuzz/fuzz_config.cpp).
+  m = configError("", {"memory.budget=\xe4\xce"});
+  EXPECT_NE(m.find("--set memory.budget=\xe4\xce: the value is not valid UTF-8"),
+            std::string::npos) << m;
+  EXPECT_EQ(Config::fromString("", "test.toml", {"data.path=/d\xc3\xa4ta"}).str("data.path"),
+            "/d\xc3\xa4ta");
 }
 
 TEST(Config, ResolvedTomlRoundTrips) {
@@ -107,6 +114,13 @@ TEST(Config, ResolvedTomlRoundTrips) {
       case ConfigType::kBool: EXPECT_EQ(a.flag(o.key), b.flag(o.key)) << o.key; break;
       case ConfigType::kString: EXPECT_EQ(a.str(o.key), b.str(o.key)) << o.key; break;
     }
+  }
+  // Strings that toml++'s multi-line or literal forms would not read back (found by
+  // fuzz/fuzz_config.cpp).
+  for (const std::string path : {"\nx", "x'''y", "a'\n", "t\tab\\\"\x01\xc3\xa4"}) {
+    const Config c = Config::fromString("", "test.toml", {"data.path=" + path});
+    ASSERT_EQ(c.str("data.path"), path);
+    EXPECT_EQ(Config::fromString(c.toToml(), "resolved.toml").str("data.path"), path);
   }
 }
 

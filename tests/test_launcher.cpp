@@ -470,4 +470,19 @@ TEST_F(LauncherProcess, RefusedUnderAnotherLauncherOrWithABadConfig) {
   EXPECT_EQ(countLines(err), 1) << err;
   EXPECT_NE(err.find("optim.lrr"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(tmp_ / "run"));
+
+  // A run directory that holds a run is refused before any worker starts (and writes its log
+  // into it): one line, the directory as it was.
+  fs::create_directories(tmp_ / "run");
+  writeFile(tmp_ / "run/metrics.jsonl", "{}\n");
+  reaped_ = false;
+  start("train --config c.toml " + kSynthetic + " --run-dir run --workers 2");
+  status = waitExit(seconds(30));
+  ASSERT_TRUE(status.has_value());
+  err = readFile(tmp_ / "err");
+  ASSERT_TRUE(WIFEXITED(*status)) << err;
+  EXPECT_EQ(WEXITSTATUS(*status), 2) << err;
+  EXPECT_EQ(countLines(err), 1) << err;
+  EXPECT_NE(err.find("already holds a run"), std::string::npos) << err;
+  EXPECT_EQ(std::distance(fs::directory_iterator(tmp_ / "run"), fs::directory_iterator()), 1);
 }

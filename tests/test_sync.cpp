@@ -205,6 +205,27 @@ TEST(TopK, ErrorFeedbackDelaysButNeverDrops) {
   EXPECT_EQ(all.residual().abs().sum().item<double>(), 0.0);
 }
 
+// A top-k index outside the bucket (a peer of another version, a damaged message) is a
+// PeerError, not an out-of-range access (found by fuzz/fuzz_codec.cpp).
+TEST(TopK, IndexOutsideTheBucketIsAPeerError) {
+  const ShardCodec codec(Compression::kTopK, 8, 0.25);  // k = 2: [value, value, index, index]
+  auto words = [](int32_t index) {
+    return at::cat({torch::tensor({1.f, 2.f}),
+                    torch::tensor({int32_t{3}, index}, at::kInt).view(at::kFloat)});
+  };
+  EXPECT_EQ(codec.decode(words(7))[7].item<float>(), 2.f);
+  for (int32_t bad : {8, -1, 1 << 30}) {
+    try {
+      codec.decode(words(bad));
+      ADD_FAILURE() << "no PeerError for index " << bad;
+    } catch (const PeerError& e) {
+      EXPECT_NE(std::string(e.what()).find(fmt::format("index {}, outside the 8 entries", bad)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 // Parameter servers apply every gradient exactly once: workers (threads) push fixed gradients
 // for T steps through ps-bsp, ps-asp, ps-ssp (s = 1) — with pushes as float32, fp16, bf16 or
 // top-k with ratio 1 (the gradients are small integers, exact in 16 bits) — or OSP (half the
@@ -358,6 +379,49 @@ INSTANTIATE_TEST_SUITE_P(Modes, PsStaleness, ::testing::Values("ps-ssp", "ps-asp
 
 // The bytes metric: point to point counts exactly what was sent and received; collectives
 // count the ring estimate 2(P-1)/P of the tensor each way (counting_communicator.h).
+// A crafted push (hostile input from a process inside the job: the job token keeps strangers
+// out): a learning rate that is not a finite number >= 0 stops the server with a PeerError
+// naming the worker, before anything is applied; an unknown kind likewise.
+TEST(PsMessages, ACraftedPushIsRefusedNamingTheWorker) {
+  for (const double lr : {std::nan(""), -1.0, HUGE_VAL}) {
+    auto sgd = [](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+      return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
+    };
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    const auto errors = runGlooRanks(
+        2, loopbackOptions(std::chrono::milliseconds(5000)),
+        [&](std::shared_ptr<Communicator> world) {
+          if (world->rank() == 1) {
+            runParameterServer(*world, 1, PsOptions{}, sgd);
+            return;
+          }
+          auto workers = std::make_shared<GlooCommunicator>(
+              c10::make_intrusive<c10d::PrefixStore>("workers", store), 0, 1,
+              loopbackOptions(std::chrono::milliseconds(5000)));
+          PsWorkerStrategy s(world, workers, 1, PsOptions{});
+          Net net;
+          s.attach(net);
+          s.setLearningRate(lr);
+          net.a.mutable_grad() = at::ones({2, 3});
+          net.b.mutable_grad() = at::ones({5});
+          s.finishGradients();
+        },
+        store);
+    EXPECT_NE(errors[1].find("rank 1 (server): worker 0 sent learning rate"), std::string::npos)
+        << "lr " << lr << ": " << errors[1];
+    EXPECT_NE(errors[0], "") << "the worker cannot go on without its server";
+  }
+  const at::Tensor push = at::tensor({0.5f, 0.1f, 7.0f});
+  try {
+    pushKind(push, 2, 3, 9);
+    ADD_FAILURE() << "kind 7 accepted";
+  } catch (const PeerError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 9 (server): worker 3 sent a message of unknown kind 7"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(CountingCommunicator, CountsPointToPointExactlyAndRingEstimates) {
   expectNoErrors(runGlooRanks(2, loopbackOptions(kTimeout), [](std::shared_ptr<Communicator> c) {
     CountingCommunicator counted(c);

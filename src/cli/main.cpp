@@ -145,6 +145,8 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
     launch.addRunDir = true;
   }
   launch.threadsConfigured = config.i64("train.threads") > 0;
+  // Before any worker starts (and writes its log into the directory).
+  checkRunDirectory(launch.runDir, !resumeDir.empty());
   // --max-restarts K: after a failed worker, the job starts again from the run's newest
   // checkpoint (the workers that were stopped wrote one if they could), K times at most.
   for (int restart = 1;; ++restart) {
@@ -225,6 +227,9 @@ int runEval(const std::string& runDir, std::string checkpoint,
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A write past the file-size limit (ulimit -f) fails with EFBIG, which the writers report in
+  // one line and clean up after, rather than killing the process with SIGXFSZ.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{
       "caravan: train deep networks on one worker today; across a cluster and beyond memory "
       "as the engine grows.\nExit codes: 0 ok, 1 internal error, 2 bad usage or config, 3 "

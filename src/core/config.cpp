@@ -1,6 +1,7 @@
 // Config schema, TOML parsing, override handling and validation.
 #include "core/config.h"
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -244,6 +245,27 @@ std::string knownSections() {
   return out;
 }
 
+// Whether `s` is well-formed UTF-8 (what TOML text must be; no overlong forms, surrogates or
+// code points past U+10FFFF).
+bool isUtf8(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    // Bytes in the sequence; 0 for a continuation byte or 0xf8..0xff.
+    const size_t n = c < 0x80 ? 1 : c >> 5 == 0x6 ? 2 : c >> 4 == 0xe ? 3 : c >> 3 == 0x1e ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    uint32_t cp = n == 1 ? c : c & (0x7f >> n);
+    for (size_t k = 1; k < n; ++k) {
+      const auto cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc & 0xc0) != 0x80) return false;
+      cp = (cp << 6) | (cc & 0x3f);
+    }
+    static constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+    i += n;
+  }
+  return true;
+}
+
 std::string where(const std::string& source, const toml::node& node) {
   const auto& begin = node.source().begin;
   if (begin.line == 0) return source;
@@ -387,6 +409,7 @@ Config Config::fromString(const std::string& text, const std::string& source,
     }
     if (!ok || (opt->type == ConfigType::kString && !parsed["v"].is_string())) {
       // A bare word (--set data.dataset=brown) is a string.
+      if (!isUtf8(raw)) throw ConfigError(fmt::format("{}: the value is not valid UTF-8", at));
       parsed = toml::table{};
       parsed.insert("v", raw);
     }
@@ -396,6 +419,12 @@ Config Config::fromString(const std::string& text, const std::string& source,
 }
 
 Config Config::fromFile(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw ConfigError(fmt::format("config file {} is a directory; pass a TOML file (examples are "
+                                  "in configs/)",
+                                  path));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     throw ConfigError(fmt::format("cannot read config file {}: check the path (examples are in "
@@ -440,8 +469,13 @@ std::string Config::toToml() const {
     std::string v;
     const ConfigValue& cv = values_.at(o.key);
     if (o.type == ConfigType::kString) {
+      // Always a basic "..." string with escapes: toml++ 3.3's '...' and multi-line forms do
+      // not read back as the same string for every value ("\n..." or one holding ''').
+      constexpr auto kFlags = toml::toml_formatter::default_flags &
+                              ~(toml::format_flags::allow_literal_strings |
+                                toml::format_flags::allow_multi_line_strings);
       std::ostringstream ss;
-      ss << toml::value<std::string>(std::get<std::string>(cv));
+      ss << toml::toml_formatter(toml::value<std::string>(std::get<std::string>(cv)), kFlags);
       v = ss.str();
     } else if (o.type == ConfigType::kFloat) {
       v = fmt::format("{}", std::get<double>(cv));

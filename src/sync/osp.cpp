@@ -316,11 +316,15 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     if (stage1) {
       *kind = roundKind(msgs, n + 1, world.rank(), step + 1);
       if (*kind != PushKind::kGradient) return {};
-      *lr = msgs[0][n].item<float>();
+      for (int k = 0; k < numWorkers; ++k) *lr = pushLearningRate(msgs[k], n, k, world.rank());
+      *lr = pushLearningRate(msgs[0], n, 0, world.rank());
       // auto: the largest stage-1 share any worker asked for (same on every server).
       if (options.autoFraction) {
         fraction = 0.0;
-        for (const auto& m : msgs) fraction = std::max(fraction, double{m[n + 2].item<float>()});
+        for (const auto& m : msgs) {
+          const double asked = m[n + 2].item<float>();
+          if (std::isfinite(asked)) fraction = std::max(fraction, std::clamp(asked, 0.0, 1.0));
+        }
       }
     }
     at::Tensor sum = averagePushes(msgs, n);

@@ -2,6 +2,7 @@
 #include "sync/parameter_server.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <utility>
 
@@ -114,6 +115,16 @@ void receiveServerStates(Communicator& world, const ShardLayout& layout, int tag
     all.slots = at::cat(slots, 1);
   }
   scatterOptimizerState(optimizer, params, all);
+}
+
+double pushLearningRate(const at::Tensor& push, int64_t at, int worker, int serverRank) {
+  const float lr = push[at].item<float>();
+  if (!std::isfinite(lr) || lr < 0.0f) {
+    throw PeerError(fmt::format("rank {} (server): worker {} sent learning rate {}; it runs "
+                                "another version of caravan or is not part of this job",
+                                serverRank, worker, lr));
+  }
+  return static_cast<double>(lr);
 }
 
 PushKind pushKind(const at::Tensor& push, int64_t kindAt, int worker, int serverRank) {
@@ -311,7 +322,8 @@ void serveBsp(Communicator& world, int numWorkers, const ShardCodec& codec, at::
     // The average in rank order, then the optimizer on this shard.
     for (int k = 0; k < numWorkers; ++k) grads[k] = codec.decode(pushes[k].narrow(0, 0, words));
     shard.mutable_grad() = averagePushes(grads, n);
-    setServerLearningRate(opt, static_cast<double>(pushes[0][words].item<float>()));
+    for (int k = 1; k < numWorkers; ++k) pushLearningRate(pushes[k], words, k, world.rank());
+    setServerLearningRate(opt, pushLearningRate(pushes[0], words, 0, world.rank()));
     opt.step();
     for (int k = 0; k < numWorkers; ++k) reply(world, shard, k, 0);
     if (stepDone) stepDone(step);
@@ -345,7 +357,7 @@ void serveAsync(Communicator& world, int numWorkers, const PsOptions& options,
     } else {
       // lr/W, not gradient/W: weight decay (and Adam's normalized step) scale with lr.
       shard.mutable_grad() = codec.decode(pushes[k].narrow(0, 0, words));
-      setServerLearningRate(opt, scale * static_cast<double>(pushes[k][words].item<float>()));
+      setServerLearningRate(opt, scale * pushLearningRate(pushes[k], words, k, world.rank()));
       opt.step();
       ++clock[k];
       owed[k] = 1;

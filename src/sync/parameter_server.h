@@ -124,6 +124,9 @@ void receiveServerStates(Communicator& world, const ShardLayout& layout, int tag
 enum class PushKind { kGradient = 0, kGoodbye = 1, kSync = 2, kState = 3 };
 PushKind roundKind(const std::vector<at::Tensor>& pushes, int64_t kindAt, int serverRank,
                    int64_t step);
+// The learning rate a push carries at element `at` (PeerError naming `worker` when it is not
+// a finite number >= 0).
+double pushLearningRate(const at::Tensor& push, int64_t at, int worker, int serverRank);
 // The kind one push carries (PeerError naming `worker` for anything else).
 PushKind pushKind(const at::Tensor& push, int64_t kindAt, int worker, int serverRank);
 // The mean over workers of the pushes' first n elements, summed in rank order.

@@ -47,18 +47,30 @@ void writeAll(int fd, const char* data, size_t size, const std::string& path) {
 // An output stream buffer onto a file descriptor that keeps the CRC-32 and the length of what
 // went through it: a checkpoint's payload goes to the file as it is serialized, never whole in
 // memory (with out-of-core weights the model itself is all the memory there is to spare).
+// A failed write (a full disk) is remembered and the rest is dropped, so LibTorch's archive
+// writer finishes normally (an exception inside it would end the process in its destructor);
+// throwIfFailed() then reports it.
 class CrcFileBuf final : public std::streambuf {
  public:
   CrcFileBuf(int fd, std::string path) : fd_(fd), path_(std::move(path)), buffer_(1 << 20) {
     setp(buffer_.data(), buffer_.data() + buffer_.size());
   }
   uint32_t crc() const { return static_cast<uint32_t>(crc_); }
+  void throwIfFailed() const {
+    if (!error_.empty()) throw IoError(error_);
+  }
   uint64_t size() const { return size_; }
   void flush() {
     const size_t n = static_cast<size_t>(pptr() - pbase());
     if (n == 0) return;
     crc_ = crc32(crc_, reinterpret_cast<const Bytef*>(pbase()), static_cast<uInt>(n));
-    writeAll(fd_, pbase(), n, path_);
+    if (error_.empty()) {
+      try {
+        writeAll(fd_, pbase(), n, path_);
+      } catch (const IoError& e) {
+        error_ = e.what();
+      }
+    }
     size_ += n;
     setp(buffer_.data(), buffer_.data() + buffer_.size());
   }
@@ -83,6 +95,7 @@ class CrcFileBuf final : public std::streambuf {
   std::vector<char> buffer_;
   uLong crc_ = crc32(0L, Z_NULL, 0);
   uint64_t size_ = 0;
+  std::string error_;  // the first failed write's message
 };
 
 }  // namespace
@@ -157,11 +170,11 @@ void saveCheckpoint(const std::string& path, torch::nn::Module& model,
     CrcFileBuf buf(fd, tmp);
     {
       std::ostream out(&buf);
-      out.exceptions(std::ios::badbit);  // the buffer's IoError comes through
       archive.save_to(out);
       out.flush();
     }
     buf.flush();
+    buf.throwIfFailed();
     std::string header(kMagic, sizeof(kMagic));
     putLe(header, buf.size(), 8);
     putLe(header, buf.crc(), 4);
@@ -316,6 +329,17 @@ std::vector<std::string> CheckpointDir::list() const {
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+void CheckpointDir::removeStaleTemporaries() const {
+  std::error_code ec;
+  if (!fs::is_directory(dir_, ec)) return;
+  for (const auto& entry : fs::directory_iterator(dir_, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(".step-", 0) == 0 && name.find(".ckpt.tmp-") != std::string::npos) {
+      fs::remove(entry.path(), ec);
+    }
+  }
 }
 
 std::optional<std::string> CheckpointDir::latest() const {

@@ -484,6 +484,25 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
 
 }  // namespace
 
+std::optional<std::string> checkRunDirectory(const std::string& runDir, bool resume) {
+  const CheckpointDir checkpoints(runDir, 1);
+  if (resume) {
+    std::optional<std::string> latest = checkpoints.latest();
+    if (!latest) {
+      throw CheckpointError(fmt::format("nothing to resume in {}: it has no checkpoints/ "
+                                        "(start a new run with another --run-dir)",
+                                        runDir));
+    }
+    return latest;
+  }
+  if (checkpoints.latest() || fs::exists(fs::path(runDir) / "metrics.jsonl")) {
+    throw ConfigError(fmt::format("{} already holds a run; continue it with --resume {} or "
+                                  "choose another --run-dir",
+                                  runDir, runDir));
+  }
+  return std::nullopt;
+}
+
 TrainSummary train(const Config& config, const TrainerOptions& options) {
   std::error_code ec;
   fs::create_directories(options.runDir, ec);
@@ -492,19 +511,8 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   }
   CheckpointDir checkpoints(options.runDir, config.i64("checkpoint.keep"));
   const std::string metricsPath = (fs::path(options.runDir) / "metrics.jsonl").string();
-  std::optional<std::string> resumeFrom;
-  if (options.resume) {
-    resumeFrom = checkpoints.latest();
-    if (!resumeFrom) {
-      throw CheckpointError(fmt::format("nothing to resume in {}: it has no checkpoints/ "
-                                        "(start a new run with --run-dir)",
-                                        options.runDir));
-    }
-  } else if (checkpoints.latest() || fs::exists(metricsPath)) {
-    throw ConfigError(fmt::format("{} already holds a run; continue it with --resume {} or "
-                                  "choose another --run-dir",
-                                  options.runDir, options.runDir));
-  }
+  const std::optional<std::string> resumeFrom = checkRunDirectory(options.runDir, options.resume);
+  checkpoints.removeStaleTemporaries();
 
   applyRuntimeConfig(config);
   installSavedTensorEngine();

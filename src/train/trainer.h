@@ -48,4 +48,9 @@ struct TrainSummary {
 // Runs training. Throws Error subclasses for user-facing problems (exit codes in errors.h).
 TrainSummary train(const Config& config, const TrainerOptions& options);
 
+// The checkpoint to continue from (`resume`: the newest, CheckpointError when there is none),
+// or nothing for a new run (ConfigError when the directory already holds a run). The
+// launcher checks before it starts workers; train() checks again.
+std::optional<std::string> checkRunDirectory(const std::string& runDir, bool resume);
+
 }  // namespace caravan

@@ -1,0 +1,155 @@
+#!/usr/bin/python3
+"""Soak (issue 6): a long OSP job of 4 workers and 1 parameter server, every process's resident
+memory sampled, to show that nothing deadlocks and nothing grows.
+
+    /usr/bin/python3 bench/soak.py [--minutes 20] [--warmup-minutes 3] [--sample-s 10]
+        [--out bench/results/soak]
+
+The job is `caravan train --workers 4` (the local launcher) on Fashion-MNIST with the CNN,
+sync.mode = osp (sync.servers = 1, half the chunks in stage 2, LGP), train.max_minutes =
+--minutes, with an evaluation every 200 steps and a checkpoint every 500 (so the servers'
+optimizer state is collected again and again). Every --sample-s seconds the script reads
+VmRSS of every caravan process of the job (/proc/PID/status) and the job's step count
+(metrics.jsonl). Reported per process: RSS at the end of the warm-up, at the end, the peak
+after warm-up, and the growth (end / warm-up - 1); and the steps of every minute (a deadlock
+shows as a minute with none). Written: OUT/soak.json (every sample) and the table on stdout.
+OPENBLAS_CORETYPE is removed from the job's environment; every process is single-threaded.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+CARAVAN = os.path.join(ROOT, "build", "caravan")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_throughput import env  # noqa: E402  (the benchmark environment, shared)
+
+
+def children(pid):
+    """Every descendant pid of `pid` (from /proc/*/stat)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for c, pp in parent.items():
+            if pp == p:
+                out.append(c)
+                todo.append(c)
+    return out
+
+
+def rss_kib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rank_of(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for kv in f.read().split(b"\0"):
+                if kv.startswith(b"RANK="):
+                    return int(kv[5:])
+    except OSError:
+        return None
+    return None
+
+
+def steps(metrics):
+    last = 0
+    try:
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    j = json.loads(line)
+                except ValueError:
+                    continue
+                if j.get("kind") == "train":
+                    last = j["step"]
+    except OSError:
+        pass
+    return last
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--minutes", type=float, default=20.0)
+    p.add_argument("--warmup-minutes", type=float, default=3.0)
+    p.add_argument("--sample-s", type=float, default=10.0)
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "soak"))
+    a = p.parse_args()
+    if not os.path.exists(CARAVAN):
+        sys.exit("soak: build/caravan missing; run bash scripts/setup.sh first")
+    os.makedirs(a.out, exist_ok=True)
+    run = os.path.join(a.out, "run")
+    if os.path.exists(run):
+        subprocess.run(["rm", "-rf", run], check=True)
+    environ, removed = env()
+    cmd = [CARAVAN, "train", "--workers", "4", "--config", os.path.join(ROOT, "configs", "fmnist-cnn.toml"),
+           "--run-dir", run, "--quiet",
+           "--set", "sync.mode=osp", "--set", "sync.servers=1", "--set", "sync.osp_fraction=0.5",
+           "--set", "data.batch_size=32", "--set", "train.threads=1",
+           "--set", "train.max_steps=100000000", "--set", f"train.max_minutes={a.minutes}",
+           "--set", "train.eval_every=200", "--set", "train.eval_batches=10",
+           "--set", "checkpoint.every=500", "--set", "train.log_every=20"]
+    print("soak:", " ".join(cmd[1:]), f"(OPENBLAS_CORETYPE removed: {bool(removed)})", flush=True)
+    start = time.time()
+    job = subprocess.Popen(cmd, cwd=ROOT, env=environ)
+    samples = []
+    while job.poll() is None:
+        time.sleep(a.sample_s)
+        t = time.time() - start
+        ranks = {}
+        for c in children(job.pid):
+            r, kib = rank_of(c), rss_kib(c)
+            if r is not None and kib is not None:
+                ranks[r] = kib
+        samples.append({"t": t, "step": steps(os.path.join(run, "metrics.jsonl")), "rss_kib": ranks})
+    code = job.wait()
+    elapsed = time.time() - start
+    with open(os.path.join(a.out, "soak.json"), "w") as f:
+        json.dump({"command": cmd[1:], "exit": code, "elapsed_s": elapsed, "samples": samples}, f)
+    print(f"soak: exit {code} after {elapsed / 60:.1f} min, {samples[-1]['step'] if samples else 0} "
+          "steps", flush=True)
+    warm = [s for s in samples if s["t"] >= a.warmup_minutes * 60 and len(s["rss_kib"]) == 5]
+    if not warm:
+        sys.exit("soak: no sample after the warm-up with all 5 processes")
+    print("| rank | role | RSS after warm-up | RSS at the end | peak after warm-up | growth |")
+    print("|---|---|---|---|---|---|")
+    worst = 0.0
+    for r in sorted(warm[0]["rss_kib"]):
+        first, last = warm[0]["rss_kib"][r], warm[-1]["rss_kib"].get(r, 0)
+        peak = max(s["rss_kib"].get(r, 0) for s in warm)
+        growth = last / first - 1.0
+        worst = max(worst, growth, peak / first - 1.0)
+        print(f"| {r} | {'server' if r == 4 else 'worker'} | {first / 1024:.1f} MiB | "
+              f"{last / 1024:.1f} MiB | {peak / 1024:.1f} MiB | {100 * growth:+.2f}% |")
+    per_minute = []
+    for m in range(int(elapsed // 60)):
+        inside = [s["step"] for s in samples if m * 60 <= s["t"] < (m + 1) * 60]
+        if len(inside) >= 2:
+            per_minute.append(inside[-1] - inside[0])
+    print(f"steps per minute (first to last sample of each minute): {per_minute}")
+    print(f"largest growth after warm-up (end or peak over the first sample): {100 * worst:.2f}%")
+    ok = code == 0 and all(n > 0 for n in per_minute) and worst < 0.05
+    print("soak:", "PASS" if ok else "FAIL", "(exit 0, progress every minute, growth under 5%)")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
