@@ -381,3 +381,43 @@ TEST_F(Job, StrangersAreRefusedAndTheJobCarriesOn) {
   EXPECT_EQ(quiet.size(), 2500u);
   EXPECT_EQ(disturbed, quiet);
 }
+
+// The stall inspector (comm/liveness.h): rank 2 of 3 frozen with SIGSTOP while the others wait
+// for it in an all-reduce. With fault.stall_report = 2 s (fault.timeout 10 s), ranks 0 and 1
+// each print one line, while the job is still alive, naming rank 2 (not at their collective, or
+// silent inside it); after SIGCONT the job runs to its end, every rank exiting 0.
+TEST_F(Job, StallInspectorNamesTheRankOthersWaitFor) {
+  const std::vector<std::string> sets = {"fault.stall_report=2", "train.max_steps=2000"};
+  const int port = caravan::pickFreeLoopbackPort();
+  std::vector<pid_t> job;
+  for (int r = 0; r < kWorld; ++r) job.push_back(startRank(r, port, sets));
+  waitForMetrics("run", 20);
+  ASSERT_EQ(::kill(job[2], SIGSTOP), 0);
+  std::string reports[2];
+  const auto stoppedAt = Clock::now();
+  while (Clock::now() - stoppedAt < std::chrono::seconds(6)) {
+    reports[0] = readFile(tmp_ / "err0");
+    reports[1] = readFile(tmp_ / "err1");
+    if (!reports[0].empty() && !reports[1].empty()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const double after = std::chrono::duration<double>(Clock::now() - stoppedAt).count();
+  ASSERT_EQ(::kill(job[2], SIGCONT), 0);
+  for (int r = 0; r < 2; ++r) {
+    const std::string& line = reports[r];
+    EXPECT_EQ(countLines(line), 1) << line;
+    EXPECT_EQ(line.rfind(fmt::format("caravan: stall: rank {} has waited ", r), 0), 0u) << line;
+    EXPECT_NE(line.find("in collective #"), std::string::npos) << line;
+    EXPECT_TRUE(line.find("not reached by rank 2") != std::string::npos ||
+                line.find("no heartbeat from rank 2") != std::string::npos)
+        << line;
+  }
+  std::printf("reported %.1f s after rank 2 stopped:\n%s%s", after, reports[0].c_str(),
+              reports[1].c_str());
+  reapUntil(Clock::now() + std::chrono::seconds(120), -1);
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_EQ(exit_.count(job[r]), 1u) << "rank " << r << " still runs";
+    EXPECT_TRUE(WIFEXITED(exit_[job[r]].first) && WEXITSTATUS(exit_[job[r]].first) == 0)
+        << "rank " << r << ": " << readFile(tmp_ / ("err" + std::to_string(r)));
+  }
+}

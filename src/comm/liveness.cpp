@@ -1,6 +1,8 @@
 // Heartbeat and failure diagnosis (see liveness.h).
 #include "comm/liveness.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -96,13 +98,70 @@ void Heartbeat::publish(const std::string& state) {
   store_->set(key(rank_), std::vector<uint8_t>(value.begin(), value.end()));
 }
 
+void Heartbeat::setProgressProbe(std::function<CollectiveProgress()> probe) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  probe_ = std::move(probe);
+}
+
+void Heartbeat::reportStall(const CollectiveProgress& p) {
+  // Two reads of every beat two intervals apart (this rank beating in between, as the others
+  // do while they report too): who has not reached the collective, and whose beat stood
+  // still (stopped, or cut off from the store).
+  auto first = readAll(*store_, rank_, size_);
+  for (int i = 0; i < 2; ++i) {
+    std::this_thread::sleep_for(options_.interval);
+    publish(fmt::format("run c{}", p.issued));
+  }
+  auto second = readAll(*store_, rank_, size_);
+  std::vector<std::string> behind, silent;
+  for (const auto& [r, b] : second) {
+    if (!b) {
+      behind.push_back(fmt::format("rank {} (no heartbeat yet)", r));
+      continue;
+    }
+    int64_t issued = -1;
+    std::istringstream words(b->reason);
+    for (std::string w; words >> w;) {
+      if (w.size() > 1 && w[0] == 'c') issued = std::atoll(w.c_str() + 1);
+    }
+    if (b->state == "run" && issued >= 0 && issued < p.waitingIn) {
+      behind.push_back(fmt::format("rank {} (at collective #{}, last completed step {})", r,
+                                   issued, b->step));
+    }
+    if (first[r] && first[r]->beat == b->beat && b->state == "run") {
+      silent.push_back(fmt::format("rank {}", r));
+    }
+  }
+  auto join = [](const std::vector<std::string>& v) {
+    std::string out;
+    for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
+    return out;
+  };
+  std::string line = fmt::format(
+      "caravan: stall: rank {} has waited {:.0f} s in collective #{} ({}) after step {}; ", rank_,
+      p.waitedSeconds, p.waitingIn, p.what, step_.load());
+  line += behind.empty() ? std::string("every rank has issued it")
+                         : "not reached by " + join(behind);
+  if (!silent.empty()) {
+    line += fmt::format("; no heartbeat from {} for {:.1f} s", join(silent),
+                        2.0 * std::chrono::duration<double>(options_.interval).count());
+  }
+  std::fprintf(stderr, "%s\n", line.c_str());
+}
+
 void Heartbeat::run() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
     wake_.wait_for(lock, options_.interval, [this] { return stop_; });
     if (stop_) break;
     try {
-      publish("run");
+      const CollectiveProgress progress = probe_ ? probe_() : CollectiveProgress{};
+      publish(probe_ ? fmt::format("run c{}", progress.issued) : std::string("run"));
+      if (options_.stallReport.count() > 0 && progress.waitingIn > reportedStall_ &&
+          progress.waitedSeconds * 1000.0 >= static_cast<double>(options_.stallReport.count())) {
+        reportedStall_ = progress.waitingIn;
+        reportStall(progress);
+      }
       if (store_->check({kLostKey})) {
         const auto v = store_->get(kLostKey);
         std::lock_guard<std::mutex> loss(lossMutex_);

@@ -21,6 +21,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <string>
@@ -28,6 +29,8 @@
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "comm/counting_communicator.h"
 
 namespace caravan {
 
@@ -39,6 +42,9 @@ struct HeartbeatOptions {
   bool hostsStore = false;                  // this rank serves the store (rank 0, TCP store)
   bool storeOnRank0 = true;                 // TCP store: its host is rank 0; false: a file
   std::string storeAddress;                 // host:port of the store, for messages
+  // Stall inspector: a rank waiting this long in one collective reports, once per collective
+  // and while the job runs on, which ranks have not reached it (0: never).
+  std::chrono::milliseconds stallReport{0};
 };
 
 // What diagnose() found about one other rank.
@@ -60,6 +66,9 @@ class Heartbeat {
 
   // The last step this rank completed, published with the next beat.
   void setStep(int64_t step) { step_.store(step); }
+  // Where this rank is in its collectives (published with every beat as "c<issued>"), for the
+  // stall inspector. Set before the first beat matters; called on the heartbeat thread.
+  void setProgressProbe(std::function<CollectiveProgress()> probe);
   // Publishes that this rank is leaving because of `reason` (one line) and stops beating.
   void leave(const std::string& reason);
 
@@ -75,6 +84,8 @@ class Heartbeat {
  private:
   void run();
   void publish(const std::string& state);
+  // The stall inspector's report for `p` (this rank waits in p.waitingIn): one line on stderr.
+  void reportStall(const CollectiveProgress& p);
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
@@ -92,6 +103,8 @@ class Heartbeat {
   std::mutex mutex_;        // guards stop_, leftReason_, beat_, and store writes
   std::condition_variable wake_;
   bool stop_ = false;
+  std::function<CollectiveProgress()> probe_;  // guarded by mutex_
+  int64_t reportedStall_ = 0;                  // the last collective reported (heartbeat thread)
   std::thread thread_;
 };
 

@@ -194,6 +194,9 @@ std::vector<ConfigOption> buildSchema() {
                "seconds any rank waits for a peer (rendezvous, collectives) before failing "
                "with the peer's rank",
                true),
+      floatOpt("fault.stall_report", 20.0, 0.0, 1e6,
+               "seconds a rank waits in a collective before it reports, while the job runs on, "
+               "which ranks have not reached it (0 = never)"),
 
       intOpt("checkpoint.every", 0, 0, kMaxInt, "checkpoint every N steps (0 = only at the end)"),
       intOpt("checkpoint.keep", 3, 1, 1000, "checkpoints kept in RUN_DIR/checkpoints"),

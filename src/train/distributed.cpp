@@ -107,8 +107,15 @@ Distributed::Distributed(const Config& config, const TrainerOptions& options) : 
     ho.storeAddress = so.kind == "tcp"
                           ? fmt::format("{}:{}", options.world.masterAddr, options.world.masterPort)
                           : so.filePath;
+    ho.stallReport = std::chrono::milliseconds(
+        static_cast<int64_t>(config.f64("fault.stall_report") * 1000.0));
     heartbeat_ = std::make_unique<Heartbeat>(store, options.world.rank, options.world.worldSize,
                                              ho);
+    // The stall inspector follows the workers' collectives (servers take part in none).
+    if (!isServer()) {
+      std::shared_ptr<CountingCommunicator> workersComm = counters_.back();
+      heartbeat_->setProgressProbe([workersComm] { return workersComm->progress(); });
+    }
   }
 }
 

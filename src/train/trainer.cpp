@@ -240,6 +240,9 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     } else {
       summary.lastCheckpoint = checkpoints.pathFor(state.step);
     }
+    state.strategy.clear();
+    // The servers' optimizer state came into this optimizer for the file only.
+    if (strategy != nullptr && strategy->updatesParameters()) optimizer->state().clear();
   };
 
   model->train();
