@@ -112,7 +112,10 @@ class Job : public ::testing::Test {
     for (auto& s : envp) ev.push_back(s.data());
     ev.push_back(nullptr);
     const pid_t pid = ::fork();
-    EXPECT_GE(pid, 0);
+    if (pid < 0) {
+      ADD_FAILURE() << "fork failed";
+      std::abort();  // never hand -1 to kill()
+    }
     if (pid == 0) {
       const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       const int n = ::open("/dev/null", O_RDWR);
@@ -362,7 +365,7 @@ TEST_F(Job, StrangersAreRefusedAndTheJobCarriesOn) {
   exit_[impostor] = {status, Clock::now()};
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << status;
   const std::string impostorErr = readFile(tmp_ / "err1-impostor");
-  EXPECT_NE(impostorErr.find("refused this process's job token"), std::string::npos)
+  EXPECT_NE(impostorErr.find("job token"), std::string::npos)
       << impostorErr;
   // Raw connections.
   const std::string refused = le32(1) + std::string(1, '\x02');  // one frame: status kRefused

@@ -377,8 +377,6 @@ TEST_P(PsStaleness, WorkersReadWithinTheBound) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, PsStaleness, ::testing::Values("ps-ssp", "ps-asp"));
 
-// The bytes metric: point to point counts exactly what was sent and received; collectives
-// count the ring estimate 2(P-1)/P of the tensor each way (counting_communicator.h).
 // A crafted push (hostile input from a process inside the job: the job token keeps strangers
 // out): a learning rate that is not a finite number >= 0 stops the server with a PeerError
 // naming the worker, before anything is applied; an unknown kind likewise.
@@ -422,6 +420,8 @@ TEST(PsMessages, ACraftedPushIsRefusedNamingTheWorker) {
   }
 }
 
+// The bytes metric: point to point counts exactly what was sent and received; collectives
+// count the ring estimate 2(P-1)/P of the tensor each way (counting_communicator.h).
 TEST(CountingCommunicator, CountsPointToPointExactlyAndRingEstimates) {
   expectNoErrors(runGlooRanks(2, loopbackOptions(kTimeout), [](std::shared_ptr<Communicator> c) {
     CountingCommunicator counted(c);

@@ -28,15 +28,8 @@ std::vector<uint8_t> proof(const std::string& token, const uint8_t* nonce, int f
   std::string message = "caravan-peer";
   message.append(reinterpret_cast<const char*>(nonce), kNonceBytes);
   message += fmt::format("|{}|{}", from, to);
-  std::vector<uint8_t> out(EVP_MAX_MD_SIZE);
-  unsigned int length = 0;
-  const unsigned char* ok =
-      HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
-           reinterpret_cast<const unsigned char*>(message.data()), message.size(), out.data(),
-           &length);
-  CARAVAN_CHECK(ok != nullptr && length == kProofBytes, "HMAC-SHA256 failed");
-  out.resize(kProofBytes);
-  return out;
+  const std::string mac = hmacSha256(token, message);
+  return std::vector<uint8_t>(mac.begin(), mac.end());
 }
 
 at::Tensor bytesTensor(const std::vector<uint8_t>& bytes) {
@@ -46,6 +39,26 @@ at::Tensor bytesTensor(const std::vector<uint8_t>& bytes) {
 }
 
 }  // namespace
+
+std::string hmacSha256(const std::string& key, const std::string& message) {
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  const unsigned char* ok =
+      HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+           reinterpret_cast<const unsigned char*>(message.data()), message.size(), out, &length);
+  CARAVAN_CHECK(ok != nullptr && length == kProofBytes, "HMAC-SHA256 failed");
+  return std::string(reinterpret_cast<const char*>(out), length);
+}
+
+bool sameSecret(const std::string& a, const std::string& b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+std::string randomBytes(size_t n) {
+  std::string out(n, '\0');
+  randomBytes(out.data(), n);
+  return out;
+}
 
 void randomBytes(void* out, size_t n) {
   size_t got = 0;

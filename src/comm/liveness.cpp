@@ -107,9 +107,11 @@ void Heartbeat::reportStall(const CollectiveProgress& p) {
   // Two reads of every beat two intervals apart (this rank beating in between, as the others
   // do while they report too): who has not reached the collective, and whose beat stood
   // still (stopped, or cut off from the store).
+  // Called without mutex_ (leave() may take it meanwhile and cut the wait short).
   auto first = readAll(*store_, rank_, size_);
   for (int i = 0; i < 2; ++i) {
-    std::this_thread::sleep_for(options_.interval);
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (wake_.wait_for(lock, options_.interval, [this] { return stop_; })) return;
     publish(fmt::format("run c{}", p.issued));
   }
   auto second = readAll(*store_, rank_, size_);
@@ -160,7 +162,9 @@ void Heartbeat::run() {
       if (options_.stallReport.count() > 0 && progress.waitingIn > reportedStall_ &&
           progress.waitedSeconds * 1000.0 >= static_cast<double>(options_.stallReport.count())) {
         reportedStall_ = progress.waitingIn;
+        lock.unlock();
         reportStall(progress);
+        lock.lock();
       }
       if (store_->check({kLostKey})) {
         const auto v = store_->get(kLostKey);

@@ -85,6 +85,7 @@ class Heartbeat {
   void run();
   void publish(const std::string& state);
   // The stall inspector's report for `p` (this rank waits in p.waitingIn): one line on stderr.
+  // Called on the heartbeat thread without mutex_.
   void reportStall(const CollectiveProgress& p);
 
   c10::intrusive_ptr<c10d::Store> store_;

@@ -3,8 +3,9 @@
 // Wire format (integers little-endian): frame = u32 length + payload.
 //   request  = u8 op, then the op's fields
 //   response = u8 status (0 ok, 1 timed out, 2 refused, 3 error + message), then fields
-// Strings and byte arrays travel as u32 length + bytes, numbers as i64. The first request on a
-// connection is kHello(magic, token); nothing else is served before it succeeded.
+// Strings and byte arrays travel as u32 length + bytes, numbers as i64. A connection starts with
+// the hello, a challenge-response on the job token in both directions (Server::serve); nothing
+// else is served before it succeeded.
 // Sockets are non-blocking; every read and write waits in poll() with a deadline.
 #include "comm/tcp_store.h"
 
@@ -31,6 +32,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/auth.h"
 #include "comm/comm_util.h"
 #include "comm/communicator.h"
 #include "core/errors.h"
@@ -54,21 +56,16 @@ enum class Op : uint8_t {
   kDelete
 };
 enum class Status : uint8_t { kOk = 0, kTimeout = 1, kRefused = 2, kError = 3 };
-constexpr uint32_t kMagic = 0x31565243;  // "CRV1"
+constexpr uint32_t kMagic = 0x32565243;  // "CRV2"
+constexpr size_t kNonceBytes = 16;
+// What each side's proof covers: HMAC-SHA256(token, label | the other side's nonce).
+constexpr const char* kServerProof = "caravan-store-server|";
+constexpr const char* kClientProof = "caravan-store-client|";
 constexpr uint32_t kMaxFrame = 1u << 30;
 // Before the token is checked a stranger may not make the server allocate: the hello is small.
 constexpr uint32_t kMaxHello = 4096;
 // Connections served at once (each has a thread); more are closed at once.
 constexpr size_t kMaxConnections = 4096;
-
-// Compares secrets in a time that does not depend on where they differ.
-bool sameSecret(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
-  }
-  return diff == 0;
-}
 
 class Writer {
  public:
@@ -469,10 +466,28 @@ class TcpStore::Server {
     Bytes request;
     // A connection that does not introduce itself within the timeout is dropped.
     if (recvFrame(fd, &request, deadlineAfter(timeout_), kMaxHello) != Io::kOk) return;
+    // The hello: [kHello, magic, client nonce] -> [ok, server nonce, server proof], then
+    // [kHello, client proof] -> [ok | refused]. Neither side sends the token or a proof it could
+    // replay, and a client learns nothing from a process that does not know the token.
     try {
       Reader hello(std::move(request));
-      const bool ok = hello.u8() == static_cast<uint8_t>(Op::kHello) && hello.u32() == kMagic &&
-                      sameSecret(hello.str(), token_);
+      const bool wellFormed = hello.u8() == static_cast<uint8_t>(Op::kHello) &&
+                              hello.u32() == kMagic;
+      const std::string clientNonce = wellFormed ? hello.str() : std::string();
+      Writer challenge;
+      if (clientNonce.size() != kNonceBytes) {
+        challenge.status(Status::kRefused);
+        sendFrame(fd, challenge.data(), deadlineAfter(timeout_));
+        return;
+      }
+      const std::string serverNonce = randomBytes(kNonceBytes);
+      challenge.status(Status::kOk).str(serverNonce).str(
+          hmacSha256(token_, kServerProof + clientNonce));
+      if (sendFrame(fd, challenge.data(), deadlineAfter(timeout_)) != Io::kOk) return;
+      if (recvFrame(fd, &request, deadlineAfter(timeout_), kMaxHello) != Io::kOk) return;
+      Reader answer(std::move(request));
+      const bool ok = answer.u8() == static_cast<uint8_t>(Op::kHello) &&
+                      sameSecret(answer.str(), hmacSha256(token_, kClientProof + serverNonce));
       Writer reply;
       reply.status(ok ? Status::kOk : Status::kRefused);
       if (sendFrame(fd, reply.data(), deadlineAfter(timeout_)) != Io::kOk || !ok) return;
@@ -565,15 +580,30 @@ class TcpStore::Client {
       : where_(fmt::format("{}:{}", host, port)) {
     const auto deadline = deadlineAfter(timeout);
     connect(host, port, timeout, deadline);
+    // The hello (see Server::serve): prove the token without sending it, and check that the
+    // store knows it too.
+    const std::string clientNonce = randomBytes(kNonceBytes);
     Writer hello;
-    hello.op(Op::kHello).u32(kMagic).str(token);
-    Reader reply = call(hello, deadline);
-    if (reply.u8() != static_cast<uint8_t>(Status::kOk)) {
-      throw ConfigError(fmt::format(
+    hello.op(Op::kHello).u32(kMagic).str(clientNonce);
+    Reader challenge = call(hello, deadline);
+    const auto refused = [this] {
+      return ConfigError(fmt::format(
           "the rendezvous store at {} refused this process's job token; start every rank of a "
-          "job with the same token (or another job is using this MASTER_PORT)",
+          "job with the same CARAVAN_JOB_TOKEN (or another job is using this MASTER_PORT)",
+          where_));
+    };
+    if (challenge.u8() != static_cast<uint8_t>(Status::kOk)) throw refused();
+    const std::string serverNonce = challenge.str();
+    if (!sameSecret(challenge.str(), hmacSha256(token, kServerProof + clientNonce))) {
+      throw ConfigError(fmt::format(
+          "the process at {} does not know this process's job token: it is another job's "
+          "rendezvous store or not a Caravan store; start every rank with the same "
+          "CARAVAN_JOB_TOKEN and check MASTER_ADDR/MASTER_PORT",
           where_));
     }
+    Writer answer;
+    answer.op(Op::kHello).str(hmacSha256(token, kClientProof + serverNonce));
+    if (call(answer, deadline).u8() != static_cast<uint8_t>(Status::kOk)) throw refused();
   }
 
   ~Client() {

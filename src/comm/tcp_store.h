@@ -4,7 +4,9 @@
 // all interfaces only if the user says 0.0.0.0) and keeps the keys in memory; its own
 // operations use that memory directly. Every other rank connects as a client and retries a
 // refused connection until `timeout`, so ranks may start in any order. A client first
-// presents the job token; the server drops a connection whose token differs.
+// proves the job token (HMAC-SHA256 over the server's fresh nonce) and checks the server's
+// proof over its own nonce; the server drops a connection whose proof is wrong. The token
+// itself never travels.
 //
 // Why not c10d::TCPStore: in LibTorch 1.13 its server always binds every interface (there is
 // no bind-address option) and reports connection problems through glog lines on stderr. The

@@ -45,7 +45,7 @@ void AllReduceStrategy::restoreState(const std::map<std::string, at::Tensor>& st
                                      int64_t savedWorkers) {
   auto it = state.find("allreduce_residuals");
   if (it != state.end() && options_.compression == Compression::kTopK) {
-    restoredResidual_ = rowForRank(it->second, comm_->rank(), comm_->size());
+    restoredResidual_ = it->second;  // every worker's rows: attach() picks this rank's
   }
 }
 
@@ -112,8 +112,11 @@ void AllReduceStrategy::attach(torch::nn::Module& model) {
     commThread_ = std::make_unique<CommThread>();
   }
   if (restoredResidual_.defined()) {
+    int64_t n = 0;
+    for (const auto& s : slots_) n += s.numel;
+    const at::Tensor mine = rowForRank(restoredResidual_, comm_->rank(), comm_->size(), n);
     forEachResidual([&](at::Tensor part, int64_t at) {
-      part.copy_(restoredResidual_.narrow(0, at, part.numel()));
+      part.copy_(mine.narrow(0, at, part.numel()));
     });
     restoredResidual_ = at::Tensor();
   }

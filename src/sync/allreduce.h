@@ -124,7 +124,7 @@ class AllReduceStrategy : public Strategy {
   std::vector<uintptr_t> hookKeys_;
   std::atomic<bool> enabled_{true};
   std::unique_ptr<CommThread> commThread_;  // fp16/bf16: runs the 16-bit rings
-  at::Tensor restoredResidual_;             // topk: from a checkpoint, installed by attach()
+  at::Tensor restoredResidual_;             // topk: every worker's rows from a checkpoint
 };
 
 }  // namespace caravan

@@ -85,8 +85,8 @@ void OspWorkerStrategy::attach(torch::nn::Module& model) {
   global_ = flatten(params_);
   // As for the parameter server: rank 0's optimizer holds the servers' state when resuming.
   FlatOptimizerState state;
-  if (workers_->rank() == 0 && optimizer_ != nullptr) {
-    state = gatherOptimizerState(*optimizer_, params_);
+  if (optimizer_ != nullptr) {
+    if (workers_->rank() == 0) state = gatherOptimizerState(*optimizer_, params_);
     scatterOptimizerState(*optimizer_, params_, FlatOptimizerState{});
   }
   seedServers(*world_, *workers_, global_, state, layout_);
@@ -316,7 +316,7 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     if (stage1) {
       *kind = roundKind(msgs, n + 1, world.rank(), step + 1);
       if (*kind != PushKind::kGradient) return {};
-      for (int k = 0; k < numWorkers; ++k) *lr = pushLearningRate(msgs[k], n, k, world.rank());
+      for (int k = 1; k < numWorkers; ++k) pushLearningRate(msgs[k], n, k, world.rank());
       *lr = pushLearningRate(msgs[0], n, 0, world.rank());
       // auto: the largest stage-1 share any worker asked for (same on every server).
       if (options.autoFraction) {

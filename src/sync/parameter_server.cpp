@@ -173,18 +173,22 @@ void PsWorkerStrategy::attach(torch::nn::Module& model) {
   layout_.servers = servers_;
   for (const auto& p : params_) layout_.total += p.numel();
   // Rank 0's optimizer holds the servers' state when resuming (saveState put it there); it
-  // goes to the servers cut for their number, and rank 0 keeps no copy.
+  // goes to the servers cut for their number, and no worker keeps a copy.
   FlatOptimizerState state;
-  if (workers_->rank() == 0 && optimizer_ != nullptr) {
-    state = gatherOptimizerState(*optimizer_, params_);
+  if (optimizer_ != nullptr) {
+    if (workers_->rank() == 0) state = gatherOptimizerState(*optimizer_, params_);
     scatterOptimizerState(*optimizer_, params_, FlatOptimizerState{});
   }
   seedServers(*world_, *workers_, flatten(params_), state, layout_);
   codecs_.clear();
+  const at::Tensor residual =
+      restoredResidual_.defined()
+          ? rowForRank(restoredResidual_, workers_->rank(), workers_->size(), layout_.total)
+          : at::Tensor();
   for (int s = 0; s < servers_; ++s) {
     codecs_.emplace_back(options_.compression, layout_.size(s), options_.topkRatio);
-    if (restoredResidual_.defined()) {
-      codecs_.back().residual().copy_(restoredResidual_.narrow(0, layout_.begin(s), layout_.size(s)));
+    if (residual.defined()) {
+      codecs_.back().residual().copy_(residual.narrow(0, layout_.begin(s), layout_.size(s)));
     }
   }
   restoredResidual_ = at::Tensor();
@@ -210,7 +214,7 @@ void PsWorkerStrategy::restoreState(const std::map<std::string, at::Tensor>& sta
                                     int64_t savedWorkers) {
   auto it = state.find("ps_residuals");
   if (it != state.end() && options_.compression == Compression::kTopK) {
-    restoredResidual_ = rowForRank(it->second, workers_->rank(), workers_->size());
+    restoredResidual_ = it->second;  // every worker's rows: attach() picks this rank's
   }
 }
 

@@ -166,7 +166,7 @@ class PsWorkerStrategy : public Strategy {
   ShardLayout layout_;
   PsOptions options_;
   std::vector<ShardCodec> codecs_;  // per server (top-k keeps its residual here)
-  at::Tensor restoredResidual_;     // flat, from a checkpoint, installed by attach()
+  at::Tensor restoredResidual_;     // every worker's rows from a checkpoint, for attach()
   double lr_ = 0.0;
   bool finished_ = false;
   double finalDistance_ = 0.0;  // consensus distance finish() measured

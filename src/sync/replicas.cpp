@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "core/errors.h"
@@ -88,13 +89,29 @@ double consensusDistance(Communicator& comm, const std::vector<at::Tensor>& para
 }
 
 at::Tensor gatherRows(Communicator& comm, const at::Tensor& mine) {
+  constexpr int kTagRows = 951;
   const at::Tensor input = mine.to(at::kFloat).contiguous().reshape({-1});
+  if (comm.rank() != 0) {
+    comm.send(input, 0, kTagRows)->wait(comm.timeout());
+    return at::Tensor();
+  }
   at::Tensor rows = at::empty({comm.size(), input.numel()}, at::kFloat);
-  comm.allgather(rows.view({-1}), input)->wait(comm.timeout());
+  rows[0].copy_(input);
+  for (int r = 1; r < comm.size(); ++r) {
+    at::Tensor row = rows[r];
+    comm.recv(row, r, kTagRows)->wait(comm.timeout());
+  }
   return rows;
 }
 
-at::Tensor rowForRank(const at::Tensor& rows, int rank, int worldSize) {
+at::Tensor rowForRank(const at::Tensor& rows, int rank, int worldSize, int64_t numel) {
+  if (rows.dim() != 2 || rows.size(0) < 1 || rows.size(1) != numel ||
+      rows.scalar_type() != at::kFloat) {
+    throw CheckpointError(fmt::format(
+        "the checkpoint's per-worker state has shape {} ({}), not [workers, {}] float32: it is "
+        "damaged or from another model",
+        c10::str(rows.sizes()), c10::toString(rows.scalar_type()), numel));
+  }
   if (rows.size(0) == worldSize) return rows[rank].clone();
   return rows.mean(0);
 }

@@ -41,11 +41,12 @@ void broadcastModel(Communicator& comm, torch::nn::Module& model);
 void averageModel(Communicator& comm, torch::nn::Module& model);
 
 // Every rank's `mine` (float32, the same numel on every rank) as the rows of one [W, n] tensor,
-// on every rank (checkpoints of per-rank state, e.g. top-k residuals).
+// on rank 0 (undefined elsewhere): per-rank state for a checkpoint, e.g. top-k residuals.
 at::Tensor gatherRows(Communicator& comm, const at::Tensor& mine);
 // What rank `rank` of `worldSize` resumes with from `rows` saved by rows.size(0) ranks: its own
-// row when the count is the same, else the mean of the rows (resharding).
-at::Tensor rowForRank(const at::Tensor& rows, int rank, int worldSize);
+// row when the count is the same, else the mean of the rows (resharding). CheckpointError when
+// `rows` is not [ranks, numel] float32.
+at::Tensor rowForRank(const at::Tensor& rows, int rank, int worldSize, int64_t numel);
 
 // sqrt(mean over ranks of ||x_r - mean x||^2) over the synchronized parameters: 0 when every
 // replica is equal. Every rank gets the same value.

@@ -284,10 +284,11 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
     archive.read("rng", state.rngState, /*is_buffer=*/true);
     archive.read("elapsed_s", v);
     state.elapsedSeconds = v.toDouble();
-    // Checkpoints from before these were stored: one worker's, of the config's batch size.
+    // Checkpoints from before these were stored: 0, the resuming job's own.
     if (archive.try_read("workers", v)) state.workers = v.toInt();
     if (archive.try_read("batch_size", v)) state.batchSize = v.toInt();
-    if (state.workers < 1 || state.batchSize < 0) {
+    if (state.workers < 0 || state.workers > (1 << 20) || state.batchSize < 0 ||
+        state.batchSize > (int64_t{1} << 30)) {
       throw CheckpointError(fmt::format("checkpoint {} says it was written by {} workers with "
                                         "batch size {}; it is damaged",
                                         path, state.workers, state.batchSize));

@@ -38,8 +38,9 @@ namespace caravan {
 struct TrainingState {
   int64_t step = 0;                   // steps completed
   SamplerPosition position;           // where the next batch comes from
-  int64_t workers = 1;                // data-parallel workers that wrote it (servers not counted)
-  int64_t batchSize = 0;              // per worker (0: a checkpoint from before it was stored)
+  int64_t workers = 0;                // data-parallel workers that wrote it (servers not counted;
+                                      // 0: a checkpoint from before it was stored)
+  int64_t batchSize = 0;              // per worker (0: likewise)
   std::map<std::string, at::Tensor> strategy;  // Strategy::saveState (empty in one process)
   at::Tensor rngState;                // default CPU generator (dropout)
   double elapsedSeconds = 0.0;        // training time of the run so far (metrics time_s)

@@ -77,6 +77,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     state = loadCheckpoint(*resumeFrom, *model, *optimizer, identity);
     setDefaultRngState(state.rngState);
     if (state.batchSize == 0) state.batchSize = samplerOptions.batchSize;  // older checkpoints
+    if (state.workers == 0) state.workers = workers;
     if (state.workers != workers || state.batchSize != samplerOptions.batchSize) {
       // Resharding: the position counts samples of the epoch (loader.h).
       const SamplerPosition saved = state.position;
@@ -515,7 +516,7 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   CheckpointDir checkpoints(options.runDir, config.i64("checkpoint.keep"));
   const std::string metricsPath = (fs::path(options.runDir) / "metrics.jsonl").string();
   const std::optional<std::string> resumeFrom = checkRunDirectory(options.runDir, options.resume);
-  checkpoints.removeStaleTemporaries();
+  if (options.world.rank == 0) checkpoints.removeStaleTemporaries();  // its only writer
 
   applyRuntimeConfig(config);
   installSavedTensorEngine();
