@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 
 #include "comm/launch.h"
+#include "run_util.h"
 #include "test_util.h"
 
 extern char** environ;
@@ -312,22 +313,12 @@ std::string le32(uint32_t v) {
   return s;
 }
 
-// The store's hello frame (tcp_store.cpp): [u8 op 1][u32 magic "CRV1"][u32 length][token].
+// The store's first hello frame (tcp_store.cpp): [u8 op 1][u32 magic "CRV2"][u32 length]
+// [client nonce]. A stranger's guess in place of the 16-byte nonce is refused at once.
 std::string helloFrame(const std::string& token) {
-  const std::string payload = std::string(1, '\x01') + le32(0x31565243) +
+  const std::string payload = std::string(1, '\x01') + le32(0x32565243) +
                               le32(static_cast<uint32_t>(token.size())) + token;
   return le32(static_cast<uint32_t>(payload.size())) + payload;
-}
-
-std::vector<std::string> trainLosses(const std::string& metrics) {
-  std::vector<std::string> out;
-  std::istringstream lines(metrics);
-  for (std::string line; std::getline(lines, line);) {
-    if (line.find("\"kind\":\"train\"") == std::string::npos) continue;
-    const auto at = line.find("\"loss\":");
-    out.push_back(line.substr(at, line.find(',', at) - at));
-  }
-  return out;
 }
 
 }  // namespace
@@ -379,8 +370,8 @@ TEST_F(Job, StrangersAreRefusedAndTheJobCarriesOn) {
     EXPECT_TRUE(WIFEXITED(exit_[job[r]].first) && WEXITSTATUS(exit_[job[r]].first) == 0)
         << readFile(tmp_ / ("err" + std::to_string(r)));
   }
-  const auto quiet = trainLosses(readFile(tmp_ / "quiet/metrics.jsonl"));
-  const auto disturbed = trainLosses(readFile(tmp_ / "run/metrics.jsonl"));
+  const auto quiet = caravan::test::trainLosses(tmp_ / "quiet");
+  const auto disturbed = caravan::test::trainLosses(tmp_ / "run");
   EXPECT_EQ(quiet.size(), 2500u);
   EXPECT_EQ(disturbed, quiet);
 }

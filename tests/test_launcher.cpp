@@ -459,30 +459,27 @@ TEST_F(LauncherProcess, RefusedUnderAnotherLauncherOrWithABadConfig) {
   EXPECT_NE(err.find("RANK/WORLD_SIZE"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(tmp_ / "run"));
 
+  // Refused before any worker starts: exit 2 with one line containing `needle`.
+  auto expectRefused = [&](const std::string& args, const std::string& needle) {
+    reaped_ = false;
+    start(args);
+    const auto s = waitExit(seconds(30));
+    ASSERT_TRUE(s.has_value());
+    const std::string e = readFile(tmp_ / "err");
+    ASSERT_TRUE(WIFEXITED(*s)) << e;
+    EXPECT_EQ(WEXITSTATUS(*s), 2) << e;
+    EXPECT_EQ(countLines(e), 1) << e;
+    EXPECT_NE(e.find(needle), std::string::npos) << e;
+  };
   // A bad config is reported once, before any worker starts.
-  reaped_ = false;
-  start("train --config c.toml --set optim.lrr=1 --run-dir run --workers 2");
-  status = waitExit(seconds(30));
-  ASSERT_TRUE(status.has_value());
-  err = readFile(tmp_ / "err");
-  ASSERT_TRUE(WIFEXITED(*status)) << err;
-  EXPECT_EQ(WEXITSTATUS(*status), 2) << err;
-  EXPECT_EQ(countLines(err), 1) << err;
-  EXPECT_NE(err.find("optim.lrr"), std::string::npos) << err;
+  expectRefused("train --config c.toml --set optim.lrr=1 --run-dir run --workers 2", "optim.lrr");
   EXPECT_FALSE(fs::exists(tmp_ / "run"));
 
   // A run directory that holds a run is refused before any worker starts (and writes its log
   // into it): one line, the directory as it was.
   fs::create_directories(tmp_ / "run");
   writeFile(tmp_ / "run/metrics.jsonl", "{}\n");
-  reaped_ = false;
-  start("train --config c.toml " + kSynthetic + " --run-dir run --workers 2");
-  status = waitExit(seconds(30));
-  ASSERT_TRUE(status.has_value());
-  err = readFile(tmp_ / "err");
-  ASSERT_TRUE(WIFEXITED(*status)) << err;
-  EXPECT_EQ(WEXITSTATUS(*status), 2) << err;
-  EXPECT_EQ(countLines(err), 1) << err;
-  EXPECT_NE(err.find("already holds a run"), std::string::npos) << err;
+  expectRefused("train --config c.toml " + kSynthetic + " --run-dir run --workers 2",
+                "already holds a run");
   EXPECT_EQ(std::distance(fs::directory_iterator(tmp_ / "run"), fs::directory_iterator()), 1);
 }

@@ -84,12 +84,8 @@ void OspWorkerStrategy::attach(torch::nn::Module& model) {
   for (const auto& p : params_) layout_.total += p.numel();
   global_ = flatten(params_);
   // As for the parameter server: rank 0's optimizer holds the servers' state when resuming.
-  FlatOptimizerState state;
-  if (optimizer_ != nullptr) {
-    if (workers_->rank() == 0) state = gatherOptimizerState(*optimizer_, params_);
-    scatterOptimizerState(*optimizer_, params_, FlatOptimizerState{});
-  }
-  seedServers(*world_, *workers_, global_, state, layout_);
+  seedServers(*world_, *workers_, global_,
+              takeStateForServers(optimizer_, params_, workers_->rank() == 0), layout_);
   if (restoredPrevious_.defined() && restoredPrevious_.numel() == layout_.total) {
     previous_ = restoredPrevious_;
   }

@@ -79,6 +79,15 @@ void seedServers(Communicator& world, const Communicator& workers, const at::Ten
   }
 }
 
+FlatOptimizerState takeStateForServers(torch::optim::Optimizer* optimizer,
+                                       const std::vector<at::Tensor>& params, bool firstWorker) {
+  FlatOptimizerState state;
+  if (optimizer == nullptr) return state;
+  if (firstWorker) state = gatherOptimizerState(*optimizer, params);
+  scatterOptimizerState(*optimizer, params, FlatOptimizerState{});
+  return state;
+}
+
 at::Tensor receiveShard(Communicator& world, int numWorkers, ShardLayout* layout,
                         FlatOptimizerState* state) {
   const int s = world.rank() - numWorkers;
@@ -173,13 +182,9 @@ void PsWorkerStrategy::attach(torch::nn::Module& model) {
   layout_.servers = servers_;
   for (const auto& p : params_) layout_.total += p.numel();
   // Rank 0's optimizer holds the servers' state when resuming (saveState put it there); it
-  // goes to the servers cut for their number, and no worker keeps a copy.
-  FlatOptimizerState state;
-  if (optimizer_ != nullptr) {
-    if (workers_->rank() == 0) state = gatherOptimizerState(*optimizer_, params_);
-    scatterOptimizerState(*optimizer_, params_, FlatOptimizerState{});
-  }
-  seedServers(*world_, *workers_, flatten(params_), state, layout_);
+  // goes to the servers cut for their number.
+  seedServers(*world_, *workers_, flatten(params_),
+              takeStateForServers(optimizer_, params_, workers_->rank() == 0), layout_);
   codecs_.clear();
   const at::Tensor residual =
       restoredResidual_.defined()

@@ -107,6 +107,11 @@ struct ShardLayout {
 // none at the start, the checkpoint's when resuming); the others do nothing. Point to point.
 void seedServers(Communicator& world, const Communicator& workers, const at::Tensor& flat,
                  const FlatOptimizerState& state, const ShardLayout& layout);
+// What seedServers sends: the state rank 0's `optimizer` holds for `params` (a checkpoint's,
+// when resuming; none on the other workers). Every worker's optimizer drops its copy: the
+// servers keep the state from here on.
+FlatOptimizerState takeStateForServers(torch::optim::Optimizer* optimizer,
+                                       const std::vector<at::Tensor>& params, bool firstWorker);
 // A server's side of seedServers: its shard (float32), the layout and its shard's optimizer
 // state.
 at::Tensor receiveShard(Communicator& world, int numWorkers, ShardLayout* layout,
