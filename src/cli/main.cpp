@@ -22,6 +22,7 @@
 #include "train/distributed.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
+#include "report/report.h"
 #include "train/memory_setup.h"
 #include "train/setup.h"
 #include "train/step.h"
@@ -224,6 +225,24 @@ int runEval(const std::string& runDir, std::string checkpoint,
   return 0;
 }
 
+int runReport(const std::vector<std::string>& sources, std::string output,
+              const std::string& pngDir, const std::string& title) {
+  const nlohmann::json data = report::collect(sources, title);
+  const std::string html = report::renderHtml(data);
+  if (output.empty() && pngDir.empty()) output = "report.html";
+  if (!output.empty()) {
+    writeFileAtomic(output, html);
+    std::fprintf(stderr, "caravan: wrote %s (%zu runs, %zu bench results, %.1f MB)\n",
+                 output.c_str(), data["runs"].size(), data["benches"].size(),
+                 static_cast<double>(html.size()) / 1e6);
+  }
+  if (!pngDir.empty()) {
+    const std::vector<std::string> files = report::writePngs(html, pngDir);
+    std::fprintf(stderr, "caravan: wrote %zu charts to %s\n", files.size(), pngDir.c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -294,6 +313,22 @@ int main(int argc, char** argv) {
   config->add_option("--set", overrides, "override a config key");
   config->add_flag("--schema", schema, "print every key as a Markdown table");
 
+  std::vector<std::string> reportSources;
+  std::string reportOutput, reportPng, reportTitle;
+  auto* reportCmd = app.add_subcommand(
+      "report", "one self-contained HTML page comparing runs and bench results (loss, accuracy, "
+                "throughput, memory, time split, rank skew, configs); --png for the charts as "
+                "PNG files");
+  reportCmd->add_option("sources", reportSources,
+                        "run directories (caravan train --run-dir) and bench results "
+                        "(charts.json, or a directory with one)")
+      ->required();
+  reportCmd->add_option("--output,-o", reportOutput,
+                        "the HTML file to write (default report.html; none with only --png)");
+  reportCmd->add_option("--png", reportPng,
+                        "also write every chart as DIR/NAME.png (renders in headless Chromium)");
+  reportCmd->add_option("--title", reportTitle, "the page's title");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -319,6 +354,7 @@ int main(int argc, char** argv) {
     if (*train) return runTrain(configPath, overrides, runDir, resumeDir, stopAtStep, quiet, trace);
     if (*eval) return runEval(runDir, checkpoint, overrides);
     if (*plan) return runPlan(configPath, overrides);
+    if (*reportCmd) return runReport(reportSources, reportOutput, reportPng, reportTitle);
     if (*config) {
       if (schema) {
         std::cout << Config::schemaMarkdown();

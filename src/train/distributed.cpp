@@ -218,22 +218,52 @@ Strategy* Distributed::attach(torch::nn::Module& model, torch::optim::Optimizer&
   return strategy_.get();
 }
 
-void Distributed::traceTo(Timeline& timeline) {
-  strategy_->setEventSink([&timeline](const std::string& name,
-                                      std::chrono::steady_clock::time_point start,
-                                      std::chrono::steady_clock::time_point end) {
-    timeline.complete(name, start, end, /*track=*/1);
+void Distributed::observeCommunication(Timeline* timeline) {
+  strategy_->setEventSink([this, timeline](const std::string& name,
+                                           std::chrono::steady_clock::time_point start,
+                                           std::chrono::steady_clock::time_point end) {
+    {
+      std::lock_guard<std::mutex> lock(commMutex_);
+      commEvents_ = true;
+      const auto from = std::max(start, commCoveredUntil_);
+      if (end > from) commSeconds_ += std::chrono::duration<double>(end - from).count();
+      commCoveredUntil_ = std::max(commCoveredUntil_, end);
+    }
+    if (timeline != nullptr) timeline->complete(name, start, end, /*track=*/1);
   });
 }
 
-Agreement Distributed::agree(double loss, bool interrupted, bool timeUp) {
-  at::Tensor t = torch::tensor({static_cast<float>(loss), interrupted ? 1.0f : 0.0f,
-                                timeUp ? 1.0f : 0.0f});
+std::optional<double> Distributed::takeCommunicationSeconds() {
+  std::lock_guard<std::mutex> lock(commMutex_);
+  if (!commEvents_) return std::nullopt;
+  const double s = commSeconds_;
+  commSeconds_ = 0.0;
+  return s;
+}
+
+Agreement Distributed::agree(double loss, bool interrupted, bool timeUp, const RankWindow* window,
+                             std::vector<RankWindow>* all) {
+  // One sum: [loss, interrupted, time up] then, with `window`, two slots per worker of which
+  // each fills its own.
+  const int n = comm->size();
+  at::Tensor t = torch::zeros({3 + (window != nullptr ? 2 * n : 0)});
+  t[0] = static_cast<float>(loss);
+  t[1] = interrupted ? 1.0f : 0.0f;
+  t[2] = timeUp ? 1.0f : 0.0f;
+  if (window != nullptr) {
+    t[3 + 2 * comm->rank()] = static_cast<float>(window->computeS);
+    t[4 + 2 * comm->rank()] = static_cast<float>(window->syncWaitS);
+  }
   comm->allreduce(t, ReduceOp::kSum)->wait(comm->timeout());
   Agreement a;
-  a.meanLoss = t[0].item<double>() / comm->size();
-  a.interrupted = t[1].item<float>() > 0;
-  a.timeUp = t[2].item<float>() > 0;
+  const float* v = t.data_ptr<float>();
+  a.meanLoss = static_cast<double>(v[0]) / n;
+  a.interrupted = v[1] > 0;
+  a.timeUp = v[2] > 0;
+  if (window != nullptr && all != nullptr) {
+    all->assign(n, RankWindow{});
+    for (int r = 0; r < n; ++r) (*all)[r] = {v[3 + 2 * r], v[4 + 2 * r]};
+  }
   return a;
 }
 

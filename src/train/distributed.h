@@ -4,7 +4,10 @@
 // Threading: created and used by the trainer thread.
 #pragma once
 
+#include <chrono>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +43,13 @@ struct Agreement {
   bool timeUp = false;       // some rank reached train.max_minutes
 };
 
+// One rank's numbers for the train record's per-rank columns (the report's skew chart): the
+// per-step means over the log window of compute and of time blocked on synchronization.
+struct RankWindow {
+  double computeS = 0.0;
+  double syncWaitS = 0.0;
+};
+
 class Distributed {
  public:
   // Connects to the job's store and builds the communicator (dist.backend); throws PeerError
@@ -55,9 +65,17 @@ class Distributed {
   Strategy* attach(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                    const TrainingState* resumed,
                    std::vector<std::vector<at::Tensor>> groups = {});
-  // Records each bucket's communication on the timeline's communication track.
-  void traceTo(Timeline& timeline);
-  Agreement agree(double loss, bool interrupted, bool timeUp);
+  // Follows the strategy's communication events (each bucket's all-reduce, gossip exchange,
+  // parameter averaging): counts the time some communication was in flight, and records each
+  // on the timeline's communication track when `timeline` is not null. Call once, after attach.
+  void observeCommunication(Timeline* timeline);
+  // Seconds with communication in flight since the last call (overlapping events count once),
+  // or nullopt when the strategy reports no events (parameter servers, OSP).
+  std::optional<double> takeCommunicationSeconds();
+  // The mean loss over the workers and whether any must stop. With `window`, also every
+  // worker's window (returned in rank order; empty without).
+  Agreement agree(double loss, bool interrupted, bool timeUp, const RankWindow* window = nullptr,
+                  std::vector<RankWindow>* all = nullptr);
 
   // Liveness (Gloo runs; under MPI, mpirun itself stops the job when a rank dies and names it).
   // The last step this rank completed, published with its heartbeat.
@@ -88,6 +106,12 @@ class Distributed {
   int servers_ = 0;
   int workers_ = 1;
   std::unique_ptr<Strategy> strategy_;
+  // observeCommunication: the union of in-flight intervals (events arrive from the
+  // communication thread, in order of completion).
+  std::mutex commMutex_;
+  bool commEvents_ = false;
+  double commSeconds_ = 0.0;
+  std::chrono::steady_clock::time_point commCoveredUntil_{};
   std::unique_ptr<Heartbeat> heartbeat_;  // declared last: destroyed (lingers) first
 };
 

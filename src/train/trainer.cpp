@@ -116,7 +116,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     state.strategy.clear();  // handed to the strategy
   }
   Timeline timeline(options.tracePath, options.world.rank);
-  if (dist && !options.tracePath.empty()) dist->traceTo(timeline);
+  if (dist) dist->observeCommunication(timeline.enabled() ? &timeline : nullptr);
 
   std::unique_ptr<MetricsSink> metrics;
   if (isRoot) {
@@ -253,6 +253,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   double windowCompute = 0.0, windowSync = 0.0;
   int64_t windowSteps = 0;
   ByteCount windowBytes = dist ? dist->bytes() : ByteCount{};
+  std::vector<RankWindow> rankWindows;  // every worker's, from the agreement of a log step
   Clock::time_point windowStart = Clock::now();
   double lastLoss = std::nan("");
   while (state.step < totalSteps) {
@@ -320,7 +321,11 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
       const bool agreeNow = strategy->lockstep() || (state.step + 1) % logEvery == 0 ||
                             state.step + 1 == totalSteps;
       if (agreeNow) {
-        Agreement a = dist->agree(r.loss, interrupted, timeUp);
+        // On the steps that write a train record, every worker's window comes along.
+        const bool logNow = (state.step + 1) % logEvery == 0 || state.step + 1 == totalSteps;
+        const RankWindow own{windowCompute / windowSteps, windowSync / windowSteps};
+        Agreement a = dist->agree(r.loss, interrupted, timeUp, logNow ? &own : nullptr,
+                                  &rankWindows);
         r.loss = a.meanLoss;
         interrupted = a.interrupted;
         timeUp = a.timeUp;
@@ -359,7 +364,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
                             {"loss", r.loss}, {"lr", lr}, {"samples_per_s", samplesPerS},
                             {"compute_s", windowCompute / windowSteps},
                             {"sync_wait_s", windowSync / windowSteps},
-                            {"time_s", trainSeconds()}};
+                            {"time_s", trainSeconds()}, {"workers", workers}};
       // Tracked memory over the window (peaks) and the process's resident set now.
       rec["mem_activations_peak"] = memory.peak(MemoryCategory::kActivations);
       rec["mem_weights"] = memory.live(MemoryCategory::kWeights);
@@ -397,6 +402,18 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
         rec["recv_bytes"] = static_cast<double>(b.received - windowBytes.received) / windowSteps;
         windowBytes = b;
         for (const auto& [key, value] : strategy->takeMetrics()) rec[key] = value;
+        // Time with communication in flight (hidden behind compute or not), per step.
+        if (const auto comm = dist->takeCommunicationSeconds()) rec["comm_s"] = *comm / windowSteps;
+        if (rankWindows.size() == static_cast<size_t>(workers)) {
+          std::vector<double> compute, wait;
+          for (const RankWindow& w : rankWindows) {
+            compute.push_back(w.computeS);
+            wait.push_back(w.syncWaitS);
+          }
+          rec["rank_compute_s"] = compute;
+          rec["rank_sync_wait_s"] = wait;
+        }
+        rankWindows.clear();
       }
       if (metrics) metrics->write(rec);
       windowSamples = 0.0;

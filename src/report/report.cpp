@@ -1,0 +1,496 @@
+// `caravan report` (see report.h).
+#include "report/report.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include "core/errors.h"
+#include "report/assets.h"
+#include "train/checkpoint.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace caravan::report {
+namespace {
+
+std::string readText(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw IoError(fmt::format("cannot read {}", path.string()));
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Six significant digits: what a chart can show, and a third of the page's size.
+json compact(const json& v) {
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (!std::isfinite(d)) return nullptr;
+    return std::stod(fmt::format("{:.6g}", d));
+  }
+  if (v.is_array()) {
+    json out = json::array();
+    for (const auto& e : v) out.push_back(compact(e));
+    return out;
+  }
+  return v;
+}
+
+bool chartable(const json& v) {
+  if (v.is_number()) return true;
+  if (!v.is_array()) return false;
+  for (const auto& e : v) {
+    if (!e.is_number() && !e.is_null()) return false;
+  }
+  return true;
+}
+
+// Records of one kind as columns: every numeric (or numeric-array) key, null where a record
+// lacks it.
+class Columns {
+ public:
+  void add(const json& record) {
+    for (const auto& [key, value] : record.items()) {
+      if (!chartable(value)) continue;
+      auto it = columns_.find(key);
+      if (it == columns_.end()) {
+        it = columns_.emplace(key, json::array()).first;
+        for (size_t i = 0; i < rows_; ++i) it->second.push_back(nullptr);
+      }
+      it->second.push_back(compact(value));
+    }
+    ++rows_;
+    for (auto& [key, column] : columns_) {
+      while (column.size() < rows_) column.push_back(nullptr);
+    }
+  }
+  json toJson() const {
+    json out = json::object();
+    for (const auto& [key, column] : columns_) out[key] = column;
+    return out;
+  }
+  size_t rows() const { return rows_; }
+
+ private:
+  std::map<std::string, json> columns_;
+  size_t rows_ = 0;
+};
+
+void flatten(const toml::table& table, const std::string& prefix, json& out) {
+  for (const auto& [key, node] : table) {
+    const std::string name = prefix.empty() ? std::string(key.str())
+                                            : prefix + "." + std::string(key.str());
+    if (const toml::table* sub = node.as_table()) {
+      flatten(*sub, name, out);
+    } else if (const auto* s = node.as_string()) {
+      out[name] = s->get();
+    } else {
+      std::ostringstream text;
+      node.visit([&text](const auto& n) { text << n; });
+      out[name] = text.str();
+    }
+  }
+}
+
+fs::path benchFile(const fs::path& source) {
+  return fs::is_directory(source) ? source / "charts.json" : source;
+}
+
+void requireArray(const json& j, const char* key, const std::string& where) {
+  if (!j.contains(key) || !j[key].is_array()) {
+    throw DataError(fmt::format("{}: \"{}\" must be an array (format: docs/report.md)", where, key));
+  }
+}
+
+std::string findChromium() {
+  if (const char* env = std::getenv("CARAVAN_CHROMIUM"); env != nullptr && *env != '\0') {
+    if (::access(env, X_OK) != 0) {
+      throw ConfigError(fmt::format("CARAVAN_CHROMIUM={} is not an executable", env));
+    }
+    return env;
+  }
+  const char* path = std::getenv("PATH");
+  std::istringstream dirs(path != nullptr ? path : "/usr/bin:/bin");
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    for (const char* name : {"chromium", "chromium-browser", "google-chrome"}) {
+      const fs::path candidate = fs::path(dir.empty() ? "." : dir) / name;
+      if (::access(candidate.c_str(), X_OK) == 0) return candidate.string();
+    }
+  }
+  throw ConfigError("caravan report --png draws the charts in headless Chromium, and none was "
+                    "found: install it (apt-get install chromium) or set CARAVAN_CHROMIUM");
+}
+
+struct Captured {
+  int status = -1;  // waitpid status
+  std::string out;
+  bool timedOut = false;
+};
+
+// Runs `argv` with stdout captured and stderr into `errPath`, in its own process group, killed
+// (with its children) after `timeout`.
+Captured runCaptured(const std::vector<std::string>& argv, const std::string& errPath,
+                     std::chrono::seconds timeout) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  int pipeFds[2];
+  if (::pipe(pipeFds) != 0) throw IoError("cannot create a pipe for Chromium");
+  const int errFd = ::open(errPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  const pid_t pid = ::fork();
+  if (pid < 0) throw IoError("cannot fork to start Chromium");
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::dup2(pipeFds[1], STDOUT_FILENO);
+    if (errFd >= 0) ::dup2(errFd, STDERR_FILENO);
+    ::close(pipeFds[0]);
+    ::execv(args[0], args.data());
+    ::_exit(127);
+  }
+  ::close(pipeFds[1]);
+  if (errFd >= 0) ::close(errFd);
+  Captured c;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  char buffer[65536];
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      c.timedOut = true;
+      break;
+    }
+    pollfd p{pipeFds[0], POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(left.count()));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) continue;
+    const ssize_t n = ::read(pipeFds[0], buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    c.out.append(buffer, static_cast<size_t>(n));
+  }
+  ::close(pipeFds[0]);
+  if (c.timedOut) ::kill(-pid, SIGKILL);
+  while (::waitpid(pid, &c.status, 0) < 0 && errno == EINTR) {
+  }
+  ::kill(-pid, SIGKILL);  // helpers it may have left behind
+  return c;
+}
+
+std::string decodeBase64(const std::string& in) {
+  static const std::string chars =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve(in.size() * 3 / 4);
+  uint32_t bits = 0;
+  int count = 0;
+  for (const char ch : in) {
+    if (ch == '=') break;
+    const size_t v = chars.find(ch);
+    if (v == std::string::npos) throw IoError("Chromium returned a chart that is not base64");
+    bits = (bits << 6) | static_cast<uint32_t>(v);
+    count += 6;
+    if (count >= 8) {
+      count -= 8;
+      out.push_back(static_cast<char>((bits >> count) & 0xff));
+    }
+  }
+  return out;
+}
+
+std::string lastLine(const std::string& path) {
+  std::ifstream in(path);
+  std::string line, lastNonEmpty;
+  while (std::getline(in, line)) {
+    if (!line.empty()) lastNonEmpty = line;
+  }
+  return lastNonEmpty;
+}
+
+// The text between <pre id="ID"> and </pre> of Chromium's dumped DOM, or nullopt. The last
+// one: the page appends it after its scripts, whose text the dump holds too.
+std::optional<std::string> preText(const std::string& dom, const std::string& id) {
+  const std::string open = "<pre id=\"" + id + "\">";
+  const size_t start = dom.rfind(open);
+  if (start == std::string::npos) return std::nullopt;
+  const size_t end = dom.find("</pre>", start);
+  if (end == std::string::npos) return std::nullopt;
+  return dom.substr(start + open.size(), end - start - open.size());
+}
+
+}  // namespace
+
+json readRun(const std::string& dirName) {
+  const fs::path dir(dirName);
+  const fs::path metricsPath = dir / "metrics.jsonl";
+  if (!fs::is_regular_file(metricsPath)) {
+    throw ConfigError(fmt::format("{} has no metrics.jsonl: caravan report takes run directories "
+                                  "(as caravan train --run-dir writes them) and bench results "
+                                  "(charts.json)",
+                                  dirName));
+  }
+  json run = {{"path", dirName}, {"notes", json::array()}, {"config", json::object()}};
+  const std::string text = readText(metricsPath);
+  Columns train, eval;
+  size_t lineNo = 0, pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    const bool complete = end != std::string::npos;
+    if (!complete) end = text.size();
+    const std::string line = text.substr(pos, end - pos);
+    pos = end + 1;
+    ++lineNo;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    json record;
+    try {
+      record = json::parse(line);
+    } catch (const json::parse_error& e) {
+      if (!complete) {  // the last line, cut short by a run that was killed while writing it
+        run["notes"].push_back(fmt::format("metrics.jsonl line {} is cut short; left out", lineNo));
+        break;
+      }
+      throw DataError(fmt::format("{}:{} is not JSON ({}); repair or remove that line",
+                                  metricsPath.string(), lineNo, e.what()));
+    }
+    if (!record.is_object()) {
+      throw DataError(fmt::format("{}:{} is not a JSON object; repair or remove that line",
+                                  metricsPath.string(), lineNo));
+    }
+    const std::string kind = record.value("kind", "");
+    if (kind == "train") train.add(record);
+    if (kind == "eval") eval.add(record);
+  }
+  if (train.rows() == 0 && eval.rows() == 0) {
+    run["notes"].push_back("no train or eval records yet (a run that stopped before its first "
+                           "train.log_every steps)");
+  }
+  run["train"] = train.toJson();
+  run["eval"] = eval.toJson();
+  int64_t workers = 1;
+  if (run["train"].contains("workers")) {
+    for (const auto& w : run["train"]["workers"]) {
+      if (w.is_number()) workers = w.get<int64_t>();
+    }
+  } else if (run["train"].contains("rank_compute_s")) {
+    for (const auto& w : run["train"]["rank_compute_s"]) {
+      if (w.is_array()) workers = static_cast<int64_t>(w.size());
+    }
+  }
+  run["workers"] = workers;
+  const fs::path configPath = dir / "config.toml";
+  if (fs::is_regular_file(configPath)) {
+    try {
+      json flat = json::object();
+      flatten(toml::parse_file(configPath.string()), "", flat);
+      run["config"] = flat;
+    } catch (const toml::parse_error& e) {
+      run["notes"].push_back(fmt::format("config.toml does not parse ({}); configs not shown",
+                                         e.description()));
+    }
+  } else {
+    run["notes"].push_back("no config.toml");
+  }
+  return run;
+}
+
+json readBench(const std::string& source) {
+  const fs::path path = benchFile(source);
+  if (!fs::is_regular_file(path)) {
+    throw ConfigError(fmt::format("{} is neither a run directory (metrics.jsonl) nor a bench "
+                                  "result (charts.json)",
+                                  source));
+  }
+  json bench;
+  try {
+    bench = json::parse(readText(path));
+  } catch (const json::parse_error& e) {
+    throw DataError(fmt::format("{} is not JSON ({}); rerun the bench that wrote it",
+                                path.string(), e.what()));
+  }
+  const std::string where = path.string();
+  if (!bench.is_object() || bench.value("format", "") != "caravan-bench-1") {
+    throw DataError(fmt::format("{} is not a bench result: it needs \"format\": "
+                                "\"caravan-bench-1\" (docs/report.md)",
+                                where));
+  }
+  requireArray(bench, "charts", where);
+  for (size_t i = 0; i < bench["charts"].size(); ++i) {
+    const json& c = bench["charts"][i];
+    const std::string at = fmt::format("{}: charts[{}]", where, i);
+    if (!c.is_object() || !c.contains("title") || !c["title"].is_string()) {
+      throw DataError(at + ": needs a \"title\" string (docs/report.md)");
+    }
+    requireArray(c, "series", at);
+    const bool bar = c.value("type", "line") == "bar";
+    if (bar) requireArray(c, "labels", at);
+    for (const auto& s : c["series"]) {
+      if (!s.is_object() || !s.contains("name") || !s.contains("y") || !s["y"].is_array() ||
+          (!bar && (!s.contains("x") || !s["x"].is_array() || s["x"].size() != s["y"].size())) ||
+          (bar && s["y"].size() != c["labels"].size())) {
+        throw DataError(at + ": every series needs a \"name\" and \"y\" (and for a line chart "
+                             "an \"x\" as long as \"y\"; for a bar chart one y per label)");
+      }
+    }
+  }
+  if (!bench.contains("name")) {
+    const fs::path parent = fs::absolute(path).parent_path();
+    bench["name"] = parent.filename().string();
+  }
+  return compact(bench);
+}
+
+json collect(const std::vector<std::string>& sources, const std::string& title) {
+  if (sources.empty()) {
+    throw ConfigError("caravan report needs at least one RUN_DIR or bench result");
+  }
+  json runs = json::array(), benches = json::array();
+  std::vector<fs::path> runPaths;
+  for (const std::string& source : sources) {
+    if (!fs::exists(source)) {
+      throw ConfigError(fmt::format("{} does not exist", source));
+    }
+    if (fs::is_directory(source) && !fs::exists(fs::path(source) / "charts.json")) {
+      runs.push_back(readRun(source));
+      runPaths.push_back(fs::absolute(source).lexically_normal());
+    } else {
+      benches.push_back(readBench(source));
+    }
+  }
+  // Names: the directory's own, or with as many parents as it takes to tell them apart.
+  for (size_t depth = 1; depth <= 8; ++depth) {
+    std::set<std::string> seen;
+    bool unique = true;
+    for (size_t i = 0; i < runPaths.size(); ++i) {
+      fs::path p = runPaths[i];
+      if (p.filename().empty()) p = p.parent_path();
+      std::vector<std::string> parts;
+      for (const auto& part : p) parts.push_back(part.string());
+      std::string name;
+      for (size_t k = parts.size() > depth ? parts.size() - depth : 0; k < parts.size(); ++k) {
+        if (parts[k] == "/") continue;
+        name += (name.empty() ? "" : "/") + parts[k];
+      }
+      runs[i]["name"] = name;
+      unique = unique && seen.insert(name).second;
+    }
+    if (unique) break;
+  }
+  std::time_t now = std::time(nullptr);
+  char stamp[64];
+  std::strftime(stamp, sizeof(stamp), "%Y-%m-%d %H:%M:%S %Z", std::localtime(&now));
+  return {{"title", title.empty() ? "Caravan report" : title}, {"generated", stamp},
+          {"sources", sources}, {"runs", runs}, {"benches", benches}};
+}
+
+bool haveChartLibrary() { return !assets::chartJs().empty(); }
+
+std::string renderHtml(const json& data) {
+  if (!haveChartLibrary()) {
+    throw ConfigError("this caravan was built without Chart.js: run `npm ci --prefix report` in "
+                      "the source tree (scripts/setup.sh does) and rebuild");
+  }
+  // The data block may hold any text (config values, paths): "</" is written "<\/", which
+  // JSON reads the same and which cannot close the <script> element.
+  std::string block = data.dump(-1, ' ', false, json::error_handler_t::replace);
+  for (size_t at = block.find("</"); at != std::string::npos; at = block.find("</", at + 3)) {
+    block.replace(at, 2, "<\\/");
+  }
+  std::string chartJs(assets::chartJs());
+  if (const size_t map = chartJs.rfind("//# sourceMappingURL="); map != std::string::npos) {
+    chartJs.erase(map);  // the page is self-contained: no source map to look for
+  }
+  std::string html;
+  html.reserve(block.size() + chartJs.size() + 65536);
+  html += "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n";
+  html += "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n";
+  html += "<title>Caravan report</title>\n<style>\n";
+  html += assets::reportCss();
+  html += "</style>\n</head>\n<body>\n<h1 id=\"title\"></h1>\n<p id=\"generated\"></p>\n";
+  html += "<main id=\"content\"></main>\n";
+  html += "<script type=\"application/json\" id=\"caravan-data\">";
+  html += block;
+  html += "</script>\n<script>\n";
+  html += chartJs;
+  html += "\n</script>\n<script>\n";
+  html += assets::reportJs();
+  html += "\n</script>\n</body>\n</html>\n";
+  return html;
+}
+
+std::vector<std::string> writePngs(const std::string& html, const std::string& dirName) {
+  const std::string chromium = findChromium();
+  char tmpl[] = "/tmp/caravan-report-XXXXXX";
+  if (::mkdtemp(tmpl) == nullptr) throw IoError("cannot create a temporary directory in /tmp");
+  const fs::path tmp(tmpl);
+  struct Cleanup {
+    fs::path dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{tmp};
+  const fs::path page = tmp / "report.html";
+  writeFileAtomic(page.string(), html);
+  // Flags: no sandbox (root), no GPU, and none of the background connections a closed
+  // network refuses. The virtual-time budget lets the page finish before the DOM is dumped.
+  const std::vector<std::string> argv = {
+      chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+      "--disable-background-networking", "--disable-component-update", "--disable-sync",
+      "--user-data-dir=" + (tmp / "profile").string(), "--window-size=1000,1000",
+      "--virtual-time-budget=60000", "--dump-dom", "file://" + page.string() + "#png"};
+  const std::string errPath = (tmp / "chromium.log").string();
+  const Captured c = runCaptured(argv, errPath, std::chrono::seconds(300));
+  if (c.timedOut) throw IoError(fmt::format("{} did not finish within 300 s", chromium));
+  if (!WIFEXITED(c.status) || WEXITSTATUS(c.status) != 0) {
+    throw IoError(fmt::format("{} failed ({}): {}", chromium,
+                              WIFEXITED(c.status) ? fmt::format("exit {}", WEXITSTATUS(c.status))
+                                                  : std::string("killed by a signal"),
+                              lastLine(errPath)));
+  }
+  if (const auto errors = preText(c.out, "caravan-errors")) {
+    throw IoError("the report page failed in Chromium: " + *errors);
+  }
+  const auto charts = preText(c.out, "caravan-png");
+  if (!charts) {
+    throw IoError(fmt::format("{} returned no charts (the page did not finish): {}", chromium,
+                              lastLine(errPath)));
+  }
+  std::error_code ec;
+  fs::create_directories(dirName, ec);
+  if (ec) throw IoError(fmt::format("cannot create {}: {}", dirName, ec.message()));
+  std::vector<std::string> written;
+  std::istringstream lines(*charts);
+  std::string line;
+  while (std::getline(lines, line)) {
+    const size_t space = line.find(' ');
+    if (space == std::string::npos) continue;
+    const std::string name = line.substr(0, space);
+    const std::string png = decodeBase64(line.substr(space + 1));
+    if (png.size() < 8 || png.compare(1, 3, "PNG") != 0) {
+      throw IoError(fmt::format("chart {} did not draw in Chromium", name));
+    }
+    const std::string path = (fs::path(dirName) / name).string();
+    writeFileAtomic(path, png);
+    written.push_back(path);
+  }
+  return written;
+}
+
+}  // namespace caravan::report
