@@ -6,12 +6,12 @@
 //            synchronization wait, with communication in flight beside it; tracked memory by
 //            category over time; per-rank step times (skew); the configs side by side;
 //   benches: the charts and table each bench in bench/ wrote (charts.json).
-// Window state for tests and the PNG export: window.caravanReport = {ready, renderMs, charts,
-// errors}; with #png in the address, every chart is also written as a PNG data URL into
+// Window state for tests and the PNG export: window.caravanReport = {ready, renderMs (data to
+// charts), readyMs (navigation start to charts), charts, errors}; with #png in the address, every chart is also written as a PNG data URL into
 // <pre id="caravan-png"> ("name.png base64" lines), which `caravan report --png` reads back.
 (function () {
   "use strict";
-  const state = { ready: false, renderMs: 0, charts: [], errors: [] };
+  const state = { ready: false, renderMs: 0, readyMs: 0, charts: [], errors: [] };
   window.caravanReport = state;
   window.addEventListener("error", (e) => state.errors.push(String(e.message || e)));
   window.addEventListener("unhandledrejection", (e) => state.errors.push(String(e.reason)));
@@ -91,7 +91,8 @@
     parent.append(box);
     const isLine = spec.type !== "bar";
     const scale = (label, log, stacked, linear) => {
-      const s = { title: { display: !!label, text: label || "" }, stacked: !!stacked };
+      const s = { title: { display: !!label, text: label || "" }, stacked: !!stacked,
+                  beginAtZero: !!stacked };
       if (log) s.type = "logarithmic";
       else if (linear) s.type = "linear";
       return s;
@@ -202,7 +203,7 @@
       const cells = [
         el("td", {}, el("span", { class: "swatch", style: "background:" + color(i) }), r.name),
         r.config["model.name"] || "–",
-        r.config["sync.mode"] || "–",
+        (r.workers || 1) > 1 ? r.config["sync.mode"] || "–" : "one process",
         r.workers || 1,
         last(column(t, "step")) || 0,
         fmt(last(column(t, "loss")), 4),
@@ -237,12 +238,12 @@
       body.append(row);
     }
     table.append(body);
+    const nDiff = sorted.filter(differs).length;
     const toggle = el("input", { type: "checkbox" });
-    toggle.checked = runs.length > 1;
+    toggle.checked = runs.length > 1 && nDiff > 0;
     const apply = () => table.classList.toggle("only-differing", toggle.checked);
     toggle.addEventListener("change", apply);
     apply();
-    const nDiff = sorted.filter(differs).length;
     return [el("label", { class: "picker" }, toggle,
                ` only the ${nDiff} keys that differ (of ${sorted.length})`), table];
   }
@@ -443,6 +444,7 @@
     if (data.runs.length) renderRuns(data.runs);
     for (const b of data.benches) renderBench(b);
     state.renderMs = performance.now() - t0;
+    state.readyMs = performance.now();  // from navigation start
     state.ready = true;
     if (pngMode) exportPng();
   }

