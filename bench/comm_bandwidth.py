@@ -9,10 +9,16 @@ uses) and prints one markdown table per run.
 
     /usr/bin/python3 bench/comm_bandwidth.py [--ranks 2 4] [--rules default ring ring+nbc]
         [--repeats 10] [--min-bytes 1024] [--max-bytes 67108864] [--factor 4] [--json OUT]
+    /usr/bin/python3 bench/comm_bandwidth.py --replot OUT
 
 OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are removed from the measured processes' environment;
 the output says whether they were set. Bus bandwidth follows nccl-tests:
 busbw = bytes / time * 2 (n - 1) / n.
+
+With --json OUT, every measurement goes to OUT and charts.json (for `caravan report`,
+docs/report.md: bus bandwidth against the message size per rank count and rule, Caravan over raw
+Gloo and over raw MPI_Iallreduce against the size, the tables) to the same directory.
+--replot OUT runs nothing: it rebuilds that charts.json from OUT.
 """
 import argparse
 import json
@@ -20,6 +26,7 @@ import os
 import subprocess
 import sys
 
+import charts  # charts.json for caravan report
 from train_throughput import env  # the measured processes' environment
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -118,6 +125,67 @@ def table(rows):
     return "\n".join(lines), "\n".join(times)
 
 
+def write_charts(data, path):
+    """charts.json next to the --json file `path` for `caravan report` (docs/report.md), from
+    what that file holds: per rank count and rule, bus bandwidth against the message size for
+    every implementation (log-log); Caravan's bus bandwidth over the raw library's for Gloo and
+    for MPI (against MPI_Iallreduce, what Caravan's MPI backend calls) against the size; the
+    tables as printed, one row per run and size."""
+    runs = data["runs"]
+    sizes_of = lambda rows: sorted({r["bytes"] for r in rows})  # noqa: E731
+    out, ratios = [], {"gloo": ("caravan-gloo", "raw-gloo"), "mpi": ("caravan-mpi", "raw-mpi-nb")}
+    for run in runs:
+        sizes = sizes_of(run["rows"])
+        bw = {(r["impl"], r["bytes"]): r["busbw_GBps"] for r in run["rows"]}
+        impls = [c for c in COLUMNS if any((c, b) in bw for b in sizes)]
+        out.append(charts.line(
+            f"busbw-{run['ranks']}-{run['rule']}",
+            f"All-reduce bus bandwidth, {run['ranks']} ranks, Open MPI rule {run['rule']}",
+            "message size (KiB)", "bus bandwidth (GB/s)",
+            [charts.series(c, [b / 1024 for b in sizes], [bw.get((c, b)) for b in sizes])
+             for c in impls], log_x=True, log_y=True))
+    for lib, (num, den) in ratios.items():
+        lines = []
+        for run in runs:
+            sizes = sizes_of(run["rows"])
+            bw = {(r["impl"], r["bytes"]): r["busbw_GBps"] for r in run["rows"]}
+            if not any((num, b) in bw and (den, b) in bw for b in sizes):
+                continue
+            lines.append(charts.series(
+                f"{run['ranks']} ranks, {run['rule']}", [b / 1024 for b in sizes],
+                [bw[(num, b)] / bw[(den, b)] if (num, b) in bw and (den, b) in bw and
+                 bw[(den, b)] else None for b in sizes]))
+        if lines:
+            xs = sorted({x for s in lines for x in s["x"]})
+            lines.append(charts.series("as fast", [xs[0], xs[-1]], [1.0, 1.0], dashed=True))
+            out.append(charts.line(
+                f"ratio-{lib}", f"{lib.upper() if lib == 'mpi' else 'Gloo'}: Caravan's bus "
+                f"bandwidth over {den}'s (> 1: Caravan faster)", "message size (KiB)",
+                f"{num} / {den}", lines, log_x=True))
+    columns, rows = None, []
+    for run in runs:
+        t = charts.markdown_table(table(run["rows"])[0])
+        if t is None:
+            continue
+        if columns is None:
+            columns = ["ranks", "rule"] + t["columns"]
+        if ["ranks", "rule"] + t["columns"] == columns:
+            rows += [[run["ranks"], run["rule"]] + r for r in t["rows"]]
+    removed = data.get("removed_env") or []
+    note = ("All-reduce (sum, float32, in place), median of interleaved rounds; busbw = bytes / "
+            "time * 2(n-1)/n (nccl-tests); ratio = Caravan busbw / raw busbw. Load average "
+            f"before: {' '.join(data.get('load_before', [])) or 'not recorded'}; removed from "
+            f"the environment: {', '.join(removed) or 'nothing (not set)'}.")
+    args = data.get("args")  # the --json file has them since charts.json was added
+    return charts.write(
+        os.path.join(os.path.dirname(os.path.abspath(path)), "charts.json"), "comm-bandwidth",
+        "Collective bus bandwidth: Caravan's communicators against raw Gloo and MPI", out,
+        note=note, command=charts.command("bench/comm_bandwidth.py", args,
+                                          skip=("replot", "bench"), repeated=("mpirun_arg",))
+        if args else None,
+        table=charts.table(columns, rows) if columns else None)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -137,8 +205,14 @@ def main():
                    help="extra mpirun argument (repeatable)")
     p.add_argument("--bench", default=os.environ.get("CARAVAN_BENCH_COMM", DEFAULT_BENCH))
     p.add_argument("--times", action="store_true", help="also print median times (us)")
-    p.add_argument("--json", help="write all measurements here")
+    p.add_argument("--json", help="write all measurements here (and charts.json beside it)")
+    p.add_argument("--replot", metavar="JSON",
+                   help="run nothing: rebuild charts.json beside this --json file from it")
     a = p.parse_args()
+    if a.replot:
+        with open(a.replot) as f:
+            print("wrote", write_charts(json.load(f), a.replot))
+        return
     if not os.path.exists(a.bench):
         sys.exit(f"comm_bandwidth: {a.bench} missing; build the caravan_bench_comm target "
                  "(bash scripts/setup.sh)")
@@ -169,8 +243,10 @@ def main():
     with open("/proc/loadavg") as f:
         print(f"\nload average after: {' '.join(f.read().split()[:3])}")
     if a.json:
+        data = {"removed_env": removed, "load_before": load, "runs": results, "args": vars(a)}
         with open(a.json, "w") as f:
-            json.dump({"removed_env": removed, "load_before": load, "runs": results}, f, indent=1)
+            json.dump(data, f, indent=1)
+        print("wrote", write_charts(data, a.json))
 
 
 if __name__ == "__main__":

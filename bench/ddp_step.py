@@ -11,6 +11,12 @@ at least as fast) and the fraction of Caravan's gradient communication hidden be
     variants: --caravan-args "--no-agree | --set key=value | --trace PATH",
               --caravan-env KEY=VALUE (Caravan's workers only),
               --bucket-mb M / --first-bucket-mb M (both engines)
+    /usr/bin/python3 bench/ddp_step.py --replot OUT
+
+With --json OUT, every measurement goes to OUT and charts.json (for `caravan report`,
+docs/report.md: step time of both engines, their ratio, Caravan's communication hidden and
+exposed, page faults, the table) to the same directory. --replot OUT runs nothing: it rebuilds
+that charts.json from OUT.
 
 The default invocation takes about 8 minutes on the 2-core development machine; results and
 their reading are in bench/README.md.
@@ -30,6 +36,7 @@ import subprocess
 import sys
 import time
 
+import charts  # charts.json for caravan report
 from train_throughput import env  # the measured processes' environment
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -124,6 +131,80 @@ def loadavg():
         return " ".join(f.read().split()[:3])
 
 
+def write_charts(data, path):
+    """charts.json next to the --json file `path` for `caravan report` (docs/report.md), from
+    what that file holds: step time of Caravan and PyTorch DDP per config and worker count, the
+    ratio Caravan/PyTorch (median and every interleaved pair), Caravan's gradient all-reduce
+    time split into hidden behind backward and exposed, minor page faults per worker and step;
+    the table as printed."""
+    rows = data["rows"]
+    labels = [f"{os.path.basename(r['config']).removesuffix('.toml')} W={r['workers']}"
+              for r in rows]
+    ms = lambda v: 1e3 * v if v is not None else None  # noqa: E731
+    pairs = max((min(len(r["caravan_runs_s"]), len(r["pytorch_runs_s"])) for r in rows),
+                default=0)
+    ratio = [charts.series("ratio of the medians", y=[r["ratio"] for r in rows])] + [
+        charts.series(f"pair {i + 1}", y=[
+            r["caravan_runs_s"][i] / r["pytorch_runs_s"][i]
+            if i < min(len(r["caravan_runs_s"]), len(r["pytorch_runs_s"])) else None
+            for r in rows]) for i in range(pairs)]
+    comm = [charts.series("hidden behind backward",
+                          y=[ms(r["caravan_comm_s"] - r["caravan_exposed_s"]) for r in rows]),
+            charts.series("exposed: waiting for a slower rank", y=[
+                ms(r["caravan_exposed_s"] - r["caravan_exposed_after_all_backward_s"])
+                for r in rows]),
+            charts.series("exposed after every rank's backward",
+                          y=[ms(r["caravan_exposed_after_all_backward_s"]) for r in rows])]
+    table = [[r["config"], r["workers"], f"{ms(r['caravan_step_s']):.1f}",
+              f"{ms(r['pytorch_step_s']):.1f}", f"{r['ratio']:.3f}",
+              f"{100 * r['hidden_fraction']:.0f}%", f"{ms(r['caravan_comm_s']):.2f}",
+              f"{ms(r['caravan_exposed_s']):.2f}",
+              f"{ms(r['caravan_exposed_after_all_backward_s']):.2f}",
+              f"{100 * r['bytes_done_during_backward_fraction']:.0f}%",
+              f"{ms(r['caravan_agree_s']):.1f}",
+              f"{r['caravan_minor_faults_per_step'] / r['workers']:.0f} / "
+              f"{r['pytorch_minor_faults_per_step'] / r['workers']:.0f}",
+              f"{r['caravan_cpu_s_per_step']:.2f} / {r['pytorch_cpu_s_per_step']:.2f}"]
+             for r in rows]
+    threads = data.get("threads", rows[0]["threads"] if rows else 1)
+    repeats = max((len(r["caravan_runs_s"]) for r in rows), default=0)
+    cores = data.get("cores")
+    removed = data.get("removed_env") or []
+    note = (f"W local workers of each engine on 127.0.0.1 (Gloo over loopback), {threads} "
+            f"thread(s) per worker, {cores} cores; median of {repeats} interleaved runs, each the "
+            "median over steps of the slowest rank's step. ratio = Caravan / PyTorch step time "
+            "(<= 1.0: Caravan at least as fast). comm = union of Caravan's bucket all-reduces "
+            "in flight; exposed = its part after this rank's backward ended; hid. B = share of "
+            "gradient bytes whose all-reduce finished before backward ended; agree = the "
+            "per-step loss/stop all-reduce (ms); faults = minor page faults per worker and "
+            "step; cpu = CPU seconds per step summed over workers. Removed from the "
+            f"environment: {', '.join(removed) or 'nothing (not set)'}.")
+    args = data.get("args")  # the --json file has them since charts.json was added
+    return charts.write(
+        os.path.join(os.path.dirname(os.path.abspath(path)), "charts.json"), "ddp-step",
+        "Data-parallel step time: Caravan against PyTorch DDP", [
+            charts.bar("step-time", "Step time (slowest rank, median)", labels,
+                       [charts.series("Caravan", y=[ms(r["caravan_step_s"]) for r in rows]),
+                        charts.series("PyTorch DDP", y=[ms(r["pytorch_step_s"]) for r in rows])],
+                       "ms / step", x_label="config, workers"),
+            charts.bar("ratio", "Caravan / PyTorch step time (<= 1: Caravan at least as fast)",
+                       labels, ratio, "ratio", x_label="config, workers"),
+            charts.bar("comm", "Caravan's gradient all-reduce per step: hidden and exposed",
+                       labels, comm, "ms / step", stacked=True, x_label="config, workers"),
+            charts.bar("faults", "Minor page faults per worker and step", labels,
+                       [charts.series("Caravan", y=[r["caravan_minor_faults_per_step"] /
+                                                    r["workers"] for r in rows]),
+                        charts.series("PyTorch DDP", y=[r["pytorch_minor_faults_per_step"] /
+                                                        r["workers"] for r in rows])],
+                       "faults (log scale)", x_label="config, workers", log_y=True),
+        ], note=note,
+        command=charts.command("bench/ddp_step.py", args, skip=("replot", "bench"),
+                               repeated=("caravan_env",)) if args else None,
+        table=charts.table(["config", "W", "caravan ms", "pytorch ms", "ratio", "hidden",
+                            "comm ms", "exposed ms", "exp.all ms", "hid. B", "agree ms",
+                            "faults/step C/P", "cpu s/step C/P"], table))
+
+
 def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the cleanup in run_caravan
     p = argparse.ArgumentParser()
@@ -147,8 +228,14 @@ def main():
                    help="set an environment variable for Caravan's workers only, e.g. "
                         "GLIBC_TUNABLES=glibc.malloc.trim_threshold=268435456:"
                         "glibc.malloc.mmap_threshold=33554432")
-    p.add_argument("--json", help="write all measurements here")
+    p.add_argument("--json", help="write all measurements here (and charts.json beside it)")
+    p.add_argument("--replot", metavar="JSON",
+                   help="run nothing: rebuild charts.json beside this --json file from it")
     a = p.parse_args()
+    if a.replot:
+        with open(a.replot) as f:
+            print("wrote", write_charts(json.load(f), a.replot))
+        return
     if not os.path.exists(a.bench):
         sys.exit(f"ddp_step: {a.bench} missing; run bash scripts/setup.sh first")
     environ, removed = environment(a.threads)
@@ -242,9 +329,11 @@ def main():
           "over workers")
     print(f"load average after: {loadavg()}")
     if a.json:
+        data = {"rows": rows, "raw": raw, "removed_env": removed, "cores": cores,
+                "threads": a.threads, "args": vars(a)}
         with open(a.json, "w") as f:
-            json.dump({"rows": rows, "raw": raw, "removed_env": removed, "cores": cores,
-                       "threads": a.threads}, f, indent=1)
+            json.dump(data, f, indent=1)
+        print("wrote", write_charts(data, a.json))
 
 
 if __name__ == "__main__":

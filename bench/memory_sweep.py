@@ -7,6 +7,7 @@ keep-everything without a budget; predicted vs measured; one table from one invo
     /usr/bin/python3 bench/memory_sweep.py [--depth 12] [--context 128] [--heads 4] [--batch 32]
         [--fractions 0.5 0.33 0.25 0.2]
         [--steps 6] [--repeats 2] [--overhead-mib 512] [--out bench/results/memory]
+    /usr/bin/python3 bench/memory_sweep.py --replot [--out bench/results/memory]
 
 Runs are interleaved (keep, then every mode at each budget, then the next repeat) and each
 number is the median over repeats of a run's median forward+backward time (its first step
@@ -16,6 +17,12 @@ count: block outputs, gradients, temporaries): a run the kernel kills is reporte
 A mode whose tracked peak does not fit the budget stops with caravan's own error; it is
 reported as "does not fit". Needs root for the cgroup (cgroup v1 memory controller or v2);
 without one the runs are not verified and the table says so.
+
+Written under --out: table.md (the table as printed), results.json (every run) and charts.json
+(for `caravan report`, docs/report.md: time per step against the budget per policy, throughput
+against keep-everything, tracked peak against the budget, and the table). --replot runs
+nothing: it rebuilds OUT/charts.json from OUT/results.json (a results.json from before the
+sweep's settings were stored in it is read with this command line's --depth etc.).
 
 OPENBLAS_CORETYPE is removed from the measured processes' environment; every run is
 single-threaded (train.threads = 1), leaving the other core to the tier's I/O threads and the
@@ -34,6 +41,7 @@ import time
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 CARAVAN = os.path.join(ROOT, "build", "caravan")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import charts  # noqa: E402  (charts.json for caravan report)
 from train_throughput import env  # noqa: E402  (the benchmark environment, shared)
 
 MODES = ["auto", "recompute", "swap", "swap-input"]
@@ -151,55 +159,14 @@ def med(values):
     return statistics.median(values) if values else None
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--depth", type=int, default=12)
-    ap.add_argument("--context", type=int, default=128, help="data.seq_len")
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.33, 0.25, 0.2],
-                    help="budgets as fractions of what keep-everything tracks")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--profile-repeats", type=int, default=2)
-    ap.add_argument("--overhead-mib", type=int, default=512)
-    ap.add_argument("--swap-dir", default="/var/tmp")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "memory"))
-    args = ap.parse_args()
-    if not os.path.exists(CARAVAN):
-        sys.exit("memory_sweep: build/caravan missing; run bash scripts/setup.sh first")
-    environ, removed = env()
-    use_cgroup = cgroups_available()
-    tmp = tempfile.mkdtemp(prefix="caravan-memory-sweep-")
-    runs = []
-    try:
-        # The keep-everything size decides the budgets: one keep run first.
-        first = run(args, "keep", 0, environ, tmp, use_cgroup, "probe")
-        if first["rc"] != 0:
-            sys.exit(f"memory_sweep: keep run failed: {first.get('error')}")
-        keep_need = first["summary"]["tracked_peak_bytes"]
-        budgets = [int(keep_need * f) for f in args.fractions]
-        print(f"keep-everything tracks {keep_need / MIB:.1f} MiB; budgets (MiB): "
-              f"{', '.join(f'{b / MIB:.1f}' for b in budgets)}", flush=True)
-        for rep in range(args.repeats):
-            for bi, budget in enumerate(budgets):
-                # keep (no budget) next to each budget's runs: A B A B ...
-                for mode in ["keep"] + MODES:
-                    tag = f"r{rep}-b{bi}-{mode}"
-                    r = run(args, mode, budget, environ, tmp, use_cgroup, tag)
-                    r["repeat"], r["budget_index"] = rep, bi
-                    runs.append(r)
-                    s = r.get("summary", {})
-                    print(f"  repeat {rep} budget {budget / MIB:.1f} MiB {mode:<10} rc {r['rc']} "
-                          f"fwd+bwd {s.get('fwd_bwd_s', float('nan')) * 1e3:.0f} ms "
-                          f"pred {s.get('predicted_fwd_bwd_s', float('nan')) * 1e3:.0f} ms "
-                          f"tracked {s.get('tracked_peak_bytes', 0) / MIB:.1f} MiB "
-                          f"cgroup {r.get('cgroup_max_usage', 0) / MIB:.0f} MiB "
-                          f"{r.get('error', '')}", flush=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-    # Table: per budget and mode, medians over repeats.
+def summarize(results):
+    """The table (markdown: what is printed and written to table.md) and the numbers behind it,
+    from what results.json holds: (table, keep-everything's median fwd+bwd seconds, {budget:
+    {"modes": {mode: {time, pred, peak, cgroup, verdict, plan}}, "best_single": (mode, s)}}).
+    Per budget and mode, medians over repeats; a mode's time is None unless every repeat ran."""
+    args = argparse.Namespace(**results["args"])
+    keep_need, budgets, runs = results["keep_need"], results["budgets"], results["runs"]
+    removed, use_cgroup = results.get("removed_env", []), results.get("cgroup", False)
     keep_times = [r["summary"]["fwd_bwd_s"] for r in runs if r["mode"] == "keep" and r["rc"] == 0]
     keep_t = med(keep_times)
     lines = []
@@ -209,7 +176,7 @@ def main():
                  f"keep-everything tracks {keep_need / MIB:.1f} MiB and takes "
                  f"{keep_t * 1e3:.0f} ms forward+backward (median of {len(keep_times)} runs). "
                  + ("Each budgeted run ran in a memory cgroup limited to budget + "
-                    f"{args.overhead_mib} MiB." if use_cgroup else
+                    f"{results['overhead_mib']} MiB." if use_cgroup else
                     "NO cgroup was available: runs were not verified.")
                  + (f" {', '.join(removed)} removed from the environment." if removed else ""))
     lines.append("")
@@ -264,16 +231,122 @@ def main():
             ("no single policy fits" if a else "the planner's run failed")
         lines.append(f"- {budget / MIB:.1f} MiB ({keep_need / budget:.1f}x below keep): planner "
                      + (f"{keep_t / a * 100:.0f}% of keep's throughput, " if a else "") + vs)
-    table = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n", keep_t, summary
+
+
+def write_charts(results, out, known_args=True):
+    """OUT/charts.json for `caravan report` (docs/report.md) from what results.json holds:
+    forward+backward time against the budget per policy (keep-everything, which has no
+    budget, and the planner's prediction dashed), throughput against keep-everything, and the
+    tracked peak against the budget; the table as printed. known_args: results["args"] are
+    the sweep's own (not filled in from a --replot command line for an older results.json)."""
+    table, keep_t, summary = summarize(results)
+    keep_need = results["keep_need"]
+    budgets = list(summary)
+    x = [b / MIB for b in budgets]
+    ms = lambda v: v * 1e3 if v else None  # noqa: E731
+    step = [charts.series(mode, x, [ms(summary[b]["modes"][mode]["time"]) for b in budgets])
+            for mode in MODES]
+    step.append(charts.series("auto, predicted", x,
+                              [ms(summary[b]["modes"]["auto"]["pred"]) for b in budgets],
+                              dashed=True))
+    step.append(charts.series("keep (no budget)", x, [ms(keep_t)] * len(x), dashed=True))
+    labels = [f"{b / MIB:.0f} MiB (1/{keep_need / b:.1f})" for b in budgets]
+    speed = [charts.series(mode, y=[keep_t / t if t and keep_t else None for t in
+                                    (summary[b]["modes"][mode]["time"] for b in budgets)])
+             for mode in MODES]
+    peak = [charts.series("budget", y=x)] + [
+        charts.series(mode, y=[summary[b]["modes"][mode]["peak"] / MIB
+                               if summary[b]["modes"][mode]["peak"] else None for b in budgets])
+        for mode in MODES]
+    paragraphs = table.split("\n\n")
+    bullets = [l[2:] for l in table.splitlines() if l.startswith("- ")]
+    note = (paragraphs[0].strip() + " Planner against the best single policy that fits: "
+            + "; ".join(bullets) + ". A missing point: the policy does not fit that budget."
+            + ("" if known_args else " (results.json does not record the sweep's settings: "
+               "model size, steps and repeats above are this --replot command line's.)"))
+    return charts.write(
+        out, "memory", "Training beyond the memory budget: planner against single policies", [
+            charts.line("step-time", "Forward+backward time per step against the budget",
+                        "memory budget (MiB)", "fwd+bwd ms", step),
+            charts.bar("vs-keep", "Throughput against keep-everything (no budget)", labels,
+                       speed, "keep time / time", x_label="budget (fraction of keep's memory)"),
+            charts.bar("tracked-peak", "Tracked peak against the budget", labels, peak,
+                       "MiB", x_label="budget (fraction of keep's memory)"),
+        ], note=note, command=charts.command("bench/memory_sweep.py", results["args"])
+        if known_args else None,
+        table=charts.markdown_table(table))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--depth", type=int, default=12)
+    ap.add_argument("--context", type=int, default=128, help="data.seq_len")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.33, 0.25, 0.2],
+                    help="budgets as fractions of what keep-everything tracks")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile-repeats", type=int, default=2)
+    ap.add_argument("--overhead-mib", type=int, default=512)
+    ap.add_argument("--swap-dir", default="/var/tmp")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "memory"))
+    ap.add_argument("--replot", action="store_true",
+                    help="run nothing: rebuild OUT/charts.json from OUT/results.json")
+    args = ap.parse_args()
+    if args.replot:
+        with open(os.path.join(args.out, "results.json")) as f:
+            results = json.load(f)
+        stored = "args" in results  # results.json has them since charts.json was added
+        results.setdefault("args", vars(args))
+        print("wrote", write_charts(results, args.out, known_args=stored))
+        return
+    if not os.path.exists(CARAVAN):
+        sys.exit("memory_sweep: build/caravan missing; run bash scripts/setup.sh first")
+    environ, removed = env()
+    use_cgroup = cgroups_available()
+    tmp = tempfile.mkdtemp(prefix="caravan-memory-sweep-")
+    runs = []
+    try:
+        # The keep-everything size decides the budgets: one keep run first.
+        first = run(args, "keep", 0, environ, tmp, use_cgroup, "probe")
+        if first["rc"] != 0:
+            sys.exit(f"memory_sweep: keep run failed: {first.get('error')}")
+        keep_need = first["summary"]["tracked_peak_bytes"]
+        budgets = [int(keep_need * f) for f in args.fractions]
+        print(f"keep-everything tracks {keep_need / MIB:.1f} MiB; budgets (MiB): "
+              f"{', '.join(f'{b / MIB:.1f}' for b in budgets)}", flush=True)
+        for rep in range(args.repeats):
+            for bi, budget in enumerate(budgets):
+                # keep (no budget) next to each budget's runs: A B A B ...
+                for mode in ["keep"] + MODES:
+                    tag = f"r{rep}-b{bi}-{mode}"
+                    r = run(args, mode, budget, environ, tmp, use_cgroup, tag)
+                    r["repeat"], r["budget_index"] = rep, bi
+                    runs.append(r)
+                    s = r.get("summary", {})
+                    print(f"  repeat {rep} budget {budget / MIB:.1f} MiB {mode:<10} rc {r['rc']} "
+                          f"fwd+bwd {s.get('fwd_bwd_s', float('nan')) * 1e3:.0f} ms "
+                          f"pred {s.get('predicted_fwd_bwd_s', float('nan')) * 1e3:.0f} ms "
+                          f"tracked {s.get('tracked_peak_bytes', 0) / MIB:.1f} MiB "
+                          f"cgroup {r.get('cgroup_max_usage', 0) / MIB:.0f} MiB "
+                          f"{r.get('error', '')}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    results = {"keep_need": keep_need, "budgets": budgets, "runs": runs,
+               "overhead_mib": args.overhead_mib, "cgroup": use_cgroup,
+               "removed_env": removed, "args": vars(args)}
+    table, _, _ = summarize(results)
     print()
     print(table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"keep_need": keep_need, "budgets": budgets, "runs": runs,
-                   "overhead_mib": args.overhead_mib, "cgroup": use_cgroup,
-                   "removed_env": removed}, f, indent=1)
+        json.dump(results, f, indent=1)
+    print("wrote", write_charts(results, args.out))
 
 
 if __name__ == "__main__":

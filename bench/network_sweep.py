@@ -6,6 +6,7 @@ to RATE in both directions with tc netem), one table from one invocation.
     /usr/bin/python3 bench/network_sweep.py [--rates 1gbit 500mbit 300mbit 100mbit]
         [--repeats 2] [--steps 40] [--epochs 2] [--accuracy-rate 500mbit]
         [--out bench/results/network]
+    /usr/bin/python3 bench/network_sweep.py --replot [--out bench/results/network]
 
 Two parts, each interleaving its runs (mode A, B, ... at one rate, then the next rate, then the
 next repeat):
@@ -20,10 +21,18 @@ OSP's speedup is its samples/s over ps-bsp's at the same rate; its bound is (com
 max(compute, comm) with ps-bsp's compute and wait per step (ps-bsp exposes all communication).
 
 Needs root and iproute2 (exit 77 otherwise, like netns_hosts.sh); the plots need
-python3-matplotlib (the table is written without it). OPENBLAS_CORETYPE is removed from the
-measured processes' environment (it slows OpenBLAS here); the table says so. Every process
-runs single-threaded: 5 processes share this machine's cores, so "compute" includes waiting
-for a core.
+python3-matplotlib (the table is written without it).
+
+Written under --out: table.md (the tables as printed), results.json (medians, every repeat's
+numbers, the accuracy curves, the settings), charts.json (for `caravan report`, docs/report.md:
+OSP's speedup over ps-bsp and its bound against the link rate, samples/s against the link rate
+per mode, compute and wait per step at the slowest rate, accuracy against time, time to the
+target, and the throughput table) and the matplotlib plots accuracy_vs_time.png and
+osp_speedup.png. --replot runs nothing: it rebuilds OUT/charts.json from OUT/results.json.
+
+OPENBLAS_CORETYPE is removed from the measured processes' environment (it slows OpenBLAS
+here); the table says so. Every process runs single-threaded: 5 processes share this machine's
+cores, so "compute" includes waiting for a core.
 """
 import argparse
 import json
@@ -38,6 +47,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 CARAVAN = os.path.join(ROOT, "build", "caravan")
 HOSTS = os.path.join(ROOT, "scripts", "netns_hosts.sh")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import charts  # noqa: E402  (charts.json for caravan report)
 from train_throughput import env  # noqa: E402  (the benchmark environment, shared)
 
 # name -> (sync.* settings, uses servers)
@@ -163,8 +173,9 @@ def plots(out, results, a):
     return files
 
 
-def report(a, tp, raw, acc, speedup, bound, removed, log_every, started):
-    """Prints the table and writes table.md, results.json and the plots under --out."""
+def table_text(a, tp, acc, speedup, bound, removed, log_every):
+    """The tables (markdown) from the medians: throughput per rate and mode, OSP against its
+    bound, accuracy."""
     lines = [f"# {os.path.basename(a.config)}: {a.workers} workers + {a.servers} server (PS "
              f"modes), per-worker batch {a.batch}, each host's link limited in both directions",
              f"# medians of {a.repeats} interleaved repeats of {a.steps} steps (first "
@@ -198,18 +209,95 @@ def report(a, tp, raw, acc, speedup, bound, removed, log_every, started):
         for mode, r in acc.items():
             lines.append(f"| {mode} | {100 * r['accuracy']:.2f}% | "
                          f"{fmt(r['time_to_target_s'], '.0f')} | {r['wall_s']:.0f} |")
-    table = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def report(a, tp, raw, acc, speedup, bound, removed, log_every, started):
+    """Prints the table and writes table.md, results.json, charts.json and the plots under
+    --out."""
+    table = table_text(a, tp, acc, speedup, bound, removed, log_every)
     print("\n" + table)
     results = {"throughput": {f"{r}/{m}": v for (r, m), v in tp.items()},
                "raw": {f"{r}/{m}": v for (r, m), v in raw.items()},
                "accuracy": acc, "speedup": speedup, "bound": bound,
-               "args": vars(a), "seconds": time.time() - started}
+               "args": vars(a), "removed_env": removed, "seconds": time.time() - started}
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write(table + "\n")
     for path in plots(a.out, results, a):
         print("wrote", path)
+    print("wrote", write_charts(results, a.out))
+
+
+def write_charts(results, out):
+    """OUT/charts.json for `caravan report` (docs/report.md) from what results.json holds:
+    OSP's speedup over ps-bsp against the link rate with its bound (log x), every mode's
+    samples/s against the link rate (log x; the modes without servers dashed), compute and
+    wait per step at the slowest rate, test accuracy against wall-clock time and the time to
+    the target at --accuracy-rate; the throughput table as printed."""
+    a = argparse.Namespace(**results["args"])
+    tp = {tuple(k.split("/", 1)): v for k, v in results["throughput"].items()}
+    speedup, bound, acc = results["speedup"], results["bound"], results.get("accuracy") or {}
+    rates = [r for r in a.rates if any((r, m) in tp for m in a.modes)]
+    modes = [m for m in a.modes if any((r, m) in tp for r in rates)]
+    x = [mbit(r) for r in rates]
+    out_charts = []
+    srates = [r for r in rates if r in speedup]
+    if srates:
+        sx = [mbit(r) for r in srates]
+        osp = [m for m in ("osp", "osp-nolgp", "osp-auto", "osp-auto-nolgp")
+               if any(m in speedup[r] for r in srates)]
+        out_charts.append(charts.line(
+            "osp-speedup", "OSP's throughput over ps-bsp against the link rate",
+            "link rate (Mbit/s)", "samples/s over ps-bsp's",
+            [charts.series(m, sx, [speedup[r].get(m) for r in srates]) for m in osp]
+            + [charts.series("bound (c+m)/max(c,m)", sx, [bound.get(r) for r in srates],
+                             dashed=True),
+               charts.series("ps-bsp", sx, [1.0] * len(sx), dashed=True)], log_x=True))
+    out_charts.append(charts.line(
+        "throughput", "Samples per second against the link rate (dashed: no servers)",
+        "link rate (Mbit/s)", "samples / s",
+        [charts.series(m, x, [tp.get((r, m), {}).get("samples_per_s") for r in rates],
+                       dashed=not MODES.get(m, ([], True))[1]) for m in modes], log_x=True))
+    if rates:
+        slow = min(rates, key=mbit)
+        here = [m for m in modes if (slow, m) in tp]
+        out_charts.append(charts.bar(
+            "step-split", f"Time per step at {slow}: compute and waiting on synchronization",
+            here, [charts.series("compute", y=[tp[(slow, m)]["compute_s"] for m in here]),
+                   charts.series("wait", y=[tp[(slow, m)]["wait_s"] for m in here])],
+            "s / step (rank 0)", stacked=True, x_label="mode"))
+    if acc:
+        curves = []
+        for m, r in acc.items():
+            t, y = zip(*r["curve"]) if r["curve"] else ((), ())
+            curves.append(charts.series(m, t, [100 * v for v in y]))
+        end = max((r["wall_s"] for r in acc.values()), default=0)
+        curves.append(charts.series(f"target {100 * a.target:.0f}%", [0, end],
+                                    [100 * a.target] * 2, dashed=True))
+        out_charts.append(charts.line(
+            "accuracy", f"Test accuracy against wall-clock time, links {a.accuracy_rate}",
+            "wall-clock time (s)", "test accuracy (%)", curves))
+        out_charts.append(charts.bar(
+            "time-to-target", f"Time to {100 * a.target:.0f}% test accuracy at "
+            f"{a.accuracy_rate} (missing: not reached in {a.epochs:g} epochs)", list(acc),
+            [charts.series("time to target", y=[r["time_to_target_s"] for r in acc.values()]),
+             charts.series("whole run", y=[r["wall_s"] for r in acc.values()])],
+            "seconds", x_label="mode"))
+    removed = results.get("removed_env")  # not in a results.json from before charts.json
+    text = table_text(a, tp, acc, speedup, bound, removed, max(1, a.steps // 4))
+    head = [l[2:] for l in text.splitlines() if l.startswith("# ")]
+    if removed is None:  # the line says "was not set": unknown here
+        head[-1] = head[-1].replace("OPENBLAS_CORETYPE was not set; ", "")
+    note = "; ".join(head) + (
+        ". vs ps-bsp: samples/s over ps-bsp's at the same rate; OSP's bound is (compute + comm)"
+        " / max(compute, comm) with ps-bsp's compute and wait per step.")
+    return charts.write(out, "network", "Synchronization modes on constrained links",
+                        out_charts, note=note,
+                        command=charts.command("bench/network_sweep.py", results["args"],
+                                               skip=("replot", "reuse")),
+                        table=charts.markdown_table(text))
 
 
 
@@ -231,7 +319,13 @@ def main():
     p.add_argument("--reuse", action="store_true",
                    help="read runs already finished under OUT/runs instead of rerunning them "
                         "(to resume an interrupted sweep)")
+    p.add_argument("--replot", action="store_true",
+                   help="run nothing: rebuild OUT/charts.json from OUT/results.json")
     a = p.parse_args()
+    if a.replot:
+        with open(os.path.join(a.out, "results.json")) as f:
+            print("wrote", write_charts(json.load(f), a.out))
+        return
     if not os.path.exists(CARAVAN):
         sys.exit("network_sweep: build/caravan missing; run bash scripts/setup.sh first")
     _, removed = env()

@@ -5,6 +5,12 @@ same invocation with the runs interleaved (A B A B ...); reports medians and the
 achieved GFLOP/s against the machine's measured float32 matmul peak.
 
     /usr/bin/python3 bench/train_throughput.py [--repeats 3] [--threads 1 2] [--json OUT]
+    /usr/bin/python3 bench/train_throughput.py --replot OUT
+
+With --json OUT, every measurement goes to OUT and charts.json (for `caravan report`,
+docs/report.md: samples/s against threads per config, the ratio, GFLOP/s against the matmul
+peak, the table) to the same directory. --replot OUT runs nothing: it rebuilds that
+charts.json from OUT.
 
 OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are removed from the environment of the measured
 processes (they slow OpenBLAS on this CPU); the table says so.
@@ -15,6 +21,8 @@ import os
 import statistics
 import subprocess
 import sys
+
+import charts  # charts.json for caravan report
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 BENCH = os.path.join(ROOT, "build", "caravan_bench")
@@ -37,14 +45,63 @@ def run_json(cmd, environ):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def write_charts(data, path):
+    """charts.json next to the --json file `path` for `caravan report` (docs/report.md), from
+    what that file holds: per config, samples/s of Caravan and PyTorch at each thread count;
+    the ratio Caravan/PyTorch; Caravan's achieved GFLOP/s against the float32 matmul peak at
+    the same thread count; the table as printed."""
+    # rows: [config, threads, caravan samples/s, pytorch samples/s, ratio, GFLOP/s, mm peak]
+    rows = data["rows"]
+    short = lambda c: os.path.basename(c).removesuffix(".toml")  # noqa: E731
+    configs = list(dict.fromkeys(r[0] for r in rows))
+    out = []
+    for c in configs:
+        mine = sorted((r for r in rows if r[0] == c), key=lambda r: r[1])
+        out.append(charts.bar(
+            f"throughput-{short(c)}", f"{short(c)}: training samples per second (one worker)",
+            [f"{r[1]} thread{'s' if r[1] != 1 else ''}" for r in mine],
+            [charts.series("Caravan", y=[r[2] for r in mine]),
+             charts.series("PyTorch", y=[r[3] for r in mine])], "samples / s",
+            x_label="compute threads"))
+    labels = [f"{short(r[0])}, {r[1]} thread{'s' if r[1] != 1 else ''}" for r in rows]
+    out.append(charts.bar("ratio", "Caravan / PyTorch samples per second (>= 1: Caravan at "
+                          "least as fast)", labels,
+                          [charts.series("ratio", y=[r[4] for r in rows])], "ratio",
+                          x_label="config, threads"))
+    out.append(charts.bar("gflops", "Caravan's training GFLOP/s against the float32 matmul peak",
+                          labels, [charts.series("Caravan training", y=[r[5] for r in rows]),
+                                   charts.series("1024x1024 mm peak", y=[r[6] for r in rows])],
+                          "GFLOP/s", x_label="config, threads"))
+    table = [[r[0], r[1], f"{r[2]:.1f}", f"{r[3]:.1f}", f"{r[4]:.3f}", f"{r[5]:.1f}",
+              f"{r[6]:.1f}", f"{100 * r[5] / r[6]:.1f}%"] for r in rows]
+    removed = data.get("removed_env") or []
+    note = ("Single worker, interleaved runs (Caravan, PyTorch, ...), medians. GFLOP/s counts 3x "
+            "the analytic forward FLOPs per example; mm peak is the best of 3 float32 1024x1024 "
+            "matmuls at the same thread count. Removed from the environment: "
+            f"{', '.join(removed) or 'nothing (not set)'}.")
+    args = data.get("args")  # the --json file has them since charts.json was added
+    return charts.write(
+        os.path.join(os.path.dirname(os.path.abspath(path)), "charts.json"), "train-throughput",
+        "Single-worker training throughput: Caravan against PyTorch", out, note=note,
+        command=charts.command("bench/train_throughput.py", args) if args else None,
+        table=charts.table(["config", "threads", "caravan/s", "pytorch/s", "ratio", "GFLOP/s",
+                            "mm peak", "of peak"], table))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--configs", nargs="+", default=[c for c, _ in CASES],
                    help="which configs to measure (default: all)")
-    p.add_argument("--json", help="write all measurements here")
+    p.add_argument("--json", help="write all measurements here (and charts.json beside it)")
+    p.add_argument("--replot", metavar="JSON",
+                   help="run nothing: rebuild charts.json beside this --json file from it")
     a = p.parse_args()
+    if a.replot:
+        with open(a.replot) as f:
+            print("wrote", write_charts(json.load(f), a.replot))
+        return
     if not os.path.exists(BENCH):
         sys.exit("train_throughput: build/caravan_bench missing; run bash scripts/setup.sh first")
     environ, removed = env()
@@ -82,9 +139,11 @@ def main():
         print(f"{config:<28}{t:>8}{mo:>12.1f}{mt:>12.1f}{ratio:>8.3f}{gf:>10.1f}{peak:>10.1f}"
               f"{100 * gf / peak:>8.1f}%")
     if a.json:
+        data = {"rows": rows, "raw": raw, "matmul_peak_gflops": peaks, "removed_env": removed,
+                "args": vars(a)}
         with open(a.json, "w") as f:
-            json.dump({"rows": rows, "raw": raw, "matmul_peak_gflops": peaks,
-                       "removed_env": removed}, f, indent=1)
+            json.dump(data, f, indent=1)
+        print("wrote", write_charts(data, a.json))
 
 
 if __name__ == "__main__":

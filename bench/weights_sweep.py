@@ -8,6 +8,7 @@ table from one invocation.
     /usr/bin/python3 bench/weights_sweep.py [--width 512] [--depth 8] [--heads 8]
         [--context 64] [--batch 16] [--fractions 0.6 0.45 0.35]
         [--steps 6] [--repeats 2] [--overhead-mib 512] [--out bench/results/weights]
+    /usr/bin/python3 bench/weights_sweep.py --replot [--out bench/results/weights]
 
 Runs (each `caravan train --workers 2`):
   core-keep      in core, everything kept, no budget: the data-parallel baseline
@@ -22,6 +23,11 @@ workers) limited to 2 x (budget + --overhead-mib); the overhead holds the LibTor
 untracked transients and the allocator's cache of freed memory, which the budgeted runs bound
 with train.freed_memory_cache = --freed-cache-mib (the unbudgeted runs keep the default 1 GiB).
 Needs root for the cgroup.
+
+Written under --out: table.md (the table as printed), results.json (every run) and charts.json
+(for `caravan report`, docs/report.md: step time against the budget, throughput against the
+in-core run, tracked peak against the budget, and the table). --replot runs nothing: it
+rebuilds OUT/charts.json from OUT/results.json.
 
 OPENBLAS_CORETYPE is removed from the measured processes' environment; every worker is
 single-threaded (train.threads = 1). optim.grad_clip = 0 in every run: clipping needs every
@@ -39,6 +45,7 @@ import tempfile
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 CARAVAN = os.path.join(ROOT, "build", "caravan")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import charts  # noqa: E402  (charts.json for caravan report)
 from memory_sweep import cgroups_available, med, run_train  # noqa: E402
 from train_throughput import env  # noqa: E402
 
@@ -85,62 +92,13 @@ def run(args, kind, budget, environ, tmp, use_cgroup, tag):
     return r
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--depth", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--context", type=int, default=64, help="data.seq_len")
-    ap.add_argument("--batch", type=int, default=16, help="per worker")
-    ap.add_argument("--fractions", type=float, nargs="+", default=[0.6, 0.45, 0.35],
-                    help="budgets as fractions of what in-core keep-everything tracks")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--profile-repeats", type=int, default=2)
-    ap.add_argument("--overhead-mib", type=int, default=512)
-    ap.add_argument("--freed-cache-mib", type=int, default=256,
-                    help="train.freed_memory_cache of the budgeted runs (inside the overhead)")
-    ap.add_argument("--swap-dir", default="/var/tmp")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "weights"))
-    args = ap.parse_args()
-    if not os.path.exists(CARAVAN):
-        sys.exit("weights_sweep: build/caravan missing; run bash scripts/setup.sh first")
-    environ, removed = env()
-    use_cgroup = cgroups_available()
-    tmp = tempfile.mkdtemp(prefix="caravan-weights-sweep-")
-    runs = []
-
-    def record(r, rep, bi):
-        r["repeat"], r["budget_index"] = rep, bi
-        runs.append(r)
-        s = r.get("summary", {})
-        lr = r.get("last_record", {})
-        print(f"  repeat {rep} {r['kind']:<13} budget {r['budget'] / MIB:6.1f} MiB rc {r['rc']} "
-              f"step {r.get('step_s', float('nan')) * 1e3:.0f} ms "
-              f"tracked {s.get('tracked_peak_bytes', 0) / MIB:.1f} MiB "
-              f"cgroup {r.get('cgroup_max_usage', 0) / MIB:.0f} MiB "
-              f"weights read {lr.get('weights_read_bytes', 0) / MIB:.0f} MiB/step "
-              f"{r.get('error', '')}", flush=True)
-
-    try:
-        first = run(args, "core-keep", 0, environ, tmp, use_cgroup, "probe")
-        if first["rc"] != 0:
-            sys.exit(f"weights_sweep: in-core run failed: {first.get('error')}")
-        keep_need = first["summary"]["tracked_peak_bytes"]
-        budgets = [int(keep_need * f) for f in args.fractions]
-        print(f"in-core keep-everything tracks {keep_need / MIB:.1f} MiB per worker; budgets "
-              f"(MiB): {', '.join(f'{b / MIB:.1f}' for b in budgets)}", flush=True)
-        for rep in range(args.repeats):
-            record(run(args, "core-keep", 0, environ, tmp, use_cgroup, f"r{rep}-core"), rep, -1)
-            record(run(args, "offload-keep", 0, environ, tmp, use_cgroup, f"r{rep}-off"), rep, -1)
-            for bi, budget in enumerate(budgets):
-                record(run(args, "offload", budget, environ, tmp, use_cgroup, f"r{rep}-b{bi}-off"),
-                       rep, bi)
-                if rep == 0:  # in core under a budget: a deterministic refusal, or a run
-                    record(run(args, "core-auto", budget, environ, tmp, use_cgroup,
-                               f"r{rep}-b{bi}-core"), rep, bi)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def summarize(results):
+    """The table (markdown: what is printed and written to table.md) from what results.json
+    holds, and its rows as dicts (kind, budget, time: median step seconds or None, peak, read,
+    written, cgroup, verdict, plan), in the table's order."""
+    args = argparse.Namespace(**results["args"])
+    keep_need, budgets, runs = results["keep_need"], results["budgets"], results["runs"]
+    removed, use_cgroup = results.get("removed_env", []), results.get("cgroup", False)
 
     def times(kind, bi):
         return [r["step_s"] for r in runs
@@ -193,31 +151,146 @@ def main():
                  f"{rd / MIB:.0f} / {wr / MIB:.0f}" if rd else "-",
                  f"{cg / MIB:.0f}" if cg else "-", verdict]
         lines.append("| " + " | ".join(cells) + " |")
+        rows.append({"kind": kind, "budget": budget, "time": t, "peak": peak, "read": rd,
+                     "written": wr, "cgroup": cg, "verdict": verdict, "plan": plan})
         return t
 
+    rows = []
     row("core-keep", -1, 0)
     row("offload-keep", -1, 0)
-    results = {}
+    offload_t = {}
     for bi, budget in enumerate(budgets):
-        results[budget] = row("offload", bi, budget)
+        offload_t[budget] = row("offload", bi, budget)
         row("core-auto", bi, budget)
     lines += ["", "Out of core against the in-core data-parallel run (throughput ratio):", ""]
     if off_t and core_t:
         lines.append(f"- no budget, activations kept: {core_t / off_t * 100:.0f}% of in-core")
-    for budget, t in results.items():
+    for budget, t in offload_t.items():
         lines.append(f"- {budget / MIB:.1f} MiB per worker ({keep_need / budget:.2f}x below "
                      f"in-core keep): " + (f"{core_t / t * 100:.0f}% of in-core" if t else
                                            "did not run"))
-    table = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n", rows
+
+
+def write_charts(results, out):
+    """OUT/charts.json for `caravan report` (docs/report.md) from what results.json holds: the
+    step time of 2 workers out of core against the budget per worker (in core and out of core
+    without a budget dashed), throughput against the in-core data-parallel run, and the tracked
+    peak against the budget; the table as printed."""
+    table, rows = summarize(results)
+    keep_need = results["keep_need"]
+    get = lambda kind, budget=0: next((r for r in rows if r["kind"] == kind  # noqa: E731
+                                       and r["budget"] == budget), {})
+    budgets = results["budgets"]
+    x = [b / MIB for b in budgets]
+    ms = lambda v: v * 1e3 if v else None  # noqa: E731
+    core_t, off_t = get("core-keep").get("time"), get("offload-keep").get("time")
+    core_auto = [get("core-auto", b).get("time") for b in budgets]
+    step = [charts.series("offload, planner", x, [ms(get("offload", b).get("time"))
+                                                  for b in budgets]),
+            charts.series("in core, planner" + ("" if any(core_auto) else " (does not fit)"),
+                          x, [ms(t) for t in core_auto]),
+            charts.series("in core, no budget", x, [ms(core_t)] * len(x), dashed=True),
+            charts.series("offload, no budget", x, [ms(off_t)] * len(x), dashed=True)]
+    labels = ["none, in core", "none, offload"] + [
+        f"{b / MIB:.0f} MiB (1/{keep_need / b:.2f})" for b in budgets]
+    picked = [get("core-keep"), get("offload-keep")] + [get("offload", b) for b in budgets]
+    ratio = [core_t / r["time"] if r.get("time") and core_t else None for r in picked]
+    peak = [charts.series("tracked peak", y=[r.get("peak") / MIB if r.get("peak") else None
+                                             for r in picked]),
+            charts.series("budget", y=[None, None] + x)]
+    paragraphs = table.split("\n\n")
+    bullets = [l[2:] for l in table.splitlines() if l.startswith("- ")]
+    note = (paragraphs[0].strip() + " Out of core against the in-core data-parallel run: "
+            + "; ".join(bullets) + ". In core, a missing point: the planner refuses the budget.")
+    return charts.write(
+        out, "weights", "Out-of-core weights and optimizer state, 2 workers", [
+            charts.line("step-time", "Step time of 2 workers against the budget per worker",
+                        "memory budget per worker (MiB)", "step ms", step),
+            charts.bar("vs-in-core", "Throughput against in-core data-parallel (no budget)",
+                       labels, [charts.series("in-core step time / step time", y=ratio)],
+                       "in-core time / time", x_label="budget per worker"),
+            charts.bar("tracked-peak", "Tracked peak per worker against the budget", labels,
+                       peak, "MiB", x_label="budget per worker"),
+        ], note=note, command=charts.command("bench/weights_sweep.py", results["args"]),
+        table=charts.markdown_table(table))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--context", type=int, default=64, help="data.seq_len")
+    ap.add_argument("--batch", type=int, default=16, help="per worker")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.6, 0.45, 0.35],
+                    help="budgets as fractions of what in-core keep-everything tracks")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile-repeats", type=int, default=2)
+    ap.add_argument("--overhead-mib", type=int, default=512)
+    ap.add_argument("--freed-cache-mib", type=int, default=256,
+                    help="train.freed_memory_cache of the budgeted runs (inside the overhead)")
+    ap.add_argument("--swap-dir", default="/var/tmp")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "weights"))
+    ap.add_argument("--replot", action="store_true",
+                    help="run nothing: rebuild OUT/charts.json from OUT/results.json")
+    args = ap.parse_args()
+    if args.replot:
+        with open(os.path.join(args.out, "results.json")) as f:
+            print("wrote", write_charts(json.load(f), args.out))
+        return
+    if not os.path.exists(CARAVAN):
+        sys.exit("weights_sweep: build/caravan missing; run bash scripts/setup.sh first")
+    environ, removed = env()
+    use_cgroup = cgroups_available()
+    tmp = tempfile.mkdtemp(prefix="caravan-weights-sweep-")
+    runs = []
+
+    def record(r, rep, bi):
+        r["repeat"], r["budget_index"] = rep, bi
+        runs.append(r)
+        s = r.get("summary", {})
+        lr = r.get("last_record", {})
+        print(f"  repeat {rep} {r['kind']:<13} budget {r['budget'] / MIB:6.1f} MiB rc {r['rc']} "
+              f"step {r.get('step_s', float('nan')) * 1e3:.0f} ms "
+              f"tracked {s.get('tracked_peak_bytes', 0) / MIB:.1f} MiB "
+              f"cgroup {r.get('cgroup_max_usage', 0) / MIB:.0f} MiB "
+              f"weights read {lr.get('weights_read_bytes', 0) / MIB:.0f} MiB/step "
+              f"{r.get('error', '')}", flush=True)
+
+    try:
+        first = run(args, "core-keep", 0, environ, tmp, use_cgroup, "probe")
+        if first["rc"] != 0:
+            sys.exit(f"weights_sweep: in-core run failed: {first.get('error')}")
+        keep_need = first["summary"]["tracked_peak_bytes"]
+        budgets = [int(keep_need * f) for f in args.fractions]
+        print(f"in-core keep-everything tracks {keep_need / MIB:.1f} MiB per worker; budgets "
+              f"(MiB): {', '.join(f'{b / MIB:.1f}' for b in budgets)}", flush=True)
+        for rep in range(args.repeats):
+            record(run(args, "core-keep", 0, environ, tmp, use_cgroup, f"r{rep}-core"), rep, -1)
+            record(run(args, "offload-keep", 0, environ, tmp, use_cgroup, f"r{rep}-off"), rep, -1)
+            for bi, budget in enumerate(budgets):
+                record(run(args, "offload", budget, environ, tmp, use_cgroup, f"r{rep}-b{bi}-off"),
+                       rep, bi)
+                if rep == 0:  # in core under a budget: a deterministic refusal, or a run
+                    record(run(args, "core-auto", budget, environ, tmp, use_cgroup,
+                               f"r{rep}-b{bi}-core"), rep, bi)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    results = {"keep_need": keep_need, "budgets": budgets, "runs": runs,
+               "overhead_mib": args.overhead_mib, "cgroup": use_cgroup,
+               "removed_env": removed, "args": vars(args)}
+    table, _ = summarize(results)
     print()
     print(table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"keep_need": keep_need, "budgets": budgets, "runs": runs,
-                   "overhead_mib": args.overhead_mib, "cgroup": use_cgroup,
-                   "removed_env": removed, "args": vars(args)}, f, indent=1)
+        json.dump(results, f, indent=1)
+    print("wrote", write_charts(results, args.out))
 
 
 if __name__ == "__main__":

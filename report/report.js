@@ -118,7 +118,9 @@
         },
         scales: {
           x: scale(spec.xLabel, spec.xLog, spec.stacked && !isLine, isLine),
-          y: scale(spec.yLabel, spec.yLog, spec.stacked, false),
+          y: Object.assign(scale(spec.yLabel, spec.yLog, spec.stacked, false),
+                           // Bars compare lengths: from zero, or 713 against 872 looks like 6x.
+                           isLine || spec.yLog ? {} : { beginAtZero: true }),
         },
       },
     };

@@ -50,6 +50,11 @@ json compact(const json& v) {
     for (const auto& e : v) out.push_back(compact(e));
     return out;
   }
+  if (v.is_object()) {
+    json out = json::object();
+    for (const auto& [key, e] : v.items()) out[key] = compact(e);
+    return out;
+  }
   return v;
 }
 
