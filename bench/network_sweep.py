@@ -20,15 +20,14 @@ next repeat):
 OSP's speedup is its samples/s over ps-bsp's at the same rate; its bound is (compute + comm) /
 max(compute, comm) with ps-bsp's compute and wait per step (ps-bsp exposes all communication).
 
-Needs root and iproute2 (exit 77 otherwise, like netns_hosts.sh); the plots need
-python3-matplotlib (the table is written without it).
+Needs root and iproute2 (exit 77 otherwise, like netns_hosts.sh).
 
 Written under --out: table.md (the tables as printed), results.json (medians, every repeat's
 numbers, the accuracy curves, the settings), charts.json (for `caravan report`, docs/report.md:
 OSP's speedup over ps-bsp and its bound against the link rate, samples/s against the link rate
 per mode, compute and wait per step at the slowest rate, accuracy against time, time to the
-target, and the throughput table) and the matplotlib plots accuracy_vs_time.png and
-osp_speedup.png. --replot runs nothing: it rebuilds OUT/charts.json from OUT/results.json.
+target, and the throughput table; `caravan report OUT --png OUT/charts` draws them).
+--replot runs nothing: it rebuilds OUT/charts.json from OUT/results.json.
 
 OPENBLAS_CORETYPE is removed from the measured processes' environment (it slows OpenBLAS
 here); the table says so. Every process runs single-threaded: 5 processes share this machine's
@@ -129,50 +128,6 @@ def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-def plots(out, results, a):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(plots skipped: apt-get install python3-matplotlib)")
-        return []
-    files = []
-    if results["accuracy"]:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for mode, r in results["accuracy"].items():
-            t, acc = zip(*r["curve"])
-            ax.plot(t, [100 * x for x in acc], marker=".", label=mode)
-        ax.axhline(100 * a.target, color="grey", linestyle=":", linewidth=1)
-        ax.set_xlabel("wall-clock time (s)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(f"{os.path.basename(a.config)}, {a.workers} workers + {a.servers} server, "
-                     f"links {a.accuracy_rate}")
-        ax.set_ylim(bottom=max(0, 100 * a.target - 25))
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        files.append(os.path.join(out, "accuracy_vs_time.png"))
-        fig.savefig(files[-1], dpi=110)
-    rates = [r for r in a.rates if r in results["speedup"]]
-    if rates:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        x = [mbit(r) for r in rates]
-        for mode in ("osp", "osp-nolgp", "osp-auto"):
-            if all(mode in results["speedup"][r] for r in rates):
-                ax.plot(x, [results["speedup"][r][mode] for r in rates], marker="o", label=mode)
-        ax.plot(x, [results["bound"][r] for r in rates], linestyle="--", color="grey",
-                label="bound (c+m)/max(c,m)")
-        ax.set_xscale("log")
-        ax.set_xlabel("link rate (Mbit/s)")
-        ax.set_ylabel("throughput / ps-bsp")
-        ax.axhline(1.0, color="black", linewidth=0.5)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        files.append(os.path.join(out, "osp_speedup.png"))
-        fig.savefig(files[-1], dpi=110)
-    return files
-
-
 def table_text(a, tp, acc, speedup, bound, removed, log_every):
     """The tables (markdown) from the medians: throughput per rate and mode, OSP against its
     bound, accuracy."""
@@ -213,8 +168,7 @@ def table_text(a, tp, acc, speedup, bound, removed, log_every):
 
 
 def report(a, tp, raw, acc, speedup, bound, removed, log_every, started):
-    """Prints the table and writes table.md, results.json, charts.json and the plots under
-    --out."""
+    """Prints the table and writes table.md, results.json and charts.json under --out."""
     table = table_text(a, tp, acc, speedup, bound, removed, log_every)
     print("\n" + table)
     results = {"throughput": {f"{r}/{m}": v for (r, m), v in tp.items()},
@@ -225,8 +179,6 @@ def report(a, tp, raw, acc, speedup, bound, removed, log_every, started):
         json.dump(results, f, indent=1)
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write(table + "\n")
-    for path in plots(a.out, results, a):
-        print("wrote", path)
     print("wrote", write_charts(results, a.out))
 
 
