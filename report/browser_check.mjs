@@ -1,6 +1,7 @@
 // Opens a page of `caravan report` in headless Chromium (Debian's, driven by playwright-core)
 // and checks that it drew: no console error, no uncaught exception, no request leaving the
-// page, every chart with data and a canvas that is not blank. Prints one JSON line:
+// page, every chart with data, with elements Chart.js laid out for it and a canvas that is not
+// blank (gridlines and titles alone ink about 5%; the bar is 0.2%, a smoke test). Prints one JSON line:
 //   {ok, charts, loadMs, readyMs, renderMs, problems: [...]}
 // loadMs is the wall-clock time from navigation to every chart drawn (the page's `ready`
 // flag, then one animation frame), measured here; readyMs is the same from the page's own
@@ -49,6 +50,11 @@ try {
   const loadMs = Date.now() - t0;
 
   const charts = await page.evaluate(() => window.caravanReport.charts.map((c) => {
+    // Elements Chart.js laid out for the data (points, bars): what it drew, not what it got.
+    let elements = 0;
+    for (let i = 0; i < c.chart.data.datasets.length; ++i) {
+      elements += c.chart.getDatasetMeta(i).data.length;
+    }
     // A canvas that drew: share of pixels that are not the white background.
     const ctx = c.canvas.getContext("2d");
     const { width, height } = c.canvas;
@@ -57,7 +63,8 @@ try {
     for (let i = 0; i < data.length; i += 16) {
       if (data[i] < 245 || data[i + 1] < 245 || data[i + 2] < 245) ++ink;
     }
-    return { id: c.id, datasets: c.datasets, points: c.points, width: width, height: height,
+    return { id: c.id, datasets: c.datasets, points: c.points, elements: elements,
+             width: width, height: height,
              ink: ink / (data.length / 16) };
   }));
   const info = await page.evaluate(() => ({ readyMs: window.caravanReport.readyMs,
@@ -67,6 +74,7 @@ try {
   if (charts.length === 0) problems.push("no charts");
   for (const c of charts) {
     if (c.points === 0) problems.push(`chart ${c.id} has no data`);
+    if (c.elements === 0) problems.push(`chart ${c.id} drew no points or bars`);
     if (c.width === 0 || c.height === 0) problems.push(`chart ${c.id} has an empty canvas`);
     if (!(c.ink > 0.002)) problems.push(`chart ${c.id} looks blank (${(100 * c.ink).toFixed(2)}% ink)`);
   }

@@ -54,6 +54,12 @@
     const m = v.length >> 1;
     return v.length % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
   }
+  // Math.max(...values) overflows the stack past ~120,000 values; this does not.
+  function maxOf(values) {
+    let m = null;
+    for (const v of values || []) if (v !== null && isFinite(v) && (m === null || v > m)) m = v;
+    return m;
+  }
   function last(values) {
     if (!values) return null;
     for (let i = values.length - 1; i >= 0; --i) if (values[i] !== null) return values[i];
@@ -85,6 +91,9 @@
   // One chart in `parent`. spec: {id, title, type ("line" | "bar"), datasets, xLabel, yLabel,
   // xLog, yLog, labels (bar), stacked, xType}.
   function chart(parent, spec) {
+    let n = 0;
+    for (const d of spec.datasets) n += d.data.filter((v) => v !== null).length;
+    if (n === 0) return null;  // nothing to draw (e.g. a column no run has)
     const box = el("div", { class: "chart", id: "chart-" + spec.id });
     const canvas = el("canvas");
     box.append(canvas);
@@ -132,8 +141,6 @@
       }
     }
     const c = new Chart(canvas, config);
-    let n = 0;
-    for (const d of spec.datasets) n += d.data.filter((v) => v !== null).length;
     state.charts.push({ id: spec.id, title: spec.title, datasets: spec.datasets.length, points: n,
                         chart: c, canvas: canvas });
     return c;
@@ -184,13 +191,13 @@
       recompute: recompute,
       swap: swap,
       wait: get("sync_wait_s") || 0,
-      comm: get("comm_s"),
+      outstanding: get("comm_outstanding_s"),
     };
   }
 
   function summaryTable(runs) {
     const head = ["run", "model", "sync", "workers", "steps", "final loss", "test accuracy",
-                  "best accuracy", "samples/s (median)", "step time (median)", "peak tracked",
+                  "best accuracy", "samples/s (median)", "compute + wait per step", "peak tracked",
                   "peak RSS", "time"];
     const table = el("table", { class: "summary" });
     table.append(el("thead", {}, el("tr", {}, ...head.map((h) => el("th", {}, h)))));
@@ -199,13 +206,13 @@
       const t = r.train, e = r.eval;
       const parts = stepParts(r);
       const acc = column(e, "accuracy") || [];
-      const best = acc.length ? Math.max(...acc.filter((a) => a !== null)) : null;
+      const best = maxOf(acc);
       const peak = column(t, "mem_tracked_peak");
       const rss = column(t, "rss_bytes");
       const cells = [
         el("td", {}, el("span", { class: "swatch", style: "background:" + color(i) }), r.name),
         r.config["model.name"] || "–",
-        (r.workers || 1) > 1 ? r.config["sync.mode"] || "–" : "one process",
+        column(t, "sent_bytes") ? r.config["sync.mode"] || "–" : "one process",
         r.workers || 1,
         last(column(t, "step")) || 0,
         fmt(last(column(t, "loss")), 4),
@@ -213,8 +220,8 @@
         best !== null ? fmt(100 * best, 2) + "%" : "–",
         fmt(median(column(t, "samples_per_s") || []), 1),
         fmt(1000 * (parts.compute + parts.recompute + parts.swap + parts.wait), 1) + " ms",
-        fmtBytes(peak ? Math.max(...peak.filter((v) => v !== null)) : null),
-        fmtBytes(rss ? Math.max(...rss.filter((v) => v !== null)) : null),
+        fmtBytes(maxOf(peak)),
+        fmtBytes(maxOf(rss)),
         fmt(Math.max(last(column(t, "time_s")) || 0, last(column(e, "time_s")) || 0), 1) + " s",
       ];
       body.append(el("tr", {}, ...cells.map((c) => (c instanceof Node ? c : el("td", {}, c)))));
@@ -287,8 +294,10 @@
     const split = section("Where a step's time goes", "Medians per step over the logged " +
       "windows (rank 0). Compute is forward, backward and the optimizer without recomputation " +
       "and swap stalls; synchronization wait is the time blocked on the gradient exchange or the " +
-      "strategy's after-step work. The second bar is the time some communication was in flight: " +
-      "the part above the wait was hidden behind compute.");
+      "strategy's after-step work: the communication that was not hidden. The second bar " +
+      "(all-reduce, gossip, local SGD) is the time some exchange was outstanding, from its " +
+      "launch until the trainer took its result: an upper bound on the communication itself, " +
+      "so at most the part above the wait was hidden behind compute.");
     const parts = runs.map(stepParts);
     const ms = (f) => parts.map((p) => (f(p) === null ? null : 1000 * f(p)));
     const stack = (label, data, i, group) => ({ label: label, data: data, backgroundColor: color(i),
@@ -297,8 +306,8 @@
                       stack("recompute", ms((p) => p.recompute), 1, "step"),
                       stack("swap stalls", ms((p) => p.swap), 2, "step"),
                       stack("synchronization wait", ms((p) => p.wait), 3, "step")];
-    if (parts.some((p) => p.comm !== null)) {
-      datasets.push(stack("communication in flight", ms((p) => p.comm), 4, "comm"));
+    if (parts.some((p) => p.outstanding !== null)) {
+      datasets.push(stack("exchange outstanding", ms((p) => p.outstanding), 4, "comm"));
     }
     const splitBox = el("div", { class: "grid" });
     split.append(splitBox);
@@ -326,7 +335,7 @@
         const steps = column(r.train, "step");
         const comp = column(r.train, "rank_compute_s");
         const wait = column(r.train, "rank_sync_wait_s");
-        const n = Math.max(...comp.filter((v) => v).map((v) => v.length));
+        const n = maxOf(comp.filter((v) => v).map((v) => v.length));
         const ds = [];
         for (let k = 0; k < n; ++k) {
           ds.push(lineDataset("rank " + k + " compute",

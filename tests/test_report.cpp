@@ -77,6 +77,15 @@ TEST(ReportData, NumbersKeepSixSignificantDigits) {
   EXPECT_DOUBLE_EQ(run["train"]["time_s"][0].get<double>(), 12345.7);
 }
 
+TEST(ReportData, SubnormalAndHugeNumbersReadBack) {
+  TempDir tmp;
+  makeRun(tmp / "run", R"({"kind":"train","step":1,"lr":1e-310,"loss":1e300})" "\n");
+  const json run = report::readRun(tmp / "run");
+  EXPECT_GT(run["train"]["lr"][0].get<double>(), 0.0);
+  EXPECT_LT(run["train"]["lr"][0].get<double>(), 1e-300);
+  EXPECT_DOUBLE_EQ(run["train"]["loss"][0].get<double>(), 1e300);
+}
+
 TEST(ReportData, ALastLineCutShortIsLeftOutWithANote) {
   TempDir tmp;
   makeRun(tmp / "run", metricsLines() + R"({"kind":"train","step":30,"lo)");
@@ -99,11 +108,18 @@ TEST(ReportData, ADamagedLineIsRefusedNamingFileAndLine) {
 TEST(ReportData, SourcesThatAreNeitherRunsNorBenchesAreRefused) {
   TempDir tmp;
   fs::create_directories(tmp / "empty");
+  makeRun(tmp / "run", metricsLines());
   const std::string what =
       expectThrows<ConfigError>([&] { report::collect({tmp / "empty"}, ""); });
   EXPECT_NE(what.find("has no metrics.jsonl"), std::string::npos) << what;
   expectThrows<ConfigError>([&] { report::collect({tmp / "absent"}, ""); });
   expectThrows<ConfigError>([&] { report::collect({}, ""); });
+  const std::string direct =
+      expectThrows<ConfigError>([&] { report::collect({tmp / "run/metrics.jsonl"}, ""); });
+  EXPECT_NE(direct.find("give caravan report its run directory"), std::string::npos) << direct;
+  const std::string twice =
+      expectThrows<ConfigError>([&] { report::collect({tmp / "run", tmp / "run/"}, ""); });
+  EXPECT_NE(twice.find("is given twice"), std::string::npos) << twice;
   writeFile(tmp / "other.json", "{\"a\": 1}");
   const std::string bench =
       expectThrows<DataError>([&] { report::collect({tmp / "other.json"}, ""); });
@@ -141,6 +157,9 @@ TEST(ReportData, BenchResultsAreCheckedAgainstTheFormat) {
   json shortBar = good;
   shortBar["charts"][1]["series"][0]["y"] = {1, 2, 3};
   refused(shortBar, "charts[1]: every series needs");
+  json text = good;
+  text["charts"][0]["series"][0]["x"] = {"1", "2"};
+  refused(text, "numbers or null only");
   json noTitle = good;
   noTitle["charts"][0].erase("title");
   refused(noTitle, "charts[0]: needs a \"title\"");
@@ -153,10 +172,15 @@ TEST(ReportData, RunNamesAreMadeUniqueWithTheirParents) {
   makeRun(tmp / "a/run", metricsLines());
   makeRun(tmp / "b/run", metricsLines());
   makeRun(tmp / "c/other", metricsLines());
-  const json data = report::collect({tmp / "a/run", tmp / "b/run/", tmp / "c/other"}, "T");
+  makeRun(tmp / "x/a/deep", metricsLines());
+  makeRun(tmp / "y/a/deep", metricsLines());
+  const json data = report::collect(
+      {tmp / "a/run", tmp / "b/run/", tmp / "c/other", tmp / "x/a/deep", tmp / "y/a/deep"}, "T");
   EXPECT_EQ(data["runs"][0]["name"], "a/run");
   EXPECT_EQ(data["runs"][1]["name"], "b/run");
-  EXPECT_EQ(data["runs"][2]["name"], "c/other");
+  EXPECT_EQ(data["runs"][2]["name"], "other");  // no clash: its own name only
+  EXPECT_EQ(data["runs"][3]["name"], "x/a/deep");
+  EXPECT_EQ(data["runs"][4]["name"], "y/a/deep");
   EXPECT_EQ(data["title"], "T");
   const json one = report::collect({tmp / "c/other"}, "");
   EXPECT_EQ(one["runs"][0]["name"], "other");
@@ -165,24 +189,32 @@ TEST(ReportData, RunNamesAreMadeUniqueWithTheirParents) {
 TEST(ReportPage, DataCannotCloseItsScriptElement) {
   if (!report::haveChartLibrary()) GTEST_SKIP() << "built without report/node_modules";
   TempDir tmp;
-  const std::string hostile = "</script><script>alert(1)</script>";
-  makeRun(tmp / "run", metricsLines(), "[data]\npath = \"" + hostile + "\"\n");
-  const json data = report::collect({tmp / "run"}, hostile);
-  const std::string html = report::renderHtml(data);
-  // Three scripts close: the data block, Chart.js and report.js; nothing else.
-  size_t closes = 0;
-  for (size_t at = html.find("</script>"); at != std::string::npos;
-       at = html.find("</script>", at + 1)) {
-    ++closes;
+  // A closing tag, and "<!--<script>", which puts the HTML parser in the state where the real
+  // </script> no longer ends the element (the rest of the page would become data).
+  for (const std::string hostile :
+       {std::string("</script><script>alert(1)</script>"), std::string("<!--<script>"),
+        std::string("a & b > c")}) {
+    makeRun(tmp / "run", metricsLines(), "[data]\npath = \"" + hostile + "\"\n");
+    const json data = report::collect({tmp / "run"}, hostile);
+    const std::string html = report::renderHtml(data);
+    const std::string open = "<script type=\"application/json\" id=\"caravan-data\">";
+    const size_t start = html.find(open) + open.size();
+    const size_t end = html.find("</script>", start);
+    const std::string block = html.substr(start, end - start);
+    EXPECT_EQ(block.find_first_of("<>&"), std::string::npos) << hostile;
+    // The block reads back as the same data.
+    const json back = json::parse(block);
+    EXPECT_EQ(back["runs"][0]["config"]["data.path"], hostile);
+    EXPECT_EQ(back["title"], hostile);
+    // Three scripts close: the data block, Chart.js and report.js; nothing else.
+    size_t closes = 0;
+    for (size_t at = html.find("</script>"); at != std::string::npos;
+         at = html.find("</script>", at + 1)) {
+      ++closes;
+    }
+    EXPECT_EQ(closes, 3u) << hostile;
+    EXPECT_EQ(html.find("sourceMappingURL"), std::string::npos);  // nothing to fetch
   }
-  EXPECT_EQ(closes, 3u);
-  // The block reads back as the same data.
-  const std::string open = "<script type=\"application/json\" id=\"caravan-data\">";
-  const size_t start = html.find(open) + open.size();
-  const json back = json::parse(html.substr(start, html.find("</script>", start) - start));
-  EXPECT_EQ(back["runs"][0]["config"]["data.path"], hostile);
-  EXPECT_EQ(back["title"], hostile);
-  EXPECT_EQ(html.find("sourceMappingURL"), std::string::npos);  // nothing to fetch
 }
 
 TEST(ReportCli, BadSourcesExitNonZeroInOneLineAndWriteNothing) {
@@ -225,6 +257,18 @@ TEST(ReportBrowser, TwoRealRunsDrawEveryChartInChromium) {
   ASSERT_EQ(r.exitCode, 0) << r.err;
   r = runCaravan("train --workers 2 --run-dir " + (tmp / "two") + common);
   ASSERT_EQ(r.exitCode, 0) << r.err;
+  // The two-worker run's records carry both workers' numbers, rank 0's equal to its own.
+  const json two = report::readRun(tmp / "two");
+  ASSERT_TRUE(two["train"].contains("rank_compute_s"));
+  for (size_t i = 0; i < two["train"]["step"].size(); ++i) {
+    const json& ranks = two["train"]["rank_compute_s"][i];
+    ASSERT_EQ(ranks.size(), 2u);
+    EXPECT_EQ(two["train"]["rank_sync_wait_s"][i].size(), 2u);
+    EXPECT_NEAR(ranks[0].get<double>(), two["train"]["compute_s"][i].get<double>(),
+                1e-5 * two["train"]["compute_s"][i].get<double>());
+    EXPECT_EQ(two["train"]["workers"][i], 2);
+  }
+  EXPECT_TRUE(two["train"].contains("comm_outstanding_s"));
   const std::string page = tmp / "report.html";
   r = runCaravan("report " + (tmp / "one") + " " + (tmp / "two") + " -o " + page + " --png " +
                  (tmp / "png"));
@@ -275,4 +319,29 @@ TEST(ReportBrowser, TwoRealRunsDrawEveryChartInChromium) {
   const auto [brokenStatus, brokenOut] = check(tmp / "broken.html", 2, "");
   EXPECT_EQ(brokenStatus, 1) << brokenOut;
   EXPECT_NE(brokenOut.find("console error: injected"), std::string::npos) << brokenOut;
+}
+
+// The per-rank columns ride on the agreement of the log steps only; an asynchronous strategy
+// agrees only then, so its ranks must still agree on the agreement's size, with log_every not
+// dividing the steps and a stop in the middle.
+TEST(ReportData, AsynchronousRunsCarryEveryWorkersNumbers) {
+  TempDir tmp;
+  const std::string common =
+      " -c " + std::string(CARAVAN_SOURCE_DIR) +
+      "/configs/fmnist-mlp.toml --quiet --set train.max_steps=23 --set train.log_every=5 "
+      "--set train.eval_every=0 --set train.eval_batches=2 --set train.threads=1 "
+      "--set checkpoint.every=0 --set data.synthetic_size=4096 --set data.dataset=synthetic "
+      "--set sync.mode=ps-asp --set sync.servers=1";  // 2 workers + 1 server
+  CommandResult r = runCaravan("train --workers 2 --run-dir " + (tmp / "asp") + common);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const json run = report::readRun(tmp / "asp");
+  EXPECT_EQ(run["train"]["step"], json({5, 10, 15, 20, 23}));
+  for (const json& ranks : run["train"]["rank_compute_s"]) EXPECT_EQ(ranks.size(), 2u);
+  r = runCaravan("train --workers 2 --stop-at-step 12 --run-dir " + (tmp / "stopped") + common);
+  ASSERT_EQ(r.exitCode, 0) << r.err;  // a stop with a checkpoint, as asked
+  r = runCaravan("train --workers 2 --resume " + (tmp / "stopped") + " --quiet");
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const json resumed = report::readRun(tmp / "stopped");
+  EXPECT_EQ(resumed["train"]["step"], json({5, 10, 15, 20, 23}));  // stopped at 15, resumed
+  for (const json& ranks : resumed["train"]["rank_compute_s"]) EXPECT_EQ(ranks.size(), 2u);
 }

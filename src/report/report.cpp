@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -43,7 +44,8 @@ json compact(const json& v) {
   if (v.is_number_float()) {
     const double d = v.get<double>();
     if (!std::isfinite(d)) return nullptr;
-    return std::stod(fmt::format("{:.6g}", d));
+    // strtod, not stod: a subnormal such as 1e-310 reads back (stod throws out_of_range).
+    return std::strtod(fmt::format("{:.6g}", d).c_str(), nullptr);
   }
   if (v.is_array()) {
     json out = json::array();
@@ -158,10 +160,15 @@ Captured runCaptured(const std::vector<std::string>& argv, const std::string& er
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   int pipeFds[2];
-  if (::pipe(pipeFds) != 0) throw IoError("cannot create a pipe for Chromium");
+  if (::pipe2(pipeFds, O_CLOEXEC) != 0) throw IoError("cannot create a pipe for Chromium");
   const int errFd = ::open(errPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   const pid_t pid = ::fork();
-  if (pid < 0) throw IoError("cannot fork to start Chromium");
+  if (pid < 0) {
+    ::close(pipeFds[0]);
+    ::close(pipeFds[1]);
+    if (errFd >= 0) ::close(errFd);
+    throw IoError("cannot fork to start Chromium");
+  }
   if (pid == 0) {
     ::setpgid(0, 0);
     ::dup2(pipeFds[1], STDOUT_FILENO);
@@ -175,7 +182,10 @@ Captured runCaptured(const std::vector<std::string>& argv, const std::string& er
   Captured c;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   char buffer[65536];
-  while (true) {
+  bool exited = false, eof = false;
+  // Until the output ends or the process itself exits (a helper it leaves behind may hold the
+  // pipe open), whichever is first; then what is left in the pipe.
+  while (!eof && !exited) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
@@ -183,19 +193,27 @@ Captured runCaptured(const std::vector<std::string>& argv, const std::string& er
       break;
     }
     pollfd p{pipeFds[0], POLLIN, 0};
-    const int ready = ::poll(&p, 1, static_cast<int>(left.count()));
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) continue;
-    const ssize_t n = ::read(pipeFds[0], buffer, sizeof(buffer));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    c.out.append(buffer, static_cast<size_t>(n));
+    const int ready = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 200)));
+    if (ready > 0) {
+      const ssize_t n = ::read(pipeFds[0], buffer, sizeof(buffer));
+      if (n > 0) c.out.append(buffer, static_cast<size_t>(n));
+      if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) eof = true;
+    }
+    exited = ::waitpid(pid, &c.status, WNOHANG) == pid;
+  }
+  if (exited && !eof) {
+    ::fcntl(pipeFds[0], F_SETFL, O_NONBLOCK);
+    ssize_t n;
+    while ((n = ::read(pipeFds[0], buffer, sizeof(buffer))) > 0) {
+      c.out.append(buffer, static_cast<size_t>(n));
+    }
   }
   ::close(pipeFds[0]);
-  if (c.timedOut) ::kill(-pid, SIGKILL);
-  while (::waitpid(pid, &c.status, 0) < 0 && errno == EINTR) {
+  ::kill(-pid, SIGKILL);  // on a timeout, and any helper it left behind
+  if (!exited) {
+    while (::waitpid(pid, &c.status, 0) < 0 && errno == EINTR) {
+    }
   }
-  ::kill(-pid, SIGKILL);  // helpers it may have left behind
   return c;
 }
 
@@ -317,6 +335,11 @@ json readRun(const std::string& dirName) {
 
 json readBench(const std::string& source) {
   const fs::path path = benchFile(source);
+  if (path.filename() == "metrics.jsonl") {
+    throw ConfigError(fmt::format("{} is a run's metrics: give caravan report its run directory "
+                                  "({})",
+                                  source, path.parent_path().string()));
+  }
   if (!fs::is_regular_file(path)) {
     throw ConfigError(fmt::format("{} is neither a run directory (metrics.jsonl) nor a bench "
                                   "result (charts.json)",
@@ -345,12 +368,19 @@ json readBench(const std::string& source) {
     requireArray(c, "series", at);
     const bool bar = c.value("type", "line") == "bar";
     if (bar) requireArray(c, "labels", at);
+    auto numbers = [](const json& values) {
+      return std::all_of(values.begin(), values.end(),
+                         [](const json& v) { return v.is_number() || v.is_null(); });
+    };
     for (const auto& s : c["series"]) {
       if (!s.is_object() || !s.contains("name") || !s.contains("y") || !s["y"].is_array() ||
           (!bar && (!s.contains("x") || !s["x"].is_array() || s["x"].size() != s["y"].size())) ||
           (bar && s["y"].size() != c["labels"].size())) {
         throw DataError(at + ": every series needs a \"name\" and \"y\" (and for a line chart "
                              "an \"x\" as long as \"y\"; for a bar chart one y per label)");
+      }
+      if (!numbers(s["y"]) || (!bar && !numbers(s["x"]))) {
+        throw DataError(at + ": a series' x and y hold numbers or null only");
       }
     }
   }
@@ -372,31 +402,46 @@ json collect(const std::vector<std::string>& sources, const std::string& title) 
       throw ConfigError(fmt::format("{} does not exist", source));
     }
     if (fs::is_directory(source) && !fs::exists(fs::path(source) / "charts.json")) {
+      fs::path p = fs::absolute(source).lexically_normal();
+      if (p.filename().empty()) p = p.parent_path();  // "run/" as "run"
+      if (std::find(runPaths.begin(), runPaths.end(), p) != runPaths.end()) {
+        throw ConfigError(fmt::format("{} is given twice", source));
+      }
       runs.push_back(readRun(source));
-      runPaths.push_back(fs::absolute(source).lexically_normal());
+      runPaths.push_back(p);
     } else {
       benches.push_back(readBench(source));
     }
   }
-  // Names: the directory's own, or with as many parents as it takes to tell them apart.
-  for (size_t depth = 1; depth <= 8; ++depth) {
-    std::set<std::string> seen;
-    bool unique = true;
-    for (size_t i = 0; i < runPaths.size(); ++i) {
-      fs::path p = runPaths[i];
-      if (p.filename().empty()) p = p.parent_path();
-      std::vector<std::string> parts;
-      for (const auto& part : p) parts.push_back(part.string());
-      std::string name;
-      for (size_t k = parts.size() > depth ? parts.size() - depth : 0; k < parts.size(); ++k) {
-        if (parts[k] == "/") continue;
-        name += (name.empty() ? "" : "/") + parts[k];
-      }
-      runs[i]["name"] = name;
-      unique = unique && seen.insert(name).second;
+  // Names: the directory's own; where two are alike, each of those with as many parents as it
+  // takes to tell them apart.
+  auto nameAt = [](const fs::path& p, size_t depth) {
+    std::vector<std::string> parts;
+    for (const auto& part : p) {
+      if (!part.empty() && part != "/") parts.push_back(part.string());
     }
-    if (unique) break;
+    std::string name;
+    for (size_t k = parts.size() > depth ? parts.size() - depth : 0; k < parts.size(); ++k) {
+      name += (name.empty() ? "" : "/") + parts[k];
+    }
+    return name;
+  };
+  std::vector<size_t> depth(runPaths.size(), 1);
+  for (bool deeper = true; deeper;) {
+    deeper = false;
+    std::map<std::string, std::vector<size_t>> byName;
+    for (size_t i = 0; i < runPaths.size(); ++i) byName[nameAt(runPaths[i], depth[i])].push_back(i);
+    for (const auto& [name, members] : byName) {
+      if (members.size() < 2) continue;
+      for (size_t i : members) {
+        if (nameAt(runPaths[i], depth[i] + 1) != name) {  // a parent is left to add
+          ++depth[i];
+          deeper = true;
+        }
+      }
+    }
   }
+  for (size_t i = 0; i < runPaths.size(); ++i) runs[i]["name"] = nameAt(runPaths[i], depth[i]);
   std::time_t now = std::time(nullptr);
   char stamp[64];
   std::strftime(stamp, sizeof(stamp), "%Y-%m-%d %H:%M:%S %Z", std::localtime(&now));
@@ -411,11 +456,22 @@ std::string renderHtml(const json& data) {
     throw ConfigError("this caravan was built without Chart.js: run `npm ci --prefix report` in "
                       "the source tree (scripts/setup.sh does) and rebuild");
   }
-  // The data block may hold any text (config values, paths): "</" is written "<\/", which
-  // JSON reads the same and which cannot close the <script> element.
-  std::string block = data.dump(-1, ' ', false, json::error_handler_t::replace);
-  for (size_t at = block.find("</"); at != std::string::npos; at = block.find("</", at + 3)) {
-    block.replace(at, 2, "<\\/");
+  // The data block may hold any text (config values, paths). Outside strings JSON has no <,
+  // > or &, so each is written as its \u escape, which JSON reads the same: no "</script>",
+  // "<!--" or "<script" can change where the HTML parser ends the element.
+  const std::string dumped = data.dump(-1, ' ', false, json::error_handler_t::replace);
+  std::string block;
+  block.reserve(dumped.size() + dumped.size() / 64);
+  for (const char c : dumped) {
+    if (c == '<') {
+      block += "\\u003c";
+    } else if (c == '>') {
+      block += "\\u003e";
+    } else if (c == '&') {
+      block += "\\u0026";
+    } else {
+      block += c;
+    }
   }
   std::string chartJs(assets::chartJs());
   if (const size_t map = chartJs.rfind("//# sourceMappingURL="); map != std::string::npos) {
@@ -441,8 +497,10 @@ std::string renderHtml(const json& data) {
 
 std::vector<std::string> writePngs(const std::string& html, const std::string& dirName) {
   const std::string chromium = findChromium();
-  char tmpl[] = "/tmp/caravan-report-XXXXXX";
-  if (::mkdtemp(tmpl) == nullptr) throw IoError("cannot create a temporary directory in /tmp");
+  std::string tmpl = (fs::temp_directory_path() / "caravan-report-XXXXXX").string();
+  if (::mkdtemp(tmpl.data()) == nullptr) {
+    throw IoError(fmt::format("cannot create a temporary directory like {} (set TMPDIR)", tmpl));
+  }
   const fs::path tmp(tmpl);
   struct Cleanup {
     fs::path dir;
@@ -462,20 +520,25 @@ std::vector<std::string> writePngs(const std::string& html, const std::string& d
       "--virtual-time-budget=60000", "--dump-dom", "file://" + page.string() + "#png"};
   const std::string errPath = (tmp / "chromium.log").string();
   const Captured c = runCaptured(argv, errPath, std::chrono::seconds(300));
-  if (c.timedOut) throw IoError(fmt::format("{} did not finish within 300 s", chromium));
+  const std::string fix = "check that it starts (" + chromium +
+                          " --headless --dump-dom about:blank) or set CARAVAN_CHROMIUM";
+  if (c.timedOut) {
+    throw IoError(fmt::format("{} did not finish drawing within 300 s; {}", chromium, fix));
+  }
   if (!WIFEXITED(c.status) || WEXITSTATUS(c.status) != 0) {
-    throw IoError(fmt::format("{} failed ({}): {}", chromium,
+    throw IoError(fmt::format("{} failed ({}; its last words: {}); {}", chromium,
                               WIFEXITED(c.status) ? fmt::format("exit {}", WEXITSTATUS(c.status))
                                                   : std::string("killed by a signal"),
-                              lastLine(errPath)));
+                              lastLine(errPath), fix));
   }
   if (const auto errors = preText(c.out, "caravan-errors")) {
     throw IoError("the report page failed in Chromium: " + *errors);
   }
   const auto charts = preText(c.out, "caravan-png");
   if (!charts) {
-    throw IoError(fmt::format("{} returned no charts (the page did not finish): {}", chromium,
-                              lastLine(errPath)));
+    throw IoError(fmt::format("{} returned no charts (the page did not finish; its last words: "
+                              "{}); {}",
+                              chromium, lastLine(errPath), fix));
   }
   std::error_code ec;
   fs::create_directories(dirName, ec);
@@ -487,6 +550,9 @@ std::vector<std::string> writePngs(const std::string& html, const std::string& d
     const size_t space = line.find(' ');
     if (space == std::string::npos) continue;
     const std::string name = line.substr(0, space);
+    if (name.find('/') != std::string::npos || name.rfind('.', 0) == 0) {
+      throw IoError(fmt::format("{} returned a chart named '{}'; not written", chromium, name));
+    }
     const std::string png = decodeBase64(line.substr(space + 1));
     if (png.size() < 8 || png.compare(1, 3, "PNG") != 0) {
       throw IoError(fmt::format("chart {} did not draw in Chromium", name));

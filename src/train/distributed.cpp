@@ -1,6 +1,7 @@
 // Rendezvous, communicator and strategy for a data-parallel run (see distributed.h).
 #include "train/distributed.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 
@@ -219,26 +220,37 @@ Strategy* Distributed::attach(torch::nn::Module& model, torch::optim::Optimizer&
 }
 
 void Distributed::observeCommunication(Timeline* timeline) {
-  strategy_->setEventSink([this, timeline](const std::string& name,
-                                           std::chrono::steady_clock::time_point start,
-                                           std::chrono::steady_clock::time_point end) {
-    {
-      std::lock_guard<std::mutex> lock(commMutex_);
-      commEvents_ = true;
-      const auto from = std::max(start, commCoveredUntil_);
-      if (end > from) commSeconds_ += std::chrono::duration<double>(end - from).count();
-      commCoveredUntil_ = std::max(commCoveredUntil_, end);
-    }
-    if (timeline != nullptr) timeline->complete(name, start, end, /*track=*/1);
+  observer_->timeline = timeline;
+  strategy_->setEventSink([observer = observer_](const std::string& name,
+                                                 std::chrono::steady_clock::time_point start,
+                                                 std::chrono::steady_clock::time_point end) {
+    std::lock_guard<std::mutex> lock(observer->mutex);
+    observer->events = true;
+    observer->intervals.emplace_back(start, end);
+    if (observer->timeline != nullptr) observer->timeline->complete(name, start, end, /*track=*/1);
   });
 }
 
-std::optional<double> Distributed::takeCommunicationSeconds() {
-  std::lock_guard<std::mutex> lock(commMutex_);
-  if (!commEvents_) return std::nullopt;
-  const double s = commSeconds_;
-  commSeconds_ = 0.0;
-  return s;
+void Distributed::forgetTimeline() {
+  std::lock_guard<std::mutex> lock(observer_->mutex);
+  observer_->timeline = nullptr;
+}
+
+std::optional<double> Distributed::takeOutstandingSeconds() {
+  std::lock_guard<std::mutex> lock(observer_->mutex);
+  if (!observer_->events) return std::nullopt;
+  // The union of the intervals (events come from more than one thread, in any order).
+  auto& v = observer_->intervals;
+  std::sort(v.begin(), v.end());
+  double seconds = 0.0;
+  std::chrono::steady_clock::time_point coveredUntil{};
+  for (const auto& [start, end] : v) {
+    const auto from = std::max(start, coveredUntil);
+    if (end > from) seconds += std::chrono::duration<double>(end - from).count();
+    coveredUntil = std::max(coveredUntil, end);
+  }
+  v.clear();
+  return seconds;
 }
 
 Agreement Distributed::agree(double loss, bool interrupted, bool timeUp, const RankWindow* window,

@@ -66,12 +66,16 @@ class Distributed {
                    const TrainingState* resumed,
                    std::vector<std::vector<at::Tensor>> groups = {});
   // Follows the strategy's communication events (each bucket's all-reduce, gossip exchange,
-  // parameter averaging): counts the time some communication was in flight, and records each
-  // on the timeline's communication track when `timeline` is not null. Call once, after attach.
+  // parameter averaging: from launch until the trainer took the result) and records each on
+  // the timeline's communication track when `timeline` is not null. Call once, after attach;
+  // forgetTimeline() before the timeline goes.
   void observeCommunication(Timeline* timeline);
-  // Seconds with communication in flight since the last call (overlapping events count once),
-  // or nullopt when the strategy reports no events (parameter servers, OSP).
-  std::optional<double> takeCommunicationSeconds();
+  void forgetTimeline();
+  // Seconds since the last call with some exchange outstanding (launched, its result not yet
+  // taken; overlapping exchanges count once), or nullopt when the strategy reports no events
+  // (parameter servers, OSP). An upper bound on the time spent communicating: Gloo tells a
+  // transfer's completion only when asked.
+  std::optional<double> takeOutstandingSeconds();
   // The mean loss over the workers and whether any must stop. With `window`, also every
   // worker's window (returned in rank order; empty without).
   Agreement agree(double loss, bool interrupted, bool timeUp, const RankWindow* window = nullptr,
@@ -106,12 +110,16 @@ class Distributed {
   int servers_ = 0;
   int workers_ = 1;
   std::unique_ptr<Strategy> strategy_;
-  // observeCommunication: the union of in-flight intervals (events arrive from the
-  // communication thread, in order of completion).
-  std::mutex commMutex_;
-  bool commEvents_ = false;
-  double commSeconds_ = 0.0;
-  std::chrono::steady_clock::time_point commCoveredUntil_{};
+  // observeCommunication's state, shared with the sink (which may run on the trainer's or the
+  // weight updater's thread, and outlive this run's timeline).
+  struct CommObserver {
+    std::mutex mutex;
+    Timeline* timeline = nullptr;
+    bool events = false;
+    std::vector<std::pair<std::chrono::steady_clock::time_point,
+                          std::chrono::steady_clock::time_point>> intervals;
+  };
+  std::shared_ptr<CommObserver> observer_ = std::make_shared<CommObserver>();
   std::unique_ptr<Heartbeat> heartbeat_;  // declared last: destroyed (lingers) first
 };
 

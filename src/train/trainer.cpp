@@ -117,6 +117,12 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
   }
   Timeline timeline(options.tracePath, options.world.rank);
   if (dist) dist->observeCommunication(timeline.enabled() ? &timeline : nullptr);
+  struct ForgetTimeline {  // the strategy (and its event sink) outlives this function
+    Distributed* dist;
+    ~ForgetTimeline() {
+      if (dist) dist->forgetTimeline();
+    }
+  } forgetTimeline{dist};
 
   std::unique_ptr<MetricsSink> metrics;
   if (isRoot) {
@@ -402,8 +408,10 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
         rec["recv_bytes"] = static_cast<double>(b.received - windowBytes.received) / windowSteps;
         windowBytes = b;
         for (const auto& [key, value] : strategy->takeMetrics()) rec[key] = value;
-        // Time with communication in flight (hidden behind compute or not), per step.
-        if (const auto comm = dist->takeCommunicationSeconds()) rec["comm_s"] = *comm / windowSteps;
+        // Time with an exchange outstanding per step (hidden behind compute or not).
+        if (const auto outstanding = dist->takeOutstandingSeconds()) {
+          rec["comm_outstanding_s"] = *outstanding / windowSteps;
+        }
         if (rankWindows.size() == static_cast<size_t>(workers)) {
           std::vector<double> compute, wait;
           for (const RankWindow& w : rankWindows) {
