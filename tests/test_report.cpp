@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <functional>
 #include <set>
@@ -344,4 +345,44 @@ TEST(ReportData, AsynchronousRunsCarryEveryWorkersNumbers) {
   const json resumed = report::readRun(tmp / "stopped");
   EXPECT_EQ(resumed["train"]["step"], json({5, 10, 15, 20, 23}));  // stopped at 15, resumed
   for (const json& ranks : resumed["train"]["rank_compute_s"]) EXPECT_EQ(ranks.size(), 2u);
+}
+
+// --png with a Chromium that fails, returns garbage, or leaves a helper holding its output
+// open: one line and exit 5 each time, at once, and no file outside the directory asked for.
+TEST(ReportCli, ChromiumFailuresAreOneLineAndQuick) {
+  if (!report::haveChartLibrary()) GTEST_SKIP() << "built without report/node_modules";
+  TempDir tmp;
+  makeRun(tmp / "run", metricsLines());
+  auto withChromium = [&](const std::string& script) {
+    const std::string fake = tmp / "chromium";
+    writeFile(fake, "#!/bin/sh\n" + script);
+    fs::permissions(fake, fs::perms::owner_all);
+    ::setenv("CARAVAN_CHROMIUM", fake.c_str(), 1);
+    const auto start = std::chrono::steady_clock::now();
+    CommandResult r = runCaravan("report " + (tmp / "run") + " --png " + (tmp / "png"));
+    ::unsetenv("CARAVAN_CHROMIUM");
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(r.exitCode, 5) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_LT(seconds, 10.0) << r.err;
+    return r.err;
+  };
+  std::string err = withChromium("echo 'cannot open display' >&2; exit 3\n");
+  EXPECT_NE(err.find("failed (exit 3; its last words: cannot open display)"), std::string::npos)
+      << err;
+  EXPECT_NE(err.find("set CARAVAN_CHROMIUM"), std::string::npos) << err;
+  err = withChromium("echo '<html></html>'\n");
+  EXPECT_NE(err.find("returned no charts"), std::string::npos) << err;
+  // A helper that keeps stdout open for 60 s must not hold caravan: it stops with the process.
+  err = withChromium("echo '<pre id=\"caravan-png\">loss.png AAAA</pre>'; sleep 60 &\nexit 0\n");
+  EXPECT_NE(err.find("chart loss.png did not draw"), std::string::npos) << err;
+  err = withChromium("echo '<pre id=\"caravan-png\">../evil.png iVBORw0KGgo=</pre>'\n");
+  EXPECT_NE(err.find("not written"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(tmp / "evil.png"));
+  ::setenv("CARAVAN_CHROMIUM", (tmp / "absent").c_str(), 1);
+  CommandResult r = runCaravan("report " + (tmp / "run") + " --png " + (tmp / "png"));
+  ::unsetenv("CARAVAN_CHROMIUM");
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+  EXPECT_NE(r.err.find("is not an executable"), std::string::npos) << r.err;
 }

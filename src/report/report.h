@@ -39,7 +39,8 @@ std::string renderHtml(const nlohmann::json& data);
 
 // Renders `html` in headless Chromium ($CARAVAN_CHROMIUM, else chromium or google-chrome on
 // PATH) and writes every chart into `dir` as NAME.png. Returns the files written. Throws
-// ConfigError when no Chromium is found, IoError when it fails or a chart did not draw.
+// ConfigError when no Chromium is found; IoError when it fails, times out (300 s) or returns
+// a chart that is not a PNG. The page draws no chart that has no data.
 std::vector<std::string> writePngs(const std::string& html, const std::string& dir);
 
 }  // namespace caravan::report
