@@ -430,6 +430,9 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
       windowStart = Clock::now();
     }
     const bool epochEnd = state.position.batchInEpoch == 0;
+    // Evaluations and checkpoints are not training: the throughput window leaves them out
+    // (samples_per_s dipped at every evaluation).
+    const Clock::time_point pauseStart = Clock::now();
     if ((evalEvery > 0 && state.step % evalEvery == 0) || (evalEvery == 0 && epochEnd)) {
       runEval();
     }
@@ -442,6 +445,7 @@ TrainSummary runTraining(const Config& config, const TrainerOptions& options,
     if (checkpointEvery > 0 && state.step % checkpointEvery == 0 && state.step < totalSteps) {
       writeCheckpoint();
     }
+    windowStart += Clock::now() - pauseStart;
   }
   progress.finish();
   // One model from here on, and the final checkpoint's strategy state collected while the
