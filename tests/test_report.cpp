@@ -386,3 +386,28 @@ TEST(ReportCli, ChromiumFailuresAreOneLineAndQuick) {
   EXPECT_EQ(r.exitCode, 2) << r.err;
   EXPECT_NE(r.err.find("is not an executable"), std::string::npos) << r.err;
 }
+
+// Ctrl-C while Chromium draws: caravan stops it, removes its temporary files, exits 130.
+TEST(ReportCli, InterruptedPngStopsChromiumAndLeavesNothing) {
+  if (!report::haveChartLibrary()) GTEST_SKIP() << "built without report/node_modules";
+  TempDir tmp;
+  makeRun(tmp / "run", metricsLines());
+  fs::create_directories(tmp / "tmpdir");
+  const std::string fake = tmp / "chromium";
+  writeFile(fake, "#!/bin/sh\nsleep 60\n");
+  fs::permissions(fake, fs::perms::owner_all);
+  const std::string cmd = "CARAVAN_CHROMIUM=" + fake + " TMPDIR=" + (tmp / "tmpdir") + " " +
+                          std::string(CARAVAN_BINARY) + " report " + (tmp / "run") + " --png " +
+                          (tmp / "png") + " 2>" + (tmp / "err") + " & pid=$!; sleep 1; " +
+                          "kill -INT $pid; wait $pid; echo $? >" + (tmp / "code");
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_EQ(std::system(("bash -c '" + cmd + "'").c_str()), 0);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(readFile(tmp / "code"), "130\n") << readFile(tmp / "err");
+  EXPECT_NE(readFile(tmp / "err").find("interrupted while Chromium drew"), std::string::npos)
+      << readFile(tmp / "err");
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_TRUE(fs::is_empty(tmp / "tmpdir"));  // its page, profile and log are gone
+  EXPECT_FALSE(fs::exists(tmp / "png"));
+}

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
@@ -150,6 +151,35 @@ struct Captured {
   int status = -1;  // waitpid status
   std::string out;
   bool timedOut = false;
+  bool interrupted = false;  // SIGINT or SIGTERM arrived: the process was killed
+};
+
+// Set by SIGINT/SIGTERM while Chromium runs, so the temporary files go with it.
+volatile std::sig_atomic_t gInterrupted = 0;
+extern "C" void onInterrupt(int) { gInterrupted = 1; }
+
+// Catches SIGINT and SIGTERM for its lifetime (Chromium runs in its own process group, so the
+// terminal's Ctrl-C reaches only caravan) and restores the previous handlers.
+class InterruptScope {
+ public:
+  InterruptScope() {
+    gInterrupted = 0;
+    struct sigaction sa {};
+    sa.sa_handler = onInterrupt;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGINT, &sa, &oldInt_);
+    ::sigaction(SIGTERM, &sa, &oldTerm_);
+  }
+  ~InterruptScope() {
+    ::sigaction(SIGINT, &oldInt_, nullptr);
+    ::sigaction(SIGTERM, &oldTerm_, nullptr);
+  }
+  InterruptScope(const InterruptScope&) = delete;
+  InterruptScope& operator=(const InterruptScope&) = delete;
+
+ private:
+  struct sigaction oldInt_ {};
+  struct sigaction oldTerm_ {};
 };
 
 // Runs `argv` with stdout captured and stderr into `errPath`, in its own process group, killed
@@ -190,6 +220,10 @@ Captured runCaptured(const std::vector<std::string>& argv, const std::string& er
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
       c.timedOut = true;
+      break;
+    }
+    if (gInterrupted) {
+      c.interrupted = true;
       break;
     }
     pollfd p{pipeFds[0], POLLIN, 0};
@@ -519,7 +553,14 @@ std::vector<std::string> writePngs(const std::string& html, const std::string& d
       "--user-data-dir=" + (tmp / "profile").string(), "--window-size=1000,1000",
       "--virtual-time-budget=60000", "--dump-dom", "file://" + page.string() + "#png"};
   const std::string errPath = (tmp / "chromium.log").string();
-  const Captured c = runCaptured(argv, errPath, std::chrono::seconds(300));
+  Captured c;
+  {
+    InterruptScope interrupts;
+    c = runCaptured(argv, errPath, std::chrono::seconds(300));
+  }
+  if (c.interrupted) {
+    throw Error(ExitCode::kInterrupted, "interrupted while Chromium drew the charts; no PNG written");
+  }
   const std::string fix = "check that it starts (" + chromium +
                           " --headless --dump-dom about:blank) or set CARAVAN_CHROMIUM";
   if (c.timedOut) {
