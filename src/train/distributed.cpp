@@ -259,16 +259,16 @@ Agreement Distributed::agree(double loss, bool interrupted, bool timeUp, const R
   // each fills its own.
   const int n = comm->size();
   at::Tensor t = torch::zeros({3 + (window != nullptr ? 2 * n : 0)});
-  t[0] = static_cast<float>(loss);
-  t[1] = interrupted ? 1.0f : 0.0f;
-  t[2] = timeUp ? 1.0f : 0.0f;
+  float* v = t.data_ptr<float>();  // filled and read in place: no tensor op per slot
+  v[0] = static_cast<float>(loss);
+  v[1] = interrupted ? 1.0f : 0.0f;
+  v[2] = timeUp ? 1.0f : 0.0f;
   if (window != nullptr) {
-    t[3 + 2 * comm->rank()] = static_cast<float>(window->computeS);
-    t[4 + 2 * comm->rank()] = static_cast<float>(window->syncWaitS);
+    v[3 + 2 * comm->rank()] = static_cast<float>(window->computeS);
+    v[4 + 2 * comm->rank()] = static_cast<float>(window->syncWaitS);
   }
   comm->allreduce(t, ReduceOp::kSum)->wait(comm->timeout());
   Agreement a;
-  const float* v = t.data_ptr<float>();
   a.meanLoss = static_cast<double>(v[0]) / n;
   a.interrupted = v[1] > 0;
   a.timeUp = v[2] > 0;
