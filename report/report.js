@@ -195,7 +195,8 @@
     };
   }
 
-  function summaryTable(runs) {
+  // `parts`: stepParts of each run.
+  function summaryTable(runs, parts) {
     const head = ["run", "model", "sync", "workers", "steps", "final loss", "test accuracy",
                   "best accuracy", "samples/s (median)", "compute + wait per step", "peak tracked",
                   "peak RSS", "time"];
@@ -204,7 +205,7 @@
     const body = el("tbody");
     runs.forEach((r, i) => {
       const t = r.train, e = r.eval;
-      const parts = stepParts(r);
+      const p = parts[i];
       const acc = column(e, "accuracy") || [];
       const best = maxOf(acc);
       const peak = column(t, "mem_tracked_peak");
@@ -219,7 +220,7 @@
         acc.length ? fmt(100 * last(acc), 2) + "%" : "–",
         best !== null ? fmt(100 * best, 2) + "%" : "–",
         fmt(median(column(t, "samples_per_s") || []), 1),
-        fmt(1000 * (parts.compute + parts.recompute + parts.swap + parts.wait), 1) + " ms",
+        fmt(1000 * (p.compute + p.recompute + p.swap + p.wait), 1) + " ms",
         fmtBytes(maxOf(peak)),
         fmtBytes(maxOf(rss)),
         fmt(Math.max(last(column(t, "time_s")) || 0, last(column(e, "time_s")) || 0), 1) + " s",
@@ -258,8 +259,9 @@
   }
 
   function renderRuns(runs) {
+    const parts = runs.map(stepParts);  // medians over every record: once per run
     const s = section("Runs", null);
-    s.append(summaryTable(runs));
+    s.append(summaryTable(runs, parts));
     for (const r of runs) {
       for (const n of r.notes || []) s.append(el("p", { class: "warning" }, r.name + ": " + n));
     }
@@ -298,7 +300,6 @@
       "(all-reduce, gossip, local SGD) is the time some exchange was outstanding, from its " +
       "launch until the trainer took its result: an upper bound on the communication itself, " +
       "so at most the part above the wait was hidden behind compute.");
-    const parts = runs.map(stepParts);
     const ms = (f) => parts.map((p) => (f(p) === null ? null : 1000 * f(p)));
     const stack = (label, data, i, group) => ({ label: label, data: data, backgroundColor: color(i),
                                                stack: group });
