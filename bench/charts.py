@@ -155,11 +155,19 @@ def write(out, name, title, charts, note=None, command=None, table=None):
     return path
 
 
+def beside(results_path):
+    """The charts.json next to a results file (the scripts that write --json FILE)."""
+    return os.path.join(os.path.dirname(os.path.abspath(results_path)), "charts.json")
+
+
 def command(script, args, skip=("replot",), repeated=()):
     """The command line that gives `script` these parsed arguments (a dict such as vars(args)
-    or the "args" a results file stores): "/usr/bin/python3 SCRIPT --key value ...". Flags
-    that are False, None or empty are left out; a list is one flag with several values
-    (nargs="+"), or for the keys in `repeated` the flag once per value (action="append")."""
+    or the "args" a results file stores): "/usr/bin/python3 SCRIPT --key value ...", or None
+    when `args` is None (a results file from before they were stored). Flags that are False,
+    None or empty are left out; a list is one flag with several values (nargs="+"), or for the
+    keys in `repeated` the flag once per value (action="append")."""
+    if args is None:
+        return None
     parts = ["/usr/bin/python3", script]
     for k, v in args.items():
         if k in skip or v is None or v is False or v == [] or v == "":

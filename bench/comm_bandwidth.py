@@ -178,11 +178,10 @@ def write_charts(data, path):
             f"the environment: {', '.join(removed) or 'nothing (not set)'}.")
     args = data.get("args")  # the --json file has them since charts.json was added
     return charts.write(
-        os.path.join(os.path.dirname(os.path.abspath(path)), "charts.json"), "comm-bandwidth",
+        charts.beside(path), "comm-bandwidth",
         "Collective bus bandwidth: Caravan's communicators against raw Gloo and MPI", out,
         note=note, command=charts.command("bench/comm_bandwidth.py", args,
-                                          skip=("replot", "bench"), repeated=("mpirun_arg",))
-        if args else None,
+                                          skip=("replot", "bench"), repeated=("mpirun_arg",)),
         table=charts.table(columns, rows) if columns else None)
 
 

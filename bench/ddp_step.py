@@ -181,7 +181,7 @@ def write_charts(data, path):
             f"environment: {', '.join(removed) or 'nothing (not set)'}.")
     args = data.get("args")  # the --json file has them since charts.json was added
     return charts.write(
-        os.path.join(os.path.dirname(os.path.abspath(path)), "charts.json"), "ddp-step",
+        charts.beside(path), "ddp-step",
         "Data-parallel step time: Caravan against PyTorch DDP", [
             charts.bar("step-time", "Step time (slowest rank, median)", labels,
                        [charts.series("Caravan", y=[ms(r["caravan_step_s"]) for r in rows]),
@@ -199,7 +199,7 @@ def write_charts(data, path):
                        "faults (log scale)", x_label="config, workers", log_y=True),
         ], note=note,
         command=charts.command("bench/ddp_step.py", args, skip=("replot", "bench"),
-                               repeated=("caravan_env",)) if args else None,
+                               repeated=("caravan_env",)),
         table=charts.table(["config", "W", "caravan ms", "pytorch ms", "ratio", "hidden",
                             "comm ms", "exposed ms", "exp.all ms", "hid. B", "agree ms",
                             "faults/step C/P", "cpu s/step C/P"], table))

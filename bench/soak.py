@@ -177,7 +177,7 @@ def write_charts(data, out, warmup_minutes):
             charts.bar("steps-per-minute", "Training steps in each minute (none: stalled)",
                        minutes, [charts.series("steps", y=done)], "steps", x_label="minute"),
         ], note=note,
-        command=charts.command("bench/soak.py", args) if args else
+        command=charts.command("bench/soak.py", args) or
         "build/caravan " + " ".join(data["command"]),
         table=charts.markdown_table("\n".join(summary[0])) if summary else None)
 

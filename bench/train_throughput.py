@@ -81,9 +81,9 @@ def write_charts(data, path):
             f"{', '.join(removed) or 'nothing (not set)'}.")
     args = data.get("args")  # the --json file has them since charts.json was added
     return charts.write(
-        os.path.join(os.path.dirname(os.path.abspath(path)), "charts.json"), "train-throughput",
+        charts.beside(path), "train-throughput",
         "Single-worker training throughput: Caravan against PyTorch", out, note=note,
-        command=charts.command("bench/train_throughput.py", args) if args else None,
+        command=charts.command("bench/train_throughput.py", args),
         table=charts.table(["config", "threads", "caravan/s", "pytorch/s", "ratio", "GFLOP/s",
                             "mm peak", "of peak"], table))
 
