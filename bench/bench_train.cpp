@@ -38,6 +38,7 @@
 #include "core/errors.h"
 #include "data/loader.h"
 #include "train/distributed.h"
+#include "train/run_setup.h"
 #include "train/setup.h"
 #include "train/step.h"
 #include "train/timeline.h"
@@ -84,18 +85,24 @@ double median(std::vector<double> v) {
 int benchTrain(const std::string& configPath, std::vector<std::string> overrides, int64_t steps,
                int64_t warmup, int64_t threads, const std::string& profilePath) {
   overrides.push_back("train.threads=" + std::to_string(threads));
-  Config config = Config::fromFile(configPath, overrides);
-  applyRuntimeConfig(config);
-  DatasetSplits data = makeDatasets(config);
-  torch::manual_seed(static_cast<uint64_t>(config.i64("seed.init")));
-  BlockModel model = buildModel(makeModelSpec(config), data.train->shape());
-  auto optimizer = makeOptimizer(config, model);
-  const SamplerOptions so = makeSamplerOptions(config, data.train->size());
-  Loader loader(data.train, so, config.i64("data.prefetch"));
+  const Config config = Config::fromFile(configPath, overrides);
+  applyRuntimeOptions(RunOptions::read(config).runtime);
+  // The same run as `caravan train` builds in one process.
+  RunSetup setup(config);
+  setup.prepareTraining(std::nullopt);
+  setup.attach(nullptr);
+  BlockModel& model = setup.model;
+  auto& optimizer = setup.optimizer;
+  const SamplerOptions& so = setup.sampler;
+  Loader& loader = *setup.loader;
   model->train();
-  const double clip = config.f64("optim.grad_clip");
+  const double clip = setup.options.optim.gradClip;
   double lossSum = 0.0;
-  for (int64_t i = 0; i < warmup; ++i) trainStep(model, *optimizer, loader.next().batch, clip);
+  // memory.weights = offload: the step updates through the out-of-core store, as in train().
+  OutOfCoreWeights* weights = setup.weights.get();
+  for (int64_t i = 0; i < warmup; ++i) {
+    trainStep(model, *optimizer, loader.next().batch, clip, nullptr, i, weights);
+  }
   std::vector<double> forward, backward;
   // --profile: LibTorch's autograd profiler over the timed steps (Chrome trace of every op).
   std::unique_ptr<torch::autograd::profiler::RecordProfile> profile;
@@ -108,7 +115,7 @@ int benchTrain(const std::string& configPath, std::vector<std::string> overrides
   for (int64_t i = 0; i < steps; ++i) {
     Batch batch = loader.next().batch;
     const auto t0 = Clock::now();
-    StepResult r = trainStep(model, *optimizer, batch, clip);
+    StepResult r = trainStep(model, *optimizer, batch, clip, nullptr, warmup + i, weights);
     lossSum += r.loss;
     forward.push_back(seconds(t0, r.forwardEnd));
     backward.push_back(seconds(r.forwardEnd, r.backwardEnd));
@@ -300,40 +307,41 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
                           std::vector<std::string> overrides, int64_t steps, int64_t warmup,
                           int64_t threads, bool agree, const std::string& tracePath) {
   overrides.push_back("train.threads=" + std::to_string(threads));
-  Config config = Config::fromFile(configPath, overrides);
-  applyRuntimeConfig(config);
-  TrainerOptions options;
-  options.world = world;
+  const Config config = Config::fromFile(configPath, overrides);
+  const RunOptions options = RunOptions::read(config);
+  validate(options, world.worldSize);
+  applyRuntimeOptions(options.runtime);
   // Only a file store (dist.store = "file" without dist.store_path) puts anything here.
-  options.runDir = (std::filesystem::temp_directory_path() /
-                    ("caravan_bench-" + std::to_string(world.masterPort)))
-                       .string();
-  if (config.str("dist.store") == "file" && config.str("dist.store_path").empty()) {
-    std::filesystem::create_directories(options.runDir);
+  const std::string runDir = (std::filesystem::temp_directory_path() /
+                              ("caravan_bench-" + std::to_string(world.masterPort)))
+                                 .string();
+  if (options.sync.store == "file" && options.sync.storePath.empty()) {
+    std::filesystem::create_directories(runDir);
   }
-  if (usesServers(config.str("sync.mode"))) {
-    throw ConfigError(fmt::format("caravan_bench train times worker-only sync modes (allreduce, "
-                                  "local-sgd, gossip); sync.mode = {} needs parameter servers",
-                                  config.str("sync.mode")));
+  if (options.sync.usesServers()) {
+    throw ConfigError(
+        fmt::format("caravan_bench train times worker-only sync modes (allreduce, "
+                    "local-sgd, gossip); sync.mode = {} needs parameter servers",
+                    options.sync.mode));
   }
-  // The same order as train(): rendezvous, data, model, optimizer, sampler shard, strategy.
-  Distributed dist(config, options);
-  DatasetSplits data = makeDatasets(config);
-  torch::manual_seed(static_cast<uint64_t>(config.i64("seed.init")));
-  BlockModel model = buildModel(makeModelSpec(config), data.train->shape());
-  auto optimizer = makeOptimizer(config, model);
-  const SamplerOptions so =
-      makeSamplerOptions(config, data.train->size(), dist.comm->rank(), dist.comm->size());
-  Loader loader(data.train, so, config.i64("data.prefetch"));
-  torch::manual_seed(static_cast<uint64_t>(config.i64("seed.dropout")));
+  // The same order as train(): rendezvous, then the run (data, model, optimizer, sampler
+  // shard, loader, seed.dropout), then the strategy.
+  Distributed dist(options, world, runDir);
+  RunSetup setup(config, options, dist.comm->rank(), dist.comm->size());
+  setup.prepareTraining(std::nullopt);
   auto probe = std::make_shared<ProbedCommunicator>(dist.comm);
   dist.comm = probe;  // attach() hands dist.comm to the strategy
-  Strategy* strategy = dist.attach(*model, *optimizer, /*resumed=*/nullptr);
+  setup.attach(&dist);
+  Strategy* strategy = setup.strategy;
+  BlockModel& model = setup.model;
+  auto& optimizer = setup.optimizer;
+  const SamplerOptions& so = setup.sampler;
+  Loader& loader = *setup.loader;
   Timeline timeline(tracePath.empty() ? "" : tracePath + ".rank" + std::to_string(world.rank) +
                                                  ".json",
                     world.rank);
   model->train();
-  const double clip = config.f64("optim.grad_clip");
+  const double clip = options.optim.gradClip;
 
   std::vector<std::array<double, kColumns>> rows(static_cast<size_t>(steps));
   for (auto& row : rows) row.fill(0.0);
@@ -353,7 +361,8 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
     LoadedBatch lb = loader.next();
     const auto loaded = Clock::now();
     if (i >= 0) probe->probe(i);
-    StepResult r = trainStep(model, *optimizer, lb.batch, clip, strategy, i + warmup);
+    StepResult r =
+        trainStep(model, *optimizer, lb.batch, clip, strategy, i + warmup, setup.weights.get());
     probe->probe(-1);
     const auto stepped = Clock::now();
     double loss = r.loss;
@@ -469,19 +478,18 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
                            {"sync_wait_s", columnMedian(kSyncWait)},
                            {"optimizer_s", columnMedian(kOptimizer)},
                            {"agree_s", columnMedian(kAgree)}};
-  nlohmann::json comm = {{"backend", probe->backend()},
-                         {"buckets_per_step", static_cast<double>(probed) / steps},
-                         {"bucket_mb", config.f64("sync.bucket_mb")},
-                         {"first_bucket_mb", config.f64("sync.first_bucket_mb")},
-                         {"comm_s_median", columnMedian(kComm)},
-                         {"exposed_s_median", columnMedian(kExposed)},
-                         {"hidden_fraction", commSum > 0 ? 1.0 - exposedSum / commSum : 0.0},
-                         {"exposed_after_all_backward_s_median", columnMedian(kExposedAfterAll)},
-                         {"hidden_fraction_excluding_skew",
-                          commSum > 0 ? 1.0 - exposedAfterAllSum / commSum : 0.0},
-                         {"bytes_per_step", bytes / W / static_cast<double>(steps)},
-                         {"bytes_done_during_backward_fraction",
-                          bytes > 0 ? hiddenBytes / bytes : 0.0}};
+  nlohmann::json comm = {
+      {"backend", probe->backend()},
+      {"buckets_per_step", static_cast<double>(probed) / steps},
+      {"bucket_mb", static_cast<double>(options.sync.allreduce.bucketBytes) / (1 << 20)},
+      {"first_bucket_mb", static_cast<double>(options.sync.allreduce.firstBucketBytes) / (1 << 20)},
+      {"comm_s_median", columnMedian(kComm)},
+      {"exposed_s_median", columnMedian(kExposed)},
+      {"hidden_fraction", commSum > 0 ? 1.0 - exposedSum / commSum : 0.0},
+      {"exposed_after_all_backward_s_median", columnMedian(kExposedAfterAll)},
+      {"hidden_fraction_excluding_skew", commSum > 0 ? 1.0 - exposedAfterAllSum / commSum : 0.0},
+      {"bytes_per_step", bytes / W / static_cast<double>(steps)},
+      {"bytes_done_during_backward_fraction", bytes > 0 ? hiddenBytes / bytes : 0.0}};
   nlohmann::json out = {{"bench", "train_dist"},
                         {"engine", "caravan"},
                         {"config", configPath},
@@ -509,8 +517,8 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
 
 int benchMatmul(int64_t n, int64_t threads, int64_t repeats) {
   at::set_num_threads(static_cast<int>(threads));
-  Config c = Config::fromString("", "<bench>", {"train.threads=" + std::to_string(threads)});
-  applyRuntimeConfig(c);
+  const Config c = Config::fromString("", "<bench>", {"train.threads=" + std::to_string(threads)});
+  applyRuntimeOptions(RunOptions::read(c).runtime);
   at::Tensor a = torch::randn({n, n}), b = torch::randn({n, n});
   at::Tensor out = at::mm(a, b);
   double best = 1e300;

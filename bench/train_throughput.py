@@ -5,6 +5,7 @@ same invocation with the runs interleaved (A B A B ...); reports medians and the
 achieved GFLOP/s against the machine's measured float32 matmul peak.
 
     /usr/bin/python3 bench/train_throughput.py [--repeats 3] [--threads 1 2] [--json OUT]
+                                               [--bench PATH]
     /usr/bin/python3 bench/train_throughput.py --replot OUT
 
 With --json OUT, every measurement goes to OUT and charts.json (for `caravan report`,
@@ -83,7 +84,7 @@ def write_charts(data, path):
     return charts.write(
         charts.beside(path), "train-throughput",
         "Single-worker training throughput: Caravan against PyTorch", out, note=note,
-        command=charts.command("bench/train_throughput.py", args),
+        command=charts.command("bench/train_throughput.py", args, skip=("replot", "bench")),
         table=charts.table(["config", "threads", "caravan/s", "pytorch/s", "ratio", "GFLOP/s",
                             "mm peak", "of peak"], table))
 
@@ -95,20 +96,24 @@ def main():
     p.add_argument("--configs", nargs="+", default=[c for c, _ in CASES],
                    help="which configs to measure (default: all)")
     p.add_argument("--json", help="write all measurements here (and charts.json beside it)")
+    p.add_argument("--bench", default=BENCH,
+                   help="the caravan_bench to measure (default build/caravan_bench; another "
+                        "build's, to compare two commits)")
     p.add_argument("--replot", metavar="JSON",
                    help="run nothing: rebuild charts.json beside this --json file from it")
     a = p.parse_args()
+    bench = a.bench
     if a.replot:
         with open(a.replot) as f:
             print("wrote", write_charts(json.load(f), a.replot))
         return
-    if not os.path.exists(BENCH):
-        sys.exit("train_throughput: build/caravan_bench missing; run bash scripts/setup.sh first")
+    if not os.path.exists(bench):
+        sys.exit(f"train_throughput: {bench} missing; build it with bash scripts/test.sh first")
     environ, removed = env()
 
     peaks = {}
     for t in a.threads:
-        runs = [run_json([BENCH, "matmul", "--size", "1024", "--threads", str(t)], environ)
+        runs = [run_json([bench, "matmul", "--size", "1024", "--threads", str(t)], environ)
                 for _ in range(3)]
         peaks[t] = max(r["gflops"] for r in runs)
 
@@ -119,7 +124,7 @@ def main():
         for t in a.threads:
             ours, theirs, flops = [], [], 0.0
             for _ in range(a.repeats):  # interleaved: caravan, pytorch, caravan, pytorch, ...
-                r = run_json([BENCH, "train", "--config", config, "--steps", str(steps),
+                r = run_json([bench, "train", "--config", config, "--steps", str(steps),
                               "--warmup", "10", "--threads", str(t)], environ)
                 ours.append(r["samples_per_s"])
                 flops = r["train_flops_per_sample"]

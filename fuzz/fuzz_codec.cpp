@@ -1,12 +1,14 @@
 // libFuzzer target: what a parameter server does with the contents of the workers' pushes
-// (src/sync/compression.cpp ShardCodec::decode for none/fp16/bf16/topk; roundKind, pushKind
-// and averagePushes from src/sync/parameter_server.cpp), as serveBsp/serveAsync call them.
+// (src/sync/compression.cpp ShardCodec::decode for none/fp16/bf16/topk; decodeRound,
+// decodePush, pushPayload and averagePayloads from src/sync/ps_message.cpp), as serveBsp,
+// serveAsync and the OSP server call them.
 //
 // Input: 4 header bytes, then float32 words (native byte order):
 //   [0] compression (none, fp16, bf16, topk: value % 4)   [1] shard elements n (value % 65)
 //   [2] top-k ratio ((value + 1) / 256)                    [3] workers W (1 + value % 4)
-//   then W pushes of (codec words + 2) float32 each: [encoded gradient, lr, kind]; missing
-//   bytes are zeros. The communicator fixes the push size; its contents are the peer's.
+//   then W pushes of (PushHeader::kWords + codec words) float32 each: the header (magic,
+//   kind, lr, fraction as bytes), the encoded gradient; missing bytes are zeros. The
+//   communicator fixes the push size; its contents are the peer's.
 // A PeerError is the documented answer to a hostile push; nothing else may escape. Every push
 // is decoded whatever its kind says.
 #include <cstdint>
@@ -20,7 +22,7 @@
 #include "comm/communicator.h"
 #include "fuzz_util.h"
 #include "sync/compression.h"
-#include "sync/parameter_server.h"
+#include "sync/ps_message.h"
 
 namespace {
 
@@ -53,10 +55,14 @@ void writeSeeds(const std::string& dir) {
         caravan::ShardCodec codec(h.compression, h.numel, h.ratio);
         std::string seed(reinterpret_cast<const char*>(head), 4);
         for (int k = 0; k < h.workers; ++k) {
-          const float pushKind = (count + k) % 4 == 3 ? (count % 2 ? 2.0f : 3.0f) : 0.0f;
+          caravan::PushHeader header;
+          header.kind = (count + k) % 4 == 3
+                            ? (count % 2 ? caravan::PushKind::kSync : caravan::PushKind::kState)
+                            : caravan::PushKind::kGradient;
+          header.learningRate = 0.05;
+          header.requestedFraction = 0.25 * k;
           at::Tensor grad = at::linspace(-1.0 - k, 2.0 + k, h.numel, at::kFloat);
-          at::Tensor push = at::cat({codec.encode(grad).contiguous(),
-                                     at::tensor({0.05f, pushKind}, at::kFloat)});
+          at::Tensor push = caravan::encodePush(header, codec.encode(grad).contiguous());
           seed.append(static_cast<const char*>(push.data_ptr()), push.numel() * sizeof(float));
         }
         caravan::fuzz::writeSeed(dir, "push-" + std::to_string(count++), seed);
@@ -67,10 +73,11 @@ void writeSeeds(const std::string& dir) {
   const uint8_t head[4] = {3, 16, 63, 1};
   std::string bye(reinterpret_cast<const char*>(head), 4);
   caravan::ShardCodec codec(caravan::Compression::kTopK, 16, 0.25);
+  caravan::PushHeader goodbye;
+  goodbye.kind = caravan::PushKind::kGoodbye;
   for (int k = 0; k < 2; ++k) {
-    std::vector<float> push(codec.words() + 2, 0.0f);
-    push.back() = 1.0f;
-    bye.append(reinterpret_cast<const char*>(push.data()), push.size() * sizeof(float));
+    at::Tensor push = caravan::encodePush(goodbye, at::zeros({codec.words()}, at::kFloat));
+    bye.append(static_cast<const char*>(push.data_ptr()), push.numel() * sizeof(float));
   }
   caravan::fuzz::writeSeed(dir, "goodbye", bye);
 }
@@ -88,12 +95,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   caravan::fuzz::runGuarded("codec", [&] {
     const caravan::ShardCodec codec(h.compression, h.numel, h.ratio);
     const int64_t words = codec.words();
-    // W pushes of words + 2 floats from the input, zero-filled past its end.
+    // W pushes of header + codec words from the input, zero-filled past its end.
+    const int64_t pushWords = caravan::PushHeader::kWords + words;
     std::vector<at::Tensor> pushes;
     size_t offset = 4;
     for (int k = 0; k < h.workers; ++k) {
-      at::Tensor p = at::zeros({words + 2}, at::kFloat);
-      const size_t want = static_cast<size_t>(words + 2) * sizeof(float);
+      at::Tensor p = at::zeros({pushWords}, at::kFloat);
+      const size_t want = static_cast<size_t>(pushWords) * sizeof(float);
       const size_t have = offset < size ? std::min(want, size - offset) : 0;
       if (have > 0) std::memcpy(p.data_ptr(), data + offset, have);
       offset += want;
@@ -101,18 +109,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     // serveBsp: the round's kind; serveAsync: each push's (a PeerError names the worker).
     try {
-      caravan::roundKind(pushes, words + 1, /*serverRank=*/h.workers, /*step=*/1);
+      caravan::decodeRound(pushes, /*serverRank=*/h.workers, /*step=*/1);
     } catch (const caravan::PeerError&) {
     }
     for (int k = 0; k < h.workers; ++k) {
       try {
-        caravan::pushKind(pushes[k], words + 1, k, /*serverRank=*/h.workers);
+        caravan::decodePush(pushes[k], k, /*serverRank=*/h.workers);
       } catch (const caravan::PeerError&) {
       }
     }
     std::vector<at::Tensor> grads;
     for (const auto& p : pushes) {
-      at::Tensor g = codec.decode(p.narrow(0, 0, words));
+      at::Tensor g = codec.decode(caravan::pushPayload(p));
       if (g.scalar_type() != at::kFloat || g.dim() != 1 || g.numel() != h.numel) {
         std::fprintf(stderr, "\nfuzz codec: decode returned %s of %lld elements, expected %lld\n",
                      c10::toString(g.scalar_type()), static_cast<long long>(g.numel()),
@@ -121,7 +129,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       grads.push_back(g);
     }
-    const at::Tensor mean = caravan::averagePushes(grads, h.numel);
+    const at::Tensor mean = caravan::averagePayloads(grads, h.numel);
     if (mean.numel() != h.numel) {
       std::fprintf(stderr, "\nfuzz codec: averagePushes returned %lld elements, expected %lld\n",
                    static_cast<long long>(mean.numel()), static_cast<long long>(h.numel));

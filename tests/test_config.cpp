@@ -3,9 +3,13 @@
 
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "core/config.h"
 #include "core/errors.h"
+#include "core/log.h"
 
 using namespace caravan;
 
@@ -141,4 +145,40 @@ TEST(Config, DocsMatchSchema) {
   ss << in.rdbuf();
   EXPECT_NE(ss.str().find(Config::schemaMarkdown()), std::string::npos)
       << "docs/config.md is stale: regenerate it with caravan config --schema";
+}
+
+// CARAVAN_CHECK_EQ/LE/LT name the expression and both values, and evaluate each side once.
+TEST(Check, ComparisonFailureNamesBothValues) {
+  int calls = 0;
+  auto next = [&] { return ++calls; };
+  EXPECT_NO_THROW(CARAVAN_CHECK_LE(next(), 1, "first call"));
+  EXPECT_EQ(calls, 1);
+  try {
+    const int64_t rows = 3;
+    CARAVAN_CHECK_EQ(rows, int64_t{4}, "rows of {}", "w");
+    ADD_FAILURE() << "CARAVAN_CHECK_EQ passed 3 == 4";
+  } catch (const caravan::InternalError& e) {
+    EXPECT_NE(std::string(e.what()).find("rows == int64_t{4} (3 vs 4) (rows of w)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(CARAVAN_CHECK_LT(2.5, 2.5, "equal"), caravan::InternalError);
+}
+
+// Library messages (warnings, stall reports) go to the one installed sink, whole lines, from
+// any thread; without one they go to stderr.
+TEST(Log, LinesGoToTheInstalledSinkFromAnyThread) {
+  std::vector<std::string> lines;
+  caravan::LogSink previous =
+      caravan::setLogSink([&](const std::string& l) { lines.push_back(l); });
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([t] {
+      for (int i = 0; i < 50; ++i) caravan::logLine("warning: " + std::to_string(t));
+    });
+  }
+  for (auto& th : threads) th.join();
+  caravan::setLogSink(std::move(previous));
+  ASSERT_EQ(lines.size(), 200u);
+  for (const auto& l : lines) EXPECT_EQ(l.rfind("warning: ", 0), 0u) << l;
 }

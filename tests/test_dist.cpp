@@ -12,11 +12,12 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "comm/launch.h"
+#include "cli/launch.h"
 #include "core/config.h"
-#include "train/checkpoint.h"
-#include "train/setup.h"
 #include "test_util.h"
+#include "train/checkpoint.h"
+#include "train/run_setup.h"
+#include "train/setup.h"
 
 using namespace caravan;
 using caravan::test::TempDir;
@@ -74,11 +75,11 @@ std::vector<int> runRanks(int world, const std::string& runDir,
 std::map<std::string, at::Tensor> finalParams(const std::string& runDir,
                                               const std::vector<std::string>& overrides) {
   Config config = Config::fromString("", "<test>", overrides);
-  BlockModel model = buildModel(makeModelSpec(config), makeDatasets(config).train->shape());
-  auto optimizer = makeOptimizer(config, model);
+  RunSetup setup(config);
+  BlockModel& model = setup.model;
   auto latest = CheckpointDir(runDir, 3).latest();
   EXPECT_TRUE(latest.has_value()) << runDir;
-  loadCheckpoint(*latest, *model, *optimizer, runIdentity(config));
+  loadCheckpoint(*latest, *model, *setup.optimizer, setup.identity);
   std::map<std::string, at::Tensor> out;
   for (const auto& p : model->named_parameters()) out[p.key()] = p.value().detach().clone();
   return out;

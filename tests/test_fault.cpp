@@ -24,7 +24,7 @@
 
 #include <fmt/format.h>
 
-#include "comm/launch.h"
+#include "cli/launch.h"
 #include "run_util.h"
 #include "test_util.h"
 

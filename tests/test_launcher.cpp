@@ -16,17 +16,20 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <map>
 #include <optional>
 #include <thread>
 
-#include "comm/launch.h"
+#include "cli/launch.h"
 #include "comm/world.h"
 #include "core/config.h"
+#include "core/errors.h"
 #include "run_util.h"
 #include "test_util.h"
+#include "train/trainer.h"
 
 extern char** environ;
 
@@ -482,4 +485,168 @@ TEST_F(LauncherProcess, RefusedUnderAnotherLauncherOrWithABadConfig) {
   expectRefused("train --config c.toml " + kSynthetic + " --run-dir run --workers 2",
                 "already holds a run");
   EXPECT_EQ(std::distance(fs::directory_iterator(tmp_ / "run"), fs::directory_iterator()), 1);
+}
+
+// Every combination of keys that cannot run is refused before any worker starts: `--workers 4`
+// exits 2 with one line in under 2 s, never forks a worker, and creates no run directory. Each
+// rank under an external launcher refuses with the same line before it connects (rank 1 of 4
+// here, whose master never comes: without the check it would wait fault.timeout).
+TEST_F(LauncherProcess, RefusedCombinationsExitBeforeAnyWorkerStartsWithOneLine) {
+  const std::vector<std::pair<std::string, std::string>> combinations = {
+      {"--set sync.mode=gossip --set sync.compression=fp16",
+       "sync.compression = fp16 works with sync.mode = allreduce"},
+      {"--set sync.mode=ps-bsp --set optim.grad_clip=1",
+       "optim.grad_clip is not supported with parameter-server modes"},
+      {"--set sync.mode=local-sgd --set memory.weights=offload",
+       "memory.weights = offload works with sync.mode = allreduce"},
+      {"--set sync.compression=bf16 --set memory.weights=offload",
+       "memory.weights = offload exchanges uncompressed"},
+      {"--set sync.mode=osp --set train.nonfinite_skips=2",
+       "train.nonfinite_skips needs the update after backward; sync.mode = osp"},
+      {"--set memory.weights=offload --set train.nonfinite_skips=2",
+       "train.nonfinite_skips needs the update after backward; memory.weights = offload"},
+      {"--set sync.mode=ps-asp --set dist.backend=mpi", "runs on dist.backend = gloo only"},
+      {"--set optim.nesterov=true --set optim.momentum=0", "optim.nesterov = true needs"},
+  };
+  const int port = 20000 + static_cast<int>(::getpid() % 20000);
+  for (const auto& [settings, needle] : combinations) {
+    SCOPED_TRACE(settings);
+    reaped_ = false;
+    const auto t0 = Clock::now();
+    start("train --config c.toml " + kSynthetic + " " + settings + " --run-dir run --workers 4");
+    bool forked = false;
+    std::optional<int> status;
+    while (!status && Clock::now() - t0 < seconds(30)) {
+      forked = forked || !childrenOf(supervisor_).empty();
+      status = waitExit(milliseconds(1));
+    }
+    const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+    ASSERT_TRUE(status.has_value());
+    const std::string line = readFile(tmp_ / "err");
+    ASSERT_TRUE(WIFEXITED(*status)) << line;
+    EXPECT_EQ(WEXITSTATUS(*status), 2) << line;
+    EXPECT_EQ(countLines(line), 1) << line;
+    EXPECT_NE(line.find(needle), std::string::npos) << line;
+    EXPECT_LT(took, 2.0) << line;
+    EXPECT_FALSE(forked);
+    EXPECT_FALSE(fs::exists(tmp_ / "run"));
+
+    reaped_ = false;
+    const auto r0 = Clock::now();
+    start(
+        "train --config c.toml " + kSynthetic + " " + settings + " --run-dir rank-run",
+        {"RANK=1", "WORLD_SIZE=4", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)});
+    status = waitExit(seconds(30));
+    ASSERT_TRUE(status.has_value());
+    const std::string rankLine = readFile(tmp_ / "err");
+    ASSERT_TRUE(WIFEXITED(*status)) << rankLine;
+    EXPECT_EQ(WEXITSTATUS(*status), 2) << rankLine;
+    EXPECT_EQ(rankLine, line);
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - r0).count(), 2.0) << rankLine;
+  }
+}
+
+// The lock itself: one holder at a time, the refused process learns the holder's pid, and a
+// holder killed with SIGKILL leaves the directory free.
+TEST(RunDirectoryLock, OneHolderAtATimeAndAKilledHolderReleasesIt) {
+  TempDir dir;
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t holder = ::fork();
+  ASSERT_GE(holder, 0);
+  if (holder == 0) {
+    const auto lock = lockRunDirectory(dir.path());
+    const char byte = 1;
+    if (::write(ready[1], &byte, 1) != 1) ::_exit(1);
+    ::pause();
+    ::_exit(0);
+  }
+  char byte = 0;
+  ASSERT_EQ(::read(ready[0], &byte, 1), 1);
+  ::close(ready[0]);
+  ::close(ready[1]);
+  try {
+    lockRunDirectory(dir.path());
+    ADD_FAILURE() << "a second holder took the lock";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("in use by process " + std::to_string(holder)),
+              std::string::npos)
+        << e.what();
+  }
+  ::kill(holder, SIGKILL);
+  ::waitpid(holder, nullptr, 0);
+  EXPECT_TRUE(lockRunDirectory(dir.path())->held());
+}
+
+// Two jobs on one run directory: the second (a single process or a --workers launcher) is
+// refused with one line naming the first, before it writes anything; once the first is
+// killed, the directory can be resumed again.
+TEST_F(LauncherProcess, SecondJobOnARunDirectoryInUseIsRefusedNamingItsHolder) {
+  run_ = tmp_ / "run";
+  start("train --config c.toml " + kSynthetic +
+        " --set train.max_steps=10000000 --set train.log_every=1 --set checkpoint.every=5"
+        " --run-dir run");
+  ASSERT_TRUE(waitUntil([&] { return fs::exists(run_ + "/checkpoints"); }, seconds(60)))
+      << readFile(tmp_ / "err");
+  const std::string config = tmp_ / "c.toml";
+  const std::string holder = "in use by process " + std::to_string(supervisor_);
+  const std::string before = readFile(run_ + "/metrics.jsonl");
+  for (const std::string& how :
+       {"train --resume " + run_, "train --resume " + run_ + " --workers 2",
+        "train --config " + config + " " + kSynthetic + " --run-dir " + run_}) {
+    SCOPED_TRACE(how);
+    const auto t0 = Clock::now();
+    const CommandResult r = runCaravan(how);
+    EXPECT_EQ(r.exitCode, 2) << r.err;
+    EXPECT_EQ(countLines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find(holder), std::string::npos) << r.err;
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 5.0);
+  }
+  // The refused jobs wrote nothing: the first run's records are all still there.
+  const std::string after = readFile(run_ + "/metrics.jsonl");
+  EXPECT_EQ(after.substr(0, before.size()), before);
+  ::killpg(supervisor_, SIGKILL);
+  ::waitpid(supervisor_, nullptr, 0);
+  reaped_ = true;
+  // Free again: a resume runs, two steps past the newest checkpoint the killed run left.
+  int64_t newest = 0;
+  for (const auto& f : fs::directory_iterator(run_ + "/checkpoints")) {
+    const std::string name = f.path().filename();
+    if (name.rfind("step-", 0) == 0) newest = std::max<int64_t>(newest, std::stoll(name.substr(5)));
+  }
+  const CommandResult again = runCaravan("train -q --resume " + run_ +
+                                         " --set train.max_steps=" + std::to_string(newest + 2));
+  EXPECT_EQ(again.err.find("in use"), std::string::npos) << again.err;
+  EXPECT_EQ(again.exitCode, 0) << again.err;
+}
+
+// A rank under an external launcher whose peers never start says so within
+// fault.rendezvous_timeout (not fault.timeout), with how many ranks arrived; a rank whose
+// master never starts names the address it could not reach.
+TEST_F(LauncherProcess, MissingPeersAreReportedWithinTheRendezvousTimeout) {
+  const int port = caravan::pickFreeLoopbackPort();
+  const std::vector<std::string> world = {"WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+                                          "MASTER_PORT=" + std::to_string(port)};
+  const std::string args = "train --config c.toml " + kSynthetic +
+                           " --set fault.timeout=60 --set fault.rendezvous_timeout=2"
+                           " --run-dir run";
+  for (const auto& [rank, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"RANK=0", "1 of 2 ranks arrived at the rendezvous within 2000 ms; rank 1 did not"},
+           {"RANK=1", "could not reach the rendezvous store at 127.0.0.1:" + std::to_string(port) +
+                          " within 2000 ms"}}) {
+    SCOPED_TRACE(rank);
+    std::vector<std::string> env = world;
+    env.push_back(rank);
+    reaped_ = false;
+    const auto t0 = Clock::now();
+    start(args, env);
+    const std::optional<int> status = waitExit(seconds(30));
+    ASSERT_TRUE(status.has_value());
+    const std::string err = readFile(tmp_ / "err");
+    ASSERT_TRUE(WIFEXITED(*status)) << err;
+    EXPECT_EQ(WEXITSTATUS(*status), 7) << err;
+    EXPECT_NE(err.find(needle), std::string::npos) << err;
+    EXPECT_EQ(countLines(err), 1) << err;
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10.0) << err;
+  }
 }

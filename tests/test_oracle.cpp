@@ -40,13 +40,15 @@ void compareWithPyTorch(const std::vector<std::string>& overrides) {
   }
   o.insert(o.end(), overrides.begin(), overrides.end());
   Config config = Config::fromString("", "<oracle>", o);
-  applyRuntimeConfig(config);
-  DatasetSplits data = makeDatasets(config);
+  const RunOptions options = RunOptions::read(config);
+  applyRuntimeOptions(options.runtime);
+  DatasetSplits data = makeDatasets(options.data, options.seed.data);
   const DataShape shape = data.train->shape();
   torch::manual_seed(7);
-  BlockModel model = buildModel(makeModelSpec(config), shape);
-  auto optimizer = makeOptimizer(config, model);
-  const ScheduleOptions schedule = makeScheduleOptions(config, kSteps);
+  BlockModel model = buildModel(options.model, shape);
+  auto optimizer = makeOptimizer(options.optim, model->parameters());
+  ScheduleOptions schedule = options.schedule;
+  schedule.totalSteps = kSteps;
 
   TempDir tmp;
   c10::Dict<std::string, at::Tensor> dump;
@@ -54,7 +56,7 @@ void compareWithPyTorch(const std::vector<std::string>& overrides) {
   for (const auto& b : model->named_buffers()) dump.insert("state." + b.key(), b.value().clone());
   SamplerOptions so;
   so.datasetSize = data.train->size();
-  so.batchSize = config.i64("data.batch_size");
+  so.batchSize = options.data.batchSize;
   Sampler sampler(so);
   std::vector<Batch> batches;
   std::vector<double> lrs;

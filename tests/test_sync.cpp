@@ -409,12 +409,57 @@ TEST(PsMessages, ACraftedPushIsRefusedNamingTheWorker) {
         << "lr " << lr << ": " << errors[1];
     EXPECT_NE(errors[0], "") << "the worker cannot go on without its server";
   }
-  const at::Tensor push = at::tensor({0.5f, 0.1f, 7.0f});
+  PushHeader header;
+  header.learningRate = 0.1;
+  at::Tensor push = encodePush(header, at::ones({3}));
+  static_cast<uint32_t*>(push.data_ptr())[1] = 7;  // the kind's word
+  auto refusal = [](const at::Tensor& message) {
+    try {
+      decodePush(message, 3, 9);
+    } catch (const PeerError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(refusal(push).find("rank 9 (server): worker 3 sent a message of unknown kind 7"),
+            std::string::npos)
+      << refusal(push);
+  push[0] = 0.5f;  // an old-style push: values where the header should be
+  EXPECT_NE(refusal(push).find("worker 3 sent a message that is no push"), std::string::npos)
+      << refusal(push);
+}
+
+// The header is bytes, not float values: a learning rate and a fraction come back with every
+// bit (the float32 elements the header replaced rounded them), the payload unchanged.
+TEST(PsMessages, HeadersKeepEveryBitAndThePayload) {
+  PushHeader push;
+  push.kind = PushKind::kState;
+  push.learningRate = std::nextafter(0.05, 1.0);
+  push.requestedFraction = 1.0 / 3.0;
+  const at::Tensor payload = at::randn({5});
+  const at::Tensor message = encodePush(push, payload);
+  ASSERT_EQ(message.numel(), PushHeader::kWords + 5);
+  const PushHeader back = decodePush(message, 0, 1);
+  EXPECT_EQ(back.kind, PushKind::kState);
+  EXPECT_EQ(back.learningRate, push.learningRate);
+  EXPECT_EQ(back.requestedFraction, push.requestedFraction);
+  EXPECT_TRUE(at::equal(pushPayload(message), payload));
+
+  PullHeader pull;
+  pull.staleness = (int64_t{1} << 40) + 1;  // not a float32 value
+  const at::Tensor reply = encodePull(pull, payload);
+  EXPECT_EQ(decodePull(reply, 2).staleness, pull.staleness);
+  EXPECT_TRUE(at::equal(pullPayload(reply), payload));
+
+  // A round must agree on the kind; the message names both workers' kinds.
+  PushHeader gradient;
+  gradient.learningRate = 0.1;
   try {
-    pushKind(push, 2, 3, 9);
-    ADD_FAILURE() << "kind 7 accepted";
+    decodeRound({encodePush(gradient, payload), message}, 4, 17);
+    ADD_FAILURE() << "a round of a gradient and a checkpoint request was accepted";
   } catch (const PeerError& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 9 (server): worker 3 sent a message of unknown kind 7"),
+    EXPECT_NE(std::string(e.what()).find("at step 17 worker 0 sent a gradient push and worker 1 "
+                                         "a checkpoint push"),
               std::string::npos)
         << e.what();
   }

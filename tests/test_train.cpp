@@ -9,13 +9,14 @@
 
 #include "core/config.h"
 #include "core/errors.h"
+#include "run_util.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
+#include "train/run_setup.h"
 #include "train/schedule.h"
 #include "train/setup.h"
 #include "train/step.h"
 #include "train/trainer.h"
-#include "run_util.h"
-#include "test_util.h"
 
 using namespace caravan;
 using caravan::test::finalWeights;
@@ -139,8 +140,9 @@ class CheckpointFile : public ::testing::Test {
  protected:
   void SetUp() override {
     config_ = syntheticConfig({"model.name=mlp", "model.width=8", "optim.name=adamw"});
-    model_ = buildModel(makeModelSpec(config_), makeDatasets(config_).train->shape());
-    optimizer_ = makeOptimizer(config_, model_);
+    setup_ = std::make_unique<RunSetup>(config_);
+    model_ = setup_->model;
+    optimizer_ = setup_->optimizer.get();
     // One step so the optimizer has state to save.
     auto out = model_->forward(torch::randn({4, 1, 28, 28}));
     out.sum().backward();
@@ -148,23 +150,25 @@ class CheckpointFile : public ::testing::Test {
     state_.step = 5;
     state_.position = {1, 3};
     state_.rngState = at::detail::getDefaultCPUGenerator().get_state();
-    state_.meta = runIdentity(config_);
+    state_.meta = setup_->identity;
     path_ = tmp_ / "a.ckpt";
     saveCheckpoint(path_, *model_, *optimizer_, state_);
   }
 
   Config config_;
+  std::unique_ptr<RunSetup> setup_;
   BlockModel model_{nullptr};
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  torch::optim::Optimizer* optimizer_ = nullptr;
   TrainingState state_;
   TempDir tmp_;
   std::string path_;
 };
 
 TEST_F(CheckpointFile, RoundTrip) {
-  BlockModel other = buildModel(makeModelSpec(config_), makeDatasets(config_).train->shape());
-  auto otherOpt = makeOptimizer(config_, other);
-  TrainingState s = loadCheckpoint(path_, *other, *otherOpt, runIdentity(config_));
+  RunSetup fresh(config_);
+  BlockModel& other = fresh.model;
+  torch::optim::Optimizer* otherOpt = fresh.optimizer.get();
+  TrainingState s = loadCheckpoint(path_, *other, *fresh.optimizer, fresh.identity);
   EXPECT_EQ(s.step, 5);
   EXPECT_EQ(s.position, (SamplerPosition{1, 3}));
   EXPECT_TRUE(at::equal(s.rngState, state_.rngState));
@@ -189,7 +193,7 @@ TEST_F(CheckpointFile, TruncatedIsRefusedAndLeftAlone) {
   std::string bytes = test::readFile(path_);
   test::writeFile(path_, bytes.substr(0, bytes.size() / 2));
   try {
-    loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_));
+    loadCheckpoint(path_, *model_, *optimizer_, setup_->identity);
     FAIL() << "no error";
   } catch (const CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
@@ -197,7 +201,7 @@ TEST_F(CheckpointFile, TruncatedIsRefusedAndLeftAlone) {
   }
   EXPECT_EQ(test::readFile(path_), bytes.substr(0, bytes.size() / 2));
   test::writeFile(path_, bytes.substr(0, 10));
-  EXPECT_THROW(loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_)), CheckpointError);
+  EXPECT_THROW(loadCheckpoint(path_, *model_, *optimizer_, setup_->identity), CheckpointError);
 }
 
 TEST_F(CheckpointFile, AHeaderClaimingMoreThanTheFileIsRefusedBeforeReading) {
@@ -208,7 +212,7 @@ TEST_F(CheckpointFile, AHeaderClaimingMoreThanTheFileIsRefusedBeforeReading) {
   for (int i = 0; i < 8; ++i) bytes[8 + i] = static_cast<char>((claimed >> (8 * i)) & 0xff);
   test::writeFile(path_, bytes);
   try {
-    loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_));
+    loadCheckpoint(path_, *model_, *optimizer_, setup_->identity);
     FAIL() << "no error";
   } catch (const CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find("header says 1099511627776 bytes"), std::string::npos)
@@ -222,7 +226,7 @@ TEST_F(CheckpointFile, CorruptedByteIsRefused) {
   bytes[bytes.size() / 2] ^= 0x5a;
   test::writeFile(path_, bytes);
   try {
-    loadCheckpoint(path_, *model_, *optimizer_, runIdentity(config_));
+    loadCheckpoint(path_, *model_, *optimizer_, setup_->identity);
     FAIL() << "no error";
   } catch (const CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find("corrupt"), std::string::npos) << e.what();
@@ -231,10 +235,9 @@ TEST_F(CheckpointFile, CorruptedByteIsRefused) {
 
 TEST_F(CheckpointFile, OtherModelIsRefused) {
   Config other = syntheticConfig({"model.name=mlp", "model.width=16", "optim.name=adamw"});
-  BlockModel m = buildModel(makeModelSpec(other), makeDatasets(other).train->shape());
-  auto o = makeOptimizer(other, m);
+  RunSetup setup(other);
   try {
-    loadCheckpoint(path_, *m, *o, runIdentity(other));
+    loadCheckpoint(path_, *setup.model, *setup.optimizer, setup.identity);
     FAIL() << "no error";
   } catch (const CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find("model.width"), std::string::npos) << e.what();
@@ -244,7 +247,8 @@ TEST_F(CheckpointFile, OtherModelIsRefused) {
 TEST(ExportStateDict, WritesLoadableDict) {
   TempDir tmp;
   Config c = syntheticConfig({"model.name=mlp", "model.width=8"});
-  BlockModel m = buildModel(makeModelSpec(c), makeDatasets(c).train->shape());
+  RunSetup setup(c);
+  BlockModel& m = setup.model;
   exportStateDict(tmp / "model.pt", *m);
   std::string bytes = test::readFile(tmp / "model.pt");
   auto dict = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();

@@ -15,7 +15,7 @@
 
 #include <fmt/format.h>
 
-#include "comm/launch.h"
+#include "cli/launch.h"
 #include "comm/world.h"
 #include "core/errors.h"
 

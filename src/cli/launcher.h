@@ -2,7 +2,7 @@
 //
 // The `caravan` process becomes a supervisor: it picks a free loopback port, starts N copies
 // of its own executable (/proc/self/exe) with the same arguments minus `--workers` and the
-// environment of comm/launch.h (RANK, WORLD_SIZE, MASTER_ADDR/PORT, CARAVAN_LAUNCHER=caravan),
+// environment of cli/launch.h (RANK, WORLD_SIZE, MASTER_ADDR/PORT, CARAVAN_LAUNCHER=caravan),
 // and waits for them. Rank 0 keeps the terminal; rank r > 0 runs with --quiet and its stdout
 // and stderr appended to RUN_DIR/rank-<r>.log.
 //

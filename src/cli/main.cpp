@@ -13,17 +13,19 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "cli/launch.h"
 #include "cli/launcher.h"
-#include "comm/launch.h"
 #include "comm/world.h"
 #include "core/config.h"
 #include "core/errors.h"
-#include "train/checkpoint.h"
-#include "train/distributed.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
 #include "report/report.h"
+#include "train/checkpoint.h"
+#include "train/distributed.h"
 #include "train/memory_setup.h"
+#include "train/run_options.h"
+#include "train/run_setup.h"
 #include "train/setup.h"
 #include "train/step.h"
 #include "train/trainer.h"
@@ -130,11 +132,14 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
         "rank {} of {} under {}; drop --workers (the launcher decides) or unset them",
         vars, world.rank, world.worldSize, world.launcher));
   }
-  // Check the config here, once, rather than in N workers.
+  // Check the config here, once, rather than in N workers: every key, and every combination
+  // of keys for this job's size, before any worker starts.
   const Config config = loadTrainConfig(configPath, overrides, resumeDir);
   LaunchOptions launch;
   // Parameter-server modes: N workers plus sync.servers server processes.
   launch.workers = workers + serverCount(config);
+  const RunOptions options = RunOptions::read(config);
+  validate(options, launch.workers);
   launch.program = argv[0];
   launch.args.assign(argv + 1, argv + argc);
   if (!resumeDir.empty()) {
@@ -145,8 +150,18 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
     launch.runDir = defaultRunDir(configPath);  // chosen once, so every rank agrees
     launch.addRunDir = true;
   }
-  launch.threadsConfigured = config.i64("train.threads") > 0;
-  // Before any worker starts (and writes its log into the directory).
+  launch.threadsConfigured = options.runtime.threads > 0;
+  // Before any worker starts (and writes its log into the directory): the directory is this
+  // job's until the launcher returns, and holds what a new run or --resume expects.
+  std::unique_ptr<DirectoryLock> lock;
+  if (resumeDir.empty() || std::filesystem::is_directory(launch.runDir)) {
+    std::error_code ec;
+    std::filesystem::create_directories(launch.runDir, ec);
+    if (ec) {
+      throw IoError(fmt::format("cannot create run directory {}: {}", launch.runDir, ec.message()));
+    }
+    lock = lockRunDirectory(launch.runDir);
+  }
   checkRunDirectory(launch.runDir, !resumeDir.empty());
   // --max-restarts K: after a failed worker, the job starts again from the run's newest
   // checkpoint (the workers that were stopped wrote one if they could), K times at most.
@@ -156,7 +171,7 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
     } catch (const WorkerError& e) {
       if (restart > maxRestarts) throw;
       const std::optional<std::string> latest =
-          CheckpointDir(launch.runDir, config.i64("checkpoint.keep")).latest();
+          CheckpointDir(launch.runDir, options.loop.checkpointKeep).latest();
       if (!latest) {
         throw WorkerError(fmt::format("{}; not restarted: {} has no checkpoint yet (set "
                                       "checkpoint.every to restart from one)",
@@ -175,26 +190,22 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
 int runPlan(const std::string& configPath, const std::vector<std::string>& overrides) {
   const Config config = configPath.empty() ? Config::fromString("", "<defaults>", overrides)
                                            : Config::fromFile(configPath, overrides);
-  applyRuntimeConfig(config);
+  const RunOptions options = RunOptions::read(config);
+  applyRuntimeOptions(options.runtime);
   installSavedTensorEngine();
-  DatasetSplits data = makeDatasets(config);
-  torch::manual_seed(static_cast<uint64_t>(config.i64("seed.init")));
-  BlockModel model = buildModel(makeModelSpec(config), data.train->shape());
-  model->train();
-  std::vector<int64_t> first;
-  for (int64_t i = 0; i < std::min(config.i64("data.batch_size"), data.train->size()); ++i) {
-    first.push_back(i);
-  }
-  const Batch sample = data.train->get(first);
-  ActivationMemory m = makeActivationMemory(config, model, sample, /*plan=*/true);
-  std::cout << fmt::format("{} ({} blocks), batch {}\n", model->modelName(), model->numBlocks(),
-                           sample.size())
+  RunSetup setup = RunSetup::forInspection(config);
+  setup.model->train();
+  const Batch sample = setup.sampleBatch();
+  ActivationMemory m = makeActivationMemory(options, setup.model, sample, /*plan=*/true);
+  std::cout << fmt::format("{} ({} blocks), batch {}\n", setup.model->modelName(),
+                           setup.model->numBlocks(), sample.size())
             << m.report;
   if (!m.plan->fits) {
-    const int64_t smallest = m.plan->prediction.peakBytes + persistentBytes(config, model);
-    throw ConfigError(fmt::format("no plan fits memory.budget = {}; the smallest budget the "
-                                  "planner can fit is {} ({} bytes)",
-                                  config.str("memory.budget"), formatBytes(smallest), smallest));
+    const int64_t smallest = m.plan->prediction.peakBytes + persistentBytes(options, setup.model);
+    throw ConfigError(
+        fmt::format("no plan fits memory.budget = {}; the smallest budget the "
+                    "planner can fit is {} ({} bytes)",
+                    options.memory.budgetText, formatBytes(smallest), smallest));
   }
   return 0;
 }
@@ -206,19 +217,20 @@ int runEval(const std::string& runDir, std::string checkpoint,
     throw CheckpointError(fmt::format("{} has no config.toml (is it a Caravan run directory?)",
                                       runDir));
   }
-  Config config = Config::fromFile(saved, overrides);
-  applyRuntimeConfig(config);
+  const Config config = Config::fromFile(saved, overrides);
+  const RunOptions options = RunOptions::read(config);
+  applyRuntimeOptions(options.runtime);
   if (checkpoint.empty()) {
-    CheckpointDir dir(runDir, config.i64("checkpoint.keep"));
+    CheckpointDir dir(runDir, options.loop.checkpointKeep);
     auto latest = dir.latest();
     if (!latest) throw CheckpointError(fmt::format("{} has no checkpoints to evaluate", runDir));
     checkpoint = *latest;
   }
-  DatasetSplits data = makeDatasets(config);
-  BlockModel model = buildModel(makeModelSpec(config), data.train->shape());
-  auto optimizer = makeOptimizer(config, model);
-  TrainingState st = loadCheckpoint(checkpoint, *model, *optimizer, runIdentity(config));
-  EvalResult r = evaluate(model, *data.test, config.i64("data.eval_batch_size"), 0);
+  RunSetup setup = RunSetup::forInspection(config);
+  // The optimizer only to read the checkpoint into (its state is not used here).
+  const auto optimizer = makeOptimizer(options.optim, setup.model->parameters());
+  TrainingState st = loadCheckpoint(checkpoint, *setup.model, *optimizer, setup.identity);
+  EvalResult r = evaluate(setup.model, *setup.data.test, options.data.evalBatchSize, 0);
   nlohmann::json out = {{"checkpoint", checkpoint}, {"step", st.step}, {"loss", r.loss},
                         {"accuracy", r.accuracy}, {"examples", r.examples}};
   std::cout << out.dump() << std::endl;
@@ -249,11 +261,15 @@ int main(int argc, char** argv) {
   // A write past the file-size limit (ulimit -f) fails with EFBIG, which the writers report in
   // one line and clean up after, rather than killing the process with SIGXFSZ.
   std::signal(SIGXFSZ, SIG_IGN);
+  // Gloo writes to its sockets with writev: a peer that died would kill this rank with SIGPIPE
+  // (no message, no exit code) instead of the EPIPE that becomes a PeerError naming the peer.
+  std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{
-      "caravan: train deep networks on one worker today; across a cluster and beyond memory "
-      "as the engine grows.\nExit codes: 0 ok, 1 internal error, 2 bad usage or config, 3 "
-      "dataset, 4 checkpoint, 5 file system, 6 non-finite loss, 7 lost peer, 8 a worker process "
-      "failed, 130 interrupted."};
+      "caravan: train deep networks on one process, data-parallel across processes and hosts "
+      "(all-reduce, local SGD, gossip, parameter servers, OSP) and beyond memory (per-block "
+      "keep/recompute/swap, out-of-core weights).\nExit codes: 0 ok, 1 internal error, 2 bad "
+      "usage or config, 3 dataset, 4 checkpoint, 5 file system, 6 non-finite loss, 7 lost peer, "
+      "8 a worker process failed, 130 interrupted."};
   app.require_subcommand(1);
 
   std::string configPath, runDir, resumeDir, checkpoint;
@@ -329,6 +345,22 @@ int main(int argc, char** argv) {
                         "also write every chart as DIR/NAME.png (renders in headless Chromium)");
   reportCmd->add_option("--title", reportTitle, "the page's title");
 
+  // A first word that is no subcommand is named (CLI11 would say only that one is required).
+  if (argc > 1 && argv[1][0] != '-') {
+    std::string names;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+      known = known || sub->get_name() == argv[1];
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      std::fprintf(stderr,
+                   "caravan: error: unknown command '%s'; the commands are %s (see "
+                   "caravan --help)\n",
+                   argv[1], names.c_str());
+      return static_cast<int>(ExitCode::kConfig);
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

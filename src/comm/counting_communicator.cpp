@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "comm/comm_util.h"
+#include "core/scope_guard.h"
 
 namespace caravan {
 namespace {
@@ -28,13 +29,10 @@ class TrackedWork final : public Work {
       std::lock_guard<std::mutex> lock(waits_->mutex);
       waits_->byNumber.emplace(number_, std::make_pair(what_, std::chrono::steady_clock::now()));
     }
-    struct Done {
-      TrackedWork* w;
-      ~Done() {
-        std::lock_guard<std::mutex> lock(w->waits_->mutex);
-        w->waits_->byNumber.erase(w->number_);
-      }
-    } done{this};
+    const auto done = onScopeExit([this] {
+      std::lock_guard<std::mutex> lock(waits_->mutex);
+      waits_->byNumber.erase(number_);
+    });
     inner_->wait(timeout);
   }
   bool isCompleted() override { return inner_->isCompleted(); }

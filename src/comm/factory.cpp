@@ -47,10 +47,10 @@ std::string localAddressToward(const std::string& host, int port) {
   return out;
 }
 
-std::unique_ptr<Communicator> makeCommunicator(const std::string& backend,
-                                               const WorldInfo& world,
+std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const WorldInfo& world,
                                                c10::intrusive_ptr<c10d::Store> store,
-                                               std::chrono::milliseconds timeout) {
+                                               std::chrono::milliseconds timeout,
+                                               std::chrono::milliseconds joinTimeout) {
   if (timeout.count() <= 0) {
     throw ConfigError(fmt::format("communication timeout must be positive, got {} ms",
                                   timeout.count()));
@@ -59,6 +59,7 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend,
     CARAVAN_CHECK(store, "the gloo backend needs a rendezvous store");
     GlooOptions options;
     options.timeout = timeout;
+    options.joinTimeout = joinTimeout;
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname) {
       options.interface = ifname;
     } else if (isLoopbackAddress(world.masterAddr)) {

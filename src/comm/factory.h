@@ -7,7 +7,9 @@
 // mpi:  rank and size come from MPI (the store is not used); they must agree with what the
 //       launcher said, else ConfigError. A build without MPI throws ConfigError saying so.
 //
-// Threading: blocks the calling thread through the rendezvous (at most `timeout`). Every rank
+// `timeout` bounds every wait on a peer after the rendezvous; `joinTimeout` (zero: `timeout`)
+// the rendezvous itself.
+// Threading: blocks the calling thread through the rendezvous (at most `joinTimeout`). Every rank
 // calls it concurrently.
 #pragma once
 
@@ -22,10 +24,10 @@
 
 namespace caravan {
 
-std::unique_ptr<Communicator> makeCommunicator(const std::string& backend,
-                                               const WorldInfo& world,
+std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const WorldInfo& world,
                                                c10::intrusive_ptr<c10d::Store> store,
-                                               std::chrono::milliseconds timeout);
+                                               std::chrono::milliseconds timeout,
+                                               std::chrono::milliseconds joinTimeout = {});
 
 // True for 127.0.0.0/8, ::1 and "localhost".
 bool isLoopbackAddress(const std::string& address);

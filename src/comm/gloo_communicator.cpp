@@ -238,10 +238,13 @@ void joinAll(c10d::Store& store, int rank, int size, milliseconds timeout) {
     if (missing.empty()) {
       throw PeerError(fmt::format("rank {}: Gloo rendezvous failed: {}", rank, errorLine(e)));
     }
-    throw PeerError(fmt::format("rank {}: {} did not join the Gloo communicator within {}; start "
-                                "every rank with the same world size and store, and check the "
-                                "missing ranks' logs",
-                                rank, formatRanks(missing), formatDuration(timeout)));
+    throw PeerError(
+        fmt::format("rank {}: {} of {} ranks arrived at the rendezvous within {}; {} "
+                    "did not (start every rank with the same world size and store, "
+                    "check the missing ranks' logs, or raise "
+                    "fault.rendezvous_timeout)",
+                    rank, size - static_cast<int>(missing.size()), size, formatDuration(timeout),
+                    formatRanks(missing)));
   }
 }
 
@@ -296,7 +299,8 @@ GlooCommunicator::GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, int ra
   impl_->size = size;
   impl_->options = options;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix, std::move(store));
-  joinAll(*prefixed, rank, size, options.timeout);
+  joinAll(*prefixed, rank, size,
+          options.joinTimeout.count() > 0 ? options.joinTimeout : options.timeout);
   auto pgOptions = c10d::ProcessGroupGloo::Options::create(options.timeout);
   pgOptions->devices.push_back(makeDevice(options));
   pgOptions->threads = std::max(1, options.threads);

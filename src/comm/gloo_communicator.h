@@ -38,8 +38,10 @@
 namespace caravan {
 
 struct GlooOptions {
-  // Default for waits, the rendezvous, and Gloo's own I/O timeout.
+  // Default for waits and Gloo's own I/O timeout.
   std::chrono::milliseconds timeout = kDefaultCommTimeout;
+  // How long the constructor waits for every rank to join; zero: `timeout`.
+  std::chrono::milliseconds joinTimeout{0};
   // Where this rank's Gloo endpoint listens and what peers connect to: a network interface
   // (like GLOO_SOCKET_IFNAME) wins over a hostname/address; neither: this host's name.
   std::string interface;
@@ -51,8 +53,9 @@ struct GlooOptions {
 
 class GlooCommunicator final : public Communicator {
  public:
-  // Blocks until all `size` ranks joined through `store` (at most options.timeout); throws
-  // PeerError naming the ranks that did not, ConfigError for an unusable interface/hostname.
+  // Blocks until all `size` ranks joined through `store` (at most options.joinTimeout); throws
+  // PeerError saying how many arrived and naming the ranks that did not, ConfigError for an
+  // unusable interface/hostname.
   GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                    const GlooOptions& options);
   ~GlooCommunicator() override;

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "comm/comm_util.h"
+#include "core/log.h"
 
 namespace caravan {
 namespace {
@@ -139,16 +140,16 @@ void Heartbeat::reportStall(const CollectiveProgress& p) {
     for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
     return out;
   };
-  std::string line = fmt::format(
-      "caravan: stall: rank {} has waited {:.0f} s in collective #{} ({}) after step {}; ", rank_,
-      p.waitedSeconds, p.waitingIn, p.what, step_.load());
+  std::string line =
+      fmt::format("stall: rank {} has waited {:.0f} s in collective #{} ({}) after step {}; ",
+                  rank_, p.waitedSeconds, p.waitingIn, p.what, step_.load());
   line += behind.empty() ? std::string("every rank has issued it")
                          : "not reached by " + join(behind);
   if (!silent.empty()) {
     line += fmt::format("; no heartbeat from {} for {:.1f} s", join(silent),
                         2.0 * std::chrono::duration<double>(options_.interval).count());
   }
-  std::fprintf(stderr, "%s\n", line.c_str());
+  logLine(line);
 }
 
 void Heartbeat::run() {

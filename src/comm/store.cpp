@@ -23,6 +23,7 @@ c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOpt
     o.port = world.masterPort;
     o.isServer = world.rank == 0;
     o.timeout = options.timeout;
+    o.connectTimeout = options.connectTimeout;
     o.token = options.token;
     return c10::make_intrusive<TcpStore>(o);
   }

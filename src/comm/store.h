@@ -9,8 +9,8 @@
 // Errors: an unreachable master -> PeerError naming address:port and what to check; a port
 // rank 0 cannot bind, an unknown kind or a missing file path -> ConfigError.
 //
-// Threading: makeStore blocks (at most `timeout` while connecting) on the calling thread. The
-// returned store is thread-safe.
+// Threading: makeStore blocks (at most `connectTimeout` while connecting) on the calling thread.
+// The returned store is thread-safe.
 #pragma once
 
 #include <chrono>
@@ -27,7 +27,9 @@ inline constexpr std::chrono::milliseconds kDefaultStoreTimeout{30000};
 struct StoreOptions {
   std::string kind = "tcp";  // tcp | file
   std::string filePath;      // kind "file" only
-  std::chrono::milliseconds timeout = kDefaultStoreTimeout;  // connect, requests, default waits
+  std::chrono::milliseconds timeout = kDefaultStoreTimeout;  // requests, default waits
+  // tcp, ranks other than 0: how long to retry reaching rank 0's store; zero: `timeout`.
+  std::chrono::milliseconds connectTimeout{0};
   std::string token;  // tcp: every rank must present the same token (empty is a valid token)
 };
 

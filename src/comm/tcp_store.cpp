@@ -662,7 +662,7 @@ class TcpStore::Client {
         throw PeerError(fmt::format(
             "could not reach the rendezvous store at {} within {} (last error: {}); check that "
             "rank 0 is running and listening there (MASTER_ADDR, MASTER_PORT) and that no "
-            "firewall blocks the port",
+            "firewall blocks the port, or raise fault.rendezvous_timeout",
             where_, comm::formatDuration(timeout), lastError));
       }
       std::this_thread::sleep_for(
@@ -727,8 +727,10 @@ TcpStore::TcpStore(const TcpStoreOptions& options)
                                        options.timeout);
     port_ = server_->port();
   } else {
-    client_ = std::make_unique<Client>(options.host, options.port, options.timeout,
-                                       options.token);
+    client_ = std::make_unique<Client>(
+        options.host, options.port,
+        options.connectTimeout.count() > 0 ? options.connectTimeout : options.timeout,
+        options.token);
   }
 }
 

@@ -40,7 +40,9 @@ struct TcpStoreOptions {
   std::string host = "127.0.0.1";  // server: the address to listen on; client: where to connect
   int port = 29500;                // server: 0 picks a free port (see TcpStore::port())
   bool isServer = false;
-  std::chrono::milliseconds timeout{30000};  // connect, every request, default for waits
+  std::chrono::milliseconds timeout{30000};  // every request, default for waits
+  // A client's wait for the server to listen; zero: `timeout`.
+  std::chrono::milliseconds connectTimeout{0};
   std::string token;  // must match between server and clients; empty is a valid token
 };
 

@@ -45,8 +45,7 @@ std::vector<ConfigOption> buildSchema() {
       intOpt("data.batch_size", 64, 1, 1 << 20, "training examples per step"),
       intOpt("data.eval_batch_size", 500, 1, 1 << 20, "examples per evaluation batch"),
       intOpt("data.seq_len", 128, 2, 1 << 16, "brown/synthetic tokens: characters per example"),
-      floatOpt("data.val_fraction", 0.1, 0.0, 0.9, "brown: fraction of documents held out",
-               true),
+      floatOpt("data.val_fraction", 0.1, 0.0, 0.9, "brown: fraction of documents held out", true),
       intOpt("data.prefetch", 2, 1, 64, "batches the background loader prepares ahead"),
       strOpt("data.synthetic_task", "image", "synthetic data: image classification or tokens",
              {"image", "tokens"}),
@@ -97,7 +96,8 @@ std::vector<ConfigOption> buildSchema() {
       intOpt("train.nonfinite_skips", 0, 0, kMaxInt,
              "steps whose loss or gradient is not finite that are skipped (no update: the batch "
              "and the step's learning rate are used up; counted in metrics.jsonl as "
-             "skipped_steps) before the run stops at the next one; 0 = stop at the first. Not with parameter-server modes or "
+             "skipped_steps) before the run stops at the next one; 0 = stop at the first. Not with "
+             "parameter-server modes or "
              "memory.weights = offload (their updates happen before the check)"),
       intOpt("train.threads", 0, 0, 1024,
              "intra-op compute threads (0 = LibTorch's default: all cores)"),
@@ -134,8 +134,9 @@ std::vector<ConfigOption> buildSchema() {
              "rendezvous store: tcp (on rank 0, MASTER_ADDR:MASTER_PORT) or file (shared "
              "filesystem)",
              {"tcp", "file"}),
-      strOpt("dist.store_path", "", "file store: path on a filesystem all ranks share "
-                                    "(empty = RUN_DIR/rendezvous)"),
+      strOpt("dist.store_path", "",
+             "file store: path on a filesystem all ranks share "
+             "(empty = RUN_DIR/rendezvous)"),
 
       strOpt("sync.mode", "allreduce",
              "how workers synchronize (multi-worker runs): allreduce (BSP, gradients averaged "
@@ -178,8 +179,7 @@ std::vector<ConfigOption> buildSchema() {
              "gossip: ring (mix with ranks r-1 and r+1) or complete (mix with every rank: "
              "parameter averaging)",
              {"ring", "complete"}),
-      floatOpt("sync.bucket_mb", 25.0, 0.0, 1e6, "allreduce: gradient bucket size cap (MiB)",
-               true),
+      floatOpt("sync.bucket_mb", 25.0, 0.0, 1e6, "allreduce: gradient bucket size cap (MiB)", true),
       floatOpt("sync.first_bucket_mb", 1.0, 0.0, 1e6,
                "allreduce: first bucket cap (MiB); small so communication starts early", true),
       strOpt("sync.compression", "none",
@@ -191,8 +191,12 @@ std::vector<ConfigOption> buildSchema() {
                "topk: fraction of each bucket's entries sent per step (> 0)", true),
 
       floatOpt("fault.timeout", 60.0, 0.0, 1e6,
-               "seconds any rank waits for a peer (rendezvous, collectives) before failing "
-               "with the peer's rank",
+               "seconds any rank waits for a peer in a collective or a store request before "
+               "failing with the peer's rank",
+               true),
+      floatOpt("fault.rendezvous_timeout", 30.0, 0.0, 1e6,
+               "seconds a rank waits at the start of a job for the rendezvous store and for "
+               "every other rank to arrive before failing with how many arrived",
                true),
       floatOpt("fault.stall_report", 20.0, 0.0, 1e6,
                "seconds a rank waits in a collective before it reports, while the job runs on, "

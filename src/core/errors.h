@@ -3,7 +3,8 @@
 // A user-facing error (bad config, missing data, unreadable checkpoint) is a typed exception
 // whose message is one line that says what went wrong and what to do. The CLI catches
 // `Error`, prints "caravan: error: <message>" and exits with `exitCode()`.
-// A broken invariant is a bug: CARAVAN_CHECK throws `InternalError` with file:line.
+// A broken invariant is a bug: CARAVAN_CHECK throws `InternalError` with file:line;
+// CARAVAN_CHECK_EQ/LE/LT(a, b, msg...) also print both values (each evaluated once).
 #pragma once
 
 #include <stdexcept>
@@ -83,3 +84,25 @@ class InternalError : public Error {
                                                  fmt::format(__VA_ARGS__)));               \
     }                                                                                     \
   } while (0)
+
+namespace caravan::detail {
+template <typename A, typename B>
+[[noreturn]] void throwCheckFailed(const char* file, int line, const char* expr, const A& a,
+                                   const B& b, const std::string& message) {
+  throw InternalError(fmt::format("internal check failed at {}:{}: {} ({} vs {}) ({})", file, line,
+                                  expr, a, b, message));
+}
+}  // namespace caravan::detail
+
+#define CARAVAN_CHECK_OP_(op, a, b, ...)                                                         \
+  do {                                                                                           \
+    const auto& caravanCheckA_ = (a);                                                            \
+    const auto& caravanCheckB_ = (b);                                                            \
+    if (!(caravanCheckA_ op caravanCheckB_)) {                                                   \
+      ::caravan::detail::throwCheckFailed(__FILE__, __LINE__, #a " " #op " " #b, caravanCheckA_, \
+                                          caravanCheckB_, fmt::format(__VA_ARGS__));             \
+    }                                                                                            \
+  } while (0)
+#define CARAVAN_CHECK_EQ(a, b, ...) CARAVAN_CHECK_OP_(==, a, b, __VA_ARGS__)
+#define CARAVAN_CHECK_LE(a, b, ...) CARAVAN_CHECK_OP_(<=, a, b, __VA_ARGS__)
+#define CARAVAN_CHECK_LT(a, b, ...) CARAVAN_CHECK_OP_(<, a, b, __VA_ARGS__)

@@ -122,8 +122,7 @@ Loader::Loader(std::shared_ptr<const Dataset> dataset, SamplerOptions options, i
     : dataset_(std::move(dataset)), options_(options), prefetch_(prefetch), batchesPerEpoch_(0) {
   CARAVAN_CHECK(dataset_ != nullptr, "loader needs a dataset");
   if (options_.datasetSize == 0) options_.datasetSize = dataset_->size();
-  CARAVAN_CHECK(options_.datasetSize == dataset_->size(), "sampler size {} != dataset size {}",
-                options_.datasetSize, dataset_->size());
+  CARAVAN_CHECK_EQ(options_.datasetSize, dataset_->size(), "sampler size vs dataset size");
   if (prefetch_ < 1) {
     throw ConfigError(fmt::format("data.prefetch must be at least 1 batch, got {}", prefetch_));
   }

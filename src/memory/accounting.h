@@ -10,12 +10,7 @@
 
 #include <ATen/ATen.h>
 
-namespace torch {
-namespace optim {
-class Optimizer;
-class OptimizerParamState;
-}
-}  // namespace torch
+#include "core/torch_fwd.h"
 
 namespace caravan {
 

@@ -10,6 +10,7 @@
 
 #include "core/clock.h"
 #include "core/errors.h"
+#include "core/scope_guard.h"
 #include "memory/saved_tensors.h"
 #include "memory/weights.h"
 
@@ -368,16 +369,11 @@ void Frame::materialize() {
     at::NoGradGuard noGrad;
     for (const auto& b : buffers) saved.push_back(b.clone());
   }
-  struct Restore {
-    at::Tensor rng;
-    std::vector<at::Tensor>& buffers;
-    std::vector<at::Tensor>& saved;
-    ~Restore() {
-      setDefaultRngState(rng);
-      at::NoGradGuard noGrad;
-      for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
-    }
-  } restore{defaultRngState(), buffers, saved};
+  const auto restore = onScopeExit([rng = defaultRngState(), &buffers, &saved] {
+    setDefaultRngState(rng);
+    at::NoGradGuard noGrad;
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+  });
   setDefaultRngState(rng);
   for (auto& t : recomputed) {  // a recomputation that threw half-way left some
     if (t.defined()) release(t.storage());

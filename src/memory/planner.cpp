@@ -12,7 +12,7 @@
 #include "core/errors.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
-#include "train/step.h"
+#include "models/loss.h"
 
 namespace caravan {
 

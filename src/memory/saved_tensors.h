@@ -25,13 +25,8 @@
 
 #include <ATen/ATen.h>
 
+#include "core/torch_fwd.h"
 #include "memory/tracker.h"
-
-namespace torch {
-namespace autograd {
-struct SavedVariableHooks;
-}
-}  // namespace torch
 
 namespace caravan {
 

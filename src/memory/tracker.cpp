@@ -14,16 +14,6 @@ void raise(std::atomic<int64_t>& peak, int64_t value) {
 
 }  // namespace
 
-const char* categoryName(MemoryCategory c) {
-  switch (c) {
-    case MemoryCategory::kActivations: return "activations";
-    case MemoryCategory::kWeights: return "weights";
-    case MemoryCategory::kGradients: return "gradients";
-    case MemoryCategory::kOptimizerState: return "optimizer_state";
-  }
-  return "?";
-}
-
 void MemoryTracker::change(MemoryCategory c, int64_t delta) {
   const int64_t now = live_[index(c)].fetch_add(delta) + delta;
   raise(peak_[index(c)], now);

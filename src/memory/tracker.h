@@ -19,8 +19,6 @@ namespace caravan {
 
 enum class MemoryCategory { kActivations = 0, kWeights, kGradients, kOptimizerState };
 inline constexpr int kMemoryCategories = 4;
-// "activations", "weights", "gradients", "optimizer_state".
-const char* categoryName(MemoryCategory c);
 
 class MemoryTracker {
  public:

@@ -13,9 +13,9 @@
 
 #include "core/clock.h"
 #include "core/errors.h"
+#include "core/scope_guard.h"
 #include "memory/accounting.h"
 #include "memory/host_allocator.h"
-#include "sync/strategy.h"
 
 namespace caravan {
 
@@ -59,18 +59,33 @@ struct OutOfCoreWeights::Block {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::vector<Member> members;
   int64_t bytes = 0, paramBytes = 0, stateBytes = 0;
-  at::Storage blob;  // defined while in memory
+  // Where the block's bytes are. kOnTier -> kReading -> kClean (read in); kClean -> kOnTier
+  // (evicted when nothing pins it); an update makes it kDirty -> kWriting -> kClean.
+  enum class Copy {
+    kOnTier,   // not in memory; the tier copy is current
+    kReading,  // a read is in flight
+    kDirty,    // in memory; the tier copy is stale (or there is none yet)
+    kWriting,  // in memory; a write of this blob is in flight
+    kClean,    // in memory; the tier copy equals it
+  };
+  // This step's update. kAwaitingGradients -> kQueued (every gradient in, or finishStep) ->
+  // kDone; a block without parameters is kDone from the start of the step.
+  enum class Update { kAwaitingGradients, kQueued, kDone };
+
+  at::Storage blob;  // defined while in memory (kDirty, kWriting, kClean)
   int64_t slot = -1;
-  bool clean = false;  // the tier copy equals the blob
-  bool reading = false, writing = false;
+  Copy copy = Copy::kDirty;
+  Update update = Update::kDone;
   bool keep = false;         // block 0: always in memory
   int pins = 0;              // forward, updates, withAllResident
   bool backwardPin = false;  // from acquire() until the update
   int64_t gradsPending = 0;  // this step
   int64_t gradBytes = 0;     // counted in the tracker
-  bool queued = false;       // update queued (or done) this step
-  bool updated = false;      // update done this step
   bool counted = false;      // the blob in memory is counted in the tracker
+
+  bool inMemory() const {
+    return copy == Copy::kDirty || copy == Copy::kWriting || copy == Copy::kClean;
+  }
 };
 
 namespace {
@@ -130,14 +145,13 @@ int64_t OutOfCoreWeights::windowBytes(BlockModel& model, const WeightOptions& op
 }
 
 OutOfCoreWeights::OutOfCoreWeights(BlockModel model, torch::optim::Optimizer& optimizer,
-                                   const OptimizerFactory& make, Tier& tier,
-                                   MemoryTracker* tracker, Strategy* strategy,
-                                   WeightOptions options)
+                                   const OptimizerFactory& make, Tier& tier, MemoryTracker* tracker,
+                                   GroupExchange* exchange, WeightOptions options)
     : model_(std::move(model)),
       optimizer_(optimizer),
       tier_(tier),
       tracker_(tracker),
-      strategy_(strategy),
+      exchange_(exchange),
       options_(options),
       inner_(model_->runner()) {
   CARAVAN_CHECK(!optimizer_.param_groups().empty(), "the run's optimizer has no parameters");
@@ -147,8 +161,8 @@ OutOfCoreWeights::OutOfCoreWeights(BlockModel model, torch::optim::Optimizer& op
     for (const auto& g : groups) counted += g.size();
     size_t total = 0;
     for (const auto& p : model_->parameters()) total += p.requires_grad() ? 1 : 0;
-    CARAVAN_CHECK(counted == total,
-                  "memory.weights = offload needs every parameter in exactly one block");
+    CARAVAN_CHECK_EQ(counted, total,
+                     "memory.weights = offload needs every parameter in exactly one block");
   }
   if (tracker_ != nullptr) {
     tracker_->set(MemoryCategory::kWeights, 0);
@@ -227,7 +241,7 @@ OutOfCoreWeights::~OutOfCoreWeights() {
     stop_ = true;
   }
   cv_.notify_all();
-  if (strategy_ != nullptr) strategy_->cancelGroupWaits();
+  if (exchange_ != nullptr) exchange_->cancelGroupWaits();
   if (updater_.joinable()) updater_.join();
   tier_.drain();  // I/O jobs refer to this store
   for (size_t k = 0; k < accumulators_.size(); ++k) {
@@ -245,11 +259,6 @@ OutOfCoreWeights::~OutOfCoreWeights() {
   for (auto& b : blocks_) {
     if (b->slot >= 0) tier_.free(b->slot);
   }
-}
-
-int64_t OutOfCoreWeights::blobBytes(size_t block) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return blocks_.at(block)->bytes;
 }
 
 int OutOfCoreWeights::blockOf(const c10::StorageImpl* s) const {
@@ -309,8 +318,8 @@ void OutOfCoreWeights::buildLayout(Block& b) {
   b.bytes = bytes;
   b.paramBytes = paramBytes;
   b.stateBytes = stateBytes;
-  b.clean = false;
   attachViews(b, blob);
+  b.copy = Block::Copy::kDirty;
 }
 
 void OutOfCoreWeights::attachViews(Block& b, const at::Storage& blob) {
@@ -340,6 +349,7 @@ void OutOfCoreWeights::evictLocked(Block& b) {
   blobOwner_.erase(b.blob.unsafeGetStorageImpl());
   b.blob = at::Storage();
   uncount(b);
+  b.copy = Block::Copy::kOnTier;
 }
 
 void OutOfCoreWeights::unpinLocked(size_t i) {
@@ -349,17 +359,16 @@ void OutOfCoreWeights::unpinLocked(size_t i) {
 }
 
 void OutOfCoreWeights::evictIfUnusedLocked(Block& b) {
-  if (b.pins == 0 && !b.backwardPin && !b.keep && b.clean && !b.writing && b.blob) {
+  if (b.pins == 0 && !b.backwardPin && !b.keep && b.copy == Block::Copy::kClean) {
     evictLocked(b);
   }
 }
 
 void OutOfCoreWeights::startReadLocked(size_t i) {
   Block& b = *blocks_[i];
-  if (b.blob || b.reading || b.params.empty()) return;
-  CARAVAN_CHECK(b.clean && b.slot >= 0, "block {}'s weights are neither in memory nor on the tier",
-                i);
-  b.reading = true;
+  if (b.params.empty() || b.copy != Block::Copy::kOnTier) return;
+  CARAVAN_CHECK(b.slot >= 0, "block {}'s weights are neither in memory nor on the tier", i);
+  b.copy = Block::Copy::kReading;
   const int64_t slot = b.slot, bytes = b.bytes;
   tier_.submitRead([this, i, slot, bytes] {
     std::string err;
@@ -374,11 +383,12 @@ void OutOfCoreWeights::startReadLocked(size_t i) {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     Block& blk = *blocks_[i];
-    blk.reading = false;
+    blk.copy = Block::Copy::kOnTier;
     try {
       if (!err.empty()) throw IoError(err);
       stats_.bytesRead += bytes;
       attachViews(blk, s);
+      blk.copy = Block::Copy::kClean;
     } catch (const std::exception& e) {
       tier_.fail(e.what());  // waiters wake on it
     }
@@ -389,11 +399,11 @@ void OutOfCoreWeights::startReadLocked(size_t i) {
 double OutOfCoreWeights::fetchLocked(size_t i, std::unique_lock<std::mutex>& lock) {
   Block& b = *blocks_[i];
   ++b.pins;
-  if (b.params.empty() || b.blob) return 0.0;
+  if (b.params.empty() || b.inMemory()) return 0.0;
   startReadLocked(i);
   const auto t0 = Clock::now();
   try {
-    cv_.wait(lock, [&] { return static_cast<bool>(b.blob) || error_ || tier_.failed(); });
+    cv_.wait(lock, [&] { return b.inMemory() || error_ || tier_.failed(); });
     checkLocked();
   } catch (...) {
     --b.pins;
@@ -411,7 +421,7 @@ at::Storage OutOfCoreWeights::acquire(size_t i) {
   std::unique_lock<std::mutex> lock(mutex_);
   Block& b = *blocks_.at(i);
   if (b.params.empty()) return at::Storage();
-  if (b.backwardPin && b.blob) return b.blob;
+  if (b.backwardPin && b.inMemory()) return b.blob;
   const auto t0 = Clock::now();
   if (options_.overlapUpdates) {
     // Gradient backpressure: backward moves on to block i once at most one block waits for its
@@ -423,7 +433,7 @@ at::Storage OutOfCoreWeights::acquire(size_t i) {
       for (size_t k = i + 1; k < blocks_.size(); ++k) {
         const Block& above = *blocks_[k];
         if (above.gradsPending > 0) return true;
-        awaiting += above.queued && !above.updated ? 1 : 0;
+        awaiting += above.update == Block::Update::kQueued ? 1 : 0;
       }
       return awaiting <= 1;
     };
@@ -443,7 +453,7 @@ at::Storage OutOfCoreWeights::acquire(size_t i) {
 void OutOfCoreWeights::beginStepLocked() {
   for (auto& b : blocks_) {
     b->gradsPending = static_cast<int64_t>(b->params.size());
-    b->queued = b->updated = b->params.empty();
+    b->update = b->params.empty() ? Block::Update::kDone : Block::Update::kAwaitingGradients;
   }
 }
 
@@ -485,7 +495,7 @@ void OutOfCoreWeights::onGradient(size_t i, int64_t bytes) {
   if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, bytes);
   if (--b.gradsPending > 0) return;
   if (options_.overlapUpdates) {
-    if (!b.queued) queueUpdateLocked(i);
+    if (b.update == Block::Update::kAwaitingGradients) queueUpdateLocked(i);
   } else {
     // The update waits for finishStep() (clipping): the clean blob need not wait in memory.
     b.backwardPin = false;
@@ -494,7 +504,7 @@ void OutOfCoreWeights::onGradient(size_t i, int64_t bytes) {
 }
 
 void OutOfCoreWeights::queueUpdateLocked(size_t i) {
-  blocks_[i]->queued = true;
+  blocks_[i]->update = Block::Update::kQueued;
   updates_.push_back(i);
   cv_.notify_all();
 }
@@ -506,7 +516,7 @@ void OutOfCoreWeights::writeLocked(size_t i, std::unique_lock<std::mutex>& lock)
   });
   checkLocked();
   if (b.slot < 0) b.slot = tier_.allocate(b.bytes);
-  b.writing = true;
+  b.copy = Block::Copy::kWriting;
   ++writesInFlight_;
   const at::Storage blob = b.blob;
   const int64_t slot = b.slot, bytes = b.bytes;
@@ -519,13 +529,16 @@ void OutOfCoreWeights::writeLocked(size_t i, std::unique_lock<std::mutex>& lock)
     }
     std::lock_guard<std::mutex> lock(mutex_);
     Block& blk = *blocks_[i];
-    blk.writing = false;
     --writesInFlight_;
+    // Nothing replaces a blob while it is written: an update waits for the write.
+    const bool unchanged = blk.copy == Block::Copy::kWriting &&
+                           blk.blob.unsafeGetStorageImpl() == blob.unsafeGetStorageImpl();
+    blk.copy = Block::Copy::kDirty;
     try {
+      CARAVAN_CHECK(unchanged, "block {}'s blob changed while it was written", i);
       if (!err.empty()) throw IoError(err);
       stats_.bytesWritten += bytes;
-      // Clean unless the blob was replaced meanwhile (it is not: updates wait for the write).
-      blk.clean = blk.blob && blk.blob.unsafeGetStorageImpl() == blob.unsafeGetStorageImpl();
+      blk.copy = Block::Copy::kClean;
       evictIfUnusedLocked(blk);
     } catch (const std::exception& e) {
       tier_.fail(e.what());  // waiters wake on it
@@ -539,11 +552,11 @@ void OutOfCoreWeights::update(size_t i) {
   {
     std::unique_lock<std::mutex> lock(mutex_);
     fetchLocked(i, lock);
-    cv_.wait(lock, [&] { return !b.writing || error_ || tier_.failed(); });
+    cv_.wait(lock, [&] { return b.copy != Block::Copy::kWriting || error_ || tier_.failed(); });
     checkLocked();
   }
   // The averaged gradients in .grad (the parameters have their shapes again).
-  if (strategy_ != nullptr) strategy_->finishGroup(i);
+  if (exchange_ != nullptr) exchange_->finishGroup(i);
   const auto t0 = Clock::now();
   {
     at::NoGradGuard noGrad;
@@ -561,9 +574,9 @@ void OutOfCoreWeights::update(size_t i) {
   if (expected != b.members.size()) {
     buildLayout(b);
   }
-  b.clean = false;
+  b.copy = Block::Copy::kDirty;
   b.backwardPin = false;
-  b.updated = true;
+  b.update = Block::Update::kDone;
   cv_.notify_all();  // backward may be waiting for this (acquire's backpressure)
   stats_.updateSeconds += secondsSince(t0);
   if (!b.keep) writeLocked(i, lock);
@@ -598,7 +611,7 @@ void OutOfCoreWeights::finishStep() {
   std::unique_lock<std::mutex> lock(mutex_);
   checkLocked();
   for (size_t k = blocks_.size(); k-- > 0;) {
-    if (!blocks_[k]->queued) queueUpdateLocked(k);
+    if (blocks_[k]->update == Block::Update::kAwaitingGradients) queueUpdateLocked(k);
   }
   cv_.wait(lock, [&] {
     return (updates_.empty() && updatesRunning_ == 0) || error_ || tier_.failed();
@@ -608,24 +621,17 @@ void OutOfCoreWeights::finishStep() {
 
 void OutOfCoreWeights::withAllResident(const std::function<void()>& fn) {
   size_t pinned = 0;
-  struct Release {
-    OutOfCoreWeights* self;
-    size_t& pinned;
-    ~Release() {
-      std::lock_guard<std::mutex> lock(self->mutex_);
-      self->optimizer_.state().clear();
-      for (size_t i = 0; i < pinned; ++i) self->unpinLocked(i);
-    }
-  } release{this, pinned};
+  const auto release = onScopeExit([this, &pinned] {
+    std::lock_guard<std::mutex> lock(mutex_);
+    optimizer_.state().clear();
+    for (size_t i = 0; i < pinned; ++i) unpinLocked(i);
+  });
   // The whole model comes in: first give back what the allocator keeps for reuse.
   if (HostAllocator::installed()) HostAllocator::instance().emptyCache();
   {
     std::unique_lock<std::mutex> lock(mutex_);
     gathering_ = true;
-    struct Done {
-      bool& flag;
-      ~Done() { flag = false; }
-    } done{gathering_};
+    const auto done = onScopeExit([this] { gathering_ = false; });
     for (size_t i = 0; i < blocks_.size(); ++i) startReadLocked(i);
     for (size_t i = 0; i < blocks_.size(); ++i) {
       fetchLocked(i, lock);

@@ -19,7 +19,7 @@
 //             are prefetched; saved views of weights (a linear layer saves weight.t()) are
 //             rebuilt on the blob fetched back (memory/executor.cpp).
 //   update    when the last gradient of block i is accumulated (and, in data-parallel runs,
-//             the block's all-reduce has finished: Strategy::finishGroup), the updater thread
+//             the block's all-reduce has finished: GroupExchange::finishGroup), the updater thread
 //             runs the block's own optimizer (same options as the run's) on it, drops its
 //             gradients and queues the blob's write; written, it leaves memory. This overlaps
 //             the backward of blocks i-1..0 (KARMA's host update, ZeRO-Offload's CPU optimizer).
@@ -65,22 +65,13 @@
 
 #include <ATen/ATen.h>
 
+#include "core/torch_fwd.h"
+#include "memory/group_exchange.h"
 #include "memory/tier.h"
 #include "memory/tracker.h"
 #include "models/model.h"
 
-namespace torch {
-namespace optim {
-class Optimizer;
-}
-namespace autograd {
-struct Node;
-}
-}  // namespace torch
-
 namespace caravan {
-
-class Strategy;
 
 // Each block's trainable parameters, in registration order (a strategy's per-block groups).
 std::vector<std::vector<at::Tensor>> blockParameters(BlockModel& model);
@@ -108,11 +99,11 @@ class OutOfCoreWeights final : public BlockRunner {
   // `optimizer` (a resumed run's) moves into per-block optimizers made by `make`; `optimizer`
   // keeps the learning rate (set it there each step) and is otherwise empty. Installs itself as
   // the model's runner around the current one (the activation executor), until destroyed.
-  // `strategy` (nullptr: one process) exchanges each block's gradients before its update; its
-  // parameter groups must be blockParameters(model).
+  // `exchange` (nullptr: one process; in a job, the sync strategy) exchanges each block's
+  // gradients before its update; its parameter groups must be blockParameters(model).
   OutOfCoreWeights(BlockModel model, torch::optim::Optimizer& optimizer,
                    const OptimizerFactory& make, Tier& tier, MemoryTracker* tracker,
-                   Strategy* strategy, WeightOptions options);
+                   GroupExchange* exchange, WeightOptions options);
   ~OutOfCoreWeights() override;
   OutOfCoreWeights(const OutOfCoreWeights&) = delete;
   OutOfCoreWeights& operator=(const OutOfCoreWeights&) = delete;
@@ -132,7 +123,6 @@ class OutOfCoreWeights final : public BlockRunner {
   void withAllResident(const std::function<void()>& fn);
 
   size_t numBlocks() const { return blocks_.size(); }
-  int64_t blobBytes(size_t block) const;
   WeightStats takeStats();
 
   // What the weights need in memory at most (block 0, prefetch + 3 + maxWritesInFlight blobs,
@@ -165,7 +155,7 @@ class OutOfCoreWeights final : public BlockRunner {
   torch::optim::Optimizer& optimizer_;
   Tier& tier_;
   MemoryTracker* tracker_;
-  Strategy* strategy_;
+  GroupExchange* exchange_;
   WeightOptions options_;
   BlockRunner* inner_;
   std::vector<std::unique_ptr<Block>> blocks_;

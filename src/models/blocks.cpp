@@ -150,8 +150,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptOptions& options)
 torch::Tensor CausalSelfAttentionImpl::forward(torch::Tensor x) {
   const int64_t batch = x.size(0), steps = x.size(1), width = x.size(2);
   const int64_t headDim = width / heads_;
-  CARAVAN_CHECK(steps <= futureMask_.size(0), "sequence length {} exceeds the context {}", steps,
-                futureMask_.size(0));
+  CARAVAN_CHECK_LE(steps, futureMask_.size(0), "the sequence length exceeds the context");
   if (futureMask_.device() != x.device()) futureMask_ = futureMask_.to(x.device());
 
   // One copy puts q, k and v each in contiguous [B*H, T, hd] layout for bmm.

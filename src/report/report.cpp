@@ -23,6 +23,7 @@
 #include <toml++/toml.h>
 
 #include "core/errors.h"
+#include "core/scope_guard.h"
 #include "report/assets.h"
 #include "train/checkpoint.h"
 
@@ -536,13 +537,10 @@ std::vector<std::string> writePngs(const std::string& html, const std::string& d
     throw IoError(fmt::format("cannot create a temporary directory like {} (set TMPDIR)", tmpl));
   }
   const fs::path tmp(tmpl);
-  struct Cleanup {
-    fs::path dir;
-    ~Cleanup() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
-  } cleanup{tmp};
+  const auto cleanup = onScopeExit([tmp] {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+  });
   const fs::path page = tmp / "report.html";
   writeFileAtomic(page.string(), html);
   // Flags: no sandbox (root), no GPU, and none of the background connections a closed

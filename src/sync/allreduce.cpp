@@ -49,7 +49,7 @@ void AllReduceStrategy::restoreState(const std::map<std::string, at::Tensor>& st
   }
 }
 
-void AllReduceStrategy::attach(torch::nn::Module& model) {
+void AllReduceStrategy::attachModel(torch::nn::Module& model) {
   std::vector<at::Tensor> params;
   for (auto& p : model.parameters()) {
     if (p.requires_grad()) params.push_back(p);
@@ -85,7 +85,7 @@ void AllReduceStrategy::attach(torch::nn::Module& model) {
       for (const auto& p : groups_[g]) addSlot(p);
       counted += groups_[g].size();
     }
-    CARAVAN_CHECK(counted == params.size(), "parameter groups must hold every parameter once");
+    CARAVAN_CHECK_EQ(counted, params.size(), "parameter groups must hold every parameter once");
   } else {
     int64_t bucketBytes = 0;
     for (auto it = params.rbegin(); it != params.rend(); ++it) {
@@ -147,8 +147,8 @@ void AllReduceStrategy::beforeForward(int64_t) {
   nextLaunch_ = 0;
 }
 
-void AllReduceStrategy::setParameterGroups(std::vector<std::vector<at::Tensor>> groups) {
-  CARAVAN_CHECK(slots_.empty(), "setParameterGroups after attach");
+void AllReduceStrategy::useParameterGroups(std::vector<std::vector<at::Tensor>> groups) {
+  CARAVAN_CHECK(slots_.empty(), "useParameterGroups after attach");
   groups_ = std::move(groups);
 }
 

@@ -37,15 +37,10 @@
 #include <ATen/ATen.h>
 
 #include "comm/communicator.h"
+#include "core/torch_fwd.h"
 #include "sync/comm_thread.h"
 #include "sync/compression.h"
 #include "sync/strategy.h"
-
-namespace torch {
-namespace autograd {
-struct Node;
-}
-}  // namespace torch
 
 namespace caravan {
 
@@ -61,11 +56,11 @@ class AllReduceStrategy : public Strategy {
   AllReduceStrategy(std::shared_ptr<Communicator> comm, AllReduceOptions options);
   ~AllReduceStrategy() override;
   std::string name() const override { return "allreduce"; }
-  void attach(torch::nn::Module& model) override;
+  void attachModel(torch::nn::Module& model) override;
   void beforeForward(int64_t step) override;
   void finishGradients() override;
   bool supportsParameterGroups() const override { return true; }
-  void setParameterGroups(std::vector<std::vector<at::Tensor>> groups) override;
+  void useParameterGroups(std::vector<std::vector<at::Tensor>> groups) override;
   void finishGroup(size_t group) override;
   void cancelGroupWaits() override;
   // topk: every rank's residual (registration order), kept per rank or averaged on resume.
@@ -73,7 +68,6 @@ class AllReduceStrategy : public Strategy {
   void restoreState(const std::map<std::string, at::Tensor>& state,
                     int64_t savedWorkers) override;
 
-  size_t numBuckets() const { return buckets_.size(); }
   // Disabled, the gradient hooks do nothing and finishGradients() leaves the local gradients
   // (local SGD's local phase). Set before a step's forward, on every rank alike.
   void setEnabled(bool enabled) { enabled_ = enabled; }

@@ -103,8 +103,7 @@ ShardCodec::ShardCodec(Compression compression, int64_t numel, double topkRatio)
 }
 
 at::Tensor ShardCodec::encode(const at::Tensor& grad) {
-  CARAVAN_CHECK(grad.numel() == numel_, "ShardCodec: {} elements, expected {}", grad.numel(),
-                numel_);
+  CARAVAN_CHECK_EQ(grad.numel(), numel_, "ShardCodec: the gradient's elements vs the codec's");
   switch (compression_) {
     case Compression::kNone: return grad.reshape({-1});
     case Compression::kFp16:

@@ -19,7 +19,7 @@ GossipStrategy::GossipStrategy(std::shared_ptr<Communicator> comm, GossipOptions
                 "unknown gossip topology {}", options_.topology);
 }
 
-void GossipStrategy::attach(torch::nn::Module& model) {
+void GossipStrategy::attachModel(torch::nn::Module& model) {
   model_ = &model;
   broadcastModel(*comm_, model);
   params_ = syncedParameters(model);

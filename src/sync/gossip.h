@@ -33,7 +33,7 @@ class GossipStrategy : public Strategy {
  public:
   GossipStrategy(std::shared_ptr<Communicator> comm, GossipOptions options);
   std::string name() const override { return "gossip"; }
-  void attach(torch::nn::Module& model) override;
+  void attachModel(torch::nn::Module& model) override;
   void beforeForward(int64_t step) override;
   void finishGradients() override {}  // the local gradient is the update
   void afterStep(int64_t step) override;

@@ -14,11 +14,12 @@ LocalSgdStrategy::LocalSgdStrategy(std::shared_ptr<Communicator> comm, LocalSgdO
   CARAVAN_CHECK(options_.period >= 1, "local SGD period {} < 1", options_.period);
 }
 
-void LocalSgdStrategy::attach(torch::nn::Module& model) {
+void LocalSgdStrategy::attachModel(torch::nn::Module& model) {
   model_ = &model;
   bsp_ = std::make_unique<AllReduceStrategy>(comm_, options_.allreduce);
-  bsp_->attach(model);  // also broadcasts rank 0's parameters
-  bsp_->setEventSink(sink_);
+  AttachContext inner;
+  inner.sink = sink_;
+  bsp_->attach(model, std::move(inner));  // also broadcasts rank 0's parameters
 }
 
 void LocalSgdStrategy::beforeForward(int64_t step) {
@@ -34,11 +35,6 @@ void LocalSgdStrategy::afterStep(int64_t step) {
   const auto start = Clock::now();
   averageModel(*comm_, *model_);
   if (sink_) sink_("average parameters", start, Clock::now());
-}
-
-void LocalSgdStrategy::setEventSink(CommEventSink sink) {
-  sink_ = sink;
-  if (bsp_) bsp_->setEventSink(std::move(sink));
 }
 
 double LocalSgdStrategy::consolidate() {

@@ -27,12 +27,11 @@ class LocalSgdStrategy : public Strategy {
  public:
   LocalSgdStrategy(std::shared_ptr<Communicator> comm, LocalSgdOptions options);
   std::string name() const override { return "local-sgd"; }
-  void attach(torch::nn::Module& model) override;
+  void attachModel(torch::nn::Module& model) override;
   void beforeForward(int64_t step) override;
   void finishGradients() override;
   void afterStep(int64_t step) override;
   double consolidate() override;
-  void setEventSink(CommEventSink sink) override;
 
  private:
   bool bspPhase(int64_t step) const { return step < options_.postLocalAfter; }

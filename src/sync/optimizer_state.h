@@ -17,12 +17,7 @@
 #include <ATen/ATen.h>
 
 #include "comm/communicator.h"
-
-namespace torch {
-namespace optim {
-class Optimizer;
-}
-}  // namespace torch
+#include "core/torch_fwd.h"
 
 namespace caravan {
 

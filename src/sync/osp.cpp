@@ -16,13 +16,11 @@
 namespace caravan {
 namespace {
 
-constexpr int kTagPush1 = 21;  // worker -> server: [g[I], lr, stop, requested fraction]
+constexpr int kTagPush1 = 21;  // worker -> server: PushHeader (kind, lr, fraction), g[I]
 constexpr int kTagPull1 = 22;  // server -> worker: w[I]
 constexpr int kTagPush2 = 23;  // worker -> server: g[U]
 constexpr int kTagPull2 = 24;  // server -> worker: [w[U], next split flags]
 constexpr int kTagState = 25;  // server -> worker 0: its shard's optimizer state
-
-constexpr int64_t kControl = 3;  // the elements after g[I] in a stage-1 push
 
 // Of the measured rate, the share auto sizing counts on stage 2 getting while the next step
 // computes (ours: the transfer competes with compute for the CPU and the link).
@@ -77,7 +75,7 @@ OspWorkerStrategy::OspWorkerStrategy(std::shared_ptr<Communicator> world,
                 options_.fraction);
 }
 
-void OspWorkerStrategy::attach(torch::nn::Module& model) {
+void OspWorkerStrategy::attachModel(torch::nn::Module& model) {
   broadcastModel(*workers_, model);
   params_ = syncedParameters(model);
   layout_.servers = servers_;
@@ -163,21 +161,17 @@ void OspWorkerStrategy::finishGradients() {
   const at::Tensor g = flatGradients(params_);
   // Stage 1: blocking.
   const auto stage1Start = Clock::now();
-  const at::Tensor control =
-      torch::tensor({static_cast<float>(lr_), 0.0f, static_cast<float>(requestedFraction())});
+  PushHeader header;
+  header.learningRate = lr_;
+  header.requestedFraction = requestedFraction();
   std::vector<at::Tensor> idx1(servers_), idx2(servers_), push1(servers_), pull1(servers_);
-  std::vector<WorkPtr> work;
   for (int s = 0; s < servers_; ++s) {
     idx1[s] = indices(s, true);
     idx2[s] = indices(s, false);
     pull1[s] = at::empty({idx1[s].numel()}, at::kFloat);
-    work.push_back(world_->recv(pull1[s], serverRank(s), kTagPull1));
+    push1[s] = encodePush(header, g.index_select(0, idx1[s]));
   }
-  for (int s = 0; s < servers_; ++s) {
-    push1[s] = at::cat({g.index_select(0, idx1[s]), control});
-    work.push_back(world_->send(push1[s], serverRank(s), kTagPush1));
-  }
-  for (auto& w : work) w->wait(world_->timeout());
+  servers().exchange(kTagPush1, push1, kTagPull1, &pull1, world_->timeout());
   for (int s = 0; s < servers_; ++s) install(idx1[s], pull1[s]);
   int64_t stage1 = 0;
   for (int s = 0; s < servers_; ++s) stage1 += idx1[s].numel();
@@ -212,14 +206,7 @@ void OspWorkerStrategy::finishGradients() {
       fmt::format("rank {}: OSP stage 2", world_->rank()),
       [this, push2, replies = stage2Reply_, timing = stage2Timing_, stage2Elements] {
         const auto start = Clock::now();
-        std::vector<WorkPtr> w;
-        for (int s = 0; s < servers_; ++s) {
-          w.push_back(world_->recv(replies[s], serverRank(s), kTagPull2));
-        }
-        for (int s = 0; s < servers_; ++s) {
-          w.push_back(world_->send(push2[s], serverRank(s), kTagPush2));
-        }
-        for (auto& x : w) x->wait(world_->timeout());
+        servers().exchange(kTagPush2, push2, kTagPull2, &replies, world_->timeout());
         timing->elements = stage2Elements;
         timing->seconds = secondsBetween(start, Clock::now());
       });
@@ -230,14 +217,7 @@ std::map<std::string, at::Tensor> OspWorkerStrategy::saveState() {
   drainStage2();
   // A stage-1 round whose control says "state": each server sends worker 0 its shard's
   // optimizer state and steps nothing.
-  std::vector<at::Tensor> requests;
-  std::vector<WorkPtr> work;
-  for (int s = 0; s < servers_; ++s) {
-    requests.push_back(at::zeros({indices(s, true).numel() + kControl}, at::kFloat));
-    requests.back()[-2] = static_cast<float>(PushKind::kState);
-    work.push_back(world_->send(requests.back(), serverRank(s), kTagPush1));
-  }
-  for (auto& w : work) w->wait(world_->timeout());
+  sendToServers(PushKind::kState);
   if (workers_->rank() == 0) {
     CARAVAN_CHECK(optimizer_ != nullptr, "OSP has no optimizer");
     receiveServerStates(*world_, layout_, kTagState, *optimizer_, params_);
@@ -262,14 +242,18 @@ void OspWorkerStrategy::finish() {
   if (finished_) return;
   finished_ = true;
   drainStage2();
-  std::vector<at::Tensor> byes;
-  std::vector<WorkPtr> work;
+  sendToServers(PushKind::kGoodbye);
+}
+
+void OspWorkerStrategy::sendToServers(PushKind kind) {
+  // Sized like a stage-1 push (the servers' receive buffers are), the payload zeros.
+  PushHeader header;
+  header.kind = kind;
+  std::vector<at::Tensor> messages;
   for (int s = 0; s < servers_; ++s) {
-    byes.push_back(at::zeros({indices(s, true).numel() + kControl}, at::kFloat));
-    byes.back()[-2] = 1.0f;
-    work.push_back(world_->send(byes.back(), serverRank(s), kTagPush1));
+    messages.push_back(encodePush(header, at::zeros({indices(s, true).numel()}, at::kFloat)));
   }
-  for (auto& w : work) w->wait(world_->timeout());
+  servers().exchange(kTagPush1, messages, 0, nullptr, world_->timeout());
 }
 
 void runOspServer(Communicator& world, int numWorkers, const OspOptions& options,
@@ -287,13 +271,12 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
   auto opt = optimizer(chunks);
   scatterOptimizerState(*opt, chunks, state);
   std::vector<double> score(chunks.size(), 0.0);  // mean |averaged gradient| of the last step
-  // One stage: receive every worker's values for the chosen chunks (plus, for stage 1, the
-  // control elements [lr, stop, requested fraction]), average in rank order, step those
-  // chunks. Returns the chunks' new values, or nullopt when every worker said goodbye.
+  // One stage: receive every worker's values for the chosen chunks (stage 1: after the push
+  // header), average in rank order, step those chunks. Returns the chunks' new values; nothing
+  // when stage 1's pushes ask for something other than a gradient (`kind`).
   double fraction = options.fraction;
   auto stage = [&](bool stage1, int tag, int64_t step, double* lr,
                    PushKind* kind) -> std::vector<at::Tensor> {
-    const int64_t extra = stage1 ? kControl : 0;
     std::vector<int64_t> chosen;
     int64_t n = 0;
     for (int64_t c = 0; c < split.numChunks(); ++c) {
@@ -302,28 +285,27 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
         n += split.size(c);
       }
     }
-    std::vector<at::Tensor> msgs(numWorkers);
-    std::vector<WorkPtr> work;
-    for (int k = 0; k < numWorkers; ++k) {
-      msgs[k] = at::empty({n + extra}, at::kFloat);
-      work.push_back(world.recv(msgs[k], k, tag));
-    }
-    for (auto& w : work) w->wait(kServerWait);  // workers may be evaluating (parameter_server.h)
+    std::vector<at::Tensor> msgs(numWorkers), payloads(numWorkers);
+    for (int k = 0; k < numWorkers; ++k)
+      msgs[k] = stage1 ? pushBuffer(n) : at::empty({n}, at::kFloat);
+    // Workers may be evaluating between steps (parameter_server.h): no deadline here.
+    receiveFromWorkers(world, tag, msgs, kServerWait);
+    for (int k = 0; k < numWorkers; ++k) payloads[k] = stage1 ? pushPayload(msgs[k]) : msgs[k];
     if (stage1) {
-      *kind = roundKind(msgs, n + 1, world.rank(), step + 1);
+      const PushHeader round = decodeRound(msgs, world.rank(), step + 1);
+      *kind = round.kind;
       if (*kind != PushKind::kGradient) return {};
-      for (int k = 1; k < numWorkers; ++k) pushLearningRate(msgs[k], n, k, world.rank());
-      *lr = pushLearningRate(msgs[0], n, 0, world.rank());
+      *lr = round.learningRate;  // worker 0's
       // auto: the largest stage-1 share any worker asked for (same on every server).
       if (options.autoFraction) {
         fraction = 0.0;
-        for (const auto& m : msgs) {
-          const double asked = m[n + 2].item<float>();
+        for (int k = 0; k < numWorkers; ++k) {
+          const double asked = decodePush(msgs[k], k, world.rank()).requestedFraction;
           if (std::isfinite(asked)) fraction = std::max(fraction, std::clamp(asked, 0.0, 1.0));
         }
       }
     }
-    at::Tensor sum = averagePushes(msgs, n);
+    at::Tensor sum = averagePayloads(payloads, n);
     for (auto& c : chunks) c.mutable_grad() = at::Tensor();
     int64_t at = 0;
     for (int64_t c : chosen) {
@@ -339,9 +321,7 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     return values;
   };
   auto send = [&](const at::Tensor& reply, int tag) {
-    std::vector<WorkPtr> work;
-    for (int k = 0; k < numWorkers; ++k) work.push_back(world.send(reply, k, tag));
-    for (auto& w : work) w->wait(world.timeout());
+    sendToWorkers(world, numWorkers, reply, tag);
   };
   auto catOrEmpty = [](const std::vector<at::Tensor>& v) {
     return v.empty() ? at::empty({0}, at::kFloat) : at::cat(v);

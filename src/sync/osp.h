@@ -73,7 +73,7 @@ class OspWorkerStrategy : public Strategy {
   OspWorkerStrategy(std::shared_ptr<Communicator> world, std::shared_ptr<Communicator> workers,
                     int numServers, OspOptions options);
   std::string name() const override { return "osp"; }
-  void attach(torch::nn::Module& model) override;
+  void attachModel(torch::nn::Module& model) override;
   void setLearningRate(double lr) override { lr_ = lr; }
   void finishGradients() override;
   bool updatesParameters() const override { return true; }
@@ -81,7 +81,7 @@ class OspWorkerStrategy : public Strategy {
   // stage1_fraction: the share of parameters synchronized in stage 1, mean over the steps.
   std::map<std::string, double> takeMetrics() override;
   void finish() override;
-  // The servers' optimizer state into rank 0's optimizer (a stage-1 round whose control asks
+  // The servers' optimizer state into rank 0's optimizer (a stage-1 round whose push header asks
   // for it); heavy-ball LGP's w_{t-1}. Not kept: the split for the next step (the resumed
   // run's first step uses layer order) and auto sizing's measurements.
   std::map<std::string, at::Tensor> saveState() override;
@@ -89,7 +89,9 @@ class OspWorkerStrategy : public Strategy {
                     int64_t savedWorkers) override;
 
  private:
-  int serverRank(int s) const { return workers_->size() + s; }
+  ServerGroup servers() const { return ServerGroup(world_.get(), servers_); }
+  // A stage-1-sized push of `kind` (goodbye, checkpoint state) to every server.
+  void sendToServers(PushKind kind);
   // Flat indices of server s's stage-1 (stage1 = true) or stage-2 chunks.
   at::Tensor indices(int s, bool stage1) const;
   void install(const at::Tensor& index, const at::Tensor& values);

@@ -17,15 +17,9 @@ namespace caravan {
 namespace {
 
 constexpr int kTagSetup = 10;  // rank 0 -> server: [count], then the initial shard
-constexpr int kTagPush = 11;   // worker -> server: [gradient shard, lr, kind]
-constexpr int kTagPull = 12;   // server -> worker: [updated shard, staleness]
+constexpr int kTagPush = 11;   // worker -> server: PushHeader, gradient shard
+constexpr int kTagPull = 12;   // server -> worker: PullHeader, updated shard
 constexpr int kTagState = 13;  // server -> worker 0: its shard's optimizer state
-
-// The last element of a push.
-constexpr float kPushGradient = static_cast<float>(PushKind::kGradient);
-constexpr float kPushGoodbye = static_cast<float>(PushKind::kGoodbye);
-constexpr float kPushSync = static_cast<float>(PushKind::kSync);
-constexpr float kPushState = static_cast<float>(PushKind::kState);
 
 }  // namespace
 
@@ -126,47 +120,6 @@ void receiveServerStates(Communicator& world, const ShardLayout& layout, int tag
   scatterOptimizerState(optimizer, params, all);
 }
 
-double pushLearningRate(const at::Tensor& push, int64_t at, int worker, int serverRank) {
-  const float lr = push[at].item<float>();
-  if (!std::isfinite(lr) || lr < 0.0f) {
-    throw PeerError(fmt::format("rank {} (server): worker {} sent learning rate {}; it runs "
-                                "another version of caravan or is not part of this job",
-                                serverRank, worker, lr));
-  }
-  return static_cast<double>(lr);
-}
-
-PushKind pushKind(const at::Tensor& push, int64_t kindAt, int worker, int serverRank) {
-  const float kind = push[kindAt].item<float>();
-  for (PushKind k : {PushKind::kGradient, PushKind::kGoodbye, PushKind::kSync, PushKind::kState}) {
-    if (kind == static_cast<float>(k)) return k;
-  }
-  throw PeerError(fmt::format("rank {} (server): worker {} sent a message of unknown kind {}; "
-                              "it runs another version of caravan or is not part of this job",
-                              serverRank, worker, kind));
-}
-
-PushKind roundKind(const std::vector<at::Tensor>& pushes, int64_t kindAt, int serverRank,
-                   int64_t step) {
-  const PushKind first = pushKind(pushes[0], kindAt, 0, serverRank);
-  for (size_t k = 1; k < pushes.size(); ++k) {
-    const PushKind kind = pushKind(pushes[k], kindAt, static_cast<int>(k), serverRank);
-    if (kind != first) {
-      throw PeerError(fmt::format(
-          "rank {} (server): at step {} worker 0 sent kind {} and worker {} kind {} (0 "
-          "gradient, 1 goodbye, 2 sync, 3 checkpoint); the workers disagree about the step",
-          serverRank, step, static_cast<int>(first), k, static_cast<int>(kind)));
-    }
-  }
-  return first;
-}
-
-at::Tensor averagePushes(const std::vector<at::Tensor>& pushes, int64_t n) {
-  at::Tensor sum = pushes[0].narrow(0, 0, n).clone();
-  for (size_t k = 1; k < pushes.size(); ++k) sum.add_(pushes[k].narrow(0, 0, n));
-  return sum.mul_(1.0 / static_cast<double>(pushes.size()));
-}
-
 std::string PsWorkerStrategy::name() const {
   switch (options_.consistency) {
     case PsConsistency::kBsp: return "ps-bsp";
@@ -176,7 +129,7 @@ std::string PsWorkerStrategy::name() const {
   return "ps";
 }
 
-void PsWorkerStrategy::attach(torch::nn::Module& model) {
+void PsWorkerStrategy::attachModel(torch::nn::Module& model) {
   broadcastModel(*workers_, model);
   params_ = syncedParameters(model);
   layout_.servers = servers_;
@@ -207,7 +160,7 @@ std::map<std::string, at::Tensor> PsWorkerStrategy::saveState() {
     out["ps_residuals"] = gatherRows(*workers_, at::cat(mine));
   }
   // Answered like a sync; then each server sends worker 0 its shard's optimizer state.
-  exchange(at::Tensor(), kPushState);
+  exchange(at::Tensor(), PushKind::kState);
   if (workers_->rank() == 0) {
     CARAVAN_CHECK(optimizer_ != nullptr, "the parameter-server strategy has no optimizer");
     receiveServerStates(*world_, layout_, kTagState, *optimizer_, params_);
@@ -223,48 +176,46 @@ void PsWorkerStrategy::restoreState(const std::map<std::string, at::Tensor>& sta
   }
 }
 
-at::Tensor PsWorkerStrategy::pushMessage(int s, const at::Tensor& g, float kind) {
-  const at::Tensor control = torch::tensor({static_cast<float>(lr_), kind});
-  const at::Tensor payload = kind == kPushGradient
-                                 ? codecs_[s].encode(g.narrow(0, layout_.begin(s), layout_.size(s)))
-                                 : at::zeros({codecs_[s].words()}, at::kFloat);
-  return at::cat({payload, control});
+at::Tensor PsWorkerStrategy::pushMessage(int s, const at::Tensor& g, PushKind kind) {
+  PushHeader header;
+  header.kind = kind;
+  header.learningRate = lr_;
+  return encodePush(header, kind == PushKind::kGradient
+                                ? codecs_[s].encode(g.narrow(0, layout_.begin(s), layout_.size(s)))
+                                : at::zeros({codecs_[s].words()}, at::kFloat));
 }
 
-void PsWorkerStrategy::exchange(const at::Tensor& g, float kind) {
+void PsWorkerStrategy::exchange(const at::Tensor& g, PushKind kind) {
   std::vector<at::Tensor> pushes, pulls;
-  std::vector<WorkPtr> work;
   for (int s = 0; s < servers_; ++s) {
-    pulls.push_back(at::empty({layout_.size(s) + 1}, at::kFloat));
-    work.push_back(world_->recv(pulls.back(), serverRank(s), kTagPull));
-  }
-  for (int s = 0; s < servers_; ++s) {
+    pulls.push_back(pullBuffer(layout_.size(s)));
     pushes.push_back(pushMessage(s, g, kind));
-    work.push_back(world_->send(pushes.back(), serverRank(s), kTagPush));
   }
-  for (auto& w : work) w->wait(options_.asynchronous() ? kServerWait : world_->timeout());
+  servers().exchange(kTagPush, pushes, kTagPull, &pulls,
+                     options_.asynchronous() ? kServerWait : world_->timeout());
   std::vector<at::Tensor> shards;
   double staleness = 0.0;
   for (int s = 0; s < servers_; ++s) {
-    shards.push_back(pulls[s].narrow(0, 0, layout_.size(s)));
-    staleness = std::max(staleness, static_cast<double>(pulls[s][-1].item<float>()));
+    shards.push_back(pullPayload(pulls[s]));
+    staleness =
+        std::max(staleness, static_cast<double>(decodePull(pulls[s], servers().rank(s)).staleness));
   }
   unflattenInto(at::cat(shards), params_);
-  if (kind == kPushGradient) {
+  if (kind == PushKind::kGradient) {
     stalenessSum_ += staleness;
     stalenessMax_ = std::max(stalenessMax_, staleness);
     ++stalenessSteps_;
   }
 }
 
-void PsWorkerStrategy::finishGradients() { exchange(flatGradients(params_), kPushGradient); }
+void PsWorkerStrategy::finishGradients() { exchange(flatGradients(params_), PushKind::kGradient); }
 
 double PsWorkerStrategy::consolidate() {
   // Synchronous: every replica already holds the servers' values. After finish() the servers
   // are gone; finish() synchronized the replicas and left the distance it measured.
   if (!options_.asynchronous() || finished_) return std::exchange(finalDistance_, 0.0);
   const double distance = consensusDistance(*workers_, params_);
-  exchange(at::Tensor(), kPushSync);
+  exchange(at::Tensor(), PushKind::kSync);
   return distance;
 }
 
@@ -286,12 +237,9 @@ void PsWorkerStrategy::finish() {
   if (options_.asynchronous()) finalDistance_ = consolidate();
   finished_ = true;
   std::vector<at::Tensor> byes;
-  std::vector<WorkPtr> work;
-  for (int s = 0; s < servers_; ++s) {
-    byes.push_back(pushMessage(s, at::Tensor(), kPushGoodbye));
-    work.push_back(world_->send(byes.back(), serverRank(s), kTagPush));
-  }
-  for (auto& w : work) w->wait(world_->timeout());
+  for (int s = 0; s < servers_; ++s)
+    byes.push_back(pushMessage(s, at::Tensor(), PushKind::kGoodbye));
+  servers().exchange(kTagPush, byes, 0, nullptr, world_->timeout());
 }
 
 void setServerLearningRate(torch::optim::Optimizer& opt, double lr) {
@@ -300,10 +248,11 @@ void setServerLearningRate(torch::optim::Optimizer& opt, double lr) {
 
 namespace {
 
-// [shard, staleness] to `worker`, waited for.
+// The shard and its staleness to `worker`, waited for.
 void reply(Communicator& world, const at::Tensor& shard, int worker, int64_t staleness) {
-  at::Tensor message = at::cat({shard.detach(), at::full({1}, static_cast<float>(staleness))});
-  world.send(message, worker, kTagPull)->wait(world.timeout());
+  PullHeader header;
+  header.staleness = staleness;
+  world.send(encodePull(header, shard.detach()), worker, kTagPull)->wait(world.timeout());
 }
 
 // A state request: worker 0 gets this server's optimizer state (after the pulls went out).
@@ -315,12 +264,11 @@ void serveBsp(Communicator& world, int numWorkers, const ShardCodec& codec, at::
               torch::optim::Optimizer& opt, const std::function<void(int64_t)>& stepDone) {
   const int64_t n = shard.numel(), words = codec.words();
   std::vector<at::Tensor> pushes(numWorkers), grads(numWorkers);
-  for (auto& p : pushes) p = at::empty({words + 2}, at::kFloat);
+  for (auto& p : pushes) p = pushBuffer(words);
   for (int64_t step = 0;;) {
-    std::vector<WorkPtr> work;
-    for (int k = 0; k < numWorkers; ++k) work.push_back(world.recv(pushes[k], k, kTagPush));
-    for (auto& w : work) w->wait(kServerWait);
-    const PushKind kind = roundKind(pushes, words + 1, world.rank(), step + 1);
+    receiveFromWorkers(world, kTagPush, pushes, kServerWait);
+    const PushHeader round = decodeRound(pushes, world.rank(), step + 1);
+    const PushKind kind = round.kind;
     if (kind == PushKind::kGoodbye) return;
     if (kind != PushKind::kGradient) {  // a checkpoint's state request (sync: nothing to do)
       for (int k = 0; k < numWorkers; ++k) reply(world, shard, k, 0);
@@ -329,10 +277,9 @@ void serveBsp(Communicator& world, int numWorkers, const ShardCodec& codec, at::
     }
     ++step;
     // The average in rank order, then the optimizer on this shard.
-    for (int k = 0; k < numWorkers; ++k) grads[k] = codec.decode(pushes[k].narrow(0, 0, words));
-    shard.mutable_grad() = averagePushes(grads, n);
-    for (int k = 1; k < numWorkers; ++k) pushLearningRate(pushes[k], words, k, world.rank());
-    setServerLearningRate(opt, pushLearningRate(pushes[0], words, 0, world.rank()));
+    for (int k = 0; k < numWorkers; ++k) grads[k] = codec.decode(pushPayload(pushes[k]));
+    shard.mutable_grad() = averagePayloads(grads, n);
+    setServerLearningRate(opt, round.learningRate);  // worker 0's (decodeRound read them all)
     opt.step();
     for (int k = 0; k < numWorkers; ++k) reply(world, shard, k, 0);
     if (stepDone) stepDone(step);
@@ -347,7 +294,7 @@ void serveAsync(Communicator& world, int numWorkers, const PsOptions& options,
   const int64_t bound = options.bound();
   const double scale = 1.0 / static_cast<double>(numWorkers);
   std::vector<at::Tensor> pushes(numWorkers);
-  for (auto& p : pushes) p = at::empty({words + 2}, at::kFloat);
+  for (auto& p : pushes) p = pushBuffer(words);
   std::vector<int64_t> clock(numWorkers, 0);
   std::vector<uint8_t> gone(numWorkers, 0), owed(numWorkers, 0), syncing(numWorkers, 0);
   bool stateRequested = false;  // a sync that also sends worker 0 the optimizer state
@@ -356,22 +303,23 @@ void serveAsync(Communicator& world, int numWorkers, const PsOptions& options,
   int64_t slowestDone = 0;
   while (arrivals.outstanding() > 0) {
     const int k = arrivals.next();
-    const float kind = static_cast<float>(pushKind(pushes[k], words + 1, k, world.rank()));
-    if (kind == kPushGoodbye) {
+    const PushHeader push = decodePush(pushes[k], k, world.rank());
+    const PushKind kind = push.kind;
+    if (kind == PushKind::kGoodbye) {
       gone[k] = 1;
       owed[k] = syncing[k] = 0;
-    } else if (kind == kPushSync || kind == kPushState) {
+    } else if (kind == PushKind::kSync || kind == PushKind::kState) {
       syncing[k] = 1;
-      stateRequested = stateRequested || kind == kPushState;
+      stateRequested = stateRequested || kind == PushKind::kState;
     } else {
       // lr/W, not gradient/W: weight decay (and Adam's normalized step) scale with lr.
-      shard.mutable_grad() = codec.decode(pushes[k].narrow(0, 0, words));
-      setServerLearningRate(opt, scale * pushLearningRate(pushes[k], words, k, world.rank()));
+      shard.mutable_grad() = codec.decode(pushPayload(pushes[k]));
+      setServerLearningRate(opt, scale * push.learningRate);
       opt.step();
       ++clock[k];
       owed[k] = 1;
     }
-    if (kind != kPushGoodbye) arrivals.add(k, world.recv(pushes[k], k, kTagPush));
+    if (kind != PushKind::kGoodbye) arrivals.add(k, world.recv(pushes[k], k, kTagPush));
     // The slowest clock among the workers still training.
     int64_t slowest = std::numeric_limits<int64_t>::max();
     bool allSyncing = true, anySyncing = false;

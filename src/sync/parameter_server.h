@@ -24,13 +24,13 @@
 //
 // Messages (all through the Communicator, tags below): at start rank 0 sends each server the
 // parameter count, its shard's initial values and its shard of the optimizer state (from a
-// checkpoint, cut for this number of servers; optimizer_state.h). A push is [gradient shard,
-// lr, kind]: kind 0 a gradient, 1 (with a zero gradient) the worker's goodbye at the end of
-// training, 2 a sync request (asynchronous modes), 3 a state request (checkpoints: answered
-// like a sync, after the server sent worker 0 its shard's optimizer state); a server returns
-// when every worker said goodbye. A pull is [shard, staleness]: c_k - min_j c_j when the reply
-// left (0 under BSP). With compression a push's gradient part is the codec's words instead of
-// the shard.
+// checkpoint, cut for this number of servers; optimizer_state.h). A push (ps_message.h) is a
+// header (kind, learning rate) and the gradient shard: a gradient, the worker's goodbye at the
+// end of training (zeros), a sync request (asynchronous modes) or a state request
+// (checkpoints: answered like a sync, after the server sent worker 0 its shard's optimizer
+// state); a server returns when every worker said goodbye. A pull is a header (staleness:
+// c_k - min_j c_j when the reply left, 0 under BSP) and the shard. With compression a push's
+// payload is the codec's words instead of the shard.
 //
 // Checkpoints hold the servers' optimizer state in rank 0's own optimizer (the in-core form,
 // so a checkpoint resumes on any number of servers and workers, or under another sync.mode)
@@ -64,15 +64,11 @@
 #include <ATen/ATen.h>
 
 #include "comm/communicator.h"
+#include "core/torch_fwd.h"
 #include "sync/compression.h"
 #include "sync/optimizer_state.h"
+#include "sync/ps_message.h"
 #include "sync/strategy.h"
-
-namespace torch {
-namespace optim {
-class Optimizer;
-}
-}  // namespace torch
 
 namespace caravan {
 
@@ -123,27 +119,13 @@ void receiveServerStates(Communicator& world, const ShardLayout& layout, int tag
                          torch::optim::Optimizer& optimizer,
                          const std::vector<at::Tensor>& params);
 
-// What a round of pushes (one per worker, rank order) asks for, from the kind each carries at
-// element `kindAt`: every worker must ask for the same; PeerError naming the workers when they
-// disagree or a kind is not one of these.
-enum class PushKind { kGradient = 0, kGoodbye = 1, kSync = 2, kState = 3 };
-PushKind roundKind(const std::vector<at::Tensor>& pushes, int64_t kindAt, int serverRank,
-                   int64_t step);
-// The learning rate a push carries at element `at` (PeerError naming `worker` when it is not
-// a finite number >= 0).
-double pushLearningRate(const at::Tensor& push, int64_t at, int worker, int serverRank);
-// The kind one push carries (PeerError naming `worker` for anything else).
-PushKind pushKind(const at::Tensor& push, int64_t kindAt, int worker, int serverRank);
-// The mean over workers of the pushes' first n elements, summed in rank order.
-at::Tensor averagePushes(const std::vector<at::Tensor>& pushes, int64_t n);
-
 class PsWorkerStrategy : public Strategy {
  public:
   // `world`: every rank (workers then servers); `workers`: the workers' own group.
   PsWorkerStrategy(std::shared_ptr<Communicator> world, std::shared_ptr<Communicator> workers,
                    int numServers, PsOptions options = {});
   std::string name() const override;
-  void attach(torch::nn::Module& model) override;
+  void attachModel(torch::nn::Module& model) override;
   void setLearningRate(double lr) override { lr_ = lr; }
   void finishGradients() override;
   bool updatesParameters() const override { return true; }
@@ -157,12 +139,13 @@ class PsWorkerStrategy : public Strategy {
                     int64_t savedWorkers) override;
 
  private:
-  int serverRank(int s) const { return world_->size() - servers_ + s; }
-  // Push [gradient, lr, kind] to every server and install the replies. `flatGradient` only for
-  // kind 0 (a gradient).
-  void exchange(const at::Tensor& flatGradient, float kind);
-  // Server s's push: [encoded gradient shard or zeros, lr, kind].
-  at::Tensor pushMessage(int s, const at::Tensor& flatGradient, float kind);
+  ServerGroup servers() const { return ServerGroup(world_.get(), servers_); }
+  // A push of `kind` to every server and the replies installed. `flatGradient` only for a
+  // gradient.
+  void exchange(const at::Tensor& flatGradient, PushKind kind);
+  // Server s's push: the step's learning rate and the encoded gradient shard (zeros for any
+  // other kind).
+  at::Tensor pushMessage(int s, const at::Tensor& flatGradient, PushKind kind);
 
   std::shared_ptr<Communicator> world_;
   std::shared_ptr<Communicator> workers_;

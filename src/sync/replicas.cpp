@@ -41,8 +41,7 @@ void unflattenInto(const at::Tensor& flat, const std::vector<at::Tensor>& tensor
     t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
     offset += t.numel();
   }
-  CARAVAN_CHECK(offset == flat.numel(), "flat buffer of {} elements for {} elements", flat.numel(),
-                offset);
+  CARAVAN_CHECK_EQ(offset, flat.numel(), "elements of the tensors vs the flat buffer");
 }
 
 namespace {

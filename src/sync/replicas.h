@@ -14,12 +14,7 @@
 #include <ATen/ATen.h>
 
 #include "comm/communicator.h"
-
-namespace torch {
-namespace nn {
-class Module;
-}
-}  // namespace torch
+#include "core/torch_fwd.h"
 
 namespace caravan {
 

@@ -1,6 +1,9 @@
 // Strategy: how the workers of a data-parallel job keep their replicas in step. The training
 // loop calls the hooks; a strategy knows nothing about memory tiers or the data pipeline.
 //
+// attach(model, context) once, before the first step: everything a strategy needs from the run
+// (optimizer, per-block parameter groups, a checkpoint's state, the event sink) comes in one
+// AttachContext, applied in a fixed order before the strategy's own attachModel().
 // Call order per step (trainer thread): beforeForward(step) -> forward/backward (the strategy
 // may act on autograd's thread as gradients become ready) -> finishGradients() -> optimizer
 // -> afterStep(step). consolidate() comes between steps, before evaluation and checkpoints.
@@ -18,14 +21,8 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace torch {
-namespace nn {
-class Module;
-}
-namespace optim {
-class Optimizer;
-}
-}  // namespace torch
+#include "core/torch_fwd.h"
+#include "memory/group_exchange.h"
 
 namespace caravan {
 
@@ -33,12 +30,30 @@ using CommEventSink = std::function<void(const std::string& name,
                                          std::chrono::steady_clock::time_point start,
                                          std::chrono::steady_clock::time_point end)>;
 
-class Strategy {
+// What the run hands a strategy when it attaches.
+struct AttachContext {
+  // The run's own optimizer (rank 0's is the one checkpoints hold). Strategies whose optimizer
+  // runs elsewhere (parameter servers) seed it from this one and put its state back into it
+  // for checkpoints (saveState).
+  torch::optim::Optimizer* optimizer = nullptr;
+  // Out-of-core weights (memory/weights.h): one group per block, exchanged as soon as the
+  // block's gradients are final (needs supportsParameterGroups()); empty: the whole model.
+  std::vector<std::vector<at::Tensor>> parameterGroups;
+  // A checkpoint's strategy state (saveState of the run that wrote it) and how many workers
+  // wrote it, which may differ from this job's (resharding); null for a new run.
+  const std::map<std::string, at::Tensor>* restoredState = nullptr;
+  int64_t savedWorkers = 0;
+  // (name, start, end) of each communication, for the timeline and the metrics; may be empty.
+  CommEventSink sink;
+};
+
+class Strategy : public GroupExchange {
  public:
   virtual ~Strategy() = default;
   virtual std::string name() const = 0;
-  // Called once, before the first step: e.g. broadcast rank 0's parameters.
-  virtual void attach(torch::nn::Module& model) = 0;
+  // Called once, before the first step: takes the context (in this order: optimizer, sink,
+  // parameter groups, restored state), then attachModel(), e.g. broadcast rank 0's parameters.
+  void attach(torch::nn::Module& model, AttachContext context = {});
   virtual void beforeForward(int64_t step) {}
   // The step's learning rate, set before beforeForward; for strategies that run the
   // optimizer elsewhere (parameter servers).
@@ -67,36 +82,32 @@ class Strategy {
   virtual std::map<std::string, double> takeMetrics() { return {}; }
 
   // Out-of-core weights (memory/weights.h) update each block as soon as its gradients are
-  // final. A strategy that supports it exchanges gradients in the given groups (one per block,
-  // set before attach()); finishGroup(g), callable from any thread, waits for group g's
-  // exchange and leaves its final gradients in .grad (finishGradients() still finishes every
-  // group). cancelGroupWaits() releases a finishGroup() waiting for a launch when the run is
-  // torn down (it then throws).
+  // final. A strategy that supports it exchanges gradients in the context's parameter groups;
+  // finishGroup(g), callable from any thread, waits for group g's exchange and leaves its
+  // final gradients in .grad (finishGradients() still finishes every group).
+  // cancelGroupWaits() releases a finishGroup() waiting for a launch when the run is torn down
+  // (it then throws).
   virtual bool supportsParameterGroups() const { return false; }
-  virtual void setParameterGroups(std::vector<std::vector<at::Tensor>> groups) {}
-  virtual void finishGroup(size_t group) {}
-  virtual void cancelGroupWaits() {}
+  void finishGroup(size_t group) override {}
+  void cancelGroupWaits() override {}
 
-  // The run's own optimizer (rank 0's is the one checkpoints hold), set before attach().
-  // Strategies whose optimizer runs elsewhere (parameter servers) seed it from this one and
-  // put its state back into it for checkpoints.
-  void setOptimizer(torch::optim::Optimizer* optimizer) { optimizer_ = optimizer; }
-
-  // Strategy state in checkpoints. saveState(): on every rank, after consolidate(), before rank
-  // 0 writes the checkpoint (a collective over the job): puts state kept elsewhere into the
-  // optimizer of setOptimizer() in its in-core form (the servers' optimizer state), and
-  // returns the strategy's own tensors for the checkpoint (rank 0's return value is stored;
-  // e.g. every worker's top-k residual). restoreState(): before attach(), with what a
-  // checkpoint stored and the number of workers that wrote it, which may differ from this
-  // job's (resharding: the strategy says what it keeps, e.g. the residuals' mean).
+  // Strategy state in checkpoints: on every rank, after consolidate(), before rank 0 writes
+  // the checkpoint (a collective over the job). Puts state kept elsewhere into the context's
+  // optimizer in its in-core form (the servers' optimizer state), and returns the strategy's
+  // own tensors for the checkpoint (rank 0's return value is stored; e.g. every worker's top-k
+  // residual).
   virtual std::map<std::string, at::Tensor> saveState() { return {}; }
+
+ protected:
+  // The strategy's own part of attach(), after the context was applied.
+  virtual void attachModel(torch::nn::Module& model) = 0;
+  // The context's parameter groups (only called when supportsParameterGroups()).
+  virtual void useParameterGroups(std::vector<std::vector<at::Tensor>> groups) {}
+  // A checkpoint's state (AttachContext::restoredState) and the number of workers that wrote
+  // it: the strategy says what it keeps (e.g. the residuals' mean when that number differs).
   virtual void restoreState(const std::map<std::string, at::Tensor>& state,
                             int64_t savedWorkers) {}
 
-  // Timeline callback: (name, start, end) of each communication, for --trace.
-  virtual void setEventSink(CommEventSink sink) { sink_ = std::move(sink); }
-
- protected:
   CommEventSink sink_;
   torch::optim::Optimizer* optimizer_ = nullptr;
 };

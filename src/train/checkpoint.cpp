@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "core/errors.h"
+#include "core/scope_guard.h"
 
 namespace caravan {
 namespace fs = std::filesystem;
@@ -241,10 +242,7 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
     if (fd < 0) {
       throw CheckpointError(fmt::format("cannot read checkpoint {}: {}", path, std::strerror(errno)));
     }
-    struct Close {
-      int fd;
-      ~Close() { ::close(fd); }
-    } closeFd{fd};
+    const auto closeFd = onScopeExit([fd] { ::close(fd); });
     archive.load_from(
         [fd, size](uint64_t pos, void* buf, size_t n) -> size_t {
           if (pos >= size) return 0;

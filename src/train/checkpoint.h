@@ -22,16 +22,8 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "core/torch_fwd.h"
 #include "data/loader.h"
-
-namespace torch {
-namespace nn {
-class Module;
-}
-namespace optim {
-class Optimizer;
-}
-}  // namespace torch
 
 namespace caravan {
 

@@ -13,28 +13,15 @@
 
 #include "comm/communicator.h"
 #include "comm/counting_communicator.h"
-#include "core/config.h"
+#include "comm/world.h"
+#include "core/torch_fwd.h"
 #include "sync/strategy.h"
 #include "train/checkpoint.h"
-#include "train/trainer.h"
-
-namespace torch {
-namespace nn {
-class Module;
-}
-namespace optim {
-class Optimizer;
-}
-}  // namespace torch
+#include "train/run_options.h"
 
 namespace caravan {
 
 class Heartbeat;
-
-// Whether sync.mode `mode` runs parameter servers beside the workers (ps-*, osp).
-bool usesServers(const std::string& mode);
-// How many of the world's processes are servers: sync.servers in those modes, else 0.
-int serverCount(const Config& config);
 class Timeline;
 
 struct Agreement {
@@ -53,24 +40,21 @@ struct RankWindow {
 class Distributed {
  public:
   // Connects to the job's store and builds the communicator (dist.backend); throws PeerError
-  // naming the master address when rendezvous fails within fault.timeout.
-  Distributed(const Config& config, const TrainerOptions& options);
+  // naming the master address, or how many ranks arrived, when the rendezvous does not
+  // complete within fault.rendezvous_timeout. `runDir`: where a file store without
+  // dist.store_path keeps its file. `options` must have passed validate().
+  Distributed(const RunOptions& options, const WorldInfo& world, const std::string& runDir);
   ~Distributed();
 
-  // Builds the strategy, broadcasts rank 0's parameters. Returns the strategy for trainStep.
-  // `optimizer`: the run's own (Strategy::setOptimizer); `resumed`: the checkpoint the run
-  // continues from (its strategy state), or null. `groups` (out-of-core weights: one per
-  // block) makes the strategy exchange gradients per group (Strategy::setParameterGroups);
-  // ConfigError for a strategy that cannot.
-  Strategy* attach(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                   const TrainingState* resumed,
-                   std::vector<std::vector<at::Tensor>> groups = {});
-  // Follows the strategy's communication events (each bucket's all-reduce, gossip exchange,
-  // parameter averaging: from launch until the trainer took the result) and records each on
-  // the timeline's communication track when `timeline` is not null. Call once, after attach;
-  // forgetTimeline() before the timeline goes.
-  void observeCommunication(Timeline* timeline);
-  void forgetTimeline();
+  // Builds the strategy of sync.mode and attaches it: `context` as the run has it (optimizer,
+  // parameter groups, restored state); the event sink is this object's, which follows the
+  // strategy's communication events (each bucket's all-reduce, gossip exchange, parameter
+  // averaging: from launch until the trainer took the result) for takeOutstandingSeconds()
+  // and the timeline. Broadcasts rank 0's parameters. Returns the strategy for trainStep.
+  Strategy* attach(torch::nn::Module& model, AttachContext context);
+  // Records each communication event on the timeline's communication track while `timeline`
+  // is set (null: stop; call before the timeline goes).
+  void setTimeline(Timeline* timeline);
   // Seconds since the last call with some exchange outstanding (launched, its result not yet
   // taken; overlapping exchanges count once), or nullopt when the strategy reports no events
   // (parameter servers, OSP). An upper bound on the time spent communicating: Gloo tells a
@@ -106,11 +90,11 @@ class Distributed {
   std::shared_ptr<Communicator> counted(std::shared_ptr<Communicator> inner);
 
   std::vector<std::shared_ptr<CountingCommunicator>> counters_;
-  const Config& config_;
+  RunOptions options_;
   int servers_ = 0;
   int workers_ = 1;
   std::unique_ptr<Strategy> strategy_;
-  // observeCommunication's state, shared with the sink (which may run on the trainer's or the
+  // The event sink's state, shared with the sink (which may run on the trainer's or the
   // weight updater's thread, and outlive this run's timeline).
   struct CommObserver {
     std::mutex mutex;

@@ -16,45 +16,31 @@ constexpr double kPlanMargin = 0.95;
 
 }  // namespace
 
-bool offloadsWeights(const Config& config) { return config.str("memory.weights") == "offload"; }
-
-WeightOptions weightOptions(const Config& config) {
-  WeightOptions o;
-  o.prefetch = static_cast<int>(config.i64("memory.prefetch"));
-  o.overlapUpdates = config.f64("optim.grad_clip") <= 0.0;  // clipping needs every gradient
-  // Optimizer state per weight byte: AdamW two moments, SGD one momentum buffer.
-  if (config.str("optim.name") == "adamw") {
-    o.stateFactor = 2;
-  } else if (config.f64("optim.momentum") > 0.0) {
-    o.stateFactor = 1;
-  }
-  return o;
-}
-
-int64_t persistentBytes(const Config& config, BlockModel& model) {
-  const WeightOptions o = weightOptions(config);
-  if (offloadsWeights(config)) return OutOfCoreWeights::windowBytes(model, o);
+int64_t persistentBytes(const RunOptions& options, BlockModel& model) {
+  const WeightOptions o = weightOptions(options);
+  if (options.memory.offloadWeights) return OutOfCoreWeights::windowBytes(model, o);
   const int64_t weights = tensorBytes(model->parameters());
   return weights + weights + o.stateFactor * weights;
 }
 
-ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
+ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,
                                       const Batch& sample, bool plan) {
+  const MemoryOptions& o = options.memory;
   ActivationMemory m;
-  const std::string policy = config.str("memory.policy");
-  const bool automatic = policy == "auto";
-  const int prefetch = static_cast<int>(config.i64("memory.prefetch"));
+  const std::string& policy = o.policy;
+  const bool automatic = o.automatic();
+  const int prefetch = static_cast<int>(o.prefetch);
   const size_t n = model->numBlocks();
   if (!automatic) m.policies = parsePolicies(policy, n, "memory.policy");
   const bool planning = automatic || plan;
-  const bool offload = offloadsWeights(config);
+  const bool offload = o.offloadWeights;
   if (needsTier(m.policies) || offload) {
-    m.tier = makeTier(config.str("memory.tier"), config.str("memory.swap_dir"));
+    m.tier = makeTier(o.tier, o.swapDir);
     if (!planning) m.report += fmt::format("memory tier: {}\n", m.tier->describe());
   } else if (planning) {
     // The planner may swap if there is a tier; without one it plans keep and recompute only.
     try {
-      m.tier = makeTier(config.str("memory.tier"), config.str("memory.swap_dir"));
+      m.tier = makeTier(o.tier, o.swapDir);
     } catch (const Error& e) {
       m.report += fmt::format("memory tier unavailable, planning without swap: {}\n", e.what());
     }
@@ -67,9 +53,9 @@ ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
                             m.bandwidth.readBytesPerSecond / 1e9);
   }
   if (planning) {
-    const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
-    const int64_t persistent = persistentBytes(config, model);
-    m.profile = profileModel(model, sample, static_cast<int>(config.i64("memory.profile_repeats")));
+    const int64_t budget = o.budget;
+    const int64_t persistent = persistentBytes(options, model);
+    m.profile = profileModel(model, sample, static_cast<int>(o.profileRepeats));
     // The plan aims at 95% of what the budget leaves for activations: the model does not see
     // threads scheduled late on a busy machine (a swap write that lands after the next block's
     // saves; measured: up to 2% over a plan's peak with the tests running two at a time).
@@ -108,22 +94,22 @@ ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
   // weights into descriptions, so they do not hold the blobs in memory.
   if (!allKeep || offload) {
     if (needsTier(m.policies) && !m.tier) {
-      m.tier = makeTier(config.str("memory.tier"), config.str("memory.swap_dir"));
+      m.tier = makeTier(o.tier, o.swapDir);
     }
     m.executor = std::make_unique<ActivationExecutor>(model, m.policies, m.tier.get(), prefetch);
-    const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
+    const int64_t budget = o.budget;
     if (budget > 0 && m.profile) {
       std::vector<int64_t> saved;
       for (const auto& b : m.profile->blocks) saved.push_back(b.savedBytes);
-      m.executor->setActivationLimit(
-          std::max<int64_t>(budget - persistentBytes(config, model), 1), std::move(saved));
+      m.executor->setActivationLimit(std::max<int64_t>(budget - persistentBytes(options, model), 1),
+                                     std::move(saved));
     }
     m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
   }
   if (offload) {
     m.report += fmt::format(
         "weights, gradients and optimizer state: out of core on the tier, at most {} in memory\n",
-        formatBytes(persistentBytes(config, model)));
+        formatBytes(persistentBytes(options, model)));
   }
   return m;
 }

@@ -1,4 +1,4 @@
-// Activation memory for a run, from the memory.* keys: the tier (and its measured bandwidth),
+// Activation memory for a run, from its memory options: the tier (and its measured bandwidth),
 // the per-block policies (given, or planned under memory.budget when memory.policy = auto)
 // and the executor that applies them. Shared by `caravan train` and `caravan plan`.
 #pragma once
@@ -8,25 +8,20 @@
 #include <optional>
 #include <string>
 
-#include "core/config.h"
 #include "data/dataset.h"
 #include "memory/executor.h"
 #include "memory/planner.h"
 #include "memory/tier.h"
 #include "memory/weights.h"
 #include "models/model.h"
+#include "train/run_options.h"
 
 namespace caravan {
-
-// memory.weights = offload (memory/weights.h).
-bool offloadsWeights(const Config& config);
-// The out-of-core store's options from the config (memory.prefetch, optim.*).
-WeightOptions weightOptions(const Config& config);
 
 // Weights + gradients + optimizer state the run will hold from its first step on (what the
 // activations share memory.budget with); with out-of-core weights, the most of them that will
 // be in memory at once (OutOfCoreWeights::windowBytes).
-int64_t persistentBytes(const Config& config, BlockModel& model);
+int64_t persistentBytes(const RunOptions& options, BlockModel& model);
 
 struct ActivationMemory {
   std::vector<BlockPolicy> policies;
@@ -42,7 +37,7 @@ struct ActivationMemory {
 // fit instead of throwing (caravan plan). `sample`: a batch like the run's (for profiling).
 // Throws ConfigError when memory.policy = auto and no plan fits memory.budget, naming the
 // smallest budget the planner can fit.
-ActivationMemory makeActivationMemory(const Config& config, BlockModel& model,
+ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,
                                       const Batch& sample, bool plan);
 
 }  // namespace caravan

@@ -1,4 +1,4 @@
-// Config -> components (see setup.h).
+// Typed options -> components (see setup.h).
 #include "train/setup.h"
 
 #include <dlfcn.h>
@@ -12,8 +12,8 @@
 
 namespace caravan {
 
-void applyRuntimeConfig(const Config& config) {
-  if (config.flag("train.keep_freed_memory")) {
+void applyRuntimeOptions(const RuntimeOptions& options) {
+  if (options.keepFreedMemory) {
     // Tensor storages from mappings cached by size (memory/host_allocator.h): with the C heap,
     // every step page-faulted its activations back in (~19k faults per GPT step, measured:
     // bench/README.md) or, with raised malloc thresholds, fragmented. The cache holds at most
@@ -21,100 +21,69 @@ void applyRuntimeConfig(const Config& config) {
     // memory.budget: a cache of a quarter of the budget made swap-input steps 2x slower
     // (brown-gpt depth 12: 4.2 s against 2.1 s), every step unmapping and faulting back its
     // transient tensors.
-    HostAllocator::install(
-        parseBytes(config.str("train.freed_memory_cache"), "train.freed_memory_cache"));
+    HostAllocator::install(options.freedMemoryCache);
   }
-  const int64_t threads = config.i64("train.threads");
-  if (threads <= 0) return;
-  at::set_num_threads(static_cast<int>(threads));
+  if (options.threads <= 0) return;
+  at::set_num_threads(static_cast<int>(options.threads));
   // LibTorch does not forward its thread count to OpenBLAS; set it directly when present.
   using SetThreads = void (*)(int);
   if (auto fn = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-    fn(static_cast<int>(threads));
+    fn(static_cast<int>(options.threads));
   }
 }
 
-DatasetSplits makeDatasets(const Config& config) {
-  const std::string& name = config.str("data.dataset");
-  const std::string& path = config.str("data.path");
+DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed) {
+  const std::string& name = options.dataset;
+  const std::string& path = options.path;
   if (name == "fashion-mnist") {
     return loadFashionMnist(path.empty() ? kDefaultFashionMnistDir : path);
   }
   if (name == "brown") {
     BrownOptions o;
     o.dir = path.empty() ? kDefaultBrownDir : path;
-    o.seqLen = config.i64("data.seq_len");
-    o.valFraction = config.f64("data.val_fraction");
+    o.seqLen = options.seqLen;
+    o.valFraction = options.valFraction;
     return loadBrown(o);
   }
   if (name == "synthetic") {
     SyntheticOptions o;
-    o.task = config.str("data.synthetic_task") == "tokens" ? TaskKind::kLanguageModel
-                                                           : TaskKind::kImageClassification;
-    o.trainSize = config.i64("data.synthetic_size");
+    o.task = options.syntheticTask == "tokens" ? TaskKind::kLanguageModel
+                                               : TaskKind::kImageClassification;
+    o.trainSize = options.syntheticSize;
     o.testSize = std::max<int64_t>(1, o.trainSize / 4);
-    o.seqLen = config.i64("data.seq_len");
-    o.seed = static_cast<uint64_t>(config.i64("seed.data")) + 1234;
+    o.seqLen = options.seqLen;
+    o.seed = dataSeed + 1234;
     return makeSynthetic(o);
   }
   CARAVAN_CHECK(false, "dataset {} not handled", name);
   return {};
 }
 
-ModelSpec makeModelSpec(const Config& config) {
-  ModelSpec spec;
-  spec.name = config.str("model.name");
-  spec.width = config.i64("model.width");
-  spec.depth = config.i64("model.depth");
-  spec.heads = config.i64("model.heads");
-  spec.dropout = config.f64("model.dropout");
-  return spec;
-}
-
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const Config& config, BlockModel& model) {
-  return makeOptimizer(config, model->parameters());
-}
-
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const Config& config,
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const OptimizerOptions& options,
                                                        std::vector<at::Tensor> params) {
-  const double lr = config.f64("optim.lr");
-  if (config.str("optim.name") == "adamw") {
-    torch::optim::AdamWOptions o(lr);
-    o.betas({config.f64("optim.beta1"), config.f64("optim.beta2")});
-    o.eps(config.f64("optim.eps"));
-    o.weight_decay(config.f64("optim.weight_decay"));
+  if (options.name == "adamw") {
+    torch::optim::AdamWOptions o(options.lr);
+    o.betas({options.beta1, options.beta2});
+    o.eps(options.eps);
+    o.weight_decay(options.weightDecay);
     return std::make_unique<torch::optim::AdamW>(params, o);
   }
-  torch::optim::SGDOptions o(lr);
-  o.momentum(config.f64("optim.momentum"));
-  o.nesterov(config.flag("optim.nesterov"));
-  o.weight_decay(config.f64("optim.weight_decay"));
-  if (o.nesterov() && o.momentum() <= 0.0) {
-    throw ConfigError("optim.nesterov = true needs optim.momentum > 0");
-  }
+  validate(options);  // Nesterov without momentum (validate() refused it for a training run)
+  torch::optim::SGDOptions o(options.lr);
+  o.momentum(options.momentum);
+  o.nesterov(options.nesterov);
+  o.weight_decay(options.weightDecay);
   return std::make_unique<torch::optim::SGD>(params, o);
 }
 
-SamplerOptions makeSamplerOptions(const Config& config, int64_t datasetSize, int rank,
+SamplerOptions makeSamplerOptions(const RunOptions& options, int64_t datasetSize, int rank,
                                   int worldSize) {
   SamplerOptions o;
   o.datasetSize = datasetSize;
-  o.batchSize = config.i64("data.batch_size");
-  o.seed = static_cast<uint64_t>(config.i64("seed.data"));
+  o.batchSize = options.data.batchSize;
+  o.seed = options.seed.data;
   o.rank = rank;
   o.worldSize = worldSize;
-  return o;
-}
-
-ScheduleOptions makeScheduleOptions(const Config& config, int64_t totalSteps) {
-  ScheduleOptions o;
-  o.kind = config.str("schedule.kind");
-  o.peakLr = config.f64("optim.lr");
-  o.warmupSteps = config.i64("schedule.warmup_steps");
-  o.stepSize = config.i64("schedule.step_size");
-  o.gamma = config.f64("schedule.gamma");
-  o.minLr = config.f64("schedule.min_lr");
-  o.totalSteps = totalSteps;
   return o;
 }
 
@@ -122,12 +91,16 @@ void setLearningRate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
-nlohmann::json runIdentity(const Config& config) {
+nlohmann::json runIdentity(const RunOptions& options) {
+  // The config's key names: checkpoints of every version store and compare these.
   nlohmann::json j;
-  for (const char* key : {"model.name", "data.dataset", "optim.name"}) j[key] = config.str(key);
-  for (const char* key : {"model.width", "model.depth", "model.heads", "data.seq_len"}) {
-    j[key] = config.i64(key);
-  }
+  j["model.name"] = options.model.name;
+  j["data.dataset"] = options.data.dataset;
+  j["optim.name"] = options.optim.name;
+  j["model.width"] = options.model.width;
+  j["model.depth"] = options.model.depth;
+  j["model.heads"] = options.model.heads;
+  j["data.seq_len"] = options.data.seqLen;
   return j;
 }
 

@@ -13,14 +13,6 @@
 
 namespace caravan {
 
-at::Tensor taskLoss(TaskKind task, const at::Tensor& output, const at::Tensor& target) {
-  if (task == TaskKind::kLanguageModel) {
-    // output [B, T, V] -> [B*T, V]; target [B, T] -> [B*T]
-    return at::cross_entropy_loss(output.reshape({-1, output.size(-1)}), target.reshape({-1}));
-  }
-  return at::cross_entropy_loss(output, target);
-}
-
 StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
                      double gradClip, Strategy* strategy, int64_t step,
                      OutOfCoreWeights* weights, bool skipNonFinite) {

@@ -7,20 +7,12 @@
 
 #include <ATen/ATen.h>
 
+#include "core/torch_fwd.h"
 #include "data/dataset.h"
+#include "models/loss.h"
 #include "models/model.h"
 
-namespace torch {
-namespace optim {
-class Optimizer;
-}
-}  // namespace torch
-
 namespace caravan {
-
-// Mean cross-entropy of `output` against `target`:
-// image: output [B, classes], target [B]; language model: output [B, T, V], target [B, T].
-at::Tensor taskLoss(TaskKind task, const at::Tensor& output, const at::Tensor& target);
 
 struct StepResult {
   double loss = 0.0;      // the mini-batch loss before the update

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -17,18 +16,18 @@
 #include "data/loader.h"
 #include "memory/accounting.h"
 #include "memory/executor.h"
-#include "memory/host_allocator.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
 #include "memory/weights.h"
 #include "models/model.h"
 #include "train/checkpoint.h"
 #include "train/distributed.h"
-#include "train/timeline.h"
-#include "train/memory_setup.h"
 #include "train/metrics.h"
+#include "train/metrics_window.h"
+#include "train/run_setup.h"
 #include "train/setup.h"
 #include "train/step.h"
+#include "train/timeline.h"
 
 namespace caravan {
 namespace fs = std::filesystem;
@@ -45,474 +44,430 @@ SamplerPosition nextPosition(SamplerPosition p, int64_t batchesPerEpoch) {
   return p;
 }
 
-TrainSummary runTraining(const Config& config, const TrainerOptions& options,
-                         CheckpointDir& checkpoints, const std::optional<std::string>& resumeFrom,
-                         const std::string& metricsPath, Distributed* dist) {
-  Communicator* comm = dist ? dist->comm.get() : nullptr;
-  const bool isRoot = options.world.rank == 0;
-  DatasetSplits data = makeDatasets(config);
-  const DataShape shape = data.train->shape();
+// Why the loop ends before its last step.
+enum class StopReason {
+  kNone,
+  kInterrupted,  // a signal or --stop-at-step: checkpoint and stop, resume to continue
+  kTimeUp,       // train.max_minutes: a normal end (evaluate, checkpoint, export)
+};
 
-  torch::manual_seed(static_cast<uint64_t>(config.i64("seed.init")));
-  BlockModel model = buildModel(makeModelSpec(config), shape);
-  auto optimizer = makeOptimizer(config, model);
+// Whether this rank must stop after a step and, in a job, what every rank agreed: the mean
+// loss and the most pressing reason of any rank. Asynchronous strategies agree only every
+// train.log_every steps and at the last one, so they do not hold fast workers back; a stop
+// then waits for the next agreement.
+class StopState {
+ public:
+  StopState(const TrainerOptions& options, const LoopOptions& loop, int64_t totalSteps)
+      : options_(options), loop_(loop), totalSteps_(totalSteps) {}
 
-  // Data is sharded over the workers (parameter servers read none).
-  const int workers = comm != nullptr ? comm->size() : 1;
-  const SamplerOptions samplerOptions =
-      makeSamplerOptions(config, data.train->size(), comm != nullptr ? comm->rank() : 0, workers);
-  Loader loader(data.train, samplerOptions, config.i64("data.prefetch"));
-  const int64_t perEpoch = loader.batchesPerEpoch();
-  const int64_t totalSteps = config.i64("train.max_steps") > 0
-                                 ? config.i64("train.max_steps")
-                                 : config.i64("train.epochs") * perEpoch;
-  const ScheduleOptions schedule = makeScheduleOptions(config, totalSteps);
-  const nlohmann::json identity = runIdentity(config);
-
-  TrainingState state;
-  state.meta = identity;
-  double elapsedBefore = 0.0;  // training seconds of earlier processes of this run
-  std::string reshardNote;
-  if (resumeFrom) {
-    state = loadCheckpoint(*resumeFrom, *model, *optimizer, identity);
-    setDefaultRngState(state.rngState);
-    if (state.batchSize == 0) state.batchSize = samplerOptions.batchSize;  // older checkpoints
-    if (state.workers == 0) state.workers = workers;
-    if (state.workers != workers || state.batchSize != samplerOptions.batchSize) {
-      // Resharding: the position counts samples of the epoch (loader.h).
-      const SamplerPosition saved = state.position;
-      state.position = reshardPosition(saved, state.workers * state.batchSize,
-                                       workers * samplerOptions.batchSize, perEpoch);
-      reshardNote = fmt::format(
-          "caravan: the checkpoint was written by {} workers x batch {} (epoch {} batch {}); "
-          "continuing with {} x {} at epoch {} batch {}",
-          state.workers, state.batchSize, saved.epoch + 1, saved.batchInEpoch, workers,
-          samplerOptions.batchSize, state.position.epoch + 1, state.position.batchInEpoch);
-    }
-    loader.seek(state.position);
-    elapsedBefore = state.elapsedSeconds;
-  } else {
-    torch::manual_seed(static_cast<uint64_t>(config.i64("seed.dropout")));
-  }
-  // Per-block policies (memory.policy; planned under the budget for auto) and their executor:
-  // before anything is written, so a run that cannot fit leaves nothing behind, and before the
-  // strategy attaches, so the profile's backward passes start no gradient exchange.
-  Batch sample;
-  if (config.str("memory.policy") == "auto") {
-    std::vector<int64_t> first;
-    for (int64_t i = 0; i < std::min(samplerOptions.batchSize, data.train->size()); ++i) {
-      first.push_back(i);
-    }
-    sample = data.train->get(first);
-  }
-  ActivationMemory activations = makeActivationMemory(config, model, sample, /*plan=*/false);
-  // Out-of-core weights exchange and update gradients per block: the strategy's groups.
-  const bool offload = offloadsWeights(config);
-  Strategy* strategy = nullptr;
-  if (dist) {
-    strategy = dist->attach(*model, *optimizer, resumeFrom ? &state : nullptr,
-                            offload ? blockParameters(model)
-                                    : std::vector<std::vector<at::Tensor>>{});
-    state.strategy.clear();  // handed to the strategy
-  }
-  Timeline timeline(options.tracePath, options.world.rank);
-  if (dist) dist->observeCommunication(timeline.enabled() ? &timeline : nullptr);
-  struct ForgetTimeline {  // the strategy (and its event sink) outlives this function
-    Distributed* dist;
-    ~ForgetTimeline() {
-      if (dist) dist->forgetTimeline();
-    }
-  } forgetTimeline{dist};
-
-  std::unique_ptr<MetricsSink> metrics;
-  if (isRoot) {
-    writeFileAtomic((fs::path(options.runDir) / "config.toml").string(), config.toToml());
-    metrics = std::make_unique<MetricsSink>(metricsPath, resumeFrom ? state.step : -1);
-  }
-
-  const int64_t params = [&] {
-    int64_t n = 0;
-    for (const auto& p : model->parameters()) n += p.numel();
-    return n;
-  }();
-  Progress progress(options.terminal, options.tty, options.quiet || !isRoot, totalSteps,
-                    config.i64("train.log_every"));
-  progress.line(fmt::format(
-      "caravan: {} ({} blocks, {:.2f}M parameters) on {} ({} train / {} eval examples), "
-      "{} steps of batch {}{}{}",
-      model->modelName(), model->numBlocks(), static_cast<double>(params) / 1e6,
-      data.train->name(), data.train->size(), data.test->size(), totalSteps,
-      samplerOptions.batchSize,
-      dist ? fmt::format(" per worker x {} workers ({}, {})", workers, comm->backend(),
-                         config.str("sync.mode"))
-           : "",
-      resumeFrom ? fmt::format(", resuming at step {} from {}", state.step, *resumeFrom) : ""));
-  if (!reshardNote.empty()) progress.line(reshardNote);
-
-  // Memory accounting (memory/): activations through the saved-tensor hooks while the scope
-  // lives, the other categories measured after each step.
-  const std::vector<at::Tensor> parameterList = model->parameters();
-  const int64_t budget = parseBytes(config.str("memory.budget"), "memory.budget");
-  MemoryTracker memory;
-  // Out-of-core weights (memory.weights = offload): after the strategy attached (it broadcast
-  // rank 0's parameters), the blocks move to the tier; the store counts what is in memory.
-  std::unique_ptr<OutOfCoreWeights> weights;
-  if (offload) {
-    weights = std::make_unique<OutOfCoreWeights>(
-        model, *optimizer,
-        [&config](std::vector<at::Tensor> ps) { return makeOptimizer(config, std::move(ps)); },
-        *activations.tier, &memory, strategy, weightOptions(config));
-    activations.executor->setWeights(weights.get());
-  } else {
-    memory.set(MemoryCategory::kWeights, tensorBytes(parameterList));
-    memory.set(MemoryCategory::kGradients, gradientBytes(parameterList));
-    memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
-  }
-  memory.resetPeaks();
-  // Weights and buffers (batch norm's running statistics) saved by ops are not activations
-  // (out-of-core weights move between storages: the executor asks the store).
-  std::vector<at::Tensor> modelState = offload ? std::vector<at::Tensor>{} : parameterList;
-  for (const auto& b : model->buffers()) modelState.push_back(b);
-  SavedTensorScope savedTensors(memory, modelState);
-  {
-    std::istringstream report(activations.report);
-    for (std::string line; std::getline(report, line);) progress.line(line);
-  }
-  if (isRoot && activations.plan) {
-    writeFileAtomic((fs::path(options.runDir) / "memory_plan.txt").string(), activations.report);
-  }
-  releaseFreeHeap();
-  std::vector<double> forwardBackward;  // per step, for measured vs predicted
-  int64_t runActivationPeak = 0, runTrackedPeak = 0;
-
-  const Clock::time_point start = Clock::now();
-  auto trainSeconds = [&] { return elapsedBefore + secondsSince(start); };
-  const double maxSeconds = config.f64("train.max_minutes") * 60.0;
-  const int64_t logEvery = config.i64("train.log_every");
-  const int64_t evalEvery = config.i64("train.eval_every");
-  const int64_t checkpointEvery = config.i64("checkpoint.every");
-  const int64_t evalBatchSize = config.i64("data.eval_batch_size");
-  const int64_t evalBatches = config.i64("train.eval_batches");
-  const double gradClip = config.f64("optim.grad_clip");
-  // train.nonfinite_skips: steps with a non-finite loss or gradient skipped before stopping.
-  const int64_t nonfiniteSkips = config.i64("train.nonfinite_skips");
-  if (nonfiniteSkips > 0 && (offload || (strategy != nullptr && strategy->updatesParameters()))) {
-    throw ConfigError(fmt::format(
-        "train.nonfinite_skips needs the update after backward; {} updates before it can be "
-        "checked: set train.nonfinite_skips = 0",
-        offload ? "memory.weights = offload" : "sync.mode = " + config.str("sync.mode")));
-  }
-  int64_t skippedSteps = 0;
-
-  TrainSummary summary;
-  int64_t lastEvalStep = -1;
-  int64_t epoch = state.position.epoch + 1;  // 1-based epoch of the latest step
-  // Strategies that let replicas drift (local SGD, gossip) average them first, so evaluation
-  // and checkpoints see one model; the spread they had is reported.
-  auto consolidate = [&] { return strategy != nullptr ? strategy->consolidate() : 0.0; };
-  // `distance`: the consensus distance when the caller consolidated already.
-  auto runEval = [&](std::optional<double> distance = std::nullopt) {
-    const double consensus = distance ? *distance : consolidate();
-    EvalResult r = evaluate(model, *data.test, evalBatchSize, evalBatches, comm);
-    nlohmann::json rec = {{"kind", "eval"}, {"step", state.step}, {"epoch", epoch},
-                          {"loss", r.loss}, {"accuracy", r.accuracy},
-                          {"examples", r.examples}, {"time_s", trainSeconds()}};
-    if (strategy != nullptr) rec["consensus_distance"] = consensus;
-    if (metrics) metrics->write(rec);
-    progress.line(fmt::format("eval  step {} epoch {}: loss {:.4f} accuracy {:.2f}%", state.step,
-                              epoch, r.loss, 100.0 * r.accuracy));
-    summary.evalLoss = r.loss;
-    summary.evalAccuracy = r.accuracy;
-    lastEvalStep = state.step;
-  };
-  // `collected`: the strategy's state when the caller consolidated and collected it already.
-  auto writeCheckpoint = [&](std::map<std::string, at::Tensor>* collected = nullptr) {
-    if (collected != nullptr) {
-      state.strategy = std::move(*collected);
-    } else {
-      consolidate();
-      if (strategy != nullptr) state.strategy = strategy->saveState();
-    }
-    state.workers = workers;
-    state.batchSize = samplerOptions.batchSize;
-    state.rngState = defaultRngState();
-    state.elapsedSeconds = trainSeconds();
-    if (isRoot) {
-      auto save = [&] { summary.lastCheckpoint = checkpoints.save(*model, *optimizer, state); };
-      if (weights) {
-        weights->withAllResident(save);  // the in-core format (weights.h)
-      } else {
-        save();
-      }
-    } else {
-      summary.lastCheckpoint = checkpoints.pathFor(state.step);
-    }
-    state.strategy.clear();
-    // The servers' optimizer state came into this optimizer for the file only.
-    if (strategy != nullptr && strategy->updatesParameters()) optimizer->state().clear();
-  };
-
-  model->train();
-  double windowSamples = 0.0;
-  // Per-step means over the log window (rank 0): forward + backward + optimizer, and the time
-  // blocked on synchronization (gradient exchange after backward, the strategy's afterStep).
-  double windowCompute = 0.0, windowSync = 0.0;
-  int64_t windowSteps = 0;
-  ByteCount windowBytes = dist ? dist->bytes() : ByteCount{};
-  std::vector<RankWindow> rankWindows;  // every worker's, from the agreement of a log step
-  Clock::time_point windowStart = Clock::now();
-  double lastLoss = std::nan("");
-  while (state.step < totalSteps) {
-    LoadedBatch lb = loader.next();
-    epoch = lb.position.epoch + 1;
-    const double lr = learningRate(schedule, state.step);
-    setLearningRate(*optimizer, lr);
-    if (strategy != nullptr) strategy->setLearningRate(lr);
-    const auto stepStart = Clock::now();
-    StepResult r =
-        trainStep(model, *optimizer, lb.batch, gradClip, strategy, state.step, weights.get(),
-                  /*skipNonFinite=*/nonfiniteSkips > 0);
-    if (!weights) {
-      memory.set(MemoryCategory::kGradients, gradientBytes(parameterList));
-      memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
-    }
-    // What every later step needs: this step's activation peak on top of everything that
-    // persists (weights, gradients and optimizer state exist from the first step on).
-    const int64_t needed = std::max(
-        memory.totalPeak(), memory.peak(MemoryCategory::kActivations) +
-                                memory.live(MemoryCategory::kWeights) +
-                                memory.live(MemoryCategory::kGradients) +
-                                memory.live(MemoryCategory::kOptimizerState));
-    if (budget > 0 && needed > budget) {
-      // The policies are fixed for the run, so this is what every step needs.
-      throw ConfigError(fmt::format(
-          "memory.budget = {} is below what step {} needs: {} tracked (activations {}, weights "
-          "{}, gradients {}, optimizer state {}); the smallest budget that works for this "
-          "model, batch and memory.policy = {} is {} ({} bytes){}{}",
-          formatBytes(budget), state.step + 1, formatBytes(needed),
-          formatBytes(memory.peak(MemoryCategory::kActivations)),
-          formatBytes(memory.live(MemoryCategory::kWeights)),
-          formatBytes(memory.live(MemoryCategory::kGradients)),
-          formatBytes(memory.live(MemoryCategory::kOptimizerState)),
-          config.str("memory.policy"), formatBytes(needed), needed,
-          config.str("memory.policy") == "auto"
-              ? "; the plan's prediction was short: see memory_plan.txt"
-              : "; or set memory.policy = auto to recompute or swap blocks within the budget",
-          offload ? "" : " (memory.weights = offload keeps weights and optimizer state on the tier)"));
-    }
-    runActivationPeak = std::max(runActivationPeak, memory.peak(MemoryCategory::kActivations));
-    runTrackedPeak = std::max(runTrackedPeak, needed);
-    if (state.step > 0 || resumeFrom) {  // the first step allocates; it is not typical
-      forwardBackward.push_back(std::chrono::duration<double>(r.backwardEnd - stepStart).count());
-    }
-    timeline.complete("forward", stepStart, r.forwardEnd);
-    timeline.complete("backward", r.forwardEnd, r.backwardEnd);
-    if (strategy != nullptr) timeline.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
-    timeline.complete("optimizer", r.syncEnd, r.optimizerEnd);
-    if (strategy != nullptr) timeline.complete("after-step sync", r.optimizerEnd, r.stepEnd);
-    auto seconds = [](Clock::time_point a, Clock::time_point b) {
-      return std::chrono::duration<double>(b - a).count();
-    };
-    windowCompute += seconds(stepStart, r.syncEnd) - seconds(r.backwardEnd, r.syncEnd) +
-                     seconds(r.syncEnd, r.optimizerEnd);
-    windowSync += seconds(r.backwardEnd, r.syncEnd) + seconds(r.optimizerEnd, r.stepEnd);
-    ++windowSteps;
-    bool interrupted = (options.stopAtStep > 0 && state.step + 1 >= options.stopAtStep) ||
-                       (options.stopRequested != nullptr && options.stopRequested->load());
-    bool timeUp = maxSeconds > 0 && trainSeconds() >= maxSeconds;
-    if (dist) {
-      // One small all-reduce: the mean loss over ranks, and whether any rank must stop. Under
-      // an asynchronous strategy only every log_every steps and at the end, so it does not
-      // hold fast workers back; a stop waits for the next agreement.
-      const bool agreeNow = strategy->lockstep() || (state.step + 1) % logEvery == 0 ||
-                            state.step + 1 == totalSteps;
-      if (agreeNow) {
+  // After step `step` (0-based) with `loss`; `trainSeconds` of training so far. Returns the
+  // loss to report (the workers' mean in a job). `window`: this rank's window on steps that
+  // write a record (every worker's comes back in `all`).
+  double afterStep(int64_t step, double loss, double trainSeconds, Distributed* dist,
+                   Strategy* strategy, MetricsWindow& window) {
+    bool interrupted = (options_.stopAtStep > 0 && step + 1 >= options_.stopAtStep) ||
+                       (options_.stopRequested != nullptr && options_.stopRequested->load());
+    bool timeUp = loop_.maxSeconds > 0 && trainSeconds >= loop_.maxSeconds;
+    if (dist != nullptr) {
+      const bool logNow = writesRecord(step + 1);
+      if (strategy->lockstep() || logNow) {
         // On the steps that write a train record, every worker's window comes along.
-        const bool logNow = (state.step + 1) % logEvery == 0 || state.step + 1 == totalSteps;
-        const RankWindow own{windowCompute / windowSteps, windowSync / windowSteps};
-        Agreement a = dist->agree(r.loss, interrupted, timeUp, logNow ? &own : nullptr,
-                                  &rankWindows);
-        r.loss = a.meanLoss;
+        const RankWindow own = window.own();
+        const Agreement a =
+            dist->agree(loss, interrupted, timeUp, logNow ? &own : nullptr, window.ranks());
+        loss = a.meanLoss;
         interrupted = a.interrupted;
         timeUp = a.timeUp;
       } else {
         interrupted = timeUp = false;
       }
     }
-    // Non-finite here, or (local SGD, gossip: gradients are per rank) on another rank: every
-    // rank sees the mean loss, so they count alike.
-    const bool nonFinite = r.skipped || !std::isfinite(r.loss);
-    if (nonFinite && skippedSteps < nonfiniteSkips) {
-      ++skippedSteps;
-      progress.line(fmt::format("step {}: loss {}, a non-finite loss or gradient; update "
-                                "skipped ({} of train.nonfinite_skips = {})",
-                                state.step + 1, r.loss, skippedSteps, nonfiniteSkips));
-    } else if (nonFinite) {
-      throw NonFiniteError(fmt::format(
-          "loss became {} at step {} (epoch {}){}; the last good checkpoint is {}; lower optim.lr "
-          "or set optim.grad_clip",
-          r.loss, state.step + 1, epoch,
-          nonfiniteSkips > 0
-              ? fmt::format(" after {} skipped steps (train.nonfinite_skips)", skippedSteps)
-              : "",
-          checkpoints.latest().value_or("(none: set checkpoint.every)")));
-    }
-    ++state.step;
-    if (dist) dist->stepDone(state.step);
-    state.position = nextPosition(lb.position, perEpoch);
-    lastLoss = r.loss;
-    windowSamples += static_cast<double>(lb.batch.size() * workers);
-    const double windowS = secondsSince(windowStart);
-    const double samplesPerS = windowS > 0 ? windowSamples / windowS : 0.0;
-    progress.update(state.step, epoch, r.loss, lr, samplesPerS);
-    if (state.step % logEvery == 0 || state.step == totalSteps) {
-      nlohmann::json rec = {{"kind", "train"}, {"step", state.step}, {"epoch", epoch},
-                            {"loss", r.loss}, {"lr", lr}, {"samples_per_s", samplesPerS},
-                            {"compute_s", windowCompute / windowSteps},
-                            {"sync_wait_s", windowSync / windowSteps},
-                            {"time_s", trainSeconds()}, {"workers", workers}};
-      // Tracked memory over the window (peaks) and the process's resident set now.
-      rec["mem_activations_peak"] = memory.peak(MemoryCategory::kActivations);
-      rec["mem_weights"] = memory.live(MemoryCategory::kWeights);
-      rec["mem_gradients"] = memory.live(MemoryCategory::kGradients);
-      rec["mem_optimizer_state"] = memory.live(MemoryCategory::kOptimizerState);
-      rec["mem_tracked_peak"] = memory.totalPeak();
-      if (nonfiniteSkips > 0) rec["skipped_steps"] = skippedSteps;  // so far in this process
-      rec["rss_bytes"] = residentBytes();
-      const HeapBytes heap = heapBytes();
-      rec["heap_in_use_bytes"] = heap.inUse;
-      rec["heap_free_bytes"] = heap.free;
-      if (HostAllocator::installed()) {
-        const HostAllocator::Stats h = HostAllocator::instance().stats();
-        rec["host_mapped_bytes"] = h.mapped;
-        rec["host_cached_bytes"] = h.cached;
-      }
-      memory.resetPeaks();
-      if (activations.executor) {
-        const ExecutorStats x = activations.executor->takeStats();
-        rec["offloaded_bytes"] = static_cast<double>(x.bytesOffloaded) / windowSteps;
-        rec["recompute_s"] = x.recomputeSeconds / windowSteps;
-        rec["swap_stall_s"] = x.stallSeconds / windowSteps;
-      }
-      if (weights) {
-        const WeightStats w = weights->takeStats();
-        rec["weights_read_bytes"] = static_cast<double>(w.bytesRead) / windowSteps;
-        rec["weights_written_bytes"] = static_cast<double>(w.bytesWritten) / windowSteps;
-        rec["weights_update_s"] = w.updateSeconds / windowSteps;
-        rec["weights_stall_s"] = w.stallSeconds / windowSteps;
-      }
-      if (dist) {
-        // This rank's bytes per step over the window, and the strategy's own numbers.
-        const ByteCount b = dist->bytes();
-        rec["sent_bytes"] = static_cast<double>(b.sent - windowBytes.sent) / windowSteps;
-        rec["recv_bytes"] = static_cast<double>(b.received - windowBytes.received) / windowSteps;
-        windowBytes = b;
-        for (const auto& [key, value] : strategy->takeMetrics()) rec[key] = value;
-        // Time with an exchange outstanding per step (hidden behind compute or not).
-        if (const auto outstanding = dist->takeOutstandingSeconds()) {
-          rec["comm_outstanding_s"] = *outstanding / windowSteps;
-        }
-        if (rankWindows.size() == static_cast<size_t>(workers)) {
-          std::vector<double> compute, wait;
-          for (const RankWindow& w : rankWindows) {
-            compute.push_back(w.computeS);
-            wait.push_back(w.syncWaitS);
-          }
-          rec["rank_compute_s"] = compute;
-          rec["rank_sync_wait_s"] = wait;
-        }
-        rankWindows.clear();
-      }
-      if (metrics) metrics->write(rec);
-      windowSamples = 0.0;
-      windowCompute = windowSync = 0.0;
-      windowSteps = 0;
-      windowStart = Clock::now();
-    }
+    reason_ = timeUp        ? StopReason::kTimeUp
+              : interrupted ? StopReason::kInterrupted
+                            : StopReason::kNone;
+    return loss;
+  }
+  // Whether the step that makes `stepsDone` steps writes a train record.
+  bool writesRecord(int64_t stepsDone) const {
+    return stepsDone % loop_.logEvery == 0 || stepsDone == totalSteps_;
+  }
+  StopReason reason() const { return reason_; }
+
+ private:
+  const TrainerOptions& options_;
+  const LoopOptions& loop_;
+  int64_t totalSteps_;
+  StopReason reason_ = StopReason::kNone;
+};
+
+// One run's training loop on this rank, from a prepared and attached RunSetup.
+class Trainer {
+ public:
+  Trainer(RunSetup& setup, const TrainerOptions& options, CheckpointDir& checkpoints,
+          Distributed* dist)
+      : s_(setup),
+        loop_(setup.options.loop),
+        options_(options),
+        checkpoints_(checkpoints),
+        dist_(dist),
+        strategy_(setup.strategy),
+        isRoot_(options.world.rank == 0),
+        progress_(options.terminal, options.tty, options.quiet || !isRoot_, setup.totalSteps,
+                  loop_.logEvery),
+        timeline_(options.tracePath, options.world.rank),
+        stop_(options, loop_, setup.totalSteps),
+        window_(dist) {}
+  ~Trainer() {
+    if (dist_ != nullptr) dist_->setTimeline(nullptr);  // the strategy outlives the timeline
+  }
+
+  TrainSummary run();
+
+ private:
+  void begin();
+  void trainOneStep();
+  void accountMemory();
+  void checkNonFinite(const StepResult& r);
+  void writeTrainRecord(double lr, double samplesPerS);
+  void evaluateNow(std::optional<double> distance = std::nullopt);
+  void checkpointNow(std::map<std::string, at::Tensor>* collected = nullptr);
+  void finish();
+  void writeSummary(double measuredFwdBwd);
+  // Strategies that let replicas drift (local SGD, gossip) average them first, so evaluation
+  // and checkpoints see one model; returns the spread they had.
+  double consolidate() { return strategy_ != nullptr ? strategy_->consolidate() : 0.0; }
+  double trainSeconds() const { return elapsedBefore_ + secondsSince(start_); }
+  Communicator* comm() const { return dist_ != nullptr ? dist_->comm.get() : nullptr; }
+
+  RunSetup& s_;
+  const LoopOptions& loop_;
+  const TrainerOptions& options_;
+  CheckpointDir& checkpoints_;
+  Distributed* dist_;
+  Strategy* strategy_;
+  const bool isRoot_;
+  Progress progress_;
+  Timeline timeline_;
+  StopState stop_;
+  MetricsWindow window_;
+  std::unique_ptr<MetricsSink> metrics_;  // rank 0
+  std::unique_ptr<SavedTensorScope> savedTensors_;
+  std::vector<at::Tensor> parameters_;  // the model's, for the gradients' bytes
+
+  TrainSummary summary_;
+  int64_t epoch_ = 1;  // 1-based epoch of the latest step
+  int64_t lastEvalStep_ = -1;
+  int64_t skippedSteps_ = 0;  // train.nonfinite_skips used so far in this process
+  double lastLoss_ = std::nan("");
+  double elapsedBefore_ = 0.0;  // training seconds of earlier processes of this run
+  Clock::time_point start_;
+  std::vector<double> forwardBackward_;  // per step, for measured vs predicted
+  int64_t runActivationPeak_ = 0, runTrackedPeak_ = 0;
+};
+
+TrainSummary Trainer::run() {
+  begin();
+  TrainingState& state = s_.state;
+  while (state.step < s_.totalSteps) {
+    trainOneStep();
     const bool epochEnd = state.position.batchInEpoch == 0;
-    // Evaluations and checkpoints are not training: the throughput window leaves them out
-    // (samples_per_s dipped at every evaluation).
+    // Evaluations and checkpoints are not training: the throughput window leaves them out.
     const Clock::time_point pauseStart = Clock::now();
-    if ((evalEvery > 0 && state.step % evalEvery == 0) || (evalEvery == 0 && epochEnd)) {
-      runEval();
+    if ((loop_.evalEvery > 0 && state.step % loop_.evalEvery == 0) ||
+        (loop_.evalEvery == 0 && epochEnd)) {
+      evaluateNow();
     }
-    if ((interrupted || timeUp) && state.step < totalSteps) {
-      // Time up is a normal end (evaluate, export); an interruption only checkpoints.
-      summary.stoppedEarly = !timeUp;
-      if (timeUp) progress.line(fmt::format("train.max_minutes reached at step {}", state.step));
+    if (stop_.reason() != StopReason::kNone && state.step < s_.totalSteps) {
+      summary_.stoppedEarly = stop_.reason() == StopReason::kInterrupted;
+      if (stop_.reason() == StopReason::kTimeUp) {
+        progress_.line(fmt::format("train.max_minutes reached at step {}", state.step));
+      }
       break;
     }
-    if (checkpointEvery > 0 && state.step % checkpointEvery == 0 && state.step < totalSteps) {
-      writeCheckpoint();
+    if (loop_.checkpointEvery > 0 && state.step % loop_.checkpointEvery == 0 &&
+        state.step < s_.totalSteps) {
+      checkpointNow();
     }
-    windowStart += Clock::now() - pauseStart;
+    window_.exclude(Clock::now() - pauseStart);
   }
-  progress.finish();
-  // One model from here on, and the final checkpoint's strategy state collected while the
-  // servers still serve: finish() says goodbye to them.
+  finish();
+  return summary_;
+}
+
+void Trainer::trainOneStep() {
+  TrainingState& state = s_.state;
+  LoadedBatch lb = s_.loader->next();
+  epoch_ = lb.position.epoch + 1;
+  const double lr = learningRate(s_.schedule, state.step);
+  setLearningRate(*s_.optimizer, lr);
+  if (strategy_ != nullptr) strategy_->setLearningRate(lr);
+  const auto stepStart = Clock::now();
+  StepResult r = trainStep(s_.model, *s_.optimizer, lb.batch, s_.options.optim.gradClip, strategy_,
+                           state.step, s_.weights.get(),
+                           /*skipNonFinite=*/loop_.nonfiniteSkips > 0);
+  accountMemory();
+  if (state.step > 0 || s_.resumedFrom) {  // the first step allocates; it is not typical
+    forwardBackward_.push_back(std::chrono::duration<double>(r.backwardEnd - stepStart).count());
+  }
+  timeline_.complete("forward", stepStart, r.forwardEnd);
+  timeline_.complete("backward", r.forwardEnd, r.backwardEnd);
+  if (strategy_ != nullptr) timeline_.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
+  timeline_.complete("optimizer", r.syncEnd, r.optimizerEnd);
+  if (strategy_ != nullptr) timeline_.complete("after-step sync", r.optimizerEnd, r.stepEnd);
+  window_.addStep(stepStart, r, lb.batch.size() * s_.workers);
+  r.loss = stop_.afterStep(state.step, r.loss, trainSeconds(), dist_, strategy_, window_);
+  checkNonFinite(r);
+  ++state.step;
+  if (dist_ != nullptr) dist_->stepDone(state.step);
+  state.position = nextPosition(lb.position, s_.batchesPerEpoch);
+  lastLoss_ = r.loss;
+  const double samplesPerS = window_.samplesPerSecond();
+  progress_.update(state.step, epoch_, r.loss, lr, samplesPerS);
+  if (stop_.writesRecord(state.step)) writeTrainRecord(lr, samplesPerS);
+}
+
+// Everything between an attached setup and the first step: the run directory's config and
+// metrics, the banner, memory accounting's scope, the memory plan.
+void Trainer::begin() {
+  TrainingState& state = s_.state;
+  if (dist_ != nullptr) dist_->setTimeline(timeline_.enabled() ? &timeline_ : nullptr);
+  if (isRoot_) {
+    writeFileAtomic((fs::path(options_.runDir) / "config.toml").string(), s_.config.toToml());
+    metrics_ = std::make_unique<MetricsSink>((fs::path(options_.runDir) / "metrics.jsonl").string(),
+                                             s_.resumedFrom ? state.step : -1);
+  }
+  progress_.line(fmt::format(
+      "caravan: {} ({} blocks, {:.2f}M parameters) on {} ({} train / {} eval examples), "
+      "{} steps of batch {}{}{}",
+      s_.model->modelName(), s_.model->numBlocks(), static_cast<double>(s_.parameterCount()) / 1e6,
+      s_.data.train->name(), s_.data.train->size(), s_.data.test->size(), s_.totalSteps,
+      s_.sampler.batchSize,
+      dist_ ? fmt::format(" per worker x {} workers ({}, {})", s_.workers, comm()->backend(),
+                          s_.options.sync.mode)
+            : "",
+      s_.resumedFrom ? fmt::format(", resuming at step {} from {}", state.step, *s_.resumedFrom)
+                     : ""));
+  if (!s_.reshardNote.empty()) progress_.line(s_.reshardNote);
+  // Weights and buffers (batch norm's running statistics) saved by ops are not activations
+  // (out-of-core weights move between storages: the executor asks the store).
+  std::vector<at::Tensor> modelState =
+      s_.weights ? std::vector<at::Tensor>{} : s_.model->parameters();
+  for (const auto& b : s_.model->buffers()) modelState.push_back(b);
+  savedTensors_ = std::make_unique<SavedTensorScope>(s_.memory, modelState);
+  {
+    std::istringstream report(s_.activations.report);
+    for (std::string line; std::getline(report, line);) progress_.line(line);
+  }
+  if (isRoot_ && s_.activations.plan) {
+    writeFileAtomic((fs::path(options_.runDir) / "memory_plan.txt").string(),
+                    s_.activations.report);
+  }
+  releaseFreeHeap();
+  epoch_ = state.position.epoch + 1;
+  elapsedBefore_ = state.elapsedSeconds;
+  start_ = Clock::now();
+  s_.model->train();
+  parameters_ = s_.model->parameters();
+  window_ = MetricsWindow(dist_);
+}
+
+// Memory accounting after a step: what persists measured, and memory.budget checked against
+// what every later step needs (the policies are fixed for the run).
+void Trainer::accountMemory() {
+  MemoryTracker& memory = s_.memory;
+  if (!s_.weights) {
+    memory.set(MemoryCategory::kGradients, gradientBytes(parameters_));
+    memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*s_.optimizer));
+  }
+  // This step's activation peak on top of everything that persists (weights, gradients and
+  // optimizer state exist from the first step on).
+  const int64_t needed = std::max(
+      memory.totalPeak(),
+      memory.peak(MemoryCategory::kActivations) + memory.live(MemoryCategory::kWeights) +
+          memory.live(MemoryCategory::kGradients) + memory.live(MemoryCategory::kOptimizerState));
+  const MemoryOptions& mo = s_.options.memory;
+  if (mo.budget > 0 && needed > mo.budget) {
+    throw ConfigError(fmt::format(
+        "memory.budget = {} is below what step {} needs: {} tracked (activations {}, weights "
+        "{}, gradients {}, optimizer state {}); the smallest budget that works for this "
+        "model, batch and memory.policy = {} is {} ({} bytes){}{}",
+        formatBytes(mo.budget), s_.state.step + 1, formatBytes(needed),
+        formatBytes(memory.peak(MemoryCategory::kActivations)),
+        formatBytes(memory.live(MemoryCategory::kWeights)),
+        formatBytes(memory.live(MemoryCategory::kGradients)),
+        formatBytes(memory.live(MemoryCategory::kOptimizerState)), mo.policy, formatBytes(needed),
+        needed,
+        mo.automatic()
+            ? "; the plan's prediction was short: see memory_plan.txt"
+            : "; or set memory.policy = auto to recompute or swap blocks within the budget",
+        mo.offloadWeights
+            ? ""
+            : " (memory.weights = offload keeps weights and optimizer state on the tier)"));
+  }
+  runActivationPeak_ = std::max(runActivationPeak_, memory.peak(MemoryCategory::kActivations));
+  runTrackedPeak_ = std::max(runTrackedPeak_, needed);
+}
+
+// A non-finite loss or gradient here, or (local SGD, gossip: gradients are per rank) on
+// another rank: every rank sees the mean loss, so they count alike. Skipped while
+// train.nonfinite_skips lasts, then the run stops (NonFiniteError).
+void Trainer::checkNonFinite(const StepResult& r) {
+  if (!r.skipped && std::isfinite(r.loss)) return;
+  const int64_t step = s_.state.step + 1;
+  if (skippedSteps_ < loop_.nonfiniteSkips) {
+    ++skippedSteps_;
+    progress_.line(
+        fmt::format("step {}: loss {}, a non-finite loss or gradient; update "
+                    "skipped ({} of train.nonfinite_skips = {})",
+                    step, r.loss, skippedSteps_, loop_.nonfiniteSkips));
+    return;
+  }
+  throw NonFiniteError(fmt::format(
+      "loss became {} at step {} (epoch {}){}; the last good checkpoint is {}; lower optim.lr "
+      "or set optim.grad_clip",
+      r.loss, step, epoch_,
+      loop_.nonfiniteSkips > 0
+          ? fmt::format(" after {} skipped steps (train.nonfinite_skips)", skippedSteps_)
+          : "",
+      checkpoints_.latest().value_or("(none: set checkpoint.every)")));
+}
+
+void Trainer::writeTrainRecord(double lr, double samplesPerS) {
+  nlohmann::json rec = {{"kind", "train"},
+                        {"step", s_.state.step},
+                        {"epoch", epoch_},
+                        {"loss", lastLoss_},
+                        {"lr", lr},
+                        {"samples_per_s", samplesPerS},
+                        {"time_s", trainSeconds()},
+                        {"workers", s_.workers}};
+  if (loop_.nonfiniteSkips > 0) rec["skipped_steps"] = skippedSteps_;  // in this process
+  rec = window_.close(std::move(rec), s_.memory, s_.activations.executor.get(), s_.weights.get(),
+                      strategy_);
+  if (metrics_) metrics_->write(rec);
+}
+
+// `distance`: the consensus distance when the caller consolidated already.
+void Trainer::evaluateNow(std::optional<double> distance) {
+  const double consensus = distance ? *distance : consolidate();
+  const EvalResult r =
+      evaluate(s_.model, *s_.data.test, s_.options.data.evalBatchSize, loop_.evalBatches, comm());
+  nlohmann::json rec = {{"kind", "eval"},          {"step", s_.state.step},
+                        {"epoch", epoch_},         {"loss", r.loss},
+                        {"accuracy", r.accuracy},  {"examples", r.examples},
+                        {"time_s", trainSeconds()}};
+  if (strategy_ != nullptr) rec["consensus_distance"] = consensus;
+  if (metrics_) metrics_->write(rec);
+  progress_.line(fmt::format("eval  step {} epoch {}: loss {:.4f} accuracy {:.2f}%", s_.state.step,
+                             epoch_, r.loss, 100.0 * r.accuracy));
+  summary_.evalLoss = r.loss;
+  summary_.evalAccuracy = r.accuracy;
+  lastEvalStep_ = s_.state.step;
+}
+
+// `collected`: the strategy's state when the caller consolidated and collected it already.
+void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected) {
+  TrainingState& state = s_.state;
+  if (collected != nullptr) {
+    state.strategy = std::move(*collected);
+  } else {
+    consolidate();
+    if (strategy_ != nullptr) state.strategy = strategy_->saveState();
+  }
+  state.workers = s_.workers;
+  state.batchSize = s_.sampler.batchSize;
+  state.rngState = defaultRngState();
+  state.elapsedSeconds = trainSeconds();
+  if (isRoot_) {
+    auto save = [&] {
+      summary_.lastCheckpoint = checkpoints_.save(*s_.model, *s_.optimizer, state);
+    };
+    if (s_.weights) {
+      s_.weights->withAllResident(save);  // the in-core format (weights.h)
+    } else {
+      save();
+    }
+  } else {
+    summary_.lastCheckpoint = checkpoints_.pathFor(state.step);
+  }
+  state.strategy.clear();
+  // The servers' optimizer state came into this optimizer for the file only.
+  if (strategy_ != nullptr && strategy_->updatesParameters()) s_.optimizer->state().clear();
+}
+
+// The end of the run: one model, the final evaluation and checkpoint, and on rank 0 model.pt
+// (unless stopped early) and summary.json.
+void Trainer::finish() {
+  progress_.finish();
+  // The final checkpoint's strategy state is collected while the servers still serve:
+  // finish() says goodbye to them.
   const double finalDistance = consolidate();
   std::map<std::string, at::Tensor> finalStrategyState;
-  if (strategy != nullptr) {
-    finalStrategyState = strategy->saveState();
-    strategy->finish();
+  if (strategy_ != nullptr) {
+    finalStrategyState = strategy_->saveState();
+    strategy_->finish();
   }
   double measuredFwdBwd = 0.0;
-  if (!forwardBackward.empty()) {
-    std::vector<double> sorted = forwardBackward;
+  if (!forwardBackward_.empty()) {
+    std::vector<double> sorted = forwardBackward_;
     std::sort(sorted.begin(), sorted.end());
     measuredFwdBwd = sorted[sorted.size() / 2];
   }
-  if (activations.plan && measuredFwdBwd > 0) {
-    const Prediction& p = activations.plan->prediction;
-    progress.line(fmt::format(
+  if (s_.activations.plan && measuredFwdBwd > 0) {
+    const Prediction& p = s_.activations.plan->prediction;
+    progress_.line(fmt::format(
         "memory plan: forward+backward measured {:.1f} ms (median) vs predicted {:.1f} ms "
         "({:+.1f}%); activation peak measured {} vs predicted {}",
-        measuredFwdBwd * 1e3, p.stepSeconds * 1e3,
-        (measuredFwdBwd / p.stepSeconds - 1.0) * 100.0, formatBytes(runActivationPeak),
-        formatBytes(p.peakBytes)));
+        measuredFwdBwd * 1e3, p.stepSeconds * 1e3, (measuredFwdBwd / p.stepSeconds - 1.0) * 100.0,
+        formatBytes(runActivationPeak_), formatBytes(p.peakBytes)));
   }
-  if (!summary.stoppedEarly && lastEvalStep != state.step) runEval(finalDistance);
-  writeCheckpoint(&finalStrategyState);
-  summary.steps = state.step;
-  summary.epochs = epoch;
-  summary.finalTrainLoss = lastLoss;
-  summary.trainSeconds = trainSeconds();
-  summary.samplesPerSecond =
-      summary.trainSeconds > 0
-          ? static_cast<double>(state.step * samplerOptions.batchSize * workers) /
-                summary.trainSeconds
+  if (!summary_.stoppedEarly && lastEvalStep_ != s_.state.step) evaluateNow(finalDistance);
+  checkpointNow(&finalStrategyState);
+  summary_.steps = s_.state.step;
+  summary_.epochs = epoch_;
+  summary_.finalTrainLoss = lastLoss_;
+  summary_.trainSeconds = trainSeconds();
+  summary_.samplesPerSecond =
+      summary_.trainSeconds > 0
+          ? static_cast<double>(s_.state.step * s_.sampler.batchSize * s_.workers) /
+                summary_.trainSeconds
           : 0.0;
-  timeline.flush();
-  if (!isRoot) return summary;
-  if (!summary.stoppedEarly) {
-    auto save = [&] { exportStateDict((fs::path(options.runDir) / "model.pt").string(), *model); };
-    if (weights) {
-      weights->withAllResident(save);
+  timeline_.flush();
+  if (!isRoot_) return;
+  if (!summary_.stoppedEarly) {
+    auto save = [&] {
+      exportStateDict((fs::path(options_.runDir) / "model.pt").string(), *s_.model);
+    };
+    if (s_.weights) {
+      s_.weights->withAllResident(save);
     } else {
       save();
     }
   }
-  nlohmann::json sj = {{"steps", summary.steps},
-                       {"epochs", summary.epochs},
-                       {"final_train_loss", summary.finalTrainLoss},
-                       {"eval_loss", summary.evalLoss},
-                       {"eval_accuracy", summary.evalAccuracy},
-                       {"train_seconds", summary.trainSeconds},
-                       {"samples_per_s", summary.samplesPerSecond},
-                       {"stopped_early", summary.stoppedEarly},
-                       {"memory_policy", formatPolicies(activations.policies)},
-                       {"memory_weights", config.str("memory.weights")},
-                       {"skipped_steps", skippedSteps},
+  writeSummary(measuredFwdBwd);
+}
+
+void Trainer::writeSummary(double measuredFwdBwd) {
+  nlohmann::json sj = {{"steps", summary_.steps},
+                       {"epochs", summary_.epochs},
+                       {"final_train_loss", summary_.finalTrainLoss},
+                       {"eval_loss", summary_.evalLoss},
+                       {"eval_accuracy", summary_.evalAccuracy},
+                       {"train_seconds", summary_.trainSeconds},
+                       {"samples_per_s", summary_.samplesPerSecond},
+                       {"stopped_early", summary_.stoppedEarly},
+                       {"memory_policy", formatPolicies(s_.activations.policies)},
+                       {"memory_weights", s_.options.memory.offloadWeights ? "offload" : "core"},
+                       {"skipped_steps", skippedSteps_},
                        {"fwd_bwd_s", measuredFwdBwd},
-                       {"activation_peak_bytes", runActivationPeak},
-                       {"tracked_peak_bytes", runTrackedPeak},
-                       {"checkpoint", summary.lastCheckpoint}};
-  if (activations.plan) {
-    sj["predicted_fwd_bwd_s"] = activations.plan->prediction.stepSeconds;
-    sj["predicted_activation_peak_bytes"] = activations.plan->prediction.peakBytes;
+                       {"activation_peak_bytes", runActivationPeak_},
+                       {"tracked_peak_bytes", runTrackedPeak_},
+                       {"checkpoint", summary_.lastCheckpoint}};
+  if (s_.activations.plan) {
+    sj["predicted_fwd_bwd_s"] = s_.activations.plan->prediction.stepSeconds;
+    sj["predicted_activation_peak_bytes"] = s_.activations.plan->prediction.peakBytes;
   }
-  writeFileAtomic((fs::path(options.runDir) / "summary.json").string(), sj.dump(2) + "\n");
-  return summary;
+  writeFileAtomic((fs::path(options_.runDir) / "summary.json").string(), sj.dump(2) + "\n");
 }
 
 }  // namespace
@@ -536,31 +491,54 @@ std::optional<std::string> checkRunDirectory(const std::string& runDir, bool res
   return std::nullopt;
 }
 
+std::unique_ptr<DirectoryLock> lockRunDirectory(const std::string& runDir) {
+  auto lock = std::make_unique<DirectoryLock>(runDir);
+  if (!lock->held()) {
+    const std::string who =
+        lock->holder() ? fmt::format("process {}", *lock->holder()) : "another process";
+    throw ConfigError(
+        fmt::format("{} is in use by {} (a caravan train on it is still running); "
+                    "wait for it to end or stop it, or choose another --run-dir",
+                    runDir, who));
+  }
+  return lock;
+}
+
 TrainSummary train(const Config& config, const TrainerOptions& options) {
+  const RunOptions runOptions = RunOptions::read(config);
+  validate(runOptions, options.world.worldSize);
   std::error_code ec;
   fs::create_directories(options.runDir, ec);
   if (ec) {
     throw IoError(fmt::format("cannot create run directory {}: {}", options.runDir, ec.message()));
   }
-  CheckpointDir checkpoints(options.runDir, config.i64("checkpoint.keep"));
-  const std::string metricsPath = (fs::path(options.runDir) / "metrics.jsonl").string();
+  std::unique_ptr<DirectoryLock> lock;
+  if (options.world.rank == 0 && options.world.launcher != "caravan") {
+    lock = lockRunDirectory(options.runDir);
+  }
+  CheckpointDir checkpoints(options.runDir, runOptions.loop.checkpointKeep);
   const std::optional<std::string> resumeFrom = checkRunDirectory(options.runDir, options.resume);
   if (options.world.rank == 0) checkpoints.removeStaleTemporaries();  // its only writer
 
-  applyRuntimeConfig(config);
+  applyRuntimeOptions(runOptions.runtime);
   installSavedTensorEngine();
+  auto trainHere = [&](Distributed* dist) {
+    RunSetup setup(config, runOptions, dist ? dist->comm->rank() : 0,
+                   dist ? dist->comm->size() : 1);
+    setup.prepareTraining(resumeFrom);
+    setup.attach(dist);
+    return Trainer(setup, options, checkpoints, dist).run();
+  };
   // Rendezvous after the checks above and before rank 0 writes anything, so every rank has
   // seen the run directory as it was.
-  if (options.world.worldSize == 1) {
-    return runTraining(config, options, checkpoints, resumeFrom, metricsPath, nullptr);
-  }
-  Distributed dist(config, options);
+  if (options.world.worldSize == 1) return trainHere(nullptr);
+  Distributed dist(runOptions, options.world, options.runDir);
   try {
     if (dist.isServer()) {
       dist.serve();
       return TrainSummary{};
     }
-    return runTraining(config, options, checkpoints, resumeFrom, metricsPath, &dist);
+    return trainHere(&dist);
   } catch (const PeerError& e) {
     // Name the lost rank (from the heartbeats) rather than the socket that noticed.
     const std::string line = dist.explain(e.what());

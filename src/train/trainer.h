@@ -1,5 +1,9 @@
-// The single-worker training loop: data -> model blocks -> loss -> backward -> optimizer,
-// with evaluation, metrics, progress, checkpoints and exact resume.
+// `caravan train` on this process: validates the config for the job, rendezvouses (a job),
+// builds the run through RunSetup (run_setup.h) and runs the training loop: data -> model
+// blocks -> loss -> backward -> strategy -> optimizer, with evaluation, metrics, progress,
+// checkpoints and exact resume. The loop's pieces (trainer.cpp): StopState (signals, the time
+// limit, the per-step agreement between ranks), MetricsWindow (metrics_window.h) and the end
+// of the run (final evaluation, checkpoint, model.pt, summary.json).
 //
 // Data-parallel runs (world size > 1): every rank runs this loop on its shard of each epoch;
 // the strategy (sync.mode) averages gradients; rank 0 alone writes the run directory and the
@@ -13,10 +17,13 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
+#include <optional>
 #include <string>
 
 #include "comm/world.h"
 #include "core/config.h"
+#include "core/directory_lock.h"
 
 namespace caravan {
 
@@ -52,5 +59,12 @@ TrainSummary train(const Config& config, const TrainerOptions& options);
 // or nothing for a new run (ConfigError when the directory already holds a run). The
 // launcher checks before it starts workers; train() checks again.
 std::optional<std::string> checkRunDirectory(const std::string& runDir, bool resume);
+
+// Claims the existing directory `runDir` for this process's job: locks the directory itself
+// (core/directory_lock.h; nothing is written into it) or throws ConfigError naming the process
+// that holds it. Whoever starts the job holds it for the run's life: the `--workers`
+// launcher, else rank 0 (train() does it for every launcher but caravan's own). A killed
+// holder releases it.
+std::unique_ptr<DirectoryLock> lockRunDirectory(const std::string& runDir);
 
 }  // namespace caravan

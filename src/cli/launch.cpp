@@ -1,5 +1,5 @@
 // Worker environments, command lines and failure reports for the local launcher (launch.h).
-#include "comm/launch.h"
+#include "cli/launch.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -84,8 +84,8 @@ std::vector<std::string> restartArguments(const std::vector<std::string>& superv
   return out;
 }
 
-std::vector<std::string> workerArguments(const std::vector<std::string>& supervisorArgs,
-                                         int rank, const std::string& addRunDir) {
+std::vector<std::string> workerArguments(const std::vector<std::string>& supervisorArgs, int rank,
+                                         const std::string& addRunDir) {
   // The workers are not supervisors: no --workers, no --max-restarts.
   std::vector<std::string> out = withoutOptions(supervisorArgs, {"--workers", "--max-restarts"});
   if (!addRunDir.empty()) {
@@ -103,8 +103,8 @@ std::string rankLogPath(const std::string& runDir, int rank) {
 int pickFreeLoopbackPort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) {
-    throw IoError(fmt::format("cannot create a socket to find a free port: {}",
-                              std::strerror(errno)));
+    throw IoError(
+        fmt::format("cannot create a socket to find a free port: {}", std::strerror(errno)));
   }
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -134,15 +134,17 @@ std::string describeExit(int waitStatus) {
   return fmt::format("ended with wait status {:#x}", waitStatus);
 }
 
-std::string workerFailureMessage(int rank, pid_t pid, int waitStatus, int stopped,
-                                 int worldSize, const std::string& runDir) {
+std::string workerFailureMessage(int rank, pid_t pid, int waitStatus, int stopped, int worldSize,
+                                 const std::string& runDir) {
   std::string others;
   if (stopped == 0) {
     others = worldSize == 1 ? "" : "; no other rank was still running";
   } else if (stopped == worldSize - 1) {
-    others = stopped == 1 ? "; stopped the other rank" : fmt::format("; stopped the other {} ranks", stopped);
+    others = stopped == 1 ? "; stopped the other rank"
+                          : fmt::format("; stopped the other {} ranks", stopped);
   } else {
-    others = fmt::format("; stopped the {} {} still running", stopped, stopped == 1 ? "rank" : "ranks");
+    others =
+        fmt::format("; stopped the {} {} still running", stopped, stopped == 1 ? "rank" : "ranks");
   }
   const std::string hint =
       rank == 0 ? "see its output above" : fmt::format("see {}", rankLogPath(runDir, rank));

@@ -52,8 +52,8 @@ std::vector<std::string> environmentStrings(const Environment& env);
 std::vector<std::string> restartArguments(const std::vector<std::string>& supervisorArgs,
                                           const std::string& runDir);
 
-std::vector<std::string> workerArguments(const std::vector<std::string>& supervisorArgs,
-                                         int rank, const std::string& addRunDir);
+std::vector<std::string> workerArguments(const std::vector<std::string>& supervisorArgs, int rank,
+                                         const std::string& addRunDir);
 
 // RUN_DIR/rank-<r>.log: where rank r > 0 writes its stdout and stderr.
 std::string rankLogPath(const std::string& runDir, int rank);
@@ -71,7 +71,7 @@ std::string describeExit(int waitStatus);
 // "rank 2 (pid 1234) was killed by signal 9 (SIGKILL); stopped the other 3 ranks; see
 // runs/x/rank-2.log". `stopped` is how many other ranks were still running and were stopped;
 // rank 0 has no log (it writes to the terminal), so its hint points at the output above.
-std::string workerFailureMessage(int rank, pid_t pid, int waitStatus, int stopped,
-                                 int worldSize, const std::string& runDir);
+std::string workerFailureMessage(int rank, pid_t pid, int waitStatus, int stopped, int worldSize,
+                                 const std::string& runDir);
 
 }  // namespace caravan

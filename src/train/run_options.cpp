@@ -1,0 +1,215 @@
+// Config -> typed options, and the checks between keys (see run_options.h).
+#include "train/run_options.h"
+
+#include <fmt/format.h>
+
+#include "core/errors.h"
+#include "memory/accounting.h"
+#include "sync/compression.h"
+
+namespace caravan {
+
+bool usesServers(const std::string& mode) { return mode.rfind("ps-", 0) == 0 || mode == "osp"; }
+
+int serverCount(const Config& config) {
+  return usesServers(config.str("sync.mode")) ? static_cast<int>(config.i64("sync.servers")) : 0;
+}
+
+namespace {
+
+std::chrono::milliseconds milliseconds(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+
+SyncOptions readSync(const Config& config) {
+  SyncOptions s;
+  s.mode = config.str("sync.mode");
+  s.servers = serverCount(config);
+  s.backend = config.str("dist.backend");
+  s.store = config.str("dist.store");
+  s.storePath = config.str("dist.store_path");
+  s.timeout = milliseconds(config.f64("fault.timeout"));
+  s.rendezvousTimeout = milliseconds(config.f64("fault.rendezvous_timeout"));
+  s.stallReport = milliseconds(config.f64("fault.stall_report"));
+  s.compressionName = config.str("sync.compression");
+  AllReduceOptions& a = s.allreduce;
+  a.bucketBytes = static_cast<int64_t>(config.f64("sync.bucket_mb") * (1 << 20));
+  a.firstBucketBytes = static_cast<int64_t>(config.f64("sync.first_bucket_mb") * (1 << 20));
+  a.compression = parseCompression(s.compressionName);
+  a.topkRatio = config.f64("sync.topk_ratio");
+  s.localSgd.period = config.i64("sync.local_period");
+  s.localSgd.postLocalAfter = config.i64("sync.post_local_steps");
+  s.localSgd.allreduce = a;
+  s.gossip.topology = config.str("sync.gossip_topology");
+  if (usesServers(s.mode) && s.mode != "osp") {
+    s.ps = psOptions(s.mode, config.i64("sync.staleness"));
+  }
+  s.ps.compression = a.compression;
+  s.ps.topkRatio = a.topkRatio;
+  OspOptions& o = s.osp;
+  o.fraction = config.f64("sync.osp_fraction");
+  o.autoFraction = config.flag("sync.osp_auto_fraction");
+  o.policy = config.str("sync.osp_policy");
+  o.lgp = config.flag("sync.osp_lgp");
+  if (config.str("optim.name") == "sgd") o.lgpMomentum = config.f64("optim.momentum");
+  o.chunkElements = config.i64("sync.osp_chunk");
+  return s;
+}
+
+}  // namespace
+
+RunOptions RunOptions::read(const Config& config) {
+  RunOptions r;
+  r.seed.init = static_cast<uint64_t>(config.i64("seed.init"));
+  r.seed.data = static_cast<uint64_t>(config.i64("seed.data"));
+  r.seed.dropout = static_cast<uint64_t>(config.i64("seed.dropout"));
+
+  DataOptions& d = r.data;
+  d.dataset = config.str("data.dataset");
+  d.path = config.str("data.path");
+  d.batchSize = config.i64("data.batch_size");
+  d.evalBatchSize = config.i64("data.eval_batch_size");
+  d.seqLen = config.i64("data.seq_len");
+  d.valFraction = config.f64("data.val_fraction");
+  d.prefetch = config.i64("data.prefetch");
+  d.syntheticTask = config.str("data.synthetic_task");
+  d.syntheticSize = config.i64("data.synthetic_size");
+
+  r.model.name = config.str("model.name");
+  r.model.width = config.i64("model.width");
+  r.model.depth = config.i64("model.depth");
+  r.model.heads = config.i64("model.heads");
+  r.model.dropout = config.f64("model.dropout");
+
+  OptimizerOptions& o = r.optim;
+  o.name = config.str("optim.name");
+  o.lr = config.f64("optim.lr");
+  o.momentum = config.f64("optim.momentum");
+  o.nesterov = config.flag("optim.nesterov");
+  o.weightDecay = config.f64("optim.weight_decay");
+  o.beta1 = config.f64("optim.beta1");
+  o.beta2 = config.f64("optim.beta2");
+  o.eps = config.f64("optim.eps");
+  o.gradClip = config.f64("optim.grad_clip");
+
+  ScheduleOptions& s = r.schedule;
+  s.kind = config.str("schedule.kind");
+  s.peakLr = o.lr;
+  s.warmupSteps = config.i64("schedule.warmup_steps");
+  s.stepSize = config.i64("schedule.step_size");
+  s.gamma = config.f64("schedule.gamma");
+  s.minLr = config.f64("schedule.min_lr");
+
+  LoopOptions& l = r.loop;
+  l.epochs = config.i64("train.epochs");
+  l.maxSteps = config.i64("train.max_steps");
+  l.maxSeconds = config.f64("train.max_minutes") * 60.0;
+  l.evalEvery = config.i64("train.eval_every");
+  l.evalBatches = config.i64("train.eval_batches");
+  l.logEvery = config.i64("train.log_every");
+  l.nonfiniteSkips = config.i64("train.nonfinite_skips");
+  l.checkpointEvery = config.i64("checkpoint.every");
+  l.checkpointKeep = config.i64("checkpoint.keep");
+
+  r.runtime.keepFreedMemory = config.flag("train.keep_freed_memory");
+  // Read only when used: a run without the cache does not care what its size says.
+  if (r.runtime.keepFreedMemory) {
+    r.runtime.freedMemoryCache =
+        parseBytes(config.str("train.freed_memory_cache"), "train.freed_memory_cache");
+  }
+  r.runtime.threads = config.i64("train.threads");
+
+  MemoryOptions& m = r.memory;
+  m.policy = config.str("memory.policy");
+  m.offloadWeights = config.str("memory.weights") == "offload";
+  m.tier = config.str("memory.tier");
+  m.swapDir = config.str("memory.swap_dir");
+  m.prefetch = config.i64("memory.prefetch");
+  m.profileRepeats = config.i64("memory.profile_repeats");
+  m.budgetText = config.str("memory.budget");
+  m.budget = parseBytes(m.budgetText, "memory.budget");
+
+  r.sync = readSync(config);
+  return r;
+}
+
+WeightOptions weightOptions(const RunOptions& options) {
+  WeightOptions o;
+  o.prefetch = static_cast<int>(options.memory.prefetch);
+  o.overlapUpdates = options.optim.gradClip <= 0.0;  // clipping needs every gradient
+  // Optimizer state per weight byte: AdamW two moments, SGD one momentum buffer.
+  if (options.optim.name == "adamw") {
+    o.stateFactor = 2;
+  } else if (options.optim.momentum > 0.0) {
+    o.stateFactor = 1;
+  }
+  return o;
+}
+
+void validate(const OptimizerOptions& optim) {
+  if (optim.name == "sgd" && optim.nesterov && optim.momentum <= 0.0) {
+    throw ConfigError("optim.nesterov = true needs optim.momentum > 0");
+  }
+}
+
+void validate(const RunOptions& options, int worldSize) {
+  const SyncOptions& sync = options.sync;
+  const std::string& mode = sync.mode;
+  const bool distributed = worldSize > 1;
+  if (distributed && sync.servers > 0) {
+    if (worldSize - sync.servers < 1) {
+      throw ConfigError(
+          fmt::format("sync.mode {} with sync.servers = {} leaves no worker in a "
+                      "world of {}; start more processes or use fewer servers",
+                      mode, sync.servers, worldSize));
+    }
+    if (sync.backend != "gloo") {
+      throw ConfigError(fmt::format("sync.mode {} runs on dist.backend = gloo only so far", mode));
+    }
+  }
+  validate(options.optim);
+  if (distributed) {
+    const bool psMode = usesServers(mode) && mode != "osp";  // ps-bsp, ps-asp, ps-ssp
+    const bool compressed = sync.allreduce.compression != Compression::kNone;
+    if (compressed && mode != "allreduce" && !psMode) {
+      throw ConfigError(
+          fmt::format("sync.compression = {} works with sync.mode = allreduce, "
+                      "ps-bsp, ps-asp and ps-ssp; set sync.compression = none for {}",
+                      sync.compressionName, mode));
+    }
+    if (usesServers(mode) && options.optim.gradClip > 0.0) {
+      throw ConfigError(
+          "optim.grad_clip is not supported with parameter-server modes yet (the "
+          "global norm spans the servers' shards); set optim.grad_clip = 0");
+    }
+    if (options.memory.offloadWeights) {
+      // Only the all-reduce exchanges gradients per block (Strategy::supportsParameterGroups).
+      if (mode != "allreduce") {
+        throw ConfigError(fmt::format(
+            "memory.weights = offload works with sync.mode = allreduce (or one process), not "
+            "{}; set memory.weights = core or sync.mode = allreduce",
+            mode));
+      }
+      if (compressed) {
+        throw ConfigError(
+            "memory.weights = offload exchanges uncompressed per-block buckets; "
+            "set sync.compression = none");
+      }
+    }
+  }
+  // train.nonfinite_skips: the update must come after the gradients can be checked.
+  const bool updatesBeforeCheck =
+      options.memory.offloadWeights || (distributed && usesServers(mode));
+  if (options.loop.nonfiniteSkips > 0 && updatesBeforeCheck) {
+    throw ConfigError(fmt::format(
+        "train.nonfinite_skips needs the update after backward; {} updates before it can be "
+        "checked: set train.nonfinite_skips = 0",
+        options.memory.offloadWeights ? "memory.weights = offload" : "sync.mode = " + mode));
+  }
+}
+
+void validate(const Config& config, const WorldInfo& world) {
+  validate(RunOptions::read(config), world.worldSize);
+}
+
+}  // namespace caravan

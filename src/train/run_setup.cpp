@@ -1,0 +1,132 @@
+// A run put together in one order (see run_setup.h).
+#include "train/run_setup.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "core/errors.h"
+#include "memory/accounting.h"
+#include "train/distributed.h"
+#include "train/setup.h"
+
+namespace caravan {
+
+namespace {
+
+int64_t countParameters(BlockModel& model) {
+  int64_t n = 0;
+  for (const auto& p : model->parameters()) n += p.numel();
+  return n;
+}
+
+}  // namespace
+
+RunSetup::RunSetup(const Config& config) : RunSetup(config, RunOptions::read(config)) {}
+
+RunSetup RunSetup::forInspection(const Config& config) {
+  return RunSetup(config, RunOptions::read(config), Inspection{});
+}
+
+RunSetup::RunSetup(const Config& cfg, RunOptions opts, Inspection)
+    : config(cfg), options(std::move(opts)), rank(0), workers(1) {
+  data = makeDatasets(options.data, options.seed.data);
+  torch::manual_seed(options.seed.init);
+  model = buildModel(options.model, data.train->shape());
+  parameterCount_ = countParameters(model);
+  identity = runIdentity(options);
+}
+
+RunSetup::RunSetup(const Config& cfg, RunOptions opts, int rankInWorkers, int workerCount)
+    : config(cfg), options(std::move(opts)), rank(rankInWorkers), workers(workerCount) {
+  if (workers == 1) validate(options, 1);  // a job's launcher and ranks validated it already
+  data = makeDatasets(options.data, options.seed.data);
+  torch::manual_seed(options.seed.init);
+  model = buildModel(options.model, data.train->shape());
+  parameterCount_ = countParameters(model);
+  optimizer = makeOptimizer(options.optim, model->parameters());
+  // Data is sharded over the workers (parameter servers read none).
+  sampler = makeSamplerOptions(options, data.train->size(), rank, workers);
+  batchesPerEpoch = Sampler(sampler).batchesPerEpoch();
+  totalSteps =
+      options.loop.maxSteps > 0 ? options.loop.maxSteps : options.loop.epochs * batchesPerEpoch;
+  schedule = options.schedule;
+  schedule.totalSteps = totalSteps;
+  identity = runIdentity(options);
+}
+
+RunSetup::~RunSetup() = default;
+
+Batch RunSetup::sampleBatch() const {
+  std::vector<int64_t> first;
+  for (int64_t i = 0; i < std::min(options.data.batchSize, data.train->size()); ++i) {
+    first.push_back(i);
+  }
+  return data.train->get(first);
+}
+
+void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom) {
+  CARAVAN_CHECK(optimizer != nullptr, "RunSetup::prepareTraining on a setup for inspection");
+  loader = std::make_unique<Loader>(data.train, sampler, options.data.prefetch);
+  state = TrainingState{};
+  state.meta = identity;
+  resumedFrom = resumeFrom;
+  if (resumeFrom) {
+    state = loadCheckpoint(*resumeFrom, *model, *optimizer, identity);
+    setDefaultRngState(state.rngState);
+    if (state.batchSize == 0) state.batchSize = sampler.batchSize;  // older checkpoints
+    if (state.workers == 0) state.workers = workers;
+    if (state.workers != workers || state.batchSize != sampler.batchSize) {
+      // Resharding: the position counts samples of the epoch (loader.h).
+      const SamplerPosition saved = state.position;
+      state.position = reshardPosition(saved, state.workers * state.batchSize,
+                                       workers * sampler.batchSize, batchesPerEpoch);
+      reshardNote = fmt::format(
+          "caravan: the checkpoint was written by {} workers x batch {} (epoch {} batch {}); "
+          "continuing with {} x {} at epoch {} batch {}",
+          state.workers, state.batchSize, saved.epoch + 1, saved.batchInEpoch, workers,
+          sampler.batchSize, state.position.epoch + 1, state.position.batchInEpoch);
+    }
+    loader->seek(state.position);
+  } else {
+    torch::manual_seed(options.seed.dropout);
+  }
+  // Per-block policies (memory.policy; planned under the budget for auto) and their executor:
+  // before anything is written, so a run that cannot fit leaves nothing behind.
+  const Batch sample = options.memory.automatic() ? sampleBatch() : Batch{};
+  activations = makeActivationMemory(options, model, sample, /*plan=*/false);
+}
+
+void RunSetup::attach(Distributed* dist) {
+  CARAVAN_CHECK(loader != nullptr, "RunSetup::attach before prepareTraining");
+  const bool offload = options.memory.offloadWeights;
+  if (dist != nullptr) {
+    AttachContext context;
+    context.optimizer = optimizer.get();
+    // Out-of-core weights exchange and update gradients per block: the strategy's groups.
+    if (offload) context.parameterGroups = blockParameters(model);
+    if (resumedFrom) {
+      context.restoredState = &state.strategy;
+      context.savedWorkers = state.workers;
+    }
+    strategy = dist->attach(*model, std::move(context));
+    state.strategy.clear();  // handed to the strategy
+  }
+  // Out-of-core weights (memory.weights = offload): after the strategy attached (it broadcast
+  // rank 0's parameters), the blocks move to the tier; the store counts what is in memory.
+  if (offload) {
+    const OptimizerOptions optim = options.optim;
+    weights = std::make_unique<OutOfCoreWeights>(
+        model, *optimizer,
+        [optim](std::vector<at::Tensor> ps) { return makeOptimizer(optim, std::move(ps)); },
+        *activations.tier, &memory, strategy, weightOptions(options));
+    activations.executor->setWeights(weights.get());
+  } else {
+    const std::vector<at::Tensor> parameters = model->parameters();
+    memory.set(MemoryCategory::kWeights, tensorBytes(parameters));
+    memory.set(MemoryCategory::kGradients, gradientBytes(parameters));
+    memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
+  }
+  memory.resetPeaks();
+}
+
+}  // namespace caravan

@@ -1,0 +1,107 @@
+// RunSetup: a run put together once, in the one order every use of it needs, from its config
+// and the worker's place in the job. `caravan train`, `caravan eval`, `caravan plan`, the
+// benchmark and the tests all build their run through it.
+//
+// The order matters for the numbers: seed.init before the model is built; the loader, the
+// checkpoint (its RNG state) or seed.dropout, then activation memory (whose profile runs
+// forward and backward), all before the strategy attaches (so the profile starts no gradient
+// exchange and the strategy broadcasts what the checkpoint loaded); out-of-core weights last
+// (they move the blocks the strategy broadcast to the tier).
+//
+//   RunSetup setup(config, options, rank, workers);  // data, model, optimizer, sampler, steps
+//   setup.prepareTraining(resumeFrom);               // loader, resume state, activation memory
+//   setup.attach(dist);                              // strategy, out-of-core weights
+//
+// Threading: built and used by one thread (the trainer's).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "core/torch_fwd.h"
+#include "data/dataset.h"
+#include "data/loader.h"
+#include "memory/tracker.h"
+#include "memory/weights.h"
+#include "models/model.h"
+#include "sync/strategy.h"
+#include "train/checkpoint.h"
+#include "train/memory_setup.h"
+#include "train/run_options.h"
+#include "train/schedule.h"
+
+namespace caravan {
+
+class Distributed;
+
+class RunSetup {
+ public:
+  // Datasets, the model (seeded with seed.init), its optimizer, and the training sampler of
+  // worker `rank` of `workers` (parameter servers not counted) with the run's step count.
+  // `options` is RunOptions::read(config), read once by the caller (which validated it).
+  RunSetup(const Config& config, RunOptions options, int rank = 0, int workers = 1);
+  // One process: reads and validates the options itself.
+  explicit RunSetup(const Config& config);
+
+  // What `caravan eval` and `caravan plan` need of a run: the datasets and the model (seeded
+  // with seed.init), nothing that trains (no optimizer, no sampler: a config they read need not
+  // be one that can train, as before).
+  static RunSetup forInspection(const Config& config);
+  ~RunSetup();
+  RunSetup(const RunSetup&) = delete;
+  RunSetup& operator=(const RunSetup&) = delete;
+
+  // The first data.batch_size training examples: a batch like the run's, for profiling.
+  Batch sampleBatch() const;
+
+  // For training: the loader; the checkpoint `resumeFrom` (model, optimizer, RNG, data
+  // position, resharded when the number of workers or the batch changed) or seed.dropout for
+  // a new run; the activation memory (planned under memory.budget for memory.policy = auto,
+  // ConfigError when nothing fits).
+  void prepareTraining(const std::optional<std::string>& resumeFrom);
+  // After prepareTraining: the strategy of `dist` (null in one process) with the run's
+  // optimizer, parameter groups and restored strategy state, then out-of-core weights.
+  void attach(Distributed* dist);
+
+  // The number of the model's parameters (counted when it was built: out-of-core weights
+  // empty the parameters they moved to the tier).
+  int64_t parameterCount() const { return parameterCount_; }
+
+  const Config& config;  // the resolved config (config.toml), owned by the caller
+  const RunOptions options;
+  const int rank;     // among the workers
+  const int workers;  // data-parallel workers (parameter servers not counted)
+
+  DatasetSplits data;
+  BlockModel model = nullptr;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;  // none forInspection
+  SamplerOptions sampler;
+  int64_t batchesPerEpoch = 0;
+  int64_t totalSteps = 0;
+  ScheduleOptions schedule;  // with the run's totalSteps
+  nlohmann::json identity;   // runIdentity: what a checkpoint of this run must match
+
+  // prepareTraining:
+  std::unique_ptr<Loader> loader;
+  std::optional<std::string> resumedFrom;  // the checkpoint continued from
+  TrainingState state;                     // the step and data position to continue at
+  std::string reshardNote;                 // one line when the checkpoint was resharded
+  ActivationMemory activations;
+
+  // attach:
+  Strategy* strategy = nullptr;  // owned by the Distributed
+  MemoryTracker memory;          // tracked bytes by category (the out-of-core store's too)
+  std::unique_ptr<OutOfCoreWeights> weights;  // memory.weights = offload
+
+ private:
+  struct Inspection {};
+  RunSetup(const Config& config, RunOptions options, Inspection);
+  int64_t parameterCount_ = 0;
+};
+
+}  // namespace caravan
