@@ -1,8 +1,11 @@
 // The caravan binary on bad input: one-line errors, the documented exit codes, and nothing
 // already on disk modified.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
+#include <chrono>
 #include <filesystem>
 #include <map>
 
@@ -156,6 +159,24 @@ TEST_F(Cli, TruncatedAndCorruptIdx) {
                      3, "train-images-idx3-ubyte.gz");
 }
 
+// What is not a regular file where a dataset or a config is expected (a FIFO would block
+// open() forever) is refused at once, in one line.
+TEST_F(Cli, AFifoForADatasetFileOrAConfigIsRefusedAtOnce) {
+  const std::string dir = tmp_ / "fifo-data";
+  fs::create_directories(dir);
+  writeTinyFashionMnist(dir, 16);
+  ASSERT_EQ(::unlink((dir + "/train-images-idx3-ubyte.gz").c_str()), 0);
+  ASSERT_EQ(::mkfifo((dir + "/train-images-idx3-ubyte.gz").c_str(), 0644), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  expectOneLineError(runCaravan("train --config " + configPath_ + " --set data.path=" + dir +
+                                " --run-dir " + (tmp_ / "r-fifo")),
+                     3, "train-images-idx3-ubyte.gz: it is not a regular file");
+  const std::string fifoConfig = tmp_ / "fifo.toml";
+  ASSERT_EQ(::mkfifo(fifoConfig.c_str(), 0644), 0);
+  expectOneLineError(runCaravan("train --config " + fifoConfig), 2, "is not a regular file");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
+}
+
 TEST_F(Cli, TruncatedCheckpointOnResume) {
   std::string run = finishedRun();
   auto files = snapshot(run + "/checkpoints");
@@ -180,6 +201,26 @@ TEST_F(Cli, FailuresLeaveAnExistingRunUntouched) {
   expectOneLineError(runCaravan("train --resume " + run + " --set model.width=16"), 4,
                      "another run configuration");
   EXPECT_EQ(snapshot(run), before);
+}
+
+// Nothing in a run directory changes before the first step has run: a --resume refused by
+// the first step's memory check, or one that asks for fewer steps than the checkpoint has,
+// leaves every file as it was (config.toml included), so a plain --resume still works.
+TEST_F(Cli, ARefusedResumeLeavesTheRunAsItWasAndResumable) {
+  std::string run = finishedRun();
+  const auto before = snapshot(run);
+  expectOneLineError(
+      runCaravan("train -q --resume " + run + " --set train.max_steps=8 --set memory.budget=1KiB"),
+      2, "is below what step 5 needs");
+  EXPECT_EQ(snapshot(run), before);
+  expectOneLineError(runCaravan("train -q --resume " + run + " --set train.max_steps=2"), 2,
+                     "is at step 4, past the 2 steps this run trains");
+  EXPECT_EQ(snapshot(run), before);
+  expectOneLineError(runCaravan("train --resume " + run + " --stop-at-step 0"), 2,
+                     "--stop-at-step");
+  EXPECT_EQ(snapshot(run), before);
+  const CommandResult r = runCaravan("train -q --resume " + run + " --set train.max_steps=6");
+  EXPECT_EQ(r.exitCode, 0) << r.err;
 }
 
 // A checkpoint that cannot be written whole (a file-size limit, as a full disk) is exit 5 with

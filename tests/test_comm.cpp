@@ -579,6 +579,20 @@ TEST(CommStore, FileStoreAndBadOptions) {
   }
   so.filePath = std::string(dirTemplate) + "/no/such/dir/store";
   EXPECT_THROW(makeStore(w, so), ConfigError);
+  // What is not a store file is refused at once, not read as one (a garbage length spins).
+  so.filePath = dirTemplate;  // a directory
+  EXPECT_THROW(makeStore(w, so), ConfigError);
+  so.filePath = std::string(dirTemplate) + "/notes.txt";
+  { std::ofstream(so.filePath) << "not a store, just someone's notes\n"; }
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    makeStore(w, so);
+    ADD_FAILURE() << "a text file was taken for a store";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a rendezvous store file"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
   so.kind = "redis";
   EXPECT_THROW(makeStore(w, so), ConfigError);
   std::filesystem::remove_all(dirTemplate);

@@ -507,6 +507,7 @@ TEST_F(LauncherProcess, RefusedCombinationsExitBeforeAnyWorkerStartsWithOneLine)
        "train.nonfinite_skips needs the update after backward; memory.weights = offload"},
       {"--set sync.mode=ps-asp --set dist.backend=mpi", "runs on dist.backend = gloo only"},
       {"--set optim.nesterov=true --set optim.momentum=0", "optim.nesterov = true needs"},
+      {"--set fault.timeout=1e-9", "fault.timeout is below a millisecond"},
   };
   const int port = 20000 + static_cast<int>(::getpid() % 20000);
   for (const auto& [settings, needle] : combinations) {

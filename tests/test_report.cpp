@@ -235,6 +235,26 @@ TEST(ReportCli, BadSourcesExitNonZeroInOneLineAndWriteNothing) {
   EXPECT_EQ(r.exitCode, 2) << r.err;
 }
 
+// The page never overwrites what it reads: an --output that is one of a run's files (or a
+// bench result) is refused before anything is written, and the file is left as it was.
+TEST(ReportCli, AnOutputThatIsAnInputIsRefusedAndLeftAlone) {
+  TempDir tmp;
+  makeRun(tmp / "run", metricsLines());
+  for (const std::string& name : {"metrics.jsonl", "config.toml"}) {
+    const std::string target = tmp / ("run/" + name);
+    const std::string before = readFile(target);
+    const CommandResult r = runCaravan("report " + (tmp / "run") + " -o " + target);
+    EXPECT_EQ(r.exitCode, 2) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_NE(r.err.find("an input of this report"), std::string::npos) << r.err;
+    EXPECT_EQ(readFile(target), before) << name;
+  }
+  // Beside the inputs is fine.
+  const CommandResult ok =
+      runCaravan("report " + (tmp / "run") + " -o " + (tmp / "run/report.html"));
+  EXPECT_EQ(ok.exitCode, 0) << ok.err;
+}
+
 // The whole path: two real short runs (one process; two workers), one page, opened in
 // headless Chromium where every chart must draw with no console error and no request leaving
 // the page; a screenshot is kept; the same charts as PNG files.

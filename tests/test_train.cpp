@@ -12,6 +12,7 @@
 #include "run_util.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
+#include "train/metrics.h"
 #include "train/run_setup.h"
 #include "train/schedule.h"
 #include "train/setup.h"
@@ -352,4 +353,22 @@ TEST(NonFinite, SkippingIsRefusedWhereUpdatesComeBeforeTheCheck) {
     EXPECT_NE(std::string(e.what()).find("memory.weights = offload"), std::string::npos)
         << e.what();
   }
+}
+
+// A resume drops the records after its checkpoint (they are redone) and a last line cut short
+// by a kill; a line in the middle that does not parse is someone's data and stays.
+TEST(MetricsFile, ResumeKeepsEverythingButLaterRecordsAndACutLastLine) {
+  TempDir tmp;
+  const std::string path = tmp / "metrics.jsonl";
+  test::writeFile(path,
+                  "{\"kind\":\"train\",\"step\":1}\n"
+                  "a note someone added\n"
+                  "{\"kind\":\"eval\",\"step\":5}\n"
+                  "{\"kind\":\"train\",\"step\":9}\n"
+                  "{\"kind\":\"tra");
+  { MetricsSink sink(path, 5); }
+  EXPECT_EQ(test::readFile(path),
+            "{\"kind\":\"train\",\"step\":1}\n"
+            "a note someone added\n"
+            "{\"kind\":\"eval\",\"step\":5}\n");
 }

@@ -239,9 +239,10 @@ int runEval(const std::string& runDir, std::string checkpoint,
 
 int runReport(const std::vector<std::string>& sources, std::string output,
               const std::string& pngDir, const std::string& title) {
+  if (output.empty() && pngDir.empty()) output = "report.html";
+  if (!output.empty()) report::checkOutputIsNoInput(output, sources);
   const nlohmann::json data = report::collect(sources, title);
   const std::string html = report::renderHtml(data);
-  if (output.empty() && pngDir.empty()) output = "report.html";
   if (!output.empty()) {
     writeFileAtomic(output, html);
     std::fprintf(stderr, "caravan: wrote %s (%zu runs, %zu bench results, %.1f MB)\n",
@@ -288,9 +289,10 @@ int main(int argc, char** argv) {
   train->add_option("--resume", resumeDir,
                     "continue the run in RUN_DIR from its newest checkpoint (exactly: same "
                     "losses as an uninterrupted run)");
-  train->add_option("--stop-at-step", stopAtStep,
-                    "stop after step N with a checkpoint, as if interrupted; --resume continues")
-      ->check(CLI::NonNegativeNumber);
+  train
+      ->add_option("--stop-at-step", stopAtStep,
+                   "stop after step N with a checkpoint, as if interrupted; --resume continues")
+      ->check(CLI::PositiveNumber);
   train->add_flag("--quiet,-q", quiet, "print nothing to the terminal (metrics are still written)");
   bool trace = false;
   train->add_flag("--trace", trace,

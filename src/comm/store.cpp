@@ -1,7 +1,13 @@
 // makeStore: StoreOptions -> TcpStore or c10d::FileStore (see store.h).
 #include "comm/store.h"
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -9,8 +15,54 @@
 #include "comm/comm_util.h"
 #include "comm/tcp_store.h"
 #include "core/errors.h"
+#include "core/files.h"
+#include "core/scope_guard.h"
 
 namespace caravan {
+namespace {
+
+// An existing file at a file store's path must be one: c10d's FileStore is a log of
+// length-prefixed strings (a uint32 length, then the bytes), and on anything else it reads a
+// garbage length and spins. Empty is a store no rank wrote yet. Read under a shared flock, as
+// the writers append under an exclusive one.
+void checkStoreFile(const std::string& path) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec || status.type() == std::filesystem::file_type::not_found) return;
+  if (status.type() == std::filesystem::file_type::directory) {
+    throw ConfigError(
+        fmt::format("dist.store_path {} is a directory; name a file in it (a fresh "
+                    "one per job)",
+                    path));
+  }
+  const auto notAStore = [&](const std::string& why) {
+    return ConfigError(
+        fmt::format("dist.store_path {} {}, not a rendezvous store file; name a "
+                    "fresh file per job",
+                    path, why));
+  };
+  std::string why;
+  const int fd = openRegularFile(path, &why);
+  if (fd < 0) throw notAStore(why);
+  const auto closeFd = onScopeExit([fd] { ::close(fd); });
+  ::flock(fd, LOCK_SH);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw notAStore(std::strerror(errno));
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  uint64_t at = 0;
+  while (at < size) {
+    uint32_t length = 0;
+    if (size - at < sizeof(length) ||
+        ::pread(fd, &length, sizeof(length), static_cast<off_t>(at)) !=
+            static_cast<ssize_t>(sizeof(length)) ||
+        length > size - at - sizeof(length)) {
+      throw notAStore(fmt::format("holds something else (byte {} of {})", at, size));
+    }
+    at += sizeof(length) + length;
+  }
+}
+
+}  // namespace
 
 c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOptions& options) {
   if (options.timeout.count() <= 0) {
@@ -38,6 +90,7 @@ c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOpt
                                     "file system every rank sees",
                                     options.filePath, dir.string()));
     }
+    checkStoreFile(options.filePath);
     try {
       auto store = c10::make_intrusive<c10d::FileStore>(options.filePath, world.worldSize);
       store->setTimeout(options.timeout);

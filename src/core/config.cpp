@@ -9,6 +9,7 @@
 #include <toml++/toml.h>
 
 #include "core/errors.h"
+#include "core/files.h"
 
 namespace caravan {
 namespace {
@@ -426,21 +427,24 @@ Config Config::fromString(const std::string& text, const std::string& source,
 }
 
 Config Config::fromFile(const std::string& path, const std::vector<std::string>& overrides) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    throw ConfigError(fmt::format("config file {} is a directory; pass a TOML file (examples are "
-                                  "in configs/)",
-                                  path));
+  std::string why;
+  // A character device is fine (/dev/null: an empty config); a FIFO would block, and no
+  // config is anywhere near 16 MiB (/dev/zero would never end).
+  const std::optional<std::string> text =
+      readRegularFile(path, &why, /*allowDevices=*/true, size_t{16} << 20);
+  if (!text) {
+    if (why == "is a directory") {
+      throw ConfigError(
+          fmt::format("config file {} is a directory; pass a TOML file (examples "
+                      "are in configs/)",
+                      path));
+    }
+    throw ConfigError(
+        fmt::format("cannot read config file {}: it {}; check the path (examples "
+                    "are in configs/)",
+                    path, why));
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw ConfigError(fmt::format("cannot read config file {}: check the path (examples are in "
-                                  "configs/)",
-                                  path));
-  }
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return fromString(ss.str(), path, overrides);
+  return fromString(*text, path, overrides);
 }
 
 const ConfigValue& Config::value(const std::string& key, ConfigType expected) const {

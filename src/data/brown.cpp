@@ -7,12 +7,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "core/errors.h"
+#include "core/files.h"
 #include "data/sources.h"
 
 namespace caravan {
@@ -88,14 +90,13 @@ class BrownDataset : public Dataset {
 };
 
 std::string readFile(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw DataError(fmt::format("Brown corpus file {} is missing or unreadable ({})",
-                                path.string(), kReinstallHint));
+  std::string why;
+  std::optional<std::string> text = readRegularFile(path.string(), &why);
+  if (!text) {
+    throw DataError(fmt::format("Brown corpus file {} cannot be read: it {} ({})", path.string(),
+                                why, kReinstallHint));
   }
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
+  return std::move(*text);
 }
 
 // Document ids listed in cats.txt ("ca01 news" per line), sorted.

@@ -8,9 +8,11 @@
 #include <filesystem>
 #include <string>
 
+#include <unistd.h>
 #include <zlib.h>
 
 #include "core/errors.h"
+#include "core/files.h"
 #include "data/sources.h"
 
 namespace caravan {
@@ -26,9 +28,20 @@ constexpr unsigned kGzBufferSize = 1u << 17;
 // Owns a gzFile; closing reports whether the stream ended cleanly.
 class GzReader {
  public:
-  explicit GzReader(const std::string& path) : path_(path), file_(gzopen(path.c_str(), "rb")) {
+  explicit GzReader(const std::string& path) : path_(path) {
+    std::string why;
+    const int fd = openRegularFile(path, &why);
+    if (fd < 0 && why == "does not exist") {
+      throw DataError(
+          fmt::format("dataset file not found: {} (install the dataset: run "
+                      "scripts/setup.sh, or set data.path)",
+                      path));
+    }
+    if (fd < 0) throw DataError(fmt::format("cannot open dataset file {}: it {}", path, why));
+    file_ = gzdopen(fd, "rb");  // owns fd from here
     if (file_ == nullptr) {
-      throw DataError(fmt::format("cannot open dataset file {} (check its permissions)", path));
+      ::close(fd);
+      throw DataError(fmt::format("cannot open dataset file {} (out of memory)", path));
     }
     gzbuffer(file_, kGzBufferSize);
   }
@@ -98,12 +111,6 @@ uint32_t readBigEndian32(const unsigned char* p) {
 }  // namespace
 
 IdxArray readIdx(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) {
-    throw DataError(fmt::format(
-        "dataset file not found: {} (install the dataset: run scripts/setup.sh, or set data.path)",
-        path));
-  }
   GzReader reader(path);
 
   unsigned char header[4];
@@ -154,6 +161,7 @@ IdxArray readIdx(const std::string& path) {
   }
 
   // Before allocating: a few bytes must not claim gigabytes (a plain file holds its data as is).
+  std::error_code ec;
   const auto fileBytes = static_cast<int64_t>(std::filesystem::file_size(path, ec));
   if (!ec && elements > kMaxGzipRatio * fileBytes) {
     throw DataError(fmt::format(

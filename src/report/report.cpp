@@ -426,6 +426,27 @@ json readBench(const std::string& source) {
   return compact(bench);
 }
 
+void checkOutputIsNoInput(const std::string& output, const std::vector<std::string>& sources) {
+  std::error_code ec;
+  if (!fs::exists(output, ec)) return;  // nothing there to overwrite
+  for (const std::string& source : sources) {
+    std::vector<fs::path> inputs = {source};
+    if (fs::is_directory(source, ec)) {
+      for (const char* name : {"metrics.jsonl", "config.toml", "summary.json", "charts.json"}) {
+        inputs.push_back(fs::path(source) / name);
+      }
+    }
+    for (const fs::path& input : inputs) {
+      if (fs::exists(input, ec) && fs::equivalent(output, input, ec)) {
+        throw ConfigError(
+            fmt::format("--output {} is {}, an input of this report; write the "
+                        "page to another file (e.g. report.html)",
+                        output, input.string()));
+      }
+    }
+  }
+}
+
 json collect(const std::vector<std::string>& sources, const std::string& title) {
   if (sources.empty()) {
     throw ConfigError("caravan report needs at least one RUN_DIR or bench result");

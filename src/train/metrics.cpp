@@ -16,11 +16,21 @@ namespace caravan {
 MetricsSink::MetricsSink(const std::string& path, int64_t keepUpToStep) : path_(path) {
   if (keepUpToStep >= 0) {
     std::ifstream in(path);
-    std::string kept, line;
-    while (std::getline(in, line)) {
-      auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (j.is_discarded()) continue;  // a line cut short by a crash
-      if (j.value("step", int64_t{0}) <= keepUpToStep) kept += line + "\n";
+    std::vector<std::string> lines;
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+    std::string kept;
+    for (size_t i = 0; i < lines.size(); ++i) {
+      auto j = nlohmann::json::parse(lines[i], nullptr, /*allow_exceptions=*/false);
+      if (j.is_discarded() || !j.is_object()) {
+        // Only the last line is a killed run's signature (cut short while written); anything
+        // else that does not parse is someone's data, kept as it is.
+        if (i + 1 < lines.size()) kept += lines[i] + "\n";
+        continue;
+      }
+      const auto step = j.find("step");
+      const bool later =
+          step != j.end() && step->is_number_integer() && step->get<int64_t>() > keepUpToStep;
+      if (!later) kept += lines[i] + "\n";  // records after the checkpoint are redone
     }
     writeFileAtomic(path, kept);
   }

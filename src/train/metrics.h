@@ -15,9 +15,10 @@ namespace caravan {
 
 class MetricsSink {
  public:
-  // Opens RUN_DIR/metrics.jsonl for appending. If `keepUpToStep` >= 0 (a resumed run), lines
+  // Opens RUN_DIR/metrics.jsonl for appending. If `keepUpToStep` >= 0 (a resumed run), records
   // with a step greater than it are dropped first (they belong to work after the checkpoint
-  // and will be redone), by an atomic rewrite.
+  // and will be redone), by an atomic rewrite; so is a last line that does not parse (cut
+  // short when a run was killed). Every other line stays as it was.
   MetricsSink(const std::string& path, int64_t keepUpToStep);
   ~MetricsSink();
   MetricsSink(const MetricsSink&) = delete;

@@ -169,6 +169,17 @@ void validate(const RunOptions& options, int worldSize) {
   }
   validate(options.optim);
   if (distributed) {
+    // Waits are counted in milliseconds: less than one would be no wait at all.
+    for (const auto& [key, value] :
+         {std::pair{"fault.timeout", sync.timeout},
+          std::pair{"fault.rendezvous_timeout", sync.rendezvousTimeout}}) {
+      if (value.count() < 1) {
+        throw ConfigError(
+            fmt::format("{} is below a millisecond; give it in seconds, at least "
+                        "0.001",
+                        key));
+      }
+    }
     const bool psMode = usesServers(mode) && mode != "osp";  // ps-bsp, ps-asp, ps-ssp
     const bool compressed = sync.allreduce.compression != Compression::kNone;
     if (compressed && mode != "allreduce" && !psMode) {

@@ -72,6 +72,12 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom) {
   resumedFrom = resumeFrom;
   if (resumeFrom) {
     state = loadCheckpoint(*resumeFrom, *model, *optimizer, identity);
+    if (state.step > totalSteps) {
+      throw ConfigError(
+          fmt::format("{} is at step {}, past the {} steps this run trains (train.max_steps / "
+                      "train.epochs); raise them to continue it",
+                      *resumeFrom, state.step, totalSteps));
+    }
     setDefaultRngState(state.rngState);
     if (state.batchSize == 0) state.batchSize = sampler.batchSize;  // older checkpoints
     if (state.workers == 0) state.workers = workers;

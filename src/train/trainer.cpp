@@ -125,6 +125,7 @@ class Trainer {
 
  private:
   void begin();
+  void commitRunDirectory();
   void trainOneStep();
   void accountMemory();
   void checkNonFinite(const StepResult& r);
@@ -150,7 +151,8 @@ class Trainer {
   Timeline timeline_;
   StopState stop_;
   MetricsWindow window_;
-  std::unique_ptr<MetricsSink> metrics_;  // rank 0
+  std::unique_ptr<MetricsSink> metrics_;  // rank 0, from commitRunDirectory()
+  bool committed_ = false;
   std::unique_ptr<SavedTensorScope> savedTensors_;
   std::vector<at::Tensor> parameters_;  // the model's, for the gradients' bytes
 
@@ -217,6 +219,7 @@ void Trainer::trainOneStep() {
   window_.addStep(stepStart, r, lb.batch.size() * s_.workers);
   r.loss = stop_.afterStep(state.step, r.loss, trainSeconds(), dist_, strategy_, window_);
   checkNonFinite(r);
+  if (!committed_) commitRunDirectory();
   ++state.step;
   if (dist_ != nullptr) dist_->stepDone(state.step);
   state.position = nextPosition(lb.position, s_.batchesPerEpoch);
@@ -226,16 +229,11 @@ void Trainer::trainOneStep() {
   if (stop_.writesRecord(state.step)) writeTrainRecord(lr, samplesPerS);
 }
 
-// Everything between an attached setup and the first step: the run directory's config and
-// metrics, the banner, memory accounting's scope, the memory plan.
+// Everything between an attached setup and the first step: the banner, memory accounting's
+// scope, the memory plan. Nothing is written to the run directory yet (commitRunDirectory).
 void Trainer::begin() {
   TrainingState& state = s_.state;
   if (dist_ != nullptr) dist_->setTimeline(timeline_.enabled() ? &timeline_ : nullptr);
-  if (isRoot_) {
-    writeFileAtomic((fs::path(options_.runDir) / "config.toml").string(), s_.config.toToml());
-    metrics_ = std::make_unique<MetricsSink>((fs::path(options_.runDir) / "metrics.jsonl").string(),
-                                             s_.resumedFrom ? state.step : -1);
-  }
   progress_.line(fmt::format(
       "caravan: {} ({} blocks, {:.2f}M parameters) on {} ({} train / {} eval examples), "
       "{} steps of batch {}{}{}",
@@ -258,10 +256,6 @@ void Trainer::begin() {
     std::istringstream report(s_.activations.report);
     for (std::string line; std::getline(report, line);) progress_.line(line);
   }
-  if (isRoot_ && s_.activations.plan) {
-    writeFileAtomic((fs::path(options_.runDir) / "memory_plan.txt").string(),
-                    s_.activations.report);
-  }
   releaseFreeHeap();
   epoch_ = state.position.epoch + 1;
   elapsedBefore_ = state.elapsedSeconds;
@@ -269,6 +263,22 @@ void Trainer::begin() {
   s_.model->train();
   parameters_ = s_.model->parameters();
   window_ = MetricsWindow(dist_);
+}
+
+// The run directory changes only once the first step has run: everything that can refuse the
+// run (its keys, the checkpoint, the memory plan, the budget the first step is checked
+// against, the first loss) has been checked, so a refused run, new or a --resume with other
+// settings, leaves the directory as it was and a plain --resume still works.
+void Trainer::commitRunDirectory() {
+  committed_ = true;
+  if (!isRoot_) return;
+  const fs::path dir(options_.runDir);
+  writeFileAtomic((dir / "config.toml").string(), s_.config.toToml());
+  metrics_ = std::make_unique<MetricsSink>((dir / "metrics.jsonl").string(),
+                                           s_.resumedFrom ? s_.state.step : -1);
+  if (s_.activations.plan) {
+    writeFileAtomic((dir / "memory_plan.txt").string(), s_.activations.report);
+  }
 }
 
 // Memory accounting after a step: what persists measured, and memory.budget checked against
@@ -398,6 +408,7 @@ void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected) {
 // The end of the run: one model, the final evaluation and checkpoint, and on rank 0 model.pt
 // (unless stopped early) and summary.json.
 void Trainer::finish() {
+  if (!committed_) commitRunDirectory();  // no step ran (a resume at the last step)
   progress_.finish();
   // The final checkpoint's strategy state is collected while the servers still serve:
   // finish() says goodbye to them.

@@ -1,0 +1,27 @@
+// Opening files that come from the user (datasets, configs, checkpoints) without blocking on
+// what is not a regular file: open(2) of a FIFO waits for a writer forever, a device may never
+// end. openRegularFile opens non-blocking, checks what it opened, and only then hands back a
+// normal (blocking, close-on-exec) descriptor.
+//
+// Errors are returned, not thrown: each caller says what the file is for in its own error.
+// Threading: free functions; any thread.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+
+namespace caravan {
+
+// The descriptor of the regular file at `path` (or, with `allowDevices`, a character device
+// such as /dev/null), or -1 with `why` saying what is wrong ("does not exist", "is a
+// directory", "is not a regular file (a FIFO, socket or device)", or the system's reason).
+int openRegularFile(const std::string& path, std::string* why, bool allowDevices = false);
+
+// The whole file at `path` (as openRegularFile), at most `maxBytes`; or nullopt with `why`
+// (also "is larger than N bytes" and read errors).
+std::optional<std::string> readRegularFile(const std::string& path, std::string* why,
+                                           bool allowDevices = false,
+                                           size_t maxBytes = size_t{1} << 30);
+
+}  // namespace caravan
