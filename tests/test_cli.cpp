@@ -273,6 +273,24 @@ TEST_F(Cli, EveryRefusedCommandLeavesAnExistingRunByteForByte) {
   }
 }
 
+// A run that stopped before its first checkpoint: a new run there and a --resume are both
+// refused, and both say the same way out (they used to send the user to each other).
+TEST_F(Cli, ARunWithoutACheckpointGetsOneConsistentWayOut) {
+  const std::string run = tmp_ / "early";
+  fs::create_directories(run);
+  writeFile(run + "/metrics.jsonl", "{\"kind\":\"train\",\"step\":1}\n");
+  writeFile(run + "/config.toml", "[train]\nmax_steps = 4\n");
+  const auto before = snapshot(run);
+  expectOneLineError(
+      runCaravan("train --config " + configPath_ + " " + kSynthetic + "--run-dir " + run), 2,
+      "stopped before its first checkpoint: there is nothing to --resume; "
+      "start it again with another --run-dir");
+  expectOneLineError(runCaravan("train --resume " + run), 4,
+                     "stopped before its first checkpoint (set checkpoint.every for earlier "
+                     "ones); start it again with another --run-dir");
+  EXPECT_EQ(snapshot(run), before);
+}
+
 // A checkpoint that cannot be written whole (a file-size limit, as a full disk) is exit 5 with
 // one line; the temporary file is gone, the earlier checkpoints and every other file of the
 // run are as they were, and a later resume continues from the last good checkpoint.

@@ -182,3 +182,15 @@ TEST(Log, LinesGoToTheInstalledSinkFromAnyThread) {
   ASSERT_EQ(lines.size(), 200u);
   for (const auto& l : lines) EXPECT_EQ(l.rfind("warning: ", 0), 0u) << l;
 }
+
+// A --set value is one value: a newline followed by more TOML is refused, not half-applied.
+TEST(Config, OverrideWithMoreThanOneValueIsRefused) {
+  try {
+    Config::fromString("", "<t>", {"data.path=\"x\"\n[model]\nname = \"gpt\""});
+    ADD_FAILURE() << "accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("more than one TOML value"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(Config::fromString("", "<t>", {"data.path=\"x\""}).str("data.path"), "x");
+}

@@ -415,6 +415,13 @@ Config Config::fromString(const std::string& text, const std::string& source,
     } catch (const toml::parse_error&) {
       ok = false;
     }
+    if (ok && parsed.size() != 1) {
+      // "x"<newline>[model]... parses as v = "x" and more, which used to be dropped silently.
+      throw ConfigError(
+          fmt::format("{}: the value holds more than one TOML value (a newline "
+                      "and more keys or sections); give one value per --set",
+                      at));
+    }
     if (!ok || (opt->type == ConfigType::kString && !parsed["v"].is_string())) {
       // A bare word (--set data.dataset=brown) is a string.
       if (!isUtf8(raw)) throw ConfigError(fmt::format("{}: the value is not valid UTF-8", at));

@@ -485,8 +485,18 @@ void Trainer::writeSummary(double measuredFwdBwd) {
 
 std::optional<std::string> checkRunDirectory(const std::string& runDir, bool resume) {
   const CheckpointDir checkpoints(runDir, 1);
+  const std::optional<std::string> latest = checkpoints.latest();
+  // A run that stopped before its first checkpoint can be neither continued nor overwritten:
+  // both messages say so, and the same way out.
+  const bool startedWithoutCheckpoint = !latest && fs::exists(fs::path(runDir) / "metrics.jsonl");
   if (resume) {
-    std::optional<std::string> latest = checkpoints.latest();
+    if (startedWithoutCheckpoint) {
+      throw CheckpointError(fmt::format(
+          "nothing to resume in {}: its run stopped before its first checkpoint (set "
+          "checkpoint.every for earlier ones); start it again with another --run-dir, or "
+          "remove {}",
+          runDir, runDir));
+    }
     if (!latest) {
       throw CheckpointError(fmt::format("nothing to resume in {}: it has no checkpoints/ "
                                         "(start a new run with another --run-dir)",
@@ -494,7 +504,14 @@ std::optional<std::string> checkRunDirectory(const std::string& runDir, bool res
     }
     return latest;
   }
-  if (checkpoints.latest() || fs::exists(fs::path(runDir) / "metrics.jsonl")) {
+  if (startedWithoutCheckpoint) {
+    throw ConfigError(
+        fmt::format("{} already holds a run, which stopped before its first "
+                    "checkpoint: there is nothing to --resume; start it again with "
+                    "another --run-dir, or remove {}",
+                    runDir, runDir));
+  }
+  if (latest) {
     throw ConfigError(fmt::format("{} already holds a run; continue it with --resume {} or "
                                   "choose another --run-dir",
                                   runDir, runDir));
