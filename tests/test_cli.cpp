@@ -291,6 +291,33 @@ TEST_F(Cli, ARunWithoutACheckpointGetsOneConsistentWayOut) {
   EXPECT_EQ(snapshot(run), before);
 }
 
+// The data is part of a checkpoint's identity: a Brown corpus whose characters changed (other
+// token ids) is refused on resume naming the vocabulary, before anything is written.
+TEST_F(Cli, AResumeOnACorpusWithAnotherVocabularyIsRefused) {
+  const std::string corpus = tmp_ / "corpus";
+  fs::create_directories(corpus);
+  std::string cats;
+  for (int i = 0; i < 10; ++i) {
+    const std::string id = "c" + std::to_string(i);
+    cats += id + " cat\n";
+    writeFile(corpus + "/" + id, "\n\n\tthe/at cat/nn sat/vbd on/in a/at mat/nn ./.\n");
+  }
+  writeFile(corpus + "/cats.txt", cats);
+  const std::string run = tmp_ / "gpt";
+  const CommandResult first = runCaravan(
+      "train -q --config /dev/null --set data.dataset=brown --set data.path=" + corpus +
+      " --set model.name=gpt --set model.width=8 --set model.depth=1 --set model.heads=2 "
+      "--set data.seq_len=8 --set data.batch_size=2 --set train.max_steps=2 --set "
+      "train.threads=1 --run-dir " +
+      run);
+  ASSERT_EQ(first.exitCode, 0) << first.err;
+  writeFile(corpus + "/c0", "\n\n\tthe/at dog/nn sat/vbd ./.\n");  // 'd', 'g': new ids
+  const auto before = snapshot(run);
+  expectOneLineError(runCaravan("train -q --resume " + run + " --set train.max_steps=4"), 4,
+                     "data.vocabulary");
+  EXPECT_EQ(snapshot(run), before);
+}
+
 // A checkpoint that cannot be written whole (a file-size limit, as a full disk) is exit 5 with
 // one line; the temporary file is gone, the earlier checkpoints and every other file of the
 // run are as they were, and a later resume continues from the last good checkpoint.

@@ -261,7 +261,15 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
     c10::IValue meta;
     archive.read("meta", meta);
     state.meta = nlohmann::json::parse(meta.toStringRef());
-    if (state.meta != expectedMeta) {
+    // Keys this run knows that the checkpoint predates (added to the identity later) are not
+    // compared; every key the checkpoint has must agree.
+    nlohmann::json comparable = expectedMeta;
+    if (state.meta.is_object() && comparable.is_object()) {
+      for (const auto& [key, value] : expectedMeta.items()) {
+        if (!state.meta.contains(key)) comparable.erase(key);
+      }
+    }
+    if (state.meta != comparable) {
       throw CheckpointError(fmt::format(
           "checkpoint {} belongs to another run configuration: it has {}, the config has {}",
           path, state.meta.dump(), expectedMeta.dump()));

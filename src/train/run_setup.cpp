@@ -33,7 +33,7 @@ RunSetup::RunSetup(const Config& cfg, RunOptions opts, Inspection)
   torch::manual_seed(options.seed.init);
   model = buildModel(options.model, data.train->shape());
   parameterCount_ = countParameters(model);
-  identity = runIdentity(options);
+  identity = runIdentity(options, data);
 }
 
 RunSetup::RunSetup(const Config& cfg, RunOptions opts, int rankInWorkers, int workerCount)
@@ -51,7 +51,7 @@ RunSetup::RunSetup(const Config& cfg, RunOptions opts, int rankInWorkers, int wo
       options.loop.maxSteps > 0 ? options.loop.maxSteps : options.loop.epochs * batchesPerEpoch;
   schedule = options.schedule;
   schedule.totalSteps = totalSteps;
-  identity = runIdentity(options);
+  identity = runIdentity(options, data);
 }
 
 RunSetup::~RunSetup() = default;

@@ -91,7 +91,21 @@ void setLearningRate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
-nlohmann::json runIdentity(const RunOptions& options) {
+namespace {
+
+// FNV-1a, 64 bits, as 16 hex digits: a short, stable name for a vocabulary.
+std::string fingerprint(const std::string& bytes) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return fmt::format("{:016x}", h);
+}
+
+}  // namespace
+
+nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data) {
   // The config's key names: checkpoints of every version store and compare these.
   nlohmann::json j;
   j["model.name"] = options.model.name;
@@ -101,6 +115,11 @@ nlohmann::json runIdentity(const RunOptions& options) {
   j["model.depth"] = options.model.depth;
   j["model.heads"] = options.model.heads;
   j["data.seq_len"] = options.data.seqLen;
+  // A corpus whose characters changed gives other token ids: the model would read nonsense or
+  // index past its embedding. (Checkpoints from before this key are not checked for it.)
+  if (options.data.dataset == "brown") {
+    j["data.vocabulary"] = fingerprint(brownVocabulary(*data.train));
+  }
   return j;
 }
 

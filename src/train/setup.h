@@ -36,7 +36,8 @@ SamplerOptions makeSamplerOptions(const RunOptions& options, int64_t datasetSize
 void setLearningRate(torch::optim::Optimizer& optimizer, double lr);
 
 // The keys a checkpoint must agree with to be loadable into this run (model, optimizer and
-// dataset identity): stored in each checkpoint and compared on resume.
-nlohmann::json runIdentity(const RunOptions& options);
+// dataset identity): stored in each checkpoint and compared on resume. `data`: the run's
+// datasets, whose content matters too (the Brown corpus's vocabulary: the token ids).
+nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data);
 
 }  // namespace caravan
