@@ -154,16 +154,8 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
   launch.threadsConfigured = options.runtime.threads > 0;
   // Before any worker starts (and writes its log into the directory): the directory is this
   // job's until the launcher returns, and holds what a new run or --resume expects.
-  std::unique_ptr<DirectoryLock> lock;
-  if (resumeDir.empty() || std::filesystem::is_directory(launch.runDir)) {
-    std::error_code ec;
-    std::filesystem::create_directories(launch.runDir, ec);
-    if (ec) {
-      throw IoError(fmt::format("cannot create run directory {}: {}", launch.runDir, ec.message()));
-    }
-    lock = lockRunDirectory(launch.runDir);
-  }
-  checkRunDirectory(launch.runDir, !resumeDir.empty());
+  const RunDirectoryClaim claim =
+      claimRunDirectory(launch.runDir, !resumeDir.empty(), /*lock=*/true);
   // --max-restarts K: after a failed worker, the job starts again from the run's newest
   // checkpoint (the workers that were stopped wrote one if they could), K times at most.
   for (int restart = 1;; ++restart) {

@@ -215,7 +215,7 @@ void OspWorkerStrategy::finishGradients() {
 
 std::map<std::string, at::Tensor> OspWorkerStrategy::saveState() {
   drainStage2();
-  // A stage-1 round whose control says "state": each server sends worker 0 its shard's
+  // A stage-1 round whose push header says "state": each server sends worker 0 its shard's
   // optimizer state and steps nothing.
   sendToServers(PushKind::kState);
   if (workers_->rank() == 0) {
@@ -292,15 +292,15 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     receiveFromWorkers(world, tag, msgs, kServerWait);
     for (int k = 0; k < numWorkers; ++k) payloads[k] = stage1 ? pushPayload(msgs[k]) : msgs[k];
     if (stage1) {
-      const PushHeader round = decodeRound(msgs, world.rank(), step + 1);
-      *kind = round.kind;
+      const std::vector<PushHeader> round = decodeRound(msgs, world.rank(), step + 1);
+      *kind = round[0].kind;
       if (*kind != PushKind::kGradient) return {};
-      *lr = round.learningRate;  // worker 0's
+      *lr = round[0].learningRate;  // worker 0's
       // auto: the largest stage-1 share any worker asked for (same on every server).
       if (options.autoFraction) {
         fraction = 0.0;
-        for (int k = 0; k < numWorkers; ++k) {
-          const double asked = decodePush(msgs[k], k, world.rank()).requestedFraction;
+        for (const PushHeader& h : round) {
+          const double asked = h.requestedFraction;
           if (std::isfinite(asked)) fraction = std::max(fraction, std::clamp(asked, 0.0, 1.0));
         }
       }
@@ -320,9 +320,6 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     for (int64_t c : chosen) values.push_back(chunks[c].detach());
     return values;
   };
-  auto send = [&](const at::Tensor& reply, int tag) {
-    sendToWorkers(world, numWorkers, reply, tag);
-  };
   auto catOrEmpty = [](const std::vector<at::Tensor>& v) {
     return v.empty() ? at::empty({0}, at::kFloat) : at::cat(v);
   };
@@ -340,7 +337,7 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
                                   "does not use; they run another version of caravan",
                                   world.rank()));
     }
-    send(catOrEmpty(w1), kTagPull1);
+    sendToWorkers(world, numWorkers, catOrEmpty(w1), kTagPull1);
     PushKind none = PushKind::kGradient;
     const auto w2 = stage(false, kTagPush2, step, &lr, &none);
     // The split for the next step, from this step's full averaged gradient.
@@ -357,7 +354,7 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     at::Tensor flags = at::empty({next.numChunks()}, at::kFloat);
     float* f = flags.data_ptr<float>();
     for (int64_t c = 0; c < next.numChunks(); ++c) f[c] = next.stage1[c] ? 1.0f : 0.0f;
-    send(at::cat({catOrEmpty(w2), flags}), kTagPull2);
+    sendToWorkers(world, numWorkers, at::cat({catOrEmpty(w2), flags}), kTagPull2);
     split = next;
     ++step;
     if (stepDone) stepDone(step);

@@ -267,8 +267,8 @@ void serveBsp(Communicator& world, int numWorkers, const ShardCodec& codec, at::
   for (auto& p : pushes) p = pushBuffer(words);
   for (int64_t step = 0;;) {
     receiveFromWorkers(world, kTagPush, pushes, kServerWait);
-    const PushHeader round = decodeRound(pushes, world.rank(), step + 1);
-    const PushKind kind = round.kind;
+    const std::vector<PushHeader> round = decodeRound(pushes, world.rank(), step + 1);
+    const PushKind kind = round[0].kind;
     if (kind == PushKind::kGoodbye) return;
     if (kind != PushKind::kGradient) {  // a checkpoint's state request (sync: nothing to do)
       for (int k = 0; k < numWorkers; ++k) reply(world, shard, k, 0);
@@ -279,7 +279,7 @@ void serveBsp(Communicator& world, int numWorkers, const ShardCodec& codec, at::
     // The average in rank order, then the optimizer on this shard.
     for (int k = 0; k < numWorkers; ++k) grads[k] = codec.decode(pushPayload(pushes[k]));
     shard.mutable_grad() = averagePayloads(grads, n);
-    setServerLearningRate(opt, round.learningRate);  // worker 0's (decodeRound read them all)
+    setServerLearningRate(opt, round[0].learningRate);  // worker 0's
     opt.step();
     for (int k = 0; k < numWorkers; ++k) reply(world, shard, k, 0);
     if (stepDone) stepDone(step);

@@ -136,19 +136,20 @@ PullHeader decodePull(const at::Tensor& message, int serverRank) {
   return h;
 }
 
-PushHeader decodeRound(const std::vector<at::Tensor>& messages, int serverRank, int64_t step) {
+std::vector<PushHeader> decodeRound(const std::vector<at::Tensor>& messages, int serverRank,
+                                    int64_t step) {
   CARAVAN_CHECK(!messages.empty(), "a round without workers");
-  const PushHeader first = decodePush(messages[0], 0, serverRank);
-  for (size_t k = 1; k < messages.size(); ++k) {
-    const PushHeader h = decodePush(messages[k], static_cast<int>(k), serverRank);
-    if (h.kind != first.kind) {
+  std::vector<PushHeader> headers;
+  for (size_t k = 0; k < messages.size(); ++k) {
+    headers.push_back(decodePush(messages[k], static_cast<int>(k), serverRank));
+    if (headers[k].kind != headers[0].kind) {
       throw PeerError(
           fmt::format("rank {} (server): at step {} worker 0 sent a {} push and "
                       "worker {} a {} push; the workers disagree about the step",
-                      serverRank, step, kindName(first.kind), k, kindName(h.kind)));
+                      serverRank, step, kindName(headers[0].kind), k, kindName(headers[k].kind)));
     }
   }
-  return first;
+  return headers;
 }
 
 at::Tensor averagePayloads(const std::vector<at::Tensor>& payloads, int64_t n) {

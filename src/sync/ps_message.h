@@ -59,10 +59,11 @@ at::Tensor pullPayload(const at::Tensor& message);
 PushHeader decodePush(const at::Tensor& message, int worker, int serverRank);
 PullHeader decodePull(const at::Tensor& message, int serverRank);
 
-// One BSP round's pushes (one per worker, in rank order) must agree on the kind (and, for
-// gradients, every one's learning rate must be readable): the round's header, worker 0's.
-// PeerError naming the worker that disagrees.
-PushHeader decodeRound(const std::vector<at::Tensor>& messages, int serverRank, int64_t step);
+// One synchronous round's pushes (one per worker, in rank order): every worker's header, in
+// rank order, all of one kind (PeerError naming the worker that disagrees or whose header is
+// not one). Worker 0's learning rate is the round's.
+std::vector<PushHeader> decodeRound(const std::vector<at::Tensor>& messages, int serverRank,
+                                    int64_t step);
 
 // The mean of the first `n` elements of each payload, summed in rank order.
 at::Tensor averagePayloads(const std::vector<at::Tensor>& payloads, int64_t n);

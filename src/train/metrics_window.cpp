@@ -21,8 +21,7 @@ MetricsWindow::MetricsWindow(Distributed* dist)
     : dist_(dist), bytes_(dist != nullptr ? dist->bytes() : ByteCount{}), start_(Clock::now()) {}
 
 void MetricsWindow::addStep(Clock::time_point stepStart, const StepResult& r, int64_t samples) {
-  compute_ += seconds(stepStart, r.syncEnd) - seconds(r.backwardEnd, r.syncEnd) +
-              seconds(r.syncEnd, r.optimizerEnd);
+  compute_ += seconds(stepStart, r.backwardEnd) + seconds(r.syncEnd, r.optimizerEnd);
   sync_ += seconds(r.backwardEnd, r.syncEnd) + seconds(r.optimizerEnd, r.stepEnd);
   ++steps_;
   samples_ += static_cast<double>(samples);

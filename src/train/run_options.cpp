@@ -219,8 +219,4 @@ void validate(const RunOptions& options, int worldSize) {
   }
 }
 
-void validate(const Config& config, const WorldInfo& world) {
-  validate(RunOptions::read(config), world.worldSize);
-}
-
 }  // namespace caravan

@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <string>
 
-#include "comm/world.h"
 #include "core/config.h"
 #include "data/loader.h"
 #include "memory/weights.h"
@@ -133,7 +132,6 @@ void validate(const RunOptions& options, int worldSize);
 // The optimizer keys on their own (part of validate; also what makeOptimizer checks, for the
 // paths that build one without training: caravan eval, the servers).
 void validate(const OptimizerOptions& optim);
-void validate(const Config& config, const WorldInfo& world);
 
 // The out-of-core store's options (memory.prefetch, optim.*).
 WeightOptions weightOptions(const RunOptions& options);

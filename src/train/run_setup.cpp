@@ -19,16 +19,24 @@ int64_t countParameters(BlockModel& model) {
   return n;
 }
 
-}  // namespace
-
-RunSetup::RunSetup(const Config& config) : RunSetup(config, RunOptions::read(config)) {}
-
-RunSetup RunSetup::forInspection(const Config& config) {
-  return RunSetup(config, RunOptions::read(config), Inspection{});
+// One process reads its own options: validated as train() validates them.
+RunOptions validatedAlone(const Config& config) {
+  RunOptions options = RunOptions::read(config);
+  validate(options, 1);
+  return options;
 }
 
-RunSetup::RunSetup(const Config& cfg, RunOptions opts, Inspection)
-    : config(cfg), options(std::move(opts)), rank(0), workers(1) {
+}  // namespace
+
+RunSetup::RunSetup(const Config& config) : RunSetup(config, validatedAlone(config)) {}
+
+RunSetup RunSetup::forInspection(const Config& config) {
+  return RunSetup(config, RunOptions::read(config), 0, 1, ModelOnly{});
+}
+
+RunSetup::RunSetup(const Config& cfg, RunOptions opts, int rankInWorkers, int workerCount,
+                   ModelOnly)
+    : config(cfg), options(std::move(opts)), rank(rankInWorkers), workers(workerCount) {
   data = makeDatasets(options.data, options.seed.data);
   torch::manual_seed(options.seed.init);
   model = buildModel(options.model, data.train->shape());
@@ -37,12 +45,7 @@ RunSetup::RunSetup(const Config& cfg, RunOptions opts, Inspection)
 }
 
 RunSetup::RunSetup(const Config& cfg, RunOptions opts, int rankInWorkers, int workerCount)
-    : config(cfg), options(std::move(opts)), rank(rankInWorkers), workers(workerCount) {
-  if (workers == 1) validate(options, 1);  // a job's launcher and ranks validated it already
-  data = makeDatasets(options.data, options.seed.data);
-  torch::manual_seed(options.seed.init);
-  model = buildModel(options.model, data.train->shape());
-  parameterCount_ = countParameters(model);
+    : RunSetup(cfg, std::move(opts), rankInWorkers, workerCount, ModelOnly{}) {
   optimizer = makeOptimizer(options.optim, model->parameters());
   // Data is sharded over the workers (parameter servers read none).
   sampler = makeSamplerOptions(options, data.train->size(), rank, workers);
@@ -51,7 +54,6 @@ RunSetup::RunSetup(const Config& cfg, RunOptions opts, int rankInWorkers, int wo
       options.loop.maxSteps > 0 ? options.loop.maxSteps : options.loop.epochs * batchesPerEpoch;
   schedule = options.schedule;
   schedule.totalSteps = totalSteps;
-  identity = runIdentity(options, data);
 }
 
 RunSetup::~RunSetup() = default;

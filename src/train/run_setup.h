@@ -99,8 +99,9 @@ class RunSetup {
   std::unique_ptr<OutOfCoreWeights> weights;  // memory.weights = offload
 
  private:
-  struct Inspection {};
-  RunSetup(const Config& config, RunOptions options, Inspection);
+  // What every use needs: the datasets, the model (seeded with seed.init), the identity.
+  struct ModelOnly {};
+  RunSetup(const Config& config, RunOptions options, int rank, int workers, ModelOnly);
   int64_t parameterCount_ = 0;
 };
 

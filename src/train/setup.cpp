@@ -2,6 +2,7 @@
 #include "train/setup.h"
 
 #include <dlfcn.h>
+#include <zlib.h>
 
 #include <torch/torch.h>
 
@@ -91,20 +92,6 @@ void setLearningRate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
-namespace {
-
-// FNV-1a, 64 bits, as 16 hex digits: a short, stable name for a vocabulary.
-std::string fingerprint(const std::string& bytes) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : bytes) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return fmt::format("{:016x}", h);
-}
-
-}  // namespace
-
 nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data) {
   // The config's key names: checkpoints of every version store and compare these.
   nlohmann::json j;
@@ -118,7 +105,11 @@ nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data)
   // A corpus whose characters changed gives other token ids: the model would read nonsense or
   // index past its embedding. (Checkpoints from before this key are not checked for it.)
   if (options.data.dataset == "brown") {
-    j["data.vocabulary"] = fingerprint(brownVocabulary(*data.train));
+    // Its CRC-32 (zlib's, as the checkpoint file's own check): a short, stable name.
+    const std::string vocabulary = brownVocabulary(*data.train);
+    j["data.vocabulary"] =
+        fmt::format("{:08x}", crc32(0L, reinterpret_cast<const Bytef*>(vocabulary.data()),
+                                    static_cast<uInt>(vocabulary.size())));
   }
   return j;
 }

@@ -61,8 +61,8 @@ class StopState {
       : options_(options), loop_(loop), totalSteps_(totalSteps) {}
 
   // After step `step` (0-based) with `loss`; `trainSeconds` of training so far. Returns the
-  // loss to report (the workers' mean in a job). `window`: this rank's window on steps that
-  // write a record (every worker's comes back in `all`).
+  // loss to report (the workers' mean in a job). On steps that write a record, this rank's
+  // `window` goes along and every worker's comes back into window.ranks().
   double afterStep(int64_t step, double loss, double trainSeconds, Distributed* dist,
                    Strategy* strategy, MetricsWindow& window) {
     bool interrupted = (options_.stopAtStep > 0 && step + 1 >= options_.stopAtStep) ||
@@ -248,8 +248,8 @@ void Trainer::begin() {
   if (!s_.reshardNote.empty()) progress_.line(s_.reshardNote);
   // Weights and buffers (batch norm's running statistics) saved by ops are not activations
   // (out-of-core weights move between storages: the executor asks the store).
-  std::vector<at::Tensor> modelState =
-      s_.weights ? std::vector<at::Tensor>{} : s_.model->parameters();
+  parameters_ = s_.model->parameters();
+  std::vector<at::Tensor> modelState = s_.weights ? std::vector<at::Tensor>{} : parameters_;
   for (const auto& b : s_.model->buffers()) modelState.push_back(b);
   savedTensors_ = std::make_unique<SavedTensorScope>(s_.memory, modelState);
   {
@@ -261,7 +261,6 @@ void Trainer::begin() {
   elapsedBefore_ = state.elapsedSeconds;
   start_ = Clock::now();
   s_.model->train();
-  parameters_ = s_.model->parameters();
   window_ = MetricsWindow(dist_);
 }
 
@@ -532,20 +531,27 @@ std::unique_ptr<DirectoryLock> lockRunDirectory(const std::string& runDir) {
   return lock;
 }
 
+RunDirectoryClaim claimRunDirectory(const std::string& runDir, bool resume, bool lock) {
+  RunDirectoryClaim claim;
+  if (!resume || fs::is_directory(runDir)) {
+    std::error_code ec;
+    fs::create_directories(runDir, ec);
+    if (ec) throw IoError(fmt::format("cannot create run directory {}: {}", runDir, ec.message()));
+    if (lock) claim.lock = lockRunDirectory(runDir);
+  }
+  claim.resumeFrom = checkRunDirectory(runDir, resume);
+  return claim;
+}
+
 TrainSummary train(const Config& config, const TrainerOptions& options) {
   const RunOptions runOptions = RunOptions::read(config);
   validate(runOptions, options.world.worldSize);
-  std::error_code ec;
-  fs::create_directories(options.runDir, ec);
-  if (ec) {
-    throw IoError(fmt::format("cannot create run directory {}: {}", options.runDir, ec.message()));
-  }
-  std::unique_ptr<DirectoryLock> lock;
-  if (options.world.rank == 0 && options.world.launcher != "caravan") {
-    lock = lockRunDirectory(options.runDir);
-  }
+  // Caravan's own launcher holds the lock for its workers.
+  const RunDirectoryClaim claim =
+      claimRunDirectory(options.runDir, options.resume,
+                        options.world.rank == 0 && options.world.launcher != "caravan");
+  const std::optional<std::string>& resumeFrom = claim.resumeFrom;
   CheckpointDir checkpoints(options.runDir, runOptions.loop.checkpointKeep);
-  const std::optional<std::string> resumeFrom = checkRunDirectory(options.runDir, options.resume);
   if (options.world.rank == 0) checkpoints.removeStaleTemporaries();  // its only writer
 
   applyRuntimeOptions(runOptions.runtime);
