@@ -235,6 +235,63 @@ TEST(ReportCli, BadSourcesExitNonZeroInOneLineAndWriteNothing) {
   EXPECT_EQ(r.exitCode, 2) << r.err;
 }
 
+// JSON of a surprising shape or size is a data error naming the file (and line), in one
+// bounded line; a path that cannot be looked at is an I/O error naming it. None is an
+// "internal error".
+TEST(ReportCli, OddJsonIsOneBoundedLineNamingTheFileNeverAnInternalError) {
+  TempDir tmp;
+  struct Case {
+    std::string what, metrics;
+    int exitCode;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"a number past double's range", "{\"kind\":\"train\",\"loss\":1e400}\n", 3,
+       "metrics.jsonl:1 is not JSON"},
+      {"a 2 MB unterminated string",
+       "{\"kind\":\"train\"}\n{\"kind\":\"" + std::string(2 << 20, 'a') + "\n", 3,
+       "metrics.jsonl:2 is not JSON"},
+      {"invalid UTF-8", "{\"kind\":\"tr\xff\xfein\"}\n", 3, "metrics.jsonl:1 is not JSON"},
+  };
+  for (const Case& c : cases) {
+    makeRun(tmp / "run", c.metrics);
+    const CommandResult r = runCaravan("report " + (tmp / "run") + " -o " + (tmp / "r.html"));
+    EXPECT_EQ(r.exitCode, c.exitCode) << c.what << ": " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << c.what;
+    EXPECT_LT(r.err.size(), 600u) << c.what;
+    EXPECT_NE(r.err.find(c.says), std::string::npos) << c.what << ": " << r.err;
+    EXPECT_FALSE(fs::exists(tmp / "r.html")) << c.what;
+  }
+  // Records whose fields have other types than Caravan writes are not Caravan's records: a
+  // "kind" that is a number is skipped, a "workers" of 1e300 is not a worker count.
+  makeRun(tmp / "typed",
+          "{\"kind\":5,\"step\":1}\n{\"kind\":\"train\",\"step\":2,"
+          "\"loss\":1,\"workers\":1e300}\n");
+  const json run = report::readRun(tmp / "typed");
+  EXPECT_EQ(run["train"]["step"], json({2}));
+  EXPECT_EQ(run["workers"], 1);
+  // Bench results: a "format" or chart "type" of another type.
+  writeFile(tmp / "format.json", "{\"format\": 5}");
+  writeFile(tmp / "type.json",
+            "{\"format\":\"caravan-bench-1\",\"charts\":[{\"title\":\"t\","
+            "\"type\":3,\"series\":[]}]}");
+  writeFile(tmp / "huge.json", "[1e400]");
+  for (const std::string name : {"format.json", "type.json", "huge.json"}) {
+    const CommandResult r = runCaravan("report " + (tmp / name) + " -o " + (tmp / "r.html"));
+    EXPECT_EQ(r.exitCode, 3) << name << ": " << r.err;
+    EXPECT_NE(r.err.find(tmp / name), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("internal error"), std::string::npos) << r.err;
+  }
+  // A symbolic-link loop where a source should be.
+  fs::create_symlink(tmp / "loop-b", tmp / "loop-a");
+  fs::create_symlink(tmp / "loop-a", tmp / "loop-b");
+  const CommandResult loop = runCaravan("report " + (tmp / "loop-a") + " -o " + (tmp / "r.html"));
+  EXPECT_EQ(loop.exitCode, 5) << loop.err;
+  EXPECT_NE(loop.err.find("caravan: error: " + (tmp / "loop-a") + ": Too many levels of symbolic"),
+            std::string::npos)
+      << loop.err;
+}
+
 // The page never overwrites what it reads: an --output that is one of a run's files (or a
 // bench result) is refused before anything is written, and the file is left as it was.
 TEST(ReportCli, AnOutputThatIsAnInputIsRefusedAndLeftAlone) {

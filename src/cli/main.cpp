@@ -416,6 +416,12 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "%scaravan: internal error (LibTorch): %s\n", clearLine, what.c_str());
     return static_cast<int>(ExitCode::kInternal);
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A path that cannot be looked at (a symlink loop, a directory without permission): the
+    // path and the system's reason, as an I/O error.
+    std::fprintf(stderr, "%scaravan: error: %s: %s\n", clearLine, e.path1().c_str(),
+                 e.code().message().c_str());
+    return static_cast<int>(ExitCode::kIo);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%scaravan: internal error: %s\n", clearLine, e.what());
     return static_cast<int>(ExitCode::kInternal);

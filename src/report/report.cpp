@@ -23,9 +23,11 @@
 #include <toml++/toml.h>
 
 #include "core/errors.h"
+#include "core/files.h"
 #include "core/scope_guard.h"
 #include "report/assets.h"
 #include "train/checkpoint.h"
+#include "train/metrics.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -34,11 +36,10 @@ namespace caravan::report {
 namespace {
 
 std::string readText(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw IoError(fmt::format("cannot read {}", path.string()));
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  std::string why;
+  std::optional<std::string> text = readRegularFile(path.string(), &why);
+  if (!text) throw IoError(fmt::format("cannot read {}: {}", path.string(), why));
+  return std::move(*text);
 }
 
 // Six significant digits: what a chart can show, and a third of the page's size.
@@ -293,6 +294,43 @@ std::optional<std::string> preText(const std::string& dom, const std::string& id
   return dom.substr(start + open.size(), end - start - open.size());
 }
 
+// The bench format (docs/report.md); json::exception for a value of another type.
+void checkBench(const json& bench, const std::string& where) {
+  if (!bench.is_object() || bench.value("format", "") != "caravan-bench-1") {
+    throw DataError(
+        fmt::format("{} is not a bench result: it needs \"format\": "
+                    "\"caravan-bench-1\" (docs/report.md)",
+                    where));
+  }
+  requireArray(bench, "charts", where);
+  for (size_t i = 0; i < bench["charts"].size(); ++i) {
+    const json& c = bench["charts"][i];
+    const std::string at = fmt::format("{}: charts[{}]", where, i);
+    if (!c.is_object() || !c.contains("title") || !c["title"].is_string()) {
+      throw DataError(at + ": needs a \"title\" string (docs/report.md)");
+    }
+    requireArray(c, "series", at);
+    const bool bar = c.value("type", "line") == "bar";
+    if (bar) requireArray(c, "labels", at);
+    auto numbers = [](const json& values) {
+      return std::all_of(values.begin(), values.end(),
+                         [](const json& v) { return v.is_number() || v.is_null(); });
+    };
+    for (const auto& s : c["series"]) {
+      if (!s.is_object() || !s.contains("name") || !s.contains("y") || !s["y"].is_array() ||
+          (!bar && (!s.contains("x") || !s["x"].is_array() || s["x"].size() != s["y"].size())) ||
+          (bar && s["y"].size() != c["labels"].size())) {
+        throw DataError(at +
+                        ": every series needs a \"name\" and \"y\" (and for a line chart "
+                        "an \"x\" as long as \"y\"; for a bar chart one y per label)");
+      }
+      if (!numbers(s["y"]) || (!bar && !numbers(s["x"]))) {
+        throw DataError(at + ": a series' x and y hold numbers or null only");
+      }
+    }
+  }
+}
+
 }  // namespace
 
 json readRun(const std::string& dirName) {
@@ -307,33 +345,20 @@ json readRun(const std::string& dirName) {
   json run = {{"path", dirName}, {"notes", json::array()}, {"config", json::object()}};
   const std::string text = readText(metricsPath);
   Columns train, eval;
-  size_t lineNo = 0, pos = 0;
-  while (pos < text.size()) {
-    size_t end = text.find('\n', pos);
-    const bool complete = end != std::string::npos;
-    if (!complete) end = text.size();
-    const std::string line = text.substr(pos, end - pos);
-    pos = end + 1;
-    ++lineNo;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    json record;
-    try {
-      record = json::parse(line);
-    } catch (const json::parse_error& e) {
-      if (!complete) {  // the last line, cut short by a run that was killed while writing it
-        run["notes"].push_back(fmt::format("metrics.jsonl line {} is cut short; left out", lineNo));
-        break;
-      }
-      throw DataError(fmt::format("{}:{} is not JSON ({}); repair or remove that line",
-                                  metricsPath.string(), lineNo, e.what()));
+  for (const MetricsLine& line : readMetricsLines(text)) {
+    if (line.cut) {
+      run["notes"].push_back(
+          fmt::format("metrics.jsonl line {} is cut short; left out", line.number));
+      continue;
     }
-    if (!record.is_object()) {
-      throw DataError(fmt::format("{}:{} is not a JSON object; repair or remove that line",
-                                  metricsPath.string(), lineNo));
+    if (!line.problem.empty()) {
+      throw DataError(fmt::format("{}:{} {}; repair or remove that line", metricsPath.string(),
+                                  line.number, line.problem));
     }
-    const std::string kind = record.value("kind", "");
-    if (kind == "train") train.add(record);
-    if (kind == "eval") eval.add(record);
+    const auto kind = line.record.find("kind");
+    if (kind == line.record.end() || !kind->is_string()) continue;  // not a record of ours
+    if (*kind == "train") train.add(line.record);
+    if (*kind == "eval") eval.add(line.record);
   }
   if (train.rows() == 0 && eval.rows() == 0) {
     run["notes"].push_back("no train or eval records yet (a run that stopped before its first "
@@ -344,7 +369,7 @@ json readRun(const std::string& dirName) {
   int64_t workers = 1;
   if (run["train"].contains("workers")) {
     for (const auto& w : run["train"]["workers"]) {
-      if (w.is_number()) workers = w.get<int64_t>();
+      if (w.is_number_integer() && w.get<int64_t>() > 0) workers = w.get<int64_t>();
     }
   } else if (run["train"].contains("rank_compute_s")) {
     for (const auto& w : run["train"]["rank_compute_s"]) {
@@ -383,41 +408,16 @@ json readBench(const std::string& source) {
   json bench;
   try {
     bench = json::parse(readText(path));
-  } catch (const json::parse_error& e) {
-    throw DataError(fmt::format("{} is not JSON ({}); rerun the bench that wrote it",
-                                path.string(), e.what()));
+  } catch (const json::exception& e) {  // parse_error; out_of_range for a number such as 1e400
+    throw DataError(fmt::format("{} is not JSON ({}); rerun the bench that wrote it", path.string(),
+                                boundedQuote(e.what(), 200)));
   }
   const std::string where = path.string();
-  if (!bench.is_object() || bench.value("format", "") != "caravan-bench-1") {
-    throw DataError(fmt::format("{} is not a bench result: it needs \"format\": "
-                                "\"caravan-bench-1\" (docs/report.md)",
-                                where));
-  }
-  requireArray(bench, "charts", where);
-  for (size_t i = 0; i < bench["charts"].size(); ++i) {
-    const json& c = bench["charts"][i];
-    const std::string at = fmt::format("{}: charts[{}]", where, i);
-    if (!c.is_object() || !c.contains("title") || !c["title"].is_string()) {
-      throw DataError(at + ": needs a \"title\" string (docs/report.md)");
-    }
-    requireArray(c, "series", at);
-    const bool bar = c.value("type", "line") == "bar";
-    if (bar) requireArray(c, "labels", at);
-    auto numbers = [](const json& values) {
-      return std::all_of(values.begin(), values.end(),
-                         [](const json& v) { return v.is_number() || v.is_null(); });
-    };
-    for (const auto& s : c["series"]) {
-      if (!s.is_object() || !s.contains("name") || !s.contains("y") || !s["y"].is_array() ||
-          (!bar && (!s.contains("x") || !s["x"].is_array() || s["x"].size() != s["y"].size())) ||
-          (bar && s["y"].size() != c["labels"].size())) {
-        throw DataError(at + ": every series needs a \"name\" and \"y\" (and for a line chart "
-                             "an \"x\" as long as \"y\"; for a bar chart one y per label)");
-      }
-      if (!numbers(s["y"]) || (!bar && !numbers(s["x"]))) {
-        throw DataError(at + ": a series' x and y hold numbers or null only");
-      }
-    }
+  try {
+    checkBench(bench, where);
+  } catch (const json::exception& e) {  // a value of another type than the format's
+    throw DataError(fmt::format("{} does not follow the bench format ({}); see docs/report.md",
+                                where, boundedQuote(e.what(), 200)));
   }
   if (!bench.contains("name")) {
     const fs::path parent = fs::absolute(path).parent_path();

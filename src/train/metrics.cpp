@@ -1,6 +1,8 @@
 // Metrics file and terminal progress (see metrics.h).
 #include "train/metrics.h"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -9,28 +11,69 @@
 #include <fmt/format.h>
 
 #include "core/errors.h"
+#include "core/files.h"
 #include "train/checkpoint.h"
 
 namespace caravan {
 
+std::string boundedQuote(std::string_view text, size_t limit) {
+  if (text.size() <= limit) return std::string(text);
+  return fmt::format("{}... ({} bytes in all)", text.substr(0, limit), text.size());
+}
+
+std::vector<MetricsLine> readMetricsLines(std::string_view text) {
+  std::vector<MetricsLine> lines;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    const bool complete = end != std::string_view::npos;
+    if (!complete) end = text.size();
+    MetricsLine line;
+    line.number = lines.size() + 1;
+    line.text = text.substr(pos, end - pos);
+    pos = end + 1;
+    if (line.text.find_first_not_of(" \t\r") != std::string_view::npos) {
+      try {
+        line.record = nlohmann::json::parse(line.text);
+        if (!line.record.is_object()) {
+          line.record = nullptr;
+          line.problem = "is not a JSON object";
+        }
+      } catch (const nlohmann::json::exception& e) {
+        // parse_error, or out_of_range for a number past double's range. Its message quotes
+        // the text it last read, which may be the whole line.
+        line.record = nullptr;
+        line.problem = "is not JSON (" + boundedQuote(e.what(), 200) + ")";
+      }
+      line.cut = !complete && !line.problem.empty();
+    }
+    lines.push_back(std::move(line));
+  }
+  return lines;
+}
+
+namespace {
+// A record of work after step `step` (redone after a resume from it).
+bool laterThan(const nlohmann::json& record, int64_t step) {
+  if (!record.is_object()) return false;
+  const auto it = record.find("step");
+  if (it == record.end() || !it->is_number_integer()) return false;
+  return it->is_number_unsigned() ? it->get<uint64_t>() > static_cast<uint64_t>(step)
+                                  : it->get<int64_t>() > step;
+}
+}  // namespace
+
 MetricsSink::MetricsSink(const std::string& path, int64_t keepUpToStep) : path_(path) {
   if (keepUpToStep >= 0) {
-    std::ifstream in(path);
-    std::vector<std::string> lines;
-    for (std::string line; std::getline(in, line);) lines.push_back(line);
-    std::string kept;
-    for (size_t i = 0; i < lines.size(); ++i) {
-      auto j = nlohmann::json::parse(lines[i], nullptr, /*allow_exceptions=*/false);
-      if (j.is_discarded() || !j.is_object()) {
-        // Only the last line is a killed run's signature (cut short while written); anything
-        // else that does not parse is someone's data, kept as it is.
-        if (i + 1 < lines.size()) kept += lines[i] + "\n";
-        continue;
-      }
-      const auto step = j.find("step");
-      const bool later =
-          step != j.end() && step->is_number_integer() && step->get<int64_t>() > keepUpToStep;
-      if (!later) kept += lines[i] + "\n";  // records after the checkpoint are redone
+    std::string why, kept;
+    // A run directory whose metrics.jsonl was removed has nothing to keep.
+    const bool exists = ::access(path.c_str(), F_OK) == 0;
+    const std::optional<std::string> text =
+        exists ? readRegularFile(path, &why) : std::optional<std::string>("");
+    if (!text) throw IoError(fmt::format("cannot read {}: {}", path, why));
+    for (const MetricsLine& line : readMetricsLines(*text)) {
+      if (line.cut) continue;  // a killed run's half-written record
+      if (!laterThan(line.record, keepUpToStep)) kept.append(line.text).push_back('\n');
     }
     writeFileAtomic(path, kept);
   }

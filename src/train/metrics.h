@@ -8,17 +8,38 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 namespace caravan {
 
+// One line of a metrics.jsonl file as read back (by a resumed run and by `caravan report`).
+struct MetricsLine {
+  size_t number = 0;      // 1-based
+  std::string_view text;  // the line without its newline (a view into the text read)
+  nlohmann::json record;  // the JSON object on the line; null when blank or not an object
+  std::string problem;    // why a non-blank line is not a record (at most ~200 characters)
+  // The last line, without its newline, not a record: the signature of a run killed while
+  // writing it. Any other line that is not a record is someone's data.
+  bool cut = false;
+};
+
+// Every line of `text` (a metrics.jsonl file's contents). Never throws for any input: a line
+// that does not parse (invalid JSON, a number out of double's range such as 1e400, invalid
+// UTF-8) has `problem` set.
+std::vector<MetricsLine> readMetricsLines(std::string_view text);
+
+// At most `limit` bytes of `text` for an error message, with how much was left out.
+std::string boundedQuote(std::string_view text, size_t limit = 120);
+
 class MetricsSink {
  public:
   // Opens RUN_DIR/metrics.jsonl for appending. If `keepUpToStep` >= 0 (a resumed run), records
-  // with a step greater than it are dropped first (they belong to work after the checkpoint
-  // and will be redone), by an atomic rewrite; so is a last line that does not parse (cut
-  // short when a run was killed). Every other line stays as it was.
+  // with an integer "step" greater than it are dropped first (they belong to work after the
+  // checkpoint and will be redone), by an atomic rewrite; so is a cut last line (see
+  // MetricsLine::cut). Every other line stays byte for byte, in its place.
   MetricsSink(const std::string& path, int64_t keepUpToStep);
   ~MetricsSink();
   MetricsSink(const MetricsSink&) = delete;
