@@ -259,6 +259,7 @@ TEST_F(Cli, EveryRefusedCommandLeavesAnExistingRunByteForByte) {
       {"train -q --resume RUN --set fault.timeout=1e-9 --workers 2", 2},
       {"train -q --config " + configPath_ + " " + kSynthetic + "--run-dir RUN", 2},
       {"eval --run-dir RUN --checkpoint RUN/no-such.ckpt", 4},
+      {"eval --run-dir RUN --checkpoint RUN/model.pt", 4},
       {"report RUN -o RUN/metrics.jsonl", 2},
       {"report RUN -o RUN/config.toml", 2},
       {"calibrate RUN", 2},
@@ -289,6 +290,18 @@ TEST_F(Cli, ARunWithoutACheckpointGetsOneConsistentWayOut) {
                      "stopped before its first checkpoint (set checkpoint.every for earlier "
                      "ones); start it again with another --run-dir");
   EXPECT_EQ(snapshot(run), before);
+  // Killed while writing its first checkpoint: the same answer, and the temporary file the
+  // killed writer left (as large as a checkpoint) is removed by whoever next holds the
+  // directory's lock; every other file stays as it was.
+  const std::string temporary = run + "/checkpoints/.step-00000004.ckpt.tmp-4242";
+  fs::create_directories(run + "/checkpoints");
+  writeFile(temporary, std::string(1 << 20, 'x'));
+  const auto withCheckpointsDir = snapshot(run);
+  expectOneLineError(runCaravan("train --resume " + run), 4, "stopped before its first checkpoint");
+  EXPECT_FALSE(fs::exists(temporary));
+  auto expected = withCheckpointsDir;
+  expected.erase(temporary);
+  EXPECT_EQ(snapshot(run), expected);
 }
 
 // The data is part of a checkpoint's identity: a Brown corpus whose characters changed (other
@@ -362,6 +375,11 @@ TEST_F(Cli, ResumeAndEval) {
   EXPECT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.out.find("\"step\":6"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("\"accuracy\""), std::string::npos) << r.out;
+  // model.pt (the weights for Python) is named as what it is, and nothing advises deleting it.
+  r = runCaravan("eval --run-dir " + run + " --checkpoint " + run + "/model.pt");
+  expectOneLineError(r, 4, "is a PyTorch file, such as a run's model.pt");
+  EXPECT_EQ(r.err.find("delete"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::exists(run + "/model.pt"));
 }
 
 TEST_F(Cli, InterruptWritesCheckpointAndResumes) {

@@ -499,6 +499,43 @@ TEST(BrownCorpus, SmallCorpusSplitsAndUnknownCharacters) {
   expectDataError([&] { loadBrown(o); }, {"c10"});
 }
 
+// A corpus document must be text: binary bytes or a directory where a document is listed are
+// refused naming the file (binary data used to become new characters of the vocabulary).
+TEST(BrownCorpus, ADocumentThatIsNotTextIsRefusedNamingItAndTheByte) {
+  TempDir dir;
+  std::string cats;
+  for (int i = 0; i < 10; ++i) {
+    const std::string id = "c" + std::to_string(i);
+    cats += id + " cat\n";
+    std::ofstream(dir.file(id))
+        << "\n\n\tabc/nn caf\xc3\xa9/nn \xe2\x80\x9cq\xe2\x80\x9d/nn ./.\r\n";
+  }
+  std::ofstream(dir.file("cats.txt")) << cats;
+  BrownOptions o;
+  o.dir = dir.file("");
+  o.seqLen = 4;
+  EXPECT_NO_THROW(loadBrown(o));  // UTF-8 and CR LF are text
+  struct Case {
+    std::string bytes, says;
+  };
+  const std::vector<Case> cases = {
+      {std::string("abc/nn \0def/nn", 14), "byte 7 is 0x00"},
+      {"abc/nn \x1b[31m/nn", "byte 7 is 0x1b"},
+      {"abc/nn \x7f/nn", "byte 7 is 0x7f"},
+      {"abc/nn caf\xe9/nn", "byte 10 is 0xe9"},          // Latin-1, not UTF-8
+      {"abc/nn \xc0\xaf/nn", "byte 7 is 0xc0"},          // overlong
+      {"abc/nn \xe2\x80", "byte 7 is 0xe2"},             // cut sequence at the end
+      {"abc/nn \xf5\x80\x80\x80/nn", "byte 7 is 0xf5"},  // past U+10FFFF
+  };
+  for (const Case& c : cases) {
+    std::ofstream(dir.file("c3"), std::ios::binary | std::ios::trunc) << c.bytes;
+    expectDataError([&] { loadBrown(o); }, {dir.file("c3"), "is not text", c.says});
+  }
+  std::filesystem::remove(dir.file("c3"));
+  std::filesystem::create_directory(dir.file("c3"));
+  expectDataError([&] { loadBrown(o); }, {dir.file("c3"), "is a directory"});
+}
+
 // ---- Sampler --------------------------------------------------------------------------------
 
 std::vector<std::vector<int64_t>> take(Sampler& s, int64_t n) {

@@ -162,9 +162,11 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
     try {
       return superviseWorkers(launch);
     } catch (const WorkerError& e) {
+      // Every worker has stopped; a checkpoint one was writing is a stale temporary.
+      const CheckpointDir checkpoints(launch.runDir, options.loop.checkpointKeep);
+      checkpoints.removeStaleTemporaries();
       if (restart > maxRestarts) throw;
-      const std::optional<std::string> latest =
-          CheckpointDir(launch.runDir, options.loop.checkpointKeep).latest();
+      const std::optional<std::string> latest = checkpoints.latest();
       if (!latest) {
         throw WorkerError(fmt::format("{}; not restarted: {} has no checkpoint yet (set "
                                       "checkpoint.every to restart from one)",

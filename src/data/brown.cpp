@@ -89,12 +89,50 @@ class BrownDataset : public Dataset {
   BrownInfo info_;
 };
 
+// The offset of the first byte of `text` that no text file holds: a control character other
+// than tab, newline, carriage return, vertical tab and form feed, or a byte outside a
+// well-formed UTF-8 sequence; or npos.
+size_t firstNonTextByte(const std::string& text) {
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char c = p[i];
+    if (c < 0x80) {
+      if ((c < 0x20 && !(c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f')) ||
+          c == 0x7f) {
+        return i;
+      }
+      ++i;
+      continue;
+    }
+    // Lead byte: 2, 3 or 4 bytes in all (no overlong 0xc0/0xc1, nothing past U+10FFFF).
+    const size_t length = (c >= 0xc2 && c <= 0xdf)   ? 2
+                          : (c >= 0xe0 && c <= 0xef) ? 3
+                          : (c >= 0xf0 && c <= 0xf4) ? 4
+                                                     : 0;
+    if (length == 0 || i + length > n) return i;
+    for (size_t k = 1; k < length; ++k) {
+      if ((p[i + k] & 0xc0) != 0x80) return i;
+    }
+    i += length;
+  }
+  return std::string::npos;
+}
+
 std::string readFile(const std::filesystem::path& path) {
   std::string why;
   std::optional<std::string> text = readRegularFile(path.string(), &why);
   if (!text) {
     throw DataError(fmt::format("Brown corpus file {} cannot be read: it {} ({})", path.string(),
                                 why, kReinstallHint));
+  }
+  // Binary data in a corpus file would become characters of the vocabulary (and the model's
+  // embedding) without a word said: refuse it.
+  if (const size_t at = firstNonTextByte(*text); at != std::string::npos) {
+    throw DataError(
+        fmt::format("Brown corpus file {} is not text: byte {} is 0x{:02x} (a corpus "
+                    "file is tagged text, UTF-8 or ASCII; {})",
+                    path.string(), at, static_cast<unsigned char>((*text)[at]), kReinstallHint));
   }
   return std::move(*text);
 }

@@ -199,9 +199,12 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
   in.read(header.data(), static_cast<std::streamsize>(kHeaderSize));
   if (in.gcount() != static_cast<std::streamsize>(kHeaderSize) ||
       std::memcmp(header.data(), kMagic, sizeof(kMagic)) != 0) {
-    throw CheckpointError(fmt::format("{} is not a Caravan checkpoint (bad header); delete it "
-                                      "or pass another checkpoint",
-                                      path));
+    // A run's model.pt (exportStateDict) is a zip archive, as every torch.save file.
+    const bool zip = in.gcount() >= 4 && std::memcmp(header.data(), "PK\x03\x04", 4) == 0;
+    throw CheckpointError(fmt::format(
+        "{} is not a Caravan checkpoint ({}); pass one of RUN_DIR/checkpoints/step-*.ckpt", path,
+        zip ? "it is a PyTorch file, such as a run's model.pt, the weights exported for Python"
+            : "bad header"));
   }
   const uint64_t size = getLe(header, 8, 8);
   const uint32_t sum = static_cast<uint32_t>(getLe(header, 16, 4));
@@ -210,8 +213,8 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
   const uint64_t holds = ec ? 0 : fileSize - kHeaderSize;
   if (ec || holds != size) {
     throw CheckpointError(fmt::format(
-        "checkpoint {} is truncated or damaged: header says {} bytes, file holds {}; delete it "
-        "to resume from the previous checkpoint",
+        "checkpoint {} is truncated or damaged: header says {} bytes, file holds {}; move it "
+        "out of checkpoints/ to resume from the previous checkpoint",
         path, size, holds));
   }
   uLong running = crc32(0L, Z_NULL, 0);
@@ -231,9 +234,10 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
     }
   }
   if (static_cast<uint32_t>(running) != sum) {
-    throw CheckpointError(fmt::format("checkpoint {} is corrupt (CRC mismatch); delete it to "
-                                      "resume from the previous checkpoint",
-                                      path));
+    throw CheckpointError(
+        fmt::format("checkpoint {} is corrupt (CRC mismatch); move it out of "
+                    "checkpoints/ to resume from the previous checkpoint",
+                    path));
   }
   TrainingState state;
   try {
@@ -338,15 +342,17 @@ std::vector<std::string> CheckpointDir::list() const {
   return out;
 }
 
-void CheckpointDir::removeStaleTemporaries() const {
+int CheckpointDir::removeStaleTemporaries() const {
   std::error_code ec;
-  if (!fs::is_directory(dir_, ec)) return;
+  int removed = 0;
+  if (!fs::is_directory(dir_, ec)) return removed;
   for (const auto& entry : fs::directory_iterator(dir_, ec)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind(".step-", 0) == 0 && name.find(".ckpt.tmp-") != std::string::npos) {
-      fs::remove(entry.path(), ec);
+      removed += fs::remove(entry.path(), ec) ? 1 : 0;
     }
   }
+  return removed;
 }
 
 std::optional<std::string> CheckpointDir::latest() const {

@@ -66,9 +66,9 @@ class CheckpointDir {
                    const TrainingState& state);
   // Checkpoint files, oldest first.
   std::vector<std::string> list() const;
-  // Removes temporary files a write killed midway left behind (.step-*.ckpt.tmp-*); a run's
-  // only writer calls it at start.
-  void removeStaleTemporaries() const;
+  // Removes temporary files a write killed midway left behind (.step-*.ckpt.tmp-*); only the
+  // holder of the run directory's lock may call it (every writer holds it). Returns how many.
+  int removeStaleTemporaries() const;
   std::optional<std::string> latest() const;
 
  private:

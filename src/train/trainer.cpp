@@ -537,7 +537,10 @@ RunDirectoryClaim claimRunDirectory(const std::string& runDir, bool resume, bool
     std::error_code ec;
     fs::create_directories(runDir, ec);
     if (ec) throw IoError(fmt::format("cannot create run directory {}: {}", runDir, ec.message()));
-    if (lock) claim.lock = lockRunDirectory(runDir);
+    if (lock) {
+      claim.lock = lockRunDirectory(runDir);
+      CheckpointDir(runDir, 1).removeStaleTemporaries();
+    }
   }
   claim.resumeFrom = checkRunDirectory(runDir, resume);
   return claim;
@@ -552,7 +555,6 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
                         options.world.rank == 0 && options.world.launcher != "caravan");
   const std::optional<std::string>& resumeFrom = claim.resumeFrom;
   CheckpointDir checkpoints(options.runDir, runOptions.loop.checkpointKeep);
-  if (options.world.rank == 0) checkpoints.removeStaleTemporaries();  // its only writer
 
   applyRuntimeOptions(runOptions.runtime);
   installSavedTensorEngine();

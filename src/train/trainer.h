@@ -69,7 +69,9 @@ std::unique_ptr<DirectoryLock> lockRunDirectory(const std::string& runDir);
 
 // `runDir` claimed for a job, in the one order the launcher and train() both need: a new run's
 // directory is created (a --resume's must exist), locked when `lock` (by whoever starts the
-// job), then checked (checkRunDirectory). Hold `lock` for the run's life.
+// job), cleared of checkpoint temporaries a killed writer left (every writer holds the lock,
+// so with it held they are stale), then checked (checkRunDirectory). Hold `lock` for the
+// run's life.
 struct RunDirectoryClaim {
   std::unique_ptr<DirectoryLock> lock;
   std::optional<std::string> resumeFrom;  // the checkpoint to continue from (--resume)
