@@ -185,7 +185,7 @@ TEST_F(Cli, OutOfMemoryIsOneLineWithItsOwnExitCode) {
   const std::string cmd = "cd " + std::string(CARAVAN_SOURCE_DIR) +
                           " && ulimit -v 3000000 && OMP_NUM_THREADS=1 exec " +
                           std::string(CARAVAN_BINARY) +
-                          " train -q --config configs/brown-gpt.toml --set data.seq_len=8192 --set "
+                          " train -q --config configs/brown-gpt.toml --set data.seq_len=2048 --set "
                           "train.max_steps=2 --set train.threads=1 --run-dir " +
                           (tmp_ / "oom") + " 2>" + (io / "err") + " >/dev/null </dev/null";
   const int status = std::system(("sh -c '" + cmd + "'").c_str());
@@ -193,6 +193,29 @@ TEST_F(Cli, OutOfMemoryIsOneLineWithItsOwnExitCode) {
   r.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   r.err = readFile(io / "err");
   expectOneLineError(r, 9, "out of memory");
+}
+
+// The case: the GPT at data.seq_len = 65536 (inside the schema's range) grew to 23 GB
+// and was killed by the kernel. Now it is refused before anything large is allocated, with
+// the estimate and what to lower, and its run directory holds nothing.
+TEST_F(Cli, ARunTooLargeForTheMachineIsRefusedBeforeItAllocates) {
+  const std::string cmd = "cd " + std::string(CARAVAN_SOURCE_DIR) + " && OMP_NUM_THREADS=1 " +
+                          std::string(CARAVAN_BINARY) +
+                          " train -q --config configs/brown-gpt.toml --set data.seq_len=65536 "
+                          "--set train.threads=1 --run-dir " +
+                          (tmp_ / "huge") + " 2>" + (tmp_ / "err") + " >/dev/null </dev/null";
+  const auto t0 = std::chrono::steady_clock::now();
+  const int status = std::system(("sh -c '" + cmd + "'").c_str());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CommandResult r;
+  r.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.err = readFile(tmp_ / "err");
+  expectOneLineError(r, 2, "this run needs at least");
+  EXPECT_NE(r.err.find("data.seq_len = 65536"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("lower data.batch_size or data.seq_len"), std::string::npos) << r.err;
+  EXPECT_LT(seconds, 30.0);
+  EXPECT_TRUE(snapshot(tmp_ / "huge").empty());
 }
 
 TEST_F(Cli, TruncatedCheckpointOnResume) {

@@ -624,6 +624,37 @@ TEST_F(LauncherProcess, SecondJobOnARunDirectoryInUseIsRefusedNamingItsHolder) {
 // A rank under an external launcher whose peers never start says so within
 // fault.rendezvous_timeout (not fault.timeout), with how many ranks arrived; a rank whose
 // master never starts names the address it could not reach.
+// A second process given a rank that another process of the job already has (a launcher
+// script's mistake) is refused at once, naming the rank, and the job runs on undisturbed. It
+// used to wait about 5x fault.timeout and then blame the network.
+TEST_F(LauncherProcess, ADuplicateRankIsRefusedAtOnceAndTheJobRunsOn) {
+  const int port = caravan::pickFreeLoopbackPort();
+  writeFile(tmp_ / "c.toml", "[train]\nmax_steps = 400\n");
+  const std::string train = std::string(CARAVAN_BINARY) + " train -q --config c.toml " +
+                            kSynthetic + " --set fault.timeout=2 --run-dir ";
+  // Ranks 0 and 1 each in their own directory (as on two hosts); once rank 0 has written its
+  // first records (both have joined), a third process comes as rank 1 too.
+  const std::string script =
+      "cd " + tmp_.path() +
+      " && export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+      "; (RANK=0 timeout 120 " + train + "a 2>a.err; echo $? >a.rc) & " + "(RANK=1 timeout 120 " +
+      train + "b 2>b.err; echo $? >b.rc) & " +
+      "for i in $(seq 300); do [ -s a/metrics.jsonl ] && break; sleep 0.1; done; " +
+      "s=$(date +%s%N); RANK=1 timeout 60 " + train + "c 2>c.err; echo $? >c.rc; " +
+      "echo $(( ($(date +%s%N) - s) / 1000000 )) >c.ms; wait";
+  ASSERT_EQ(std::system(("bash -c '" + script + "'").c_str()), 0);
+  const std::string err = readFile(tmp_ / "c.err");
+  EXPECT_EQ(readFile(tmp_ / "c.rc"), "2\n") << err;
+  EXPECT_EQ(countLines(err), 1) << err;
+  EXPECT_NE(err.find("rank 1 of 2 is taken: another process joined this job as rank 1 first"),
+            std::string::npos)
+      << err;
+  EXPECT_LT(std::stoi(readFile(tmp_ / "c.ms")), 10000) << "fault.timeout is 2 s";
+  EXPECT_EQ(readFile(tmp_ / "a.rc"), "0\n") << readFile(tmp_ / "a.err");
+  EXPECT_EQ(readFile(tmp_ / "b.rc"), "0\n") << readFile(tmp_ / "b.err");
+  EXPECT_NE(readFile(tmp_ / "a/metrics.jsonl").find("\"step\":400"), std::string::npos);
+}
+
 TEST_F(LauncherProcess, MissingPeersAreReportedWithinTheRendezvousTimeout) {
   const int port = caravan::pickFreeLoopbackPort();
   const std::vector<std::string> world = {"WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",

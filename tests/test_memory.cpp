@@ -10,11 +10,16 @@
 
 #include "core/config.h"
 #include "core/errors.h"
+#include "core/machine.h"
 #include "memory/accounting.h"
+#include "memory/planner.h"
+#include "memory/saved_tensors.h"
 #include "memory/tracker.h"
-#include "train/trainer.h"
 #include "run_util.h"
 #include "test_util.h"
+#include "train/memory_setup.h"
+#include "train/run_setup.h"
+#include "train/trainer.h"
 
 using namespace caravan;
 using caravan::test::TempDir;
@@ -35,6 +40,121 @@ TEST(MemoryTracker, LiveAndPeakByCategoryAndInTotal) {
   m.resetPeaks();
   EXPECT_EQ(m.peak(MemoryCategory::kActivations), 30);
   EXPECT_EQ(m.totalPeak(), 80);
+}
+
+// What the machine leaves a process: the smaller of MemAvailable and its cgroup's limit less
+// its usage (v2 or v1, the group found where the hierarchy is mounted at the group or an
+// ancestor of it, as in containers); v1's "no limit" and v2's "max" are no limit.
+TEST(AvailableMemory, TheSmallerOfMemAvailableAndTheCgroupRoom) {
+  TempDir tmp;
+  const std::string proc = tmp / "proc", cg = tmp / "cg";
+  std::filesystem::create_directories(proc + "/self");
+  caravan::test::writeFile(proc + "/meminfo",
+                           "MemTotal:       24000000 kB\nMemFree:  1000 kB\n"
+                           "MemAvailable:    8388608 kB\n");
+  auto groupFiles = [](const std::string& dir, const std::string& limitFile,
+                       const std::string& limit, const std::string& usageFile, int64_t usage) {
+    std::filesystem::create_directories(dir);
+    caravan::test::writeFile(dir + "/" + limitFile, limit + "\n");
+    caravan::test::writeFile(dir + "/" + usageFile, std::to_string(usage) + "\n");
+  };
+  // cgroup v2: 1 GiB limit, 256 MiB used.
+  caravan::test::writeFile(proc + "/self/cgroup", "0::/jobs/a\n");
+  groupFiles(cg + "/jobs/a", "memory.max", std::to_string(1 << 30), "memory.current", 256 << 20);
+  auto m = availableMemory(proc, cg);
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->bytes, (1 << 30) - (256 << 20));
+  EXPECT_EQ(m->cgroupLimit, 1 << 30);
+  // "max": MemAvailable (8 GiB).
+  groupFiles(cg + "/jobs/a", "memory.max", "max", "memory.current", 256 << 20);
+  m = availableMemory(proc, cg);
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->bytes, int64_t{8} << 30);
+  EXPECT_EQ(m->cgroupLimit, 0);
+  // A limit above MemAvailable: MemAvailable.
+  groupFiles(cg + "/jobs/a", "memory.max", std::to_string(int64_t{16} << 30), "memory.current", 0);
+  EXPECT_EQ(availableMemory(proc, cg)->bytes, int64_t{8} << 30);
+  // cgroup v1, mounted at the container's own group: /host/c1/t is found as /t.
+  caravan::test::writeFile(proc + "/self/cgroup", "5:cpu:/x\n4:memory:/host/c1/t\n");
+  groupFiles(cg + "/memory/t", "memory.limit_in_bytes", std::to_string(512 << 20),
+             "memory.usage_in_bytes", 500 << 20);
+  m = availableMemory(proc, cg);
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->bytes, 12 << 20);
+  EXPECT_EQ(m->cgroupLimit, 512 << 20);
+  // v1's "no limit" (2^63 rounded to a page) and usage above the limit.
+  groupFiles(cg + "/memory/t", "memory.limit_in_bytes", "9223372036854771712",
+             "memory.usage_in_bytes", 1);
+  EXPECT_EQ(availableMemory(proc, cg)->cgroupLimit, 0);
+  groupFiles(cg + "/memory/t", "memory.limit_in_bytes", std::to_string(1 << 20),
+             "memory.usage_in_bytes", 2 << 20);
+  EXPECT_EQ(availableMemory(proc, cg)->bytes, 0);
+  // Nothing readable: no claim.
+  EXPECT_FALSE(availableMemory(tmp / "none", tmp / "none").has_value());
+}
+
+// The estimate a run is checked against before it allocates anything large is scaled from a
+// few short examples; for every built-in model it is exactly the profile of the whole batch
+// at the full length (the oracle: profileModel on the run's own sample batch).
+TEST(TrainingMemoryEstimate, EqualsTheProfileOfTheWholeBatch) {
+  installSavedTensorEngine();  // as train() and caravan plan do before profiling
+  const std::vector<std::vector<std::string>> runs = {
+      {"model.name=gpt", "data.synthetic_task=tokens", "data.seq_len=200", "data.batch_size=7",
+       "model.width=16", "model.depth=2", "model.heads=2"},
+      {"model.name=gpt", "data.synthetic_task=tokens", "data.seq_len=40", "data.batch_size=3",
+       "model.width=16", "model.depth=2", "model.heads=2", "memory.policy=recompute"},
+      {"model.name=cnn", "data.batch_size=9"},
+      {"model.name=resnet-mini", "data.batch_size=6", "memory.policy=recompute"},
+      {"model.name=mlp", "data.batch_size=5", "model.width=32"},
+  };
+  for (std::vector<std::string> overrides : runs) {
+    std::string trace;
+    for (const auto& o : overrides) trace += o + " ";
+    SCOPED_TRACE(trace);
+    for (const char* common :
+         {"data.dataset=synthetic", "data.synthetic_size=64", "train.threads=1"}) {
+      overrides.emplace_back(common);
+    }
+    const Config config = Config::fromString("", "<test>", overrides);
+    RunSetup setup(config);
+    setup.model->train();
+    const Batch sample = setup.sampleBatch();
+    const int64_t seqLen = setup.data.train->shape().seqLen;
+    const auto estimate = estimateTrainingMemory(setup.options, setup.model, sample, seqLen);
+    ASSERT_TRUE(estimate.has_value());
+    const ModelProfile whole = profileModel(setup.model, sample, 1);
+    const auto policies =
+        parsePolicies(setup.options.memory.policy, setup.model->numBlocks(), "memory.policy");
+    const int64_t oracle = predict(whole, policies, TierBandwidth{1e18, 1e18},
+                                   static_cast<int>(setup.options.memory.prefetch))
+                               .peakBytes;
+    EXPECT_GT(oracle, 0);
+    EXPECT_EQ(estimate->activations, oracle);
+    EXPECT_EQ(estimate->persistent, persistentBytes(setup.options, setup.model));
+  }
+}
+
+// A run the machine cannot hold is refused before it allocates it, with the estimate and what
+// to lower (the GPT at a 65536-token context used to grow to 23 GB and be killed).
+TEST(TrainingMemoryEstimate, ARunTooLargeForTheMachineIsRefusedBeforeItAllocates) {
+  if (!availableMemory()) GTEST_SKIP() << "no /proc/meminfo";
+  installSavedTensorEngine();
+  const Config config = Config::fromString(
+      "", "<test>",
+      {"data.dataset=synthetic", "data.synthetic_task=tokens", "data.seq_len=65536",
+       "data.synthetic_size=2", "data.batch_size=2", "model.name=gpt", "model.width=32",
+       "model.depth=2", "model.heads=4", "train.threads=1"});
+  RunSetup setup(config);
+  try {
+    setup.prepareTraining(std::nullopt);
+    ADD_FAILURE() << "accepted";
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    for (const char* part : {"this run needs at least", "data.seq_len = 65536", "more than the",
+                             "lower data.batch_size or data.seq_len"}) {
+      EXPECT_NE(what.find(part), std::string::npos) << part << " in: " << what;
+    }
+  }
 }
 
 TEST(MemoryAccounting, ParsesSizes) {

@@ -25,6 +25,7 @@ Environment workerEnvironment(const Environment& base, int rank, int worldSize, 
   env["RANK"] = std::to_string(rank);
   env["WORLD_SIZE"] = std::to_string(worldSize);
   env["LOCAL_RANK"] = std::to_string(rank);
+  env["LOCAL_WORLD_SIZE"] = std::to_string(worldSize);
   env["MASTER_ADDR"] = kLocalMasterAddr;
   env["MASTER_PORT"] = std::to_string(masterPort);
   env["CARAVAN_LAUNCHER"] = kCaravanLauncher;

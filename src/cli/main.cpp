@@ -159,10 +159,17 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
   // --max-restarts K: after a failed worker, the job starts again from the run's newest
   // checkpoint (the workers that were stopped wrote one if they could), K times at most.
   for (int restart = 1;; ++restart) {
+    // This launcher starts every rank: the run directory's own file store, if there, holds
+    // the keys (rank claims among them) of a job that is over. (A dist.store_path is the
+    // user's file: never removed; it must be a fresh one per job.)
+    if (options.sync.store == "file" && options.sync.storePath.empty()) {
+      std::error_code ec;
+      fs::remove(fs::path(launch.runDir) / "rendezvous", ec);
+    }
     try {
       return superviseWorkers(launch);
     } catch (const WorkerError& e) {
-      // Every worker has stopped; a checkpoint one was writing is a stale temporary.
+      // Every worker has stopped: a checkpoint one was writing is a stale temporary.
       const CheckpointDir checkpoints(launch.runDir, options.loop.checkpointKeep);
       checkpoints.removeStaleTemporaries();
       if (restart > maxRestarts) throw;
@@ -191,6 +198,7 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
   RunSetup setup = RunSetup::forInspection(config);
   setup.model->train();
   const Batch sample = setup.sampleBatch();
+  checkTrainingFitsMachine(options, setup.model, sample, setup.data.train->shape().seqLen, 1);
   ActivationMemory m = makeActivationMemory(options, setup.model, sample, /*plan=*/true);
   std::cout << fmt::format("{} ({} blocks), batch {}\n", setup.model->modelName(),
                            setup.model->numBlocks(), sample.size())

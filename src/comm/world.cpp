@@ -79,6 +79,8 @@ WorldInfo worldFromEnvironment(const Environment& env) {
     w.worldSize = parseInt(env, "WORLD_SIZE", 1, kMaxWorld);
     w.rank = parseInt(env, "RANK", 0, kMaxWorld);
     w.localRank = get(env, "LOCAL_RANK").empty() ? w.rank : parseInt(env, "LOCAL_RANK", 0, kMaxWorld);
+    w.localWorldSize =
+        get(env, "LOCAL_WORLD_SIZE").empty() ? 1 : parseInt(env, "LOCAL_WORLD_SIZE", 1, kMaxWorld);
   } else if (!get(env, "OMPI_COMM_WORLD_RANK").empty()) {
     w.launcher = "openmpi";
     w.worldSize = parseInt(env, "OMPI_COMM_WORLD_SIZE", 1, kMaxWorld);
@@ -86,6 +88,9 @@ WorldInfo worldFromEnvironment(const Environment& env) {
     w.localRank = get(env, "OMPI_COMM_WORLD_LOCAL_RANK").empty()
                       ? w.rank
                       : parseInt(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0, kMaxWorld);
+    w.localWorldSize = get(env, "OMPI_COMM_WORLD_LOCAL_SIZE").empty()
+                           ? 1
+                           : parseInt(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1, kMaxWorld);
   } else if (!get(env, "SLURM_PROCID").empty()) {
     w.launcher = "slurm";
     w.worldSize = parseInt(env, "SLURM_NTASKS", 1, kMaxWorld);

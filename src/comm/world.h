@@ -14,6 +14,7 @@ struct WorldInfo {
   int rank = 0;
   int worldSize = 1;
   int localRank = 0;
+  int localWorldSize = 1;  // ranks on this host (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE)
   std::string masterAddr = "127.0.0.1";
   int masterPort = 29500;
   std::string launcher = "none";  // none | caravan | torchrun | slurm | openmpi

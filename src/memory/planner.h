@@ -48,7 +48,8 @@ struct ModelProfile {
 };
 
 // Profiles each block in isolation on this batch: forward with grad on its (detached) input,
-// backward from a random output gradient; medians over `repeats` after one warm-up. Runs
+// backward from a random output gradient; medians over `repeats` after one warm-up (0: one
+// pass, sizes only, every time 0). Runs
 // without the model's runner; gradients it creates are removed, existing ones zeroed.
 ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats);
 

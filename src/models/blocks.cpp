@@ -137,21 +137,19 @@ torch::Tensor TokenEmbeddingImpl::forward(torch::Tensor tokens) {
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptOptions& options)
     : cAttn_(register_module("c_attn", nn::Linear(options.width, 3 * options.width))),
       cProj_(register_module("c_proj", nn::Linear(options.width, options.width))),
+      context_(options.context),
       heads_(options.heads),
       dropout_(options.dropout) {
   CARAVAN_CHECK(options.heads > 0 && options.width % options.heads == 0,
                 "heads {} must divide width {}", options.heads, options.width);
   gptInit(cAttn_, kGptInitStd);
   gptInit(cProj_, kGptInitStd / std::sqrt(2.0 * static_cast<double>(options.layers)));
-  auto ones = torch::ones({options.context, options.context}, torch::kBool);
-  futureMask_ = torch::triu(ones, /*diagonal=*/1);  // [context, context]
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(torch::Tensor x) {
   const int64_t batch = x.size(0), steps = x.size(1), width = x.size(2);
   const int64_t headDim = width / heads_;
-  CARAVAN_CHECK_LE(steps, futureMask_.size(0), "the sequence length exceeds the context");
-  if (futureMask_.device() != x.device()) futureMask_ = futureMask_.to(x.device());
+  CARAVAN_CHECK_LE(steps, context_, "the sequence length exceeds the context");
 
   // One copy puts q, k and v each in contiguous [B*H, T, hd] layout for bmm.
   auto qkv = cAttn_(x)                                       // [B, T, 3d]
@@ -163,7 +161,11 @@ torch::Tensor CausalSelfAttentionImpl::forward(torch::Tensor x) {
 
   const double scale = 1.0 / std::sqrt(static_cast<double>(headDim));
   auto att = torch::bmm(q, k.transpose(1, 2)).mul_(scale);  // [B*H, T, T]
-  auto future = futureMask_.narrow(0, 0, steps).narrow(1, 0, steps);  // [T, T]
+  // Made for this length, [T, T] bool true above the diagonal (future positions): a quarter of
+  // one head's scores, where a [context, context] mask kept per layer grew as context^2 before
+  // the first step (17 GB at a context of 65536).
+  const auto future =
+      torch::ones({steps, steps}, torch::TensorOptions(torch::kBool).device(x.device())).triu_(1);
   att.masked_fill_(future, -std::numeric_limits<double>::infinity());
   att = maybeDropout(torch::softmax(att, -1), dropout_, is_training());  // [B*H, T, T]
 

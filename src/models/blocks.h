@@ -159,11 +159,9 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
  private:
   torch::nn::Linear cAttn_{nullptr};
   torch::nn::Linear cProj_{nullptr};
+  int64_t context_;
   int64_t heads_;
   double dropout_;
-  // [context, context] bool, true above the diagonal (future positions). A plain member, not
-  // a buffer, so it stays out of state dicts and checkpoints.
-  at::Tensor futureMask_;
 };
 TORCH_MODULE(CausalSelfAttention);
 

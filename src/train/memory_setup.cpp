@@ -1,9 +1,14 @@
 // Activation memory for a run (see memory_setup.h).
 #include "train/memory_setup.h"
 
+#include <algorithm>
+#include <cmath>
+#include <map>
+
 #include <fmt/format.h>
 
 #include "core/errors.h"
+#include "core/machine.h"
 #include "memory/accounting.h"
 #include "memory/tracker.h"
 
@@ -112,6 +117,118 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
         formatBytes(persistentBytes(options, model)));
   }
   return m;
+}
+
+namespace {
+
+// `batch`'s first `rows` examples and, for sequences, first `tokens` positions.
+Batch slice(const Batch& batch, int64_t rows, int64_t tokens) {
+  auto cut = [&](const at::Tensor& t) {
+    at::Tensor out = t.narrow(0, 0, rows);
+    if (tokens > 0) out = out.narrow(1, 0, tokens);
+    return out.contiguous();
+  };
+  return Batch{cut(batch.input), cut(batch.target)};
+}
+
+// The quadratic through (16, a), (32, b), (64, c), at x (Lagrange's form).
+double quadratic(double a, double b, double c, double x) {
+  return a * (x - 32) * (x - 64) / 768.0 - b * (x - 16) * (x - 64) / 512.0 +
+         c * (x - 16) * (x - 32) / 1536.0;
+}
+
+// Each block's input and saved bytes on `batch`'s first `rows` examples at `seqLen` tokens:
+// profiled there when seqLen <= 64, else at 16, 32 and 64 tokens and fitted by a quadratic in
+// the length, which must also give the sizes at 48; nullopt when it does not.
+std::optional<ModelProfile> profileAt(BlockModel& model, const Batch& sample, int64_t rows,
+                                      int64_t seqLen) {
+  if (seqLen <= 64) return profileModel(model, slice(sample, rows, 0), 0);
+  std::map<int, ModelProfile> at;
+  for (int tokens : {16, 32, 48, 64}) {
+    at[tokens] = profileModel(model, slice(sample, rows, tokens), 0);
+  }
+  ModelProfile out = at[64];
+  for (size_t i = 0; i < out.blocks.size(); ++i) {
+    for (int64_t BlockProfile::*field : {&BlockProfile::inputBytes, &BlockProfile::savedBytes}) {
+      const double a = static_cast<double>(at[16].blocks[i].*field);
+      const double b = static_cast<double>(at[32].blocks[i].*field);
+      const double c = static_cast<double>(at[64].blocks[i].*field);
+      const double check = static_cast<double>(at[48].blocks[i].*field);
+      if (std::abs(quadratic(a, b, c, 48) - check) > 0.5) return std::nullopt;
+      out.blocks[i].*field =
+          std::llround(std::max(0.0, quadratic(a, b, c, static_cast<double>(seqLen))));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::optional<TrainingMemoryEstimate> estimateTrainingMemory(const RunOptions& options,
+                                                             BlockModel& model, const Batch& sample,
+                                                             int64_t seqLen) {
+  const int64_t batch = sample.size();
+  if (batch == 0) return std::nullopt;
+  // Sizes are linear in the batch (a per-example part and a shared one, such as batch norm's
+  // statistics or the causal mask): up to 4 examples measured as they are, else at 2 and 4.
+  std::optional<ModelProfile> full = profileAt(model, sample, std::min<int64_t>(batch, 4), seqLen);
+  if (!full) return std::nullopt;
+  if (batch > 4) {
+    const std::optional<ModelProfile> two = profileAt(model, sample, 2, seqLen);
+    if (!two) return std::nullopt;
+    for (size_t i = 0; i < full->blocks.size(); ++i) {
+      for (int64_t BlockProfile::*field : {&BlockProfile::inputBytes, &BlockProfile::savedBytes}) {
+        const double at2 = static_cast<double>(two->blocks[i].*field);
+        const double at4 = static_cast<double>(full->blocks[i].*field);
+        full->blocks[i].*field =
+            std::llround(std::max(0.0, at2 + (at4 - at2) / 2.0 * static_cast<double>(batch - 2)));
+      }
+    }
+  }
+  // A lower bound: swaps cost no memory in flight at an unbounded bandwidth.
+  const TierBandwidth unbounded{1e18, 1e18};
+  const int prefetch = static_cast<int>(options.memory.prefetch);
+  int64_t activations = 0;
+  if (options.memory.automatic()) {
+    int64_t inputs = 0, largest = 0;
+    for (const BlockProfile& b : full->blocks) {
+      inputs += b.inputBytes;
+      largest = std::max(largest, b.savedBytes);
+    }
+    const Plan smallest = planPolicies(*full, unbounded, 1, prefetch);
+    activations = std::max(smallest.prediction.peakBytes, inputs + largest);
+  } else {
+    const auto policies = parsePolicies(options.memory.policy, model->numBlocks(), "memory.policy");
+    activations = predict(*full, policies, unbounded, prefetch).peakBytes;
+  }
+  return TrainingMemoryEstimate{persistentBytes(options, model), activations};
+}
+
+void checkTrainingFitsMachine(const RunOptions& options, BlockModel& model, const Batch& sample,
+                              int64_t seqLen, int localProcesses) {
+  const std::optional<AvailableMemory> room = availableMemory();
+  if (!room) return;
+  const std::optional<TrainingMemoryEstimate> need =
+      estimateTrainingMemory(options, model, sample, seqLen);
+  if (!need) return;
+  const int64_t total = need->total() * std::max(localProcesses, 1);
+  if (total <= room->bytes) return;
+  const std::string machine =
+      room->cgroupLimit > 0
+          ? fmt::format("{} left under this process's cgroup limit of {}", formatBytes(room->bytes),
+                        formatBytes(room->cgroupLimit))
+          : fmt::format("{} available on this machine (MemAvailable)", formatBytes(room->bytes));
+  throw ConfigError(fmt::format(
+      "this run needs at least {}{} (activations {} at data.batch_size = {}{}, weights, "
+      "gradients and optimizer state {}), more than the {}; lower data.batch_size{}{}",
+      formatBytes(total),
+      localProcesses > 1 ? fmt::format(" for its {} processes on this host", localProcesses) : "",
+      formatBytes(need->activations), sample.size(),
+      seqLen > 0 ? fmt::format(", data.seq_len = {}", seqLen) : "", formatBytes(need->persistent),
+      machine, seqLen > 0 ? " or data.seq_len" : "",
+      options.memory.automatic() ? ""
+                                 : ", or set memory.policy = auto with a memory.budget to "
+                                   "recompute or swap blocks"));
 }
 
 }  // namespace caravan

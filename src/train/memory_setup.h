@@ -33,6 +33,31 @@ struct ActivationMemory {
   std::string report;                            // lines for the terminal
 };
 
+// What training this run needs at least, in memory it does not hold yet: weights, gradients and
+// optimizer state (persistentBytes) and the activation peak of its memory.policy (for auto: the
+// smallest plan's, or what profiling at full size needs, whichever is more; swaps counted at an
+// unbounded bandwidth). Measured where it costs little even when the run itself could not fit:
+// every size is linear in the batch (measured at 2 and 4 examples, or at the batch when it is
+// at most 4) and, for sequences (`seqLen` > 64), quadratic in the length (measured at 16, 32
+// and 64 tokens, checked at 48). For the built-in models it equals the profile of the whole
+// batch (TrainingMemoryEstimate.EqualsTheProfileOfTheWholeBatch). nullopt when the sizes do
+// not follow the quadratic (then nothing is claimed).
+struct TrainingMemoryEstimate {
+  int64_t persistent = 0;
+  int64_t activations = 0;
+  int64_t total() const { return persistent + activations; }
+};
+std::optional<TrainingMemoryEstimate> estimateTrainingMemory(const RunOptions& options,
+                                                             BlockModel& model, const Batch& sample,
+                                                             int64_t seqLen);
+
+// Refuses (ConfigError) a run whose estimate, for each of the `localProcesses` that train on
+// this host, is more than the machine leaves (core/machine.h: MemAvailable or the cgroup's
+// limit), with the estimate and what to lower; the kernel would otherwise kill it mid-run. A
+// lower bound is compared, so no run that fits is refused.
+void checkTrainingFitsMachine(const RunOptions& options, BlockModel& model, const Batch& sample,
+                              int64_t seqLen, int localProcesses);
+
 // `plan`: profile and plan even if memory.policy is not auto, and return a plan that does not
 // fit instead of throwing (caravan plan). `sample`: a batch like the run's (for profiling).
 // Throws ConfigError when memory.policy = auto and no plan fits memory.budget, naming the

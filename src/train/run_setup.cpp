@@ -66,7 +66,7 @@ Batch RunSetup::sampleBatch() const {
   return data.train->get(first);
 }
 
-void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom) {
+void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int localProcesses) {
   CARAVAN_CHECK(optimizer != nullptr, "RunSetup::prepareTraining on a setup for inspection");
   loader = std::make_unique<Loader>(data.train, sampler, options.data.prefetch);
   state = TrainingState{};
@@ -100,7 +100,8 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom) {
   }
   // Per-block policies (memory.policy; planned under the budget for auto) and their executor:
   // before anything is written, so a run that cannot fit leaves nothing behind.
-  const Batch sample = options.memory.automatic() ? sampleBatch() : Batch{};
+  const Batch sample = sampleBatch();
+  checkTrainingFitsMachine(options, model, sample, data.train->shape().seqLen, localProcesses);
   activations = makeActivationMemory(options, model, sample, /*plan=*/false);
 }
 

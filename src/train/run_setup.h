@@ -63,7 +63,9 @@ class RunSetup {
   // position, resharded when the number of workers or the batch changed) or seed.dropout for
   // a new run; the activation memory (planned under memory.budget for memory.policy = auto,
   // ConfigError when nothing fits).
-  void prepareTraining(const std::optional<std::string>& resumeFrom);
+  // `localProcesses`: the processes training on this host (their memory adds up; checked
+  // against the machine's before anything large is allocated, checkTrainingFitsMachine).
+  void prepareTraining(const std::optional<std::string>& resumeFrom, int localProcesses = 1);
   // After prepareTraining: the strategy of `dist` (null in one process) with the run's
   // optimizer, parameter groups and restored strategy state, then out-of-core weights.
   void attach(Distributed* dist);

@@ -561,7 +561,7 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   auto trainHere = [&](Distributed* dist) {
     RunSetup setup(config, runOptions, dist ? dist->comm->rank() : 0,
                    dist ? dist->comm->size() : 1);
-    setup.prepareTraining(resumeFrom);
+    setup.prepareTraining(resumeFrom, options.world.localWorldSize);
     setup.attach(dist);
     return Trainer(setup, options, checkpoints, dist).run();
   };
