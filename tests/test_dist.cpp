@@ -501,6 +501,42 @@ TEST(DistOutOfCore, AllreduceWithOffloadedWeightsEqualsInCore) {
   }
 }
 
+// A user's scripted module (tests/python/script_models.py): data-parallel on W = 2 and 3 equals
+// one worker with W times the batch, as for the built-in models; out-of-core weights on the
+// scripted GPT twin are bitwise in-core.
+TEST(DistScripted, DataParallelAndOutOfCoreAsForBuiltInModels) {
+  TempDir tmp;
+  const std::string models = test::scriptedModelsDir();
+  ASSERT_FALSE(models.empty());
+  // The GPT twin: layer norm, no batch statistics (batch norm is not data-parallel-invariant).
+  const auto gptDp =
+      with(kBase, {"model.name=torchscript", "model.path=" + models + "/gpt.pt",
+                   "data.synthetic_task=tokens", "data.seq_len=24", "sync.first_bucket_mb=0.001",
+                   "sync.bucket_mb=0.01", "train.max_steps=10"});
+  for (int world : {2, 3}) {
+    const auto single = with(gptDp, {"data.batch_size=" + std::to_string(4 * world)});
+    const auto multi = with(gptDp, {"data.batch_size=4"});
+    const std::string one = tmp / ("one" + std::to_string(world));
+    const std::string many = tmp / ("many" + std::to_string(world));
+    ASSERT_EQ(runRanks(1, one, single), std::vector<int>{0}) << test::readFile(one + ".rank0.log");
+    ASSERT_EQ(runRanks(world, many, multi), std::vector<int>(world, 0))
+        << test::readFile(many + ".rank0.log");
+    const double diff = maxAbsDiff(finalParams(one, single), finalParams(many, multi));
+    std::cout << "scripted gpt W=" << world << " max |single - data-parallel|: " << diff << "\n";
+    EXPECT_LE(diff, 1e-5);
+  }
+  const auto gpt =
+      with(kBase, {"model.name=torchscript", "model.path=" + models + "/gpt.pt",
+                   "data.synthetic_task=tokens", "data.seq_len=24", "data.batch_size=8",
+                   "train.max_steps=6", "optim.name=adamw", "optim.lr=0.003", "memory.tier=host"});
+  ASSERT_EQ(runRanks(2, tmp / "core", gpt), std::vector<int>({0, 0}))
+      << test::readFile(tmp / "core.rank0.log");
+  const auto off = with(gpt, {"memory.weights=offload"});
+  ASSERT_EQ(runRanks(2, tmp / "off", off), std::vector<int>({0, 0}))
+      << test::readFile(tmp / "off.rank0.log");
+  EXPECT_EQ(maxAbsDiff(finalParams(tmp / "core", gpt), finalParams(tmp / "off", gpt)), 0.0);
+}
+
 TEST(DistOutOfCore, StrategiesWithoutPerBlockExchangeAreRefused) {
   TempDir tmp;
   const auto o = with(kBase, {"model.name=mlp", "model.width=16", "sync.mode=gossip",

@@ -102,7 +102,8 @@ int64_t gptParams(int64_t vocab, int64_t context, int64_t d, int64_t layers) {
 // ---- registry, shapes ----------------------------------------------------------------------
 
 TEST(ModelRegistry, ListsAllModels) {
-  EXPECT_EQ(modelNames(), (std::vector<std::string>{"mlp", "cnn", "resnet-mini", "gpt"}));
+  EXPECT_EQ(modelNames(),
+            (std::vector<std::string>{"mlp", "cnn", "resnet-mini", "gpt", "torchscript"}));
 }
 
 TEST(ModelShape, ImageModelsGiveLogits) {

@@ -66,4 +66,16 @@ inline int countLines(const std::string& text) {
   return n;
 }
 
+// The TorchScript modules tests/python/script_models.py writes (cnn.pt, cnn-loss.pt, gpt.pt,
+// not-sequential.pt), written once per test process with Debian's python3-torch; "" when that
+// failed (the caller fails the test).
+inline std::string scriptedModelsDir() {
+  static TempDir dir;
+  static const bool written =
+      std::system(("/usr/bin/python3 " + std::string(CARAVAN_SOURCE_DIR) +
+                   "/tests/python/script_models.py " + dir.path() + " >/dev/null")
+                      .c_str()) == 0;
+  return written ? dir.path() : "";
+}
+
 }  // namespace caravan::test

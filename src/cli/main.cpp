@@ -201,8 +201,11 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
   checkTrainingFitsMachine(options, setup.model, sample, setup.data.train->shape().seqLen, 1);
   ActivationMemory m = makeActivationMemory(options, setup.model, sample, /*plan=*/true);
   std::cout << fmt::format("{} ({} blocks), batch {}\n", setup.model->modelName(),
-                           setup.model->numBlocks(), sample.size())
-            << m.report;
+                           setup.model->numBlocks(), sample.size());
+  if (!setup.model->structureNote().empty()) {
+    std::cout << "cannot plan per block: " << setup.model->structureNote() << "\n";
+  }
+  std::cout << m.report;
   if (!m.plan->fits) {
     const int64_t smallest = m.plan->prediction.peakBytes + persistentBytes(options, setup.model);
     throw ConfigError(

@@ -52,7 +52,20 @@ std::vector<ConfigOption> buildSchema() {
              {"image", "tokens"}),
       intOpt("data.synthetic_size", 512, 1, 1 << 24, "synthetic data: training examples"),
 
-      strOpt("model.name", "cnn", "model from the registry", {"mlp", "cnn", "resnet-mini", "gpt"}),
+      strOpt("model.name", "cnn",
+             "model from the registry, or torchscript: a module scripted in Python (model.path)",
+             {"mlp", "cnn", "resnet-mini", "gpt", "torchscript"}),
+      strOpt("model.path", "",
+             "torchscript: the file torch.jit.script(module).save(path) wrote (trusted code, "
+             "as a checkpoint)"),
+      strOpt("model.blocks", "",
+             "torchscript: the nn.Sequential or nn.ModuleList attribute whose items are the "
+             "blocks (the module's forward must be them in order); empty: the module's "
+             "children if its forward is them in order, else the module as one block"),
+      strOpt("model.loss", "",
+             "torchscript: empty = the task's (cross-entropy), cross_entropy, mse, or module (the "
+             "module's loss(output, target) method)",
+             {"", "cross_entropy", "mse", "module"}),
       intOpt("model.width", 0, 0, 1 << 16,
              "0 = model default; mlp: hidden units, cnn/resnet-mini: base channels, gpt: d_model"),
       intOpt("model.depth", 0, 0, 1024,

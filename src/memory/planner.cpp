@@ -92,7 +92,7 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
     for (int r = 0; r <= repeats; ++r) {
       at::Tensor logits = output.detach().requires_grad_(true);
       const auto t0 = Clock::now();
-      taskLoss(model->task(), logits, batch.target).backward();
+      model->loss(logits, batch.target).backward();
       if (r > 0) loss.push_back(secondsSince(t0));
     }
     profile.lossSeconds = median(loss);

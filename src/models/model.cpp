@@ -8,6 +8,8 @@
 
 #include "core/errors.h"
 #include "models/blocks.h"
+#include "models/loss.h"
+#include "models/script_model.h"
 
 namespace caravan {
 
@@ -20,6 +22,15 @@ torch::Tensor BlockModelImpl::forward(torch::Tensor x) {
                            : blocks_[i].forward(std::move(x));
   }
   return x;
+}
+
+at::Tensor BlockModelImpl::loss(const at::Tensor& output, const at::Tensor& target) const {
+  return loss_ ? loss_(output, target) : taskLoss(task_, output, target);
+}
+
+std::string BlockModelImpl::exportName(const std::string& name) const {
+  const auto it = exportNames_.find(name);
+  return it == exportNames_.end() ? name : it->second;
 }
 
 namespace {
@@ -238,6 +249,31 @@ void checkShape(const DataShape& shape) {
 }  // namespace
 
 BlockModel buildModel(const ModelSpec& spec, const DataShape& shape) {
+  if (spec.name == kScriptModelName) {
+    for (const auto& [key, set] : {std::pair<const char*, bool>{"width", spec.width != 0},
+                                   {"depth", spec.depth != 0},
+                                   {"heads", spec.heads != 0},
+                                   {"dropout", spec.dropout != 0.0}}) {
+      if (set) {
+        throw ConfigError(
+            fmt::format("model.{} has no meaning for model.name = '{}' (the "
+                        "scripted module is what it is); remove it",
+                        key, kScriptModelName));
+      }
+    }
+    checkShape(shape);
+    return loadScriptModel(spec, shape);
+  }
+  for (const auto& [key, set] : {std::pair<const char*, bool>{"path", !spec.path.empty()},
+                                 {"blocks", !spec.blocks.empty()},
+                                 {"loss", !spec.loss.empty()}}) {
+    if (set) {
+      throw ConfigError(
+          fmt::format("model.{} is for model.name = '{}' only; remove it (model.name "
+                      "= '{}' is built in)",
+                      key, kScriptModelName, spec.name));
+    }
+  }
   for (const auto& entry : kRegistry) {
     if (spec.name != entry.name) continue;
     if (entry.task != shape.task) {
@@ -259,6 +295,7 @@ BlockModel buildModel(const ModelSpec& spec, const DataShape& shape) {
 std::vector<std::string> modelNames() {
   std::vector<std::string> names;
   for (const auto& entry : kRegistry) names.emplace_back(entry.name);
+  names.emplace_back(kScriptModelName);
   return names;
 }
 

@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,9 @@ struct ModelSpec {
                              // stage; gpt: transformer blocks
   int64_t heads = 0;         // gpt: attention heads (0 = default)
   double dropout = 0.0;      // gpt and mlp: dropout probability
+  std::string path;          // torchscript: the saved module
+  std::string blocks;        // torchscript: the attribute holding the blocks ("" = children)
+  std::string loss;          // torchscript: "" (the task's) | cross_entropy | mse | module
 };
 
 // Runs one block's forward on behalf of BlockModel::forward: the memory executor
@@ -63,6 +68,25 @@ class BlockModelImpl : public torch::nn::Module {
   const std::string& modelName() const { return name_; }
   TaskKind task() const { return task_; }
 
+  // The training objective on this model's output: taskLoss for the task unless another was
+  // set (a scripted module's mse or its own loss method).
+  using LossFunction =
+      std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+  at::Tensor loss(const at::Tensor& output, const at::Tensor& target) const;
+  void setLoss(LossFunction loss) { loss_ = std::move(loss); }
+
+  // The name a parameter or buffer has for the user (model.pt): its own unless set (a scripted
+  // module's tensors are registered here as "b<i>_<label>.<path>" and exported by the names
+  // they have in the user's Python module).
+  std::string exportName(const std::string& name) const;
+  void setExportName(const std::string& name, const std::string& exported) {
+    exportNames_[name] = exported;
+  }
+
+  // Why the model is one block where the planner would want several ("" when it is not).
+  const std::string& structureNote() const { return structureNote_; }
+  void setStructureNote(std::string note) { structureNote_ = std::move(note); }
+
   // Forward-pass floating-point operations per example (multiply-add = 2 FLOPs), counted
   // analytically over matrix multiplies and convolutions; a training step is ~3x this.
   double forwardFlopsPerExample() const { return forwardFlops_; }
@@ -75,6 +99,9 @@ class BlockModelImpl : public torch::nn::Module {
   std::vector<std::string> labels_;
   double forwardFlops_ = 0.0;
   BlockRunner* runner_ = nullptr;
+  LossFunction loss_;
+  std::map<std::string, std::string> exportNames_;
+  std::string structureNote_;
 };
 TORCH_MODULE(BlockModel);
 

@@ -375,10 +375,12 @@ std::string CheckpointDir::save(torch::nn::Module& model, torch::optim::Optimize
   return path;
 }
 
-void exportStateDict(const std::string& path, torch::nn::Module& model) {
+void exportStateDict(const std::string& path, torch::nn::Module& model,
+                     const std::function<std::string(const std::string&)>& rename) {
   c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& p : model.named_parameters()) dict.insert(p.key(), p.value().detach());
-  for (const auto& b : model.named_buffers()) dict.insert(b.key(), b.value().detach());
+  auto name = [&](const std::string& n) { return rename ? rename(n) : n; };
+  for (const auto& p : model.named_parameters()) dict.insert(name(p.key()), p.value().detach());
+  for (const auto& b : model.named_buffers()) dict.insert(name(b.key()), b.value().detach());
   const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
   writeFileAtomic(path, [&](int fd, const std::string& tmp) {
     writeAll(fd, bytes.data(), bytes.size(), tmp);

@@ -77,7 +77,9 @@ class CheckpointDir {
 };
 
 // Exports parameters and buffers as a dict {name: tensor} that Python loads with
-// `torch.load(path)` (written with torch::pickle_save, atomically).
-void exportStateDict(const std::string& path, torch::nn::Module& model);
+// `torch.load(path)` (written with torch::pickle_save, atomically); `rename` gives each the
+// name the user knows it by (BlockModel::exportName), when set.
+void exportStateDict(const std::string& path, torch::nn::Module& model,
+                     const std::function<std::string(const std::string&)>& rename = {});
 
 }  // namespace caravan

@@ -80,6 +80,9 @@ RunOptions RunOptions::read(const Config& config) {
   r.model.depth = config.i64("model.depth");
   r.model.heads = config.i64("model.heads");
   r.model.dropout = config.f64("model.dropout");
+  r.model.path = config.str("model.path");
+  r.model.blocks = config.str("model.blocks");
+  r.model.loss = config.str("model.loss");
 
   OptimizerOptions& o = r.optim;
   o.name = config.str("optim.name");

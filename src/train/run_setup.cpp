@@ -41,7 +41,7 @@ RunSetup::RunSetup(const Config& cfg, RunOptions opts, int rankInWorkers, int wo
   torch::manual_seed(options.seed.init);
   model = buildModel(options.model, data.train->shape());
   parameterCount_ = countParameters(model);
-  identity = runIdentity(options, data);
+  identity = runIdentity(options, data, model);
 }
 
 RunSetup::RunSetup(const Config& cfg, RunOptions opts, int rankInWorkers, int workerCount)

@@ -7,9 +7,10 @@
 #include <torch/torch.h>
 
 #include "core/errors.h"
-#include "memory/host_allocator.h"
 #include "data/sources.h"
 #include "memory/accounting.h"
+#include "memory/host_allocator.h"
+#include "models/script_model.h"
 
 namespace caravan {
 
@@ -92,7 +93,8 @@ void setLearningRate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
-nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data) {
+nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data,
+                           BlockModel& model) {
   // The config's key names: checkpoints of every version store and compare these.
   nlohmann::json j;
   j["model.name"] = options.model.name;
@@ -110,6 +112,19 @@ nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data)
     j["data.vocabulary"] =
         fmt::format("{:08x}", crc32(0L, reinterpret_cast<const Bytef*>(vocabulary.data()),
                                     static_cast<uInt>(vocabulary.size())));
+  }
+  // A scripted module is its file, not the config's keys: its parameters' names and shapes
+  // (not their values, which the checkpoint holds) say whether a checkpoint fits it.
+  if (options.model.name == kScriptModelName) {
+    std::string layout;
+    for (const auto& p : model->named_parameters()) {
+      layout += model->exportName(p.key()) + ":";
+      for (int64_t d : p.value().sizes()) layout += std::to_string(d) + ",";
+      layout += ";";
+    }
+    j["model.parameters"] = fmt::format(
+        "{} tensors, crc {:08x}", model->parameters().size(),
+        crc32(0L, reinterpret_cast<const Bytef*>(layout.data()), static_cast<uInt>(layout.size())));
   }
   return j;
 }

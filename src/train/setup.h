@@ -38,6 +38,7 @@ void setLearningRate(torch::optim::Optimizer& optimizer, double lr);
 // The keys a checkpoint must agree with to be loadable into this run (model, optimizer and
 // dataset identity): stored in each checkpoint and compared on resume. `data`: the run's
 // datasets, whose content matters too (the Brown corpus's vocabulary: the token ids).
-nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data);
+// A scripted `model` (model.name = torchscript) adds its parameters' names and shapes.
+nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data, BlockModel& model);
 
 }  // namespace caravan

@@ -20,7 +20,7 @@ StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, cons
   if (strategy != nullptr) strategy->beforeForward(step);
   StepResult result;
   at::Tensor output = model->forward(batch.input);
-  at::Tensor loss = taskLoss(model->task(), output, batch.target);
+  at::Tensor loss = model->loss(output, batch.target);
   result.forwardEnd = std::chrono::steady_clock::now();
   loss.backward();
   result.backwardEnd = std::chrono::steady_clock::now();
@@ -73,7 +73,7 @@ EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize
     if (index % world != rank) continue;
     Batch b = dataset.get(indices);
     at::Tensor out = model->forward(b.input);
-    at::Tensor loss = taskLoss(model->task(), out, b.target);
+    at::Tensor loss = model->loss(out, b.target);
     int64_t n = b.target.numel();
     lossSum += loss.item<double>() * static_cast<double>(n);
     correct += out.argmax(-1).eq(b.target).sum().item<int64_t>();

@@ -446,7 +446,8 @@ void Trainer::finish() {
   if (!isRoot_) return;
   if (!summary_.stoppedEarly) {
     auto save = [&] {
-      exportStateDict((fs::path(options_.runDir) / "model.pt").string(), *s_.model);
+      exportStateDict((fs::path(options_.runDir) / "model.pt").string(), *s_.model,
+                      [this](const std::string& n) { return s_.model->exportName(n); });
     };
     if (s_.weights) {
       s_.weights->withAllResident(save);

@@ -24,11 +24,17 @@ def main(dump_path, config_path, out_path):
     dump = torch.load(dump_path)
     with open(config_path) as f:
         cfg = json.load(f)
-    model = reference_models.build(cfg["model"], cfg["width"], cfg["depth"], cfg["heads"], 0.0,
-                                   channels=cfg.get("channels", 1), height=cfg.get("height", 28),
-                                   image_width=cfg.get("image_width", 28),
-                                   classes=cfg.get("classes", 10), vocab=cfg.get("vocab", 0),
-                                   seq=cfg.get("seq", 0))
+    if cfg["model"] == "torchscript":
+        # The user's scripted module itself, run as Caravan runs it: TorchScript's graph
+        # optimizations off, so every op records ordinary autograd (models/script_model.h).
+        model = torch.jit.load(cfg["path"])
+        torch._C._set_graph_executor_optimize(False)
+    else:
+        model = reference_models.build(cfg["model"], cfg["width"], cfg["depth"], cfg["heads"], 0.0,
+                                       channels=cfg.get("channels", 1), height=cfg.get("height", 28),
+                                       image_width=cfg.get("image_width", 28),
+                                       classes=cfg.get("classes", 10), vocab=cfg.get("vocab", 0),
+                                       seq=cfg.get("seq", 0))
     state = {k[len("state."):]: v for k, v in dump.items() if k.startswith("state.")}
     model.load_state_dict(state, strict=True)
     model.train()

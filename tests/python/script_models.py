@@ -1,0 +1,66 @@
+#!/usr/bin/python3
+"""Writes TorchScript modules for the scripted-model tests (tests/test_script_model.cpp):
+torch.jit.script(module).save(OUT_DIR/<name>.pt). Usage: script_models.py OUT_DIR.
+
+  cnn.pt        a small CNN written the way a user would (features / flat / head children)
+  cnn-loss.pt   the same with a scripted loss(output, target) method (label-smoothed CE)
+  gpt.pt        the built-in GPT's twin (reference_models.build("gpt", 16, 2, 2), vocab 16,
+                context 24): the same blocks and parameter names as Caravan's own
+  not-sequential.pt  a module whose forward is not its children in order (one block)
+  double.pt     cnn.pt with float64 parameters; function.pt a scripted function (both refused)
+Needs Debian's python3-torch: run with /usr/bin/python3.
+"""
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reference_models  # noqa: E402
+
+
+class Cnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 8, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(8, 16, 5, padding=2), nn.BatchNorm2d(16),
+                                      nn.ReLU(), nn.MaxPool2d(2))
+        self.flat = nn.Flatten()
+        self.head = nn.Sequential(nn.Linear(16 * 7 * 7, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.head(self.flat(self.features(x)))
+
+
+class CnnWithLoss(Cnn):
+    @torch.jit.export
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output, target, label_smoothing=0.1)
+
+
+class NotSequential(Cnn):
+    def forward(self, x):
+        return self.head(self.flat(self.features(x))) * 0.5
+
+
+def main(out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(0)
+    torch.jit.script(Cnn()).save(os.path.join(out_dir, "cnn.pt"))
+    torch.jit.script(CnnWithLoss()).save(os.path.join(out_dir, "cnn-loss.pt"))
+    torch.jit.script(NotSequential()).save(os.path.join(out_dir, "not-sequential.pt"))
+    gpt = reference_models.build("gpt", 16, 2, 2, 0.0, vocab=16, seq=24)
+    torch.jit.script(gpt).save(os.path.join(out_dir, "gpt.pt"))
+    torch.jit.script(Cnn().double()).save(os.path.join(out_dir, "double.pt"))
+
+    def function(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    torch.jit.script(function).save(os.path.join(out_dir, "function.pt"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

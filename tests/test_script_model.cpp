@@ -1,0 +1,211 @@
+// A user's PyTorch module, scripted in Python and trained by Caravan (model.name = torchscript,
+// models/script_model.h): blocks, loss, export, memory policies, and bad models. The modules are
+// tests/python/script_models.py's; the PyTorch oracle is in test_oracle.cpp, data-parallel and
+// out-of-core equivalence in test_dist.cpp.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+
+#include <torch/torch.h>
+
+#include "core/config.h"
+#include "core/errors.h"
+#include "data/loader.h"
+#include "memory/saved_tensors.h"
+#include "test_util.h"
+#include "train/run_setup.h"
+#include "train/schedule.h"
+#include "train/setup.h"
+#include "train/step.h"
+#include "train/trainer.h"
+
+using namespace caravan;
+using caravan::test::TempDir;
+
+namespace {
+
+std::string models() {
+  const std::string dir = test::scriptedModelsDir();
+  EXPECT_FALSE(dir.empty()) << "tests/python/script_models.py failed (python3-torch?)";
+  return dir;
+}
+
+std::vector<std::string> scriptedCnn(const std::vector<std::string>& more = {}) {
+  std::vector<std::string> o = {
+      "data.dataset=synthetic", "data.synthetic_size=96", "data.batch_size=16",
+      "train.threads=1",        "train.max_steps=6",      "train.log_every=1",
+      "train.eval_every=0",     "optim.name=sgd",         "optim.lr=0.05",
+      "optim.momentum=0.9",     "model.name=torchscript", "model.path=" + models() + "/cnn.pt"};
+  o.insert(o.end(), more.begin(), more.end());
+  return o;
+}
+
+c10::Dict<c10::IValue, c10::IValue> readDict(const std::string& path) {
+  std::string bytes = test::readFile(path);
+  return torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
+}
+
+// Trains `overrides` in this process; returns model.pt's tensors.
+std::map<std::string, at::Tensor> trainAndExport(const std::vector<std::string>& overrides,
+                                                 const std::string& runDir) {
+  TrainerOptions o;
+  o.quiet = true;
+  o.runDir = runDir;
+  train(Config::fromString("", "<test>", overrides), o);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& kv : readDict(runDir + "/model.pt")) {
+    out[kv.key().toStringRef()] = kv.value().toTensor();
+  }
+  return out;
+}
+
+}  // namespace
+
+// The module's children are its blocks when its forward is them in order; their tensors are the
+// module's (an update through Caravan is the module's), exported under the module's names.
+TEST(ScriptModel, ChildrenInOrderAreTheBlocksAndNamesAreTheModules) {
+  const Config config = Config::fromString("", "<test>", scriptedCnn());
+  RunSetup setup(config);
+  BlockModel& model = setup.model;
+  ASSERT_EQ(model->numBlocks(), 3u);
+  EXPECT_EQ(model->blockLabel(0), "features");
+  EXPECT_EQ(model->blockLabel(2), "head");
+  EXPECT_TRUE(model->structureNote().empty());
+  EXPECT_EQ(model->exportName("b0_features.0.weight"), "features.0.weight");
+  EXPECT_EQ(model->exportName("b0_features.4.running_mean"), "features.4.running_mean");
+  EXPECT_EQ(model->exportName("b2_head.2.bias"), "head.2.bias");
+  EXPECT_EQ(setup.identity.at("model.parameters").get<std::string>().rfind("10 tensors", 0), 0u)
+      << setup.identity;
+
+  // Not its children in order: one block, and the note says why and what to do.
+  const Config one = Config::fromString(
+      "", "<test>", scriptedCnn({"model.path=" + models() + "/not-sequential.pt"}));
+  RunSetup oneSetup(one);
+  EXPECT_EQ(oneSetup.model->numBlocks(), 1u);
+  EXPECT_NE(oneSetup.model->structureNote().find("its forward is not them applied in order"),
+            std::string::npos)
+      << oneSetup.model->structureNote();
+  EXPECT_EQ(oneSetup.model->exportName("b0_module.features.0.weight"), "features.0.weight");
+}
+
+// The scripted twin of the built-in GPT (the same blocks and parameter names, written in Python)
+// trains to the same losses as the built-in GPT from the same weights and batches.
+TEST(ScriptModel, GptTwinTrainsLikeTheBuiltInGpt) {
+  installSavedTensorEngine();
+  const std::vector<std::string> common = {"data.dataset=synthetic", "data.synthetic_task=tokens",
+                                           "data.seq_len=24",        "data.batch_size=8",
+                                           "train.threads=1",        "optim.name=adamw",
+                                           "optim.lr=0.003"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.end(), common.begin(), common.end());
+    return Config::fromString("", "<test>", more);
+  };
+  RunSetup builtIn(with({"model.name=gpt", "model.width=16", "model.depth=2", "model.heads=2"}));
+  RunSetup twin(with({"model.name=torchscript", "model.path=" + models() + "/gpt.pt"}));
+  ASSERT_EQ(twin.model->numBlocks(), builtIn.model->numBlocks());
+  {
+    torch::NoGradGuard noGrad;
+    auto theirs = builtIn.model->named_parameters();
+    for (auto& p : twin.model->named_parameters()) {
+      const std::string name = twin.model->exportName(p.key());
+      ASSERT_NE(theirs.find(name), nullptr) << name;
+      p.value().copy_(theirs[name]);
+    }
+  }
+  Sampler sampler(builtIn.sampler);
+  double worst = 0.0;
+  for (int step = 0; step < 20; ++step) {
+    const Batch batch = builtIn.data.train->get(sampler.next());
+    const double a = trainStep(builtIn.model, *builtIn.optimizer, batch, 0.0).loss;
+    const double b = trainStep(twin.model, *twin.optimizer, batch, 0.0).loss;
+    worst = std::max(worst, std::abs(a - b) / std::abs(a));
+    EXPECT_LE(std::abs(a - b), 1e-5 * std::abs(a)) << "step " << step + 1;
+  }
+  std::cout << "scripted twin vs built-in GPT, 20 AdamW steps: max relative loss difference "
+            << worst << "\n";
+}
+
+// Every memory policy gives the scripted model keep's weights, bitwise; so does its own loss.
+TEST(ScriptModel, EveryMemoryPolicyIsBitwiseKeep) {
+  TempDir tmp;
+  const auto keep = trainAndExport(scriptedCnn({"memory.tier=host"}), tmp / "keep");
+  for (const std::string policy : {"recompute", "swap", "swap-input", "keep,recompute,swap"}) {
+    SCOPED_TRACE(policy);
+    const auto other =
+        trainAndExport(scriptedCnn({"memory.tier=host", "memory.policy=" + policy}), tmp / policy);
+    ASSERT_EQ(other.size(), keep.size());
+    for (const auto& [name, t] : keep) EXPECT_TRUE(at::equal(t, other.at(name))) << name;
+  }
+}
+
+// model.pt loads into the user's own Python class with load_state_dict(strict=True) and holds
+// what Caravan trained; a scripted loss(output, target) method is used when asked for.
+TEST(ScriptModel, ModelPtLoadsIntoTheUsersClassAndAModuleLossIsUsed) {
+  TempDir tmp;
+  trainAndExport(scriptedCnn(), tmp / "run");
+  const std::string check = "import sys, torch; sys.path.insert(0, '" +
+                            std::string(CARAVAN_SOURCE_DIR) +
+                            "/tests/python'); import script_models; m = script_models.Cnn(); "
+                            "m.load_state_dict(torch.load('" +
+                            (tmp / "run/model.pt") +
+                            "'), strict=True); "
+                            "s = torch.jit.load('" +
+                            models() +
+                            "/cnn.pt').state_dict(); "
+                            "assert any(not torch.equal(v, m.state_dict()[k]) for k, v in "
+                            "s.items() if v.is_floating_point())";
+  EXPECT_EQ(std::system(("/usr/bin/python3 -c \"" + check + "\"").c_str()), 0);
+
+  const auto ce =
+      trainAndExport(scriptedCnn({"model.path=" + models() + "/cnn-loss.pt"}), tmp / "ce");
+  const auto smoothed =
+      trainAndExport(scriptedCnn({"model.path=" + models() + "/cnn-loss.pt", "model.loss=module"}),
+                     tmp / "smoothed");
+  EXPECT_FALSE(at::equal(ce.at("head.2.weight"), smoothed.at("head.2.weight")));
+}
+
+// Bad models: one line that says what to do, exit 2, nothing written.
+TEST(ScriptModel, BadModelsAreOneLineAndWriteNothing) {
+  TempDir tmp;
+  test::writeFile(tmp / "text.pt", "not a model\n");
+  const std::string m = models();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--set model.path=" + (tmp / "text.pt"), "is not a TorchScript module"},
+      {"--set model.path=" + tmp.path(), "is a directory"},
+      {"--set model.path=" + (tmp / "none.pt"), "does not exist"},
+      // A scripted function loads as a module whose forward is the function.
+      {"--set model.path=" + m + "/function.pt",
+       "on input [2, 1, 28, 28] Float it gives [2, 1, 28, 28] Float, but cross-entropy"},
+      {"--set model.path=" + m + "/double.pt", "is Double; Caravan trains float32"},
+      {"--set model.path=" + m + "/cnn.pt --set model.blocks=nothere", "names no submodule"},
+      {"--set model.path=" + m + "/cnn.pt --set model.blocks=features",
+       "cannot be Caravan's blocks"},
+      {"--set model.path=" + m + "/cnn.pt --set data.synthetic_task=tokens",
+       "its forward fails on a batch like the data's ([2, 16] Long)"},
+      {"--set model.path=" + m +
+           "/gpt.pt --set data.synthetic_task=tokens --set data.seq_len=24 "
+           "--set data.dataset=synthetic --set model.loss=module",
+       "has no loss method"},
+      {"--set model.path=" + m + "/cnn.pt --set model.width=8", "has no meaning"},
+      {"", "needs model.path"},
+  };
+  for (const auto& [args, says] : cases) {
+    SCOPED_TRACE(args);
+    const auto r = test::runCaravan(
+        "train --config /dev/null --set data.dataset=synthetic --set model.name=torchscript " +
+        args + " --set train.max_steps=1 --run-dir " + (tmp / "run"));
+    EXPECT_EQ(r.exitCode, 2) << r.err;
+    EXPECT_EQ(test::countLines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
+    EXPECT_TRUE(!std::filesystem::exists(tmp / "run") || std::filesystem::is_empty(tmp / "run"));
+  }
+  // The model options of a scripted module are refused for the built-in ones.
+  const auto r = test::runCaravan(
+      "train --config /dev/null --set data.dataset=synthetic "
+      "--set model.path=x.pt --run-dir " +
+      (tmp / "run"));
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+  EXPECT_NE(r.err.find("model.path is for model.name = 'torchscript' only"), std::string::npos)
+      << r.err;
+}
