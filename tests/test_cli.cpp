@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "core/directory_lock.h"
 #include "run_util.h"
 #include "test_util.h"
 
@@ -286,6 +287,10 @@ TEST_F(Cli, EveryRefusedCommandLeavesAnExistingRunByteForByte) {
       {"report RUN -o RUN/metrics.jsonl", 2},
       {"report RUN -o RUN/config.toml", 2},
       {"calibrate RUN", 2},
+      {"train -q --resume RUN --run-dir RUN-other", 2},
+      {"train -q --resume RUN --set memory.budget=99999999999999999999GiB", 2},
+      {"report RUN -o RUN/checkpoints/step-00000004.ckpt", 2},
+      {"report RUN -o RUN/model.pt", 2},
   };
   for (auto [command, code] : refused) {
     for (size_t at; (at = command.find("RUN")) != std::string::npos;) command.replace(at, 3, run);
@@ -294,6 +299,66 @@ TEST_F(Cli, EveryRefusedCommandLeavesAnExistingRunByteForByte) {
     EXPECT_EQ(r.exitCode, code) << r.err;
     EXPECT_EQ(countLines(r.err), 1) << r.err;
     EXPECT_EQ(snapshot(run), before);
+  }
+}
+
+// What a second hostile-input probe found: each refused with one line, losing nothing.
+TEST_F(Cli, TheSecondProbesFindingsAreRefusedAndLoseNothing) {
+  const std::string run = finishedRun();
+  // A new run into a directory of someone's files (or a link to one, such as /) used to
+  // overwrite their config.toml and model.pt.
+  const std::string mine = tmp_ / "mine";
+  fs::create_directories(mine);
+  writeFile(mine + "/config.toml", "my own\n");
+  writeFile(mine + "/model.pt", "my weights");
+  fs::create_directory_symlink(mine, tmp_ / "link");
+  for (const std::string dir : {mine, tmp_ / "link"}) {
+    expectOneLineError(
+        runCaravan("train -q --config " + configPath_ + " " + kSynthetic + "--run-dir " + dir), 2,
+        "is not empty (");
+  }
+  EXPECT_EQ(readFile(mine + "/config.toml"), "my own\n");
+  EXPECT_EQ(readFile(mine + "/model.pt"), "my weights");
+
+  // --resume with --run-dir (the latter was ignored); an empty --run-dir (it became runs/...).
+  expectOneLineError(runCaravan("train --resume " + run + " --run-dir " + (tmp_ / "x")), 2,
+                     "drop --run-dir");
+  expectOneLineError(runCaravan("train --config " + configPath_ + " --run-dir ''"), 2,
+                     "--run-dir is empty");
+  expectOneLineError(runCaravan("train --resume " + run + " --stop-at-step 0"), 2,
+                     "--stop-at-step 0 must be a step, 1 or more");
+
+  // metrics.jsonl replaced by a directory: refused before config.toml changes.
+  auto before = snapshot(run);
+  fs::rename(run + "/metrics.jsonl", tmp_ / "metrics.jsonl");
+  fs::create_directory(run + "/metrics.jsonl");
+  const std::string config = readFile(run + "/config.toml");
+  expectOneLineError(runCaravan("train -q --resume " + run +
+                                " --set train.max_steps=6 --set "
+                                "optim.lr=0.5"),
+                     5, "restore the run's metrics file");
+  EXPECT_EQ(readFile(run + "/config.toml"), config);
+  fs::remove(run + "/metrics.jsonl");
+  fs::rename(tmp_ / "metrics.jsonl", run + "/metrics.jsonl");
+  EXPECT_EQ(snapshot(run), before);
+
+  // A checkpoint renamed (or copied in from another run) to look newest: its step is not its
+  // name's; names that are not step-<digits>.ckpt are not checkpoints.
+  fs::copy_file(run + "/checkpoints/step-00000002.ckpt", run + "/checkpoints/step-00000009.ckpt");
+  writeFile(run + "/checkpoints/step-0000000a.ckpt", "not a checkpoint");
+  before = snapshot(run);
+  expectOneLineError(runCaravan("train -q --resume " + run + " --set train.max_steps=12"), 4,
+                     "holds step 2, not the step its name says");
+  EXPECT_EQ(snapshot(run), before);
+  fs::remove(run + "/checkpoints/step-00000009.ckpt");
+
+  // CARAVAN_LAUNCHER=caravan set by hand no longer skips the directory's lock.
+  {
+    caravan::DirectoryLock held(run);
+    ASSERT_TRUE(held.held());
+    expectOneLineError(runCaravan("train -q --resume " + run + " --set train.max_steps=6", ".",
+                                  "CARAVAN_LAUNCHER=caravan RANK=0 WORLD_SIZE=1"),
+                       2, "is in use by process " + std::to_string(::getpid()));
   }
 }
 

@@ -163,7 +163,10 @@ TEST(MemoryAccounting, ParsesSizes) {
   EXPECT_EQ(parseBytes("512 MiB", "k"), int64_t{512} << 20);
   EXPECT_EQ(parseBytes("1.5k", "k"), 1536);
   EXPECT_EQ(parseBytes("1000", "k"), 1000);
-  for (const char* bad : {"lots", "2 parsecs", "-1GiB", "GiB"}) {
+  // Also what the hostile-input probe found accepted: past 2^60 bytes (it overflowed to 0, no
+  // limit), hexadecimal, under one byte.
+  for (const char* bad : {"lots", "2 parsecs", "-1GiB", "GiB", "99999999999999999999GiB",
+                          "18446744073709551616", "0x10GiB", "0.4"}) {
     try {
       parseBytes(bad, "memory.budget");
       ADD_FAILURE() << bad << " was accepted";

@@ -1,6 +1,8 @@
 // `caravan report` (src/report/): what it reads from run directories and bench results, how
 // it refuses bad input, that data cannot break out of the page, and the page itself drawing
 // every chart of two real runs in headless Chromium (report/browser_check.mjs).
+#include <sys/stat.h>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -297,15 +299,38 @@ TEST(ReportCli, OddJsonIsOneBoundedLineNamingTheFileNeverAnInternalError) {
 TEST(ReportCli, AnOutputThatIsAnInputIsRefusedAndLeftAlone) {
   TempDir tmp;
   makeRun(tmp / "run", metricsLines());
-  for (const std::string& name : {"metrics.jsonl", "config.toml"}) {
+  fs::create_directories(tmp / "run/checkpoints");
+  writeFile(tmp / "run/checkpoints/step-00000004.ckpt", "a checkpoint");
+  writeFile(tmp / "run/model.pt", "weights");
+  // Every file of a run given as a source (the probe overwrote a checkpoint and model.pt).
+  for (const std::string& name :
+       {"metrics.jsonl", "config.toml", "checkpoints/step-00000004.ckpt", "model.pt"}) {
     const std::string target = tmp / ("run/" + name);
     const std::string before = readFile(target);
     const CommandResult r = runCaravan("report " + (tmp / "run") + " -o " + target);
     EXPECT_EQ(r.exitCode, 2) << r.err;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
-    EXPECT_NE(r.err.find("an input of this report"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("is a file of the run"), std::string::npos) << r.err;
     EXPECT_EQ(readFile(target), before) << name;
   }
+  // A bench result named as the output, from outside any run directory.
+  writeFile(tmp / "bench.json", "{}");
+  const CommandResult bench = runCaravan("report " + (tmp / "run") + " " + (tmp / "bench.json") +
+                                         " -o " + (tmp / "bench.json"));
+  EXPECT_EQ(bench.exitCode, 2) << bench.err;
+  EXPECT_EQ(readFile(tmp / "bench.json"), "{}");
+  // What is not a regular file is not replaced by one (the page is renamed over its output:
+  // /dev/null became a regular file when run as root).
+  ASSERT_EQ(::mkfifo((tmp / "fifo").c_str(), 0600), 0);
+  fs::create_symlink(tmp / "run/model.pt", tmp / "link.html");
+  for (const std::string name : {"fifo", "link.html"}) {
+    const CommandResult r = runCaravan("report " + (tmp / "run") + " -o " + (tmp / name));
+    EXPECT_EQ(r.exitCode, 2) << r.err;
+    EXPECT_NE(r.err.find("is not a regular file"), std::string::npos) << r.err;
+  }
+  EXPECT_TRUE(fs::is_fifo(tmp / "fifo"));
+  EXPECT_TRUE(fs::is_symlink(tmp / "link.html"));
+  EXPECT_EQ(readFile(tmp / "run/model.pt"), "weights");
   // Beside the inputs is fine.
   const CommandResult ok =
       runCaravan("report " + (tmp / "run") + " -o " + (tmp / "run/report.html"));

@@ -48,10 +48,13 @@ struct CommandResult {
 };
 
 // Runs `caravan ARGS` (a shell-quoted string) with stdout/stderr captured, in `cwd`.
-inline CommandResult runCaravan(const std::string& args, const std::string& cwd = ".") {
+// `env`: "NAME=value ..." set for the command.
+inline CommandResult runCaravan(const std::string& args, const std::string& cwd = ".",
+                                const std::string& env = "") {
   TempDir io;
-  std::string cmd = "cd '" + cwd + "' && OMP_NUM_THREADS=1 " + std::string(CARAVAN_BINARY) + " " +
-                    args + " >" + (io / "out") + " 2>" + (io / "err") + " </dev/null";
+  std::string cmd = "cd '" + cwd + "' && " + env + " OMP_NUM_THREADS=1 " +
+                    std::string(CARAVAN_BINARY) + " " + args + " >" + (io / "out") + " 2>" +
+                    (io / "err") + " </dev/null";
   int status = std::system(cmd.c_str());
   CommandResult r;
   r.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;

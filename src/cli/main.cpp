@@ -93,8 +93,8 @@ int runTrain(const std::string& configPath, const std::vector<std::string>& over
   options.terminal = stderr;
   options.tty = isatty(STDERR_FILENO) != 0;
   options.quiet = quiet;
-  std::signal(SIGINT, onSignal);
-  std::signal(SIGTERM, onSignal);
+  // A closed terminal (SIGHUP) stops the run as SIGINT and SIGTERM do: a checkpoint first.
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, onSignal);
 
   TrainSummary s = train(config, options);
   if (!quiet) {
@@ -300,16 +300,16 @@ int main(int argc, char** argv) {
   auto* train = app.add_subcommand("train", "train a model (config keys: caravan config --schema)");
   train->add_option("--config,-c", configPath, "TOML config file (see configs/)");
   train->add_option("--set", overrides, "override a config key: --set optim.lr=0.05 (repeatable)");
-  train->add_option("--run-dir", runDir,
-                    "where config.toml, metrics.jsonl, checkpoints/ and model.pt go "
-                    "(default runs/<config>-<time>)");
+  auto* runDirOption =
+      train->add_option("--run-dir", runDir,
+                        "where config.toml, metrics.jsonl, checkpoints/ and model.pt go "
+                        "(default runs/<config>-<time>)");
   train->add_option("--resume", resumeDir,
                     "continue the run in RUN_DIR from its newest checkpoint (exactly: same "
                     "losses as an uninterrupted run)");
-  train
-      ->add_option("--stop-at-step", stopAtStep,
-                   "stop after step N with a checkpoint, as if interrupted; --resume continues")
-      ->check(CLI::PositiveNumber);
+  auto* stopOption = train->add_option(
+      "--stop-at-step", stopAtStep,
+      "stop after step N with a checkpoint, as if interrupted; --resume continues");
   train->add_flag("--quiet,-q", quiet, "print nothing to the terminal (metrics are still written)");
   bool trace = false;
   train->add_flag("--trace", trace,
@@ -394,6 +394,17 @@ int main(int argc, char** argv) {
   // A failure is reported on a line of its own, even if a progress bar was being drawn.
   const char* clearLine = isatty(STDERR_FILENO) ? "\r\x1b[K" : "";
   try {
+    if (*train && stopOption->count() > 0 && stopAtStep < 1) {
+      throw ConfigError(fmt::format("--stop-at-step {} must be a step, 1 or more", stopAtStep));
+    }
+    if (*train && runDirOption->count() > 0 && !resumeDir.empty()) {
+      throw ConfigError("--resume RUN_DIR names the run directory; drop --run-dir");
+    }
+    if (*train && runDirOption->count() > 0 && runDir.empty()) {
+      throw ConfigError(
+          "--run-dir is empty; name a directory (or leave --run-dir out for "
+          "runs/<config>-<time>)");
+    }
     if (*train && restartsOption->count() > 0 && workersOption->count() == 0) {
       throw ConfigError("--max-restarts restarts the workers of --workers N; under torchrun, "
                         "srun or mpirun use the launcher's own restart policy");

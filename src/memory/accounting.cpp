@@ -91,12 +91,18 @@ int64_t parseBytes(const std::string& text, const std::string& key) {
   if (unit == "m" || unit == "mib" || unit == "mb") scale = 1024.0 * 1024;
   if (unit == "g" || unit == "gib" || unit == "gb") scale = 1024.0 * 1024 * 1024;
   if (unit == "t" || unit == "tib" || unit == "tb") scale = 1024.0 * 1024 * 1024 * 1024;
-  if (used == 0 || scale < 0 || !(value >= 0) || !std::isfinite(value)) {
+  // Hexadecimal ("0x10") is not a size stod should read; a size past 2^60 bytes is a typo, and
+  // would overflow (it used to become 0: no limit); a nonzero size under one byte is too.
+  const bool hex =
+      text.size() > i + 1 && text[i] == '0' && (text[i + 1] == 'x' || text[i + 1] == 'X');
+  const double bytes = value * scale;
+  if (used == 0 || scale < 0 || !(value >= 0) || !std::isfinite(value) || hex ||
+      bytes > std::ldexp(1.0, 60) || (bytes > 0 && bytes < 1)) {
     throw ConfigError(fmt::format("{} = \"{}\" is not a size; write e.g. \"2GiB\", \"512MiB\" or "
                                   "\"\" for no limit (units B, KiB, MiB, GiB, TiB; 1024-based)",
                                   key, text));
   }
-  return static_cast<int64_t>(std::llround(value * scale));
+  return static_cast<int64_t>(std::llround(bytes));
 }
 
 }  // namespace caravan

@@ -202,7 +202,9 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
     // A run's model.pt (exportStateDict) is a zip archive, as every torch.save file.
     const bool zip = in.gcount() >= 4 && std::memcmp(header.data(), "PK\x03\x04", 4) == 0;
     throw CheckpointError(fmt::format(
-        "{} is not a Caravan checkpoint ({}); pass one of RUN_DIR/checkpoints/step-*.ckpt", path,
+        "{} is not a Caravan checkpoint ({}); pass one of RUN_DIR/checkpoints/step-*.ckpt, "
+        "or move it out of checkpoints/ to resume from the others",
+        path,
         zip ? "it is a PyTorch file, such as a run's model.pt, the weights exported for Python"
             : "bad header"));
   }
@@ -328,17 +330,34 @@ std::string CheckpointDir::pathFor(int64_t step) const {
   return (fs::path(dir_) / fmt::format("step-{:08d}.ckpt", step)).string();
 }
 
-std::vector<std::string> CheckpointDir::list() const {
-  std::vector<std::string> out;
-  std::error_code ec;
-  if (!fs::is_directory(dir_, ec)) return out;
-  for (const auto& entry : fs::directory_iterator(dir_)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("step-", 0) == 0 && entry.path().extension() == ".ckpt") {
-      out.push_back(entry.path().string());
-    }
+std::optional<int64_t> CheckpointDir::stepOf(const std::string& path) {
+  const std::string name = fs::path(path).filename().string();
+  const std::string head = "step-", tail = ".ckpt";
+  if (name.size() <= head.size() + tail.size() || name.rfind(head, 0) != 0 ||
+      name.compare(name.size() - tail.size(), tail.size(), tail) != 0) {
+    return std::nullopt;
   }
-  std::sort(out.begin(), out.end());
+  const std::string digits = name.substr(head.size(), name.size() - head.size() - tail.size());
+  if (digits.size() > 15 ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return std::nullopt;
+  }
+  return std::stoll(digits);
+}
+
+std::vector<std::string> CheckpointDir::list() const {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  if (!fs::is_directory(dir_, ec)) return {};
+  for (const auto& entry : fs::directory_iterator(dir_, ec)) {
+    // Only regular files named step-<digits>.ckpt, in step order (not name order: a run past
+    // 10^8 steps has longer names).
+    const auto step = stepOf(entry.path().string());
+    if (step && entry.is_regular_file(ec)) found.emplace_back(*step, entry.path().string());
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
   return out;
 }
 

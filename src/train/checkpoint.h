@@ -64,8 +64,10 @@ class CheckpointDir {
   // Writes the checkpoint for state.step, then removes all but the newest `keep`.
   std::string save(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                    const TrainingState& state);
-  // Checkpoint files, oldest first.
+  // Checkpoint files (regular files named step-<digits>.ckpt), oldest first.
   std::vector<std::string> list() const;
+  // The step a checkpoint's file name says, or nullopt for another name.
+  static std::optional<int64_t> stepOf(const std::string& path);
   // Removes temporary files a write killed midway left behind (.step-*.ckpt.tmp-*); only the
   // holder of the run directory's lock may call it (every writer holds it). Returns how many.
   int removeStaleTemporaries() const;

@@ -1,6 +1,10 @@
 // Rendezvous, communicator and strategy for a data-parallel run (see distributed.h).
 #include "train/distributed.h"
 
+#include <zlib.h>
+
+#include <sstream>
+
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -26,8 +30,50 @@
 
 namespace caravan {
 
+std::string jobSignature(const Config& config) {
+  std::istringstream lines(config.toToml());
+  std::string out, section, line;
+  while (std::getline(lines, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    if (line[0] == '[') {
+      section = line.substr(1, line.find(']') - 1);
+      continue;
+    }
+    const std::string key = section + "." + line.substr(0, line.find(' '));
+    const bool local = section == "dist" || key == "data.path" || key == "model.path" ||
+                       key == "memory.swap_dir" || key == "train.threads" || key == "data.prefetch";
+    if (!local) out += key + line.substr(line.find(' ')) + "\n";
+  }
+  return out;
+}
+
+namespace {
+
+// Each rank's signature's CRC-32, gathered: the ranks whose differ from rank 0's are named on
+// every rank, which all refuse.
+void checkSameJob(Communicator& world, const std::string& job) {
+  const auto crc = static_cast<int64_t>(
+      crc32(0L, reinterpret_cast<const Bytef*>(job.data()), static_cast<uInt>(job.size())));
+  at::Tensor mine = at::full({1}, crc, at::kLong);
+  at::Tensor all = at::empty({world.size()}, at::kLong);
+  world.allgather(all, mine)->wait(world.timeout());
+  std::vector<int> differ;
+  for (int r = 1; r < world.size(); ++r) {
+    if (all[r].item<int64_t>() != all[0].item<int64_t>()) differ.push_back(r);
+  }
+  if (differ.empty()) return;
+  std::string ranks;
+  for (int r : differ) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  throw ConfigError(fmt::format(
+      "rank{} {} of {} {} started with another config than rank 0 (model, data, optimizer, sync "
+      "or steps differ); start every rank with the same --config and --set options",
+      differ.size() > 1 ? "s" : "", ranks, world.size(), differ.size() > 1 ? "were" : "was"));
+}
+
+}  // namespace
+
 Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInfo,
-                         const std::string& runDir)
+                         const std::string& runDir, const std::string& job)
     : options_(runOptions) {
   const SyncOptions& sync = options_.sync;
   const auto timeout = sync.timeout;
@@ -46,6 +92,7 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
   // Gloo's connections carry no credential of their own (comm/auth.h).
   const bool authenticate = backend == "gloo" && !worldInfo.token.empty();
   if (authenticate) authenticatePeers(*world, worldInfo.token);
+  if (!job.empty()) checkSameJob(*world, job);
   if (backend == "gloo" && worldInfo.token.empty() && worldInfo.rank == 0 &&
       !isLoopbackAddress(worldInfo.masterAddr)) {
     logLine(fmt::format(

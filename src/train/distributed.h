@@ -14,6 +14,7 @@
 #include "comm/communicator.h"
 #include "comm/counting_communicator.h"
 #include "comm/world.h"
+#include "core/config.h"
 #include "core/torch_fwd.h"
 #include "sync/strategy.h"
 #include "train/checkpoint.h"
@@ -37,13 +38,22 @@ struct RankWindow {
   double syncWaitS = 0.0;
 };
 
+// What every rank of one job must be started with alike: the config, less the keys that may
+// differ between hosts (paths, the store, the network, threads, the memory tier's place).
+// Ranks started with another model, batch, mode or length would exchange tensors of other sizes
+// (Gloo aborts the process) or stop at other steps.
+std::string jobSignature(const Config& config);
+
 class Distributed {
  public:
   // Connects to the job's store and builds the communicator (dist.backend); throws PeerError
   // naming the master address, or how many ranks arrived, when the rendezvous does not
   // complete within fault.rendezvous_timeout. `runDir`: where a file store without
   // dist.store_path keeps its file. `options` must have passed validate().
-  Distributed(const RunOptions& options, const WorldInfo& world, const std::string& runDir);
+  // `job`: what every rank of the job must agree on (jobSignature); a rank whose differs is
+  // refused on every rank (ConfigError), before any tensor of the run is exchanged.
+  Distributed(const RunOptions& options, const WorldInfo& world, const std::string& runDir,
+              const std::string& job = "");
   ~Distributed();
 
   // Builds the strategy of sync.mode and attaches it: `context` as the run has it (optimizer,

@@ -70,7 +70,12 @@ MetricsSink::MetricsSink(const std::string& path, int64_t keepUpToStep) : path_(
     const bool exists = ::access(path.c_str(), F_OK) == 0;
     const std::optional<std::string> text =
         exists ? readRegularFile(path, &why) : std::optional<std::string>("");
-    if (!text) throw IoError(fmt::format("cannot read {}: {}", path, why));
+    if (!text) {
+      throw IoError(
+          fmt::format("cannot read {}: it {}; restore the run's metrics file (a "
+                      "regular file) or move that away",
+                      path, why));
+    }
     for (const MetricsLine& line : readMetricsLines(*text)) {
       if (line.cut) continue;  // a killed run's half-written record
       if (!laterThan(line.record, keepUpToStep)) kept.append(line.text).push_back('\n');

@@ -74,6 +74,14 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
   resumedFrom = resumeFrom;
   if (resumeFrom) {
     state = loadCheckpoint(*resumeFrom, *model, *optimizer, identity);
+    // A checkpoint's name is its step: another step inside is a renamed or copied file (of
+    // another run, or an older one of this run), which resuming would silently continue from.
+    if (const auto named = CheckpointDir::stepOf(*resumeFrom); named && *named != state.step) {
+      throw CheckpointError(fmt::format(
+          "{} holds step {}, not the step its name says: it was renamed or copied in; move it "
+          "out of checkpoints/ to resume from the run's own checkpoints",
+          *resumeFrom, state.step));
+    }
     if (state.step > totalSteps) {
       throw ConfigError(
           fmt::format("{} is at step {}, past the {} steps this run trains (train.max_steps / "

@@ -1,6 +1,8 @@
 // The training loop (see trainer.h).
 #include "train/trainer.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -272,9 +274,11 @@ void Trainer::commitRunDirectory() {
   committed_ = true;
   if (!isRoot_) return;
   const fs::path dir(options_.runDir);
-  writeFileAtomic((dir / "config.toml").string(), s_.config.toToml());
+  // The metrics first: it reads what is there and may refuse it (not a regular file), before
+  // config.toml changes.
   metrics_ = std::make_unique<MetricsSink>((dir / "metrics.jsonl").string(),
                                            s_.resumedFrom ? s_.state.step : -1);
+  writeFileAtomic((dir / "config.toml").string(), s_.config.toToml());
   if (s_.activations.plan) {
     writeFileAtomic((dir / "memory_plan.txt").string(), s_.activations.report);
   }
@@ -516,11 +520,28 @@ std::optional<std::string> checkRunDirectory(const std::string& runDir, bool res
                                   "choose another --run-dir",
                                   runDir, runDir));
   }
+  // A new run writes config.toml, model.pt, ... into its directory: one that holds anything
+  // else is someone's (a symbolic link to /, a directory of the user's files), not a run's.
+  // What a refused start leaves (workers' logs, the file store) does not count.
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(runDir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const bool leftByARefusedStart =
+        name == "rendezvous" || (name.rfind("rank-", 0) == 0 && entry.path().extension() == ".log");
+    if (!leftByARefusedStart) {
+      throw ConfigError(
+          fmt::format("{} is not empty ({} and maybe more) and holds no run; a new "
+                      "run needs a new or empty --run-dir",
+                      runDir, name));
+    }
+  }
   return std::nullopt;
 }
 
-std::unique_ptr<DirectoryLock> lockRunDirectory(const std::string& runDir) {
+std::unique_ptr<DirectoryLock> lockRunDirectory(const std::string& runDir,
+                                                std::optional<pid_t> launcher) {
   auto lock = std::make_unique<DirectoryLock>(runDir);
+  if (!lock->held() && launcher && lock->holder() == launcher) return nullptr;  // it holds it
   if (!lock->held()) {
     const std::string who =
         lock->holder() ? fmt::format("process {}", *lock->holder()) : "another process";
@@ -532,15 +553,16 @@ std::unique_ptr<DirectoryLock> lockRunDirectory(const std::string& runDir) {
   return lock;
 }
 
-RunDirectoryClaim claimRunDirectory(const std::string& runDir, bool resume, bool lock) {
+RunDirectoryClaim claimRunDirectory(const std::string& runDir, bool resume, bool lock,
+                                    std::optional<pid_t> launcher) {
   RunDirectoryClaim claim;
   if (!resume || fs::is_directory(runDir)) {
     std::error_code ec;
     fs::create_directories(runDir, ec);
     if (ec) throw IoError(fmt::format("cannot create run directory {}: {}", runDir, ec.message()));
     if (lock) {
-      claim.lock = lockRunDirectory(runDir);
-      CheckpointDir(runDir, 1).removeStaleTemporaries();
+      claim.lock = lockRunDirectory(runDir, launcher);
+      if (claim.lock) CheckpointDir(runDir, 1).removeStaleTemporaries();
     }
   }
   claim.resumeFrom = checkRunDirectory(runDir, resume);
@@ -550,10 +572,12 @@ RunDirectoryClaim claimRunDirectory(const std::string& runDir, bool resume, bool
 TrainSummary train(const Config& config, const TrainerOptions& options) {
   const RunOptions runOptions = RunOptions::read(config);
   validate(runOptions, options.world.worldSize);
-  // Caravan's own launcher holds the lock for its workers.
-  const RunDirectoryClaim claim =
-      claimRunDirectory(options.runDir, options.resume,
-                        options.world.rank == 0 && options.world.launcher != "caravan");
+  // Rank 0 locks the directory; under Caravan's own launcher the launcher (our parent) holds it
+  // for its workers, and any other holder is refused (CARAVAN_LAUNCHER=caravan set by hand used
+  // to skip the lock).
+  const RunDirectoryClaim claim = claimRunDirectory(
+      options.runDir, options.resume, options.world.rank == 0,
+      options.world.launcher == "caravan" ? std::optional<pid_t>(::getppid()) : std::nullopt);
   const std::optional<std::string>& resumeFrom = claim.resumeFrom;
   CheckpointDir checkpoints(options.runDir, runOptions.loop.checkpointKeep);
 
@@ -569,7 +593,7 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   // Rendezvous after the checks above and before rank 0 writes anything, so every rank has
   // seen the run directory as it was.
   if (options.world.worldSize == 1) return trainHere(nullptr);
-  Distributed dist(runOptions, options.world, options.runDir);
+  Distributed dist(runOptions, options.world, options.runDir, jobSignature(config));
   try {
     if (dist.isServer()) {
       dist.serve();

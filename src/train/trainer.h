@@ -65,7 +65,10 @@ std::optional<std::string> checkRunDirectory(const std::string& runDir, bool res
 // that holds it. Whoever starts the job holds it for the run's life: the `--workers`
 // launcher, else rank 0 (train() does it for every launcher but caravan's own). A killed
 // holder releases it.
-std::unique_ptr<DirectoryLock> lockRunDirectory(const std::string& runDir);
+// `launcher`: a process whose hold counts as ours (Caravan's launcher, for its workers; then
+// nullptr is returned).
+std::unique_ptr<DirectoryLock> lockRunDirectory(const std::string& runDir,
+                                                std::optional<pid_t> launcher = std::nullopt);
 
 // `runDir` claimed for a job, in the one order the launcher and train() both need: a new run's
 // directory is created (a --resume's must exist), locked when `lock` (by whoever starts the
@@ -76,6 +79,7 @@ struct RunDirectoryClaim {
   std::unique_ptr<DirectoryLock> lock;
   std::optional<std::string> resumeFrom;  // the checkpoint to continue from (--resume)
 };
-RunDirectoryClaim claimRunDirectory(const std::string& runDir, bool resume, bool lock);
+RunDirectoryClaim claimRunDirectory(const std::string& runDir, bool resume, bool lock,
+                                    std::optional<pid_t> launcher = std::nullopt);
 
 }  // namespace caravan
