@@ -536,6 +536,75 @@ TEST(BrownCorpus, ADocumentThatIsNotTextIsRefusedNamingItAndTheByte) {
   expectDataError([&] { loadBrown(o); }, {dir.file("c3"), "is a directory"});
 }
 
+// ---- Token files ------------------------------------------------------------------------------
+
+namespace {
+template <typename T>
+void writeIds(const std::string& path, const std::vector<T>& ids) {
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(ids.data()),
+             static_cast<std::streamsize>(ids.size() * sizeof(T)));
+}
+}  // namespace
+
+// Windows of seqLen + 1 ids straight from the file (little-endian uint16 or uint32), the target
+// shifted by one; the dataset's shape is the config's vocabulary and length.
+TEST(TokenFiles, WindowsAreTheFilesIds) {
+  TempDir dir;
+  for (const std::string dtype : {"uint16", "uint32"}) {
+    SCOPED_TRACE(dtype);
+    std::vector<uint32_t> ids(41);
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint32_t>((i * 7) % 50);
+    if (dtype == "uint16") {
+      writeIds(dir.file("train.bin"), std::vector<uint16_t>(ids.begin(), ids.end()));
+      writeIds(dir.file("val.bin"), std::vector<uint16_t>(ids.begin(), ids.begin() + 9));
+    } else {
+      writeIds(dir.file("train.bin"), ids);
+      writeIds(dir.file("val.bin"), std::vector<uint32_t>(ids.begin(), ids.begin() + 9));
+    }
+    TokenFileOptions o;
+    o.dir = dir.file("");
+    o.dtype = dtype;
+    o.vocabSize = 50;
+    o.seqLen = 8;
+    const DatasetSplits s = loadTokenFiles(o);
+    EXPECT_EQ(s.train->size(), 5);  // (41 - 1) / 8
+    EXPECT_EQ(s.test->size(), 1);
+    EXPECT_EQ(s.train->shape().vocabSize, 50);
+    const Batch b = s.train->get({3, 0});
+    for (int64_t t = 0; t < 8; ++t) {
+      EXPECT_EQ(b.input[0][t].item<int64_t>(), ids[24 + t]);
+      EXPECT_EQ(b.target[0][t].item<int64_t>(), ids[25 + t]);
+      EXPECT_EQ(b.input[1][t].item<int64_t>(), ids[t]);
+    }
+  }
+}
+
+// Bad token files: one line naming the file and what to change, found at load.
+TEST(TokenFiles, BadFilesAreRefusedAtLoad) {
+  TempDir dir;
+  TokenFileOptions o;
+  o.dir = dir.file("");
+  o.vocabSize = 50;
+  o.seqLen = 4;
+  writeIds(dir.file("val.bin"), std::vector<uint16_t>(10, 1));
+  std::ofstream(dir.file("train.bin"), std::ios::binary) << std::string(21, '\0');
+  expectDataError([&] { loadTokenFiles(o); },
+                  {"train.bin", "21 bytes, not a whole number of uint16"});
+  writeIds(dir.file("train.bin"), std::vector<uint16_t>{1, 2, 3, 60, 4, 5});
+  expectDataError([&] { loadTokenFiles(o); },
+                  {"train.bin", "token 3 is id 60", "data.vocab_size = 50"});
+  writeIds(dir.file("train.bin"), std::vector<uint16_t>{1, 2});
+  expectDataError([&] { loadTokenFiles(o); }, {"holds 2 tokens, fewer than data.seq_len + 1 = 5"});
+  std::ofstream(dir.file("train.bin"), std::ios::binary | std::ios::trunc);  // empty
+  expectDataError([&] { loadTokenFiles(o); }, {"holds 0 tokens"});
+  std::filesystem::remove(dir.file("train.bin"));
+  expectDataError([&] { loadTokenFiles(o); },
+                  {"train.bin", "does not exist", "train.bin and val.bin"});
+  o.vocabSize = 0;
+  EXPECT_THROW(loadTokenFiles(o), ConfigError);
+}
+
 // ---- Sampler --------------------------------------------------------------------------------
 
 std::vector<std::vector<int64_t>> take(Sampler& s, int64_t n) {

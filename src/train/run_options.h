@@ -36,6 +36,8 @@ struct DataOptions {
   int64_t batchSize = 64;  // per worker
   int64_t evalBatchSize = 500;
   int64_t seqLen = 128;
+  std::string tokenDtype = "uint16";  // data.token_dtype (tokens)
+  int64_t vocabSize = 0;              // data.vocab_size (tokens)
   double valFraction = 0.1;
   int64_t prefetch = 2;
   std::string syntheticTask;  // image | tokens

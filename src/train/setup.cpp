@@ -47,6 +47,14 @@ DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed) {
     o.valFraction = options.valFraction;
     return loadBrown(o);
   }
+  if (name == "tokens") {
+    TokenFileOptions o;
+    o.dir = path;
+    o.dtype = options.tokenDtype;
+    o.vocabSize = options.vocabSize;
+    o.seqLen = options.seqLen;
+    return loadTokenFiles(o);
+  }
   if (name == "synthetic") {
     SyntheticOptions o;
     o.task = options.syntheticTask == "tokens" ? TaskKind::kLanguageModel
@@ -112,6 +120,10 @@ nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data,
     j["data.vocabulary"] =
         fmt::format("{:08x}", crc32(0L, reinterpret_cast<const Bytef*>(vocabulary.data()),
                                     static_cast<uInt>(vocabulary.size())));
+  }
+  if (options.data.dataset == "tokens") {
+    j["data.vocab_size"] = options.data.vocabSize;
+    j["data.token_dtype"] = options.data.tokenDtype;
   }
   // A scripted module is its file, not the config's keys: its parameters' names and shapes
   // (not their values, which the checkpoint holds) say whether a checkpoint fits it.
