@@ -87,6 +87,18 @@ TEST(ScriptModel, ChildrenInOrderAreTheBlocksAndNamesAreTheModules) {
             std::string::npos)
       << oneSetup.model->structureNote();
   EXPECT_EQ(oneSetup.model->exportName("b0_module.features.0.weight"), "features.0.weight");
+
+  // What eval mode hides (a review found it): dropout between the children in training, or a
+  // detach() that freezes the features. One block each, saying why.
+  for (const auto& [file, why] : std::vector<std::pair<std::string, std::string>>{
+           {"dropout-between.pt", "in training its forward is not them applied in order"},
+           {"detach-between.pt", "in training its gradients are not theirs in order"}}) {
+    const Config c =
+        Config::fromString("", "<test>", scriptedCnn({"model.path=" + models() + "/" + file}));
+    RunSetup s(c);
+    EXPECT_EQ(s.model->numBlocks(), 1u) << file;
+    EXPECT_NE(s.model->structureNote().find(why), std::string::npos) << s.model->structureNote();
+  }
 }
 
 // The scripted twin of the built-in GPT (the same blocks and parameter names, written in Python)
@@ -182,12 +194,14 @@ TEST(ScriptModel, BadModelsAreOneLineAndWriteNothing) {
       {"--set model.path=" + m + "/cnn.pt --set model.blocks=features",
        "cannot be Caravan's blocks"},
       {"--set model.path=" + m + "/cnn.pt --set data.synthetic_task=tokens",
-       "its forward fails on a batch like the data's ([2, 16] Long)"},
+       "its forward fails on a batch like the data's ([2, 128] Long)"},
       {"--set model.path=" + m +
            "/gpt.pt --set data.synthetic_task=tokens --set data.seq_len=24 "
            "--set data.dataset=synthetic --set model.loss=module",
        "has no loss method"},
       {"--set model.path=" + m + "/cnn.pt --set model.width=8", "has no meaning"},
+      {"--set model.path=" + m + "/tied.pt", "is the same tensor as"},
+      {"--set model.path=" + m + "/pair.pt", "forward returns Tuple; Caravan trains a forward"},
       {"", "needs model.path"},
   };
   for (const auto& [args, says] : cases) {

@@ -158,7 +158,7 @@ std::shared_ptr<const Dataset> loadSplit(const TokenFileOptions& o, const std::s
     }
     at += want;
   }
-  auto held = std::make_shared<File>(::dup(fd));
+  auto held = std::make_shared<File>(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
   if (held->fd() < 0) throw DataError(fmt::format("cannot keep {} open", path));
   return std::make_shared<TokenFileDataset>("tokens/" + file, std::move(held), tokens, width,
                                             o.seqLen, o.vocabSize);

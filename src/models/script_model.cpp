@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
+#include <map>
 #include <set>
 #include <utility>
 
@@ -24,9 +26,12 @@ std::string firstLine(const std::string& text) {
   return line.size() > 200 ? line.substr(0, 200) + "..." : line;
 }
 
-// TorchScript's interpreter errors end with the error itself ("RuntimeError: ...").
-std::string lastLine(const std::string& text) {
-  size_t end = text.find_last_not_of(" \n");
+// TorchScript's interpreter errors end with the error itself ("RuntimeError: ..."); a
+// c10::Error's what() ends with a C++ backtrace instead.
+std::string lastLine(const std::exception& e) {
+  const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+  const std::string text = c10 != nullptr ? c10->what_without_backtrace() : e.what();
+  const size_t end = text.find_last_not_of(" \n");
   if (end == std::string::npos) return "";
   const size_t start = text.rfind('\n', end);
   return firstLine(text.substr(start == std::string::npos ? 0 : start + 1, end + 1));
@@ -81,10 +86,10 @@ struct Part {
 
 // A batch of two like the data's, from a generator of its own (the default one is seeded for
 // the run and must not move).
-at::Tensor sampleInput(const DataShape& shape) {
+at::Tensor sampleInput(const DataShape& shape, int64_t tokens) {
   auto generator = at::make_generator<at::CPUGeneratorImpl>(20231201);
   if (shape.task == TaskKind::kLanguageModel) {
-    return at::randint(shape.vocabSize, {2, std::min<int64_t>(shape.seqLen, 16)}, generator,
+    return at::randint(shape.vocabSize, {2, std::min<int64_t>(shape.seqLen, tokens)}, generator,
                        at::TensorOptions(at::kLong));
   }
   return at::randn({2, shape.channels, shape.height, shape.width}, generator);
@@ -92,7 +97,14 @@ at::Tensor sampleInput(const DataShape& shape) {
 
 at::Tensor run(jit::Module& module, const at::Tensor& x) {
   jit::GraphOptimizerEnabledGuard plain(false);
-  return module.forward({x}).toTensor();
+  const c10::IValue out = module.forward({x});
+  if (!out.isTensor()) {
+    throw ConfigError(
+        fmt::format("the module's forward returns {}; Caravan trains a forward "
+                    "that returns one Tensor",
+                    out.tagKind()));
+  }
+  return out.toTensor();
 }
 
 // The parameters and buffers of `m`, by identity.
@@ -103,26 +115,97 @@ std::set<const void*> tensorsOf(const jit::Module& m) {
   return out;
 }
 
-// Why `parts` do not make up `root`'s forward on `x` ("" when they do, bitwise).
+// `root`'s forward and `parts` applied in order on `x`, in training mode with gradients: from
+// the same RNG state (dropout) and the same buffers (batch norm's running statistics, restored
+// afterwards, as are the RNG and every gradient), outputs and, for a floating-point input, the
+// input's gradient compared bitwise ("" when equal). Catches what eval mode hides: dropout or
+// `self.training` branches between the parts, a detach() between them.
+std::string whyNotSequentialInTraining(jit::Module& root, std::vector<Part>& parts,
+                                       const at::Tensor& x) {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  const at::Tensor rng = generator.get_state();
+  std::vector<at::Tensor> buffers, saved;
+  for (const auto& b : root.named_buffers(true)) {
+    buffers.push_back(b.value);
+    saved.push_back(b.value.clone());
+  }
+  std::vector<at::Tensor> params;
+  for (const auto& p : root.named_parameters(true)) params.push_back(p.value);
+  auto restore = [&] {
+    at::NoGradGuard noGrad;
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    generator.set_state(rng);
+  };
+  auto pass = [&](const std::function<at::Tensor(const at::Tensor&)>& forward) {
+    restore();
+    at::Tensor in = x.is_floating_point() ? x.clone().requires_grad_(true) : x;
+    at::Tensor out = forward(in);
+    at::Tensor grad;
+    if (in.requires_grad() && out.requires_grad()) {
+      out.sum().backward();
+      grad = in.grad();
+    }
+    return std::make_pair(out.detach(), grad);
+  };
+  root.train();
+  std::string why;
+  try {
+    const auto whole = pass([&](const at::Tensor& in) { return run(root, in); });
+    const auto split = pass([&](const at::Tensor& in) {
+      at::Tensor y = in;
+      for (Part& p : parts) y = run(p.module, y);
+      return y;
+    });
+    auto same = [](const at::Tensor& a, const at::Tensor& b) {
+      return a.defined() == b.defined() &&
+             (!a.defined() || (a.sizes().equals(b.sizes()) && a.scalar_type() == b.scalar_type() &&
+                               at::equal(a, b)));
+    };
+    if (!same(whole.first, split.first)) {
+      why =
+          "in training its forward is not them applied in order (dropout or a self.training "
+          "branch between them?)";
+    } else if (!same(whole.second, split.second)) {
+      why = "in training its gradients are not theirs in order (a detach() between them?)";
+    }
+  } catch (const std::exception& e) {
+    why = fmt::format("training them in order fails ({})", lastLine(e));
+  }
+  restore();
+  return why;
+}
+
+// Why `parts` do not make up `root`'s forward on `x` ("" when they do, bitwise): their tensors
+// must be all of root's, each once; in eval mode without gradients their output must be
+// `whole`; then as whyNotSequentialInTraining.
 std::string whyNotSequential(jit::Module& root, std::vector<Part>& parts, const at::Tensor& x,
                              const at::Tensor& whole) {
   if (parts.size() < 2) return "it has fewer than two parts";
   std::set<const void*> covered;
+  size_t count = 0;
   for (const Part& p : parts) {
     const auto t = tensorsOf(p.module);
+    count += t.size();
     covered.insert(t.begin(), t.end());
   }
   if (covered != tensorsOf(root)) return "some of its parameters or buffers are outside them";
-  at::Tensor y = x;
-  try {
-    for (Part& p : parts) y = run(p.module, y);
-  } catch (const std::exception& e) {
-    return fmt::format("applying them in order fails ({})", lastLine(e.what()));
+  if (count != covered.size()) return "a parameter or buffer is in more than one of them";
+  {
+    at::NoGradGuard noGrad;
+    root.eval();
+    at::Tensor y = x;
+    try {
+      for (Part& p : parts) y = run(p.module, y);
+    } catch (const std::exception& e) {
+      return fmt::format("applying them in order fails ({})", lastLine(e));
+    }
+    if (!y.sizes().equals(whole.sizes()) || y.scalar_type() != whole.scalar_type() ||
+        !at::equal(y, whole)) {
+      return "its forward is not them applied in order";
+    }
   }
-  if (!y.sizes().equals(whole.sizes()) || !at::equal(y, whole)) {
-    return "its forward is not them applied in order";
-  }
-  return "";
+  return whyNotSequentialInTraining(root, parts, x);
 }
 
 }  // namespace
@@ -161,19 +244,50 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
     }
   }
 
-  // The whole forward on a sample, in eval mode (no dropout) and without gradients.
-  const at::Tensor x = sampleInput(shape);
+  // Tied weights (one tensor under two names) would be two parameters here: stepped twice per
+  // step, counted twice in norms and exchanges.
+  {
+    std::map<const void*, std::string> seen;
+    auto once = [&](const std::string& name, const at::Tensor& t) {
+      const auto [it, fresh] = seen.emplace(t.unsafeGetTensorImpl(), name);
+      if (!fresh) {
+        throw ConfigError(
+            fmt::format("model.path {}: {} is the same tensor as {} (tied "
+                        "weights); Caravan trains each parameter once: untie them "
+                        "(or tie them in forward, not as one parameter)",
+                        spec.path, name, it->second));
+      }
+    };
+    for (const auto& p : root.named_parameters(true)) once(p.name, p.value);
+    for (const auto& b : root.named_buffers(true)) once(b.name, b.value);
+  }
+  // The whole forward on a sample, in eval mode (no dropout) and without gradients: sequences
+  // of 16 tokens, or of data.seq_len for a module that needs exactly that many.
+  at::Tensor x = sampleInput(shape, 16);
   at::Tensor whole;
   {
     at::NoGradGuard noGrad;
     root.eval();
-    try {
-      whole = run(root, x);
-    } catch (const std::exception& e) {
+    auto forward = [&]() -> std::string {
+      try {
+        whole = run(root, x);
+        return "";
+      } catch (const Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        return lastLine(e);
+      }
+    };
+    std::string failed = forward();
+    if (!failed.empty() && shape.task == TaskKind::kLanguageModel && shape.seqLen > 16) {
+      x = sampleInput(shape, shape.seqLen);
+      failed = forward();
+    }
+    if (!failed.empty()) {
       throw ConfigError(
           fmt::format("model.path {}: its forward fails on a batch like the data's "
                       "({}): {}",
-                      spec.path, shapeText(x), lastLine(e.what())));
+                      spec.path, shapeText(x), failed));
     }
   }
   const bool crossEntropy = spec.loss.empty() || spec.loss == "cross_entropy";
@@ -196,7 +310,6 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
   std::vector<Part> parts;
   std::string note;
   {
-    at::NoGradGuard noGrad;
     if (!spec.blocks.empty()) {
       if (!root.hasattr(spec.blocks) || !root.attr(spec.blocks).isModule()) {
         throw ConfigError(
@@ -256,8 +369,12 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
                       "`def loss(self, output, target) -> Tensor` (scripted)",
                       spec.path));
     }
-    model->setLoss([root](const at::Tensor& output, const at::Tensor& target) mutable {
+    // The loss runs on the whole module, whose own mode the blocks do not set: the model's
+    // (a loss may branch on self.training). The model owns this function, so `self` lives.
+    BlockModelImpl* self = model.get();
+    model->setLoss([root, self](const at::Tensor& output, const at::Tensor& target) mutable {
       jit::GraphOptimizerEnabledGuard plain(false);
+      if (root.is_training() != self->is_training()) root.train(self->is_training());
       return root.run_method("loss", output, target).toTensor();
     });
   }

@@ -8,6 +8,9 @@ torch.jit.script(module).save(OUT_DIR/<name>.pt). Usage: script_models.py OUT_DI
                 context 24): the same blocks and parameter names as Caravan's own
   not-sequential.pt  a module whose forward is not its children in order (one block)
   double.pt     cnn.pt with float64 parameters; function.pt a scripted function (both refused)
+  dropout-between.pt, detach-between.pt  children in order by value in eval mode, not in
+                training (dropout between them) or for gradients (a detach): one block
+  tied.pt       one module under two names (tied weights: refused); pair.pt returns a tuple
 Needs Debian's python3-torch: run with /usr/bin/python3.
 """
 import os
@@ -40,6 +43,39 @@ class CnnWithLoss(Cnn):
         return F.cross_entropy(output, target, label_smoothing=0.1)
 
 
+class DropoutBetween(Cnn):
+    """Children in order in eval mode, but dropout between them in training."""
+
+    def forward(self, x):
+        return self.head(F.dropout(self.flat(self.features(x)), 0.5, self.training))
+
+
+class DetachBetween(Cnn):
+    """Children in order by value, but the features are frozen (no gradient flows into them)."""
+
+    def forward(self, x):
+        return self.head(self.flat(self.features(x).detach()))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(784, 784)
+        self.flat = nn.Flatten()
+        self.b = nn.Linear(784, 10)
+        self.b.weight = nn.Parameter(self.a.weight[:10].clone())
+        self.c = self.b  # the same module under two names: tied
+
+    def forward(self, x):
+        return self.c(self.a(self.flat(x)))
+
+
+class Pair(Cnn):
+    def forward(self, x):
+        y = self.head(self.flat(self.features(x)))
+        return y, y
+
+
 class NotSequential(Cnn):
     def forward(self, x):
         return self.head(self.flat(self.features(x))) * 0.5
@@ -54,6 +90,10 @@ def main(out_dir):
     gpt = reference_models.build("gpt", 16, 2, 2, 0.0, vocab=16, seq=24)
     torch.jit.script(gpt).save(os.path.join(out_dir, "gpt.pt"))
     torch.jit.script(Cnn().double()).save(os.path.join(out_dir, "double.pt"))
+    torch.jit.script(DropoutBetween()).save(os.path.join(out_dir, "dropout-between.pt"))
+    torch.jit.script(DetachBetween()).save(os.path.join(out_dir, "detach-between.pt"))
+    torch.jit.script(Tied()).save(os.path.join(out_dir, "tied.pt"))
+    torch.jit.script(Pair()).save(os.path.join(out_dir, "pair.pt"))
 
     def function(x: torch.Tensor) -> torch.Tensor:
         return x * 2
