@@ -18,6 +18,18 @@
 namespace caravan {
 namespace {
 
+// The id at index k of little-endian ids `width` bytes wide (2: uint16, 4: uint32).
+int64_t idAt(const unsigned char* bytes, int width, int64_t k) {
+  if (width == 2) {
+    uint16_t v;
+    std::memcpy(&v, bytes + 2 * k, 2);
+    return v;
+  }
+  uint32_t v;
+  std::memcpy(&v, bytes + 4 * k, 4);
+  return v;
+}
+
 // An open file, closed when the last owner goes.
 class File {
  public:
@@ -77,16 +89,7 @@ class TokenFileDataset : public Dataset {
                         name_, i));
       }
       for (int64_t t = 0; t <= seqLen_; ++t) {
-        int64_t v;
-        if (width_ == 2) {
-          uint16_t s16;
-          std::memcpy(&s16, window.data() + 2 * t, 2);
-          v = s16;
-        } else {
-          uint32_t s32;
-          std::memcpy(&s32, window.data() + 4 * t, 4);
-          v = s32;
-        }
+        const int64_t v = idAt(window.data(), width_, t);
         if (t < seqLen_) in[r * seqLen_ + t] = v;
         if (t > 0) out[r * seqLen_ + t - 1] = v;
       }
@@ -140,14 +143,8 @@ std::shared_ptr<const Dataset> loadSplit(const TokenFileOptions& o, const std::s
           fmt::format("cannot read token file {}: it changed or failed while read", path));
     }
     for (size_t k = 0; k < want; k += width) {
-      uint32_t v = 0;
-      if (width == 2) {
-        uint16_t s16;
-        std::memcpy(&s16, piece.data() + k, 2);
-        v = s16;
-      } else {
-        std::memcpy(&v, piece.data() + k, 4);
-      }
+      const auto v =
+          static_cast<uint64_t>(idAt(piece.data(), width, static_cast<int64_t>(k / width)));
       if (v >= static_cast<uint64_t>(o.vocabSize)) {
         throw DataError(
             fmt::format("token file {}: token {} is id {}, not below "
