@@ -33,8 +33,9 @@ std::string lastLine(const std::exception& e) {
   const std::string text = c10 != nullptr ? c10->what_without_backtrace() : e.what();
   const size_t end = text.find_last_not_of(" \n");
   if (end == std::string::npos) return "";
-  const size_t start = text.rfind('\n', end);
-  return firstLine(text.substr(start == std::string::npos ? 0 : start + 1, end + 1));
+  const size_t newline = text.rfind('\n', end);
+  const size_t begin = newline == std::string::npos ? 0 : newline + 1;
+  return firstLine(text.substr(begin, end + 1 - begin));
 }
 
 std::string shapeText(const at::Tensor& t) {
