@@ -3,8 +3,6 @@
 
 #include <zlib.h>
 
-#include <sstream>
-
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -31,18 +29,18 @@
 namespace caravan {
 
 std::string jobSignature(const Config& config) {
-  std::istringstream lines(config.toToml());
-  std::string out, section, line;
-  while (std::getline(lines, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    if (line[0] == '[') {
-      section = line.substr(1, line.find(']') - 1);
-      continue;
-    }
-    const std::string key = section + "." + line.substr(0, line.find(' '));
-    const bool local = section == "dist" || key == "data.path" || key == "model.path" ||
+  std::string out;
+  for (const ConfigOption& o : Config::schema()) {
+    const std::string& key = o.key;
+    const bool local = key.rfind("dist.", 0) == 0 || key == "data.path" || key == "model.path" ||
                        key == "memory.swap_dir" || key == "train.threads" || key == "data.prefetch";
-    if (!local) out += key + line.substr(line.find(' ')) + "\n";
+    if (local) continue;
+    switch (o.type) {
+      case ConfigType::kInt: out += fmt::format("{}={}\n", key, config.i64(key)); break;
+      case ConfigType::kFloat: out += fmt::format("{}={}\n", key, config.f64(key)); break;
+      case ConfigType::kBool: out += fmt::format("{}={}\n", key, config.flag(key)); break;
+      case ConfigType::kString: out += fmt::format("{}={:?}\n", key, config.str(key)); break;
+    }
   }
   return out;
 }
