@@ -6,6 +6,7 @@
 //   caravan_bench train --config configs/fmnist-cnn.toml --steps 200 --warmup 20 --threads 1
 //   RANK=r WORLD_SIZE=W MASTER_ADDR=127.0.0.1 MASTER_PORT=p caravan_bench train ...
 //   caravan_bench matmul --size 1024 --threads 1
+//   caravan_bench loader --config examples/gpt_tokens.toml --batches 2000
 //
 // With a multi-rank world in the environment (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or any
 // launcher worldFromEnvironment reads), `train` runs data-parallel exactly as `caravan train`
@@ -37,6 +38,7 @@
 #include "core/config.h"
 #include "core/errors.h"
 #include "data/loader.h"
+#include "memory/saved_tensors.h"
 #include "train/distributed.h"
 #include "train/run_setup.h"
 #include "train/setup.h"
@@ -536,6 +538,36 @@ int benchMatmul(int64_t n, int64_t threads, int64_t repeats) {
 
 }  // namespace
 
+// The training set's batches as the loader's thread makes them, on the calling thread (no
+// training): samples/s and tokens/s of the data path alone, to compare with a model's step rate.
+int benchLoader(const std::string& configPath, std::vector<std::string> overrides, int64_t batches,
+                int64_t warmup) {
+  const Config config = Config::fromFile(configPath, overrides);
+  const RunOptions options = RunOptions::read(config);
+  applyRuntimeOptions(options.runtime);
+  const DatasetSplits data = makeDatasets(options.data, options.seed.data);
+  Sampler sampler(makeSamplerOptions(options, data.train->size(), 0, 1));
+  int64_t samples = 0, elements = 0;
+  for (int64_t i = 0; i < warmup; ++i) data.train->get(sampler.next());
+  const auto start = Clock::now();
+  for (int64_t i = 0; i < batches; ++i) {
+    const Batch b = data.train->get(sampler.next());
+    samples += b.size();
+    elements += b.target.numel();
+  }
+  const double s = seconds(start, Clock::now());
+  nlohmann::json out = {{"bench", "loader"},
+                        {"config", configPath},
+                        {"dataset", options.data.dataset},
+                        {"batches", batches},
+                        {"batch_size", options.data.batchSize},
+                        {"seconds", s},
+                        {"samples_per_s", static_cast<double>(samples) / s},
+                        {"targets_per_s", static_cast<double>(elements) / s}};
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"caravan_bench: training-step throughput and matmul peak (JSON on stdout)"};
   app.require_subcommand(1);
@@ -560,8 +592,18 @@ int main(int argc, char** argv) {
   mm->add_option("--size", size, "matrix size n (n x n times n x n)");
   mm->add_option("--threads", threads, "compute threads");
   mm->add_option("--repeats", repeats, "best of this many");
+  int64_t batches = 1000;
+  auto* load = app.add_subcommand(
+      "loader", "time the training set's batches as the loader makes them, one thread, no model");
+  load->add_option("--config", config, "config file")->required();
+  load->add_option("--set", overrides, "override a config key");
+  load->add_option("--batches", batches, "timed batches");
+  load->add_option("--warmup", warmup, "untimed batches first");
   CLI11_PARSE(app, argc, argv);
+  // As caravan train: the memory check profiles blocks under the saved-tensor engine.
+  installSavedTensorEngine();
   try {
+    if (*load) return benchLoader(config, overrides, batches, warmup);
     if (*train) {
       const WorldInfo world = worldFromEnvironment(processEnvironment());
       if (world.worldSize > 1) {

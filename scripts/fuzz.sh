@@ -3,7 +3,7 @@
 # SECONDS (default 30) from a seed corpus it writes itself: gzipped and plain IDX files, the
 # example configs plus overrides, real checkpoints, valid parameter-server pushes.
 #
-#   scripts/fuzz.sh [SECONDS] [TARGET...]      TARGET: idx config checkpoint codec metrics tokens (default all)
+#   scripts/fuzz.sh [SECONDS] [TARGET...]      TARGET: idx config checkpoint codec metrics tokens npy (default all)
 #
 # First every target reruns the inputs of fuzz/crashes/<target>-* (bugs found and fixed, or
 # outside Caravan and tolerated, see fuzz/README.md). The corpus grows in build-fuzz/corpus/
@@ -17,7 +17,7 @@ root=$(pwd)
 seconds=${1:-30}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(idx config checkpoint codec metrics tokens)
+[ ${#targets[@]} -gt 0 ] || targets=(idx config checkpoint codec metrics tokens npy)
 build=${CARAVAN_FUZZ_BUILD:-build-fuzz}
 case "$build" in /*) ;; *) build="$root/$build" ;; esac
 

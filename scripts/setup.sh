@@ -11,6 +11,7 @@ packages=(
   libtorch-dev libopenblas-dev libgloo-dev          # LibTorch 1.13 (CPU), fast BLAS, c10d headers
   libtomlplusplus-dev libcli11-dev nlohmann-json3-dev libspdlog-dev libfmt-dev zlib1g-dev
   libssl-dev                                          # HMAC-SHA256 for job-token proofs
+  libsentencepiece-dev                                # caravan data tokenize (SentencePiece)
   libgtest-dev libgmock-dev
   libopenmpi-dev openmpi-bin                          # the mpi communicator backend (optional)
   dataset-fashion-mnist                               # /usr/share/datasets/fashion-mnist

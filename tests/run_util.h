@@ -36,6 +36,28 @@ inline std::vector<double> trainLosses(const std::string& runDir) {
   return losses;
 }
 
+// `t` (float32, uint8 or int64, any shape) as a version-1.0 .npy file, as np.save writes it
+// (the reader's oracle is NumPy's own writer, tests/python/npy_fixtures.py; this one exports
+// tensors made in C++).
+inline void writeNpy(const std::string& path, const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  const char* descr = c.scalar_type() == at::kFloat  ? "<f4"
+                      : c.scalar_type() == at::kByte ? "|u1"
+                                                     : "<i8";
+  std::string shape;
+  for (int64_t d : c.sizes()) shape += std::to_string(d) + ", ";
+  std::string header =
+      "{'descr': '" + std::string(descr) + "', 'fortran_order': False, 'shape': (" + shape + "), }";
+  while ((10 + header.size() + 1) % 64 != 0) header += ' ';
+  header += '\n';
+  std::string bytes = std::string("\x93NUMPY\x01\x00", 8);
+  bytes += static_cast<char>(header.size() & 0xff);
+  bytes += static_cast<char>(header.size() >> 8);
+  bytes += header;
+  bytes.append(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
+  writeFile(path, bytes);
+}
+
 // Parameters and buffers of the newest checkpoint in `runDir`, loaded into a fresh model.
 inline std::map<std::string, at::Tensor> finalWeights(const Config& config,
                                                       const std::string& runDir) {

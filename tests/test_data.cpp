@@ -21,6 +21,7 @@
 #include "core/errors.h"
 #include "data/loader.h"
 #include "data/sources.h"
+#include "run_util.h"
 
 namespace caravan {
 namespace {
@@ -603,6 +604,77 @@ TEST(TokenFiles, BadFilesAreRefusedAtLoad) {
                   {"train.bin", "does not exist", "train.bin and val.bin"});
   o.vocabSize = 0;
   EXPECT_THROW(loadTokenFiles(o), ConfigError);
+}
+
+// ---- .npy arrays ---------------------------------------------------------------------------
+
+// Caravan's .npy reader against NumPy's writer (tests/python/npy_fixtures.py): every example
+// holds the values NumPy saved, for header versions 1.0 and 2.0; uint8 inputs are scaled to
+// [0, 1]; integer targets are classes, float targets regression.
+TEST(NpyArrays, ExamplesHoldWhatNumPySaved) {
+  const std::string fx = test::npyFixturesDir();
+  ASSERT_FALSE(fx.empty()) << "/usr/bin/python3 with NumPy is needed";
+  const DatasetSplits good = loadNpyArrays(fx + "/good");
+  EXPECT_EQ(good.train->size(), 7);
+  EXPECT_EQ(good.test->size(), 4);
+  const DataShape shape = good.train->shape();
+  EXPECT_EQ(shape.task, TaskKind::kImageClassification);
+  EXPECT_EQ(shape.numClasses, 3);
+  EXPECT_EQ(shape.inputShape, (std::vector<int64_t>{2, 3}));
+  EXPECT_TRUE(shape.targetShape.empty());
+  const Batch b = good.train->get({5, 0, 6});
+  const at::Tensor all = at::arange(7 * 6, at::kFloat).div(8).reshape({7, 2, 3});
+  EXPECT_TRUE(at::equal(b.input, all.index_select(0, at::tensor({5, 0, 6}))));
+  EXPECT_TRUE(at::equal(b.target, at::tensor({2, 0, 0}, at::kLong)));
+
+  const DatasetSplits bytes = loadNpyArrays(fx + "/bytes");  // format version 2.0
+  EXPECT_EQ(bytes.train->shape().task, TaskKind::kRegression);
+  const Batch r = bytes.test->get({2, 1});
+  EXPECT_TRUE(at::equal(
+      r.input, at::tensor({8.f, 9.f, 10.f, 11.f, 4.f, 5.f, 6.f, 7.f}).div(255.f).reshape({2, 4})));
+  EXPECT_TRUE(at::equal(r.target, at::tensor({2.5f, 3.5f, 0.5f, 1.5f}).reshape({2, 2})));
+}
+
+// Each kind of bad array: one line naming the file and what to do, at load.
+TEST(NpyArrays, BadFilesAreRefusedWithOneLine) {
+  const std::string fx = test::npyFixturesDir();
+  ASSERT_FALSE(fx.empty()) << "/usr/bin/python3 with NumPy is needed";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"object", "holds Python objects"},
+      {"fortran", "Fortran order"},
+      {"float64", "has dtype '<f8'; Caravan reads float32, uint8 or int64"},
+      {"bigendian", "big-endian"},
+      {"structured", "structured dtype"},
+      {"scalar", "holds a scalar"},
+      {"zero", "holds no examples"},
+      {"truncated", "(truncated)"},
+      {"trailing", "(trailing bytes)"},
+      {"empty", "is empty"},
+      {"text", "is not a .npy file"}};
+  for (const auto& [name, why] : cases) {
+    SCOPED_TRACE(name);
+    const std::string path = fx + "/bad/" + name + ".npy";
+    expectDataError([&] { readNpyHeader(path); }, {path, why});
+  }
+
+  TempDir dir;
+  for (const char* f : {"train_inputs", "test_inputs", "test_targets"}) {
+    std::filesystem::copy_file(fx + "/good/" + f + ".npy", dir.file(std::string(f) + ".npy"));
+  }
+  std::filesystem::copy_file(fx + "/good/test_targets.npy", dir.file("train_targets.npy"));
+  expectDataError(
+      [&] { loadNpyArrays(dir.file("")); },
+      {"train_inputs.npy holds 7 examples but", "train_targets.npy holds 4", "the same length"});
+  test::writeNpy(dir.file("train_targets.npy"), at::tensor({0, 1, -1, 2, 0, 1, 2}, at::kLong));
+  expectDataError([&] { loadNpyArrays(dir.file("")); },
+                  {"train_targets.npy holds the class id -1", "float32 targets for regression"});
+  test::writeNpy(dir.file("train_targets.npy"), at::zeros({7}, at::kFloat));
+  expectDataError([&] { loadNpyArrays(dir.file("")); },
+                  {"train_targets.npy holds float32 examples [] but",
+                   "test_targets.npy holds int64 []", "train and test must match"});
+  std::filesystem::remove(dir.file("test_inputs.npy"));
+  expectDataError([&] { loadNpyArrays(dir.file("")); },
+                  {"test_inputs.npy does not exist", "train_inputs.npy, train_targets.npy"});
 }
 
 // ---- Sampler --------------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 #include "core/errors.h"
 #include "data/loader.h"
 #include "memory/saved_tensors.h"
+#include "run_util.h"
 #include "test_util.h"
 #include "train/run_setup.h"
 #include "train/schedule.h"
@@ -188,7 +189,8 @@ TEST(ScriptModel, BadModelsAreOneLineAndWriteNothing) {
       {"--set model.path=" + (tmp / "none.pt"), "does not exist"},
       // A scripted function loads as a module whose forward is the function.
       {"--set model.path=" + m + "/function.pt",
-       "on input [2, 1, 28, 28] Float it gives [2, 1, 28, 28] Float, but cross-entropy"},
+       "on input [2, 1, 28, 28] Float it gives [2, 1, 28, 28] Float, but the loss on this data "
+       "needs [batch, 10] (the classes)"},
       {"--set model.path=" + m + "/double.pt", "is Double; Caravan trains float32"},
       {"--set model.path=" + m + "/cnn.pt --set model.blocks=nothere", "names no submodule"},
       {"--set model.path=" + m + "/cnn.pt --set model.blocks=features",
@@ -222,4 +224,51 @@ TEST(ScriptModel, BadModelsAreOneLineAndWriteNothing) {
   EXPECT_EQ(r.exitCode, 2) << r.err;
   EXPECT_NE(r.err.find("model.path is for model.name = 'torchscript' only"), std::string::npos)
       << r.err;
+}
+
+// Regression on arrays: a scripted linear map trained with mean squared error on targets that a
+// linear map makes exactly recovers that map (the closed-form solution), and evaluation reports
+// no accuracy (null). Classification-only choices are refused in one line.
+TEST(ScriptModel, LearnsTheLinearMapOfRegressionArrays) {
+  TempDir tmp;
+  std::filesystem::create_directories(tmp / "arrays");
+  torch::manual_seed(5);
+  const at::Tensor w = torch::tensor({{1.0f, -2.0f, 0.5f, 3.0f}, {0.0f, 1.0f, -1.0f, 2.0f}});
+  for (const auto& [split, n] : {std::pair<std::string, int64_t>{"train", 256}, {"test", 64}}) {
+    const at::Tensor x = torch::randn({n, 4});
+    test::writeNpy(tmp / ("arrays/" + split + "_inputs.npy"), x);
+    test::writeNpy(tmp / ("arrays/" + split + "_targets.npy"), x.matmul(w.t()).contiguous());
+  }
+  const std::vector<std::string> run = {"data.dataset=npy",
+                                        "data.path=" + tmp / "arrays",
+                                        "data.batch_size=16",
+                                        "train.threads=1",
+                                        "train.max_steps=300",
+                                        "train.eval_every=0",
+                                        "optim.name=sgd",
+                                        "optim.lr=0.05",
+                                        "optim.momentum=0.9",
+                                        "model.name=torchscript",
+                                        "model.path=" + models() + "/linear.pt"};
+  const auto weights = trainAndExport(run, tmp / "run");
+  EXPECT_LT((weights.at("0.weight") - w).abs().max().item<double>(), 1e-4);
+  std::string evalLine;
+  std::istringstream lines(test::readFile(tmp / "run/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("\"kind\":\"eval\"") != std::string::npos) evalLine = line;
+  }
+  ASSERT_FALSE(evalLine.empty());
+  EXPECT_NE(evalLine.find("\"accuracy\":null"), std::string::npos) << evalLine;
+
+  std::string args = "train --config /dev/null --run-dir " + (tmp / "bad");
+  for (const auto& set : run) args += " --set " + set;
+  for (const auto& [more, says] : std::vector<std::pair<std::string, std::string>>{
+           {" --set model.loss=cross_entropy", "needs integer class targets"},
+           {" --set model.name=mlp --set model.path=", "no built-in model trains regression"}}) {
+    const auto r = test::runCaravan(args + more);
+    EXPECT_EQ(r.exitCode, 2) << r.err;
+    EXPECT_EQ(test::countLines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
+    EXPECT_FALSE(std::filesystem::exists(tmp / "bad/metrics.jsonl"));
+  }
 }

@@ -106,6 +106,79 @@ TEST(Resume, ResnetBatchNormNesterovIsExact) {
   expectExactResume(c);
 }
 
+namespace {
+
+// The synthetic image set of syntheticConfig({}) written as .npy arrays in `dir`.
+void exportSyntheticArrays(const std::string& dir) {
+  const RunOptions o = RunOptions::read(syntheticConfig({}));
+  const DatasetSplits d = makeDatasets(o.data, o.seed.data);
+  for (const auto& [split, set] :
+       {std::pair<std::string, const Dataset*>{"train", d.train.get()}, {"test", d.test.get()}}) {
+    std::vector<int64_t> all(set->size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+    const Batch b = set->get(all);
+    test::writeNpy(dir + "/" + split + "_inputs.npy", b.input);
+    test::writeNpy(dir + "/" + split + "_targets.npy", b.target);
+  }
+}
+
+// syntheticConfig's run on arrays in `dir` instead.
+Config arraysConfig(const std::string& dir, const std::vector<std::string>& extra) {
+  std::vector<std::string> o = {"data.dataset=npy",   "data.path=" + dir,  "data.batch_size=8",
+                                "train.max_steps=30", "train.log_every=1", "train.eval_every=10",
+                                "train.threads=1",    "checkpoint.every=7"};
+  o.insert(o.end(), extra.begin(), extra.end());
+  return Config::fromString("", "<test>", o);
+}
+
+}  // namespace
+
+// The same examples from .npy files as from memory: the run is the same, step for step (the
+// sampler sees the same sizes; the model the same shapes).
+TEST(OwnData, ArraysTrainAsTheSameExamplesInMemory) {
+  TempDir tmp;
+  std::filesystem::create_directories(tmp / "arrays");
+  exportSyntheticArrays(tmp / "arrays");
+  const std::vector<std::string> model = {"model.name=cnn", "model.width=4", "train.max_steps=12"};
+  const Config arrays = arraysConfig(tmp / "arrays", model);
+  ASSERT_EQ(RunSetup(arrays).data.train->shape().numClasses, 10);
+  TrainerOptions o;
+  o.quiet = true;
+  o.runDir = tmp / "memory";
+  train(syntheticConfig(model), o);
+  o.runDir = tmp / "files";
+  train(arrays, o);
+  const std::vector<double> memory = trainLosses(tmp / "memory");
+  ASSERT_EQ(memory.size(), 12u);
+  EXPECT_EQ(trainLosses(tmp / "files"), memory);
+}
+
+TEST(Resume, ArraysAreExact) {
+  TempDir tmp;
+  std::filesystem::create_directories(tmp / "arrays");
+  exportSyntheticArrays(tmp / "arrays");
+  expectExactResume(arraysConfig(tmp / "arrays", {"model.name=mlp", "model.width=8"}));
+}
+
+TEST(Resume, TokenFilesAreExact) {
+  TempDir tmp;
+  std::filesystem::create_directories(tmp / "tokens");
+  torch::manual_seed(3);
+  for (const auto& [file, n] :
+       {std::pair<std::string, int64_t>{"train.bin", 96 * 16 + 1}, {"val.bin", 24 * 16 + 1}}) {
+    const at::Tensor ids = torch::randint(0, 16, {n}, torch::kLong).to(at::kShort);
+    test::writeFile(tmp / ("tokens/" + file),
+                    std::string(static_cast<const char*>(ids.data_ptr()), 2 * n));
+  }
+  expectExactResume(Config::fromString(
+      "", "<test>",
+      {"data.dataset=tokens", "data.path=" + tmp / "tokens", "data.vocab_size=16",
+       "data.seq_len=16", "data.batch_size=8", "train.max_steps=30", "train.log_every=1",
+       "train.eval_every=10", "train.threads=1", "checkpoint.every=7", "model.name=gpt",
+       "model.width=16", "model.depth=2", "model.heads=2", "model.dropout=0.1", "optim.name=adamw",
+       "optim.lr=0.003"}));
+}
+
 TEST(Trainer, RefusesToOverwriteAnExistingRun) {
   TempDir tmp;
   Config c = syntheticConfig({"model.name=mlp", "model.width=8", "train.max_steps=3"});

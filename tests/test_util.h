@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 
@@ -72,13 +74,28 @@ inline int countLines(const std::string& text) {
 // The TorchScript modules tests/python/script_models.py writes (cnn.pt, cnn-loss.pt, gpt.pt,
 // not-sequential.pt), written once per test process with Debian's python3-torch; "" when that
 // failed (the caller fails the test).
-inline std::string scriptedModelsDir() {
-  static TempDir dir;
-  static const bool written =
-      std::system(("/usr/bin/python3 " + std::string(CARAVAN_SOURCE_DIR) +
-                   "/tests/python/script_models.py " + dir.path() + " >/dev/null")
-                      .c_str()) == 0;
-  return written ? dir.path() : "";
+// A directory that tests/python/SCRIPT (run with Debian's /usr/bin/python3) filled, made once
+// per test process; "" when the script failed (Python, torch or NumPy missing).
+inline std::string pythonWrittenDir(const std::string& script) {
+  struct Written {
+    TempDir dir;
+    bool ok = false;
+  };
+  static std::map<std::string, std::unique_ptr<Written>> made;
+  auto& w = made[script];
+  if (!w) {
+    w = std::make_unique<Written>();
+    const std::string command = "/usr/bin/python3 " + std::string(CARAVAN_SOURCE_DIR) +
+                                "/tests/python/" + script + " " + w->dir.path() + " >/dev/null";
+    w->ok = std::system(command.c_str()) == 0;
+  }
+  return w->ok ? w->dir.path() : "";
 }
+
+// The .npy fixtures NumPy itself wrote (tests/python/npy_fixtures.py says what each holds).
+inline std::string npyFixturesDir() { return pythonWrittenDir("npy_fixtures.py"); }
+
+// The scripted modules of tests/python/script_models.py.
+inline std::string scriptedModelsDir() { return pythonWrittenDir("script_models.py"); }
 
 }  // namespace caravan::test

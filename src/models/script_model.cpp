@@ -89,11 +89,52 @@ struct Part {
 // the run and must not move).
 at::Tensor sampleInput(const DataShape& shape, int64_t tokens) {
   auto generator = at::make_generator<at::CPUGeneratorImpl>(20231201);
+  if (!shape.inputShape.empty()) {  // the data says its examples' shape (arrays)
+    std::vector<int64_t> dims{2};
+    dims.insert(dims.end(), shape.inputShape.begin(), shape.inputShape.end());
+    if (shape.inputType == at::kLong) {
+      return at::randint(std::max<int64_t>(shape.vocabSize, 1), dims, generator,
+                         at::TensorOptions(at::kLong));
+    }
+    return at::randn(dims, generator);
+  }
   if (shape.task == TaskKind::kLanguageModel) {
     return at::randint(shape.vocabSize, {2, std::min<int64_t>(shape.seqLen, tokens)}, generator,
                        at::TensorOptions(at::kLong));
   }
   return at::randn({2, shape.channels, shape.height, shape.width}, generator);
+}
+
+// The output shape the loss needs on input `x`, or "" when any fits (the module's own loss).
+std::string neededOutput(const ModelSpec& spec, const DataShape& shape, const at::Tensor& x,
+                         const at::Tensor& out) {
+  const bool regression = shape.task == TaskKind::kRegression;
+  const std::string& loss = spec.loss;
+  if (loss == "module" || (loss == "mse" && !regression)) return "";
+  if (loss == "cross_entropy" && regression) {
+    throw ConfigError(fmt::format(
+        "model.loss = 'cross_entropy' needs integer class targets, but this data's targets are "
+        "{} (regression); use model.loss = 'mse' or leave it empty",
+        at::toString(shape.targetType)));
+  }
+  std::vector<int64_t> want{x.size(0)};
+  std::string what;
+  if (regression) {
+    want.insert(want.end(), shape.targetShape.begin(), shape.targetShape.end());
+    what = "[batch, ...] as the targets (mean squared error)";
+  } else if (shape.task == TaskKind::kLanguageModel) {
+    if (shape.targetShape.empty()) {
+      want.push_back(x.size(1));
+    } else {
+      want.insert(want.end(), shape.targetShape.begin(), shape.targetShape.end());
+    }
+    want.push_back(shape.vocabSize);
+    what = fmt::format("[batch, seq, {}] (the vocabulary)", shape.vocabSize);
+  } else {
+    want.push_back(shape.numClasses);
+    what = fmt::format("[batch, {}] (the classes)", shape.numClasses);
+  }
+  return out.sizes().vec() == want ? "" : what;
 }
 
 at::Tensor run(jit::Module& module, const at::Tensor& x) {
@@ -291,20 +332,12 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
                       spec.path, shapeText(x), failed));
     }
   }
-  const bool crossEntropy = spec.loss.empty() || spec.loss == "cross_entropy";
-  if (crossEntropy) {
-    const bool lm = shape.task == TaskKind::kLanguageModel;
-    const bool fits =
-        lm ? (whole.dim() == 3 && whole.size(0) == x.size(0) && whole.size(1) == x.size(1) &&
-              whole.size(2) == shape.vocabSize)
-           : (whole.dim() == 2 && whole.size(0) == x.size(0) && whole.size(1) == shape.numClasses);
-    if (!fits) {
-      throw ConfigError(fmt::format(
-          "model.path {}: on input {} it gives {}, but cross-entropy on this data needs {}",
-          spec.path, shapeText(x), shapeText(whole),
-          lm ? fmt::format("[batch, seq, {}] (the vocabulary)", shape.vocabSize)
-             : fmt::format("[batch, {}] (the classes)", shape.numClasses)));
-    }
+  const std::string needed = neededOutput(spec, shape, x, whole);
+  if (!needed.empty()) {
+    throw ConfigError(
+        fmt::format("model.path {}: on input {} it gives {}, but the loss on this "
+                    "data needs {}",
+                    spec.path, shapeText(x), shapeText(whole), needed));
   }
 
   // The blocks.

@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 #include <zlib.h>
 
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include "core/errors.h"
@@ -55,6 +56,7 @@ DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed) {
     o.seqLen = options.seqLen;
     return loadTokenFiles(o);
   }
+  if (name == "npy") return loadNpyArrays(path);
   if (name == "synthetic") {
     SyntheticOptions o;
     o.task = options.syntheticTask == "tokens" ? TaskKind::kLanguageModel
@@ -124,6 +126,14 @@ nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data,
   if (options.data.dataset == "tokens") {
     j["data.vocab_size"] = options.data.vocabSize;
     j["data.token_dtype"] = options.data.tokenDtype;
+  }
+  // Arrays: what one example is (a model built for other arrays would not fit them).
+  if (options.data.dataset == "npy") {
+    const DataShape shape = data.train->shape();
+    j["data.arrays"] =
+        fmt::format("inputs [{}] {}, targets [{}] {}, {} classes", fmt::join(shape.inputShape, ","),
+                    at::toString(shape.inputType), fmt::join(shape.targetShape, ","),
+                    at::toString(shape.targetType), shape.numClasses);
   }
   // A scripted module is its file, not the config's keys: its parameters' names and shapes
   // (not their values, which the checkpoint holds) say whether a checkpoint fits it.

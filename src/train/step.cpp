@@ -2,6 +2,9 @@
 #include "train/step.h"
 
 #include <cmath>
+#include <limits>
+
+#include <fmt/format.h>
 
 #include <torch/torch.h>
 
@@ -67,6 +70,9 @@ EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize
   const int rank = comm != nullptr ? comm->rank() : 0;
   const int world = comm != nullptr ? comm->size() : 1;
   int64_t index = -1;
+  // Accuracy counts the argmax of the last dimension against class targets; a module's own loss
+  // may take outputs of other shapes (then there is no accuracy, as for regression).
+  bool classes = dataset.shape().task != TaskKind::kRegression;
   for (const auto& indices : sequentialBatches(dataset.size(), batchSize)) {
     ++index;
     if (maxBatches > 0 && index >= maxBatches) break;
@@ -76,7 +82,9 @@ EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize
     at::Tensor loss = model->loss(out, b.target);
     int64_t n = b.target.numel();
     lossSum += loss.item<double>() * static_cast<double>(n);
-    correct += out.argmax(-1).eq(b.target).sum().item<int64_t>();
+    classes = classes && out.dim() == b.target.dim() + 1 &&
+              out.sizes().slice(0, b.target.dim()) == b.target.sizes();
+    if (classes) correct += out.argmax(-1).eq(b.target).sum().item<int64_t>();
     counted += n;
     r.examples += b.size();
   }
@@ -93,8 +101,14 @@ EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize
   }
   CARAVAN_CHECK(counted > 0, "empty evaluation set");
   r.loss = lossSum / static_cast<double>(counted);
-  r.accuracy = static_cast<double>(correct) / static_cast<double>(counted);
+  r.accuracy = classes ? static_cast<double>(correct) / static_cast<double>(counted)
+                       : std::numeric_limits<double>::quiet_NaN();
   return r;
+}
+
+std::string accuracyText(double accuracy, const std::string& label) {
+  if (std::isnan(accuracy)) return "";
+  return fmt::format(", {}accuracy {:.2f}%", label, 100.0 * accuracy);
 }
 
 }  // namespace caravan

@@ -39,9 +39,13 @@ StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, cons
 
 struct EvalResult {
   double loss = 0.0;      // mean per example (per token for language models)
-  double accuracy = 0.0;  // fraction correct (per token for language models)
+  double accuracy = 0.0;  // fraction correct (per token for language models); NaN for
+                          // regression (float targets: nothing to count; null in JSON)
   int64_t examples = 0;
 };
+
+// ", accuracy 91.20%" (with `label` before "accuracy"), or "" when there is none (regression).
+std::string accuracyText(double accuracy, const std::string& label = "");
 
 class Communicator;
 

@@ -371,8 +371,8 @@ void Trainer::evaluateNow(std::optional<double> distance) {
                         {"time_s", trainSeconds()}};
   if (strategy_ != nullptr) rec["consensus_distance"] = consensus;
   if (metrics_) metrics_->write(rec);
-  progress_.line(fmt::format("eval  step {} epoch {}: loss {:.4f} accuracy {:.2f}%", s_.state.step,
-                             epoch_, r.loss, 100.0 * r.accuracy));
+  progress_.line(fmt::format("eval  step {} epoch {}: loss {:.4f}{}", s_.state.step, epoch_, r.loss,
+                             accuracyText(r.accuracy)));
   summary_.evalLoss = r.loss;
   summary_.evalAccuracy = r.accuracy;
   lastEvalStep_ = s_.state.step;

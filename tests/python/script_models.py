@@ -11,6 +11,7 @@ torch.jit.script(module).save(OUT_DIR/<name>.pt). Usage: script_models.py OUT_DI
   dropout-between.pt, detach-between.pt  children in order by value in eval mode, not in
                 training (dropout between them) or for gradients (a detach): one block
   tied.pt       one module under two names (tied weights: refused); pair.pt returns a tuple
+  linear.pt     nn.Linear(4, 2) with no bias, for regression on arrays
 Needs Debian's python3-torch: run with /usr/bin/python3.
 """
 import os
@@ -94,6 +95,8 @@ def main(out_dir):
     torch.jit.script(DetachBetween()).save(os.path.join(out_dir, "detach-between.pt"))
     torch.jit.script(Tied()).save(os.path.join(out_dir, "tied.pt"))
     torch.jit.script(Pair()).save(os.path.join(out_dir, "pair.pt"))
+    torch.jit.script(nn.Sequential(nn.Linear(4, 2, bias=False))).save(
+        os.path.join(out_dir, "linear.pt"))
 
     def function(x: torch.Tensor) -> torch.Tensor:
         return x * 2
