@@ -16,6 +16,7 @@ packages=(
   libopenmpi-dev openmpi-bin                          # the mpi communicator backend (optional)
   dataset-fashion-mnist                               # /usr/share/datasets/fashion-mnist
   python3-torch                                       # reference oracle and benchmark peer only
+  sentencepiece                                       # spm_encode: the tokenizer test's oracle
   iproute2                                            # multi-host tests in network namespaces
   clang libclang-rt-14-dev                            # libFuzzer targets (scripts/fuzz.sh)
   clang-format                                        # scripts/format_check.sh (CI)

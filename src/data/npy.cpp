@@ -348,6 +348,12 @@ NpyHeader parseNpyHeader(std::string_view bytes, const std::string& path, int64_
 
 NpyHeader readNpyHeader(const std::string& path) { return openArray(path).header; }
 
+std::pair<int64_t, int64_t> npyIntegerRange(const std::string& path) {
+  const ArrayFile a = openArray(path);
+  if (a.type == at::kFloat) throw DataError(fmt::format("{} holds float32, not integers", path));
+  return integerRange(a);
+}
+
 DatasetSplits loadNpyArrays(const std::string& dir) {
   if (dir.empty()) {
     throw ConfigError(

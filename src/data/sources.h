@@ -5,6 +5,7 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "data/dataset.h"
@@ -39,11 +40,18 @@ DatasetSplits loadFashionMnist(const std::string& dir);
 // Checked at load: whole ids only, at least one window, every id below vocabSize (one pass).
 struct TokenFileOptions {
   std::string dir;
-  std::string dtype = "uint16";  // uint16 | uint32
+  std::string dtype = "uint16";  // uint16 | uint32 (uint8: bytes, for text)
   int64_t vocabSize = 0;
   int64_t seqLen = 128;
+  std::string trainFile = "train.bin";
+  std::string valFile = "val.bin";
 };
 DatasetSplits loadTokenFiles(const TokenFileOptions& options);
+
+// Text at the byte level: data.path holds train.txt and val.txt (UTF-8 or any bytes), each byte
+// a token (vocabulary 256), read as token files are. Tokenize with a model first for more:
+// caravan data tokenize (data/text.h) writes token files.
+DatasetSplits loadTextBytes(const std::string& dir, int64_t seqLen);
 
 // NumPy .npy arrays (format versions 1.0, 2.0 and 3.0; little-endian float32, uint8 or int64,
 // C order). Read by Caravan's own header parser (xtensor's reader loads whole files into memory;
@@ -65,6 +73,10 @@ NpyHeader parseNpyHeader(std::string_view bytes, const std::string& path, int64_
 
 // The header of the .npy file at `path` (as parseNpyHeader, with the file's size checked).
 NpyHeader readNpyHeader(const std::string& path);
+
+// The smallest and largest value of the integer (uint8 or int64) .npy file at `path`, read in
+// one pass; throws DataError for a float32 or empty array.
+std::pair<int64_t, int64_t> npyIntegerRange(const std::string& path);
 
 // Arrays: data.path holds train_inputs.npy, train_targets.npy, test_inputs.npy and
 // test_targets.npy; dimension 0 counts examples (the same in inputs and targets). Inputs:

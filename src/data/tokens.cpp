@@ -18,8 +18,9 @@
 namespace caravan {
 namespace {
 
-// The id at index k of little-endian ids `width` bytes wide (2: uint16, 4: uint32).
+// The id at index k of little-endian ids `width` bytes wide (1: uint8, 2: uint16, 4: uint32).
 int64_t idAt(const unsigned char* bytes, int width, int64_t k) {
+  if (width == 1) return bytes[k];
   if (width == 2) {
     uint16_t v;
     std::memcpy(&v, bytes + 2 * k, 2);
@@ -91,15 +92,13 @@ class TokenFileDataset : public Dataset {
 
 std::shared_ptr<const Dataset> loadSplit(const TokenFileOptions& o, const std::string& file) {
   const std::string path = (std::filesystem::path(o.dir) / file).string();
-  const int width = o.dtype == "uint16" ? 2 : 4;
+  const int width = o.dtype == "uint8" ? 1 : o.dtype == "uint16" ? 2 : 4;
   struct stat st {};
   std::string why;
   const int fd = openRegularFile(path, &why);
   if (fd < 0) {
-    throw DataError(
-        fmt::format("token file {} {} (data.path is a directory holding train.bin "
-                    "and val.bin)",
-                    path, why));
+    throw DataError(fmt::format("token file {} {} (data.path is a directory holding {} and {})",
+                                path, why, o.trainFile, o.valFile));
   }
   const auto closeFd = onScopeExit([fd] { ::close(fd); });
   if (::fstat(fd, &st) != 0) throw DataError(fmt::format("cannot stat {}", path));
@@ -139,14 +138,14 @@ std::shared_ptr<const Dataset> loadSplit(const TokenFileOptions& o, const std::s
   }
   auto held = std::make_shared<const OwnedFd>(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
   if (held->get() < 0) throw DataError(fmt::format("cannot keep {} open", path));
-  return std::make_shared<TokenFileDataset>("tokens/" + file, std::move(held), tokens, width,
-                                            o.seqLen, o.vocabSize);
+  return std::make_shared<TokenFileDataset>((o.dtype == "uint8" ? "text/" : "tokens/") + file,
+                                            std::move(held), tokens, width, o.seqLen, o.vocabSize);
 }
 
 }  // namespace
 
 DatasetSplits loadTokenFiles(const TokenFileOptions& options) {
-  if (options.dtype != "uint16" && options.dtype != "uint32") {
+  if (options.dtype != "uint16" && options.dtype != "uint32" && options.dtype != "uint8") {
     throw ConfigError(fmt::format("data.token_dtype = '{}'; use uint16 or uint32", options.dtype));
   }
   if (options.vocabSize < 1) {
@@ -157,7 +156,22 @@ DatasetSplits loadTokenFiles(const TokenFileOptions& options) {
         "data.dataset = 'tokens' needs data.path: a directory holding train.bin "
         "and val.bin");
   }
-  return DatasetSplits{loadSplit(options, "train.bin"), loadSplit(options, "val.bin")};
+  return DatasetSplits{loadSplit(options, options.trainFile), loadSplit(options, options.valFile)};
+}
+
+DatasetSplits loadTextBytes(const std::string& dir, int64_t seqLen) {
+  if (dir.empty()) {
+    throw ConfigError(
+        "data.dataset = 'text' needs data.path: a directory holding train.txt and val.txt");
+  }
+  TokenFileOptions o;
+  o.dir = dir;
+  o.dtype = "uint8";
+  o.vocabSize = 256;
+  o.seqLen = seqLen;
+  o.trainFile = "train.txt";
+  o.valFile = "val.txt";
+  return loadTokenFiles(o);
 }
 
 }  // namespace caravan

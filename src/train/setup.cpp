@@ -57,6 +57,7 @@ DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed) {
     return loadTokenFiles(o);
   }
   if (name == "npy") return loadNpyArrays(path);
+  if (name == "text") return loadTextBytes(path, options.seqLen);
   if (name == "synthetic") {
     SyntheticOptions o;
     o.task = options.syntheticTask == "tokens" ? TaskKind::kLanguageModel
