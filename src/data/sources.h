@@ -28,10 +28,13 @@ struct IdxArray {
 // exactly (a truncated or over-long file is an error). Throws DataError.
 IdxArray readIdx(const std::string& path);
 
-// Fashion-MNIST from a directory holding train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz,
-// t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz. Images are normalized with the
-// training-set mean and standard deviation; input [B,1,28,28] float32, target [B] int64.
-DatasetSplits loadFashionMnist(const std::string& dir);
+// Image/label pairs in IDX files, the layout of Fashion-MNIST, MNIST, KMNIST and EMNIST: `path`
+// is a directory holding train-images-idx3-ubyte, train-labels-idx1-ubyte and the test split's
+// (t10k-... or test-...), each gzipped (.gz) or not; or a directory and a file-name prefix
+// ("emnist/emnist-letters-"). Images [N, H, W] of any size; the classes are the largest label
+// + 1. Images are normalized with the training set's mean and standard deviation; input
+// [B, 1, H, W] float32, target [B] int64. `name` names the datasets ("fashion-mnist", "idx").
+DatasetSplits loadIdxPairs(const std::string& path, const std::string& name);
 
 // Token files: data.path holds train.bin and val.bin, flat little-endian arrays of token ids
 // (uint16 or uint32, the layout nanoGPT's prepare scripts write). Read one window at a time

@@ -39,7 +39,7 @@ DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed) {
   const std::string& name = options.dataset;
   const std::string& path = options.path;
   if (name == "fashion-mnist") {
-    return loadFashionMnist(path.empty() ? kDefaultFashionMnistDir : path);
+    return loadIdxPairs(path.empty() ? kDefaultFashionMnistDir : path, name);
   }
   if (name == "brown") {
     BrownOptions o;
@@ -55,6 +55,12 @@ DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed) {
     o.vocabSize = options.vocabSize;
     o.seqLen = options.seqLen;
     return loadTokenFiles(o);
+  }
+  if (name == "idx") {
+    if (path.empty()) {
+      throw ConfigError("data.dataset = 'idx' needs data.path: the directory of the IDX files");
+    }
+    return loadIdxPairs(path, name);
   }
   if (name == "npy") return loadNpyArrays(path);
   if (name == "text") return loadTextBytes(path, options.seqLen);
