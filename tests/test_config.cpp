@@ -194,3 +194,48 @@ TEST(Config, OverrideWithMoreThanOneValueIsRefused) {
   }
   EXPECT_EQ(Config::fromString("", "<t>", {"data.path=\"x\""}).str("data.path"), "x");
 }
+
+// [[data.sources]]: read in order, written back by toToml so that a run's config.toml reads
+// back the same; each bad table is one line naming the line.
+TEST(Config, DataSourcesReadBackAndBadOnesAreNamed) {
+  const std::string good =
+      "[data]\nbatch_size = 8\n\n[[data.sources]]\npath = \"a b\"\nformat = \"tokens\"\n"
+      "weight = 3\n\n[[data.sources]]\npath = \"c\"\nformat = \"npy\"\n\n[model]\nname = "
+      "\"gpt\"\n";
+  const Config c = Config::fromString(good, "good.toml");
+  ASSERT_EQ(c.dataSources().size(), 2u);
+  EXPECT_EQ(c.dataSources()[0], (DataSource{"a b", "tokens", 3.0}));
+  EXPECT_EQ(c.dataSources()[1], (DataSource{"c", "npy", 1.0}));
+  EXPECT_EQ(c.i64("data.batch_size"), 8);
+  EXPECT_EQ(c.str("model.name"), "gpt");
+  const Config again = Config::fromString(c.toToml(), "resolved");
+  EXPECT_EQ(again.dataSources(), c.dataSources());
+  EXPECT_EQ(again.toToml(), c.toToml());
+
+  const std::string head = "[data]\nbatch_size = 8\n";
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"[[data.sources]]\npath = \"a\"\nformat = \"tokens\"\nweight = 0\n",
+       "bad.toml:6: data.sources weight must be a finite number above 0"},
+      {"[[data.sources]]\npath = \"a\"\nformat = \"tokens\"\nweight = -1.5\n", "above 0"},
+      {"[[data.sources]]\npath = \"a\"\nformat = \"tokens\"\nweight = nan\n", "finite"},
+      {"[[data.sources]]\npath = \"a\"\nformat = \"tokens\"\nweight = inf\n", "finite"},
+      {"[[data.sources]]\npath = \"a\"\nformat = \"tokens\"\n[[data.sources]]\npath = \"./a\"\n"
+       "format = \"npy\"\n",
+       "lists ./a twice"},
+      {"[[data.sources]]\npath = \"a\"\n", "needs path and format"},
+      {"[[data.sources]]\npath = \"a\"\nformat = \"csv\"\n", "format = \"csv\" is not one of"},
+      {"[[data.sources]]\npath = \"a\"\nformat = \"npy\"\nshare = 2\n", "unknown key 'share'"},
+      {"sources = 3\n", "must be tables"}};
+  for (const auto& [text, says] : bad) {
+    SCOPED_TRACE(text);
+    try {
+      Config::fromString(head + text, "bad.toml");
+      ADD_FAILURE() << "accepted";
+    } catch (const ConfigError& e) {
+      const std::string m = e.what();
+      EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+      EXPECT_NE(m.find(says), std::string::npos) << m;
+    }
+  }
+  EXPECT_THROW(Config::fromString("", "x", {"data.sources=[]"}), ConfigError);
+}

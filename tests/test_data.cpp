@@ -704,6 +704,59 @@ TEST(NpyArrays, BadFilesAreRefusedWithOneLine) {
                   {"test_inputs.npy does not exist", "train_inputs.npy, train_targets.npy"});
 }
 
+// ---- Mixtures (data.sources) ---------------------------------------------------------------
+
+// Two sources weighted 3:1: an epoch's samples split 3:1 (to the slot), each sample is its
+// source's example (e * slots + k) mod size, and over epochs every example of the source with
+// fewer slots than examples comes round.
+TEST(Mixture, SharesFollowTheWeightsAndEveryExampleComesRound) {
+  SyntheticOptions o;
+  o.trainSize = 100;
+  const DatasetSplits a = makeSynthetic(o);
+  o.trainSize = 400;
+  o.seed = 99;
+  const DatasetSplits b = makeSynthetic(o);
+  const DatasetSplits mix = mixSources({{"a", a, 3.0}, {"b", b, 1.0}});
+  ASSERT_EQ(mix.train->size(), 500);
+  EXPECT_EQ(mix.train->sourceLabels(), (std::vector<std::string>{"a", "b"}));
+  std::vector<int64_t> fromA;
+  for (int64_t i = 0; i < 500; ++i) {
+    if (mix.train->sourceOf(i) == 0) fromA.push_back(i);
+  }
+  EXPECT_NEAR(static_cast<double>(fromA.size()), 375.0, 1.0);
+  std::set<int64_t> seenB;
+  for (int64_t epoch = 0; epoch < 4; ++epoch) {
+    for (int64_t i = 0; i < 500; ++i) {
+      const Batch m = mix.train->getForEpoch({i}, epoch);
+      const DatasetSplits& part = mix.train->sourceOf(i) == 0 ? a : b;
+      // The example: find it in its source (synthetic examples are distinct).
+      int64_t found = -1;
+      for (int64_t j = 0; j < part.train->size() && found < 0; ++j) {
+        if (at::equal(part.train->get({j}).input, m.input)) found = j;
+      }
+      ASSERT_GE(found, 0) << "mixture index " << i << " is no example of its source";
+      if (mix.train->sourceOf(i) == 1) seenB.insert(found);
+    }
+  }
+  EXPECT_EQ(seenB.size(), 400u) << "every example of b within 4 epochs of 125 slots";
+  EXPECT_EQ(mix.test->size(), a.test->size() + b.test->size());
+  EXPECT_TRUE(at::equal(mix.test->get({a.test->size()}).input, b.test->get({0}).input));
+
+  // Sources of different examples are refused.
+  SyntheticOptions tokens;
+  tokens.task = TaskKind::kLanguageModel;
+  expectDataError(
+      [&] {
+        mixSources({{"a", a, 1.0}, {"t", makeSynthetic(tokens), 1.0}});
+      },
+      {"data.sources: a and t hold different examples"});
+  expectDataError(
+      [&] {
+        mixSources({{"a", a, 1.0}, {"b", b, 1e-6}});
+      },
+      {"b has weight 1e-06", "less than one sample in 1024"});
+}
+
 // ---- Sampler --------------------------------------------------------------------------------
 
 std::vector<std::vector<int64_t>> take(Sampler& s, int64_t n) {

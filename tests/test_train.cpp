@@ -445,3 +445,43 @@ TEST(MetricsFile, ResumeKeepsEverythingButLaterRecordsAndACutLastLine) {
             "a note someone added\n"
             "{\"kind\":\"eval\",\"step\":5}\n");
 }
+
+// A mixture of two array sources weighted 3:1: the run resumes exactly (the mix is a dataset
+// like any other to the sampler), and each train record counts the samples from each source.
+TEST(Resume, MixtureIsExactAndCountsSamplesPerSource) {
+  TempDir tmp;
+  for (const char* d : {"a", "b"}) {
+    std::filesystem::create_directories(tmp / d);
+    exportSyntheticArrays(tmp / d);
+  }
+  const std::string text = "[[data.sources]]\npath = \"" + tmp / "a" +
+                           "\"\nformat = \"npy\"\nweight = 3\n[[data.sources]]\npath = \"" +
+                           tmp / "b" + "\"\nformat = \"npy\"\nweight = 1\n";
+  std::vector<std::string> sets = {"data.batch_size=8", "train.log_every=1",  "train.eval_every=10",
+                                   "train.threads=1",   "checkpoint.every=7", "model.name=mlp",
+                                   "model.width=8"};
+  sets.push_back("train.max_steps=30");
+  expectExactResume(Config::fromString(text, "<test>", sets));
+
+  // One epoch: 2 x 96 mixture slots, 24 steps of 8.
+  sets.back() = "train.max_steps=24";
+  TrainerOptions o;
+  o.quiet = true;
+  o.runDir = tmp / "counted";
+  train(Config::fromString(text, "<test>", sets), o);
+  int64_t a = 0, b = 0, records = 0;
+  std::istringstream lines(test::readFile(tmp / "counted/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["kind"] != "train") continue;
+    ++records;
+    const auto& counts = j.at("source_samples");
+    a += counts.at(tmp / "a").get<int64_t>();
+    b += counts.at(tmp / "b").get<int64_t>();
+    EXPECT_EQ(counts.at(tmp / "a").get<int64_t>() + counts.at(tmp / "b").get<int64_t>(), 8);
+  }
+  EXPECT_EQ(records, 24);
+  // The whole epoch: its 192 slots split 3:1 exactly (the interleave repeats a, a, a, b).
+  EXPECT_EQ(a, 144);
+  EXPECT_EQ(b, 48);
+}

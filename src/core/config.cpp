@@ -1,6 +1,7 @@
 // Config schema, TOML parsing, override handling and validation.
 #include "core/config.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -364,6 +365,79 @@ void walk(const toml::table& table, const std::string& prefix, const std::string
   }
 }
 
+// Always a basic "..." string with escapes: toml++ 3.3's literal and multi-line forms do not
+// read back as the same string for every value (one starting with a newline, or holding three
+// single quotes).
+std::string tomlString(const std::string& text) {
+  constexpr auto kFlags =
+      toml::toml_formatter::default_flags &
+      ~(toml::format_flags::allow_literal_strings | toml::format_flags::allow_multi_line_strings);
+  std::ostringstream ss;
+  ss << toml::toml_formatter(toml::value<std::string>(text), kFlags);
+  return ss.str();
+}
+
+// The [[data.sources]] array of tables; throws ConfigError naming the line for what is wrong.
+std::vector<DataSource> readSources(const toml::node& node, const std::string& source) {
+  const std::string at = where(source, node);
+  const toml::array* list = node.as_array();
+  if (list == nullptr || !list->is_array_of_tables()) {
+    throw ConfigError(fmt::format(
+        "{}: data.sources must be tables: [[data.sources]] with path, format and weight", at));
+  }
+  static const std::vector<std::string> kFormats = {"tokens", "npy", "text", "idx"};
+  std::vector<DataSource> out;
+  for (const toml::node& item : *list) {
+    const toml::table& t = *item.as_table();
+    const std::string here = where(source, item);
+    DataSource d;
+    for (const auto& [k, v] : t) {
+      const std::string key(k.str());
+      const std::string vat = where(source, v);
+      if (key == "path" || key == "format") {
+        const auto text = v.value_exact<std::string>();
+        if (!text || text->empty()) {
+          throw ConfigError(
+              fmt::format("{}: data.sources {} must be a non-empty string", vat, key));
+        }
+        (key == "path" ? d.path : d.format) = *text;
+      } else if (key == "weight") {
+        std::optional<double> w = v.value_exact<double>();
+        if (!w) {
+          if (auto i = v.value_exact<int64_t>()) w = static_cast<double>(*i);
+        }
+        if (!w || !std::isfinite(*w) || *w <= 0.0) {
+          throw ConfigError(fmt::format(
+              "{}: data.sources weight must be a finite number above 0 (a share of the samples)",
+              vat));
+        }
+        d.weight = *w;
+      } else {
+        throw ConfigError(fmt::format(
+            "{}: unknown key '{}' in [[data.sources]] (known: path, format, weight)", vat, key));
+      }
+    }
+    if (d.path.empty() || d.format.empty()) {
+      throw ConfigError(fmt::format("{}: [[data.sources]] needs path and format", here));
+    }
+    if (std::find(kFormats.begin(), kFormats.end(), d.format) == kFormats.end()) {
+      throw ConfigError(fmt::format("{}: data.sources format = \"{}\" is not one of: {}", here,
+                                    d.format, fmt::join(kFormats, ", ")));
+    }
+    for (const DataSource& seen : out) {
+      if (std::filesystem::path(seen.path).lexically_normal() ==
+          std::filesystem::path(d.path).lexically_normal()) {
+        throw ConfigError(fmt::format(
+            "{}: data.sources lists {} twice; give it once, with the sum of the weights", here,
+            d.path));
+      }
+    }
+    out.push_back(d);
+  }
+  if (out.empty()) throw ConfigError(fmt::format("{}: data.sources is empty", at));
+  return out;
+}
+
 }  // namespace
 
 const std::vector<ConfigOption>& Config::schema() {
@@ -411,6 +485,12 @@ Config Config::fromString(const std::string& text, const std::string& source,
     throw ConfigError(fmt::format("{}:{}: invalid TOML: {}", source, e.source().begin.line,
                                   e.description()));
   }
+  if (toml::table* data = table["data"].as_table()) {
+    if (const toml::node* sources = data->get("sources")) {
+      config.sources_ = readSources(*sources, source);
+      data->erase("sources");
+    }
+  }
   std::vector<std::pair<std::string, std::pair<ConfigValue, std::string>>> entries;
   walk(table, "", source, entries);
   for (const auto& [key, vw] : entries) config.assign(key, vw.first, vw.second);
@@ -423,6 +503,10 @@ Config Config::fromString(const std::string& text, const std::string& source,
     std::string key = item.substr(0, eq);
     std::string raw = item.substr(eq + 1);
     std::string at = "--set " + item;
+    if (key == "data.sources") {
+      throw ConfigError(fmt::format(
+          "{}: data.sources are [[data.sources]] tables; write them in the config file", at));
+    }
     const ConfigOption* opt = findOption(key);
     if (opt == nullptr) {
       std::string section = key.substr(0, key.find('.'));
@@ -498,26 +582,31 @@ const std::string& Config::str(const std::string& key) const {
 }
 bool Config::isSet(const std::string& key) const { return set_.count(key) > 0; }
 
+std::string Config::sourcesToml() const {
+  std::string out;
+  for (const DataSource& d : sources_) {
+    std::string w = fmt::format("{}", d.weight);
+    if (w.find_first_of(".eEn") == std::string::npos) w += ".0";
+    out += fmt::format("\n[[data.sources]]\npath = {}\nformat = \"{}\"\nweight = {}\n",
+                       tomlString(d.path), d.format, w);
+  }
+  return out;
+}
+
 std::string Config::toToml() const {
   std::string out = "# Resolved Caravan configuration: every key, defaults filled in.\n";
   std::string section;
   for (const auto& o : schema()) {
     std::string s = o.key.substr(0, o.key.find('.'));
     if (s != section) {
+      if (section == "data") out += sourcesToml();  // after the [data] keys, before [model]
       out += fmt::format("\n[{}]\n", s);
       section = s;
     }
     std::string v;
     const ConfigValue& cv = values_.at(o.key);
     if (o.type == ConfigType::kString) {
-      // Always a basic "..." string with escapes: toml++ 3.3's '...' and multi-line forms do
-      // not read back as the same string for every value ("\n..." or one holding ''').
-      constexpr auto kFlags = toml::toml_formatter::default_flags &
-                              ~(toml::format_flags::allow_literal_strings |
-                                toml::format_flags::allow_multi_line_strings);
-      std::ostringstream ss;
-      ss << toml::toml_formatter(toml::value<std::string>(std::get<std::string>(cv)), kFlags);
-      v = ss.str();
+      v = tomlString(std::get<std::string>(cv));
     } else if (o.type == ConfigType::kFloat) {
       v = fmt::format("{}", std::get<double>(cv));
       if (v.find_first_of(".eEn") == std::string::npos) v += ".0";  // keep it a TOML float

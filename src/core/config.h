@@ -30,6 +30,18 @@ struct ConfigOption {
   std::vector<std::string> choices;  // allowed strings (empty = any)
 };
 
+// One [[data.sources]] table: a dataset of its own (the files data.dataset = FORMAT with
+// data.path = PATH reads) and its share of the training samples (weight / the weights' sum).
+// The other [data] keys (seq_len, token_dtype, vocab_size, ...) apply to every source.
+struct DataSource {
+  std::string path;
+  std::string format;  // tokens | npy | text | idx
+  double weight = 1.0;
+  bool operator==(const DataSource& o) const {
+    return path == o.path && format == o.format && weight == o.weight;
+  }
+};
+
 class Config {
  public:
   // All defaults; no file.
@@ -49,6 +61,10 @@ class Config {
   bool flag(const std::string& key) const;
   const std::string& str(const std::string& key) const;
 
+  // The [[data.sources]] tables, in the file's order (empty: one dataset, data.dataset).
+  // Checked at parse: path and format given, format one of DataSource's, weight finite and
+  // above 0, no path twice. Set in the config file only (not by --set).
+  const std::vector<DataSource>& dataSources() const { return sources_; }
   // Whether the user set the key (in the file or an override) rather than taking the default.
   bool isSet(const std::string& key) const;
 
@@ -63,10 +79,12 @@ class Config {
 
  private:
   void assign(const std::string& key, const ConfigValue& value, const std::string& where);
+  std::string sourcesToml() const;
   const ConfigValue& value(const std::string& key, ConfigType expected) const;
 
   std::map<std::string, ConfigValue> values_;
   std::map<std::string, bool> set_;
+  std::vector<DataSource> sources_;
 };
 
 }  // namespace caravan

@@ -51,6 +51,16 @@ class Dataset {
   virtual DataShape shape() const = 0;
   // Assembles the examples at `indices` (each in [0, size())) into one batch.
   virtual Batch get(const std::vector<int64_t>& indices) const = 0;
+  // As get, for the training loader in epoch `epoch` (0, 1, ...): a mixture of sources maps an
+  // index to another example of its source each epoch, so that every example of a source comes
+  // round. The same as get for every other dataset.
+  virtual Batch getForEpoch(const std::vector<int64_t>& indices, int64_t epoch) const {
+    return get(indices);
+  }
+  // A mixture's sources (data.sources, in the config's order) and the one example `index`
+  // comes from; one unnamed source otherwise.
+  virtual std::vector<std::string> sourceLabels() const { return {}; }
+  virtual int sourceOf(int64_t index) const { return 0; }
 };
 
 // The rows `indices` of `input` and `target` (dimension 0) as one batch; checks each index

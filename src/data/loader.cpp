@@ -183,7 +183,8 @@ void Loader::run() {
       // Only this thread touches sampler_ while it runs.
       LoadedBatch loaded;
       loaded.position = sampler_->position();
-      loaded.batch = dataset_->get(sampler_->next());
+      loaded.indices = sampler_->next();
+      loaded.batch = dataset_->getForEpoch(loaded.indices, loaded.position.epoch);
       std::lock_guard<std::mutex> lock(mutex_);
       if (stopping_) return;
       queue_.push_back(std::move(loaded));

@@ -66,7 +66,8 @@ class Sampler {
 
 struct LoadedBatch {
   Batch batch;
-  SamplerPosition position;  // the sampler position *before* this batch was drawn
+  SamplerPosition position;      // the sampler position *before* this batch was drawn
+  std::vector<int64_t> indices;  // the dataset's examples in the batch
 };
 
 // Owns a Sampler; a background thread keeps up to `prefetch` batches ready. `next()` is called

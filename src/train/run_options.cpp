@@ -76,6 +76,11 @@ RunOptions RunOptions::read(const Config& config) {
   d.prefetch = config.i64("data.prefetch");
   d.syntheticTask = config.str("data.synthetic_task");
   d.syntheticSize = config.i64("data.synthetic_size");
+  d.sources = config.dataSources();
+  if (!d.sources.empty() && (config.isSet("data.dataset") || config.isSet("data.path"))) {
+    throw ConfigError(
+        "[[data.sources]] name each source's path and format; remove data.dataset and data.path");
+  }
 
   r.model.name = config.str("model.name");
   r.model.width = config.i64("model.width");

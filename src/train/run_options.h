@@ -42,6 +42,7 @@ struct DataOptions {
   int64_t prefetch = 2;
   std::string syntheticTask;  // image | tokens
   int64_t syntheticSize = 512;
+  std::vector<DataSource> sources;  // [[data.sources]]: a mixture (empty: data.dataset alone)
 };
 
 struct OptimizerOptions {

@@ -36,6 +36,17 @@ void applyRuntimeOptions(const RuntimeOptions& options) {
 }
 
 DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed) {
+  if (!options.sources.empty()) {
+    std::vector<MixtureSource> sources;
+    for (const DataSource& d : options.sources) {
+      DataOptions one = options;
+      one.sources.clear();
+      one.dataset = d.format;
+      one.path = d.path;
+      sources.push_back(MixtureSource{d.path, makeDatasets(one, dataSeed), d.weight});
+    }
+    return mixSources(sources);
+  }
   const std::string& name = options.dataset;
   const std::string& path = options.path;
   if (name == "fashion-mnist") {
@@ -133,6 +144,10 @@ nlohmann::json runIdentity(const RunOptions& options, const DatasetSplits& data,
   if (options.data.dataset == "tokens") {
     j["data.vocab_size"] = options.data.vocabSize;
     j["data.token_dtype"] = options.data.tokenDtype;
+  }
+  // A mixture: its sources and their weights (another mix is another order of samples).
+  for (const DataSource& d : options.data.sources) {
+    j["data.sources"].push_back({{"format", d.format}, {"weight", d.weight}});
   }
   // Arrays: what one example is (a model built for other arrays would not fit them).
   if (options.data.dataset == "npy") {

@@ -118,7 +118,8 @@ class Trainer {
                   loop_.logEvery),
         timeline_(options.tracePath, options.world.rank),
         stop_(options, loop_, setup.totalSteps),
-        window_(dist) {}
+        window_(dist),
+        sourceSamples_(setup.data.train->sourceLabels().size(), 0) {}
   ~Trainer() {
     if (dist_ != nullptr) dist_->setTimeline(nullptr);  // the strategy outlives the timeline
   }
@@ -162,6 +163,7 @@ class Trainer {
   int64_t epoch_ = 1;  // 1-based epoch of the latest step
   int64_t lastEvalStep_ = -1;
   int64_t skippedSteps_ = 0;  // train.nonfinite_skips used so far in this process
+  std::vector<int64_t> sourceSamples_;  // data.sources: samples of each since the last record
   double lastLoss_ = std::nan("");
   double elapsedBefore_ = 0.0;  // training seconds of earlier processes of this run
   Clock::time_point start_;
@@ -202,6 +204,9 @@ void Trainer::trainOneStep() {
   TrainingState& state = s_.state;
   LoadedBatch lb = s_.loader->next();
   epoch_ = lb.position.epoch + 1;
+  if (!sourceSamples_.empty()) {
+    for (int64_t i : lb.indices) ++sourceSamples_[s_.data.train->sourceOf(i)];
+  }
   const double lr = learningRate(s_.schedule, state.step);
   setLearningRate(*s_.optimizer, lr);
   if (strategy_ != nullptr) strategy_->setLearningRate(lr);
@@ -355,6 +360,14 @@ void Trainer::writeTrainRecord(double lr, double samplesPerS) {
                         {"time_s", trainSeconds()},
                         {"workers", s_.workers}};
   if (loop_.nonfiniteSkips > 0) rec["skipped_steps"] = skippedSteps_;  // in this process
+  if (!sourceSamples_.empty()) {
+    // This worker's samples from each source since the last train record.
+    const std::vector<std::string> labels = s_.data.train->sourceLabels();
+    nlohmann::json counts = nlohmann::json::object();
+    for (size_t k = 0; k < labels.size(); ++k) counts[labels[k]] = sourceSamples_[k];
+    rec["source_samples"] = counts;
+    std::fill(sourceSamples_.begin(), sourceSamples_.end(), 0);
+  }
   rec = window_.close(std::move(rec), s_.memory, s_.activations.executor.get(), s_.weights.get(),
                       strategy_);
   if (metrics_) metrics_->write(rec);
