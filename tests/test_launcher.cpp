@@ -528,7 +528,9 @@ TEST_F(LauncherProcess, RefusedCombinationsExitBeforeAnyWorkerStartsWithOneLine)
     EXPECT_EQ(WEXITSTATUS(*status), 2) << line;
     EXPECT_EQ(countLines(line), 1) << line;
     EXPECT_NE(line.find(needle), std::string::npos) << line;
-    EXPECT_LT(took, 2.0) << line;
+    // Refused at once, not after a rendezvous wait: well under its timeout even on a loaded
+    // machine (2 s was exceeded while other jobs shared the 2 cores).
+    EXPECT_LT(took, 10.0) << line;
     EXPECT_FALSE(forked);
     EXPECT_FALSE(fs::exists(tmp_ / "run"));
 
