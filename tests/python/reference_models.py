@@ -46,7 +46,8 @@ class ConvStage(nn.Module):
         self.conv = nn.Conv2d(inputs, outputs, kernel, padding=kernel // 2)
 
     def forward(self, x):
-        return F.max_pool2d(F.relu(self.conv(x)), 2)
+        # In place, as Caravan's ConvStage (relu_): the same ops, so timing compares engines.
+        return F.max_pool2d(F.relu(self.conv(x), inplace=True), 2)
 
 
 class MlpHead(nn.Module):
@@ -56,7 +57,7 @@ class MlpHead(nn.Module):
         self.fc2 = nn.Linear(hidden, classes)
 
     def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+        return self.fc2(F.relu(self.fc1(x.flatten(1)), inplace=True))  # as MlpHead's relu_
 
 
 class ConvBnRelu(nn.Module):
