@@ -79,6 +79,21 @@ def task_loss(out, y):
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
 
 
+def make_step(model, opt, xs, ys, batch, clip):
+    """One training step (draw, forward, loss, backward, clip, update) as a function of nothing;
+    returns the loss. Shared with bench/script_step.py's peer."""
+    def step():
+        x, y = draw_batch(xs, ys, batch)
+        opt.zero_grad()
+        loss = task_loss(model(x), y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        return loss.item()
+    return step
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
@@ -93,15 +108,7 @@ def main():
     model.train()
     opt = make_optimizer(cfg, model.parameters())
 
-    def step():
-        x, y = draw_batch(xs, ys, batch)
-        opt.zero_grad()
-        loss = task_loss(model(x), y)
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        return loss.item()
+    step = make_step(model, opt, xs, ys, batch, clip)
 
     for _ in range(a.warmup):
         step()

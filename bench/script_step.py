@@ -290,15 +290,7 @@ def cmd_peer(argv):
     model.train()
     opt = peer_train.make_optimizer(cfg, model.parameters())
 
-    def step():
-        x, y = peer_train.draw_batch(xs, ys, batch)
-        opt.zero_grad()
-        loss = peer_train.task_loss(model(x), y)
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        return loss.item()
+    step = peer_train.make_step(model, opt, xs, ys, batch, clip)
 
     for _ in range(a.warmup):
         step()
