@@ -50,7 +50,7 @@ def free_port():
 def worker(rank, a, port):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(a.threads)
+    peer_train.set_threads(a.threads)
     dist.init_process_group("gloo", rank=rank, world_size=a.workers)
     cfg = peer_train.read_config(a.config)
     sync = cfg.get("sync", {})

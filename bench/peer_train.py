@@ -9,6 +9,7 @@ The helpers (read_config, build, make_optimizer, draw_batch, task_loss) are shar
 data-parallel peer, bench/peer_ddp.py.
 """
 import argparse
+import ctypes
 import gzip
 import json
 import os
@@ -22,6 +23,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import reference_models  # noqa: E402
 
 BROWN_VOCAB = 86  # what Caravan's Brown loader reports (85 characters + unknown)
+
+
+def set_threads(n):
+    """Run on n cores, as Caravan's train.threads does (src/train/setup.cpp): torch's intra-op
+    pool and OpenBLAS's own pool. torch.set_num_threads does not reach OpenBLAS (Debian's
+    libtorch calls it through libblas.so.3, openblas-pthread), which otherwise multiplies
+    matrices on every core: measured on brown-gpt at --threads 1, the peer took 8.4 s of CPU in
+    6.2 s and ran 96 samples/s; with OpenBLAS held to one thread, 73-79 (Caravan 73)."""
+    torch.set_num_threads(n)
+    try:
+        ctypes.CDLL("libopenblas.so.0").openblas_set_num_threads(n)
+    except (OSError, AttributeError):
+        pass  # no OpenBLAS loaded: torch's own pool is all there is
+    return torch.get_num_threads()
+
+
+def cpu_seconds():
+    """CPU time of the whole process (every thread), to show how many cores a run used."""
+    return time.process_time()
 
 
 def load_fmnist(path):
@@ -101,7 +121,7 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
+    set_threads(a.threads)
     cfg = read_config(a.config)
     torch.manual_seed(0)
     model, xs, ys, batch, clip = build(cfg)
@@ -112,12 +132,14 @@ def main():
 
     for _ in range(a.warmup):
         step()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     for _ in range(a.steps):
         step()
     s = time.perf_counter() - t0
+    cpu = cpu_seconds() - c0
     print(json.dumps({"bench": "peer", "config": a.config, "threads": a.threads, "batch_size": batch,
                       "steps": a.steps, "seconds": s, "samples_per_s": a.steps * batch / s,
+                      "cpu_s_per_s": cpu / s,
                       "torch": torch.__version__}))
 
 

@@ -273,7 +273,7 @@ def cmd_peer(argv):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    peer_train.set_threads(a.threads)
     cfg = read_toml(a.config)
     data = cfg.get("data", {})
     batch = data.get("batch_size", 64)
@@ -295,18 +295,21 @@ def cmd_peer(argv):
     for _ in range(a.warmup):
         step()
     faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    cpu0 = peer_train.cpu_seconds()
     times = []
     for _ in range(a.steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
+    cpu = peer_train.cpu_seconds() - cpu0
     s = sum(times)
     print(json.dumps({"bench": "script_step-peer", "config": a.config, "threads": a.threads,
                       "batch_size": batch, "steps": a.steps, "seconds": s,
                       "samples_per_s": a.steps * batch / s,
                       "step_s_median": statistics.median(times),
                       "minor_faults_per_step": faults / a.steps,
+                      "cpu_s_per_s": cpu / s,
                       "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
                       "torch": torch.__version__}))
 
