@@ -727,3 +727,150 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple("sync.mode=gossip", 3, 0, 2, 0),
                       std::make_tuple("sync.mode=local-sgd,sync.local_period=4", 2, 0, 3, 0),
                       std::make_tuple("sync.mode=osp,sync.osp_policy=magnitude", 2, 1, 3, 2)));
+
+// ---- pipeline stages: `caravan train` with parallel.pipeline_stages = K on K workers ----------
+
+namespace {
+
+// A GPT of 5 blocks (embedding, 3 transformer blocks, head) on synthetic tokens, with AdamW and
+// clipping (the global norm spans the stages).
+std::vector<std::string> pipelineBase(const std::vector<std::string>& more) {
+  return with(with(kBase, {"data.synthetic_task=tokens", "data.seq_len=16", "model.name=gpt",
+                           "model.width=16", "model.depth=3", "model.heads=2", "optim.name=adamw",
+                           "optim.lr=0.003", "optim.grad_clip=0.5", "data.batch_size=8"}),
+              more);
+}
+
+// sqrt(sum |a - b|^2 / sum |b|^2) over every parameter.
+double relativeDifference(const std::map<std::string, at::Tensor>& a,
+                          const std::map<std::string, at::Tensor>& b) {
+  double num = 0.0, den = 0.0;
+  for (const auto& [name, t] : b) {
+    num += (a.at(name) - t).pow(2).sum().item<double>();
+    den += t.pow(2).sum().item<double>();
+  }
+  return std::sqrt(num / den);
+}
+
+std::vector<double> trainLosses(const std::string& runDir) {
+  std::vector<double> out;
+  std::istringstream lines(test::readFile(runDir + "/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("kind", "") == "train") out.push_back(j.at("loss").get<double>());
+  }
+  return out;
+}
+
+}  // namespace
+
+// With one micro-batch a pipeline computes exactly one worker's step (no pipeline code on the
+// single worker's side): the oracle is plain training.
+TEST(DistPipeline, TwoStagesOfOneMicroBatchEqualOneWorker) {
+  TempDir tmp;
+  const auto one = pipelineBase({});
+  const auto two = pipelineBase({"parallel.pipeline_stages=2", "parallel.micro_batches=1"});
+  ASSERT_EQ(runRanks(1, tmp / "one", one), std::vector<int>{0});
+  ASSERT_EQ(runRanks(2, tmp / "two", two), std::vector<int>({0, 0}))
+      << test::readFile(tmp / "two.rank0.log") << test::readFile(tmp / "two.rank1.log");
+  const double diff =
+      relativeDifference(finalParams(tmp / "two", one), finalParams(tmp / "one", one));
+  std::printf("K=2 M=1 against one worker after 20 steps: relative difference %.3g\n", diff);
+  EXPECT_LE(diff, 1e-6);
+  const auto a = trainLosses(tmp / "one"), b = trainLosses(tmp / "two");
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << i;
+}
+
+// M micro-batches on K stages equal one worker accumulating the same M micro-batches
+// (parallel.micro_batches = M alone; PipelineExactness checks that against a hand-written loop).
+class DistPipelineSchedules : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(DistPipelineSchedules, EqualGradientAccumulationOnOneWorker) {
+  const auto [schedule, stages] = GetParam();
+  TempDir tmp;
+  const auto one = pipelineBase({"parallel.micro_batches=4"});
+  const auto many = pipelineBase({"parallel.micro_batches=4", "parallel.schedule=" + schedule,
+                                  "parallel.pipeline_stages=" + std::to_string(stages)});
+  ASSERT_EQ(runRanks(1, tmp / "one", one), std::vector<int>{0})
+      << test::readFile(tmp / "one.rank0.log");
+  ASSERT_EQ(runRanks(stages, tmp / "many", many), std::vector<int>(stages, 0))
+      << test::readFile(tmp / "many.rank0.log") << test::readFile(tmp / "many.rank1.log");
+  const double diff =
+      relativeDifference(finalParams(tmp / "many", one), finalParams(tmp / "one", one));
+  std::printf(
+      "%s K=%d M=4 against one worker accumulating 4 micro-batches, 20 steps: relative "
+      "difference %.3g\n",
+      schedule.c_str(), stages, diff);
+  EXPECT_LE(diff, 1e-6);
+  const auto a = trainLosses(tmp / "one"), b = trainLosses(tmp / "many");
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, DistPipelineSchedules,
+                         ::testing::Combine(::testing::Values("gpipe", "1f1b", "zb-h1"),
+                                            ::testing::Values(2, 3, 4)));
+
+// Checkpoints do not depend on the layout: rank 0 writes every stage's parameters and optimizer
+// state, so a run of 4 stages stopped at step 9 resumes on 2 stages and on one worker and ends
+// where the uninterrupted 4-stage run does.
+TEST(DistPipeline, CheckpointOfFourStagesResumesOnTwoAndOnOne) {
+  TempDir tmp;
+  const auto four = pipelineBase(
+      {"parallel.micro_batches=4", "parallel.pipeline_stages=4", "checkpoint.every=9"});
+  ASSERT_EQ(runRanks(4, tmp / "whole", four), std::vector<int>(4, 0))
+      << test::readFile(tmp / "whole.rank0.log");
+  const auto expected = finalParams(tmp / "whole", pipelineBase({}));
+  for (int stages : {2, 1}) {
+    const std::string cut = tmp / ("cut" + std::to_string(stages));
+    ASSERT_EQ(runRanksWith(
+                  4, cut,
+                  "--config /dev/null" + setArgs(four) + " --run-dir " + cut + " --stop-at-step 9"),
+              std::vector<int>(4, 0))
+        << test::readFile(cut + ".rank0.log");
+    ASSERT_EQ(runRanksWith(
+                  stages, cut + "-resumed",
+                  "--resume " + cut + " --set parallel.pipeline_stages=" + std::to_string(stages)),
+              std::vector<int>(stages, 0))
+        << test::readFile(cut + "-resumed.rank0.log");
+    // The resumed run continued at step 10 (a run that started over would log steps 1..20
+    // twice and still end where the whole run did).
+    std::vector<int64_t> steps;
+    std::istringstream lines(test::readFile(cut + "/metrics.jsonl"));
+    for (std::string line; std::getline(lines, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.value("kind", "") == "train") steps.push_back(j.at("step").get<int64_t>());
+    }
+    ASSERT_EQ(steps.size(), 20u);
+    for (size_t i = 0; i < steps.size(); ++i) EXPECT_EQ(steps[i], static_cast<int64_t>(i + 1));
+    const double diff = relativeDifference(finalParams(cut, pipelineBase({})), expected);
+    std::printf("4 stages stopped at step 9, resumed on %d: relative difference %.3g\n", stages,
+                diff);
+    EXPECT_LE(diff, 1e-6);
+  }
+}
+
+TEST(DistPipeline, LayoutsThatCannotRunAreRefusedInOneLine) {
+  TempDir tmp;
+  struct Case {
+    std::vector<std::string> set;
+    int workers;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {{"parallel.pipeline_stages=2"}, 3, "needs exactly 2 workers"},
+      {{"parallel.pipeline_stages=2", "parallel.micro_batches=3"}, 2, "does not split into"},
+      {{"parallel.micro_batches=2"}, 2, "gradient accumulation on one worker"},
+      {{"parallel.pipeline_stages=2", "sync.mode=gossip"}, 2, "leave sync.mode at allreduce"},
+      {{"parallel.pipeline_stages=2", "memory.policy=recompute"}, 2, "memory.policy = keep"},
+      {{"parallel.pipeline_stages=6"}, 6, "every stage needs at least one"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string run = tmp / ("bad" + std::to_string(i));
+    const auto codes = runRanks(cases[i].workers, run, pipelineBase(cases[i].set));
+    EXPECT_EQ(codes, std::vector<int>(cases[i].workers, 2)) << cases[i].says;
+    const std::string err = test::readFile(run + ".rank0.log");
+    EXPECT_NE(err.find(cases[i].says), std::string::npos) << err;
+  }
+}

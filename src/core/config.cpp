@@ -153,6 +153,19 @@ std::vector<ConfigOption> buildSchema() {
       intOpt("memory.profile_repeats", 3, 1, 100,
              "memory.policy = auto: timed repeats per block when profiling (median)"),
 
+      intOpt("parallel.pipeline_stages", 1, 1, 1024,
+             "pipeline parallelism: the model's blocks are cut into this many stages, one per "
+             "worker (K); --workers must equal it (data-parallel pipelines are not built yet)"),
+      intOpt("parallel.micro_batches", 0, 0, 65536,
+             "micro-batches per step (M) that data.batch_size is split into; the gradients of "
+             "loss / M add up (one worker with M > 1: gradient accumulation). 0 = 1 without "
+             "pipeline stages, else the largest count <= 4 x stages dividing data.batch_size"),
+      strOpt("parallel.schedule", "1f1b",
+             "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (at most K-s "
+             "micro-batches in flight on stage s), zb-h1 (zero bubble: backward split into its "
+             "input and weight halves, the weight halves fill the bubbles)",
+             {"gpipe", "1f1b", "zb-h1"}),
+
       strOpt("dist.backend", "gloo",
              "communicator for multi-worker runs: gloo (c10d) or mpi (Open MPI)", {"gloo", "mpi"}),
       strOpt("dist.store", "tcp",

@@ -18,7 +18,13 @@ BlockModelImpl::BlockModelImpl(std::string name, TaskKind task)
     : name_(std::move(name)), task_(task) {}
 
 torch::Tensor BlockModelImpl::forward(torch::Tensor x) {
-  for (size_t i = 0; i < blocks_.size(); ++i) {
+  return forwardBlocks(std::move(x), 0, blocks_.size());
+}
+
+torch::Tensor BlockModelImpl::forwardBlocks(torch::Tensor x, size_t begin, size_t end) {
+  CARAVAN_CHECK(begin <= end && end <= blocks_.size(), "blocks [{}, {}) of {}", begin, end,
+                blocks_.size());
+  for (size_t i = begin; i < end; ++i) {
     x = runner_ != nullptr ? runner_->run(i, blocks_[i], std::move(x))
                            : blocks_[i].forward(std::move(x));
   }

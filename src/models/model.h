@@ -58,6 +58,8 @@ class BlockModelImpl : public torch::nn::Module {
   // Runs all blocks in order, through the runner if one is set. input/output shapes depend on
   // the task (see DataShape).
   torch::Tensor forward(torch::Tensor x);
+  // Runs blocks [begin, end) only (a pipeline stage's), through the runner if one is set.
+  torch::Tensor forwardBlocks(torch::Tensor x, size_t begin, size_t end);
   // nullptr = run blocks directly. The runner must outlive its use here.
   void setRunner(BlockRunner* runner) { runner_ = runner; }
   BlockRunner* runner() const { return runner_; }

@@ -21,8 +21,13 @@ MetricsWindow::MetricsWindow(Distributed* dist)
     : dist_(dist), bytes_(dist != nullptr ? dist->bytes() : ByteCount{}), start_(Clock::now()) {}
 
 void MetricsWindow::addStep(Clock::time_point stepStart, const StepResult& r, int64_t samples) {
-  compute_ += seconds(stepStart, r.backwardEnd) + seconds(r.syncEnd, r.optimizerEnd);
-  sync_ += seconds(r.backwardEnd, r.syncEnd) + seconds(r.optimizerEnd, r.stepEnd);
+  if (r.pipelined) {  // a stage: its own forwards and backwards; waits for its neighbours
+    compute_ += r.stageComputeSeconds + seconds(r.syncEnd, r.optimizerEnd);
+    sync_ += r.stageWaitSeconds + seconds(r.backwardEnd, r.syncEnd);
+  } else {
+    compute_ += seconds(stepStart, r.backwardEnd) + seconds(r.syncEnd, r.optimizerEnd);
+    sync_ += seconds(r.backwardEnd, r.syncEnd) + seconds(r.optimizerEnd, r.stepEnd);
+  }
   ++steps_;
   samples_ += static_cast<double>(samples);
 }
@@ -75,7 +80,9 @@ nlohmann::json MetricsWindow::close(nlohmann::json rec, MemoryTracker& memory,
     rec["sent_bytes"] = static_cast<double>(b.sent - bytes_.sent) / steps;
     rec["recv_bytes"] = static_cast<double>(b.received - bytes_.received) / steps;
     bytes_ = b;
-    for (const auto& [key, value] : strategy->takeMetrics()) rec[key] = value;
+    if (strategy != nullptr) {
+      for (const auto& [key, value] : strategy->takeMetrics()) rec[key] = value;
+    }
     // Time with an exchange outstanding per step (hidden behind compute or not).
     if (const auto outstanding = dist_->takeOutstandingSeconds()) {
       rec["comm_outstanding_s"] = *outstanding / steps;

@@ -82,6 +82,22 @@ RunOptions RunOptions::read(const Config& config) {
         "[[data.sources]] name each source's path and format; remove data.dataset and data.path");
   }
 
+  PipelineOptions& p = r.pipeline;
+  p.stages = static_cast<int>(config.i64("parallel.pipeline_stages"));
+  p.schedule = config.str("parallel.schedule");
+  p.microBatches = static_cast<int>(config.i64("parallel.micro_batches"));
+  if (p.microBatches == 0) {  // the default: the largest count <= 4K dividing the batch
+    p.microBatches = 1;
+    if (p.stages > 1) {
+      for (int64_t m = std::min<int64_t>(4 * p.stages, d.batchSize); m >= 1; --m) {
+        if (d.batchSize % m == 0) {
+          p.microBatches = static_cast<int>(m);
+          break;
+        }
+      }
+    }
+  }
+
   r.model.name = config.str("model.name");
   r.model.width = config.i64("model.width");
   r.model.depth = config.i64("model.depth");
@@ -162,6 +178,48 @@ void validate(const OptimizerOptions& optim) {
   }
 }
 
+namespace {
+
+void validate(const PipelineOptions& pipeline, const RunOptions& options, int worldSize) {
+  if (options.data.batchSize % pipeline.microBatches != 0) {
+    throw ConfigError(fmt::format(
+        "data.batch_size = {} does not split into parallel.micro_batches = {}; make the batch "
+        "a multiple of it",
+        options.data.batchSize, pipeline.microBatches));
+  }
+  if (!pipeline.active()) return;
+  const std::string what = pipeline.stages > 1
+                               ? fmt::format("parallel.pipeline_stages = {}", pipeline.stages)
+                               : fmt::format("parallel.micro_batches = {}", pipeline.microBatches);
+  if (pipeline.stages > 1 && worldSize != pipeline.stages) {
+    throw ConfigError(fmt::format(
+        "{} needs exactly {} workers (one per stage), not {}; data-parallel pipelines are not "
+        "built yet",
+        what, pipeline.stages, worldSize));
+  }
+  if (pipeline.stages == 1 && worldSize > 1) {
+    throw ConfigError(fmt::format(
+        "{} without pipeline stages is gradient accumulation on one worker; with {} workers "
+        "set parallel.micro_batches = 1",
+        what, worldSize));
+  }
+  if (options.sync.mode != "allreduce" && worldSize > 1) {
+    throw ConfigError(fmt::format("{} runs without sync.mode = {}: leave sync.mode at allreduce",
+                                  what, options.sync.mode));
+  }
+  if (options.memory.offloadWeights) {
+    throw ConfigError(fmt::format(
+        "{} does not run with memory.weights = offload yet; set memory.weights = core", what));
+  }
+  if (options.memory.policy != "keep") {
+    throw ConfigError(
+        fmt::format("{} keeps every activation so far: set memory.policy = keep (not {})", what,
+                    options.memory.policy));
+  }
+}
+
+}  // namespace
+
 void validate(const RunOptions& options, int worldSize) {
   const SyncOptions& sync = options.sync;
   const std::string& mode = sync.mode;
@@ -218,6 +276,7 @@ void validate(const RunOptions& options, int worldSize) {
       }
     }
   }
+  validate(options.pipeline, options, worldSize);
   // train.nonfinite_skips: the update must come after the gradients can be checked.
   const bool updatesBeforeCheck =
       options.memory.offloadWeights || (distributed && usesServers(mode));

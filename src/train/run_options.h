@@ -105,6 +105,15 @@ struct SyncOptions {
   bool usesServers() const { return servers > 0; }
 };
 
+// parallel.*: pipeline stages and micro-batches.
+struct PipelineOptions {
+  int stages = 1;        // K
+  int microBatches = 1;  // M (resolved: never 0)
+  std::string schedule = "1f1b";
+  // Whether the step runs through a PipelineStage: K > 1, or M > 1 (gradient accumulation).
+  bool active() const { return stages > 1 || microBatches > 1; }
+};
+
 struct RunOptions {
   SeedOptions seed;
   DataOptions data;
@@ -115,6 +124,7 @@ struct RunOptions {
   RuntimeOptions runtime;
   MemoryOptions memory;
   SyncOptions sync;
+  PipelineOptions pipeline;
 
   // Reads every key once. Throws ConfigError for a value no key's schema catches alone (e.g.
   // a memory.budget that is not a size).

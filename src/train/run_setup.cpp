@@ -6,6 +6,7 @@
 
 #include "core/errors.h"
 #include "memory/accounting.h"
+#include "pipeline/stage.h"
 #include "train/distributed.h"
 #include "train/setup.h"
 
@@ -116,7 +117,18 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
 void RunSetup::attach(Distributed* dist) {
   CARAVAN_CHECK(loader != nullptr, "RunSetup::attach before prepareTraining");
   const bool offload = options.memory.offloadWeights;
-  if (dist != nullptr) {
+  if (options.pipeline.active()) {
+    // Stages train their own blocks; every rank built the same model from seed.init or loaded
+    // the same checkpoint, so there is nothing to broadcast. No data-parallel strategy yet
+    // (validate refuses more workers than stages).
+    Communicator* comm = dist != nullptr ? dist->comm.get() : nullptr;
+    const int worldSize = comm != nullptr ? comm->size() : 1;
+    const PipelineLayout layout =
+        PipelineLayout::of(comm != nullptr ? comm->rank() : 0, worldSize, options.pipeline.stages);
+    pipeline = std::make_unique<PipelineStage>(
+        model, evenPartition(model->numBlocks(), options.pipeline.stages), comm, layout,
+        parsePipelineSchedule(options.pipeline.schedule), options.pipeline.microBatches);
+  } else if (dist != nullptr) {
     AttachContext context;
     context.optimizer = optimizer.get();
     // Out-of-core weights exchange and update gradients per block: the strategy's groups.

@@ -38,6 +38,7 @@
 namespace caravan {
 
 class Distributed;
+class PipelineStage;
 
 class RunSetup {
  public:
@@ -99,6 +100,9 @@ class RunSetup {
   Strategy* strategy = nullptr;  // owned by the Distributed
   MemoryTracker memory;          // tracked bytes by category (the out-of-core store's too)
   std::unique_ptr<OutOfCoreWeights> weights;  // memory.weights = offload
+  // parallel.pipeline_stages > 1 or parallel.micro_batches > 1: this rank's stage, which runs
+  // the step (pipelineTrainStep) in place of a strategy.
+  std::unique_ptr<PipelineStage> pipeline;
 
  private:
   // What every use needs: the datasets, the model (seeded with seed.init), the identity.

@@ -8,10 +8,11 @@
 
 #include <torch/torch.h>
 
-#include "core/errors.h"
 #include "comm/communicator.h"
+#include "core/errors.h"
 #include "data/loader.h"
 #include "memory/weights.h"
+#include "pipeline/stage.h"
 #include "sync/strategy.h"
 
 namespace caravan {
@@ -55,6 +56,41 @@ StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, cons
   if (strategy != nullptr) strategy->afterStep(step);
   result.loss = loss.item<double>();
   result.stepEnd = std::chrono::steady_clock::now();
+  return result;
+}
+
+StepResult pipelineTrainStep(PipelineStage& stage, torch::optim::Optimizer& optimizer,
+                             const Batch& batch, double gradClip, bool skipNonFinite) {
+  optimizer.zero_grad();
+  StepResult result;
+  const StageStepStats stats = stage.runStep(batch);
+  result.forwardEnd = result.backwardEnd = std::chrono::steady_clock::now();
+  result.pipelined = true;
+  result.stageComputeSeconds = stats.computeSeconds;
+  result.stageWaitSeconds = stats.waitSeconds;
+  const std::vector<at::Tensor> params = stage.parameters();
+  double normSquared = 0.0;
+  for (const auto& p : params) {
+    if (p.grad().defined()) normSquared += p.grad().norm().pow(2).item<double>();
+  }
+  const PipelineStage::Totals totals = stage.reduce(normSquared, stats.loss);
+  result.syncEnd = std::chrono::steady_clock::now();
+  result.loss = totals.loss;
+  result.gradNorm = std::sqrt(totals.gradNormSquared);
+  if (skipNonFinite && !(std::isfinite(result.loss) && std::isfinite(result.gradNorm))) {
+    for (auto p : params) p.mutable_grad() = at::Tensor();
+    result.skipped = true;
+  }
+  if (!result.skipped) {
+    if (gradClip > 0.0) {  // as clip_grad_norm_ does, with the norm over every stage
+      const double coef = std::min(1.0, gradClip / (result.gradNorm + 1e-6));
+      for (auto& p : params) {
+        if (p.grad().defined()) p.grad().mul_(coef);
+      }
+    }
+    optimizer.step();
+  }
+  result.optimizerEnd = result.stepEnd = std::chrono::steady_clock::now();
   return result;
 }
 

@@ -21,6 +21,10 @@ struct StepResult {
   // When each phase ended, for the timeline and the compute/synchronization split: forward,
   // backward, gradient synchronization, the optimizer, the strategy's afterStep.
   std::chrono::steady_clock::time_point forwardEnd, backwardEnd, syncEnd, optimizerEnd, stepEnd;
+  // Pipeline steps (pipelined): this stage's forward and backward actions, and its waits for
+  // its neighbours (bubbles and transfers) within the program.
+  bool pipelined = false;
+  double stageComputeSeconds = 0.0, stageWaitSeconds = 0.0;
 };
 
 class Strategy;
@@ -36,6 +40,18 @@ class OutOfCoreWeights;
 StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
                      double gradClip, Strategy* strategy = nullptr, int64_t step = 0,
                      OutOfCoreWeights* weights = nullptr, bool skipNonFinite = false);
+
+class PipelineStage;
+
+// The step of one pipeline stage (pipeline/stage.h; also one worker accumulating M
+// micro-batches): zero_grad, the stage's program over the batch's micro-batches, one reduction
+// over the stages (the loss and the global gradient norm, so every stage clips alike and logs
+// the same loss), clipping, the optimizer on this stage's parameters. skipNonFinite: when the
+// loss or the global norm is not finite, no stage updates (result.skipped). forwardEnd and
+// backwardEnd both mark the end of the program (its forwards and backwards interleave);
+// stageComputeSeconds / stageWaitSeconds say how the program's time went.
+StepResult pipelineTrainStep(PipelineStage& stage, torch::optim::Optimizer& optimizer,
+                             const Batch& batch, double gradClip, bool skipNonFinite = false);
 
 struct EvalResult {
   double loss = 0.0;      // mean per example (per token for language models)

@@ -22,6 +22,7 @@
 #include "memory/tracker.h"
 #include "memory/weights.h"
 #include "models/model.h"
+#include "pipeline/stage.h"
 #include "train/checkpoint.h"
 #include "train/distributed.h"
 #include "train/metrics.h"
@@ -72,7 +73,7 @@ class StopState {
     bool timeUp = loop_.maxSeconds > 0 && trainSeconds >= loop_.maxSeconds;
     if (dist != nullptr) {
       const bool logNow = writesRecord(step + 1);
-      if (strategy->lockstep() || logNow) {
+      if (strategy == nullptr || strategy->lockstep() || logNow) {  // pipelines: lockstep
         // On the steps that write a train record, every worker's window comes along.
         const RankWindow own = window.own();
         const Agreement a =
@@ -211,15 +212,24 @@ void Trainer::trainOneStep() {
   setLearningRate(*s_.optimizer, lr);
   if (strategy_ != nullptr) strategy_->setLearningRate(lr);
   const auto stepStart = Clock::now();
-  StepResult r = trainStep(s_.model, *s_.optimizer, lb.batch, s_.options.optim.gradClip, strategy_,
-                           state.step, s_.weights.get(),
-                           /*skipNonFinite=*/loop_.nonfiniteSkips > 0);
+  StepResult r =
+      s_.pipeline
+          ? pipelineTrainStep(*s_.pipeline, *s_.optimizer, lb.batch, s_.options.optim.gradClip,
+                              /*skipNonFinite=*/loop_.nonfiniteSkips > 0)
+          : trainStep(s_.model, *s_.optimizer, lb.batch, s_.options.optim.gradClip, strategy_,
+                      state.step, s_.weights.get(),
+                      /*skipNonFinite=*/loop_.nonfiniteSkips > 0);
   accountMemory();
   if (state.step > 0 || s_.resumedFrom) {  // the first step allocates; it is not typical
     forwardBackward_.push_back(std::chrono::duration<double>(r.backwardEnd - stepStart).count());
   }
-  timeline_.complete("forward", stepStart, r.forwardEnd);
-  timeline_.complete("backward", r.forwardEnd, r.backwardEnd);
+  if (s_.pipeline) {
+    timeline_.complete("pipeline program", stepStart, r.backwardEnd);
+    timeline_.complete("stage reduction", r.backwardEnd, r.syncEnd);
+  } else {
+    timeline_.complete("forward", stepStart, r.forwardEnd);
+    timeline_.complete("backward", r.forwardEnd, r.backwardEnd);
+  }
   if (strategy_ != nullptr) timeline_.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
   timeline_.complete("optimizer", r.syncEnd, r.optimizerEnd);
   if (strategy_ != nullptr) timeline_.complete("after-step sync", r.optimizerEnd, r.stepEnd);
@@ -376,6 +386,7 @@ void Trainer::writeTrainRecord(double lr, double samplesPerS) {
 // `distance`: the consensus distance when the caller consolidated already.
 void Trainer::evaluateNow(std::optional<double> distance) {
   const double consensus = distance ? *distance : consolidate();
+  if (s_.pipeline) s_.pipeline->shareParameters();  // every rank evaluates the whole model
   const EvalResult r =
       evaluate(s_.model, *s_.data.test, s_.options.data.evalBatchSize, loop_.evalBatches, comm());
   nlohmann::json rec = {{"kind", "eval"},          {"step", s_.state.step},
@@ -399,6 +410,10 @@ void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected) {
   } else {
     consolidate();
     if (strategy_ != nullptr) state.strategy = strategy_->saveState();
+  }
+  if (s_.pipeline) {  // rank 0 writes every stage's parameters and optimizer state
+    s_.pipeline->shareParameters();
+    s_.pipeline->collectOptimizerState(*s_.optimizer);
   }
   state.workers = s_.workers;
   state.batchSize = s_.sampler.batchSize;
@@ -597,8 +612,10 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   applyRuntimeOptions(runOptions.runtime);
   installSavedTensorEngine();
   auto trainHere = [&](Distributed* dist) {
-    RunSetup setup(config, runOptions, dist ? dist->comm->rank() : 0,
-                   dist ? dist->comm->size() : 1);
+    // Pipeline stages of one replica draw the same batches: the data is sharded over replicas.
+    const int stages = runOptions.pipeline.stages;
+    RunSetup setup(config, runOptions, dist ? dist->comm->rank() / stages : 0,
+                   dist ? dist->comm->size() / stages : 1);
     setup.prepareTraining(resumeFrom, options.world.localWorldSize);
     setup.attach(dist);
     return Trainer(setup, options, checkpoints, dist).run();

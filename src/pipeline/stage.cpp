@@ -1,0 +1,274 @@
+#include "pipeline/stage.h"
+
+#include <utility>
+
+#include <torch/autograd.h>
+
+#include "comm/communicator.h"
+#include "core/errors.h"
+#include "sync/optimizer_state.h"
+
+namespace caravan {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Tags: three messages per micro-batch.
+enum Message { kActivationHeader = 0, kActivation = 1, kGradient = 2 };
+int tagOf(int microBatch, Message message) { return 3 * microBatch + message; }
+
+// An activation's header: dtype, rank, up to 6 sizes.
+constexpr int64_t kHeaderLength = 8;
+constexpr int64_t kMaxRank = kHeaderLength - 2;
+
+at::Tensor encodeHeader(const at::Tensor& t) {
+  CARAVAN_CHECK(t.dim() <= kMaxRank, "activation of rank {} (at most {})", t.dim(), kMaxRank);
+  at::Tensor h = at::zeros({kHeaderLength}, at::kLong);
+  auto* p = h.data_ptr<int64_t>();
+  p[0] = static_cast<int64_t>(t.scalar_type());
+  p[1] = t.dim();
+  for (int64_t i = 0; i < t.dim(); ++i) p[2 + i] = t.size(i);
+  return h;
+}
+
+at::Tensor emptyFromHeader(const at::Tensor& h) {
+  const auto* p = h.data_ptr<int64_t>();
+  CARAVAN_CHECK(p[1] >= 0 && p[1] <= kMaxRank, "activation header of rank {}", p[1]);
+  std::vector<int64_t> sizes(p + 2, p + 2 + p[1]);
+  return at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(p[0])));
+}
+
+double seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+}  // namespace
+
+PipelineLayout PipelineLayout::of(int rank, int worldSize, int stages) {
+  if (stages < 1 || worldSize % stages != 0) {
+    throw ConfigError("parallel.pipeline_stages = " + std::to_string(stages) + " does not divide " +
+                      std::to_string(worldSize) +
+                      " workers: run K x D workers (D data-parallel pipelines of K stages)");
+  }
+  PipelineLayout l;
+  l.stages = stages;
+  l.replicas = worldSize / stages;
+  l.stage = rank % stages;
+  l.replica = rank / stages;
+  return l;
+}
+
+std::vector<size_t> evenPartition(size_t blocks, int stages) {
+  if (stages < 1 || static_cast<size_t>(stages) > blocks) {
+    throw ConfigError("parallel.pipeline_stages = " + std::to_string(stages) +
+                      " but the model has " + std::to_string(blocks) +
+                      " blocks: every stage needs at least one");
+  }
+  std::vector<size_t> b{0};
+  const size_t per = blocks / stages, extra = blocks % stages;
+  for (int s = 0; s < stages; ++s) b.push_back(b.back() + per + (static_cast<size_t>(s) < extra));
+  return b;
+}
+
+struct PipelineStage::InFlight {
+  at::Tensor input;       // first stage: the micro-batch's inputs; else the received activation
+  at::Tensor output;      // last stage: loss / M; else the blocks' output
+  at::Tensor outputGrad;  // the received gradient of `output` (not on the last stage)
+  at::Tensor inputGrad;   // zb-h1's B: the gradient of `input`, until it is sent
+};
+
+PipelineStage::PipelineStage(BlockModel model, std::vector<size_t> boundaries, Communicator* comm,
+                             PipelineLayout layout, PipelineSchedule schedule, int microBatches)
+    : model_(std::move(model)), comm_(comm), layout_(layout), microBatches_(microBatches) {
+  CARAVAN_CHECK_EQ(boundaries.size(), static_cast<size_t>(layout.stages) + 1,
+                   "boundaries of {} stages", layout.stages);
+  CARAVAN_CHECK((comm == nullptr ? 1 : comm->size()) == layout.stages * layout.replicas,
+                "a world of {} for {} x {}", comm == nullptr ? 1 : comm->size(), layout.stages,
+                layout.replicas);
+  begin_ = boundaries[layout.stage];
+  end_ = boundaries[layout.stage + 1];
+  boundaries_ = std::move(boundaries);
+  CARAVAN_CHECK(begin_ < end_ && end_ <= model_->numBlocks(), "stage {} has blocks [{}, {})",
+                layout.stage, begin_, end_);
+  auto programs = buildSchedule(schedule, layout.stages, microBatches);
+  const std::string problem = checkSchedule(programs, microBatches);
+  CARAVAN_CHECK(problem.empty(), "{}", problem);
+  program_ = std::move(programs[layout.stage]);
+}
+
+std::vector<at::Tensor> PipelineStage::parameters() {
+  std::vector<at::Tensor> out;
+  for (size_t i = begin_; i < end_; ++i) {
+    for (const auto& p : model_->block(i).ptr()->parameters()) out.push_back(p);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> PipelineStage::stageTensors(int stage) {
+  std::vector<at::Tensor> out;
+  for (size_t i = boundaries_[stage]; i < boundaries_[stage + 1]; ++i) {
+    auto* block = model_->block(i).ptr().get();
+    for (const auto& p : block->parameters()) out.push_back(p);
+    for (const auto& b : block->buffers()) {
+      if (b.is_floating_point()) out.push_back(b);
+    }
+  }
+  return out;
+}
+
+PipelineStage::Totals PipelineStage::reduce(double localGradNormSquared, double localLoss) {
+  CARAVAN_CHECK_EQ(layout_.replicas, 1, "data-parallel pipelines are not built");
+  if (comm_ == nullptr) return Totals{localGradNormSquared, localLoss};
+  at::Tensor t = at::tensor({localGradNormSquared, layout_.last() ? localLoss : 0.0}, at::kDouble);
+  comm_->allreduce(t, ReduceOp::kSum)->wait(comm_->timeout());
+  return Totals{t[0].item<double>(), t[1].item<double>()};
+}
+
+void PipelineStage::shareParameters() {
+  CARAVAN_CHECK_EQ(layout_.replicas, 1, "data-parallel pipelines are not built");
+  if (layout_.stages == 1) return;
+  torch::NoGradGuard noGrad;
+  for (int s = 0; s < layout_.stages; ++s) {
+    const std::vector<at::Tensor> tensors = stageTensors(s);
+    std::vector<at::Tensor> flat;
+    for (const auto& t : tensors) flat.push_back(t.detach().reshape({-1}).to(at::kFloat));
+    if (flat.empty()) continue;
+    at::Tensor all = at::cat(flat);
+    comm_->broadcast(all, s)->wait(comm_->timeout());
+    if (s == layout_.stage) continue;
+    int64_t offset = 0;
+    for (const auto& t : tensors) {
+      t.copy_(all.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+void PipelineStage::collectOptimizerState(torch::optim::Optimizer& optimizer) {
+  CARAVAN_CHECK_EQ(layout_.replicas, 1, "data-parallel pipelines are not built");
+  constexpr int kTag = 1 << 20;  // above every micro-batch tag
+  for (int s = 1; s < layout_.stages; ++s) {
+    std::vector<at::Tensor> params;
+    int64_t n = 0;
+    for (size_t i = boundaries_[s]; i < boundaries_[s + 1]; ++i) {
+      for (const auto& p : model_->block(i).ptr()->parameters()) {
+        params.push_back(p);
+        n += p.numel();
+      }
+    }
+    if (comm_->rank() == s) {
+      sendOptimizerState(*comm_, gatherOptimizerState(optimizer, params), 0, kTag + s);
+    } else if (comm_->rank() == 0) {
+      scatterOptimizerState(optimizer, params,
+                            recvOptimizerState(*comm_, n, s, kTag + s, comm_->timeout()));
+    }
+  }
+}
+
+StageStepStats PipelineStage::runStep(const Batch& batch) {
+  const int64_t m = microBatches_;
+  if (batch.size() % m != 0) {
+    throw ConfigError("a batch of " + std::to_string(batch.size()) +
+                      " examples does not split into parallel.micro_batches = " +
+                      std::to_string(m) + ": make data.batch_size a multiple of it");
+  }
+  const std::vector<at::Tensor> inputs = batch.input.split(batch.size() / m);
+  const std::vector<at::Tensor> targets = batch.target.split(batch.size() / m);
+  std::vector<at::Tensor> weights;  // W's inputs: the parameters that take gradients
+  for (const auto& p : parameters()) {
+    if (p.requires_grad()) weights.push_back(p);
+  }
+  const int rank = comm_ != nullptr ? comm_->rank() : 0, prev = rank - 1, next = rank + 1;
+  const auto timeout = comm_ != nullptr ? comm_->timeout() : std::chrono::milliseconds(0);
+  std::vector<InFlight> mb(m);
+  std::vector<WorkPtr> sends;
+  StageStepStats stats;
+  for (const Action& a : program_) {
+    InFlight& f = mb[a.microBatch];
+    const auto start = Clock::now();
+    bool wait = false;
+    switch (a.kind) {
+      case ActionKind::kRecvActivation: {
+        at::Tensor header = at::empty({kHeaderLength}, at::kLong);
+        comm_->recv(header, prev, tagOf(a.microBatch, kActivationHeader))->wait(timeout);
+        at::Tensor x = emptyFromHeader(header);
+        comm_->recv(x, prev, tagOf(a.microBatch, kActivation))->wait(timeout);
+        if (x.is_floating_point()) x.requires_grad_(true);
+        f.input = x;
+        wait = true;
+        break;
+      }
+      case ActionKind::kForward: {
+        if (layout_.first()) f.input = inputs[a.microBatch];
+        at::Tensor y = model_->forwardBlocks(f.input, begin_, end_);
+        if (layout_.last()) {
+          f.output = model_->loss(y, targets[a.microBatch]) / static_cast<double>(m);
+          stats.loss += f.output.item<double>();
+        } else {
+          f.output = y;
+        }
+        break;
+      }
+      case ActionKind::kSendActivation: {
+        at::Tensor y = f.output.detach().contiguous();
+        sends.push_back(comm_->send(encodeHeader(y), next, tagOf(a.microBatch, kActivationHeader)));
+        sends.push_back(comm_->send(y, next, tagOf(a.microBatch, kActivation)));
+        break;
+      }
+      case ActionKind::kRecvGradient: {
+        f.outputGrad = at::empty_like(f.output, at::MemoryFormat::Contiguous);
+        comm_->recv(f.outputGrad, next, tagOf(a.microBatch, kGradient))->wait(timeout);
+        wait = true;
+        break;
+      }
+      case ActionKind::kBackward: {
+        torch::autograd::backward({f.output}, {f.outputGrad});
+        f.output = f.outputGrad = at::Tensor();
+        if (layout_.first()) f = InFlight{};  // nothing to send back
+        break;
+      }
+      case ActionKind::kBackwardInput: {
+        // The first stage's input takes no gradient: its W does the whole backward.
+        if (!layout_.first() && f.input.requires_grad()) {
+          f.inputGrad = torch::autograd::grad({f.output}, {f.input}, {f.outputGrad},
+                                              /*retain_graph=*/true)[0];
+        }
+        break;
+      }
+      case ActionKind::kBackwardWeight: {
+        if (!weights.empty()) {
+          torch::autograd::backward({f.output}, {f.outputGrad}, /*retain_graph=*/false,
+                                    /*create_graph=*/false, weights);
+        }
+        f = InFlight{};  // its input gradient went out after its B
+        break;
+      }
+      case ActionKind::kSendGradient: {
+        at::Tensor g = f.inputGrad.defined() ? f.inputGrad : f.input.grad();
+        if (!g.defined()) g = at::zeros_like(f.input);  // the stage ignored its input
+        sends.push_back(comm_->send(g.contiguous(), prev, tagOf(a.microBatch, kGradient)));
+        f.inputGrad = at::Tensor();
+        if (!f.output.defined()) f = InFlight{};  // a whole backward ran; zb-h1's W is to come
+        break;
+      }
+    }
+    const auto end = Clock::now();
+    if (wait) {
+      stats.waitSeconds += seconds(start, end);
+    } else if (a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward ||
+               a.kind == ActionKind::kBackwardInput || a.kind == ActionKind::kBackwardWeight) {
+      stats.computeSeconds += seconds(start, end);
+    }
+    if (wait || a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward ||
+        a.kind == ActionKind::kBackwardInput || a.kind == ActionKind::kBackwardWeight) {
+      stats.spans.push_back({a.kind, a.microBatch, start, end});
+    }
+  }
+  const auto start = Clock::now();
+  for (auto& w : sends) w->wait(timeout);
+  stats.waitSeconds += seconds(start, Clock::now());
+  return stats;
+}
+
+}  // namespace caravan

@@ -1,0 +1,120 @@
+// PipelineStage: one stage of a pipeline (blocks [begin, end) of a BlockModel) that runs its
+// schedule's program (pipeline/schedule.h) for one training step: it splits the replica's batch
+// into M micro-batches along dimension 0, forwards them through its blocks, exchanges
+// activations and their gradients with the neighbouring stages over a Communicator, and
+// accumulates its blocks' parameter gradients of loss / M per micro-batch — what one worker
+// accumulating the same M micro-batches computes.
+//
+// Layout: in a world of K x D ranks, rank r is stage r % K of replica r / K; a stage talks to
+// ranks r - 1 and r + 1 only. Every rank of a replica passes the same batch (the first stage
+// uses its inputs, the last its targets).
+//
+// Messages (tags per micro-batch m): an activation goes as a header (its dtype and shape, 8
+// int64s: the receiver cannot know the shape a block produces) then its payload; the gradient
+// of an activation goes as a payload of the shape the receiver sent. Sends are asynchronous and
+// all of a step's sends are waited for before runStep returns, so nothing outlives the step.
+//
+// Errors: a lost or silent neighbour raises PeerError from the wait (the communicator's
+// timeout); a schedule that fails checkSchedule is refused at construction (InternalError).
+// Threading: one thread (the trainer's) per stage; the communicator is used by nothing else
+// while runStep runs.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "data/dataset.h"
+#include "models/model.h"
+#include "pipeline/schedule.h"
+
+namespace caravan {
+
+class Communicator;
+
+struct PipelineLayout {
+  int stages = 1;    // K
+  int replicas = 1;  // D
+  int stage = 0;     // this rank's: rank % K
+  int replica = 0;   // rank / K
+  // The layout of `rank` in a world of `worldSize` ranks cut into pipelines of `stages`.
+  // ConfigError when worldSize is not a multiple of stages.
+  static PipelineLayout of(int rank, int worldSize, int stages);
+  bool first() const { return stage == 0; }
+  bool last() const { return stage == stages - 1; }
+};
+
+// Block boundaries of K stages over n blocks: K + 1 increasing indices from 0 to n, every
+// stage at least one block. evenPartition: as equal block counts as they can be, the earlier
+// stages taking the remainder. ConfigError when stages > blocks.
+std::vector<size_t> evenPartition(size_t blocks, int stages);
+
+// What one stage did in a step, for metrics and the timeline.
+struct StageStepStats {
+  double loss = 0.0;            // last stage: the mean of its micro-batches' losses; else 0
+  double computeSeconds = 0.0;  // forward and backward actions
+  double waitSeconds = 0.0;     // blocked in a receive or in the step's final send waits
+  struct Span {
+    ActionKind kind;
+    int microBatch;
+    std::chrono::steady_clock::time_point start, end;
+  };
+  std::vector<Span> spans;  // each compute action and receive, in order
+};
+
+class PipelineStage {
+ public:
+  // `boundaries`: K + 1 block indices (stage s runs blocks [boundaries[s], boundaries[s+1])).
+  // `comm` must outlive the stage; its world is layout.stages x layout.replicas. It may be null
+  // for one stage in one process (gradient accumulation).
+  PipelineStage(BlockModel model, std::vector<size_t> boundaries, Communicator* comm,
+                PipelineLayout layout, PipelineSchedule schedule, int microBatches);
+
+  // Runs this stage's program for one step on `batch` (batch.size() must be a multiple of the
+  // micro-batch count; ConfigError otherwise). Parameter gradients are added to (the caller
+  // zeroes them first).
+  StageStepStats runStep(const Batch& batch);
+
+  // This stage's parameters (its blocks'), the ones it computes gradients for and updates.
+  std::vector<at::Tensor> parameters();
+
+  // The reductions of a step over the stages of this pipeline: the sum of the stages' squared
+  // gradient norms and the last stage's loss, so every rank logs the same loss and clips with
+  // the global norm. One all-reduce of two doubles; every rank of the world calls it.
+  struct Totals {
+    double gradNormSquared = 0.0;
+    double loss = 0.0;
+  };
+  Totals reduce(double localGradNormSquared, double localLoss);
+
+  // Every rank's model gets every stage's current parameters and floating-point buffers (one
+  // broadcast per stage, from the rank that trains it): before an evaluation over all ranks and
+  // before rank 0 writes a checkpoint or model.pt. Every rank of the world calls it.
+  void shareParameters();
+  // Rank 0's optimizer gets the state of every stage's parameters (sent by the rank that trains
+  // them; sync/optimizer_state.h's flat layout), so rank 0's checkpoint holds all of it and
+  // resumes on any number of stages. Other ranks' optimizers are unchanged. Every rank calls it.
+  void collectOptimizerState(torch::optim::Optimizer& optimizer);
+  const PipelineLayout& layout() const { return layout_; }
+  size_t firstBlock() const { return begin_; }
+  size_t endBlock() const { return end_; }
+  int microBatches() const { return microBatches_; }
+  const StageProgram& program() const { return program_; }
+
+ private:
+  struct InFlight;  // one micro-batch's tensors between its forward and its last backward
+  // Stage s's parameters and floating buffers, in a fixed order (for shareParameters).
+  std::vector<at::Tensor> stageTensors(int stage);
+  BlockModel model_;
+  Communicator* comm_;
+  PipelineLayout layout_;
+  size_t begin_, end_;
+  int microBatches_;
+  StageProgram program_;
+  std::vector<size_t> boundaries_;
+};
+
+}  // namespace caravan

@@ -1,0 +1,315 @@
+// Pipeline parallelism: schedules as data (pipeline/schedule.h), checked without a network.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "core/errors.h"
+#include "gloo_ranks.h"
+#include "models/model.h"
+#include "pipeline/schedule.h"
+#include "pipeline/stage.h"
+
+namespace caravan {
+namespace {
+
+const PipelineSchedule kAll[] = {PipelineSchedule::kGPipe, PipelineSchedule::kOneFOneB,
+                                 PipelineSchedule::kZeroBubbleH1};
+
+std::string label(PipelineSchedule s, int k, int m) {
+  return pipelineScheduleName(s) + " K=" + std::to_string(k) + " M=" + std::to_string(m);
+}
+
+TEST(PipelineSchedule, EveryScheduleIsValidForEveryStageAndMicroBatchCount) {
+  for (PipelineSchedule s : kAll) {
+    for (int k = 1; k <= 8; ++k) {
+      for (int m = 1; m <= 32; ++m) {
+        const auto programs = buildSchedule(s, k, m);
+        ASSERT_EQ(programs.size(), static_cast<size_t>(k));
+        EXPECT_EQ(checkSchedule(programs, m), "") << label(s, k, m);
+      }
+    }
+  }
+}
+
+TEST(PipelineSchedule, MicroBatchesInFlightAreWhatTheMemoryModelAssumes) {
+  for (PipelineSchedule s : kAll) {
+    for (int k = 1; k <= 8; ++k) {
+      for (int m = 1; m <= 32; ++m) {
+        const auto programs = buildSchedule(s, k, m);
+        for (int stage = 0; stage < k; ++stage) {
+          const int expected = s == PipelineSchedule::kGPipe          ? m
+                               : s == PipelineSchedule::kZeroBubbleH1 ? std::min(k, m)
+                                                                      : std::min(k - stage, m);
+          EXPECT_EQ(peakInFlight(programs[stage]), expected)
+              << label(s, k, m) << " stage " << stage;
+        }
+      }
+    }
+  }
+}
+
+// Closed form: with a backward costing two forwards and free transfers, gpipe and 1f1b idle
+// (K-1)/(M+K-1) of the step; zb-h1 with F = B = W idles (K-1)/(3M+K-1) (Qi et al.: each stage's
+// bubble shrinks from (K-1)(F+B+W) to (K-1)(F+B-W)).
+TEST(PipelineSchedule, BubbleFractionIsTheClosedForm) {
+  for (int k = 1; k <= 8; ++k) {
+    for (int m : {1, 2, 4, 8, 16, 32}) {
+      const double oneF = static_cast<double>(k - 1) / (m + k - 1);
+      for (PipelineSchedule s : {PipelineSchedule::kGPipe, PipelineSchedule::kOneFOneB}) {
+        const auto sim = simulateSchedule(buildSchedule(s, k, m), {StageCosts{1.0, 1.0, 1.0}});
+        EXPECT_NEAR(sim.bubbleFraction(), oneF, 1e-12) << label(s, k, m);
+        EXPECT_DOUBLE_EQ(sim.makespan, 3.0 * (m + k - 1)) << label(s, k, m);
+      }
+      const auto zb = simulateSchedule(buildSchedule(PipelineSchedule::kZeroBubbleH1, k, m),
+                                       {StageCosts{1.0, 1.0, 1.0}});
+      const double third = static_cast<double>(k - 1) / (3 * m + k - 1);
+      if (m >= k) {
+        EXPECT_NEAR(zb.bubbleFraction(), third, 1e-12)
+            << label(PipelineSchedule::kZeroBubbleH1, k, m);
+      } else {
+        EXPECT_LE(zb.bubbleFraction(), oneF + 1e-12)
+            << label(PipelineSchedule::kZeroBubbleH1, k, m);
+      }
+    }
+  }
+}
+
+TEST(PipelineSchedule, SimulatedTransfersDelayTheReceiver) {
+  // Two stages, one micro-batch: F0 | transfer | F1 B1 | transfer | B0.
+  StageCosts c{1.0, 1.0, 1.0, 0.5};
+  const auto sim = simulateSchedule(buildSchedule(PipelineSchedule::kOneFOneB, 2, 1), {c});
+  EXPECT_DOUBLE_EQ(sim.makespan, 1.0 + 0.5 + 1.0 + 2.0 + 0.5 + 2.0);
+  ASSERT_EQ(sim.spans[1].size(), 2u);
+  EXPECT_DOUBLE_EQ(sim.spans[1][0].start, 1.5);
+}
+
+// The check is only worth something if it fails on broken schedules: each of these breaks one
+// rule of a valid 1f1b or zb-h1 schedule.
+TEST(PipelineSchedule, CheckNamesEachBrokenRule) {
+  auto valid = [] { return buildSchedule(PipelineSchedule::kOneFOneB, 3, 4); };
+  auto find = [](StageProgram& p, ActionKind k, int m) {
+    return std::find(p.begin(), p.end(), Action{k, m});
+  };
+  {  // receives in another order than the sends
+    auto p = valid();
+    auto a = find(p[1], ActionKind::kRecvActivation, 0),
+         b = find(p[1], ActionKind::kRecvActivation, 1);
+    std::swap(a->microBatch, b->microBatch);
+    std::swap(find(p[1], ActionKind::kForward, 0)->microBatch,
+              find(p[1], ActionKind::kForward, 1)->microBatch);
+    EXPECT_NE(checkSchedule(p, 4), "");
+  }
+  {  // a send dropped: the receiver waits forever
+    auto p = valid();
+    p[0].erase(find(p[0], ActionKind::kSendActivation, 3));
+    EXPECT_NE(checkSchedule(p, 4), "");
+  }
+  {  // backward before forward
+    auto p = valid();
+    auto f = find(p[2], ActionKind::kForward, 0), b = find(p[2], ActionKind::kBackward, 0);
+    std::iter_swap(f, b);
+    EXPECT_NE(checkSchedule(p, 4), "");
+  }
+  {  // a micro-batch forwarded twice
+    auto p = valid();
+    p[0].push_back({ActionKind::kForward, 0});
+    EXPECT_NE(checkSchedule(p, 4), "");
+  }
+  {  // receives ordered so that two stages wait on each other: stage 1 wants micro-batch 1's
+     // gradient before it forwards micro-batch 1 to stage 2
+    auto p = valid();
+    auto rg = find(p[1], ActionKind::kRecvGradient, 0);
+    const Action moved = *rg;
+    p[1].erase(rg);
+    p[1].insert(p[1].begin(), moved);
+    EXPECT_NE(checkSchedule(p, 4), "");
+  }
+  {  // zb-h1: W before its B
+    auto p = buildSchedule(PipelineSchedule::kZeroBubbleH1, 2, 4);
+    auto bi = find(p[0], ActionKind::kBackwardInput, 2),
+         w = find(p[0], ActionKind::kBackwardWeight, 2);
+    std::iter_swap(bi, w);
+    EXPECT_NE(checkSchedule(p, 4), "");
+  }
+  {  // weight gradients out of micro-batch order (accumulation order differs from one worker)
+    auto p = buildSchedule(PipelineSchedule::kGPipe, 2, 4);
+    std::swap(find(p[0], ActionKind::kBackward, 1)->microBatch,
+              find(p[0], ActionKind::kBackward, 2)->microBatch);
+    std::swap(find(p[0], ActionKind::kRecvGradient, 1)->microBatch,
+              find(p[0], ActionKind::kRecvGradient, 2)->microBatch);
+    EXPECT_NE(checkSchedule(p, 4), "");
+  }
+}
+
+TEST(PipelineSchedule, NamesParseAndBadOnesAreRefused) {
+  for (PipelineSchedule s : kAll) EXPECT_EQ(parsePipelineSchedule(pipelineScheduleName(s)), s);
+  EXPECT_THROW(parsePipelineSchedule("interleaved"), ConfigError);
+  EXPECT_THROW(buildSchedule(PipelineSchedule::kGPipe, 0, 4), ConfigError);
+  EXPECT_THROW(buildSchedule(PipelineSchedule::kGPipe, 2, 0), ConfigError);
+}
+
+// ---- one step of a pipeline against one worker accumulating gradients ---------------------------
+
+struct ModelCase {
+  ModelSpec spec;
+  DataShape shape;
+};
+
+ModelCase gptSetup() {  // embedding, 4 transformer blocks, head: 6 blocks; integer inputs
+  ModelCase s;
+  s.spec.name = "gpt";
+  s.spec.width = 16;
+  s.spec.depth = 4;
+  s.spec.heads = 2;
+  s.shape.task = TaskKind::kLanguageModel;
+  s.shape.vocabSize = 23;
+  s.shape.seqLen = 8;
+  return s;
+}
+
+ModelCase cnnSetup() {  // 3 blocks; float image inputs
+  ModelCase s;
+  s.spec.name = "cnn";
+  s.spec.width = 4;
+  s.shape.height = s.shape.width = 12;
+  return s;
+}
+
+std::vector<Batch> batches(const ModelCase& s, int count, int64_t size) {
+  torch::manual_seed(77);
+  std::vector<Batch> out;
+  for (int i = 0; i < count; ++i) {
+    if (s.shape.task == TaskKind::kLanguageModel) {
+      at::Tensor t = torch::randint(s.shape.vocabSize, {size, s.shape.seqLen + 1}, at::kLong);
+      out.push_back({t.slice(1, 0, -1).contiguous(), t.slice(1, 1).contiguous()});
+    } else {
+      out.push_back({torch::randn({size, 1, s.shape.height, s.shape.width}),
+                     torch::randint(10, {size}, at::kLong)});
+    }
+  }
+  return out;
+}
+
+BlockModel freshModel(const ModelCase& s) {
+  torch::manual_seed(5);
+  return buildModel(s.spec, s.shape);
+}
+
+std::unique_ptr<torch::optim::Optimizer> adamw(const std::vector<at::Tensor>& params) {
+  return std::make_unique<torch::optim::AdamW>(params,
+                                               torch::optim::AdamWOptions(0.01).weight_decay(0.01));
+}
+
+// One worker: per step, M micro-batches each adding the gradient of loss / M, then AdamW.
+// Returns the final parameters in block order and the per-step losses.
+std::pair<std::vector<at::Tensor>, std::vector<double>> accumulateOnOneWorker(
+    const ModelCase& s, const std::vector<Batch>& data, int m) {
+  BlockModel model = freshModel(s);
+  auto opt = adamw(model->parameters());
+  std::vector<double> losses;
+  for (const Batch& b : data) {
+    opt->zero_grad();
+    const auto xs = b.input.split(b.size() / m), ys = b.target.split(b.size() / m);
+    double loss = 0.0;
+    for (int i = 0; i < m; ++i) {
+      at::Tensor l = model->loss(model->forward(xs[i]), ys[i]) / static_cast<double>(m);
+      loss += l.item<double>();
+      l.backward();
+    }
+    opt->step();
+    losses.push_back(loss);
+  }
+  std::vector<at::Tensor> params;
+  for (const auto& p : model->parameters()) params.push_back(p.detach().clone());
+  return {params, losses};
+}
+
+// K stages as threads over Gloo: each rank updates its own blocks' parameters with AdamW.
+std::pair<std::vector<at::Tensor>, std::vector<double>> trainPipeline(
+    const ModelCase& s, const std::vector<Batch>& data, PipelineSchedule schedule, int k, int m) {
+  std::vector<BlockModel> models;
+  for (int r = 0; r < k; ++r) models.push_back(freshModel(s));
+  const auto bounds = evenPartition(models[0]->numBlocks(), k);
+  std::vector<std::vector<at::Tensor>> stageParams(k);
+  std::vector<double> losses(data.size(), 0.0);
+  const auto errors = test::runGlooRanks(
+      k, test::loopbackOptions(std::chrono::seconds(60)), [&](std::shared_ptr<Communicator> comm) {
+        const int r = comm->rank();
+        PipelineStage stage(models[r], bounds, comm.get(), PipelineLayout::of(r, k, k), schedule,
+                            m);
+        auto opt = adamw(stage.parameters());
+        for (size_t i = 0; i < data.size(); ++i) {
+          opt->zero_grad();
+          const StageStepStats st = stage.runStep(data[i]);
+          if (stage.layout().last()) losses[i] = st.loss;
+          opt->step();
+        }
+        for (const auto& p : stage.parameters()) stageParams[r].push_back(p.detach().clone());
+      });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  std::vector<at::Tensor> params;
+  for (const auto& sp : stageParams) params.insert(params.end(), sp.begin(), sp.end());
+  return {params, losses};
+}
+
+double relativeDifference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    num += (a[i] - b[i]).pow(2).sum().item<double>();
+    den += b[i].pow(2).sum().item<double>();
+  }
+  return std::sqrt(num / den);
+}
+
+TEST(PipelineExactness, EveryScheduleEqualsOneWorkerAccumulatingTheMicroBatches) {
+  torch::set_num_threads(1);
+  for (const ModelCase& s : {gptSetup(), cnnSetup()}) {
+    const auto data = batches(s, 20, 8);
+    for (int m : {1, 4}) {
+      const auto [expected, expectedLoss] = accumulateOnOneWorker(s, data, m);
+      for (int k : {2, 3}) {
+        for (PipelineSchedule schedule : kAll) {
+          const std::string what = s.spec.name + " " + label(schedule, k, m);
+          const auto [got, loss] = trainPipeline(s, data, schedule, k, m);
+          EXPECT_LE(relativeDifference(got, expected), 1e-6) << what;
+          for (size_t i = 0; i < loss.size(); ++i) {
+            EXPECT_NEAR(loss[i], expectedLoss[i], 1e-6 * std::abs(expectedLoss[i]))
+                << what << " step " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PipelineExactness, FourStagesOfTheGpt) {
+  torch::set_num_threads(1);
+  const ModelCase s = gptSetup();
+  const auto data = batches(s, 20, 8);
+  const auto [expected, expectedLoss] = accumulateOnOneWorker(s, data, 8);
+  for (PipelineSchedule schedule : kAll) {
+    const auto [got, loss] = trainPipeline(s, data, schedule, 4, 8);
+    EXPECT_LE(relativeDifference(got, expected), 1e-6) << label(schedule, 4, 8);
+    EXPECT_NEAR(loss.back(), expectedLoss.back(), 1e-6 * std::abs(expectedLoss.back()));
+  }
+}
+
+TEST(PipelineLayout, RanksAreStagesOfReplicasAndPartitionsCoverEveryBlock) {
+  const auto l = PipelineLayout::of(5, 6, 3);
+  EXPECT_EQ(l.stage, 2);
+  EXPECT_EQ(l.replica, 1);
+  EXPECT_EQ(l.replicas, 2);
+  EXPECT_TRUE(l.last());
+  EXPECT_THROW(PipelineLayout::of(0, 5, 2), ConfigError);
+  EXPECT_EQ(evenPartition(6, 4), (std::vector<size_t>{0, 2, 4, 5, 6}));
+  EXPECT_EQ(evenPartition(3, 3), (std::vector<size_t>{0, 1, 2, 3}));
+  EXPECT_THROW(evenPartition(3, 4), ConfigError);
+}
+
+}  // namespace
+}  // namespace caravan
