@@ -154,8 +154,9 @@ std::vector<ConfigOption> buildSchema() {
              "memory.policy = auto: timed repeats per block when profiling (median)"),
 
       intOpt("parallel.pipeline_stages", 1, 1, 1024,
-             "pipeline parallelism: the model's blocks are cut into this many stages, one per "
-             "worker (K); --workers must equal it (data-parallel pipelines are not built yet)"),
+             "pipeline parallelism: the model's blocks are cut into this many stages (K), one per "
+             "worker; K x D workers run D data-parallel pipelines (data.batch_size is each "
+             "pipeline's batch)"),
       intOpt("parallel.micro_batches", 0, 0, 65536,
              "micro-batches per step (M) that data.batch_size is split into; the gradients of "
              "loss / M add up (one worker with M > 1: gradient accumulation). 0 = 1 without "

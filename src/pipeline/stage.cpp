@@ -79,8 +79,16 @@ struct PipelineStage::InFlight {
 };
 
 PipelineStage::PipelineStage(BlockModel model, std::vector<size_t> boundaries, Communicator* comm,
-                             PipelineLayout layout, PipelineSchedule schedule, int microBatches)
-    : model_(std::move(model)), comm_(comm), layout_(layout), microBatches_(microBatches) {
+                             PipelineLayout layout, PipelineSchedule schedule, int microBatches,
+                             Communicator* replicas)
+    : model_(std::move(model)),
+      comm_(comm),
+      replicas_(replicas),
+      layout_(layout),
+      microBatches_(microBatches) {
+  CARAVAN_CHECK((replicas == nullptr ? 1 : replicas->size()) == layout.replicas,
+                "{} replicas of each stage, a replica group of {}", layout.replicas,
+                replicas == nullptr ? 1 : replicas->size());
   CARAVAN_CHECK_EQ(boundaries.size(), static_cast<size_t>(layout.stages) + 1,
                    "boundaries of {} stages", layout.stages);
   CARAVAN_CHECK((comm == nullptr ? 1 : comm->size()) == layout.stages * layout.replicas,
@@ -117,16 +125,35 @@ std::vector<at::Tensor> PipelineStage::stageTensors(int stage) {
   return out;
 }
 
+void PipelineStage::averageGradients() {
+  if (replicas_ == nullptr) return;
+  std::vector<at::Tensor> grads;
+  for (const auto& p : parameters()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  if (grads.empty()) return;
+  std::vector<at::Tensor> flat;
+  for (const auto& g : grads) flat.push_back(g.reshape({-1}));
+  at::Tensor all = at::cat(flat);
+  replicas_->allreduce(all, ReduceOp::kAvg)->wait(replicas_->timeout());
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(all.narrow(0, offset, g.numel()).view(g.sizes()));
+    offset += g.numel();
+  }
+}
+
 PipelineStage::Totals PipelineStage::reduce(double localGradNormSquared, double localLoss) {
-  CARAVAN_CHECK_EQ(layout_.replicas, 1, "data-parallel pipelines are not built");
   if (comm_ == nullptr) return Totals{localGradNormSquared, localLoss};
   at::Tensor t = at::tensor({localGradNormSquared, layout_.last() ? localLoss : 0.0}, at::kDouble);
   comm_->allreduce(t, ReduceOp::kSum)->wait(comm_->timeout());
-  return Totals{t[0].item<double>(), t[1].item<double>()};
+  // Every replica of a stage holds the same averaged gradients: each counted D times.
+  const double d = static_cast<double>(layout_.replicas);
+  return Totals{t[0].item<double>() / d, t[1].item<double>() / d};
 }
 
 void PipelineStage::shareParameters() {
-  CARAVAN_CHECK_EQ(layout_.replicas, 1, "data-parallel pipelines are not built");
+  // From replica 0's stage s (rank s); the other replicas hold the same parameters.
   if (layout_.stages == 1) return;
   torch::NoGradGuard noGrad;
   for (int s = 0; s < layout_.stages; ++s) {
@@ -146,7 +173,6 @@ void PipelineStage::shareParameters() {
 }
 
 void PipelineStage::collectOptimizerState(torch::optim::Optimizer& optimizer) {
-  CARAVAN_CHECK_EQ(layout_.replicas, 1, "data-parallel pipelines are not built");
   constexpr int kTag = 1 << 20;  // above every micro-batch tag
   for (int s = 1; s < layout_.stages; ++s) {
     std::vector<at::Tensor> params;

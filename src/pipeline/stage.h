@@ -69,9 +69,11 @@ class PipelineStage {
  public:
   // `boundaries`: K + 1 block indices (stage s runs blocks [boundaries[s], boundaries[s+1])).
   // `comm` must outlive the stage; its world is layout.stages x layout.replicas. It may be null
-  // for one stage in one process (gradient accumulation).
+  // for one stage in one process (gradient accumulation). `replicas`: this stage and its
+  // replicas in the other pipelines (layout.replicas ranks; null when there is one).
   PipelineStage(BlockModel model, std::vector<size_t> boundaries, Communicator* comm,
-                PipelineLayout layout, PipelineSchedule schedule, int microBatches);
+                PipelineLayout layout, PipelineSchedule schedule, int microBatches,
+                Communicator* replicas = nullptr);
 
   // Runs this stage's program for one step on `batch` (batch.size() must be a multiple of the
   // micro-batch count; ConfigError otherwise). Parameter gradients are added to (the caller
@@ -81,9 +83,14 @@ class PipelineStage {
   // This stage's parameters (its blocks'), the ones it computes gradients for and updates.
   std::vector<at::Tensor> parameters();
 
-  // The reductions of a step over the stages of this pipeline: the sum of the stages' squared
-  // gradient norms and the last stage's loss, so every rank logs the same loss and clips with
-  // the global norm. One all-reduce of two doubles; every rank of the world calls it.
+  // Data-parallel pipelines (D > 1): averages this stage's gradients over its replicas (one
+  // all-reduce of them laid end to end, on `replicas`), after runStep. Nothing when D = 1.
+  void averageGradients();
+
+  // The reductions of a step over the stages: the sum of the stages' squared gradient norms
+  // and the last stages' mean loss, so every rank logs the same loss and clips with the global
+  // norm (gradients averaged over replicas first). One all-reduce of two doubles over the
+  // world; every rank calls it.
   struct Totals {
     double gradNormSquared = 0.0;
     double loss = 0.0;
@@ -110,6 +117,7 @@ class PipelineStage {
   std::vector<at::Tensor> stageTensors(int stage);
   BlockModel model_;
   Communicator* comm_;
+  Communicator* replicas_;
   PipelineLayout layout_;
   size_t begin_, end_;
   int microBatches_;

@@ -119,6 +119,21 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
       if (authenticate) authenticatePeers(*comm, worldInfo.token);
     }
   }
+  // The workers' communicator's counter, for the stall inspector below.
+  const std::shared_ptr<CountingCommunicator> workersCounter = counters_.back();
+  const int stages = options_.pipeline.stages;
+  if (stages > 1 && worldInfo.worldSize > stages) {
+    // validate() allowed this on Gloo only (MPI would need MPI_Comm_split).
+    WorldInfo group = worldInfo;
+    group.rank = worldInfo.rank / stages;
+    group.worldSize = worldInfo.worldSize / stages;
+    stageReplicas =
+        counted(makeCommunicator(backend, group,
+                                 c10::make_intrusive<c10d::PrefixStore>(
+                                     "stage-" + std::to_string(worldInfo.rank % stages), store),
+                                 timeout, sync.rendezvousTimeout));
+    if (authenticate) authenticatePeers(*stageReplicas, worldInfo.token);
+  }
   if (store) {
     HeartbeatOptions ho;
     ho.workers = workers_;
@@ -131,8 +146,7 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
     heartbeat_ = std::make_unique<Heartbeat>(store, worldInfo.rank, worldInfo.worldSize, ho);
     // The stall inspector follows the workers' collectives (servers take part in none).
     if (!isServer()) {
-      std::shared_ptr<CountingCommunicator> workersComm = counters_.back();
-      heartbeat_->setProgressProbe([workersComm] { return workersComm->progress(); });
+      heartbeat_->setProgressProbe([workersCounter] { return workersCounter->progress(); });
     }
   }
 }

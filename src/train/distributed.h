@@ -91,6 +91,10 @@ class Distributed {
 
   std::shared_ptr<Communicator> world;  // every rank
   std::shared_ptr<Communicator> comm;   // the workers (= world without servers)
+  // Pipelines of K stages replicated D > 1 times (parallel.pipeline_stages = K, world K x D):
+  // this rank's stage and its D - 1 replicas (ranks s, s + K, ...; rank in it = replica).
+  // Null otherwise.
+  std::shared_ptr<Communicator> stageReplicas;
 
   // Bytes this rank sent and received so far over both communicators (counting_communicator.h:
   // exact for point to point, a ring estimate for collectives).

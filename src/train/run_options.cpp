@@ -191,11 +191,16 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
   const std::string what = pipeline.stages > 1
                                ? fmt::format("parallel.pipeline_stages = {}", pipeline.stages)
                                : fmt::format("parallel.micro_batches = {}", pipeline.microBatches);
-  if (pipeline.stages > 1 && worldSize != pipeline.stages) {
+  if (pipeline.stages > 1 && worldSize % pipeline.stages != 0) {
     throw ConfigError(fmt::format(
-        "{} needs exactly {} workers (one per stage), not {}; data-parallel pipelines are not "
-        "built yet",
-        what, pipeline.stages, worldSize));
+        "{} does not divide {} workers: run K x D workers (D data-parallel pipelines of K "
+        "stages)",
+        what, worldSize));
+  }
+  if (pipeline.stages > 1 && worldSize > pipeline.stages && options.sync.backend != "gloo") {
+    throw ConfigError(fmt::format(
+        "{} with {} workers (data-parallel pipelines) runs on dist.backend = gloo only so far",
+        what, worldSize));
   }
   if (pipeline.stages == 1 && worldSize > 1) {
     throw ConfigError(fmt::format(

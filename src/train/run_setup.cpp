@@ -119,15 +119,16 @@ void RunSetup::attach(Distributed* dist) {
   const bool offload = options.memory.offloadWeights;
   if (options.pipeline.active()) {
     // Stages train their own blocks; every rank built the same model from seed.init or loaded
-    // the same checkpoint, so there is nothing to broadcast. No data-parallel strategy yet
-    // (validate refuses more workers than stages).
+    // the same checkpoint, so there is nothing to broadcast. Replicas of a stage average their
+    // gradients themselves (PipelineStage::averageGradients): no strategy.
     Communicator* comm = dist != nullptr ? dist->comm.get() : nullptr;
     const int worldSize = comm != nullptr ? comm->size() : 1;
     const PipelineLayout layout =
         PipelineLayout::of(comm != nullptr ? comm->rank() : 0, worldSize, options.pipeline.stages);
     pipeline = std::make_unique<PipelineStage>(
         model, evenPartition(model->numBlocks(), options.pipeline.stages), comm, layout,
-        parsePipelineSchedule(options.pipeline.schedule), options.pipeline.microBatches);
+        parsePipelineSchedule(options.pipeline.schedule), options.pipeline.microBatches,
+        dist != nullptr ? dist->stageReplicas.get() : nullptr);
   } else if (dist != nullptr) {
     AttachContext context;
     context.optimizer = optimizer.get();

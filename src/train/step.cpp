@@ -65,6 +65,7 @@ StepResult pipelineTrainStep(PipelineStage& stage, torch::optim::Optimizer& opti
   StepResult result;
   const StageStepStats stats = stage.runStep(batch);
   result.forwardEnd = result.backwardEnd = std::chrono::steady_clock::now();
+  stage.averageGradients();
   result.pipelined = true;
   result.stageComputeSeconds = stats.computeSeconds;
   result.stageWaitSeconds = stats.waitSeconds;

@@ -129,6 +129,7 @@ class Trainer {
 
  private:
   void begin();
+  std::string pipelineBanner() const;
   void commitRunDirectory();
   void trainOneStep();
   void accountMemory();
@@ -248,6 +249,19 @@ void Trainer::trainOneStep() {
 
 // Everything between an attached setup and the first step: the banner, memory accounting's
 // scope, the memory plan. Nothing is written to the run directory yet (commitRunDirectory).
+// " per pipeline of 2 stages (blocks 0-2 here) x 1 pipeline, 1f1b in 8 micro-batches (gloo)"
+std::string Trainer::pipelineBanner() const {
+  const PipelineLayout& l = s_.pipeline->layout();
+  const PipelineOptions& o = s_.options.pipeline;
+  if (l.stages == 1)
+    return fmt::format(" in {} micro-batches (gradient accumulation)", o.microBatches);
+  return fmt::format(
+      " per pipeline of {} stages (blocks {}-{} on this one) x {} pipeline{}, {} in {} "
+      "micro-batches ({})",
+      l.stages, s_.pipeline->firstBlock(), s_.pipeline->endBlock() - 1, l.replicas,
+      l.replicas > 1 ? "s" : "", o.schedule, o.microBatches, comm()->backend());
+}
+
 void Trainer::begin() {
   TrainingState& state = s_.state;
   if (dist_ != nullptr) dist_->setTimeline(timeline_.enabled() ? &timeline_ : nullptr);
@@ -257,9 +271,10 @@ void Trainer::begin() {
       s_.model->modelName(), s_.model->numBlocks(), static_cast<double>(s_.parameterCount()) / 1e6,
       s_.data.train->name(), s_.data.train->size(), s_.data.test->size(), s_.totalSteps,
       s_.sampler.batchSize,
-      dist_ ? fmt::format(" per worker x {} workers ({}, {})", s_.workers, comm()->backend(),
-                          s_.options.sync.mode)
-            : "",
+      s_.pipeline ? pipelineBanner()
+      : dist_     ? fmt::format(" per worker x {} workers ({}, {})", s_.workers, comm()->backend(),
+                                s_.options.sync.mode)
+                  : "",
       s_.resumedFrom ? fmt::format(", resuming at step {} from {}", state.step, *s_.resumedFrom)
                      : ""));
   if (!s_.reshardNote.empty()) progress_.line(s_.reshardNote);
