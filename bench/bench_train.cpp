@@ -84,11 +84,21 @@ double median(std::vector<double> v) {
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// caravan_bench times trainStep; a pipeline's step is another (pipelineTrainStep).
+void refusePipelines(const RunOptions& options) {
+  if (options.pipeline.active()) {
+    throw ConfigError(
+        "caravan_bench train does not time pipeline stages or micro-batches (parallel.*); time "
+        "them with caravan train's metrics.jsonl (bench/pipeline_bubble.py)");
+  }
+}
+
 int benchTrain(const std::string& configPath, std::vector<std::string> overrides, int64_t steps,
                int64_t warmup, int64_t threads, const std::string& profilePath) {
   overrides.push_back("train.threads=" + std::to_string(threads));
   const Config config = Config::fromFile(configPath, overrides);
   applyRuntimeOptions(RunOptions::read(config).runtime);
+  refusePipelines(RunOptions::read(config));
   // The same run as `caravan train` builds in one process.
   RunSetup setup(config);
   setup.prepareTraining(std::nullopt);
@@ -326,6 +336,7 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
                     "local-sgd, gossip); sync.mode = {} needs parameter servers",
                     options.sync.mode));
   }
+  refusePipelines(options);
   // The same order as train(): rendezvous, then the run (data, model, optimizer, sampler
   // shard, loader, seed.dropout), then the strategy.
   Distributed dist(options, world, runDir);

@@ -888,6 +888,7 @@ TEST(DistPipeline, LayoutsThatCannotRunAreRefusedInOneLine) {
       {{"parallel.pipeline_stages=2", "sync.mode=gossip"}, 2, "leave sync.mode at allreduce"},
       {{"parallel.pipeline_stages=2", "memory.policy=recompute"}, 2, "memory.policy = keep"},
       {{"parallel.pipeline_stages=6"}, 6, "every stage needs at least one"},
+      {{"parallel.pipeline_stages=2", "sync.compression=topk"}, 2, "sync.compression = none"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string run = tmp / ("bad" + std::to_string(i));
@@ -895,5 +896,6 @@ TEST(DistPipeline, LayoutsThatCannotRunAreRefusedInOneLine) {
     EXPECT_EQ(codes, std::vector<int>(cases[i].workers, 2)) << cases[i].says;
     const std::string err = test::readFile(run + ".rank0.log");
     EXPECT_NE(err.find(cases[i].says), std::string::npos) << err;
+    EXPECT_EQ(test::countLines(err), 1) << err;
   }
 }

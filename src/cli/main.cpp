@@ -201,6 +201,20 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
   RunSetup setup = RunSetup::forInspection(config);
   setup.model->train();
   const Batch sample = setup.sampleBatch();
+  if (options.pipeline.stages > 1) {  // the partition into stages: one worker's plan does not run
+    const PipelinePlan plan = planPipeline(options, setup.model, sample);
+    std::cout << fmt::format("{} ({} blocks), batch {} per pipeline\n", setup.model->modelName(),
+                             setup.model->numBlocks(), sample.size());
+    std::cout << plan.report;
+    if (!plan.partition.fits) {
+      throw ConfigError(fmt::format(
+          "memory.budget = {} per worker fits no partition into {} stages; the smallest budget "
+          "one fits is {} ({} bytes)",
+          options.memory.budgetText, options.pipeline.stages,
+          formatBytes(plan.partition.smallestBudget), plan.partition.smallestBudget));
+    }
+    return 0;
+  }
   checkTrainingFitsMachine(options, setup.model, sample, setup.data.train->shape().seqLen, 1);
   ActivationMemory m = makeActivationMemory(options, setup.model, sample, /*plan=*/true);
   std::cout << fmt::format("{} ({} blocks), batch {}\n", setup.model->modelName(),

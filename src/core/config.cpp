@@ -166,6 +166,12 @@ std::vector<ConfigOption> buildSchema() {
              "micro-batches in flight on stage s), zb-h1 (zero bubble: backward split into its "
              "input and weight halves, the weight halves fill the bubbles)",
              {"gpipe", "1f1b", "zb-h1"}),
+      strOpt("parallel.partition", "auto",
+             "how blocks are cut into stages: auto (profiled; the fastest slowest stage with every "
+             "stage within memory.budget, counting the micro-batches in flight), time (the "
+             "same, memory ignored), parameters (parameter bytes balanced), even (equal block "
+             "counts)",
+             {"auto", "time", "parameters", "even"}),
 
       strOpt("dist.backend", "gloo",
              "communicator for multi-worker runs: gloo (c10d) or mpi (Open MPI)", {"gloo", "mpi"}),

@@ -232,15 +232,15 @@ std::string checkSchedule(const std::vector<StageProgram>& programs, int microBa
       const int f = pos(ActionKind::kForward, m), b = pos(ActionKind::kBackward, m);
       const int bi = pos(ActionKind::kBackwardInput, m), w = pos(ActionKind::kBackwardWeight, m);
       if (f < 0) return stage + "no forward of micro-batch" + mb;
-      const bool whole = b >= 0, split = bi >= 0 && w >= 0;
-      if (whole == split || (!whole && (bi < 0) != (w < 0))) {
-        return stage + "micro-batch" + mb + " needs one backward, or B and W, exactly";
+      const bool whole = b >= 0 && bi < 0 && w < 0, split = b < 0 && bi >= 0 && w >= 0;
+      if (!whole && !split) {
+        return stage + "micro-batch" + mb + " needs one whole backward, or a B and a W, exactly";
       }
       const int backStart = whole ? b : bi, backEnd = whole ? b : w;
       if (backStart < f) return stage + "micro-batch" + mb + " goes backward before forward";
       if (split && w < bi) return stage + "micro-batch" + mb + " runs W before B";
       if (backEnd < lastBackward) {
-        return stage + "weight gradients of micro-batch" + mb + " come after a later one's";
+        return stage + "weight gradients of micro-batch" + mb + " come before an earlier one's";
       }
       lastBackward = backEnd;
       const int ra = pos(ActionKind::kRecvActivation, m), sa = pos(ActionKind::kSendActivation, m);
@@ -269,12 +269,11 @@ std::string checkSchedule(const std::vector<StageProgram>& programs, int microBa
 }
 
 int peakInFlight(const StageProgram& program) {
-  bool split = false;
-  for (const Action& a : program) split |= a.kind == ActionKind::kBackwardWeight;
   int inFlight = 0, peak = 0;
   for (const Action& a : program) {
     if (a.kind == ActionKind::kForward) peak = std::max(peak, ++inFlight);
-    if (a.kind == (split ? ActionKind::kBackwardWeight : ActionKind::kBackward)) --inFlight;
+    // A micro-batch's last backward action: the whole backward, or zb-h1's W.
+    if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) --inFlight;
   }
   return peak;
 }

@@ -59,23 +59,14 @@ PipelineLayout PipelineLayout::of(int rank, int worldSize, int stages) {
   return l;
 }
 
-std::vector<size_t> evenPartition(size_t blocks, int stages) {
-  if (stages < 1 || static_cast<size_t>(stages) > blocks) {
-    throw ConfigError("parallel.pipeline_stages = " + std::to_string(stages) +
-                      " but the model has " + std::to_string(blocks) +
-                      " blocks: every stage needs at least one");
-  }
-  std::vector<size_t> b{0};
-  const size_t per = blocks / stages, extra = blocks % stages;
-  for (int s = 0; s < stages; ++s) b.push_back(b.back() + per + (static_cast<size_t>(s) < extra));
-  return b;
-}
-
 struct PipelineStage::InFlight {
   at::Tensor input;       // first stage: the micro-batch's inputs; else the received activation
   at::Tensor output;      // last stage: loss / M; else the blocks' output
   at::Tensor outputGrad;  // the received gradient of `output` (not on the last stage)
   at::Tensor inputGrad;   // zb-h1's B: the gradient of `input`, until it is sent
+  // The send of `output`: it holds the output's storage until dropped, which happens when the
+  // output's gradient came back (the receiver had it by then).
+  std::vector<WorkPtr> activationSend;
 };
 
 PipelineStage::PipelineStage(BlockModel model, std::vector<size_t> boundaries, Communicator* comm,
@@ -172,17 +163,28 @@ void PipelineStage::shareParameters() {
   }
 }
 
+std::vector<at::Tensor> PipelineStage::trainedParameters(int stage) {
+  std::vector<at::Tensor> out;
+  for (size_t i = boundaries_[stage]; i < boundaries_[stage + 1]; ++i) {
+    for (const auto& p : model_->block(i).ptr()->parameters()) {
+      if (p.requires_grad()) out.push_back(p);
+    }
+  }
+  return out;
+}
+
+void PipelineStage::keepOwnOptimizerState(torch::optim::Optimizer& optimizer) {
+  for (int s = 0; s < layout_.stages; ++s) {
+    if (s != layout_.stage) scatterOptimizerState(optimizer, trainedParameters(s), {});
+  }
+}
+
 void PipelineStage::collectOptimizerState(torch::optim::Optimizer& optimizer) {
   constexpr int kTag = 1 << 20;  // above every micro-batch tag
   for (int s = 1; s < layout_.stages; ++s) {
-    std::vector<at::Tensor> params;
+    const std::vector<at::Tensor> params = trainedParameters(s);
     int64_t n = 0;
-    for (size_t i = boundaries_[s]; i < boundaries_[s + 1]; ++i) {
-      for (const auto& p : model_->block(i).ptr()->parameters()) {
-        params.push_back(p);
-        n += p.numel();
-      }
-    }
+    for (const auto& p : params) n += p.numel();
     if (comm_->rank() == s) {
       sendOptimizerState(*comm_, gatherOptimizerState(optimizer, params), 0, kTag + s);
     } else if (comm_->rank() == 0) {
@@ -208,7 +210,17 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
   const int rank = comm_ != nullptr ? comm_->rank() : 0, prev = rank - 1, next = rank + 1;
   const auto timeout = comm_ != nullptr ? comm_->timeout() : std::chrono::milliseconds(0);
   std::vector<InFlight> mb(m);
-  std::vector<WorkPtr> sends;
+  std::vector<WorkPtr> gradientSends;  // dropped once complete (checked at each receive)
+  auto dropCompleted = [&] {
+    for (auto it = gradientSends.begin(); it != gradientSends.end();) {
+      if ((*it)->isCompleted()) {
+        (*it)->wait(timeout);  // rethrows a failure
+        it = gradientSends.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  };
   StageStepStats stats;
   for (const Action& a : program_) {
     InFlight& f = mb[a.microBatch];
@@ -216,6 +228,7 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
     bool wait = false;
     switch (a.kind) {
       case ActionKind::kRecvActivation: {
+        dropCompleted();
         at::Tensor header = at::empty({kHeaderLength}, at::kLong);
         comm_->recv(header, prev, tagOf(a.microBatch, kActivationHeader))->wait(timeout);
         at::Tensor x = emptyFromHeader(header);
@@ -238,32 +251,38 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
       }
       case ActionKind::kSendActivation: {
         at::Tensor y = f.output.detach().contiguous();
-        sends.push_back(comm_->send(encodeHeader(y), next, tagOf(a.microBatch, kActivationHeader)));
-        sends.push_back(comm_->send(y, next, tagOf(a.microBatch, kActivation)));
+        f.activationSend = {
+            comm_->send(encodeHeader(y), next, tagOf(a.microBatch, kActivationHeader)),
+            comm_->send(y, next, tagOf(a.microBatch, kActivation))};
         break;
       }
       case ActionKind::kRecvGradient: {
+        dropCompleted();
         f.outputGrad = at::empty_like(f.output, at::MemoryFormat::Contiguous);
         comm_->recv(f.outputGrad, next, tagOf(a.microBatch, kGradient))->wait(timeout);
+        for (auto& w : f.activationSend) w->wait(timeout);  // done: the gradient came back
+        f.activationSend.clear();
         wait = true;
         break;
       }
       case ActionKind::kBackward: {
-        torch::autograd::backward({f.output}, {f.outputGrad});
+        // An output that needs no gradient (no parameter or float input before it): nothing.
+        if (f.output.requires_grad()) torch::autograd::backward({f.output}, {f.outputGrad});
         f.output = f.outputGrad = at::Tensor();
         if (layout_.first()) f = InFlight{};  // nothing to send back
         break;
       }
       case ActionKind::kBackwardInput: {
         // The first stage's input takes no gradient: its W does the whole backward.
-        if (!layout_.first() && f.input.requires_grad()) {
+        if (!layout_.first() && f.input.requires_grad() && f.output.requires_grad()) {
           f.inputGrad = torch::autograd::grad({f.output}, {f.input}, {f.outputGrad},
-                                              /*retain_graph=*/true)[0];
+                                              /*retain_graph=*/true, /*create_graph=*/false,
+                                              /*allow_unused=*/true)[0];
         }
         break;
       }
       case ActionKind::kBackwardWeight: {
-        if (!weights.empty()) {
+        if (!weights.empty() && f.output.requires_grad()) {
           torch::autograd::backward({f.output}, {f.outputGrad}, /*retain_graph=*/false,
                                     /*create_graph=*/false, weights);
         }
@@ -273,7 +292,7 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
       case ActionKind::kSendGradient: {
         at::Tensor g = f.inputGrad.defined() ? f.inputGrad : f.input.grad();
         if (!g.defined()) g = at::zeros_like(f.input);  // the stage ignored its input
-        sends.push_back(comm_->send(g.contiguous(), prev, tagOf(a.microBatch, kGradient)));
+        gradientSends.push_back(comm_->send(g.contiguous(), prev, tagOf(a.microBatch, kGradient)));
         f.inputGrad = at::Tensor();
         if (!f.output.defined()) f = InFlight{};  // a whole backward ran; zb-h1's W is to come
         break;
@@ -292,7 +311,10 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
     }
   }
   const auto start = Clock::now();
-  for (auto& w : sends) w->wait(timeout);
+  for (auto& w : gradientSends) w->wait(timeout);
+  for (auto& f : mb) {  // the last stage sends nothing; others had every gradient back
+    for (auto& w : f.activationSend) w->wait(timeout);
+  }
   stats.waitSeconds += seconds(start, Clock::now());
   return stats;
 }

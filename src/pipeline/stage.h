@@ -11,8 +11,9 @@
 //
 // Messages (tags per micro-batch m): an activation goes as a header (its dtype and shape, 8
 // int64s: the receiver cannot know the shape a block produces) then its payload; the gradient
-// of an activation goes as a payload of the shape the receiver sent. Sends are asynchronous and
-// all of a step's sends are waited for before runStep returns, so nothing outlives the step.
+// of an activation goes as a payload of the shape the receiver sent. Sends are asynchronous; an
+// activation's send is dropped when its gradient comes back, a gradient's once complete (looked
+// at before each receive), and all are waited for before runStep returns.
 //
 // Errors: a lost or silent neighbour raises PeerError from the wait (the communicator's
 // timeout); a schedule that fails checkSchedule is refused at construction (InternalError).
@@ -46,11 +47,6 @@ struct PipelineLayout {
   bool first() const { return stage == 0; }
   bool last() const { return stage == stages - 1; }
 };
-
-// Block boundaries of K stages over n blocks: K + 1 increasing indices from 0 to n, every
-// stage at least one block. evenPartition: as equal block counts as they can be, the earlier
-// stages taking the remainder. ConfigError when stages > blocks.
-std::vector<size_t> evenPartition(size_t blocks, int stages);
 
 // What one stage did in a step, for metrics and the timeline.
 struct StageStepStats {
@@ -105,6 +101,10 @@ class PipelineStage {
   // them; sync/optimizer_state.h's flat layout), so rank 0's checkpoint holds all of it and
   // resumes on any number of stages. Other ranks' optimizers are unchanged. Every rank calls it.
   void collectOptimizerState(torch::optim::Optimizer& optimizer);
+  // Removes the optimizer state of every other stage's parameters from `optimizer` (after
+  // rank 0 wrote a checkpoint with all of it, and after a resume loaded all of it): a stage
+  // holds its own only.
+  void keepOwnOptimizerState(torch::optim::Optimizer& optimizer);
   const PipelineLayout& layout() const { return layout_; }
   size_t firstBlock() const { return begin_; }
   size_t endBlock() const { return end_; }
@@ -113,6 +113,8 @@ class PipelineStage {
 
  private:
   struct InFlight;  // one micro-batch's tensors between its forward and its last backward
+  // Stage s's parameters that take gradients (the optimizer's), in block order.
+  std::vector<at::Tensor> trainedParameters(int stage);
   // Stage s's parameters and floating buffers, in a fixed order (for shareParameters).
   std::vector<at::Tensor> stageTensors(int stage);
   BlockModel model_;

@@ -6,6 +6,7 @@
 #include <map>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/errors.h"
 #include "core/machine.h"
@@ -26,6 +27,44 @@ int64_t persistentBytes(const RunOptions& options, BlockModel& model) {
   if (options.memory.offloadWeights) return OutOfCoreWeights::windowBytes(model, o);
   const int64_t weights = tensorBytes(model->parameters());
   return weights + weights + o.stateFactor * weights;
+}
+
+PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Batch& sample) {
+  const PipelineOptions& o = options.pipeline;
+  const PartitionObjective objective = parsePartitionObjective(o.partition);
+  PipelinePlan plan;
+  const size_t n = model->numBlocks();
+  if (objective == PartitionObjective::kEven) {
+    plan.partition.boundaries = evenPartition(n, o.stages);
+    plan.report = fmt::format(
+        "pipeline: {} stages of equal block counts (parallel.partition = "
+        "even): boundaries {}\n",
+        o.stages, fmt::join(plan.partition.boundaries, ","));
+    return plan;
+  }
+  evenPartition(n, o.stages);  // refuses more stages than blocks before profiling
+  const int64_t micro = sample.size() / o.microBatches;
+  const Batch one{sample.input.slice(0, 0, micro), sample.target.slice(0, 0, micro)};
+  const ModelProfile profile =
+      profileModel(model, one, static_cast<int>(options.memory.profileRepeats));
+  const int64_t factor = 2 + weightOptions(options).stateFactor;
+  for (size_t i = 0; i < n; ++i) {
+    const BlockProfile& b = profile.blocks[i];
+    const int64_t weights = tensorBytes(model->block(i).ptr()->parameters());
+    plan.blocks.push_back(
+        {b.label, b.forwardSeconds, b.backwardSeconds, b.savedBytes, factor * weights, weights});
+  }
+  // The loss runs on the last stage: count it with the last block.
+  plan.blocks.back().forwardSeconds += profile.lossSeconds;
+  plan.partition =
+      partitionBlocks(plan.blocks, o.stages, o.microBatches, parsePipelineSchedule(o.schedule),
+                      options.memory.budget, objective);
+  plan.report = fmt::format(
+      "pipeline: {} stages, {} micro-batches of {} examples, {} (parallel.partition = {}); per "
+      "block profiled on one micro-batch\n",
+      o.stages, o.microBatches, micro, o.schedule, o.partition);
+  plan.report += formatPartition(plan.blocks, plan.partition, options.memory.budget);
+  return plan;
 }
 
 ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,

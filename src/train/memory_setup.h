@@ -14,6 +14,7 @@
 #include "memory/tier.h"
 #include "memory/weights.h"
 #include "models/model.h"
+#include "pipeline/partition.h"
 #include "train/run_options.h"
 
 namespace caravan {
@@ -22,6 +23,17 @@ namespace caravan {
 // activations share memory.budget with); with out-of-core weights, the most of them that will
 // be in memory at once (OutOfCoreWeights::windowBytes).
 int64_t persistentBytes(const RunOptions& options, BlockModel& model);
+
+// How parallel.pipeline_stages cuts the model (pipeline/partition.h): unless parallel.partition
+// = even, each block is profiled on one micro-batch of `sample` (its first batch / M examples;
+// memory.profile_repeats), its state bytes are weights + gradients + optimizer state, and the
+// partition minimises the slowest stage under memory.budget (per worker).
+struct PipelinePlan {
+  std::vector<BlockCost> blocks;  // empty for even
+  Partition partition;
+  std::string report;  // the table `caravan plan` prints
+};
+PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Batch& sample);
 
 struct ActivationMemory {
   std::vector<BlockPolicy> policies;

@@ -85,6 +85,7 @@ RunOptions RunOptions::read(const Config& config) {
   PipelineOptions& p = r.pipeline;
   p.stages = static_cast<int>(config.i64("parallel.pipeline_stages"));
   p.schedule = config.str("parallel.schedule");
+  p.partition = config.str("parallel.partition");
   p.microBatches = static_cast<int>(config.i64("parallel.micro_batches"));
   if (p.microBatches == 0) {  // the default: the largest count <= 4K dividing the batch
     p.microBatches = 1;
@@ -215,6 +216,10 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
   if (options.memory.offloadWeights) {
     throw ConfigError(fmt::format(
         "{} does not run with memory.weights = offload yet; set memory.weights = core", what));
+  }
+  if (options.sync.allreduce.compression != Compression::kNone) {
+    throw ConfigError(fmt::format(
+        "{} averages replicas' gradients uncompressed; set sync.compression = none", what));
   }
   if (options.memory.policy != "keep") {
     throw ConfigError(

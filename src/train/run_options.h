@@ -110,6 +110,7 @@ struct PipelineOptions {
   int stages = 1;        // K
   int microBatches = 1;  // M (resolved: never 0)
   std::string schedule = "1f1b";
+  std::string partition = "auto";  // parallel.partition
   // Whether the step runs through a PipelineStage: K > 1, or M > 1 (gradient accumulation).
   bool active() const { return stages > 1 || microBatches > 1; }
 };

@@ -114,6 +114,33 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
   activations = makeActivationMemory(options, model, sample, /*plan=*/false);
 }
 
+std::vector<size_t> RunSetup::pipelineBoundaries(Communicator* comm) {
+  // Rank 0 plans (profiles are timings: ranks would disagree); the others take its boundaries,
+  // or its refusal, from one broadcast: [K + 1 boundaries, smallest budget or -1 when it fits].
+  const int k = options.pipeline.stages;
+  evenPartition(model->numBlocks(), k);  // every rank refuses more stages than blocks alike
+  at::Tensor message = at::full({k + 2}, -1, at::kLong);
+  if (comm == nullptr || comm->rank() == 0) {
+    pipelinePlan = planPipeline(options, model, sampleBatch());
+    const Partition& p = pipelinePlan->partition;
+    for (int i = 0; i <= k; ++i) message[i] = static_cast<int64_t>(p.boundaries[i]);
+    if (!p.fits) message[k + 1] = p.smallestBudget;
+  }
+  if (comm != nullptr) comm->broadcast(message, 0)->wait(comm->timeout());
+  if (message[k + 1].item<int64_t>() >= 0) {
+    const int64_t smallest = message[k + 1].item<int64_t>();
+    throw ConfigError(fmt::format(
+        "memory.budget = {} per worker fits no partition of the model into {} stages; the "
+        "smallest budget one fits is {} ({} bytes): raise it, add stages, or lower "
+        "parallel.micro_batches' size (data.batch_size)",
+        options.memory.budgetText, k, formatBytes(smallest), smallest));
+  }
+  std::vector<size_t> boundaries;
+  for (int i = 0; i <= k; ++i)
+    boundaries.push_back(static_cast<size_t>(message[i].item<int64_t>()));
+  return boundaries;
+}
+
 void RunSetup::attach(Distributed* dist) {
   CARAVAN_CHECK(loader != nullptr, "RunSetup::attach before prepareTraining");
   const bool offload = options.memory.offloadWeights;
@@ -126,9 +153,10 @@ void RunSetup::attach(Distributed* dist) {
     const PipelineLayout layout =
         PipelineLayout::of(comm != nullptr ? comm->rank() : 0, worldSize, options.pipeline.stages);
     pipeline = std::make_unique<PipelineStage>(
-        model, evenPartition(model->numBlocks(), options.pipeline.stages), comm, layout,
+        model, pipelineBoundaries(comm), comm, layout,
         parsePipelineSchedule(options.pipeline.schedule), options.pipeline.microBatches,
         dist != nullptr ? dist->stageReplicas.get() : nullptr);
+    pipeline->keepOwnOptimizerState(*optimizer);  // a checkpoint holds every stage's
   } else if (dist != nullptr) {
     AttachContext context;
     context.optimizer = optimizer.get();

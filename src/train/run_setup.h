@@ -39,6 +39,7 @@ namespace caravan {
 
 class Distributed;
 class PipelineStage;
+class Communicator;
 
 class RunSetup {
  public:
@@ -103,12 +104,15 @@ class RunSetup {
   // parallel.pipeline_stages > 1 or parallel.micro_batches > 1: this rank's stage, which runs
   // the step (pipelineTrainStep) in place of a strategy.
   std::unique_ptr<PipelineStage> pipeline;
+  std::optional<PipelinePlan> pipelinePlan;  // rank 0's (the others take its boundaries)
 
  private:
   // What every use needs: the datasets, the model (seeded with seed.init), the identity.
   struct ModelOnly {};
   RunSetup(const Config& config, RunOptions options, int rank, int workers, ModelOnly);
   int64_t parameterCount_ = 0;
+  // The stage boundaries rank 0 planned, on every rank of `comm` (null: one process).
+  std::vector<size_t> pipelineBoundaries(Communicator* comm);
 };
 
 }  // namespace caravan

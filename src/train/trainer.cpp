@@ -447,6 +447,8 @@ void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected) {
     summary_.lastCheckpoint = checkpoints_.pathFor(state.step);
   }
   state.strategy.clear();
+  // The other stages' optimizer state came to rank 0 for the file only.
+  if (s_.pipeline) s_.pipeline->keepOwnOptimizerState(*s_.optimizer);
   // The servers' optimizer state came into this optimizer for the file only.
   if (strategy_ != nullptr && strategy_->updatesParameters()) s_.optimizer->state().clear();
 }
