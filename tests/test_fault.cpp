@@ -415,3 +415,33 @@ TEST_F(Job, StallInspectorNamesTheRankOthersWaitFor) {
         << "rank " << r << ": " << readFile(tmp_ / ("err" + std::to_string(r)));
   }
 }
+
+// A lost pipeline stage is named like any lost rank: the middle stage of three is killed; the
+// first and last stages (each blocked on it in a send, a receive or a reduction) exit 7 naming
+// it within the timeout, in one line.
+TEST_F(Job, LostPipelineStageIsNamed) {
+  const int port = caravan::pickFreeLoopbackPort();
+  const std::vector<std::string> sets = {"parallel.pipeline_stages=3", "parallel.micro_batches=4",
+                                         "model.depth=3", "parallel.partition=even"};
+  for (int r = 0; r < kWorld; ++r) startRank(r, port, sets);
+  waitForMetrics("run", 20);
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // two heartbeats carry a step
+  const pid_t victim = pids_.at(1);
+  const auto lostAt = Clock::now();
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  reapUntil(lostAt + std::chrono::milliseconds(static_cast<int>(kTimeoutS * 1000)), victim);
+  for (int r : {0, 2}) {
+    const pid_t pid = pids_.at(r);
+    const std::string err = readFile(tmp_ / ("err" + std::to_string(r)));
+    ASSERT_EQ(exit_.count(pid), 1u) << "stage " << r << " still runs: " << err;
+    const auto [status, when] = exit_.at(pid);
+    ASSERT_TRUE(WIFEXITED(status)) << err;
+    EXPECT_EQ(WEXITSTATUS(status), 7) << err;
+    const std::string line = lastLine(err);
+    EXPECT_EQ(line.rfind("caravan: error: rank 1 (worker", 0), 0u) << line;
+    EXPECT_NE(line.find("is lost"), std::string::npos) << line;
+    EXPECT_EQ(countLines(err), 1) << err;
+    std::printf("stage %d exited %.1f s after stage 1 was lost: %s\n", r,
+                std::chrono::duration<double>(when - lostAt).count(), line.c_str());
+  }
+}
