@@ -245,17 +245,20 @@ std::optional<double> Distributed::takeOutstandingSeconds() {
 
 Agreement Distributed::agree(double loss, bool interrupted, bool timeUp, const RankWindow* window,
                              std::vector<RankWindow>* all) {
-  // One sum: [loss, interrupted, time up] then, with `window`, two slots per worker of which
+  // One sum: [loss, interrupted, time up] then, with `window`, three slots per worker of which
   // each fills its own.
+  constexpr int kSlots = 3;
   const int n = comm->size();
-  at::Tensor t = torch::zeros({3 + (window != nullptr ? 2 * n : 0)});
+  at::Tensor t = torch::zeros({3 + (window != nullptr ? kSlots * n : 0)});
   float* v = t.data_ptr<float>();  // filled and read in place: no tensor op per slot
   v[0] = static_cast<float>(loss);
   v[1] = interrupted ? 1.0f : 0.0f;
   v[2] = timeUp ? 1.0f : 0.0f;
   if (window != nullptr) {
-    v[3 + 2 * comm->rank()] = static_cast<float>(window->computeS);
-    v[4 + 2 * comm->rank()] = static_cast<float>(window->syncWaitS);
+    float* own = v + 3 + kSlots * comm->rank();
+    own[0] = static_cast<float>(window->computeS);
+    own[1] = static_cast<float>(window->syncWaitS);
+    own[2] = static_cast<float>(window->trackedPeakBytes);
   }
   comm->allreduce(t, ReduceOp::kSum)->wait(comm->timeout());
   Agreement a;
@@ -264,7 +267,10 @@ Agreement Distributed::agree(double loss, bool interrupted, bool timeUp, const R
   a.timeUp = v[2] > 0;
   if (window != nullptr && all != nullptr) {
     all->assign(n, RankWindow{});
-    for (int r = 0; r < n; ++r) (*all)[r] = {v[3 + 2 * r], v[4 + 2 * r]};
+    for (int r = 0; r < n; ++r) {
+      const float* w = v + 3 + kSlots * r;
+      (*all)[r] = {w[0], w[1], w[2]};
+    }
   }
   return a;
 }

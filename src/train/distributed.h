@@ -36,6 +36,7 @@ struct Agreement {
 struct RankWindow {
   double computeS = 0.0;
   double syncWaitS = 0.0;
+  double trackedPeakBytes = 0.0;  // the window's tracked memory peak (float precision)
 };
 
 // What every rank of one job must be started with alike: the config, less the keys that may

@@ -32,7 +32,9 @@ void MetricsWindow::addStep(Clock::time_point stepStart, const StepResult& r, in
   samples_ += static_cast<double>(samples);
 }
 
-RankWindow MetricsWindow::own() const { return {compute_ / steps_, sync_ / steps_}; }
+RankWindow MetricsWindow::own() const {
+  return {compute_ / steps_, sync_ / steps_, static_cast<double>(memoryPeak_)};
+}
 
 double MetricsWindow::samplesPerSecond() const {
   const double s = seconds(start_, Clock::now());
@@ -88,19 +90,22 @@ nlohmann::json MetricsWindow::close(nlohmann::json rec, MemoryTracker& memory,
       rec["comm_outstanding_s"] = *outstanding / steps;
     }
     if (ranks_.size() == static_cast<size_t>(dist_->comm->size())) {
-      std::vector<double> compute, wait;
+      std::vector<double> compute, wait, peak;
       for (const RankWindow& w : ranks_) {
         compute.push_back(w.computeS);
         wait.push_back(w.syncWaitS);
+        peak.push_back(w.trackedPeakBytes);
       }
       rec["rank_compute_s"] = compute;
       rec["rank_sync_wait_s"] = wait;
+      rec["rank_mem_tracked_peak"] = peak;
     }
     ranks_.clear();
   }
   samples_ = 0.0;
   compute_ = sync_ = 0.0;
   steps_ = 0;
+  memoryPeak_ = 0;
   start_ = Clock::now();
   return rec;
 }

@@ -6,6 +6,7 @@
 // Threading: the trainer thread only.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <vector>
@@ -31,6 +32,9 @@ class MetricsWindow {
   // compute (forward, backward, optimizer) and its wait on synchronization (the exchange after
   // backward, the strategy's afterStep).
   void addStep(Clock::time_point stepStart, const StepResult& r, int64_t samples);
+  // The tracked memory a step of the window needed at its peak (activations on top of weights,
+  // gradients and optimizer state); the window keeps the largest.
+  void addMemoryPeak(int64_t bytes) { memoryPeak_ = std::max(memoryPeak_, bytes); }
   // This rank's per-step means so far (for the agreement that carries every worker's).
   RankWindow own() const;
   // Every worker's, filled by the agreement of a step that writes a record.
@@ -49,6 +53,7 @@ class MetricsWindow {
   double samples_ = 0.0;
   double compute_ = 0.0, sync_ = 0.0;
   int64_t steps_ = 0;
+  int64_t memoryPeak_ = 0;
   ByteCount bytes_;
   std::vector<RankWindow> ranks_;
   Clock::time_point start_;

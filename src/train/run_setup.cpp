@@ -179,7 +179,10 @@ void RunSetup::attach(Distributed* dist) {
         *activations.tier, &memory, strategy, weightOptions(options));
     activations.executor->setWeights(weights.get());
   } else {
-    const std::vector<at::Tensor> parameters = model->parameters();
+    // A pipeline stage counts its own blocks' parameters (it trains those; every rank still
+    // holds the whole model's, docs/pipeline.md).
+    const std::vector<at::Tensor> parameters =
+        pipeline ? pipeline->parameters() : model->parameters();
     memory.set(MemoryCategory::kWeights, tensorBytes(parameters));
     memory.set(MemoryCategory::kGradients, gradientBytes(parameters));
     memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));

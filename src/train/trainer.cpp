@@ -312,6 +312,9 @@ void Trainer::commitRunDirectory() {
   if (s_.activations.plan) {
     writeFileAtomic((dir / "memory_plan.txt").string(), s_.activations.report);
   }
+  if (s_.pipelinePlan) {  // rank 0 planned the stages: the cut every rank runs
+    writeFileAtomic((dir / "pipeline_plan.txt").string(), s_.pipelinePlan->report);
+  }
 }
 
 // Memory accounting after a step: what persists measured, and memory.budget checked against
@@ -349,6 +352,7 @@ void Trainer::accountMemory() {
   }
   runActivationPeak_ = std::max(runActivationPeak_, memory.peak(MemoryCategory::kActivations));
   runTrackedPeak_ = std::max(runTrackedPeak_, needed);
+  window_.addMemoryPeak(needed);
 }
 
 // A non-finite loss or gradient here, or (local SGD, gossip: gradients are per rank) on
