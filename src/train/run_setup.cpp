@@ -157,6 +157,14 @@ void RunSetup::attach(Distributed* dist) {
         parsePipelineSchedule(options.pipeline.schedule), options.pipeline.microBatches,
         dist != nullptr ? dist->stageReplicas.get() : nullptr);
     pipeline->keepOwnOptimizerState(*optimizer);  // a checkpoint holds every stage's
+    // Dropout: stages draw from their own streams (one stream on every rank would give
+    // equally shaped blocks on different stages the same masks). Stage 0 keeps seed.dropout's
+    // (or the checkpoint's); stage s > 0 starts from seed.dropout, s and the step, so a resumed
+    // run's later stages draw other masks than the uninterrupted run's (docs/pipeline.md).
+    if (layout.stage > 0) {
+      torch::manual_seed(options.seed.dropout + 0x9E3779B97F4A7C15ULL * layout.stage +
+                         static_cast<uint64_t>(state.step));
+    }
   } else if (dist != nullptr) {
     AttachContext context;
     context.optimizer = optimizer.get();
