@@ -873,6 +873,30 @@ TEST(DistPipeline, CheckpointOfFourStagesResumesOnTwoAndOnOne) {
   }
 }
 
+// The same pipeline over MPI (Open MPI's point to point) ends where it does over Gloo.
+TEST(DistPipeline, MpiStagesEqualGlooStages) {
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "mpirun not installed (bash scripts/setup.sh installs openmpi-bin)";
+  }
+  TempDir tmp;
+  const auto gloo = pipelineBase(
+      {"parallel.pipeline_stages=3", "parallel.micro_batches=4", "parallel.schedule=zb-h1"});
+  const auto mpi = with(gloo, {"dist.backend=mpi"});
+  ASSERT_EQ(runRanks(3, tmp / "gloo", gloo), std::vector<int>(3, 0));
+  const std::string cmd =
+      "cd " + tmp.path() +
+      " && timeout 300 mpirun --allow-run-as-root --oversubscribe --bind-to none "
+      "--mca btl self,vader -np 3 -x OMP_NUM_THREADS=1 " +
+      CARAVAN_BINARY + " train -q --config /dev/null" + setArgs(mpi) + " --run-dir " +
+      (tmp / "mpi") + " >" + (tmp / "mpi.log") + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << test::readFile(tmp / "mpi.log");
+  const auto base = pipelineBase({});
+  const double diff =
+      relativeDifference(finalParams(tmp / "mpi", base), finalParams(tmp / "gloo", base));
+  std::printf("zb-h1 K=3 M=4 over MPI against Gloo, 20 steps: relative difference %.3g\n", diff);
+  EXPECT_LE(diff, 1e-6);
+}
+
 TEST(DistPipeline, LayoutsThatCannotRunAreRefusedInOneLine) {
   TempDir tmp;
   struct Case {

@@ -69,6 +69,7 @@ StepResult pipelineTrainStep(PipelineStage& stage, torch::optim::Optimizer& opti
   result.pipelined = true;
   result.stageComputeSeconds = stats.computeSeconds;
   result.stageWaitSeconds = stats.waitSeconds;
+  result.stageSpans = stats.spans;
   const std::vector<at::Tensor> params = stage.parameters();
   double normSquared = 0.0;
   for (const auto& p : params) {

@@ -11,6 +11,7 @@
 #include "data/dataset.h"
 #include "models/loss.h"
 #include "models/model.h"
+#include "pipeline/stage.h"
 
 namespace caravan {
 
@@ -25,6 +26,7 @@ struct StepResult {
   // its neighbours (bubbles and transfers) within the program.
   bool pipelined = false;
   double stageComputeSeconds = 0.0, stageWaitSeconds = 0.0;
+  std::vector<StageStepStats::Span> stageSpans;  // each compute action and receive, in order
 };
 
 class Strategy;

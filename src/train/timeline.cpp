@@ -7,8 +7,7 @@
 
 namespace caravan {
 
-Timeline::Timeline(std::string path, int rank)
-    : path_(std::move(path)), rank_(rank), origin_(std::chrono::steady_clock::now()) {}
+Timeline::Timeline(std::string path, int rank) : path_(std::move(path)), rank_(rank), origin_() {}
 
 void Timeline::complete(const std::string& name, TimePoint start, TimePoint end, int track) {
   if (!enabled()) return;

@@ -1,6 +1,9 @@
 // Timeline: a per-rank Chrome-trace JSON file (chrome://tracing, Perfetto) of what a step
 // spent its time on: forward, backward, each gradient bucket's communication, waits.
-// Disabled (every call a no-op) when constructed with an empty path.
+// Disabled (every call a no-op) when constructed with an empty path. Times count from the
+// steady clock's epoch (Linux: boot), so the files of the ranks on one host share a time axis:
+// merged (their traceEvents concatenated) they show every rank, e.g. each pipeline stage's
+// forwards, backwards and receives side by side.
 //
 // Threading: complete() may be called from any thread (autograd's, the trainer's); flush()
 // from the trainer thread at the end of the run.

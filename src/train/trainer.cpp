@@ -225,6 +225,14 @@ void Trainer::trainOneStep() {
     forwardBackward_.push_back(std::chrono::duration<double>(r.backwardEnd - stepStart).count());
   }
   if (s_.pipeline) {
+    if (timeline_.enabled()) {  // each action of this stage's program: receives on track 1
+      for (const auto& span : r.stageSpans) {
+        const bool receive =
+            span.kind == ActionKind::kRecvActivation || span.kind == ActionKind::kRecvGradient;
+        timeline_.complete(fmt::format("{} {}", actionName(span.kind), span.microBatch), span.start,
+                           span.end, receive ? 1 : 0);
+      }
+    }
     timeline_.complete("pipeline program", stepStart, r.backwardEnd);
     timeline_.complete("stage reduction", r.backwardEnd, r.syncEnd);
   } else {
