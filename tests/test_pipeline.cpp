@@ -268,6 +268,11 @@ std::pair<std::vector<at::Tensor>, std::vector<double>> trainPipeline(
         for (size_t i = 0; i < data.size(); ++i) {
           opt->zero_grad();
           const StageStepStats st = stage.runStep(data[i]);
+          // zb-h1's W computes only weight gradients on every stage that has an input to
+          // differentiate (stage 0 runs a backward to its weights).
+          if (schedule == PipelineSchedule::kZeroBubbleH1) {
+            EXPECT_EQ(st.weightOnlyPasses, r == 0 ? 0 : m) << "stage " << r;
+          }
           if (stage.layout().last()) losses[i] = st.loss;
           opt->step();
         }

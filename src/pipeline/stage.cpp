@@ -1,8 +1,13 @@
 #include "pipeline/stage.h"
 
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 
 #include "comm/communicator.h"
 #include "core/errors.h"
@@ -43,7 +48,121 @@ double seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
+using torch::autograd::Edge;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// Keeps the gradients a node receives (its inputs in backward) when it runs.
+class CaptureGradients : public torch::autograd::FunctionPreHook {
+ public:
+  explicit CaptureGradients(std::shared_ptr<variable_list> into) : into_(std::move(into)) {}
+  variable_list operator()(const variable_list& grads) override {
+    *into_ = grads;
+    return grads;
+  }
+
+ private:
+  std::shared_ptr<variable_list> into_;
+};
+
 }  // namespace
+
+// zb-h1's W as a weight-only pass. B runs the nodes on the path from the stage's output to its
+// input (P); a weight hangs off P through nodes B does not run. For each node of P with such
+// an edge, B captures the gradients the node receives (a pre-hook), and W restarts autograd at
+// that node with them, asking only for the weights below its off-path edges: the node computes
+// just those outputs (a linear layer: the weight-gradient product, not the input-gradient one).
+// One engine call per such node keeps a call from walking down P into earlier layers.
+struct PipelineStage::WeightPass {
+  struct Group {
+    std::shared_ptr<Node> node;
+    std::shared_ptr<variable_list> captured;
+    std::vector<Edge> weights;  // the weights' gradient edges (their accumulators)
+  };
+  std::vector<Group> groups;
+
+  // Empty (W falls back to a backward to the weights) when the output does not depend on the
+  // input or no weight hangs off its path.
+  static WeightPass plan(const at::Tensor& output, const at::Tensor& input,
+                         const std::vector<at::Tensor>& weights) {
+    WeightPass pass;
+    const std::shared_ptr<Node> root = output.grad_fn();
+    if (!root || !input.requires_grad()) return pass;
+    const Node* inputNode = torch::autograd::impl::gradient_edge(input).function.get();
+    std::unordered_map<const Node*, Edge> weightEdges;
+    for (const auto& w : weights) {
+      const Edge e = torch::autograd::impl::gradient_edge(w);
+      if (e.function) weightEdges.emplace(e.function.get(), e);
+    }
+    // Every node below the root, in discovery order, and whether the input is below it.
+    std::vector<std::shared_ptr<Node>> order;
+    std::unordered_map<const Node*, bool> reaches;
+    std::vector<std::pair<Node*, size_t>> stack{{root.get(), 0}};
+    reaches[root.get()] = false;
+    order.push_back(root);
+    while (!stack.empty()) {  // iterative post-order: a node's answer after its children's
+      auto& [node, next] = stack.back();
+      const auto& edges = node->next_edges();
+      if (next < edges.size()) {
+        const std::shared_ptr<Node>& child = edges[next++].function;
+        if (child && reaches.emplace(child.get(), false).second) {
+          order.push_back(child);
+          stack.push_back({child.get(), 0});
+        }
+        continue;
+      }
+      bool r = node == inputNode;
+      for (const auto& e : edges) r = r || (e.function && reaches.at(e.function.get()));
+      reaches[node] = r;
+      stack.pop_back();
+    }
+    if (!reaches.at(root.get())) return pass;
+    for (const std::shared_ptr<Node>& node : order) {
+      if (!reaches.at(node.get())) continue;
+      Group g;
+      std::unordered_set<const Node*> seen;
+      for (const auto& e : node->next_edges()) {
+        if (!e.function || reaches.at(e.function.get())) continue;
+        // The weights below this off-path edge.
+        std::vector<Node*> todo{e.function.get()};
+        while (!todo.empty()) {
+          Node* n = todo.back();
+          todo.pop_back();
+          if (!seen.insert(n).second) continue;
+          if (auto it = weightEdges.find(n); it != weightEdges.end())
+            g.weights.push_back(it->second);
+          for (const auto& c : n->next_edges()) {
+            if (c.function) todo.push_back(c.function.get());
+          }
+        }
+      }
+      if (g.weights.empty()) continue;
+      g.node = node;
+      g.captured = std::make_shared<variable_list>();
+      node->add_pre_hook(std::make_unique<CaptureGradients>(g.captured));
+      pass.groups.push_back(std::move(g));
+    }
+    return pass;
+  }
+
+  // After B ran (every group's node captured what it received): the weights' gradients.
+  void run() const {
+    auto& engine = torch::autograd::Engine::get_default_engine();
+    for (const Group& g : groups) {
+      std::vector<Edge> roots;
+      variable_list grads;
+      for (size_t i = 0; i < g.captured->size(); ++i) {
+        if ((*g.captured)[i].defined()) {
+          roots.emplace_back(g.node, static_cast<uint32_t>(i));
+          grads.push_back((*g.captured)[i]);
+        }
+      }
+      CARAVAN_CHECK(!roots.empty(), "zb-h1: B did not reach a node on the input's path");
+      engine.execute(roots, grads, /*keep_graph=*/true, /*create_graph=*/false,
+                     /*accumulate_grad=*/true, g.weights);
+    }
+  }
+};
 
 PipelineLayout PipelineLayout::of(int rank, int worldSize, int stages) {
   if (stages < 1 || worldSize % stages != 0) {
@@ -64,6 +183,7 @@ struct PipelineStage::InFlight {
   at::Tensor output;      // last stage: loss / M; else the blocks' output
   at::Tensor outputGrad;  // the received gradient of `output` (not on the last stage)
   at::Tensor inputGrad;   // zb-h1's B: the gradient of `input`, until it is sent
+  std::shared_ptr<WeightPass> weightPass;  // zb-h1: planned at B, run at W
   // The send of `output`: it holds the output's storage until dropped, which happens when the
   // output's gradient came back (the receiver had it by then).
   std::vector<WorkPtr> activationSend;
@@ -275,6 +395,7 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
       case ActionKind::kBackwardInput: {
         // The first stage's input takes no gradient: its W does the whole backward.
         if (!layout_.first() && f.input.requires_grad() && f.output.requires_grad()) {
+          f.weightPass = std::make_shared<WeightPass>(WeightPass::plan(f.output, f.input, weights));
           f.inputGrad = torch::autograd::grad({f.output}, {f.input}, {f.outputGrad},
                                               /*retain_graph=*/true, /*create_graph=*/false,
                                               /*allow_unused=*/true)[0];
@@ -282,7 +403,10 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
         break;
       }
       case ActionKind::kBackwardWeight: {
-        if (!weights.empty() && f.output.requires_grad()) {
+        if (f.weightPass && !f.weightPass->groups.empty()) {
+          f.weightPass->run();
+          ++stats.weightOnlyPasses;
+        } else if (!weights.empty() && f.output.requires_grad()) {  // stage 0: the whole backward
           torch::autograd::backward({f.output}, {f.outputGrad}, /*retain_graph=*/false,
                                     /*create_graph=*/false, weights);
         }

@@ -53,6 +53,8 @@ struct StageStepStats {
   double loss = 0.0;            // last stage: the mean of its micro-batches' losses; else 0
   double computeSeconds = 0.0;  // forward and backward actions
   double waitSeconds = 0.0;     // blocked in a receive or in the step's final send waits
+  int weightOnlyPasses = 0;     // zb-h1: Ws that computed only weight gradients (stage 0's and
+                                // those of an output that ignores the input run a backward)
   struct Span {
     ActionKind kind;
     int microBatch;
@@ -113,6 +115,7 @@ class PipelineStage {
 
  private:
   struct InFlight;  // one micro-batch's tensors between its forward and its last backward
+  struct WeightPass;  // zb-h1's W: the weight-only pass planned on a micro-batch's graph
   // Stage s's parameters that take gradients (the optimizer's), in block order.
   std::vector<at::Tensor> trainedParameters(int stage);
   // Stage s's parameters and floating buffers, in a fixed order (for shareParameters).
