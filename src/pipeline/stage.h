@@ -114,7 +114,7 @@ class PipelineStage {
   const StageProgram& program() const { return program_; }
 
  private:
-  struct InFlight;  // one micro-batch's tensors between its forward and its last backward
+  struct InFlight;    // one micro-batch's tensors between its forward and its last backward
   struct WeightPass;  // zb-h1's W: the weight-only pass planned on a micro-batch's graph
   // Stage s's parameters that take gradients (the optimizer's), in block order.
   std::vector<at::Tensor> trainedParameters(int stage);
