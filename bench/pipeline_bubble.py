@@ -10,7 +10,7 @@ rank_sync_wait_s: blocked on its neighbours and the step's reductions; docs/metr
 measured bubble of a run is the mean over stages of wait / (compute + wait) over the records
 after the warm-up; the report gives the median over repeats next to the theory:
 (K-1)/(M+K-1) for gpipe and 1f1b, (K-1)/(3M+K-1) for zb-h1 (F = B = W, M >= K) — and the
-step time (ms) of each schedule, since zb-h1's W here re-traverses the stage's graph.
+step time (ms) of each schedule, which is what a user gains or loses.
 
     /usr/bin/python3 bench/pipeline_bubble.py [--stages 2 4] [--micro 4 8 16] [--repeats 2]
         [--steps 30] [--warmup 10] [--out DIR]
