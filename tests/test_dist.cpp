@@ -834,6 +834,26 @@ TEST(DistPipeline, TwoPipelinesOfTwoStagesEqualOneWorkerWithTheirBatches) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << i;
 }
 
+// Activation policies run per micro-batch on each stage: every fixed policy (and a mix per
+// block) gives keep's parameters bitwise, for gpipe and 1f1b.
+TEST(DistPipeline, EveryFixedPolicyEqualsKeep) {
+  TempDir tmp;
+  for (const std::string schedule : {"1f1b", "gpipe"}) {
+    const auto base = pipelineBase({"parallel.pipeline_stages=2", "parallel.micro_batches=4",
+                                    "parallel.partition=even", "parallel.schedule=" + schedule});
+    ASSERT_EQ(runRanks(2, tmp / ("keep-" + schedule), base), std::vector<int>(2, 0));
+    const auto keep = finalParams(tmp / ("keep-" + schedule), pipelineBase({}));
+    for (const std::string policy :
+         {"recompute", "swap", "swap-input", "keep,recompute,swap,keep,swap-input"}) {
+      const std::string run = tmp / (schedule + "-" + std::to_string(policy.size()));
+      ASSERT_EQ(runRanks(2, run, with(base, {"memory.policy=" + policy})), std::vector<int>(2, 0))
+          << test::readFile(run + ".rank0.log") << test::readFile(run + ".rank1.log");
+      EXPECT_EQ(relativeDifference(finalParams(run, pipelineBase({})), keep), 0.0)
+          << schedule << " " << policy;
+    }
+  }
+}
+
 // Checkpoints do not depend on the layout: rank 0 writes every stage's parameters and optimizer
 // state, so a run of 4 stages stopped at step 9 resumes on 2 stages and on one worker and ends
 // where the uninterrupted 4-stage run does.
@@ -910,7 +930,10 @@ TEST(DistPipeline, LayoutsThatCannotRunAreRefusedInOneLine) {
       {{"parallel.pipeline_stages=2", "parallel.micro_batches=3"}, 2, "does not split into"},
       {{"parallel.micro_batches=2"}, 2, "gradient accumulation on one worker"},
       {{"parallel.pipeline_stages=2", "sync.mode=gossip"}, 2, "leave sync.mode at allreduce"},
-      {{"parallel.pipeline_stages=2", "memory.policy=recompute"}, 2, "memory.policy = keep"},
+      {{"parallel.pipeline_stages=2", "memory.policy=auto", "memory.budget=1GB"}, 2, "(not auto)"},
+      {{"parallel.pipeline_stages=2", "parallel.schedule=zb-h1", "memory.policy=recompute"},
+       2,
+       "parallel.schedule = 1f1b"},
       {{"parallel.pipeline_stages=6"}, 6, "every stage needs at least one"},
       {{"parallel.pipeline_stages=2", "sync.compression=topk"}, 2, "sync.compression = none"},
   };

@@ -443,7 +443,10 @@ torch::Tensor ActivationExecutor::run(size_t index, torch::nn::AnyModule& block,
   frame->block = &block;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (index == 0) frames_.assign(n, {});
+    // A forward from the first block starts a step's frames; a pipeline stage's blocks start
+    // further in (and with several micro-batches in flight, a block's latest frame is kept:
+    // prefetching follows it, reads of the others happen when backward unpacks them).
+    if (index == 0 || frames_.size() != n) frames_.assign(n, {});
     frames_.at(index) = frame;
   }
   if (frame->policy == BlockPolicy::kRecompute || frame->policy == BlockPolicy::kSwapInput) {

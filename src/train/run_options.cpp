@@ -221,10 +221,20 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
     throw ConfigError(fmt::format(
         "{} averages replicas' gradients uncompressed; set sync.compression = none", what));
   }
-  if (options.memory.policy != "keep") {
-    throw ConfigError(
-        fmt::format("{} keeps every activation so far: set memory.policy = keep (not {})", what,
-                    options.memory.policy));
+  // Fixed policies run per micro-batch (each block call is its own executor frame); the
+  // planner (auto) does not plan stages yet, and zb-h1's W reads a block's saved tensors a
+  // second time, which recompute and swap hand out once.
+  if (options.memory.automatic()) {
+    throw ConfigError(fmt::format(
+        "{} does not plan activation policies per stage yet: set memory.policy to keep or a "
+        "fixed policy (not auto)",
+        what));
+  }
+  if (options.memory.policy != "keep" && pipeline.schedule == "zb-h1") {
+    throw ConfigError(fmt::format(
+        "parallel.schedule = zb-h1 keeps every activation (its W reads them again): set "
+        "memory.policy = keep or parallel.schedule = 1f1b (not memory.policy = {})",
+        options.memory.policy));
   }
 }
 
