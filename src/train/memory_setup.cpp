@@ -247,8 +247,14 @@ void checkTrainingFitsMachine(const RunOptions& options, BlockModel& model, cons
                               int64_t seqLen, int localProcesses) {
   const std::optional<AvailableMemory> room = availableMemory();
   if (!room) return;
-  const std::optional<TrainingMemoryEstimate> need =
-      estimateTrainingMemory(options, model, sample, seqLen);
+  std::optional<TrainingMemoryEstimate> need;
+  if (options.pipeline.stages > 1) {
+    // A stage's share is not known before the cut; what every rank holds for certain is the
+    // whole model's weights (each builds it), so that is the lower bound compared.
+    need = TrainingMemoryEstimate{tensorBytes(model->parameters()), 0};
+  } else {
+    need = estimateTrainingMemory(options, model, sample, seqLen);
+  }
   if (!need) return;
   const int64_t total = need->total() * std::max(localProcesses, 1);
   if (total <= room->bytes) return;
@@ -265,9 +271,9 @@ void checkTrainingFitsMachine(const RunOptions& options, BlockModel& model, cons
       formatBytes(need->activations), sample.size(),
       seqLen > 0 ? fmt::format(", data.seq_len = {}", seqLen) : "", formatBytes(need->persistent),
       machine, seqLen > 0 ? " or data.seq_len" : "",
-      options.memory.automatic() ? ""
-                                 : ", or set memory.policy = auto with a memory.budget to "
-                                   "recompute or swap blocks"));
+      options.memory.automatic() || options.pipeline.stages > 1
+          ? ""
+          : ", or set memory.policy = auto with a memory.budget to recompute or swap blocks"));
 }
 
 }  // namespace caravan

@@ -66,7 +66,8 @@ std::optional<TrainingMemoryEstimate> estimateTrainingMemory(const RunOptions& o
 // Refuses (ConfigError) a run whose estimate, for each of the `localProcesses` that train on
 // this host, is more than the machine leaves (core/machine.h: MemAvailable or the cgroup's
 // limit), with the estimate and what to lower; the kernel would otherwise kill it mid-run. A
-// lower bound is compared, so no run that fits is refused.
+// lower bound is compared, so no run that fits is refused (pipeline stages: the whole model's
+// weights, which every rank holds; a stage's activations are not known before the cut).
 void checkTrainingFitsMachine(const RunOptions& options, BlockModel& model, const Batch& sample,
                               int64_t seqLen, int localProcesses);
 
