@@ -157,7 +157,7 @@ std::vector<ConfigOption> buildSchema() {
              "pipeline parallelism: the model's blocks are cut into this many stages (K), one per "
              "worker; K x D workers run D data-parallel pipelines (data.batch_size is each "
              "pipeline's batch)"),
-      intOpt("parallel.micro_batches", 0, 0, 65536,
+      intOpt("parallel.micro_batches", 0, 0, 10000,
              "micro-batches per step (M) that data.batch_size is split into; the gradients of "
              "loss / M add up (one worker with M > 1: gradient accumulation). 0 = 1 without "
              "pipeline stages, else the largest count <= 4 x stages dividing data.batch_size"),

@@ -19,7 +19,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Tags: three messages per micro-batch.
+// Tags: three messages per micro-batch (parallel.micro_batches <= 10000 keeps every tag of a
+// step below 32767, the least MPI_TAG_UB an MPI may have).
 enum Message { kActivationHeader = 0, kActivation = 1, kGradient = 2 };
 int tagOf(int microBatch, Message message) { return 3 * microBatch + message; }
 
@@ -311,7 +312,9 @@ void PipelineStage::keepOwnOptimizerState(torch::optim::Optimizer& optimizer) {
 }
 
 void PipelineStage::collectOptimizerState(torch::optim::Optimizer& optimizer) {
-  constexpr int kTag = 1 << 20;  // above every micro-batch tag
+  // Above every micro-batch tag (3M + 2), and below 32767 (the least MPI_TAG_UB MPI allows)
+  // for the micro-batch counts parallel.micro_batches accepts.
+  const int kTag = 3 * microBatches_;
   for (int s = 1; s < layout_.stages; ++s) {
     const std::vector<at::Tensor> params = trainedParameters(s);
     int64_t n = 0;
