@@ -762,24 +762,35 @@ std::vector<double> trainLosses(const std::string& runDir) {
   return out;
 }
 
+// Trains `oracle` on one worker and `pipeline` on `workers` ranks (runs TMP/one, TMP/many) and
+// expects the same parameters after 20 steps (relative difference <= 1e-6, printed after
+// `what`) and the same train losses (relative 1e-6).
+void expectPipelineEqualsOneWorker(const TempDir& tmp, const std::vector<std::string>& oracle,
+                                   int workers, const std::vector<std::string>& pipeline,
+                                   const std::string& what) {
+  ASSERT_EQ(runRanks(1, tmp / "one", oracle), std::vector<int>{0})
+      << test::readFile(tmp / "one.rank0.log");
+  ASSERT_EQ(runRanks(workers, tmp / "many", pipeline), std::vector<int>(workers, 0))
+      << test::readFile(tmp / "many.rank0.log")
+      << test::readFile(tmp / ("many.rank" + std::to_string(workers - 1) + ".log"));
+  const double diff =
+      relativeDifference(finalParams(tmp / "many", oracle), finalParams(tmp / "one", oracle));
+  std::printf("%s, 20 steps: relative difference %.3g\n", what.c_str(), diff);
+  EXPECT_LE(diff, 1e-6);
+  const auto a = trainLosses(tmp / "one"), b = trainLosses(tmp / "many");
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << i;
+}
+
 }  // namespace
 
 // With one micro-batch a pipeline computes exactly one worker's step (no pipeline code on the
 // single worker's side): the oracle is plain training.
 TEST(DistPipeline, TwoStagesOfOneMicroBatchEqualOneWorker) {
-  TempDir tmp;
-  const auto one = pipelineBase({});
-  const auto two = pipelineBase({"parallel.pipeline_stages=2", "parallel.micro_batches=1"});
-  ASSERT_EQ(runRanks(1, tmp / "one", one), std::vector<int>{0});
-  ASSERT_EQ(runRanks(2, tmp / "two", two), std::vector<int>({0, 0}))
-      << test::readFile(tmp / "two.rank0.log") << test::readFile(tmp / "two.rank1.log");
-  const double diff =
-      relativeDifference(finalParams(tmp / "two", one), finalParams(tmp / "one", one));
-  std::printf("K=2 M=1 against one worker after 20 steps: relative difference %.3g\n", diff);
-  EXPECT_LE(diff, 1e-6);
-  const auto a = trainLosses(tmp / "one"), b = trainLosses(tmp / "two");
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << i;
+  expectPipelineEqualsOneWorker(
+      TempDir(), pipelineBase({}), 2,
+      pipelineBase({"parallel.pipeline_stages=2", "parallel.micro_batches=1"}),
+      "K=2 M=1 against one worker");
 }
 
 // M micro-batches on K stages equal one worker accumulating the same M micro-batches
@@ -788,24 +799,12 @@ class DistPipelineSchedules : public ::testing::TestWithParam<std::tuple<std::st
 
 TEST_P(DistPipelineSchedules, EqualGradientAccumulationOnOneWorker) {
   const auto [schedule, stages] = GetParam();
-  TempDir tmp;
-  const auto one = pipelineBase({"parallel.micro_batches=4"});
-  const auto many = pipelineBase({"parallel.micro_batches=4", "parallel.schedule=" + schedule,
-                                  "parallel.pipeline_stages=" + std::to_string(stages)});
-  ASSERT_EQ(runRanks(1, tmp / "one", one), std::vector<int>{0})
-      << test::readFile(tmp / "one.rank0.log");
-  ASSERT_EQ(runRanks(stages, tmp / "many", many), std::vector<int>(stages, 0))
-      << test::readFile(tmp / "many.rank0.log") << test::readFile(tmp / "many.rank1.log");
-  const double diff =
-      relativeDifference(finalParams(tmp / "many", one), finalParams(tmp / "one", one));
-  std::printf(
-      "%s K=%d M=4 against one worker accumulating 4 micro-batches, 20 steps: relative "
-      "difference %.3g\n",
-      schedule.c_str(), stages, diff);
-  EXPECT_LE(diff, 1e-6);
-  const auto a = trainLosses(tmp / "one"), b = trainLosses(tmp / "many");
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << i;
+  expectPipelineEqualsOneWorker(
+      TempDir(), pipelineBase({"parallel.micro_batches=4"}), stages,
+      pipelineBase({"parallel.micro_batches=4", "parallel.schedule=" + schedule,
+                    "parallel.pipeline_stages=" + std::to_string(stages)}),
+      schedule + " K=" + std::to_string(stages) +
+          " M=4 against one worker accumulating 4 micro-batches");
 }
 
 INSTANTIATE_TEST_SUITE_P(Schedules, DistPipelineSchedules,
@@ -816,22 +815,10 @@ INSTANTIATE_TEST_SUITE_P(Schedules, DistPipelineSchedules,
 // equal one worker accumulating the two pipelines' micro-batches (a batch of D x b in D x M
 // micro-batches: the same samples, as the data-parallel equivalence above).
 TEST(DistPipeline, TwoPipelinesOfTwoStagesEqualOneWorkerWithTheirBatches) {
-  TempDir tmp;
-  const auto one = pipelineBase({"data.batch_size=16", "parallel.micro_batches=8"});
-  const auto grid = pipelineBase({"parallel.pipeline_stages=2", "parallel.micro_batches=4"});
-  ASSERT_EQ(runRanks(1, tmp / "one", one), std::vector<int>{0});
-  ASSERT_EQ(runRanks(4, tmp / "grid", grid), std::vector<int>(4, 0))
-      << test::readFile(tmp / "grid.rank0.log") << test::readFile(tmp / "grid.rank3.log");
-  const double diff =
-      relativeDifference(finalParams(tmp / "grid", one), finalParams(tmp / "one", one));
-  std::printf(
-      "K=2 x D=2, M=4 against one worker with batch 16 in 8 micro-batches, 20 steps: "
-      "relative difference %.3g\n",
-      diff);
-  EXPECT_LE(diff, 1e-6);
-  const auto a = trainLosses(tmp / "one"), b = trainLosses(tmp / "grid");
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << i;
+  expectPipelineEqualsOneWorker(
+      TempDir(), pipelineBase({"data.batch_size=16", "parallel.micro_batches=8"}), 4,
+      pipelineBase({"parallel.pipeline_stages=2", "parallel.micro_batches=4"}),
+      "K=2 x D=2, M=4 against one worker with batch 16 in 8 micro-batches");
 }
 
 // Activation policies run per micro-batch on each stage: every fixed policy (and a mix per

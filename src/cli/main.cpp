@@ -206,13 +206,7 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
     std::cout << fmt::format("{} ({} blocks), batch {} per pipeline\n", setup.model->modelName(),
                              setup.model->numBlocks(), sample.size());
     std::cout << plan.report;
-    if (!plan.partition.fits) {
-      throw ConfigError(fmt::format(
-          "memory.budget = {} per worker fits no partition into {} stages; the smallest budget "
-          "one fits is {} ({} bytes)",
-          options.memory.budgetText, options.pipeline.stages,
-          formatBytes(plan.partition.smallestBudget), plan.partition.smallestBudget));
-    }
+    if (!plan.partition.fits) throw noPartitionFits(options, plan.partition.smallestBudget);
     return 0;
   }
   checkTrainingFitsMachine(options, setup.model, sample, setup.data.train->shape().seqLen, 1);

@@ -39,12 +39,16 @@ std::string actionName(ActionKind kind) {
   return "?";
 }
 
-namespace {
-
 bool isCompute(ActionKind k) {
   return k == ActionKind::kForward || k == ActionKind::kBackward ||
          k == ActionKind::kBackwardInput || k == ActionKind::kBackwardWeight;
 }
+
+bool isReceive(ActionKind k) {
+  return k == ActionKind::kRecvActivation || k == ActionKind::kRecvGradient;
+}
+
+namespace {
 
 // Appends a compute action with the receive it needs before and the send it makes after.
 void emit(StageProgram& p, ActionKind kind, int m, int stage, int stages) {

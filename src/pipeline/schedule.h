@@ -45,6 +45,8 @@ enum class ActionKind {
   kSendGradient,    // the gradient of m's input to stage s-1
 };
 std::string actionName(ActionKind kind);  // "F", "B", "W", "send-act", ...
+bool isCompute(ActionKind kind);          // F, B, Bi, W
+bool isReceive(ActionKind kind);          // recv-act, recv-grad
 
 struct Action {
   ActionKind kind;

@@ -12,6 +12,7 @@
 #include "comm/communicator.h"
 #include "core/errors.h"
 #include "sync/optimizer_state.h"
+#include "sync/replicas.h"
 
 namespace caravan {
 
@@ -241,8 +242,8 @@ std::vector<at::Tensor> PipelineStage::stageTensors(int stage) {
   for (size_t i = boundaries_[stage]; i < boundaries_[stage + 1]; ++i) {
     auto* block = model_->block(i).ptr().get();
     for (const auto& p : block->parameters()) out.push_back(p);
-    for (const auto& b : block->buffers()) {
-      if (b.is_floating_point()) out.push_back(b);
+    for (const auto& b : block->buffers()) {  // as sync/replicas.h shares buffers: float32
+      if (b.scalar_type() == at::kFloat) out.push_back(b);
     }
   }
   return out;
@@ -255,15 +256,9 @@ void PipelineStage::averageGradients() {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
   if (grads.empty()) return;
-  std::vector<at::Tensor> flat;
-  for (const auto& g : grads) flat.push_back(g.reshape({-1}));
-  at::Tensor all = at::cat(flat);
+  at::Tensor all = flatten(grads);
   replicas_->allreduce(all, ReduceOp::kAvg)->wait(replicas_->timeout());
-  int64_t offset = 0;
-  for (auto& g : grads) {
-    g.copy_(all.narrow(0, offset, g.numel()).view(g.sizes()));
-    offset += g.numel();
-  }
+  unflattenInto(all, grads);
 }
 
 PipelineStage::Totals PipelineStage::reduce(double localGradNormSquared, double localLoss) {
@@ -278,20 +273,12 @@ PipelineStage::Totals PipelineStage::reduce(double localGradNormSquared, double 
 void PipelineStage::shareParameters() {
   // From replica 0's stage s (rank s); the other replicas hold the same parameters.
   if (layout_.stages == 1) return;
-  torch::NoGradGuard noGrad;
   for (int s = 0; s < layout_.stages; ++s) {
     const std::vector<at::Tensor> tensors = stageTensors(s);
-    std::vector<at::Tensor> flat;
-    for (const auto& t : tensors) flat.push_back(t.detach().reshape({-1}).to(at::kFloat));
-    if (flat.empty()) continue;
-    at::Tensor all = at::cat(flat);
+    if (tensors.empty()) continue;
+    at::Tensor all = flatten(tensors);
     comm_->broadcast(all, s)->wait(comm_->timeout());
-    if (s == layout_.stage) continue;
-    int64_t offset = 0;
-    for (const auto& t : tensors) {
-      t.copy_(all.narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
-    }
+    if (s != layout_.stage) unflattenInto(all, tensors);
   }
 }
 
@@ -337,10 +324,7 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
   }
   const std::vector<at::Tensor> inputs = batch.input.split(batch.size() / m);
   const std::vector<at::Tensor> targets = batch.target.split(batch.size() / m);
-  std::vector<at::Tensor> weights;  // W's inputs: the parameters that take gradients
-  for (const auto& p : parameters()) {
-    if (p.requires_grad()) weights.push_back(p);
-  }
+  const std::vector<at::Tensor> weights = trainedParameters(layout_.stage);  // W's outputs
   const int rank = comm_ != nullptr ? comm_->rank() : 0, prev = rank - 1, next = rank + 1;
   const auto timeout = comm_ != nullptr ? comm_->timeout() : std::chrono::milliseconds(0);
   std::vector<InFlight> mb(m);
@@ -359,7 +343,6 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
   for (const Action& a : program_) {
     InFlight& f = mb[a.microBatch];
     const auto start = Clock::now();
-    bool wait = false;
     switch (a.kind) {
       case ActionKind::kRecvActivation: {
         dropCompleted();
@@ -369,7 +352,6 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
         comm_->recv(x, prev, tagOf(a.microBatch, kActivation))->wait(timeout);
         if (x.is_floating_point()) x.requires_grad_(true);
         f.input = x;
-        wait = true;
         break;
       }
       case ActionKind::kForward: {
@@ -396,7 +378,6 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
         comm_->recv(f.outputGrad, next, tagOf(a.microBatch, kGradient))->wait(timeout);
         for (auto& w : f.activationSend) w->wait(timeout);  // done: the gradient came back
         f.activationSend.clear();
-        wait = true;
         break;
       }
       case ActionKind::kBackward: {
@@ -437,16 +418,10 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
       }
     }
     const auto end = Clock::now();
-    if (wait) {
-      stats.waitSeconds += seconds(start, end);
-    } else if (a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward ||
-               a.kind == ActionKind::kBackwardInput || a.kind == ActionKind::kBackwardWeight) {
-      stats.computeSeconds += seconds(start, end);
-    }
-    if (wait || a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward ||
-        a.kind == ActionKind::kBackwardInput || a.kind == ActionKind::kBackwardWeight) {
+    if (isReceive(a.kind)) stats.waitSeconds += seconds(start, end);
+    if (isCompute(a.kind)) stats.computeSeconds += seconds(start, end);
+    if (isReceive(a.kind) || isCompute(a.kind))
       stats.spans.push_back({a.kind, a.microBatch, start, end});
-    }
   }
   const auto start = Clock::now();
   for (auto& w : gradientSends) w->wait(timeout);

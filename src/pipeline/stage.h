@@ -95,7 +95,7 @@ class PipelineStage {
   };
   Totals reduce(double localGradNormSquared, double localLoss);
 
-  // Every rank's model gets every stage's current parameters and floating-point buffers (one
+  // Every rank's model gets every stage's current parameters and float32 buffers (one
   // broadcast per stage, from the rank that trains it): before an evaluation over all ranks and
   // before rank 0 writes a checkpoint or model.pt. Every rank of the world calls it.
   void shareParameters();
@@ -118,7 +118,7 @@ class PipelineStage {
   struct WeightPass;  // zb-h1's W: the weight-only pass planned on a micro-batch's graph
   // Stage s's parameters that take gradients (the optimizer's), in block order.
   std::vector<at::Tensor> trainedParameters(int stage);
-  // Stage s's parameters and floating buffers, in a fixed order (for shareParameters).
+  // Stage s's parameters and float32 buffers, in a fixed order (for shareParameters).
   std::vector<at::Tensor> stageTensors(int stage);
   BlockModel model_;
   Communicator* comm_;

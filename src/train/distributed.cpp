@@ -108,31 +108,27 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
   CARAVAN_CHECK(workers_ >= 1 && (servers_ == 0 || backend == "gloo"),
                 "{} servers on {} in a world of {} (validate() refuses it)", servers_, backend,
                 worldInfo.worldSize);
-  if (servers_ > 0) {
-    // The workers' own group: evaluation, the per-step agreement, the initial broadcast.
-    if (!isServer()) {
-      WorldInfo group = worldInfo;
-      group.worldSize = workers_;
-      comm = counted(makeCommunicator(backend, group,
-                                      c10::make_intrusive<c10d::PrefixStore>("workers", store),
-                                      timeout, sync.rendezvousTimeout));
-      if (authenticate) authenticatePeers(*comm, worldInfo.token);
-    }
-  }
+  // A group of the world's ranks with its own rendezvous under `prefix` in the store (Gloo):
+  // this rank is `rank` of `size` in it.
+  auto group = [&](const std::string& prefix, int rank, int size) {
+    WorldInfo g = worldInfo;
+    g.rank = rank;
+    g.worldSize = size;
+    std::shared_ptr<Communicator> c =
+        counted(makeCommunicator(backend, g, c10::make_intrusive<c10d::PrefixStore>(prefix, store),
+                                 timeout, sync.rendezvousTimeout));
+    if (authenticate) authenticatePeers(*c, worldInfo.token);
+    return c;
+  };
+  // The workers' own group: evaluation, the per-step agreement, the initial broadcast.
+  if (servers_ > 0 && !isServer()) comm = group("workers", worldInfo.rank, workers_);
   // The workers' communicator's counter, for the stall inspector below.
   const std::shared_ptr<CountingCommunicator> workersCounter = counters_.back();
   const int stages = options_.pipeline.stages;
   if (stages > 1 && worldInfo.worldSize > stages) {
     // validate() allowed this on Gloo only (MPI would need MPI_Comm_split).
-    WorldInfo group = worldInfo;
-    group.rank = worldInfo.rank / stages;
-    group.worldSize = worldInfo.worldSize / stages;
-    stageReplicas =
-        counted(makeCommunicator(backend, group,
-                                 c10::make_intrusive<c10d::PrefixStore>(
-                                     "stage-" + std::to_string(worldInfo.rank % stages), store),
-                                 timeout, sync.rendezvousTimeout));
-    if (authenticate) authenticatePeers(*stageReplicas, worldInfo.token);
+    stageReplicas = group("stage-" + std::to_string(worldInfo.rank % stages),
+                          worldInfo.rank / stages, worldInfo.worldSize / stages);
   }
   if (store) {
     HeartbeatOptions ho;

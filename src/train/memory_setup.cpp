@@ -67,6 +67,14 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
   return plan;
 }
 
+ConfigError noPartitionFits(const RunOptions& options, int64_t smallest) {
+  return ConfigError(fmt::format(
+      "memory.budget = {} per worker fits no partition of the model into {} stages; the "
+      "smallest budget one fits is {} ({} bytes): raise it, add stages, or lower "
+      "parallel.micro_batches' size (data.batch_size)",
+      options.memory.budgetText, options.pipeline.stages, formatBytes(smallest), smallest));
+}
+
 ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,
                                       const Batch& sample, bool plan) {
   const MemoryOptions& o = options.memory;

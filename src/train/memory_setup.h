@@ -34,6 +34,8 @@ struct PipelinePlan {
   std::string report;  // the table `caravan plan` prints
 };
 PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Batch& sample);
+// The refusal when no cut fits memory.budget; `smallest`: the smallest budget one fits.
+ConfigError noPartitionFits(const RunOptions& options, int64_t smallest);
 
 struct ActivationMemory {
   std::vector<BlockPolicy> policies;

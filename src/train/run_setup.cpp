@@ -127,14 +127,8 @@ std::vector<size_t> RunSetup::pipelineBoundaries(Communicator* comm) {
     if (!p.fits) message[k + 1] = p.smallestBudget;
   }
   if (comm != nullptr) comm->broadcast(message, 0)->wait(comm->timeout());
-  if (message[k + 1].item<int64_t>() >= 0) {
-    const int64_t smallest = message[k + 1].item<int64_t>();
-    throw ConfigError(fmt::format(
-        "memory.budget = {} per worker fits no partition of the model into {} stages; the "
-        "smallest budget one fits is {} ({} bytes): raise it, add stages, or lower "
-        "parallel.micro_batches' size (data.batch_size)",
-        options.memory.budgetText, k, formatBytes(smallest), smallest));
-  }
+  if (message[k + 1].item<int64_t>() >= 0)
+    throw noPartitionFits(options, message[k + 1].item<int64_t>());
   std::vector<size_t> boundaries;
   for (int i = 0; i <= k; ++i)
     boundaries.push_back(static_cast<size_t>(message[i].item<int64_t>()));

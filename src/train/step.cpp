@@ -63,13 +63,13 @@ StepResult pipelineTrainStep(PipelineStage& stage, torch::optim::Optimizer& opti
                              const Batch& batch, double gradClip, bool skipNonFinite) {
   optimizer.zero_grad();
   StepResult result;
-  const StageStepStats stats = stage.runStep(batch);
+  StageStepStats stats = stage.runStep(batch);
   result.forwardEnd = result.backwardEnd = std::chrono::steady_clock::now();
   stage.averageGradients();
   result.pipelined = true;
   result.stageComputeSeconds = stats.computeSeconds;
   result.stageWaitSeconds = stats.waitSeconds;
-  result.stageSpans = stats.spans;
+  result.stageSpans = std::move(stats.spans);
   const std::vector<at::Tensor> params = stage.parameters();
   double normSquared = 0.0;
   for (const auto& p : params) {

@@ -227,10 +227,8 @@ void Trainer::trainOneStep() {
   if (s_.pipeline) {
     if (timeline_.enabled()) {  // each action of this stage's program: receives on track 1
       for (const auto& span : r.stageSpans) {
-        const bool receive =
-            span.kind == ActionKind::kRecvActivation || span.kind == ActionKind::kRecvGradient;
         timeline_.complete(fmt::format("{} {}", actionName(span.kind), span.microBatch), span.start,
-                           span.end, receive ? 1 : 0);
+                           span.end, isReceive(span.kind) ? 1 : 0);
       }
     }
     timeline_.complete("pipeline program", stepStart, r.backwardEnd);
@@ -255,9 +253,8 @@ void Trainer::trainOneStep() {
   if (stop_.writesRecord(state.step)) writeTrainRecord(lr, samplesPerS);
 }
 
-// Everything between an attached setup and the first step: the banner, memory accounting's
-// scope, the memory plan. Nothing is written to the run directory yet (commitRunDirectory).
-// " per pipeline of 2 stages (blocks 0-2 here) x 1 pipeline, 1f1b in 8 micro-batches (gloo)"
+// " per pipeline of 2 stages (blocks 0-2 on this one) x 1 pipeline, 1f1b in 8 micro-batches
+// (gloo)"
 std::string Trainer::pipelineBanner() const {
   const PipelineLayout& l = s_.pipeline->layout();
   const PipelineOptions& o = s_.options.pipeline;
@@ -270,6 +267,8 @@ std::string Trainer::pipelineBanner() const {
       l.replicas > 1 ? "s" : "", o.schedule, o.microBatches, comm()->backend());
 }
 
+// Everything between an attached setup and the first step: the banner, memory accounting's
+// scope, the memory plan. Nothing is written to the run directory yet (commitRunDirectory).
 void Trainer::begin() {
   TrainingState& state = s_.state;
   if (dist_ != nullptr) dist_->setTimeline(timeline_.enabled() ? &timeline_ : nullptr);
