@@ -378,6 +378,17 @@ def choose_engine(requested, bench, configs, environ):
     return "bench", "caravan_bench train runs both the built-in and the scripted config"
 
 
+def save_results(data, out, write_charts, work, keep_work):
+    """DIR/results.json and (write_charts) its charts.json; the work directory removed unless
+    --keep-work. Shared with token_loader.py."""
+    path = os.path.join(out, "results.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print("wrote", path, "and", write_charts(data, path))
+    if not keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def ratio(a, b):
     return a / b if b else float("nan")
 
@@ -544,12 +555,7 @@ def main():
     text, rows = report(data)
     data["rows"] = rows
     print(text)
-    path = os.path.join(out, "results.json")
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-    print("wrote", path, "and", write_charts(data, path))
-    if not a.keep_work:
-        shutil.rmtree(work, ignore_errors=True)
+    save_results(data, out, write_charts, work, a.keep_work)
 
 
 if __name__ == "__main__":

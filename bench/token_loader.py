@@ -32,7 +32,6 @@ Environment as bench/script_step.py (OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE removed
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -211,12 +210,7 @@ def main():
             "tokens": a.tokens, "loader_mode": has_loader, "subcommands": subs,
             "removed_env": removed, "args": vars(a)}
     print(report(data))
-    path = os.path.join(out, "results.json")
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-    print("wrote", path, "and", write_charts(data, path))
-    if not a.keep_work:
-        shutil.rmtree(work, ignore_errors=True)
+    ss.save_results(data, out, write_charts, work, a.keep_work)
 
 
 if __name__ == "__main__":
