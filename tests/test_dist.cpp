@@ -780,6 +780,13 @@ void expectPipelineEqualsOneWorker(const TempDir& tmp, const std::vector<std::st
   const auto a = trainLosses(tmp / "one"), b = trainLosses(tmp / "many");
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << i;
+  // The final evaluation ran through the stages (no rank holds the whole model): it scores
+  // what one worker's evaluation of nearly the same parameters does.
+  const auto one = nlohmann::json::parse(test::readFile(tmp / "one/summary.json"));
+  const auto many = nlohmann::json::parse(test::readFile(tmp / "many/summary.json"));
+  const double loss = one["eval_loss"].get<double>();
+  EXPECT_NEAR(many["eval_loss"].get<double>(), loss, 1e-5 * loss);
+  EXPECT_NEAR(many["eval_accuracy"].get<double>(), one["eval_accuracy"].get<double>(), 1e-3);
 }
 
 }  // namespace

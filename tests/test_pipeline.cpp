@@ -378,6 +378,110 @@ TEST(PipelineExactness, FourStagesOfTheGpt) {
   }
 }
 
+// ---- what a stage holds ----------------------------------------------------------------------
+
+int64_t heldElements(BlockModel& model) {
+  int64_t n = 0;
+  for (const auto& p : model->parameters()) n += p.numel();
+  return n;
+}
+
+// After holdOwnStageOnly a rank's model holds its stage's parameters only; gatherParameters
+// brings rank 0 every stage's trained values (equal to what the stages hold) and holdOwnStageOnly
+// drops them again; forwardOnly's last-stage output is one worker's forward of the same model.
+TEST(PipelineMemory, AStageHoldsItsOwnParametersAndRankZeroGathersTheWholeModel) {
+  torch::set_num_threads(1);
+  const ModelCase s = gptSetup();
+  const int k = 3;
+  const auto data = batches(s, 3, 6);
+  std::vector<BlockModel> models;
+  for (int r = 0; r < k; ++r) models.push_back(freshModel(s));
+  const int64_t whole = heldElements(models[0]);
+  const auto bounds = evenPartition(models[0]->numBlocks(), k);
+  std::vector<std::vector<at::Tensor>> trained(k);
+  std::vector<int64_t> own(k), held(k);
+  std::vector<at::Tensor> gathered;
+  at::Tensor pipelineOutput;
+  const auto errors = test::runGlooRanks(
+      k, test::loopbackOptions(std::chrono::seconds(60)), [&](std::shared_ptr<Communicator> comm) {
+        const int r = comm->rank();
+        PipelineStage stage(models[r], bounds, comm.get(), PipelineLayout::of(r, k, k),
+                            PipelineSchedule::kOneFOneB, 3);
+        auto opt = testOptimizer(models[r]->parameters());
+        stage.holdOwnStageOnly(*opt);
+        for (const auto& p : stage.parameters()) own[r] += p.numel();
+        held[r] = heldElements(models[r]);
+        for (const Batch& b : data) {
+          opt->zero_grad();
+          stage.runStep(b);
+          opt->step();
+        }
+        for (const auto& p : stage.parameters()) trained[r].push_back(p.detach().clone());
+        stage.gatherParameters();
+        if (r == 0) {
+          for (const auto& p : models[r]->parameters()) gathered.push_back(p.detach().clone());
+        }
+        stage.holdOwnStageOnly(*opt);
+        EXPECT_EQ(heldElements(models[r]), own[r]) << "rank " << r << " after a gather";
+        models[r]->eval();
+        at::Tensor y = stage.forwardOnly(data[0].input);
+        if (r == k - 1) pipelineOutput = y;
+        EXPECT_EQ(y.defined(), r == k - 1);
+      });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  int64_t sum = 0;
+  for (int r = 0; r < k; ++r) {
+    EXPECT_EQ(held[r], own[r]) << "rank " << r;
+    EXPECT_LT(own[r], whole);
+    sum += own[r];
+  }
+  EXPECT_EQ(sum, whole);
+  std::vector<at::Tensor> expected;
+  for (const auto& t : trained) expected.insert(expected.end(), t.begin(), t.end());
+  ASSERT_EQ(gathered.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_TRUE(gathered[i].equal(expected[i])) << i;
+  // The gathered model on one worker: its forward is the pipeline's, bitwise.
+  BlockModel one = freshModel(s);
+  {
+    torch::NoGradGuard noGrad;
+    const auto ps = one->parameters();
+    for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(gathered[i]);
+  }
+  one->eval();
+  torch::NoGradGuard noGrad;
+  ASSERT_TRUE(pipelineOutput.defined());
+  EXPECT_TRUE(one->forward(data[0].input).equal(pipelineOutput));
+}
+
+TEST(PipelineMemory, AWeightTiedAcrossStagesIsRefused) {
+  BlockModel m("tied", TaskKind::kImageClassification);
+  torch::nn::Linear shared(8, 8);
+  m->addBlock("in", FlattenLinear(16, 8));
+  m->addBlock("a", shared);
+  m->addBlock("b", torch::nn::Linear(8, 8));
+  m->addBlock("again", shared);
+  const auto bounds = evenPartition(m->numBlocks(), 2);  // {0,2}, {2,4}: 'shared' on both
+  std::vector<std::string> refusals(2);
+  const auto errors = test::runGlooRanks(
+      2, test::loopbackOptions(std::chrono::seconds(30)), [&](std::shared_ptr<Communicator> comm) {
+        try {
+          PipelineStage stage(m, bounds, comm.get(), PipelineLayout::of(comm->rank(), 2, 2),
+                              PipelineSchedule::kOneFOneB, 2);
+        } catch (const ConfigError& e) {
+          refusals[comm->rank()] = e.what();
+        }
+      });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  for (const auto& r : refusals) {
+    EXPECT_NE(r.find("parameter b1_a.weight is used by blocks on stages 0 and 1"),
+              std::string::npos)
+        << r;
+  }
+  // On one stage the same model is accepted.
+  EXPECT_NO_THROW(PipelineStage(m, evenPartition(m->numBlocks(), 1), nullptr,
+                                PipelineLayout::of(0, 1, 1), PipelineSchedule::kOneFOneB, 2));
+}
+
 // ---- the partition into stages (pipeline/partition.h), on hand-made block costs ------------
 
 std::vector<BlockCost> costs(const std::vector<double>& seconds,

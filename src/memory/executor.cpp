@@ -407,12 +407,7 @@ ActivationExecutor::ActivationExecutor(BlockModel model, std::vector<BlockPolicy
   CARAVAN_CHECK(tier_ != nullptr || !needsTier(policies_), "swap policies need a tier");
   CARAVAN_CHECK(savedTensorEngineInstalled(),
                 "ActivationExecutor without installSavedTensorEngine()");
-  for (const auto& p : model_->parameters()) {
-    parameterStorages_.insert(p.storage().unsafeGetStorageImpl());
-  }
-  for (const auto& b : model_->buffers()) {
-    parameterStorages_.insert(b.storage().unsafeGetStorageImpl());
-  }
+  refreshParameters();
   model_->setRunner(this);
 }
 
@@ -484,16 +479,16 @@ bool ActivationExecutor::isParameter(const at::Tensor& t) const {
 
 void ActivationExecutor::setWeights(OutOfCoreWeights* weights) {
   weights_ = weights;
-  // Parameters now move between storages (the store knows its blobs); buffers stay put.
-  parameterStorages_.clear();
-  for (const auto& b : model_->buffers()) {
-    parameterStorages_.insert(b.storage().unsafeGetStorageImpl());
-  }
+  refreshParameters();
+}
+
+void ActivationExecutor::refreshParameters() {
+  // Out-of-core parameters move between storages (the store knows its blobs); buffers stay put.
+  std::vector<at::Tensor> held = model_->buffers();
   if (weights_ == nullptr) {
-    for (const auto& p : model_->parameters()) {
-      parameterStorages_.insert(p.storage().unsafeGetStorageImpl());
-    }
+    for (const auto& p : model_->parameters()) held.push_back(p);
   }
+  parameterStorages_ = storagesOf(held);
 }
 
 void ActivationExecutor::reached(size_t block) {

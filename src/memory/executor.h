@@ -99,6 +99,9 @@ class ActivationExecutor final : public BlockRunner {
   // Set before the first forward under it; the store must outlive its use here.
   void setWeights(OutOfCoreWeights* weights);
   OutOfCoreWeights* weights() const { return weights_; }
+  // The model's parameters changed storages (a pipeline stage released the others' blocks):
+  // isParameter looks at the current ones. Not while a forward or backward runs.
+  void refreshParameters();
 
  private:
   BlockModel model_;

@@ -10,11 +10,18 @@
 
 namespace caravan {
 
+std::unordered_set<const c10::StorageImpl*> storagesOf(const std::vector<at::Tensor>& tensors) {
+  std::unordered_set<const c10::StorageImpl*> out;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.has_storage() && t.storage().nbytes() > 0)
+      out.insert(t.storage().unsafeGetStorageImpl());
+  }
+  return out;
+}
+
 SavedTensorAccounting::SavedTensorAccounting(MemoryTracker& tracker,
                                              const std::vector<at::Tensor>& parameters)
-    : tracker_(&tracker) {
-  for (const auto& p : parameters) parameters_.insert(p.storage().unsafeGetStorageImpl());
-}
+    : tracker_(&tracker), parameters_(storagesOf(parameters)) {}
 
 bool SavedTensorAccounting::isParameter(const at::Tensor& t) const {
   return t.defined() && t.has_storage() &&

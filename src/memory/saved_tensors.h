@@ -32,6 +32,11 @@ namespace caravan {
 
 // The accounting of one SavedTensorScope: which storages are parameters, and the activation
 // bytes held in memory, counted once per storage however many holders it has.
+// The storages of `tensors` that hold bytes, to recognise saves on them. An empty tensor's
+// storage is left out: another pipeline stage's released parameter gets a new storage when it
+// is gathered, and the freed StorageImpl's address can come back as an activation's.
+std::unordered_set<const c10::StorageImpl*> storagesOf(const std::vector<at::Tensor>& tensors);
+
 class SavedTensorAccounting {
  public:
   SavedTensorAccounting(MemoryTracker& tracker, const std::vector<at::Tensor>& parameters);

@@ -227,15 +227,31 @@ PipelineStage::PipelineStage(BlockModel model, std::vector<size_t> boundaries, C
   const std::string problem = checkSchedule(programs, microBatches);
   CARAVAN_CHECK(problem.empty(), "{}", problem);
   program_ = std::move(programs[layout.stage]);
+  // A weight tied across stages would be trained by two of them apart (and freed by one).
+  std::unordered_map<const c10::TensorImpl*, int> stageOf;
+  for (int s = 0; s < layout_.stages; ++s) {
+    shapes_.emplace_back();
+    for (const auto& p : stageParameters(s)) {
+      shapes_.back().push_back(p.sizes().vec());
+      const auto [it, added] = stageOf.emplace(p.unsafeGetTensorImpl(), s);
+      if (!added && it->second != s) {
+        std::string name = "?";
+        for (const auto& named : model_->named_parameters()) {
+          if (named.value().unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) {
+            name = model_->exportName(named.key());
+            break;
+          }
+        }
+        throw ConfigError("parameter " + name + " is used by blocks on stages " +
+                          std::to_string(it->second) + " and " + std::to_string(s) +
+                          ": a pipeline cannot split a tied weight; use fewer stages "
+                          "(parallel.pipeline_stages) or untie the weight in the model");
+      }
+    }
+  }
 }
 
-std::vector<at::Tensor> PipelineStage::parameters() {
-  std::vector<at::Tensor> out;
-  for (size_t i = begin_; i < end_; ++i) {
-    for (const auto& p : model_->block(i).ptr()->parameters()) out.push_back(p);
-  }
-  return out;
-}
+std::vector<at::Tensor> PipelineStage::parameters() { return stageParameters(layout_.stage); }
 
 std::vector<at::Tensor> PipelineStage::stageTensors(int stage) {
   std::vector<at::Tensor> out;
@@ -270,16 +286,72 @@ PipelineStage::Totals PipelineStage::reduce(double localGradNormSquared, double 
   return Totals{t[0].item<double>() / d, t[1].item<double>() / d};
 }
 
-void PipelineStage::shareParameters() {
-  // From replica 0's stage s (rank s); the other replicas hold the same parameters.
-  if (layout_.stages == 1) return;
-  for (int s = 0; s < layout_.stages; ++s) {
+void PipelineStage::gatherParameters() {
+  // From replica 0's stage s (rank s); the other replicas hold the same parameters. Tags above
+  // collectOptimizerState's.
+  const int kTag = 3 * microBatches_ + layout_.stages;
+  const int rank = comm_ != nullptr ? comm_->rank() : 0;
+  for (int s = 1; s < layout_.stages; ++s) {
+    if (rank != 0 && rank != s) continue;
+    if (rank == 0) {
+      torch::NoGradGuard noGrad;
+      const std::vector<at::Tensor> params = stageParameters(s);
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (params[i].sizes() != at::IntArrayRef(shapes_[s][i]))
+          params[i].set_data(at::empty(shapes_[s][i], params[i].options()));
+      }
+    }
     const std::vector<at::Tensor> tensors = stageTensors(s);
     if (tensors.empty()) continue;
     at::Tensor all = flatten(tensors);
-    comm_->broadcast(all, s)->wait(comm_->timeout());
-    if (s != layout_.stage) unflattenInto(all, tensors);
+    if (rank == s) {
+      comm_->send(all, 0, kTag + s)->wait(comm_->timeout());
+    } else {
+      comm_->recv(all, s, kTag + s)->wait(comm_->timeout());
+      unflattenInto(all, tensors);
+    }
   }
+}
+
+std::vector<at::Tensor> PipelineStage::stageParameters(int stage) {
+  std::vector<at::Tensor> out;
+  for (size_t i = boundaries_[stage]; i < boundaries_[stage + 1]; ++i) {
+    for (const auto& p : model_->block(i).ptr()->parameters()) out.push_back(p);
+  }
+  return out;
+}
+
+void PipelineStage::holdOwnStageOnly(torch::optim::Optimizer& optimizer) {
+  torch::NoGradGuard noGrad;
+  for (int s = 0; s < layout_.stages; ++s) {
+    if (s == layout_.stage) continue;
+    scatterOptimizerState(optimizer, trainedParameters(s), {});
+    for (auto& p : stageParameters(s)) p.set_data(at::empty({0}, p.options()));
+  }
+}
+
+at::Tensor PipelineStage::forwardOnly(const at::Tensor& input) {
+  torch::NoGradGuard noGrad;
+  // One activation in flight per pair of stages (each send is waited for): tags may wrap.
+  const int m = static_cast<int>(forwardOnlyCalls_++ % 10000);
+  const auto timeout = comm_ != nullptr ? comm_->timeout() : std::chrono::milliseconds(0);
+  at::Tensor x = input;
+  if (!layout_.first()) {
+    const int prev = comm_->rank() - 1;
+    at::Tensor header = at::empty({kHeaderLength}, at::kLong);
+    comm_->recv(header, prev, tagOf(m, kActivationHeader))->wait(timeout);
+    x = emptyFromHeader(header);
+    comm_->recv(x, prev, tagOf(m, kActivation))->wait(timeout);
+  }
+  at::Tensor y = model_->forwardBlocks(x, begin_, end_);
+  if (layout_.last()) return y;
+  y = y.contiguous();
+  const int next = comm_->rank() + 1;
+  WorkPtr header = comm_->send(encodeHeader(y), next, tagOf(m, kActivationHeader));
+  WorkPtr payload = comm_->send(y, next, tagOf(m, kActivation));
+  header->wait(timeout);
+  payload->wait(timeout);
+  return at::Tensor();
 }
 
 std::vector<at::Tensor> PipelineStage::trainedParameters(int stage) {
@@ -290,12 +362,6 @@ std::vector<at::Tensor> PipelineStage::trainedParameters(int stage) {
     }
   }
   return out;
-}
-
-void PipelineStage::keepOwnOptimizerState(torch::optim::Optimizer& optimizer) {
-  for (int s = 0; s < layout_.stages; ++s) {
-    if (s != layout_.stage) scatterOptimizerState(optimizer, trainedParameters(s), {});
-  }
 }
 
 void PipelineStage::collectOptimizerState(torch::optim::Optimizer& optimizer) {

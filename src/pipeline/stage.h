@@ -15,8 +15,14 @@
 // activation's send is dropped when its gradient comes back, a gradient's once complete (looked
 // at before each receive), and all are waited for before runStep returns.
 //
+// Memory: every rank builds (or loads) the whole model; holdOwnStageOnly then frees every other
+// stage's parameters, so a stage holds its own blocks' weights, gradients and optimizer state
+// and its micro-batches' activations. Rank 0 brings the whole model back for a file only.
+//
 // Errors: a lost or silent neighbour raises PeerError from the wait (the communicator's
-// timeout); a schedule that fails checkSchedule is refused at construction (InternalError).
+// timeout); a parameter used by blocks of two stages is refused at construction (ConfigError: a
+// tied weight cannot be split); a schedule that fails checkSchedule is refused at construction
+// (InternalError).
 // Threading: one thread (the trainer's) per stage; the communicator is used by nothing else
 // while runStep runs.
 #pragma once
@@ -27,6 +33,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
 
 #include "data/dataset.h"
 #include "models/model.h"
@@ -95,18 +102,24 @@ class PipelineStage {
   };
   Totals reduce(double localGradNormSquared, double localLoss);
 
-  // Every rank's model gets every stage's current parameters and float32 buffers (one
-  // broadcast per stage, from the rank that trains it): before an evaluation over all ranks and
-  // before rank 0 writes a checkpoint or model.pt. Every rank of the world calls it.
-  void shareParameters();
+  // A stage holds its own blocks' parameters only: every other stage's become empty tensors
+  // (their storage freed; shapes kept to bring them back) and their optimizer state is
+  // dropped. Called once the stage is set up (every rank built or loaded the whole model), and
+  // after rank 0 gathered the whole model for a file.
+  void holdOwnStageOnly(torch::optim::Optimizer& optimizer);
+  // Rank 0's model gets every stage's current parameters and float32 buffers (sent by the
+  // rank that trains them), before it writes a checkpoint or model.pt; holdOwnStageOnly
+  // drops them again. Other ranks' models are unchanged. Every rank calls it.
+  void gatherParameters();
   // Rank 0's optimizer gets the state of every stage's parameters (sent by the rank that trains
   // them; sync/optimizer_state.h's flat layout), so rank 0's checkpoint holds all of it and
   // resumes on any number of stages. Other ranks' optimizers are unchanged. Every rank calls it.
   void collectOptimizerState(torch::optim::Optimizer& optimizer);
-  // Removes the optimizer state of every other stage's parameters from `optimizer` (after
-  // rank 0 wrote a checkpoint with all of it, and after a resume loaded all of it): a stage
-  // holds its own only.
-  void keepOwnOptimizerState(torch::optim::Optimizer& optimizer);
+  // Evaluation through the pipeline: forwards one batch's `input` (first stage) or the
+  // activation received from the previous stage through this stage's blocks without autograd
+  // and sends it on. Returns the model's output on the last stage, an undefined tensor on the
+  // others. Every stage of a replica calls it once per evaluation batch, in the same order.
+  at::Tensor forwardOnly(const at::Tensor& input);
   const PipelineLayout& layout() const { return layout_; }
   size_t firstBlock() const { return begin_; }
   size_t endBlock() const { return end_; }
@@ -118,8 +131,10 @@ class PipelineStage {
   struct WeightPass;  // zb-h1's W: the weight-only pass planned on a micro-batch's graph
   // Stage s's parameters that take gradients (the optimizer's), in block order.
   std::vector<at::Tensor> trainedParameters(int stage);
-  // Stage s's parameters and float32 buffers, in a fixed order (for shareParameters).
+  // Stage s's parameters and float32 buffers, in a fixed order (for gatherParameters).
   std::vector<at::Tensor> stageTensors(int stage);
+  // Stage s's parameters (every one, trained or not), in block order.
+  std::vector<at::Tensor> stageParameters(int stage);
   BlockModel model_;
   Communicator* comm_;
   Communicator* replicas_;
@@ -128,6 +143,9 @@ class PipelineStage {
   int microBatches_;
   StageProgram program_;
   std::vector<size_t> boundaries_;
+  // Every parameter's shape, per stage (stageParameters' order): other stages' are released.
+  std::vector<std::vector<std::vector<int64_t>>> shapes_;
+  int64_t forwardOnlyCalls_ = 0;  // forwardOnly's messages' tags
 };
 
 }  // namespace caravan

@@ -150,7 +150,8 @@ void RunSetup::attach(Distributed* dist) {
         model, pipelineBoundaries(comm), comm, layout,
         parsePipelineSchedule(options.pipeline.schedule), options.pipeline.microBatches,
         dist != nullptr ? dist->stageReplicas.get() : nullptr);
-    pipeline->keepOwnOptimizerState(*optimizer);  // a checkpoint holds every stage's
+    pipeline->holdOwnStageOnly(*optimizer);  // a checkpoint holds every stage's
+    if (activations.executor) activations.executor->refreshParameters();
     // Dropout: stages draw from their own streams (one stream on every rank would give
     // equally shaped blocks on different stages the same masks). Stage 0 keeps seed.dropout's
     // (or the checkpoint's); stage s > 0 starts from seed.dropout, s and the step, so a resumed
@@ -181,8 +182,7 @@ void RunSetup::attach(Distributed* dist) {
         *activations.tier, &memory, strategy, weightOptions(options));
     activations.executor->setWeights(weights.get());
   } else {
-    // A pipeline stage counts its own blocks' parameters (it trains those; every rank still
-    // holds the whole model's, docs/pipeline.md).
+    // A pipeline stage holds its own blocks' parameters only.
     const std::vector<at::Tensor> parameters =
         pipeline ? pipeline->parameters() : model->parameters();
     memory.set(MemoryCategory::kWeights, tensorBytes(parameters));

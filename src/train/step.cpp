@@ -97,7 +97,7 @@ StepResult pipelineTrainStep(PipelineStage& stage, torch::optim::Optimizer& opti
 }
 
 EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize,
-                    int64_t maxBatches, Communicator* comm) {
+                    int64_t maxBatches, Communicator* comm, PipelineStage* pipeline) {
   const bool wasTraining = model->is_training();
   model->eval();
   torch::NoGradGuard noGrad;
@@ -105,8 +105,14 @@ EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize
   double lossSum = 0.0;
   int64_t correct = 0;
   int64_t counted = 0;  // examples, or tokens for language models
-  const int rank = comm != nullptr ? comm->rank() : 0;
-  const int world = comm != nullptr ? comm->size() : 1;
+  // The batches are shared out over the workers, or over the pipelines (each batch goes
+  // through every stage of one; its last stage counts it).
+  const int shard = pipeline != nullptr ? pipeline->layout().replica
+                    : comm != nullptr   ? comm->rank()
+                                        : 0;
+  const int shards = pipeline != nullptr ? pipeline->layout().replicas
+                     : comm != nullptr   ? comm->size()
+                                         : 1;
   int64_t index = -1;
   // Accuracy counts the argmax of the last dimension against class targets; a module's own loss
   // may take outputs of other shapes (then there is no accuracy, as for regression).
@@ -114,9 +120,10 @@ EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize
   for (const auto& indices : sequentialBatches(dataset.size(), batchSize)) {
     ++index;
     if (maxBatches > 0 && index >= maxBatches) break;
-    if (index % world != rank) continue;
+    if (index % shards != shard) continue;
     Batch b = dataset.get(indices);
-    at::Tensor out = model->forward(b.input);
+    at::Tensor out = pipeline != nullptr ? pipeline->forwardOnly(b.input) : model->forward(b.input);
+    if (!out.defined()) continue;  // a stage before the last
     at::Tensor loss = model->loss(out, b.target);
     int64_t n = b.target.numel();
     lossSum += loss.item<double>() * static_cast<double>(n);
@@ -128,14 +135,18 @@ EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize
   }
   if (wasTraining) model->train();
   if (comm != nullptr) {
+    // Outputs of another shape than the targets' classes on any rank that counted: no accuracy.
+    const bool counts = pipeline == nullptr || pipeline->layout().last();
     at::Tensor sums = torch::tensor({lossSum}, at::kFloat);
-    at::Tensor counts = torch::tensor({correct, counted, r.examples}, at::kLong);
+    at::Tensor ints = torch::tensor(
+        {correct, counted, r.examples, static_cast<int64_t>(counts && !classes)}, at::kLong);
     comm->allreduce(sums, ReduceOp::kSum)->wait(comm->timeout());
-    comm->allreduce(counts, ReduceOp::kSum)->wait(comm->timeout());
+    comm->allreduce(ints, ReduceOp::kSum)->wait(comm->timeout());
     lossSum = sums[0].item<double>();
-    correct = counts[0].item<int64_t>();
-    counted = counts[1].item<int64_t>();
-    r.examples = counts[2].item<int64_t>();
+    correct = ints[0].item<int64_t>();
+    counted = ints[1].item<int64_t>();
+    r.examples = ints[2].item<int64_t>();
+    classes = ints[3].item<int64_t>() == 0 && dataset.shape().task != TaskKind::kRegression;
   }
   CARAVAN_CHECK(counted > 0, "empty evaluation set");
   r.loss = lossSum / static_cast<double>(counted);

@@ -69,8 +69,11 @@ class Communicator;
 
 // Evaluates in eval mode without gradients over the first `maxBatches` batches (0 = all) of
 // `dataset` in order; restores the model's training mode. With a communicator, rank r takes
-// batches r, r+W, ... and the totals are summed over ranks (every rank gets the result).
+// batches r, r+W, ... and the totals are summed over ranks (every rank gets the result). With
+// a pipeline stage, pipeline d takes batches d, d+D, ... through its stages
+// (PipelineStage::forwardOnly: no rank needs the whole model) and its last stage counts them.
 EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize,
-                    int64_t maxBatches, Communicator* comm = nullptr);
+                    int64_t maxBatches, Communicator* comm = nullptr,
+                    PipelineStage* pipeline = nullptr);
 
 }  // namespace caravan

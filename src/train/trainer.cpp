@@ -412,9 +412,8 @@ void Trainer::writeTrainRecord(double lr, double samplesPerS) {
 // `distance`: the consensus distance when the caller consolidated already.
 void Trainer::evaluateNow(std::optional<double> distance) {
   const double consensus = distance ? *distance : consolidate();
-  if (s_.pipeline) s_.pipeline->shareParameters();  // every rank evaluates the whole model
-  const EvalResult r =
-      evaluate(s_.model, *s_.data.test, s_.options.data.evalBatchSize, loop_.evalBatches, comm());
+  const EvalResult r = evaluate(s_.model, *s_.data.test, s_.options.data.evalBatchSize,
+                                loop_.evalBatches, comm(), s_.pipeline.get());
   nlohmann::json rec = {{"kind", "eval"},          {"step", s_.state.step},
                         {"epoch", epoch_},         {"loss", r.loss},
                         {"accuracy", r.accuracy},  {"examples", r.examples},
@@ -438,7 +437,7 @@ void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected) {
     if (strategy_ != nullptr) state.strategy = strategy_->saveState();
   }
   if (s_.pipeline) {  // rank 0 writes every stage's parameters and optimizer state
-    s_.pipeline->shareParameters();
+    s_.pipeline->gatherParameters();
     s_.pipeline->collectOptimizerState(*s_.optimizer);
   }
   state.workers = s_.workers;
@@ -458,8 +457,8 @@ void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected) {
     summary_.lastCheckpoint = checkpoints_.pathFor(state.step);
   }
   state.strategy.clear();
-  // The other stages' optimizer state came to rank 0 for the file only.
-  if (s_.pipeline) s_.pipeline->keepOwnOptimizerState(*s_.optimizer);
+  // The other stages' parameters and optimizer state came to rank 0 for the file only.
+  if (s_.pipeline) s_.pipeline->holdOwnStageOnly(*s_.optimizer);
   // The servers' optimizer state came into this optimizer for the file only.
   if (strategy_ != nullptr && strategy_->updatesParameters()) s_.optimizer->state().clear();
 }
@@ -503,8 +502,10 @@ void Trainer::finish() {
                 summary_.trainSeconds
           : 0.0;
   timeline_.flush();
+  const bool exportModel = !summary_.stoppedEarly;
+  if (s_.pipeline && exportModel) s_.pipeline->gatherParameters();  // every rank calls it
   if (!isRoot_) return;
-  if (!summary_.stoppedEarly) {
+  if (exportModel) {
     auto save = [&] {
       exportStateDict((fs::path(options_.runDir) / "model.pt").string(), *s_.model,
                       [this](const std::string& n) { return s_.model->exportName(n); });
