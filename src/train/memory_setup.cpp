@@ -129,7 +129,12 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
                             formatBytes(persistent),
                             budget > 0 ? formatBytes(budget) : std::string("none"));
     if (automatic && !plan && !m.plan->fits) {
-      const int64_t smallest = m.plan->prediction.peakBytes + persistent;
+      // The plan aims at kPlanMargin of what a budget leaves: the smallest one that fits.
+      const int64_t smallest =
+          persistent +
+          static_cast<int64_t>(
+              std::ceil(static_cast<double>(m.plan->prediction.peakBytes) / kPlanMargin)) +
+          1;
       throw ConfigError(fmt::format(
           "memory.budget = {} is below what this model and batch need with the best plan: "
           "activations {} ({}) + weights, gradients and optimizer state {}; the smallest budget "

@@ -137,7 +137,7 @@ EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize
   if (comm != nullptr) {
     // Outputs of another shape than the targets' classes on any rank that counted: no accuracy.
     const bool counts = pipeline == nullptr || pipeline->layout().last();
-    at::Tensor sums = torch::tensor({lossSum}, at::kFloat);
+    at::Tensor sums = torch::tensor({lossSum}, at::kDouble);
     at::Tensor ints = torch::tensor(
         {correct, counted, r.examples, static_cast<int64_t>(counts && !classes)}, at::kLong);
     comm->allreduce(sums, ReduceOp::kSum)->wait(comm->timeout());

@@ -136,7 +136,9 @@ class Trainer {
   void checkNonFinite(const StepResult& r);
   void writeTrainRecord(double lr, double samplesPerS);
   void evaluateNow(std::optional<double> distance = std::nullopt);
-  void checkpointNow(std::map<std::string, at::Tensor>* collected = nullptr);
+  void checkpointNow(std::map<std::string, at::Tensor>* collected = nullptr,
+                     bool alsoExportModel = false);
+  void exportModel();
   void finish();
   void writeSummary(double measuredFwdBwd);
   // Strategies that let replicas drift (local SGD, gossip) average them first, so evaluation
@@ -427,8 +429,22 @@ void Trainer::evaluateNow(std::optional<double> distance) {
   lastEvalStep_ = s_.state.step;
 }
 
+// Rank 0: the model's parameters as model.pt (every stage's: after a pipeline's gather).
+void Trainer::exportModel() {
+  auto save = [&] {
+    exportStateDict((fs::path(options_.runDir) / "model.pt").string(), *s_.model,
+                    [this](const std::string& n) { return s_.model->exportName(n); });
+  };
+  if (s_.weights) {
+    s_.weights->withAllResident(save);
+  } else {
+    save();
+  }
+}
+
 // `collected`: the strategy's state when the caller consolidated and collected it already.
-void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected) {
+// `alsoExportModel`: rank 0 writes model.pt too.
+void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected, bool alsoExportModel) {
   TrainingState& state = s_.state;
   if (collected != nullptr) {
     state.strategy = std::move(*collected);
@@ -457,8 +473,12 @@ void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected) {
     summary_.lastCheckpoint = checkpoints_.pathFor(state.step);
   }
   state.strategy.clear();
+  if (alsoExportModel && isRoot_) exportModel();
   // The other stages' parameters and optimizer state came to rank 0 for the file only.
-  if (s_.pipeline) s_.pipeline->holdOwnStageOnly(*s_.optimizer);
+  if (s_.pipeline) {
+    s_.pipeline->holdOwnStageOnly(*s_.optimizer);
+    if (isRoot_) releaseFreeHeap();
+  }
   // The servers' optimizer state came into this optimizer for the file only.
   if (strategy_ != nullptr && strategy_->updatesParameters()) s_.optimizer->state().clear();
 }
@@ -491,7 +511,8 @@ void Trainer::finish() {
         formatBytes(runActivationPeak_), formatBytes(p.peakBytes)));
   }
   if (!summary_.stoppedEarly && lastEvalStep_ != s_.state.step) evaluateNow(finalDistance);
-  checkpointNow(&finalStrategyState);
+  // model.pt with the final checkpoint (unless stopped early): a pipeline gathers once.
+  checkpointNow(&finalStrategyState, /*alsoExportModel=*/!summary_.stoppedEarly);
   summary_.steps = s_.state.step;
   summary_.epochs = epoch_;
   summary_.finalTrainLoss = lastLoss_;
@@ -502,20 +523,7 @@ void Trainer::finish() {
                 summary_.trainSeconds
           : 0.0;
   timeline_.flush();
-  const bool exportModel = !summary_.stoppedEarly;
-  if (s_.pipeline && exportModel) s_.pipeline->gatherParameters();  // every rank calls it
   if (!isRoot_) return;
-  if (exportModel) {
-    auto save = [&] {
-      exportStateDict((fs::path(options_.runDir) / "model.pt").string(), *s_.model,
-                      [this](const std::string& n) { return s_.model->exportName(n); });
-    };
-    if (s_.weights) {
-      s_.weights->withAllResident(save);
-    } else {
-      save();
-    }
-  }
   writeSummary(measuredFwdBwd);
 }
 
