@@ -133,6 +133,15 @@
         },
       },
     };
+    if (spec.horizontal) {  // floating bars along x, one row per label (a timeline)
+      config.options.indexAxis = "y";
+      config.options.scales = {
+        x: { type: "linear", beginAtZero: true,
+             title: { display: !!spec.xLabel, text: spec.xLabel || "" } },
+        y: { type: "category", title: { display: !!spec.yLabel, text: spec.yLabel || "" } },
+      };
+    }
+    if (spec.tooltipLabel) config.options.plugins.tooltip.callbacks = { label: spec.tooltipLabel };
     if (isLine) {
       for (const d of spec.datasets) {
         d.borderWidth = d.borderWidth || 1.5;
@@ -352,6 +361,45 @@
         parent.append(g);
         chart(g, { id: "ranks-" + slug(r.name), title: "Per-rank time per step — " + r.name,
                    xLabel: "step", yLabel: "milliseconds per step", datasets: ds });
+      });
+    }
+
+    // Pipelines: one step's actions on every stage.
+    const piped = runs.filter((r) => r.pipeline_timeline);
+    if (piped.length) {
+      const tl = section("Pipeline: one step on every stage", "Each stage's actions in one " +
+        "step of pipeline 0 (metrics.jsonl's pipeline_timeline record): forwards, backwards " +
+        "(zb-h1: the input-gradient and the weight-gradient halves) and the time blocked in " +
+        "receives; what is left blank is the stage idle in the bubble or sending. Times are " +
+        "from each stage's own start of the step; the stages start after the previous step's " +
+        "all-reduce, so their origins agree within a message's latency.");
+      const kinds = [["F", "forward"], ["B", "backward"], ["Bi", "backward, input gradient"],
+                     ["W", "backward, weight gradients"], ["recv-act", "receive activation"],
+                     ["recv-grad", "receive gradient"]];
+      perRun(tl, piped, "run:", (parent, r) => {
+        const t = r.pipeline_timeline;
+        const labels = t.stages.map((_, k) => "stage " + k);
+        const ds = [];
+        kinds.forEach(([kind, label], i) => {
+          const data = [];
+          t.stages.forEach((spans, k) => {
+            for (const [a, m, start, end] of spans) {
+              if (a === kind) data.push({ x: [1000 * start, 1000 * end], y: labels[k], mb: m });
+            }
+          });
+          if (data.length) {
+            ds.push({ label: label, data: data, backgroundColor: color(i), grouped: false });
+          }
+        });
+        const g = el("div", { class: "grid" });
+        parent.append(g);
+        chart(g, { id: "pipeline-" + slug(r.name), type: "bar", horizontal: true,
+                   title: "One step per stage — " + r.name + " (step " + t.step + ", " +
+                          t.schedule + ", " + t.micro_batches + " micro-batches)",
+                   labels: labels, datasets: ds, legend: true,
+                   xLabel: "milliseconds from the stage's start of the step",
+                   tooltipLabel: (c) => c.dataset.label + " " + c.raw.mb + ": " +
+                     fmt(c.raw.x[0], 3) + "–" + fmt(c.raw.x[1], 3) + " ms" });
       });
     }
 

@@ -14,8 +14,10 @@
 
 #include "cli/launch.h"
 #include "core/config.h"
+#include "memory/saved_tensors.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
+#include "train/memory_setup.h"
 #include "train/run_setup.h"
 #include "train/setup.h"
 
@@ -848,6 +850,38 @@ TEST(DistPipeline, EveryFixedPolicyEqualsKeep) {
   }
 }
 
+// memory.policy = auto: under a budget no cut fits keeping (one byte below the leanest cut's
+// need), the partition recomputes blocks on the stages that need it. Training equals one worker
+// accumulating the micro-batches; every stage's tracked peak stays within the budget.
+TEST(DistPipeline, AutoPolicyRecomputesUnderABudgetKeepingCannotFit) {
+  TempDir tmp;
+  const auto stages = pipelineBase({"parallel.pipeline_stages=2", "parallel.micro_batches=4"});
+  int64_t budget = 0;
+  {
+    installSavedTensorEngine();  // as caravan plan does before profiling
+    const Config c = Config::fromString("", "<test>", stages);
+    RunSetup setup = RunSetup::forInspection(c);
+    setup.model->train();
+    budget =
+        planPipeline(setup.options, setup.model, setup.sampleBatch()).partition.smallestBudget - 1;
+  }
+  expectPipelineEqualsOneWorker(
+      tmp, pipelineBase({"parallel.micro_batches=4"}), 2,
+      with(stages, {"memory.policy=auto", "memory.budget=" + std::to_string(budget)}),
+      "K=2 M=4 recomputing under " + std::to_string(budget) + " bytes against one worker");
+  const std::string plan = test::readFile(tmp / "many/pipeline_plan.txt");
+  EXPECT_NE(plan.find(" ms) |"), std::string::npos) << "no stage recomputes:\n" << plan;
+  std::istringstream lines(test::readFile(tmp / "many/metrics.jsonl"));
+  int records = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("kind", "") != "train") continue;
+    ++records;
+    for (const auto& peak : j.at("rank_mem_tracked_peak")) EXPECT_LE(peak.get<int64_t>(), budget);
+  }
+  EXPECT_GT(records, 0);
+}
+
 // Checkpoints do not depend on the layout: rank 0 writes every stage's parameters and optimizer
 // state, so a run of 4 stages stopped at step 9 resumes on 2 stages and on one worker and ends
 // where the uninterrupted 4-stage run does.
@@ -924,7 +958,9 @@ TEST(DistPipeline, LayoutsThatCannotRunAreRefusedInOneLine) {
       {{"parallel.pipeline_stages=2", "parallel.micro_batches=3"}, 2, "does not split into"},
       {{"parallel.micro_batches=2"}, 2, "gradient accumulation on one worker"},
       {{"parallel.pipeline_stages=2", "sync.mode=gossip"}, 2, "leave sync.mode at allreduce"},
-      {{"parallel.pipeline_stages=2", "memory.policy=auto", "memory.budget=1GB"}, 2, "(not auto)"},
+      {{"parallel.pipeline_stages=2", "memory.policy=auto", "memory.budget=1KB"},
+       2,
+       "fits no partition of the model into 2 stages; the smallest budget one fits is"},
       {{"parallel.pipeline_stages=2", "parallel.schedule=zb-h1", "memory.policy=recompute"},
        2,
        "parallel.schedule = 1f1b"},

@@ -589,6 +589,45 @@ TEST(PipelinePartition, TimeAndMemoryFitsABudgetTheOthersDoNot) {
                    .fits);
 }
 
+// memory.policy = auto with stages: a stage that does not fit recomputes blocks; worked by
+// hand. Four blocks (forward 1 s, backward 2 s, 100 bytes kept, 10 bytes of input, 10 bytes of
+// state), K = 2, 1f1b over 4 micro-batches (2 in flight on stage 0, 1 on stage 1), budget 300.
+// Keeping, the leanest cut (1|3) needs 330. Recomputing, a stage keeps 10 bytes per recomputed
+// block and micro-batch plus one block's 100 while it is rebuilt: cut 2|2 with stage 0
+// recomputing both blocks needs 20 + 2 x 20 + 100 = 160 and takes 6 + 2 = 8 s per micro-batch,
+// stage 1 keeping 20 + 200 = 220 in 6 s; cut 1|3 would recompute two of stage 1's three blocks
+// (11 s), cut 3|1 all three of stage 0's (12 s).
+TEST(PipelinePartition, RecomputingFitsABudgetKeepingCannotAtTheLeastTime) {
+  std::vector<BlockCost> b;
+  for (int i = 0; i < 4; ++i) b.push_back({"b" + std::to_string(i), 1.0, 2.0, 100, 10, 10, 10});
+  const auto keep = partitionBlocks(b, 2, 4, PipelineSchedule::kOneFOneB, 300,
+                                    PartitionObjective::kTimeAndMemory);
+  EXPECT_FALSE(keep.fits);
+  EXPECT_EQ(keep.smallestBudget, 330);
+  const auto p = partitionBlocks(b, 2, 4, PipelineSchedule::kOneFOneB, 300,
+                                 PartitionObjective::kTimeAndMemory, /*recompute=*/true);
+  ASSERT_TRUE(p.fits);
+  EXPECT_EQ(p.boundaries, (std::vector<size_t>{0, 2, 4}));
+  EXPECT_EQ(p.stages[0].recomputed, (std::vector<size_t>{0, 1}));
+  EXPECT_EQ(p.stages[0].memoryBytes, 160);
+  EXPECT_DOUBLE_EQ(p.stages[0].recomputeSeconds, 2.0);
+  EXPECT_TRUE(p.stages[1].recomputed.empty());
+  EXPECT_EQ(p.stages[1].memoryBytes, 220);
+  EXPECT_DOUBLE_EQ(p.periodSeconds, 8.0);
+  // Everything recomputed, the leanest cut needs 160: that budget fits, one byte less does not.
+  EXPECT_EQ(p.smallestBudget, 160);
+  EXPECT_TRUE(partitionBlocks(b, 2, 4, PipelineSchedule::kOneFOneB, 160,
+                              PartitionObjective::kTimeAndMemory, true)
+                  .fits);
+  EXPECT_FALSE(partitionBlocks(b, 2, 4, PipelineSchedule::kOneFOneB, 159,
+                               PartitionObjective::kTimeAndMemory, true)
+                   .fits);
+  // Under a budget every stage keeps in, nothing recomputes.
+  const auto roomy = partitionBlocks(b, 2, 4, PipelineSchedule::kOneFOneB, 1000,
+                                     PartitionObjective::kTimeAndMemory, true);
+  for (const auto& st : roomy.stages) EXPECT_TRUE(st.recomputed.empty());
+}
+
 TEST(PipelineLayout, RanksAreStagesOfReplicasAndPartitionsCoverEveryBlock) {
   const auto l = PipelineLayout::of(5, 6, 3);
   EXPECT_EQ(l.stage, 2);

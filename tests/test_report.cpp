@@ -71,6 +71,31 @@ TEST(ReportData, RunColumnsKeepEveryRecordAndMarkWhatIsMissing) {
   EXPECT_TRUE(run["notes"].empty());
 }
 
+// The last pipeline_timeline record of the shape docs/metrics.md gives is drawn; one of another
+// shape is left out with a note naming its line (never an error: it loses no other record).
+TEST(ReportData, APipelineTimelineOfAnotherShapeIsLeftOutWithANote) {
+  TempDir tmp;
+  const std::string good =
+      R"({"kind":"pipeline_timeline","step":3,"schedule":"1f1b","micro_batches":2,)"
+      R"("stages":[[["F",0,0.0,0.5],["B",0,1.0,2.0]],[["recv-act",0,0.0,0.5],["F",0,0.5,0.9]]]})"
+      "\n";
+  makeRun(tmp / "run",
+          metricsLines() + good +
+              R"({"kind":"pipeline_timeline","step":4,"schedule":"1f1b","micro_batches":2,)"
+              R"("stages":[[["F","zero",0.0,0.5]]]})"
+              "\n");
+  const json run = report::readRun(tmp / "run");
+  ASSERT_TRUE(run.contains("pipeline_timeline"));
+  EXPECT_EQ(run["pipeline_timeline"]["step"], 3);
+  EXPECT_EQ(run["pipeline_timeline"]["stages"][1][1], json({"F", 0, 0.5, 0.9}));
+  ASSERT_EQ(run["notes"].size(), 1u);
+  EXPECT_NE(run["notes"][0].get<std::string>().find(
+                "line 5: a pipeline_timeline record of another shape"),
+            std::string::npos)
+      << run["notes"];
+  EXPECT_EQ(run["train"]["step"], json({10, 20}));
+}
+
 TEST(ReportData, NumbersKeepSixSignificantDigits) {
   TempDir tmp;
   makeRun(tmp / "run", R"({"kind":"train","step":1,"loss":0.123456789012,"time_s":12345.678901})"
@@ -337,10 +362,10 @@ TEST(ReportCli, AnOutputThatIsAnInputIsRefusedAndLeftAlone) {
   EXPECT_EQ(ok.exitCode, 0) << ok.err;
 }
 
-// The whole path: two real short runs (one process; two workers), one page, opened in
-// headless Chromium where every chart must draw with no console error and no request leaving
-// the page; a screenshot is kept; the same charts as PNG files.
-TEST(ReportBrowser, TwoRealRunsDrawEveryChartInChromium) {
+// The whole path: three real short runs (one process; two workers; two pipeline stages), one page,
+// opened in headless Chromium where every chart must draw with no console error and no request
+// leaving the page; a screenshot is kept; the same charts as PNG files.
+TEST(ReportBrowser, ThreeRealRunsDrawEveryChartInChromium) {
   const bool ci = std::getenv("CI") != nullptr;
   const fs::path checker = fs::path(CARAVAN_SOURCE_DIR) / "report/browser_check.mjs";
   const bool ready = report::haveChartLibrary() && std::system("command -v node >/dev/null") == 0 &&
@@ -360,6 +385,28 @@ TEST(ReportBrowser, TwoRealRunsDrawEveryChartInChromium) {
   ASSERT_EQ(r.exitCode, 0) << r.err;
   r = runCaravan("train --workers 2 --run-dir " + (tmp / "two") + common);
   ASSERT_EQ(r.exitCode, 0) << r.err;
+  r = runCaravan("train --workers 2 --run-dir " + (tmp / "pipe") + common +
+                 " --set parallel.pipeline_stages=2 --set parallel.micro_batches=4");
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  // The pipeline's timeline: both stages' forwards and backwards of the 4 micro-batches, each
+  // action within the step and after the one before it on its stage.
+  const json pipe = report::readRun(tmp / "pipe");
+  ASSERT_TRUE(pipe.contains("pipeline_timeline")) << pipe["notes"];
+  EXPECT_EQ(pipe["pipeline_timeline"]["step"], 3);
+  ASSERT_EQ(pipe["pipeline_timeline"]["stages"].size(), 2u);
+  for (const json& stage : pipe["pipeline_timeline"]["stages"]) {
+    int forwards = 0, backwards = 0;
+    double last = 0.0;
+    for (const json& span : stage) {
+      forwards += span[0] == "F";
+      backwards += span[0] == "B";
+      EXPECT_GE(span[2].get<double>(), last - 1e-9) << span;
+      EXPECT_GE(span[3].get<double>(), span[2].get<double>()) << span;
+      last = span[3].get<double>();
+    }
+    EXPECT_EQ(forwards, 4);
+    EXPECT_EQ(backwards, 4);
+  }
   // The two-worker run's records carry both workers' numbers, rank 0's equal to its own.
   const json two = report::readRun(tmp / "two");
   ASSERT_TRUE(two["train"].contains("rank_compute_s"));
@@ -373,8 +420,8 @@ TEST(ReportBrowser, TwoRealRunsDrawEveryChartInChromium) {
   }
   EXPECT_TRUE(two["train"].contains("comm_outstanding_s"));
   const std::string page = tmp / "report.html";
-  r = runCaravan("report " + (tmp / "one") + " " + (tmp / "two") + " -o " + page + " --png " +
-                 (tmp / "png"));
+  r = runCaravan("report " + (tmp / "one") + " " + (tmp / "two") + " " + (tmp / "pipe") + " -o " +
+                 page + " --png " + (tmp / "png"));
   ASSERT_EQ(r.exitCode, 0) << r.err;
 
   const fs::path artifacts = fs::current_path() / "test-artifacts";
@@ -391,17 +438,17 @@ TEST(ReportBrowser, TwoRealRunsDrawEveryChartInChromium) {
     return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1,
                           readFile(io / "out") + readFile(io / "err"));
   };
-  const auto [status, out] = check(page, 2, shot);
+  const auto [status, out] = check(page, 3, shot);
   ASSERT_EQ(status, 0) << out;
   const json result = json::parse(out.substr(out.rfind('{', out.rfind("\"ok\""))));
   EXPECT_TRUE(result["ok"].get<bool>()) << out;
-  // loss and accuracy (4), throughput, time split, rank skew, per-rank times, peak and
-  // resident memory, memory by category (one run at a time on the page).
-  EXPECT_EQ(result["charts"], 11) << out;
+  // loss and accuracy (4), throughput, time split, rank skew, per-rank times, the pipeline's
+  // timeline, peak and resident memory, memory by category (one run at a time on the page).
+  EXPECT_EQ(result["charts"], 12) << out;
   EXPECT_GT(fs::file_size(shot), 50000u);  // a full page, kept for people to look at
 
-  // The PNGs: every chart, and the per-run ones for every run (memory for both, per-rank
-  // times for the two-worker run), each a real PNG.
+  // The PNGs: every chart, and the per-run ones for every run (memory for all three, per-rank
+  // times for the two-worker runs, the timeline for the pipeline), each a real PNG.
   std::set<std::string> pngs;
   for (const auto& f : fs::directory_iterator(tmp / "png")) {
     pngs.insert(f.path().filename().string());
@@ -409,17 +456,18 @@ TEST(ReportBrowser, TwoRealRunsDrawEveryChartInChromium) {
     EXPECT_EQ(bytes.substr(1, 3), "PNG") << f.path();
     EXPECT_GT(bytes.size(), 10000u) << f.path();
   }
-  for (const char* name : {"loss-vs-step.png", "accuracy-vs-time.png", "time-split.png",
-                           "rank-skew.png", "ranks-two.png", "memory-one.png", "memory-two.png"}) {
+  for (const char* name :
+       {"loss-vs-step.png", "accuracy-vs-time.png", "time-split.png", "rank-skew.png",
+        "ranks-two.png", "memory-one.png", "memory-two.png", "pipeline-pipe.png"}) {
     EXPECT_TRUE(pngs.count(name)) << name;
   }
-  EXPECT_EQ(pngs.size(), 12u);
+  EXPECT_EQ(pngs.size(), 15u);
 
   // The checker fails a page that logs an error: it is an oracle, not a formality.
   std::string broken = readFile(page);
   broken.insert(broken.rfind("</body>"), "<script>console.error('injected')</script>");
   writeFile(tmp / "broken.html", broken);
-  const auto [brokenStatus, brokenOut] = check(tmp / "broken.html", 2, "");
+  const auto [brokenStatus, brokenOut] = check(tmp / "broken.html", 3, "");
   EXPECT_EQ(brokenStatus, 1) << brokenOut;
   EXPECT_NE(brokenOut.find("console error: injected"), std::string::npos) << brokenOut;
 }

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/errors.h"
 
@@ -50,6 +51,55 @@ struct Sums {
   }
 };
 
+// What stage s over blocks [a, b) keeping `inFlight` micro-batches needs: every block keeps
+// when that fits `budget` (or recomputation is not allowed); else blocks recompute, the most
+// bytes saved per second of forward first, until it fits (or every block that can save
+// something does, fits = false). budget <= 0: no limit.
+struct StagePlan {
+  bool fits = true;
+  double seconds = 0.0;           // forward + backward + recompute, one micro-batch
+  double recomputeSeconds = 0.0;  // of which recompute
+  int64_t memory = 0;
+  std::vector<size_t> recomputed;
+};
+
+StagePlan planStage(const std::vector<BlockCost>& blocks, size_t a, size_t b, int inFlight,
+                    int64_t budget, bool recompute) {
+  StagePlan p;
+  int64_t state = 0, kept = 0;
+  for (size_t i = a; i < b; ++i) {
+    state += blocks[i].stateBytes;
+    kept += blocks[i].activationBytes;
+    p.seconds += blocks[i].forwardSeconds + blocks[i].backwardSeconds;
+  }
+  p.memory = state + inFlight * kept;
+  p.fits = budget <= 0 || p.memory <= budget;
+  if (p.fits || !recompute) return p;
+  std::vector<size_t> order;
+  for (size_t i = a; i < b; ++i) {
+    if (blocks[i].activationBytes > blocks[i].inputBytes) order.push_back(i);
+  }
+  auto gain = [&](size_t i) {
+    return static_cast<double>(blocks[i].activationBytes - blocks[i].inputBytes) /
+           std::max(blocks[i].forwardSeconds, 1e-9);
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t x, size_t y) { return gain(x) > gain(y); });
+  int64_t rebuilt = 0;  // the largest recomputed block's activations, during its backward
+  for (size_t i : order) {
+    kept -= blocks[i].activationBytes - blocks[i].inputBytes;
+    rebuilt = std::max(rebuilt, blocks[i].activationBytes);
+    p.recomputed.push_back(i);
+    p.recomputeSeconds += blocks[i].forwardSeconds;
+    p.memory = state + inFlight * kept + rebuilt;
+    if (p.memory <= budget) break;
+  }
+  p.fits = p.memory <= budget;
+  p.seconds += p.recomputeSeconds;
+  std::sort(p.recomputed.begin(), p.recomputed.end());
+  return p;
+}
+
 // The contiguous partition of n blocks into k stages minimising the largest value(s, a, b) over
 // its stages, among those where every stage is allowed(s, a, b); empty when none is.
 std::vector<size_t> minMaxPartition(size_t n, int k,
@@ -80,7 +130,8 @@ std::vector<size_t> minMaxPartition(size_t n, int k,
 }  // namespace
 
 Partition partitionBlocks(const std::vector<BlockCost>& blocks, int stages, int microBatches,
-                          PipelineSchedule schedule, int64_t budget, PartitionObjective objective) {
+                          PipelineSchedule schedule, int64_t budget, PartitionObjective objective,
+                          bool recompute) {
   const size_t n = blocks.size();
   const std::vector<size_t> even = evenPartition(n, stages);  // refuses stages > blocks
   std::vector<int> inFlight;
@@ -88,22 +139,23 @@ Partition partitionBlocks(const std::vector<BlockCost>& blocks, int stages, int 
     inFlight.push_back(peakInFlight(p));
   }
   const Sums sum(blocks);
-  auto memory = [&](int s, size_t a, size_t b) {
-    return (sum.state[b] - sum.state[a]) + inFlight[s] * (sum.activations[b] - sum.activations[a]);
+  auto plan = [&](int s, size_t a, size_t b) {
+    return planStage(blocks, a, b, inFlight[s], budget, recompute);
+  };
+  // The least a stage can need: everything recomputed that saves something (when allowed).
+  auto leastMemory = [&](int s, size_t a, size_t b) {
+    return static_cast<double>(planStage(blocks, a, b, inFlight[s], 1, recompute).memory);
   };
   auto time = [&](int, size_t a, size_t b) { return sum.time[b] - sum.time[a]; };
   auto any = [](int, size_t, size_t) { return true; };
-  auto fitsBudget = [&](int s, size_t a, size_t b) {
-    return budget <= 0 || memory(s, a, b) <= budget;
-  };
 
   Partition out;
-  const std::vector<size_t> leanest = minMaxPartition(
-      n, stages, [&](int s, size_t a, size_t b) { return static_cast<double>(memory(s, a, b)); },
-      any);
+  const std::vector<size_t> leanest = minMaxPartition(n, stages, leastMemory, any);
   switch (objective) {
     case PartitionObjective::kTimeAndMemory:
-      out.boundaries = minMaxPartition(n, stages, time, fitsBudget);
+      out.boundaries = minMaxPartition(
+          n, stages, [&](int s, size_t a, size_t b) { return plan(s, a, b).seconds; },
+          [&](int s, size_t a, size_t b) { return plan(s, a, b).fits; });
       if (out.boundaries.empty()) out.boundaries = leanest;
       break;
     case PartitionObjective::kTimeOnly:
@@ -120,7 +172,8 @@ Partition partitionBlocks(const std::vector<BlockCost>& blocks, int stages, int 
     case PartitionObjective::kEven: out.boundaries = even; break;
   }
   for (int s = 0; s < stages; ++s) {
-    out.smallestBudget = std::max(out.smallestBudget, memory(s, leanest[s], leanest[s + 1]));
+    out.smallestBudget = std::max(out.smallestBudget,
+                                  static_cast<int64_t>(leastMemory(s, leanest[s], leanest[s + 1])));
   }
   std::vector<StageCosts> costs;
   for (int s = 0; s < stages; ++s) {
@@ -132,11 +185,15 @@ Partition partitionBlocks(const std::vector<BlockCost>& blocks, int stages, int 
       e.forwardSeconds += blocks[i].forwardSeconds;
       e.backwardSeconds += blocks[i].backwardSeconds;
     }
-    e.memoryBytes = memory(s, e.begin, e.end);
-    out.fits = out.fits && (budget <= 0 || e.memoryBytes <= budget);
-    out.periodSeconds = std::max(out.periodSeconds, e.forwardSeconds + e.backwardSeconds);
+    const StagePlan p = plan(s, e.begin, e.end);
+    e.memoryBytes = p.memory;
+    e.recomputeSeconds = p.recomputeSeconds;
+    e.recomputed = p.recomputed;
+    out.fits = out.fits && p.fits;
+    out.periodSeconds = std::max(out.periodSeconds, p.seconds);
     // zb-h1's B and W: half of the measured backward each (the profile does not split them).
-    costs.push_back({e.forwardSeconds, e.backwardSeconds / 2, e.backwardSeconds / 2, 0.0});
+    const double backward = e.backwardSeconds + e.recomputeSeconds;
+    costs.push_back({e.forwardSeconds, backward / 2, backward / 2, 0.0});
     out.stages.push_back(e);
   }
   const ScheduleSimulation sim =
@@ -150,14 +207,19 @@ std::string formatPartition(const std::vector<BlockCost>& blocks, const Partitio
                             int64_t budget) {
   auto mib = [](int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); };
   std::string out =
-      "| stage | blocks | forward+backward ms per micro-batch | in flight | memory MiB |\n"
-      "|---|---|---|---|---|\n";
+      "| stage | blocks | forward+backward (+ recompute) ms per micro-batch | in flight | "
+      "memory MiB | recomputed blocks |\n"
+      "|---|---|---|---|---|---|\n";
   for (size_t s = 0; s < p.stages.size(); ++s) {
     const StageEstimate& e = p.stages[s];
-    out += fmt::format("| {} | {}-{} ({}..{}) | {:.2f} | {} | {:.1f}{} |\n", s, e.begin, e.end - 1,
-                       blocks[e.begin].label, blocks[e.end - 1].label,
-                       (e.forwardSeconds + e.backwardSeconds) * 1e3, e.inFlight, mib(e.memoryBytes),
-                       budget > 0 && e.memoryBytes > budget ? " (over the budget)" : "");
+    out += fmt::format(
+        "| {} | {}-{} ({}..{}) | {:.2f} | {} | {:.2f}{} | {} |\n", s, e.begin, e.end - 1,
+        blocks[e.begin].label, blocks[e.end - 1].label,
+        (e.forwardSeconds + e.backwardSeconds + e.recomputeSeconds) * 1e3, e.inFlight,
+        mib(e.memoryBytes), budget > 0 && e.memoryBytes > budget ? " (over the budget)" : "",
+        e.recomputed.empty() ? std::string("none")
+                             : fmt::format("{} ({:.2f} ms)", fmt::join(e.recomputed, ","),
+                                           e.recomputeSeconds * 1e3));
   }
   out += fmt::format(
       "predicted step {:.1f} ms, bubble {:.1f}%, slowest stage {:.2f} ms per micro-batch; the "

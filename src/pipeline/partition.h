@@ -8,7 +8,12 @@
 //
 // Memory of stage s over blocks [a, b): Σ stateBytes (weights, gradients, optimizer state) +
 // inFlight(s) × Σ activationBytes (what a micro-batch's forward keeps until its backward).
-// Activation policies per stage (recompute, swap) are not chosen here yet: every block keeps.
+// With recomputation allowed (memory.policy = auto), a stage that does not fit recomputes
+// blocks: such a block keeps only its input per micro-batch in flight, costs its forward again
+// in backward, and needs its activations for one micro-batch while its backward runs; blocks
+// are picked by bytes saved per second of forward, until the stage fits. The dynamic program
+// weighs those stage times like any other, so a cut that needs less recomputation wins. (Swap
+// is not chosen for stages: the micro-batches in flight would share the tier's bandwidth.)
 // Threading: pure functions.
 #pragma once
 
@@ -28,6 +33,7 @@ struct BlockCost {
   int64_t activationBytes = 0;   // kept from its forward until its backward, one micro-batch
   int64_t stateBytes = 0;        // weights + gradients + optimizer state
   int64_t parameterBytes = 0;    // weights alone (the parameter-count objective)
+  int64_t inputBytes = 0;        // its input, one micro-batch (what recomputing it keeps)
 };
 
 enum class PartitionObjective {
@@ -40,18 +46,21 @@ enum class PartitionObjective {
 PartitionObjective parsePartitionObjective(const std::string& name);
 
 struct StageEstimate {
-  size_t begin = 0, end = 0;     // blocks [begin, end)
-  int inFlight = 0;              // micro-batches the schedule keeps at once
-  double forwardSeconds = 0.0;   // per micro-batch
-  double backwardSeconds = 0.0;  // per micro-batch
-  int64_t memoryBytes = 0;       // state + inFlight × activations
+  size_t begin = 0, end = 0;       // blocks [begin, end)
+  int inFlight = 0;                // micro-batches the schedule keeps at once
+  double forwardSeconds = 0.0;     // per micro-batch
+  double backwardSeconds = 0.0;    // per micro-batch
+  double recomputeSeconds = 0.0;   // per micro-batch: the recomputed blocks' forwards again
+  int64_t memoryBytes = 0;         // state + inFlight × activations (+ a recomputed block's)
+  std::vector<size_t> recomputed;  // blocks that recompute (ascending)
 };
 
 struct Partition {
   std::vector<size_t> boundaries;  // K + 1 block indices
   std::vector<StageEstimate> stages;
   bool fits = true;             // every stage within the budget (always with no budget)
-  double periodSeconds = 0.0;   // the slowest stage's forward + backward per micro-batch
+  double periodSeconds = 0.0;   // the slowest stage's forward + backward (+ recompute) per
+                                // micro-batch
   double stepSeconds = 0.0;     // the schedule simulated with these stage times (transfers free)
   double bubbleFraction = 0.0;  // of that simulation
   // The smallest per-worker budget any partition of K stages fits (the one minimising the
@@ -66,8 +75,11 @@ std::vector<size_t> evenPartition(size_t blocks, int stages);
 
 // `budget` <= 0: no memory limit. ConfigError when stages > blocks. With kTimeAndMemory and no
 // partition that fits, returns the one with the smallest largest stage (fits = false).
+// `recompute`: stages that do not fit the budget may recompute blocks (with any objective: the
+// other objectives' cuts then recompute what their stages need).
 Partition partitionBlocks(const std::vector<BlockCost>& blocks, int stages, int microBatches,
-                          PipelineSchedule schedule, int64_t budget, PartitionObjective objective);
+                          PipelineSchedule schedule, int64_t budget, PartitionObjective objective,
+                          bool recompute = false);
 
 // The table `caravan plan` prints: one row per stage (blocks, time, memory, in flight).
 std::string formatPartition(const std::vector<BlockCost>& blocks, const Partition& partition,

@@ -330,6 +330,54 @@ void PipelineStage::holdOwnStageOnly(torch::optim::Optimizer& optimizer) {
   }
 }
 
+std::vector<std::vector<PipelineStage::TimelineSpan>> PipelineStage::gatherTimeline(
+    const std::vector<StageStepStats::Span>& spans, Clock::time_point stepStart) {
+  // Per span: kind, micro-batch, start, end; the count first. After the step (every message of
+  // it completed): collectOptimizerState's and gatherParameters' tags, unused then.
+  const int countTag = 3 * microBatches_, spanTag = 3 * microBatches_ + layout_.stages;
+  const int rank = comm_ != nullptr ? comm_->rank() : 0;
+  std::vector<std::vector<TimelineSpan>> out;
+  if (rank >= layout_.stages) return out;  // pipeline 0 only
+  auto encode = [&] {
+    at::Tensor t = at::empty({static_cast<int64_t>(spans.size()), 4}, at::kDouble);
+    auto a = t.accessor<double, 2>();
+    for (size_t i = 0; i < spans.size(); ++i) {
+      a[i][0] = static_cast<double>(spans[i].kind);
+      a[i][1] = spans[i].microBatch;
+      a[i][2] = seconds(stepStart, spans[i].start);
+      a[i][3] = seconds(stepStart, spans[i].end);
+    }
+    return t;
+  };
+  if (rank != 0) {
+    at::Tensor t = encode();
+    at::Tensor count = at::full({1}, t.size(0), at::kLong);
+    comm_->send(count, 0, countTag + rank)->wait(comm_->timeout());
+    comm_->send(t, 0, spanTag + rank)->wait(comm_->timeout());
+    return out;
+  }
+  for (int s = 0; s < layout_.stages; ++s) {
+    at::Tensor t;
+    if (s == 0) {
+      t = encode();
+    } else {
+      at::Tensor count = at::empty({1}, at::kLong);
+      comm_->recv(count, s, countTag + s)->wait(comm_->timeout());
+      CARAVAN_CHECK(count.item<int64_t>() >= 0 && count.item<int64_t>() <= 1 << 24,
+                    "stage {} sent {} spans", s, count.item<int64_t>());
+      t = at::empty({count.item<int64_t>(), 4}, at::kDouble);
+      comm_->recv(t, s, spanTag + s)->wait(comm_->timeout());
+    }
+    auto a = t.accessor<double, 2>();
+    out.emplace_back();
+    for (int64_t i = 0; i < t.size(0); ++i) {
+      out.back().push_back({static_cast<ActionKind>(static_cast<int>(a[i][0])),
+                            static_cast<int>(a[i][1]), a[i][2], a[i][3]});
+    }
+  }
+  return out;
+}
+
 at::Tensor PipelineStage::forwardOnly(const at::Tensor& input) {
   torch::NoGradGuard noGrad;
   // One activation in flight per pair of stages (each send is waited for): tags may wrap.

@@ -115,6 +115,18 @@ class PipelineStage {
   // them; sync/optimizer_state.h's flat layout), so rank 0's checkpoint holds all of it and
   // resumes on any number of stages. Other ranks' optimizers are unchanged. Every rank calls it.
   void collectOptimizerState(torch::optim::Optimizer& optimizer);
+  // One step's spans of every stage of pipeline 0, on rank 0 (each stage's `spans` from its
+  // runStep, as seconds from its own `stepStart`: a step starts after the previous one's
+  // all-reduce, so the stages' origins agree within a message's latency); empty on the other
+  // ranks. Every rank calls it.
+  struct TimelineSpan {
+    ActionKind kind;
+    int microBatch;
+    double start, end;
+  };
+  std::vector<std::vector<TimelineSpan>> gatherTimeline(
+      const std::vector<StageStepStats::Span>& spans,
+      std::chrono::steady_clock::time_point stepStart);
   // Evaluation through the pipeline: forwards one batch's `input` (first stage) or the
   // activation received from the previous stage through this stage's blocks without autograd
   // and sends it on. Returns the model's output on the last stage, an undefined tensor on the

@@ -103,6 +103,32 @@ class Columns {
   size_t rows_ = 0;
 };
 
+// A pipeline_timeline record (docs/metrics.md) as the page draws it: {step, schedule,
+// micro_batches, stages: [[[action, micro-batch, start_s, end_s], ...], ...]}, or null when it
+// does not have that shape (the page then leaves it out with a note).
+json timelineOf(const json& record) {
+  const auto stages = record.find("stages");
+  if (stages == record.end() || !stages->is_array() || stages->empty() || stages->size() > 1024)
+    return nullptr;
+  json out = {{"step", record.value("step", json())},
+              {"schedule", record.value("schedule", json())},
+              {"micro_batches", record.value("micro_batches", json())},
+              {"stages", json::array()}};
+  if (!out["step"].is_number_integer() || !out["schedule"].is_string() ||
+      !out["micro_batches"].is_number_integer())
+    return nullptr;
+  for (const json& stage : *stages) {
+    if (!stage.is_array() || stage.size() > 1000000) return nullptr;
+    for (const json& span : stage) {
+      if (!span.is_array() || span.size() != 4 || !span[0].is_string() ||
+          !span[1].is_number_integer() || !span[2].is_number() || !span[3].is_number())
+        return nullptr;
+    }
+    out["stages"].push_back(stage);
+  }
+  return out;
+}
+
 void flatten(const toml::table& table, const std::string& prefix, json& out) {
   for (const auto& [key, node] : table) {
     const std::string name = prefix.empty() ? std::string(key.str())
@@ -359,6 +385,16 @@ json readRun(const std::string& dirName) {
     if (kind == line.record.end() || !kind->is_string()) continue;  // not a record of ours
     if (*kind == "train") train.add(line.record);
     if (*kind == "eval") eval.add(line.record);
+    if (*kind == "pipeline_timeline") {  // the last one is drawn
+      json timeline = timelineOf(line.record);
+      if (timeline.is_null()) {
+        run["notes"].push_back(fmt::format(
+            "metrics.jsonl line {}: a pipeline_timeline record of another shape; left out",
+            line.number));
+      } else {
+        run["pipeline_timeline"] = std::move(timeline);
+      }
+    }
   }
   if (train.rows() == 0 && eval.rows() == 0) {
     run["notes"].push_back("no train or eval records yet (a run that stopped before its first "

@@ -51,14 +51,16 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
   for (size_t i = 0; i < n; ++i) {
     const BlockProfile& b = profile.blocks[i];
     const int64_t weights = tensorBytes(model->block(i).ptr()->parameters());
-    plan.blocks.push_back(
-        {b.label, b.forwardSeconds, b.backwardSeconds, b.savedBytes, factor * weights, weights});
+    plan.blocks.push_back({b.label, b.forwardSeconds, b.backwardSeconds, b.savedBytes,
+                           factor * weights, weights, b.inputBytes});
   }
   // The loss runs on the last stage: count it with the last block.
   plan.blocks.back().forwardSeconds += profile.lossSeconds;
-  plan.partition =
-      partitionBlocks(plan.blocks, o.stages, o.microBatches, parsePipelineSchedule(o.schedule),
-                      options.memory.budget, objective);
+  // memory.policy = auto: stages may recompute blocks (not zb-h1's: its W reads them again).
+  const PipelineSchedule schedule = parsePipelineSchedule(o.schedule);
+  plan.partition = partitionBlocks(
+      plan.blocks, o.stages, o.microBatches, schedule, options.memory.budget, objective,
+      options.memory.automatic() && schedule != PipelineSchedule::kZeroBubbleH1);
   plan.report = fmt::format(
       "pipeline: {} stages, {} micro-batches of {} examples, {} (parallel.partition = {}); per "
       "block profiled on one micro-batch\n",
@@ -75,12 +77,33 @@ ConfigError noPartitionFits(const RunOptions& options, int64_t smallest) {
       options.memory.budgetText, options.pipeline.stages, formatBytes(smallest), smallest));
 }
 
+int64_t smallestPlannedBudget(const Plan& plan, int64_t persistent) {
+  return persistent +
+         static_cast<int64_t>(
+             std::ceil(static_cast<double>(plan.prediction.peakBytes) / kPlanMargin)) +
+         1;
+}
+
+void setStagePolicies(ActivationMemory& m, BlockModel& model, std::vector<BlockPolicy> policies,
+                      int prefetch) {
+  CARAVAN_CHECK(!needsTier(policies), "a stage's policies do not swap");
+  m.policies = std::move(policies);
+  bool allKeep = true;
+  for (BlockPolicy p : m.policies) allKeep = allKeep && p == BlockPolicy::kKeep;
+  if (allKeep) return;
+  m.executor = std::make_unique<ActivationExecutor>(model, m.policies, nullptr, prefetch);
+  m.report +=
+      fmt::format("memory policies of this stage's blocks: {}\n", formatPolicies(m.policies));
+}
+
 ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,
                                       const Batch& sample, bool plan) {
   const MemoryOptions& o = options.memory;
   ActivationMemory m;
-  const std::string& policy = o.policy;
-  const bool automatic = o.automatic();
+  // A pipeline's partition plans its stages (setStagePolicies); until then every block keeps.
+  const std::string policy =
+      o.automatic() && options.pipeline.active() && !plan ? std::string("keep") : o.policy;
+  const bool automatic = policy == "auto";
   const int prefetch = static_cast<int>(o.prefetch);
   const size_t n = model->numBlocks();
   if (!automatic) m.policies = parsePolicies(policy, n, "memory.policy");
@@ -129,12 +152,7 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
                             formatBytes(persistent),
                             budget > 0 ? formatBytes(budget) : std::string("none"));
     if (automatic && !plan && !m.plan->fits) {
-      // The plan aims at kPlanMargin of what a budget leaves: the smallest one that fits.
-      const int64_t smallest =
-          persistent +
-          static_cast<int64_t>(
-              std::ceil(static_cast<double>(m.plan->prediction.peakBytes) / kPlanMargin)) +
-          1;
+      const int64_t smallest = smallestPlannedBudget(*m.plan, persistent);
       throw ConfigError(fmt::format(
           "memory.budget = {} is below what this model and batch need with the best plan: "
           "activations {} ({}) + weights, gradients and optimizer state {}; the smallest budget "

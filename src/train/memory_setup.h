@@ -76,7 +76,15 @@ void checkTrainingFitsMachine(const RunOptions& options, BlockModel& model, cons
 // `plan`: profile and plan even if memory.policy is not auto, and return a plan that does not
 // fit instead of throwing (caravan plan). `sample`: a batch like the run's (for profiling).
 // Throws ConfigError when memory.policy = auto and no plan fits memory.budget, naming the
-// smallest budget the planner can fit.
+// smallest budget the planner can fit. Pipelines with memory.policy = auto start with every
+// block keeping: the partition chooses the stages' policies (setStagePolicies).
+// The smallest memory.budget under which the planner accepts `plan` (it aims at a margin
+// below what a budget leaves for activations).
+int64_t smallestPlannedBudget(const Plan& plan, int64_t persistent);
+// A pipeline stage's policies from the partition (memory.policy = auto): an executor when a
+// block does not keep (recompute only: stages do not swap).
+void setStagePolicies(ActivationMemory& m, BlockModel& model, std::vector<BlockPolicy> policies,
+                      int prefetch);
 ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,
                                       const Batch& sample, bool plan);
 

@@ -221,16 +221,12 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
     throw ConfigError(fmt::format(
         "{} averages replicas' gradients uncompressed; set sync.compression = none", what));
   }
-  // Fixed policies run per micro-batch (each block call is its own executor frame); the
-  // planner (auto) does not plan stages yet, and zb-h1's W reads a block's saved tensors a
-  // second time, which recompute and swap hand out once.
-  if (options.memory.automatic()) {
-    throw ConfigError(fmt::format(
-        "{} does not plan activation policies per stage yet: set memory.policy to keep or a "
-        "fixed policy (not auto)",
-        what));
-  }
-  if (options.memory.policy != "keep" && pipeline.schedule == "zb-h1") {
+  // Fixed policies run per micro-batch (each block call is its own executor frame); auto's
+  // policies come from the partition (keep or recompute per block); zb-h1's W reads a block's
+  // saved tensors a second time, which recompute and swap hand out once (with auto its stages
+  // keep).
+  if (options.memory.policy != "keep" && !options.memory.automatic() &&
+      pipeline.schedule == "zb-h1") {
     throw ConfigError(fmt::format(
         "parallel.schedule = zb-h1 keeps every activation (its W reads them again): set "
         "memory.policy = keep or parallel.schedule = 1f1b (not memory.policy = {})",

@@ -114,25 +114,32 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
   activations = makeActivationMemory(options, model, sample, /*plan=*/false);
 }
 
-std::vector<size_t> RunSetup::pipelineBoundaries(Communicator* comm) {
-  // Rank 0 plans (profiles are timings: ranks would disagree); the others take its boundaries,
-  // or its refusal, from one broadcast: [K + 1 boundaries, smallest budget or -1 when it fits].
+RunSetup::PipelineCut RunSetup::pipelineCut(Communicator* comm) {
+  // Rank 0 plans (profiles are timings: ranks would disagree); the others take its cut, or its
+  // refusal, from one broadcast: [K + 1 boundaries, smallest budget or -1 when it fits, one
+  // recompute flag per block].
   const int k = options.pipeline.stages;
+  const int64_t n = static_cast<int64_t>(model->numBlocks());
   evenPartition(model->numBlocks(), k);  // every rank refuses more stages than blocks alike
-  at::Tensor message = at::full({k + 2}, -1, at::kLong);
+  at::Tensor message = at::full({k + 2 + n}, -1, at::kLong);
   if (comm == nullptr || comm->rank() == 0) {
     pipelinePlan = planPipeline(options, model, sampleBatch());
     const Partition& p = pipelinePlan->partition;
     for (int i = 0; i <= k; ++i) message[i] = static_cast<int64_t>(p.boundaries[i]);
     if (!p.fits) message[k + 1] = p.smallestBudget;
+    message.narrow(0, k + 2, n).zero_();
+    for (const StageEstimate& e : p.stages) {
+      for (size_t b : e.recomputed) message[k + 2 + static_cast<int64_t>(b)] = 1;
+    }
   }
   if (comm != nullptr) comm->broadcast(message, 0)->wait(comm->timeout());
   if (message[k + 1].item<int64_t>() >= 0)
     throw noPartitionFits(options, message[k + 1].item<int64_t>());
-  std::vector<size_t> boundaries;
+  PipelineCut cut;
   for (int i = 0; i <= k; ++i)
-    boundaries.push_back(static_cast<size_t>(message[i].item<int64_t>()));
-  return boundaries;
+    cut.boundaries.push_back(static_cast<size_t>(message[i].item<int64_t>()));
+  for (int64_t b = 0; b < n; ++b) cut.recompute.push_back(message[k + 2 + b].item<int64_t>() == 1);
+  return cut;
 }
 
 void RunSetup::attach(Distributed* dist) {
@@ -146,11 +153,18 @@ void RunSetup::attach(Distributed* dist) {
     const int worldSize = comm != nullptr ? comm->size() : 1;
     const PipelineLayout layout =
         PipelineLayout::of(comm != nullptr ? comm->rank() : 0, worldSize, options.pipeline.stages);
+    const PipelineCut cut = pipelineCut(comm);
     pipeline = std::make_unique<PipelineStage>(
-        model, pipelineBoundaries(comm), comm, layout,
-        parsePipelineSchedule(options.pipeline.schedule), options.pipeline.microBatches,
-        dist != nullptr ? dist->stageReplicas.get() : nullptr);
+        model, cut.boundaries, comm, layout, parsePipelineSchedule(options.pipeline.schedule),
+        options.pipeline.microBatches, dist != nullptr ? dist->stageReplicas.get() : nullptr);
     pipeline->holdOwnStageOnly(*optimizer);  // a checkpoint holds every stage's
+    if (options.memory.automatic()) {        // the partition chose each block's policy
+      std::vector<BlockPolicy> policies;
+      for (bool r : cut.recompute)
+        policies.push_back(r ? BlockPolicy::kRecompute : BlockPolicy::kKeep);
+      setStagePolicies(activations, model, std::move(policies),
+                       static_cast<int>(options.memory.prefetch));
+    }
     if (activations.executor) activations.executor->refreshParameters();
     // Dropout: stages draw from their own streams (one stream on every rank would give
     // equally shaped blocks on different stages the same masks). Stage 0 keeps seed.dropout's

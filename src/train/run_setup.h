@@ -111,8 +111,14 @@ class RunSetup {
   struct ModelOnly {};
   RunSetup(const Config& config, RunOptions options, int rank, int workers, ModelOnly);
   int64_t parameterCount_ = 0;
-  // The stage boundaries rank 0 planned, on every rank of `comm` (null: one process).
-  std::vector<size_t> pipelineBoundaries(Communicator* comm);
+  // The cut every rank of `comm` (null: one process) runs, from rank 0's plan: K + 1 block
+  // boundaries and, per block, whether it recomputes (memory.policy = auto). Throws the refusal
+  // when no cut fits memory.budget.
+  struct PipelineCut {
+    std::vector<size_t> boundaries;
+    std::vector<bool> recompute;
+  };
+  PipelineCut pipelineCut(Communicator* comm);
 };
 
 }  // namespace caravan

@@ -139,6 +139,8 @@ class Trainer {
   void checkpointNow(std::map<std::string, at::Tensor>* collected = nullptr,
                      bool alsoExportModel = false);
   void exportModel();
+  void writePipelineTimeline(const std::vector<StageStepStats::Span>& spans,
+                             Clock::time_point stepStart);
   void finish();
   void writeSummary(double measuredFwdBwd);
   // Strategies that let replicas drift (local SGD, gossip) average them first, so evaluation
@@ -166,6 +168,9 @@ class Trainer {
   TrainSummary summary_;
   int64_t epoch_ = 1;  // 1-based epoch of the latest step
   int64_t lastEvalStep_ = -1;
+  // Pipelines: the step whose per-stage timeline goes to metrics.jsonl (the third of this run,
+  // or its last): every rank picks the same.
+  int64_t timelineStep_ = -1;
   int64_t skippedSteps_ = 0;  // train.nonfinite_skips used so far in this process
   std::vector<int64_t> sourceSamples_;  // data.sources: samples of each since the last record
   double lastLoss_ = std::nan("");
@@ -253,6 +258,27 @@ void Trainer::trainOneStep() {
   const double samplesPerS = window_.samplesPerSecond();
   progress_.update(state.step, epoch_, r.loss, lr, samplesPerS);
   if (stop_.writesRecord(state.step)) writeTrainRecord(lr, samplesPerS);
+  if (s_.pipeline && state.step == timelineStep_) writePipelineTimeline(r.stageSpans, stepStart);
+}
+
+// One step of every stage of pipeline 0, for caravan report's timeline (docs/metrics.md).
+void Trainer::writePipelineTimeline(const std::vector<StageStepStats::Span>& spans,
+                                    Clock::time_point stepStart) {
+  const auto stages = s_.pipeline->gatherTimeline(spans, stepStart);
+  if (!metrics_) return;
+  nlohmann::json rec = {{"kind", "pipeline_timeline"},
+                        {"step", s_.state.step},
+                        {"schedule", s_.options.pipeline.schedule},
+                        {"micro_batches", s_.pipeline->microBatches()},
+                        {"stages", nlohmann::json::array()}};
+  for (const auto& stage : stages) {
+    nlohmann::json row = nlohmann::json::array();
+    for (const auto& span : stage) {
+      row.push_back({actionName(span.kind), span.microBatch, span.start, span.end});
+    }
+    rec["stages"].push_back(std::move(row));
+  }
+  metrics_->write(rec);
 }
 
 // " per pipeline of 2 stages (blocks 0-2 on this one) x 1 pipeline, 1f1b in 8 micro-batches
@@ -301,6 +327,7 @@ void Trainer::begin() {
   epoch_ = state.position.epoch + 1;
   elapsedBefore_ = state.elapsedSeconds;
   start_ = Clock::now();
+  timelineStep_ = std::min(state.step + 3, s_.totalSteps);
   s_.model->train();
   window_ = MetricsWindow(dist_);
 }
