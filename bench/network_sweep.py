@@ -86,14 +86,22 @@ def run(mode, rate, a, run_dir, overrides):
     sets = settings + overrides + ["train.threads=1", f"data.batch_size={a.batch}",
                                    f"sync.servers={a.servers}", "fault.timeout=120",
                                    "checkpoint.every=0"]
-    args = " ".join(f"--set '{s}'" for s in sets)
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+    return train_on_hosts(world, rate, a.timeout, a.config, sets, run_dir,
+                          f"network_sweep: {mode} at {rate}")
+
+
+def train_on_hosts(hosts, rate, timeout, config, sets, run_dir, what):
+    """`caravan train --config CONFIG --set SETS` as ranks 0..hosts-1 on namespace hosts whose
+    links run at `rate`; returns the run's metrics records. Exits 77 where namespaces cannot be
+    made, and with every rank's log tail when a rank failed."""
+    args = " ".join(f"--set '{s}'" for s in sets)
     rank_cmd = (f"RANK=$HOST_INDEX WORLD_SIZE=$HOSTS MASTER_ADDR=198.18.0.1 MASTER_PORT=29500 "
                 f"OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 {CARAVAN} train -q "
-                f"--config {a.config} {args} --run-dir {run_dir} "
+                f"--config {config} {args} --run-dir {run_dir} "
                 f">{run_dir}.log.$HOST_INDEX 2>&1")
-    cmd = [HOSTS, "--hosts", str(world), "--rate", rate, "--timeout", str(a.timeout), "--",
+    cmd = [HOSTS, "--hosts", str(hosts), "--rate", rate, "--timeout", str(timeout), "--",
            "bash", "-c", rank_cmd]
     environ, _ = env()
     rc = subprocess.run(cmd, env=environ).returncode
@@ -101,8 +109,8 @@ def run(mode, rate, a, run_dir, overrides):
         sys.exit(77)
     if rc != 0:
         logs = "".join(open(f"{run_dir}.log.{i}").read()[-600:]
-                       for i in range(world) if os.path.exists(f"{run_dir}.log.{i}"))
-        sys.exit(f"network_sweep: {mode} at {rate} failed (exit {rc}):\n{logs}")
+                       for i in range(hosts) if os.path.exists(f"{run_dir}.log.{i}"))
+        sys.exit(f"{what} failed (exit {rc}):\n{logs}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

@@ -8,15 +8,15 @@ whose embedding and head are heavy.
    `parameters`; the budget is set 5% below the smaller of their largest stages, so neither
    fits it by the planner's count.
 2. `caravan plan` with parallel.partition = auto under that budget: the joint partition.
-3. `caravan train --workers K` runs each of the three partitions (interleaved, --repeats
-   times) and reads every stage's tracked memory peak (metrics.jsonl rank_mem_tracked_peak:
+3. `caravan train --workers K` runs each of the three planned cuts (interleaved, --repeats
+   times), given as split points (parallel.partition = "a,b,c": rank 0 would otherwise profile
+   again at start-up, and cuts within the timing noise of each other differ from run to run),
+   and reads every stage's tracked memory peak (metrics.jsonl rank_mem_tracked_peak:
    activations on top of the stage's weights, gradients and optimizer state) and the step time.
-   Training runs without the budget (the point is to measure each partition's peaks; with the
-   budget set the time and parameters runs would be refused).
+   Training runs without the budget (the point is to measure each cut's peaks; with the budget
+   set the time and parameters cuts would stop at their first step).
 
-Each training run's own cut is read from its pipeline_plan.txt (rank 0 profiles at start-up, so
-a time cut can differ from run to run). Reports per partition (its run with the largest stage):
-the blocks per stage, the largest and smallest stage peak measured (and
+Reports per partition: the blocks per stage, the largest and smallest stage peak measured (and
 predicted), max/min, whether the largest fits the budget, and the median step time.
 
     /usr/bin/python3 bench/pipeline_memory.py [--stages 4] [--micro 8] [--repeats 2] [--steps 12]
@@ -69,6 +69,11 @@ def plan(sets):
     return p.returncode, parse_stages(p.stdout), p.stdout + p.stderr
 
 
+def splits(stages):
+    """The planned cut as parallel.partition's split points."""
+    return ",".join(str(s["blocks"][0]) for s in stages[1:])
+
+
 def train(sets, k, steps, work):
     run_dir = tempfile.mkdtemp(dir=work)
     cmd = [CARAVAN, "train", "-q", "--workers", str(k), "--config", "/dev/null", "--run-dir",
@@ -76,9 +81,6 @@ def train(sets, k, steps, work):
     p = subprocess.run(cmd, env=env(), capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"caravan train failed ({p.returncode}): {p.stderr.strip()}")
-    # The cut this run used (rank 0 profiles at start-up; a time cut can differ between runs).
-    with open(os.path.join(run_dir, "pipeline_plan.txt")) as f:
-        stages = parse_stages(f.read())
     peaks = [0.0] * k
     step_s = []
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -90,8 +92,7 @@ def train(sets, k, steps, work):
             if r["step"] > 4:
                 step_s.append(32 / r["samples_per_s"])
     shutil.rmtree(run_dir)
-    return {"peak_mib": [p / MIB for p in peaks], "step_s": statistics.mean(step_s),
-            "stages": stages}
+    return {"peak_mib": [p / MIB for p in peaks], "step_s": statistics.mean(step_s)}
 
 
 def main():
@@ -127,12 +128,12 @@ def main():
     try:
         for rep in range(a.repeats):
             for o in plans:
-                r = train(base + [f"parallel.partition={o}"] + ([budget] if o == "auto" else []),
-                          a.stages, a.steps, work)
+                r = train(base + [f"parallel.partition={splits(plans[o])}"], a.stages, a.steps,
+                          work)
                 runs[o].append(r)
                 print(f"  {o:10s} #{rep}: " + ", ".join(
                     f"blocks {s['blocks'][0]}-{s['blocks'][1]} {p:.1f} MiB (predicted "
-                    f"{s['predicted_mib']:.1f})" for s, p in zip(r["stages"], r["peak_mib"])) +
+                    f"{s['predicted_mib']:.1f})" for s, p in zip(plans[o], r["peak_mib"])) +
                       f", step {r['step_s'] * 1e3:.0f} ms", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -141,13 +142,13 @@ def main():
           f"fits {budget_mib:.1f} MiB | step ms |")
     print("|---|---|---|---|---|---|---|")
     for o in plans:
-        # Each run's own cut and peaks; the row shows the run with the largest stage.
+        # The row shows the run with the largest stage.
         worst = max(runs[o], key=lambda r: max(r["peak_mib"]))
         peaks = worst["peak_mib"]
-        predicted = max(s["predicted_mib"] for s in worst["stages"])
+        predicted = max(s["predicted_mib"] for s in plans[o])
         step = statistics.median(r["step_s"] for r in runs[o])
-        blocks = " ".join(f"{s['blocks'][0]}-{s['blocks'][1]}" for s in worst["stages"])
-        rows.append({"partition": o, "stages": worst["stages"], "peak_mib": peaks,
+        blocks = " ".join(f"{s['blocks'][0]}-{s['blocks'][1]}" for s in plans[o])
+        rows.append({"partition": o, "stages": plans[o], "peak_mib": peaks,
                      "max_over_min": max(peaks) / min(peaks), "step_s_median": step,
                      "fits": max(peaks) <= budget_mib, "runs": runs[o]})
         print(f"| {o} | {blocks} | {max(peaks):.1f} ({predicted:.1f}) | {min(peaks):.1f} | "

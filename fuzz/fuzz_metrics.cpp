@@ -49,10 +49,32 @@ void writeSeeds(const std::string& dir) {
   writeSeed(dir, "run", std::string(1, '\x0f') + run);
   writeSeed(dir, "cut", std::string(1, '\x0a') + run + "{\"kind\":\"train\",\"st");
   writeSeed(dir, "foreign", std::string(1, '\x05') + "# a note\n\n" + run + "[1,2]\n");
+  writeSeed(dir, "pipeline",
+            std::string(1, '\x0f') + run +
+                "{\"kind\":\"pipeline_timeline\",\"step\":3,\"schedule\":\"1f1b\","
+                "\"micro_batches\":2,\"stages\":[[[\"F\",0,0.0,0.5],[\"B\",0,1.0,2.0]],"
+                "[[\"recv-act\",0,0.0,0.5]]]}\n");
   std::ofstream dict(dir + ".dict");
-  for (const char* token :
-       {"\"kind\"", "\"train\"", "\"eval\"", "\"step\"", "\"workers\"", "\"rank_compute_s\"",
-        "1e400", "-1", "18446744073709551615", "\\ud800", "\\n", "{", "}", "[", "]", "null"}) {
+  for (const char* token : {"\"kind\"",
+                            "\"train\"",
+                            "\"eval\"",
+                            "\"step\"",
+                            "\"workers\"",
+                            "\"rank_compute_s\"",
+                            "\"pipeline_timeline\"",
+                            "\"stages\"",
+                            "\"schedule\"",
+                            "\"micro_batches\"",
+                            "1e400",
+                            "-1",
+                            "18446744073709551615",
+                            "\\ud800",
+                            "\\n",
+                            "{",
+                            "}",
+                            "[",
+                            "]",
+                            "null"}) {
     dict << '"';
     for (const char* c = token; *c != '\0'; ++c)
       dict << (*c == '"' || *c == '\\' ? "\\" : "") << *c;

@@ -965,6 +965,7 @@ TEST(DistPipeline, LayoutsThatCannotRunAreRefusedInOneLine) {
        2,
        "parallel.schedule = 1f1b"},
       {{"parallel.pipeline_stages=6"}, 6, "every stage needs at least one"},
+      {{"parallel.pipeline_stages=2", "parallel.partition=7"}, 2, "does not cut 5 blocks"},
       {{"parallel.pipeline_stages=2", "sync.compression=topk"}, 2, "sync.compression = none"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {

@@ -592,11 +592,12 @@ TEST(PipelinePartition, TimeAndMemoryFitsABudgetTheOthersDoNot) {
 // memory.policy = auto with stages: a stage that does not fit recomputes blocks; worked by
 // hand. Four blocks (forward 1 s, backward 2 s, 100 bytes kept, 10 bytes of input, 10 bytes of
 // state), K = 2, 1f1b over 4 micro-batches (2 in flight on stage 0, 1 on stage 1), budget 300.
-// Keeping, the leanest cut (1|3) needs 330. Recomputing, a stage keeps 10 bytes per recomputed
-// block and micro-batch plus one block's 100 while it is rebuilt: cut 2|2 with stage 0
-// recomputing both blocks needs 20 + 2 x 20 + 100 = 160 and takes 6 + 2 = 8 s per micro-batch,
-// stage 1 keeping 20 + 200 = 220 in 6 s; cut 1|3 would recompute two of stage 1's three blocks
-// (11 s), cut 3|1 all three of stage 0's (12 s).
+// A stage needs its state + (in flight - 1) x what a micro-batch keeps + the most the micro-batch
+// in backward holds (all it keeps, or, while recomputed block i is rebuilt, what the blocks
+// before i keep + i's input + its 100). Keeping, the leanest cut (1|3) needs 330. Cut 2|2 with
+// stage 0 recomputing block 0: 20 + 110 + max(110, 0 + 10 + 100) = 240, in 6 + 1 = 7 s per
+// micro-batch; stage 1 keeps 20 + 200 = 220 in 6 s. Cut 1|3 would recompute block 1 (10 s),
+// cut 3|1 blocks 0 and 1 (11 s).
 TEST(PipelinePartition, RecomputingFitsABudgetKeepingCannotAtTheLeastTime) {
   std::vector<BlockCost> b;
   for (int i = 0; i < 4; ++i) b.push_back({"b" + std::to_string(i), 1.0, 2.0, 100, 10, 10, 10});
@@ -608,24 +609,57 @@ TEST(PipelinePartition, RecomputingFitsABudgetKeepingCannotAtTheLeastTime) {
                                  PartitionObjective::kTimeAndMemory, /*recompute=*/true);
   ASSERT_TRUE(p.fits);
   EXPECT_EQ(p.boundaries, (std::vector<size_t>{0, 2, 4}));
-  EXPECT_EQ(p.stages[0].recomputed, (std::vector<size_t>{0, 1}));
-  EXPECT_EQ(p.stages[0].memoryBytes, 160);
-  EXPECT_DOUBLE_EQ(p.stages[0].recomputeSeconds, 2.0);
+  EXPECT_EQ(p.stages[0].recomputed, (std::vector<size_t>{0}));
+  EXPECT_EQ(p.stages[0].memoryBytes, 240);
+  EXPECT_DOUBLE_EQ(p.stages[0].recomputeSeconds, 1.0);
   EXPECT_TRUE(p.stages[1].recomputed.empty());
   EXPECT_EQ(p.stages[1].memoryBytes, 220);
-  EXPECT_DOUBLE_EQ(p.periodSeconds, 8.0);
-  // Everything recomputed, the leanest cut needs 160: that budget fits, one byte less does not.
-  EXPECT_EQ(p.smallestBudget, 160);
-  EXPECT_TRUE(partitionBlocks(b, 2, 4, PipelineSchedule::kOneFOneB, 160,
+  EXPECT_DOUBLE_EQ(p.periodSeconds, 7.0);
+  // The least any cut needs: 1|3 with stage 0 recomputing block 0 (10 + 10 + 110 = 130) and
+  // stage 1 blocks 1 and 2 (30 + max(120, 10 + 10 + 100) = 150; recomputing block 3 as well
+  // would need 160). That budget fits, one byte less does not.
+  EXPECT_EQ(p.smallestBudget, 150);
+  EXPECT_TRUE(partitionBlocks(b, 2, 4, PipelineSchedule::kOneFOneB, 150,
                               PartitionObjective::kTimeAndMemory, true)
                   .fits);
-  EXPECT_FALSE(partitionBlocks(b, 2, 4, PipelineSchedule::kOneFOneB, 159,
+  EXPECT_FALSE(partitionBlocks(b, 2, 4, PipelineSchedule::kOneFOneB, 149,
                                PartitionObjective::kTimeAndMemory, true)
                    .fits);
   // Under a budget every stage keeps in, nothing recomputes.
   const auto roomy = partitionBlocks(b, 2, 4, PipelineSchedule::kOneFOneB, 1000,
                                      PartitionObjective::kTimeAndMemory, true);
   for (const auto& st : roomy.stages) EXPECT_TRUE(st.recomputed.empty());
+}
+
+// parallel.partition as split points: the blocks at which stages 1..K-1 start.
+TEST(PipelinePartition, GivenSplitPointsAreTheCutAndBadOnesAreRefusedInOneLine) {
+  const PartitionChoice c = parsePartition("3,6");
+  EXPECT_EQ(c.objective, PartitionObjective::kGiven);
+  EXPECT_EQ(c.splits, (std::vector<size_t>{3, 6}));
+  EXPECT_EQ(parsePartition("time").objective, PartitionObjective::kTimeOnly);
+  EXPECT_EQ(givenPartition({3, 6}, 8, 3), (std::vector<size_t>{0, 3, 6, 8}));
+  for (const char* bad : {"3,,6", "a", "-1", "3,", ",3", "1e3", "3 6", "", "1234567890"}) {
+    EXPECT_THROW(parsePartition(bad), ConfigError) << bad;
+  }
+  for (const std::vector<size_t>& bad :
+       std::vector<std::vector<size_t>>{{6, 3}, {3}, {3, 8}, {0, 3}, {3, 3}, {2, 4, 6}}) {
+    try {
+      givenPartition(bad, 8, 3);
+      ADD_FAILURE() << "accepted " << bad.size() << " split points";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("give 2 increasing block indices between 1 and 7"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  // The given cut is evaluated like the others (memory and time per stage).
+  std::vector<BlockCost> b;
+  for (int i = 0; i < 8; ++i) b.push_back({"b" + std::to_string(i), 1.0, 2.0, 100, 10, 10, 10});
+  const auto p = partitionBlocks(b, 3, 4, PipelineSchedule::kOneFOneB, 0,
+                                 PartitionObjective::kGiven, false, givenPartition({1, 2}, 8, 3));
+  EXPECT_EQ(p.boundaries, (std::vector<size_t>{0, 1, 2, 8}));
+  EXPECT_DOUBLE_EQ(p.periodSeconds, 18.0);           // the last stage's six blocks
+  EXPECT_EQ(p.stages[0].memoryBytes, 10 + 3 * 100);  // 3 micro-batches in flight on stage 0
 }
 
 TEST(PipelineLayout, RanksAreStagesOfReplicasAndPartitionsCoverEveryBlock) {

@@ -201,7 +201,7 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
   RunSetup setup = RunSetup::forInspection(config);
   setup.model->train();
   const Batch sample = setup.sampleBatch();
-  if (options.pipeline.stages > 1) {  // the partition into stages: one worker's plan does not run
+  if (options.pipeline.active()) {  // the partition into stages: one worker's plan does not run
     const PipelinePlan plan = planPipeline(options, setup.model, sample);
     std::cout << fmt::format("{} ({} blocks), batch {} per pipeline\n", setup.model->modelName(),
                              setup.model->numBlocks(), sample.size());

@@ -170,8 +170,7 @@ std::vector<ConfigOption> buildSchema() {
              "how blocks are cut into stages: auto (profiled; the fastest slowest stage with every "
              "stage within memory.budget, counting the micro-batches in flight), time (the "
              "same, memory ignored), parameters (parameter bytes balanced), even (equal block "
-             "counts)",
-             {"auto", "time", "parameters", "even"}),
+             "counts), or the blocks at which stages 1..K-1 start (\"3,6,9\")"),
 
       strOpt("dist.backend", "gloo",
              "communicator for multi-worker runs: gloo (c10d) or mpi (Open MPI)", {"gloo", "mpi"}),

@@ -11,13 +11,43 @@
 
 namespace caravan {
 
-PartitionObjective parsePartitionObjective(const std::string& name) {
-  if (name == "auto") return PartitionObjective::kTimeAndMemory;
-  if (name == "time") return PartitionObjective::kTimeOnly;
-  if (name == "parameters") return PartitionObjective::kParameters;
-  if (name == "even") return PartitionObjective::kEven;
-  throw ConfigError("parallel.partition = \"" + name +
-                    "\": choose auto (time and memory), time, parameters or even");
+PartitionChoice parsePartition(const std::string& text) {
+  PartitionChoice c;
+  if (text == "auto") return c;
+  if (text == "time") return {PartitionObjective::kTimeOnly, {}};
+  if (text == "parameters") return {PartitionObjective::kParameters, {}};
+  if (text == "even") return {PartitionObjective::kEven, {}};
+  const std::string usage = "parallel.partition = \"" + text +
+                            "\": choose auto (time and memory), time, parameters, even, or the "
+                            "blocks at which stages 1..K-1 start, such as \"3,6,9\"";
+  c.objective = PartitionObjective::kGiven;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    if (item.empty() || item.size() > 9 ||
+        item.find_first_not_of("0123456789") != std::string::npos) {
+      throw ConfigError(usage);
+    }
+    c.splits.push_back(static_cast<size_t>(std::stoul(item)));
+    at = comma + 1;
+  }
+  return c;
+}
+
+std::vector<size_t> givenPartition(const std::vector<size_t>& splits, size_t blocks, int stages) {
+  std::vector<size_t> b{0};
+  b.insert(b.end(), splits.begin(), splits.end());
+  b.push_back(blocks);
+  bool increasing = true;
+  for (size_t i = 1; i < b.size(); ++i) increasing = increasing && b[i - 1] < b[i];
+  if (splits.size() + 1 != static_cast<size_t>(stages) || !increasing) {
+    throw ConfigError(fmt::format(
+        "parallel.partition = \"{}\" does not cut {} blocks into parallel.pipeline_stages = {}: "
+        "give {} increasing block indices between 1 and {} (where stages 1..{} start)",
+        fmt::join(splits, ","), blocks, stages, stages - 1, blocks - 1, stages - 1));
+  }
+  return b;
 }
 
 std::vector<size_t> evenPartition(size_t blocks, int stages) {
@@ -55,24 +85,42 @@ struct Sums {
 // when that fits `budget` (or recomputation is not allowed); else blocks recompute, the most
 // bytes saved per second of forward first, until it fits (or every block that can save
 // something does, fits = false). budget <= 0: no limit.
+//
+// Memory: state + (inFlight - 1) x the kept bytes of a micro-batch + the most the micro-batch in
+// backward holds: all it keeps when its backward starts, or, while recomputed block i is
+// rebuilt, what the blocks before i keep + i's input + i's activations (the blocks after i are
+// done). Backwards run one at a time (gpipe, 1f1b).
 struct StagePlan {
   bool fits = true;
   double seconds = 0.0;           // forward + backward + recompute, one micro-batch
   double recomputeSeconds = 0.0;  // of which recompute
   int64_t memory = 0;
+  int64_t leastMemory = 0;  // the least along the search (recomputing more can need more)
   std::vector<size_t> recomputed;
 };
 
 StagePlan planStage(const std::vector<BlockCost>& blocks, size_t a, size_t b, int inFlight,
                     int64_t budget, bool recompute) {
   StagePlan p;
-  int64_t state = 0, kept = 0;
+  int64_t state = 0;
   for (size_t i = a; i < b; ++i) {
     state += blocks[i].stateBytes;
-    kept += blocks[i].activationBytes;
     p.seconds += blocks[i].forwardSeconds + blocks[i].backwardSeconds;
   }
-  p.memory = state + inFlight * kept;
+  std::vector<bool> recomputes(b - a, false);
+  auto memory = [&] {
+    int64_t kept = 0, inBackward = 0;
+    for (size_t i = a; i < b; ++i) {
+      if (recomputes[i - a]) {
+        inBackward = std::max(inBackward, kept + blocks[i].inputBytes + blocks[i].activationBytes);
+        kept += blocks[i].inputBytes;
+      } else {
+        kept += blocks[i].activationBytes;
+      }
+    }
+    return state + (inFlight - 1) * kept + std::max(kept, inBackward);
+  };
+  p.memory = p.leastMemory = memory();
   p.fits = budget <= 0 || p.memory <= budget;
   if (p.fits || !recompute) return p;
   std::vector<size_t> order;
@@ -85,13 +133,12 @@ StagePlan planStage(const std::vector<BlockCost>& blocks, size_t a, size_t b, in
   };
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t x, size_t y) { return gain(x) > gain(y); });
-  int64_t rebuilt = 0;  // the largest recomputed block's activations, during its backward
   for (size_t i : order) {
-    kept -= blocks[i].activationBytes - blocks[i].inputBytes;
-    rebuilt = std::max(rebuilt, blocks[i].activationBytes);
+    recomputes[i - a] = true;
     p.recomputed.push_back(i);
     p.recomputeSeconds += blocks[i].forwardSeconds;
-    p.memory = state + inFlight * kept + rebuilt;
+    p.memory = memory();
+    p.leastMemory = std::min(p.leastMemory, p.memory);
     if (p.memory <= budget) break;
   }
   p.fits = p.memory <= budget;
@@ -131,7 +178,7 @@ std::vector<size_t> minMaxPartition(size_t n, int k,
 
 Partition partitionBlocks(const std::vector<BlockCost>& blocks, int stages, int microBatches,
                           PipelineSchedule schedule, int64_t budget, PartitionObjective objective,
-                          bool recompute) {
+                          bool recompute, const std::vector<size_t>& given) {
   const size_t n = blocks.size();
   const std::vector<size_t> even = evenPartition(n, stages);  // refuses stages > blocks
   std::vector<int> inFlight;
@@ -142,9 +189,9 @@ Partition partitionBlocks(const std::vector<BlockCost>& blocks, int stages, int 
   auto plan = [&](int s, size_t a, size_t b) {
     return planStage(blocks, a, b, inFlight[s], budget, recompute);
   };
-  // The least a stage can need: everything recomputed that saves something (when allowed).
+  // The least a stage can need (recomputing, when allowed, as far as that lowers it).
   auto leastMemory = [&](int s, size_t a, size_t b) {
-    return static_cast<double>(planStage(blocks, a, b, inFlight[s], 1, recompute).memory);
+    return static_cast<double>(planStage(blocks, a, b, inFlight[s], 1, recompute).leastMemory);
   };
   auto time = [&](int, size_t a, size_t b) { return sum.time[b] - sum.time[a]; };
   auto any = [](int, size_t, size_t) { return true; };
@@ -170,6 +217,10 @@ Partition partitionBlocks(const std::vector<BlockCost>& blocks, int stages, int 
           any);
       break;
     case PartitionObjective::kEven: out.boundaries = even; break;
+    case PartitionObjective::kGiven:
+      CARAVAN_CHECK_EQ(given.size(), static_cast<size_t>(stages) + 1, "given boundaries");
+      out.boundaries = given;
+      break;
   }
   for (int s = 0; s < stages; ++s) {
     out.smallestBudget = std::max(out.smallestBudget,

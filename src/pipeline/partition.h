@@ -10,8 +10,9 @@
 // inFlight(s) × Σ activationBytes (what a micro-batch's forward keeps until its backward).
 // With recomputation allowed (memory.policy = auto), a stage that does not fit recomputes
 // blocks: such a block keeps only its input per micro-batch in flight, costs its forward again
-// in backward, and needs its activations for one micro-batch while its backward runs; blocks
-// are picked by bytes saved per second of forward, until the stage fits. The dynamic program
+// in backward, and needs its activations for one micro-batch while its backward runs (counted
+// with what the blocks before it keep then); blocks are picked by bytes saved per second of
+// forward, until the stage fits. The dynamic program
 // weighs those stage times like any other, so a cut that needs less recomputation wins. (Swap
 // is not chosen for stages: the micro-batches in flight would share the tier's bandwidth.)
 // Threading: pure functions.
@@ -41,9 +42,19 @@ enum class PartitionObjective {
   kTimeOnly,       // fastest period, memory ignored
   kParameters,     // parameter bytes balanced (DeepSpeed's "parameters" method)
   kEven,           // equal block counts (evenPartition)
+  kGiven,          // split points the user wrote (torch.distributed.pipelining's way)
 };
-// "auto" (time and memory) | "time" | "parameters" | "even"; ConfigError otherwise.
-PartitionObjective parsePartitionObjective(const std::string& name);
+// parallel.partition: "auto" (time and memory) | "time" | "parameters" | "even", or the blocks
+// at which stages 1..K-1 start ("3,6,9": stage 1 starts at block 3, ...; `splits`).
+// ConfigError otherwise.
+struct PartitionChoice {
+  PartitionObjective objective = PartitionObjective::kTimeAndMemory;
+  std::vector<size_t> splits;  // kGiven
+};
+PartitionChoice parsePartition(const std::string& text);
+// K + 1 boundaries from K - 1 split points over `blocks` blocks; ConfigError (naming what to
+// write) unless they are K - 1 increasing block indices in (0, blocks).
+std::vector<size_t> givenPartition(const std::vector<size_t>& splits, size_t blocks, int stages);
 
 struct StageEstimate {
   size_t begin = 0, end = 0;       // blocks [begin, end)
@@ -76,10 +87,10 @@ std::vector<size_t> evenPartition(size_t blocks, int stages);
 // `budget` <= 0: no memory limit. ConfigError when stages > blocks. With kTimeAndMemory and no
 // partition that fits, returns the one with the smallest largest stage (fits = false).
 // `recompute`: stages that do not fit the budget may recompute blocks (with any objective: the
-// other objectives' cuts then recompute what their stages need).
+// other objectives' cuts then recompute what their stages need). `given`: kGiven's boundaries.
 Partition partitionBlocks(const std::vector<BlockCost>& blocks, int stages, int microBatches,
                           PipelineSchedule schedule, int64_t budget, PartitionObjective objective,
-                          bool recompute = false);
+                          bool recompute = false, const std::vector<size_t>& given = {});
 
 // The table `caravan plan` prints: one row per stage (blocks, time, memory, in flight).
 std::string formatPartition(const std::vector<BlockCost>& blocks, const Partition& partition,

@@ -31,15 +31,22 @@ int64_t persistentBytes(const RunOptions& options, BlockModel& model) {
 
 PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Batch& sample) {
   const PipelineOptions& o = options.pipeline;
-  const PartitionObjective objective = parsePartitionObjective(o.partition);
+  const PartitionChoice choice = parsePartition(o.partition);
+  const PartitionObjective objective = choice.objective;
   PipelinePlan plan;
   const size_t n = model->numBlocks();
-  if (objective == PartitionObjective::kEven) {
-    plan.partition.boundaries = evenPartition(n, o.stages);
-    plan.report = fmt::format(
-        "pipeline: {} stages of equal block counts (parallel.partition = "
-        "even): boundaries {}\n",
-        o.stages, fmt::join(plan.partition.boundaries, ","));
+  // A cut fixed in advance needs no profile, unless the budget may ask its stages to recompute.
+  const std::vector<size_t> given = objective == PartitionObjective::kGiven
+                                        ? givenPartition(choice.splits, n, o.stages)
+                                        : std::vector<size_t>{};
+  if ((objective == PartitionObjective::kEven || objective == PartitionObjective::kGiven) &&
+      !(options.memory.automatic() && options.memory.budget > 0)) {
+    plan.partition.boundaries =
+        objective == PartitionObjective::kEven ? evenPartition(n, o.stages) : given;
+    plan.report =
+        fmt::format("pipeline: {} stages {} (parallel.partition = {}): boundaries {}\n", o.stages,
+                    objective == PartitionObjective::kEven ? "of equal block counts" : "as given",
+                    o.partition, fmt::join(plan.partition.boundaries, ","));
     return plan;
   }
   evenPartition(n, o.stages);  // refuses more stages than blocks before profiling
@@ -54,13 +61,14 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
     plan.blocks.push_back({b.label, b.forwardSeconds, b.backwardSeconds, b.savedBytes,
                            factor * weights, weights, b.inputBytes});
   }
-  // The loss runs on the last stage: count it with the last block.
-  plan.blocks.back().forwardSeconds += profile.lossSeconds;
+  // The loss runs on the last stage: count it with the last block (as backward time: it is
+  // not recomputed with the block).
+  plan.blocks.back().backwardSeconds += profile.lossSeconds;
   // memory.policy = auto: stages may recompute blocks (not zb-h1's: its W reads them again).
   const PipelineSchedule schedule = parsePipelineSchedule(o.schedule);
   plan.partition = partitionBlocks(
       plan.blocks, o.stages, o.microBatches, schedule, options.memory.budget, objective,
-      options.memory.automatic() && schedule != PipelineSchedule::kZeroBubbleH1);
+      options.memory.automatic() && schedule != PipelineSchedule::kZeroBubbleH1, given);
   plan.report = fmt::format(
       "pipeline: {} stages, {} micro-batches of {} examples, {} (parallel.partition = {}); per "
       "block profiled on one micro-batch\n",
@@ -92,8 +100,7 @@ void setStagePolicies(ActivationMemory& m, BlockModel& model, std::vector<BlockP
   for (BlockPolicy p : m.policies) allKeep = allKeep && p == BlockPolicy::kKeep;
   if (allKeep) return;
   m.executor = std::make_unique<ActivationExecutor>(model, m.policies, nullptr, prefetch);
-  m.report +=
-      fmt::format("memory policies of this stage's blocks: {}\n", formatPolicies(m.policies));
+  m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
 }
 
 ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,

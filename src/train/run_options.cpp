@@ -5,6 +5,7 @@
 
 #include "core/errors.h"
 #include "memory/accounting.h"
+#include "pipeline/partition.h"
 #include "sync/compression.h"
 
 namespace caravan {
@@ -86,6 +87,7 @@ RunOptions RunOptions::read(const Config& config) {
   p.stages = static_cast<int>(config.i64("parallel.pipeline_stages"));
   p.schedule = config.str("parallel.schedule");
   p.partition = config.str("parallel.partition");
+  parsePartition(p.partition);  // a name or split points (their count is checked with the model)
   p.microBatches = static_cast<int>(config.i64("parallel.micro_batches"));
   if (p.microBatches == 0) {  // the default: the largest count <= 4K dividing the batch
     p.microBatches = 1;

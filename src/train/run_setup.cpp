@@ -120,7 +120,12 @@ RunSetup::PipelineCut RunSetup::pipelineCut(Communicator* comm) {
   // recompute flag per block].
   const int k = options.pipeline.stages;
   const int64_t n = static_cast<int64_t>(model->numBlocks());
-  evenPartition(model->numBlocks(), k);  // every rank refuses more stages than blocks alike
+  // Every rank refuses more stages than blocks, or split points that do not fit them, alike.
+  evenPartition(model->numBlocks(), k);
+  if (const PartitionChoice c = parsePartition(options.pipeline.partition);
+      c.objective == PartitionObjective::kGiven) {
+    givenPartition(c.splits, model->numBlocks(), k);
+  }
   at::Tensor message = at::full({k + 2 + n}, -1, at::kLong);
   if (comm == nullptr || comm->rank() == 0) {
     pipelinePlan = planPipeline(options, model, sampleBatch());

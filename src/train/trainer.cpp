@@ -380,8 +380,10 @@ void Trainer::accountMemory() {
         formatBytes(memory.live(MemoryCategory::kOptimizerState)), mo.policy, formatBytes(needed),
         needed,
         mo.automatic()
-            ? "; the plan's prediction was short: see memory_plan.txt"
-            : "; or set memory.policy = auto to recompute or swap blocks within the budget",
+            ? std::string("; the plan's prediction was short: see ") +
+                  (s_.pipeline ? "pipeline_plan.txt" : "memory_plan.txt")
+            : std::string(
+                  "; or set memory.policy = auto to recompute or swap blocks within the budget"),
         mo.offloadWeights
             ? ""
             : " (memory.weights = offload keeps weights and optimizer state on the tier)"));
