@@ -820,6 +820,20 @@ INSTANTIATE_TEST_SUITE_P(Schedules, DistPipelineSchedules,
                          ::testing::Combine(::testing::Values("gpipe", "1f1b", "zb-h1"),
                                             ::testing::Values(2, 3, 4)));
 
+// A user's scripted module (tests/python/script_models.py's GPT, saved by PyTorch) cut into
+// stages trains as one worker accumulating the same micro-batches.
+TEST(DistPipeline, ScriptedModelStagesEqualOneWorker) {
+  const std::string dir = test::scriptedModelsDir();
+  ASSERT_FALSE(dir.empty()) << "tests/python/script_models.py failed (python3-torch?)";
+  const auto scripted = with(
+      kBase, {"data.synthetic_task=tokens", "data.seq_len=24", "data.batch_size=8",
+              "optim.name=adamw", "optim.lr=0.003", "optim.grad_clip=0.5", "model.name=torchscript",
+              "model.path=" + dir + "/gpt.pt", "parallel.micro_batches=4"});
+  expectPipelineEqualsOneWorker(TempDir(), scripted, 2,
+                                with(scripted, {"parallel.pipeline_stages=2"}),
+                                "scripted GPT, K=2 M=4 against one worker accumulating 4");
+}
+
 // 2-D: D = 2 pipelines of K = 2 stages, each stage averaging its gradients with its replica,
 // equal one worker accumulating the two pipelines' micro-batches (a batch of D x b in D x M
 // micro-batches: the same samples, as the data-parallel equivalence above).

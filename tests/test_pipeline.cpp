@@ -598,9 +598,14 @@ TEST(PipelinePartition, TimeAndMemoryFitsABudgetTheOthersDoNot) {
 // stage 0 recomputing block 0: 20 + 110 + max(110, 0 + 10 + 100) = 240, in 6 + 1 = 7 s per
 // micro-batch; stage 1 keeps 20 + 200 = 220 in 6 s. Cut 1|3 would recompute block 1 (10 s),
 // cut 3|1 blocks 0 and 1 (11 s).
-TEST(PipelinePartition, RecomputingFitsABudgetKeepingCannotAtTheLeastTime) {
+std::vector<BlockCost> b4() {
   std::vector<BlockCost> b;
   for (int i = 0; i < 4; ++i) b.push_back({"b" + std::to_string(i), 1.0, 2.0, 100, 10, 10, 10});
+  return b;
+}
+
+TEST(PipelinePartition, RecomputingFitsABudgetKeepingCannotAtTheLeastTime) {
+  const std::vector<BlockCost> b = b4();
   const auto keep = partitionBlocks(b, 2, 4, PipelineSchedule::kOneFOneB, 300,
                                     PartitionObjective::kTimeAndMemory);
   EXPECT_FALSE(keep.fits);
@@ -660,6 +665,19 @@ TEST(PipelinePartition, GivenSplitPointsAreTheCutAndBadOnesAreRefusedInOneLine) 
   EXPECT_EQ(p.boundaries, (std::vector<size_t>{0, 1, 2, 8}));
   EXPECT_DOUBLE_EQ(p.periodSeconds, 18.0);           // the last stage's six blocks
   EXPECT_EQ(p.stages[0].memoryBytes, 10 + 3 * 100);  // 3 micro-batches in flight on stage 0
+  EXPECT_EQ(parsePartition("1, 2").splits, (std::vector<size_t>{1, 2}));
+  EXPECT_THROW(givenPartition({3}, 8, 1), ConfigError);
+
+  // A given cut that does not fit names the least it needs itself, each stage at its least.
+  // RecomputingFitsABudget...'s blocks, cut 1|3 under 140: stage 1's search needs 330, 240, 150
+  // (blocks 1 and 2 recomputed), then 160 (all three): it stops at 150.
+  const auto tight = partitionBlocks(b4(), 2, 4, PipelineSchedule::kOneFOneB, 140,
+                                     PartitionObjective::kGiven, true, givenPartition({1}, 4, 2));
+  EXPECT_FALSE(tight.fits);
+  EXPECT_EQ(tight.smallestBudget, 150);
+  EXPECT_EQ(tight.stages[1].memoryBytes, 150);
+  EXPECT_EQ(tight.stages[1].recomputed, (std::vector<size_t>{1, 2}));
+  EXPECT_DOUBLE_EQ(tight.stages[1].recomputeSeconds, 2.0);
 }
 
 TEST(PipelineLayout, RanksAreStagesOfReplicasAndPartitionsCoverEveryBlock) {

@@ -11,13 +11,19 @@
 
 namespace caravan {
 
-PartitionChoice parsePartition(const std::string& text) {
+PartitionChoice parsePartition(const std::string& written) {
   PartitionChoice c;
+  std::string text;  // "3, 6" as "3,6" (spaces around the commas only)
+  for (size_t i = 0; i < written.size(); ++i) {
+    const bool besideComma =
+        (i > 0 && written[i - 1] == ',') || (i + 1 < written.size() && written[i + 1] == ',');
+    if (written[i] != ' ' || !besideComma) text += written[i];
+  }
   if (text == "auto") return c;
   if (text == "time") return {PartitionObjective::kTimeOnly, {}};
   if (text == "parameters") return {PartitionObjective::kParameters, {}};
   if (text == "even") return {PartitionObjective::kEven, {}};
-  const std::string usage = "parallel.partition = \"" + text +
+  const std::string usage = "parallel.partition = \"" + written +
                             "\": choose auto (time and memory), time, parameters, even, or the "
                             "blocks at which stages 1..K-1 start, such as \"3,6,9\"";
   c.objective = PartitionObjective::kGiven;
@@ -41,6 +47,12 @@ std::vector<size_t> givenPartition(const std::vector<size_t>& splits, size_t blo
   b.push_back(blocks);
   bool increasing = true;
   for (size_t i = 1; i < b.size(); ++i) increasing = increasing && b[i - 1] < b[i];
+  if (stages == 1) {
+    throw ConfigError(fmt::format(
+        "parallel.partition = \"{}\" cuts stages, but parallel.pipeline_stages = 1: leave "
+        "parallel.partition at auto or set parallel.pipeline_stages = {}",
+        fmt::join(splits, ","), splits.size() + 1));
+  }
   if (splits.size() + 1 != static_cast<size_t>(stages) || !increasing) {
     throw ConfigError(fmt::format(
         "parallel.partition = \"{}\" does not cut {} blocks into parallel.pipeline_stages = {}: "
@@ -133,15 +145,25 @@ StagePlan planStage(const std::vector<BlockCost>& blocks, size_t a, size_t b, in
   };
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t x, size_t y) { return gain(x) > gain(y); });
+  size_t leastAt = 0;  // how many of `order` recompute at the least memory
   for (size_t i : order) {
     recomputes[i - a] = true;
     p.recomputed.push_back(i);
     p.recomputeSeconds += blocks[i].forwardSeconds;
     p.memory = memory();
-    p.leastMemory = std::min(p.leastMemory, p.memory);
+    if (p.memory < p.leastMemory) {
+      p.leastMemory = p.memory;
+      leastAt = p.recomputed.size();
+    }
     if (p.memory <= budget) break;
   }
   p.fits = p.memory <= budget;
+  if (!p.fits) {  // nothing fits: the stage at its least (recomputing more would need more)
+    for (size_t k = leastAt; k < p.recomputed.size(); ++k)
+      p.recomputeSeconds -= blocks[p.recomputed[k]].forwardSeconds;
+    p.recomputed.resize(leastAt);
+    p.memory = p.leastMemory;
+  }
   p.seconds += p.recomputeSeconds;
   std::sort(p.recomputed.begin(), p.recomputed.end());
   return p;
@@ -222,9 +244,14 @@ Partition partitionBlocks(const std::vector<BlockCost>& blocks, int stages, int 
       out.boundaries = given;
       break;
   }
+  // A cut the user fixed (given, even) names the least it needs itself; the others the least
+  // any cut needs.
+  const bool fixed =
+      objective == PartitionObjective::kGiven || objective == PartitionObjective::kEven;
+  const std::vector<size_t>& least = fixed ? out.boundaries : leanest;
   for (int s = 0; s < stages; ++s) {
-    out.smallestBudget = std::max(out.smallestBudget,
-                                  static_cast<int64_t>(leastMemory(s, leanest[s], leanest[s + 1])));
+    out.smallestBudget =
+        std::max(out.smallestBudget, static_cast<int64_t>(leastMemory(s, least[s], least[s + 1])));
   }
   std::vector<StageCosts> costs;
   for (int s = 0; s < stages; ++s) {

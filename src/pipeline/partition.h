@@ -75,7 +75,8 @@ struct Partition {
   double stepSeconds = 0.0;     // the schedule simulated with these stage times (transfers free)
   double bubbleFraction = 0.0;  // of that simulation
   // The smallest per-worker budget any partition of K stages fits (the one minimising the
-  // largest stage's memory), for the message when nothing fits.
+  // largest stage's memory), for the message when nothing fits; for a given or even cut, the
+  // smallest that cut fits.
   int64_t smallestBudget = 0;
 };
 

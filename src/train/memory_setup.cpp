@@ -35,6 +35,7 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
   const PartitionObjective objective = choice.objective;
   PipelinePlan plan;
   const size_t n = model->numBlocks();
+  evenPartition(n, o.stages);  // refuses more stages than blocks first (as every rank does)
   // A cut fixed in advance needs no profile, unless the budget may ask its stages to recompute.
   const std::vector<size_t> given = objective == PartitionObjective::kGiven
                                         ? givenPartition(choice.splits, n, o.stages)
@@ -49,7 +50,6 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
                     o.partition, fmt::join(plan.partition.boundaries, ","));
     return plan;
   }
-  evenPartition(n, o.stages);  // refuses more stages than blocks before profiling
   const int64_t micro = sample.size() / o.microBatches;
   const Batch one{sample.input.slice(0, 0, micro), sample.target.slice(0, 0, micro)};
   const ModelProfile profile =
@@ -78,6 +78,15 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
 }
 
 ConfigError noPartitionFits(const RunOptions& options, int64_t smallest) {
+  const PartitionObjective objective = parsePartition(options.pipeline.partition).objective;
+  if (objective == PartitionObjective::kGiven || objective == PartitionObjective::kEven) {
+    return ConfigError(fmt::format(
+        "memory.budget = {} per worker does not fit the cut parallel.partition = {} into {} "
+        "stages; that cut needs at least {} ({} bytes): raise the budget, or let "
+        "parallel.partition = auto choose a cut",
+        options.memory.budgetText, options.pipeline.partition, options.pipeline.stages,
+        formatBytes(smallest), smallest));
+  }
   return ConfigError(fmt::format(
       "memory.budget = {} per worker fits no partition of the model into {} stages; the "
       "smallest budget one fits is {} ({} bytes): raise it, add stages, or lower "

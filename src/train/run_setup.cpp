@@ -1,6 +1,8 @@
 // A run put together in one order (see run_setup.h).
 #include "train/run_setup.h"
 
+#include <exception>
+
 #include <fmt/format.h>
 #include <torch/torch.h>
 
@@ -127,17 +129,28 @@ RunSetup::PipelineCut RunSetup::pipelineCut(Communicator* comm) {
     givenPartition(c.splits, model->numBlocks(), k);
   }
   at::Tensor message = at::full({k + 2 + n}, -1, at::kLong);
+  constexpr int64_t kRankZeroFailed = -2;  // in place of the smallest budget
+  std::exception_ptr failure;  // rank 0's planning error: the others learn of it, then it throws
   if (comm == nullptr || comm->rank() == 0) {
-    pipelinePlan = planPipeline(options, model, sampleBatch());
-    const Partition& p = pipelinePlan->partition;
-    for (int i = 0; i <= k; ++i) message[i] = static_cast<int64_t>(p.boundaries[i]);
-    if (!p.fits) message[k + 1] = p.smallestBudget;
-    message.narrow(0, k + 2, n).zero_();
-    for (const StageEstimate& e : p.stages) {
-      for (size_t b : e.recomputed) message[k + 2 + static_cast<int64_t>(b)] = 1;
+    try {
+      pipelinePlan = planPipeline(options, model, sampleBatch());
+      const Partition& p = pipelinePlan->partition;
+      for (int i = 0; i <= k; ++i) message[i] = static_cast<int64_t>(p.boundaries[i]);
+      if (!p.fits) message[k + 1] = p.smallestBudget;
+      message.narrow(0, k + 2, n).zero_();
+      for (const StageEstimate& e : p.stages) {
+        for (size_t b : e.recomputed) message[k + 2 + static_cast<int64_t>(b)] = 1;
+      }
+    } catch (...) {
+      failure = std::current_exception();
+      message[k + 1] = kRankZeroFailed;
     }
   }
   if (comm != nullptr) comm->broadcast(message, 0)->wait(comm->timeout());
+  if (failure) std::rethrow_exception(failure);
+  if (message[k + 1].item<int64_t>() == kRankZeroFailed) {
+    throw ConfigError("rank 0 could not plan the pipeline's stages: its log says why");
+  }
   if (message[k + 1].item<int64_t>() >= 0)
     throw noPartitionFits(options, message[k + 1].item<int64_t>());
   PipelineCut cut;
