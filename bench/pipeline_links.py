@@ -19,7 +19,7 @@ samples/s, compute and wait per step, MB sent per step by rank 0.
 
 Needs root and iproute2 (exit 77 otherwise). OPENBLAS_CORETYPE is removed from every process's
 environment. 4 or 5 processes share this machine's cores: compute includes waiting for a core.
-Writes OUT/results.json and OUT/table.md.
+Writes OUT/results.json and OUT/table.md at the end, OUT/partial.json after every run.
 """
 import argparse
 import json
@@ -81,6 +81,11 @@ def main():
                 for side in a.sides:
                     x = run(side, rate, a.steps, work, a.timeout)
                     raw[(side, rate)].append(x)
+                    # Every run's numbers as they come: a stopped invocation keeps them.
+                    os.makedirs(a.out, exist_ok=True)
+                    with open(os.path.join(a.out, "partial.json"), "w") as f:
+                        json.dump([{"side": s, "rate": r, "runs": v} for (s, r), v in raw.items()
+                                   if v], f, indent=1)
                     print(f"  #{rep} {rate:8s} {side:10s} {x['samples_per_s']:.2f} samples/s, "
                           f"compute {x['compute_s']:.2f} s, wait {x['wait_s']:.2f} s, "
                           f"sent {x['sent_mb']:.1f} MB per step (rank 0)", flush=True)

@@ -5,9 +5,10 @@ whose embedding and head are heavy.
 
 1. `caravan plan` prints each partition's predicted per-stage memory (weights, gradients,
    optimizer state and the micro-batches the schedule keeps in flight) for `time` and
-   `parameters`; the budget is set 5% below the smaller of their largest stages, so neither
-   fits it by the planner's count.
-2. `caravan plan` with parallel.partition = auto under that budget: the joint partition.
+   `parameters`, and the smallest budget any cut fits (every block keeping); the budget is that,
+   rounded up to the next 0.1 MiB: the tightest a cut of this model can run in.
+2. `caravan plan` with parallel.partition = auto under that budget: the joint partition (it
+   fits by construction; the question is whether the time-only and parameter cuts do).
 3. `caravan train --workers K` runs each of the three planned cuts (interleaved, --repeats
    times), given as split points (parallel.partition = "a,b,c": rank 0 would otherwise profile
    again at start-up, and cuts within the timing noise of each other differ from run to run),
@@ -30,6 +31,7 @@ Writes DIR/results.json (default bench/results/pipeline-memory).
 """
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -112,14 +114,17 @@ def main():
         if rc != 0 or len(stages) != a.stages:
             sys.exit(f"caravan plan ({objective}) failed: {out}")
         plans[objective] = stages
-    budget_mib = 0.95 * min(max(s["predicted_mib"] for s in plans[o]) for o in plans)
+    least = re.search(r"the smallest per-worker budget any partition fits: ([\d.]+) MiB", out)
+    if not least:
+        sys.exit(f"caravan plan printed no smallest budget: {out}")
+    budget_mib = math.ceil(float(least.group(1)) * 10 + 1e-9) / 10 + 0.1
     budget = f"memory.budget={int(budget_mib * MIB)}"
     rc, stages, out = plan(base + ["parallel.partition=auto", budget])
     if rc != 0 or len(stages) != a.stages:
         sys.exit(f"no joint partition fits {budget_mib:.1f} MiB per worker: {out}")
     plans["auto"] = stages
-    print(f"budget: {budget_mib:.1f} MiB per worker (5% below the smaller largest stage of time "
-          f"and parameters, as planned)")
+    print(f"budget: {budget_mib:.1f} MiB per worker (the smallest any cut fits, "
+          f"{least.group(1)} MiB, rounded up)")
     for o, st in plans.items():
         print(f"  {o:10s} plan: " + ", ".join(
             f"blocks {s['blocks'][0]}-{s['blocks'][1]} {s['predicted_mib']:.1f} MiB" for s in st))
