@@ -89,20 +89,21 @@ def run(mode, rate, a, run_dir, overrides):
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(os.path.dirname(run_dir), exist_ok=True)
     return train_on_hosts(world, rate, a.timeout, a.config, sets, run_dir,
-                          f"network_sweep: {mode} at {rate}")
+                          f"network_sweep: {mode} at {rate}", a.cpus)
 
 
-def train_on_hosts(hosts, rate, timeout, config, sets, run_dir, what):
+def train_on_hosts(hosts, rate, timeout, config, sets, run_dir, what, cpus=None):
     """`caravan train --config CONFIG --set SETS` as ranks 0..hosts-1 on namespace hosts whose
-    links run at `rate`; returns the run's metrics records. Exits 77 where namespaces cannot be
-    made, and with every rank's log tail when a rank failed."""
+    links run at `rate` (and, with `cpus`, each on that many cores at most: netns_hosts.sh
+    --cpus); returns the run's metrics records. Exits 77 where namespaces (or CPU shares) cannot
+    be made, and with every rank's log tail when a rank failed."""
     args = " ".join(f"--set '{s}'" for s in sets)
     rank_cmd = (f"RANK=$HOST_INDEX WORLD_SIZE=$HOSTS MASTER_ADDR=198.18.0.1 MASTER_PORT=29500 "
                 f"OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 {CARAVAN} train -q "
                 f"--config {config} {args} --run-dir {run_dir} "
                 f">{run_dir}.log.$HOST_INDEX 2>&1")
-    cmd = [HOSTS, "--hosts", str(hosts), "--rate", rate, "--timeout", str(timeout), "--",
-           "bash", "-c", rank_cmd]
+    cmd = [HOSTS, "--hosts", str(hosts), "--rate", rate, "--timeout", str(timeout)] + \
+        (["--cpus", str(cpus)] if cpus else []) + ["--", "bash", "-c", rank_cmd]
     environ, _ = env()
     rc = subprocess.run(cmd, env=environ).returncode
     if rc == 77:
@@ -144,7 +145,9 @@ def table_text(a, tp, acc, speedup, bound, removed, log_every):
              f"# medians of {a.repeats} interleaved repeats of {a.steps} steps (first "
              f"{log_every} dropped); OPENBLAS_CORETYPE "
              f"{'removed from the environment' if removed else 'was not set'}; "
-             f"{os.cpu_count()} cores for {a.workers + a.servers} single-threaded processes",
+             f"{os.cpu_count()} cores for {a.workers + a.servers} single-threaded processes" +
+             (f", each host held to {a.cpus} cores (netns_hosts.sh --cpus)" if a.cpus else
+              " sharing them"),
              "", "| rate | mode | compute s/step | wait s/step | samples/s | MB sent/step "
              "(rank 0) | vs ps-bsp | stage-1 fraction | staleness |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -275,6 +278,9 @@ def main():
     p.add_argument("--accuracy-rate", default="500mbit")
     p.add_argument("--target", type=float, default=0.88)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    p.add_argument("--cpus", type=float, default=None,
+                   help="each host's CPU share in cores (netns_hosts.sh --cpus): hosts x CPUS "
+                        "at most this machine's cores, so no host takes another's")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "network"))
     p.add_argument("--reuse", action="store_true",
                    help="read runs already finished under OUT/runs instead of rerunning them "

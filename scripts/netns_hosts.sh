@@ -3,7 +3,8 @@
 # bridge, to test multi-host behaviour on one machine. Needs root and iproute2 (tc for --rate
 # and --delay).
 #
-#   scripts/netns_hosts.sh [--hosts N] [--rate 1gbit] [--delay 1ms] [--timeout S] -- CMD [ARGS]
+#   scripts/netns_hosts.sh [--hosts N] [--rate 1gbit] [--delay 1ms] [--cpus C] [--timeout S]
+#                          -- CMD [ARGS]
 #
 # Host i (0-based) gets address 198.18.0.<i+1>/24 (198.18.0.0/15 is reserved for network
 # benchmarking) on interface eth0 of namespace cv<pid>h<i>. CMD runs once per host, inside that
@@ -14,22 +15,28 @@
 # bridge's end of its veth pair, so a host that many others send to (a parameter server)
 # receives at --rate in total, as through one real NIC. --delay adds one-way latency on the
 # host's egress with netem, which some kernels lack (then the script stops with tc's error).
+# --cpus C (a decimal such as 0.5 or 2) gives each host a CPU share of C cores (a cgroup CPU
+# quota, v1 or v2), so hosts do not take each other's cores: the compute/communication balance
+# is what a cluster with C cores per host would see, as long as hosts x C fits this machine.
 # Every command is killed after --timeout seconds (default 300).
 #
 # Exit status: 0 when every host's command exited 0, else the first non-zero status (124 on
-# timeout); 77 when this machine cannot make namespaces (not root, no `ip netns`). The
-# namespaces, links and bridge are removed on every exit path, including Ctrl-C.
+# timeout); 77 when this machine cannot make namespaces (not root, no `ip netns`) or, with
+# --cpus, has no writable cpu cgroup controller. The namespaces, links, bridge and cgroups are
+# removed on every exit path, including Ctrl-C.
 set -euo pipefail
 
 hosts=2
 rate=""
 delay=""
+cpus=""
 timeout_s=300
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --hosts) hosts="$2"; shift 2 ;;
     --rate) rate="$2"; shift 2 ;;
     --delay) delay="$2"; shift 2 ;;
+    --cpus) cpus="$2"; shift 2 ;;
     --timeout) timeout_s="$2"; shift 2 ;;
     --) shift; break ;;
     *) echo "netns_hosts.sh: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
@@ -51,6 +58,32 @@ if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null ||
   exit 77
 fi
 ip netns del "${tag}probe"
+
+# --cpus: the cgroup directory each host's command joins (cgroup v2's cpu.max, or v1's cpu
+# controller with cfs quota), made below; "" without --cpus.
+cg_root=""
+cg_kind=""
+if [[ -n "$cpus" ]]; then
+  if ! [[ "$cpus" =~ ^[0-9]+(\.[0-9]+)?$ ]] || [[ "$cpus" =~ ^0+(\.0+)?$ ]]; then
+    echo "netns_hosts.sh: --cpus must be a positive number of cores such as 0.5 or 2, got $cpus" >&2
+    exit 2
+  fi
+  if [[ -f /sys/fs/cgroup/cgroup.controllers ]] &&
+     grep -qw cpu /sys/fs/cgroup/cgroup.controllers &&
+     { grep -qw cpu /sys/fs/cgroup/cgroup.subtree_control ||
+       echo +cpu >/sys/fs/cgroup/cgroup.subtree_control; } 2>/dev/null; then
+    cg_root=/sys/fs/cgroup
+    cg_kind=v2
+  elif [[ -w /sys/fs/cgroup/cpu/tasks ]] && [[ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]]; then
+    cg_root=/sys/fs/cgroup/cpu
+    cg_kind=v1
+  else
+    echo "netns_hosts.sh: skipped: --cpus needs a writable cpu cgroup controller" >&2
+    exit 77
+  fi
+fi
+# CPU quota in microseconds per 100 ms period for --cpus.
+cpu_quota() { awk -v c="$cpus" 'BEGIN { printf "%d", c * 100000 }'; }
 
 # tbf burst in bytes for a tc rate like 300mbit: max(64 KiB, 4 ms of traffic).
 tbf_burst() {
@@ -81,6 +114,12 @@ cleanup() {
     # Killing what still runs inside before the namespace goes.
     for p in $(ip netns pids "${tag}h$i" 2>/dev/null); do kill -KILL "$p" 2>/dev/null || true; done
     ip netns del "${tag}h$i" 2>/dev/null || true
+    if [[ -n "$cg_root" && -d "$cg_root/${tag}h$i" ]]; then  # empty once the killed exit
+      for ((t = 0; t < 50; t++)); do
+        rmdir "$cg_root/${tag}h$i" 2>/dev/null && break
+        sleep 0.1
+      done
+    fi
   done
   ip netns del "$hub" 2>/dev/null || true
 }
@@ -117,8 +156,21 @@ for ((i = 0; i < hosts; i++)); do
 done
 
 for ((i = 0; i < hosts; i++)); do
+  join=()
+  if [[ -n "$cg_root" ]]; then
+    cg="$cg_root/${tag}h$i"
+    mkdir "$cg"
+    if [[ "$cg_kind" == v2 ]]; then
+      echo "$(cpu_quota) 100000" >"$cg/cpu.max"
+    else
+      echo 100000 >"$cg/cpu.cfs_period_us"
+      cpu_quota >"$cg/cpu.cfs_quota_us"
+    fi
+    # The host's command and everything it starts run in its cgroup.
+    join=(bash -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$cg")
+  fi
   HOST_INDEX=$i HOSTS=$hosts HOST_ADDRS="$addrs" \
-    timeout --kill-after=5 "$timeout_s" ip netns exec "${tag}h$i" "$@" &
+    timeout --kill-after=5 "$timeout_s" "${join[@]}" ip netns exec "${tag}h$i" "$@" &
   pids+=($!)
 done
 status=0

@@ -236,6 +236,39 @@ TEST_P(DistMultiHost, NamespaceHostsMatchOneHost) {
 
 INSTANTIATE_TEST_SUITE_P(Hosts, DistMultiHost, ::testing::Values(2, 3, 4));
 
+// netns_hosts.sh --cpus C: each host's command gets C cores at most (a cgroup quota): a busy
+// loop of 2 s uses about 2 x C seconds of CPU (closed form; /proc's cumulative child times, in
+// 1/100 s), not the whole core it would take alone.
+TEST(NetnsHosts, CpusCapEachHostsShare) {
+  TempDir tmp;
+  const std::string host =
+      "timeout 2 sh -c \"while :; do :; done\"; awk \"{print \\$16+\\$17}\" "
+      "/proc/$$/stat >" +
+      (tmp / "ticks") + ".$HOST_INDEX";
+  const std::string cmd =
+      std::string(CARAVAN_SOURCE_DIR) +
+      "/scripts/netns_hosts.sh --hosts 2 --cpus 0.25 --timeout 30 -- bash -c '" + host + "'";
+  const int status = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "needs root, ip netns and a cpu cgroup";
+  ASSERT_EQ(WEXITSTATUS(status), 0);
+  for (int h = 0; h < 2; ++h) {
+    const int ticks = std::stoi(test::readFile(tmp / ("ticks." + std::to_string(h))));
+    std::printf("host %d: %.2f s of CPU in a 2 s busy loop at --cpus 0.25\n", h, ticks / 100.0);
+    EXPECT_LE(ticks, 0.25 * 2 * 100 * 1.2 + 2);  // 0.5 s, with the last period's rounding
+    EXPECT_GE(ticks, 5);                         // it ran
+  }
+  // A share that is not a positive number is refused in one line, exit 2.
+  const int badStatus =
+      std::system((std::string(CARAVAN_SOURCE_DIR) + "/scripts/netns_hosts.sh --cpus 0 -- true 2>" +
+                   (tmp / "bad.err"))
+                      .c_str());
+  const std::string err = test::readFile(tmp / "bad.err");
+  EXPECT_EQ(WIFEXITED(badStatus) ? WEXITSTATUS(badStatus) : -1, 2) << err;
+  EXPECT_NE(err.find("--cpus must be a positive number"), std::string::npos) << err;
+  EXPECT_EQ(test::countLines(err), 1) << err;
+}
+
 // Local SGD with H = 1 and plain SGD averages x - lr*g_k, which is x - lr*mean(g_k): the BSP
 // all-reduce step, up to float rounding. With the post-local phase covering every step it is
 // BSP exactly (momentum included).
