@@ -82,26 +82,34 @@ def run(mode, rate, a, run_dir, overrides):
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             return [json.loads(line) for line in f]
     settings, servers = MODES[mode]
-    world = a.workers + (a.servers if servers else 0)
     sets = settings + overrides + ["train.threads=1", f"data.batch_size={a.batch}",
                                    f"sync.servers={a.servers}", "fault.timeout=120",
                                    "checkpoint.every=0"]
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+    if servers and a.colocate:  # server shard i on worker i's host, sharing its link
+        return train_on_hosts(a.workers, rate, a.timeout, a.config, sets, run_dir,
+                              f"network_sweep: {mode} at {rate}", a.cpus, per_host=2)
+    world = a.workers + (a.servers if servers else 0)
     return train_on_hosts(world, rate, a.timeout, a.config, sets, run_dir,
                           f"network_sweep: {mode} at {rate}", a.cpus)
 
 
-def train_on_hosts(hosts, rate, timeout, config, sets, run_dir, what, cpus=None):
-    """`caravan train --config CONFIG --set SETS` as ranks 0..hosts-1 on namespace hosts whose
-    links run at `rate` (and, with `cpus`, each on that many cores at most: netns_hosts.sh
-    --cpus); returns the run's metrics records. Exits 77 where namespaces (or CPU shares) cannot
-    be made, and with every rank's log tail when a rank failed."""
+def train_on_hosts(hosts, rate, timeout, config, sets, run_dir, what, cpus=None, per_host=1):
+    """`caravan train --config CONFIG --set SETS` as ranks 0..hosts*per_host-1 on `hosts`
+    namespace hosts whose links run at `rate` (and, with `cpus`, each host on that many cores at
+    most: netns_hosts.sh --cpus); host i runs ranks i, i + hosts, ... (per_host = 2 with as many
+    servers as workers: worker i and server shard i on one host, as OSP's and BytePS's
+    evaluations place them). Returns the run's metrics records. Exits 77 where namespaces (or
+    CPU shares) cannot be made, and with every rank's log tail when a rank failed."""
     args = " ".join(f"--set '{s}'" for s in sets)
-    rank_cmd = (f"RANK=$HOST_INDEX WORLD_SIZE=$HOSTS MASTER_ADDR=198.18.0.1 MASTER_PORT=29500 "
+    world = hosts * per_host
+    rank_cmd = (f"st=0; pids=''; for k in $(seq 0 {per_host - 1}); do r=$((HOST_INDEX + k * HOSTS)); "
+                f"RANK=$r WORLD_SIZE={world} MASTER_ADDR=198.18.0.1 MASTER_PORT=29500 "
                 f"OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 {CARAVAN} train -q "
                 f"--config {config} {args} --run-dir {run_dir} "
-                f">{run_dir}.log.$HOST_INDEX 2>&1")
+                f">{run_dir}.log.$r 2>&1 & pids=\"$pids $!\"; done; "
+                f"for p in $pids; do wait $p || st=$?; done; exit $st")
     cmd = [HOSTS, "--hosts", str(hosts), "--rate", rate, "--timeout", str(timeout)] + \
         (["--cpus", str(cpus)] if cpus else []) + ["--", "bash", "-c", rank_cmd]
     environ, _ = env()
@@ -110,7 +118,7 @@ def train_on_hosts(hosts, rate, timeout, config, sets, run_dir, what, cpus=None)
         sys.exit(77)
     if rc != 0:
         logs = "".join(open(f"{run_dir}.log.{i}").read()[-600:]
-                       for i in range(hosts) if os.path.exists(f"{run_dir}.log.{i}"))
+                       for i in range(world) if os.path.exists(f"{run_dir}.log.{i}"))
         sys.exit(f"{what} failed (exit {rc}):\n{logs}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -140,7 +148,9 @@ def fmt(x, spec):
 def table_text(a, tp, acc, speedup, bound, removed, log_every):
     """The tables (markdown) from the medians: throughput per rate and mode, OSP against its
     bound, accuracy."""
-    lines = [f"# {os.path.basename(a.config)}: {a.workers} workers + {a.servers} server (PS "
+    placement = (f"{a.servers} server shards, one on each worker's host" if
+                 getattr(a, "colocate", False) else f"{a.servers} server host(s)")
+    lines = [f"# {os.path.basename(a.config)}: {a.workers} workers + {placement} (PS "
              f"modes), per-worker batch {a.batch}, each host's link limited in both directions",
              f"# medians of {a.repeats} interleaved repeats of {a.steps} steps (first "
              f"{log_every} dropped); OPENBLAS_CORETYPE "
@@ -278,6 +288,10 @@ def main():
     p.add_argument("--accuracy-rate", default="500mbit")
     p.add_argument("--target", type=float, default=0.88)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    p.add_argument("--colocate", action="store_true",
+                   help="parameter-server modes: as many servers as workers, server shard i on "
+                        "worker i's host (sharing its link and CPU share), instead of servers on "
+                        "hosts of their own")
     p.add_argument("--cpus", type=float, default=None,
                    help="each host's CPU share in cores (netns_hosts.sh --cpus): hosts x CPUS "
                         "at most this machine's cores, so no host takes another's")
@@ -294,6 +308,8 @@ def main():
         return
     if not os.path.exists(CARAVAN):
         sys.exit("network_sweep: build/caravan missing; run bash scripts/setup.sh first")
+    if a.colocate:
+        a.servers = a.workers
     _, removed = env()
     os.makedirs(a.out, exist_ok=True)
     work = os.path.join(a.out, "runs")
