@@ -109,7 +109,7 @@ def train_on_hosts(hosts, rate, timeout, config, sets, run_dir, what, cpus=None,
                 f"OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 {CARAVAN} train -q "
                 f"--config {config} {args} --run-dir {run_dir} "
                 f">{run_dir}.log.$r 2>&1 & pids=\"$pids $!\"; done; "
-                f"for p in $pids; do wait $p || st=$?; done; exit $st")
+                f"for p in $pids; do wait $p; rc=$?; [ $st -eq 0 ] && st=$rc; done; exit $st")
     cmd = [HOSTS, "--hosts", str(hosts), "--rate", rate, "--timeout", str(timeout)] + \
         (["--cpus", str(cpus)] if cpus else []) + ["--", "bash", "-c", rank_cmd]
     environ, _ = env()
@@ -156,7 +156,8 @@ def table_text(a, tp, acc, speedup, bound, removed, log_every):
              f"{log_every} dropped); OPENBLAS_CORETYPE "
              f"{'removed from the environment' if removed else 'was not set'}; "
              f"{os.cpu_count()} cores for {a.workers + a.servers} single-threaded processes" +
-             (f", each host held to {a.cpus} cores (netns_hosts.sh --cpus)" if a.cpus else
+             (f", each host held to {a.cpus} cores (netns_hosts.sh --cpus)"
+              if getattr(a, "cpus", None) else
               " sharing them"),
              "", "| rate | mode | compute s/step | wait s/step | samples/s | MB sent/step "
              "(rank 0) | vs ps-bsp | stage-1 fraction | staleness |",
@@ -308,6 +309,8 @@ def main():
         return
     if not os.path.exists(CARAVAN):
         sys.exit("network_sweep: build/caravan missing; run bash scripts/setup.sh first")
+    if a.cpus is not None and a.cpus <= 0:
+        sys.exit(f"network_sweep: --cpus must be above 0 cores, got {a.cpus}")
     if a.colocate:
         a.servers = a.workers
     _, removed = env()

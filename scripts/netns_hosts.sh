@@ -50,6 +50,12 @@ if ! [[ "$hosts" =~ ^[0-9]+$ ]] || (( hosts < 1 || hosts > 200 )); then
   echo "netns_hosts.sh: --hosts must be 1..200, got $hosts" >&2
   exit 2
 fi
+if [[ -n "$cpus" ]] && { ! [[ "$cpus" =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
+                         awk -v c="$cpus" 'BEGIN { exit !(c < 0.01) }'; }; then
+  echo "netns_hosts.sh: --cpus must be a number of cores of at least 0.01, such as 0.5 or 2," \
+       "got $cpus" >&2
+  exit 2
+fi
 tag="cv$$"
 # `ip netns list` works unprivileged; only adding one proves we may (CAP_SYS_ADMIN).
 if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null ||
@@ -64,10 +70,6 @@ ip netns del "${tag}probe"
 cg_root=""
 cg_kind=""
 if [[ -n "$cpus" ]]; then
-  if ! [[ "$cpus" =~ ^[0-9]+(\.[0-9]+)?$ ]] || [[ "$cpus" =~ ^0+(\.0+)?$ ]]; then
-    echo "netns_hosts.sh: --cpus must be a positive number of cores such as 0.5 or 2, got $cpus" >&2
-    exit 2
-  fi
   if [[ -f /sys/fs/cgroup/cgroup.controllers ]] &&
      grep -qw cpu /sys/fs/cgroup/cgroup.controllers &&
      { grep -qw cpu /sys/fs/cgroup/cgroup.subtree_control ||
@@ -77,6 +79,10 @@ if [[ -n "$cpus" ]]; then
   elif [[ -w /sys/fs/cgroup/cpu/tasks ]] && [[ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]]; then
     cg_root=/sys/fs/cgroup/cpu
     cg_kind=v1
+  fi
+  # Writable only if a cgroup can be made there (read-only in some containers).
+  if [[ -n "$cg_root" ]] && mkdir "$cg_root/${tag}probe" 2>/dev/null; then
+    rmdir "$cg_root/${tag}probe"
   else
     echo "netns_hosts.sh: skipped: --cpus needs a writable cpu cgroup controller" >&2
     exit 77
@@ -170,7 +176,7 @@ for ((i = 0; i < hosts; i++)); do
     join=(bash -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$cg")
   fi
   HOST_INDEX=$i HOSTS=$hosts HOST_ADDRS="$addrs" \
-    timeout --kill-after=5 "$timeout_s" "${join[@]}" ip netns exec "${tag}h$i" "$@" &
+    timeout --kill-after=5 "$timeout_s" ${join[@]+"${join[@]}"} ip netns exec "${tag}h$i" "$@" &
   pids+=($!)
 done
 status=0

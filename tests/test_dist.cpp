@@ -265,7 +265,8 @@ TEST(NetnsHosts, CpusCapEachHostsShare) {
                       .c_str());
   const std::string err = test::readFile(tmp / "bad.err");
   EXPECT_EQ(WIFEXITED(badStatus) ? WEXITSTATUS(badStatus) : -1, 2) << err;
-  EXPECT_NE(err.find("--cpus must be a positive number"), std::string::npos) << err;
+  EXPECT_NE(err.find("--cpus must be a number of cores of at least 0.01"), std::string::npos)
+      << err;
   EXPECT_EQ(test::countLines(err), 1) << err;
 }
 

@@ -666,6 +666,7 @@ TEST(PipelinePartition, GivenSplitPointsAreTheCutAndBadOnesAreRefusedInOneLine) 
   EXPECT_DOUBLE_EQ(p.periodSeconds, 18.0);           // the last stage's six blocks
   EXPECT_EQ(p.stages[0].memoryBytes, 10 + 3 * 100);  // 3 micro-batches in flight on stage 0
   EXPECT_EQ(parsePartition("1, 2").splits, (std::vector<size_t>{1, 2}));
+  EXPECT_EQ(parsePartition(" 1 ,  2 ").splits, (std::vector<size_t>{1, 2}));
   EXPECT_THROW(givenPartition({3}, 8, 1), ConfigError);
 
   // A given cut that does not fit names the least it needs itself, each stage at its least.

@@ -11,26 +11,22 @@
 
 namespace caravan {
 
-PartitionChoice parsePartition(const std::string& written) {
+PartitionChoice parsePartition(const std::string& text) {
   PartitionChoice c;
-  std::string text;  // "3, 6" as "3,6" (spaces around the commas only)
-  for (size_t i = 0; i < written.size(); ++i) {
-    const bool besideComma =
-        (i > 0 && written[i - 1] == ',') || (i + 1 < written.size() && written[i + 1] == ',');
-    if (written[i] != ' ' || !besideComma) text += written[i];
-  }
   if (text == "auto") return c;
   if (text == "time") return {PartitionObjective::kTimeOnly, {}};
   if (text == "parameters") return {PartitionObjective::kParameters, {}};
   if (text == "even") return {PartitionObjective::kEven, {}};
-  const std::string usage = "parallel.partition = \"" + written +
+  const std::string usage = "parallel.partition = \"" + text +
                             "\": choose auto (time and memory), time, parameters, even, or the "
                             "blocks at which stages 1..K-1 start, such as \"3,6,9\"";
   c.objective = PartitionObjective::kGiven;
   size_t at = 0;
-  while (at <= text.size()) {
+  while (at <= text.size()) {  // comma-separated items, each trimmed of spaces
     const size_t comma = std::min(text.find(',', at), text.size());
-    const std::string item = text.substr(at, comma - at);
+    std::string item = text.substr(at, comma - at);
+    item.erase(0, std::min(item.find_first_not_of(' '), item.size()));
+    item.erase(item.find_last_not_of(' ') + 1);
     if (item.empty() || item.size() > 9 ||
         item.find_first_not_of("0123456789") != std::string::npos) {
       throw ConfigError(usage);

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "comm/communicator.h"
 #include "core/errors.h"
 #include "memory/accounting.h"
 #include "pipeline/stage.h"
@@ -149,7 +150,10 @@ RunSetup::PipelineCut RunSetup::pipelineCut(Communicator* comm) {
   if (comm != nullptr) comm->broadcast(message, 0)->wait(comm->timeout());
   if (failure) std::rethrow_exception(failure);
   if (message[k + 1].item<int64_t>() == kRankZeroFailed) {
-    throw ConfigError("rank 0 could not plan the pipeline's stages: its log says why");
+    // A peer's failure (ranked below rank 0's own error when the launcher names the cause).
+    throw PeerError(
+        "rank 0 failed while planning the pipeline's stages; its error is in rank 0's "
+        "output");
   }
   if (message[k + 1].item<int64_t>() >= 0)
     throw noPartitionFits(options, message[k + 1].item<int64_t>());
