@@ -316,6 +316,8 @@ def main():
     _, removed = env()
     os.makedirs(a.out, exist_ok=True)
     work = os.path.join(a.out, "runs")
+    # Run directories name the placement and CPU share, so --reuse never takes another's runs.
+    variant = ("-colocated" if a.colocate else "") + (f"-cpus{a.cpus:g}" if a.cpus else "")
     started = time.time()
 
     raw = {}  # (rate, mode) -> [numbers per repeat]
@@ -323,7 +325,7 @@ def main():
     for rep in range(a.repeats):
         for rate in a.rates:
             for mode in a.modes:
-                rec = run(mode, rate, a, os.path.join(work, f"tp-{rate}-{mode}-{rep}"),
+                rec = run(mode, rate, a, os.path.join(work, f"tp-{rate}-{mode}-{rep}{variant}"),
                           [f"train.max_steps={a.steps}", f"train.log_every={log_every}",
                            "train.eval_every=1000000", "train.eval_batches=1"])
                 raw.setdefault((rate, mode), []).append(throughput_numbers(rec))
@@ -351,7 +353,7 @@ def main():
     if a.epochs > 0:
         steps_per_epoch = 60000 // (a.workers * a.batch)
         for mode in a.modes:
-            rec = run(mode, a.accuracy_rate, a, os.path.join(work, f"acc-{mode}"),
+            rec = run(mode, a.accuracy_rate, a, os.path.join(work, f"acc-{mode}{variant}"),
                       [f"train.epochs={a.epochs}", f"train.eval_every={steps_per_epoch // 4}",
                        f"train.log_every={steps_per_epoch // 4}", "train.eval_batches=0"])
             acc[mode] = accuracy_numbers(rec, a.target)
