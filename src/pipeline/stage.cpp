@@ -46,6 +46,23 @@ at::Tensor emptyFromHeader(const at::Tensor& h) {
   return at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(p[0])));
 }
 
+// An activation to `to` (its header, then its payload; `y` contiguous): both sends' works.
+std::vector<WorkPtr> sendActivation(Communicator& comm, const at::Tensor& y, int to,
+                                    int microBatch) {
+  return {comm.send(encodeHeader(y), to, tagOf(microBatch, kActivationHeader)),
+          comm.send(y, to, tagOf(microBatch, kActivation))};
+}
+
+// The activation `from` sends for `microBatch` (its shape from the header).
+at::Tensor recvActivation(Communicator& comm, int from, int microBatch,
+                          std::chrono::milliseconds timeout) {
+  at::Tensor header = at::empty({kHeaderLength}, at::kLong);
+  comm.recv(header, from, tagOf(microBatch, kActivationHeader))->wait(timeout);
+  at::Tensor x = emptyFromHeader(header);
+  comm.recv(x, from, tagOf(microBatch, kActivation))->wait(timeout);
+  return x;
+}
+
 double seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
@@ -254,11 +271,9 @@ PipelineStage::PipelineStage(BlockModel model, std::vector<size_t> boundaries, C
 std::vector<at::Tensor> PipelineStage::parameters() { return stageParameters(layout_.stage); }
 
 std::vector<at::Tensor> PipelineStage::stageTensors(int stage) {
-  std::vector<at::Tensor> out;
+  std::vector<at::Tensor> out = stageParameters(stage);
   for (size_t i = boundaries_[stage]; i < boundaries_[stage + 1]; ++i) {
-    auto* block = model_->block(i).ptr().get();
-    for (const auto& p : block->parameters()) out.push_back(p);
-    for (const auto& b : block->buffers()) {  // as sync/replicas.h shares buffers: float32
+    for (const auto& b : model_->block(i).ptr()->buffers()) {  // as sync/replicas.h: float32
       if (b.scalar_type() == at::kFloat) out.push_back(b);
     }
   }
@@ -287,9 +302,7 @@ PipelineStage::Totals PipelineStage::reduce(double localGradNormSquared, double 
 }
 
 void PipelineStage::gatherParameters() {
-  // From replica 0's stage s (rank s); the other replicas hold the same parameters. Tags above
-  // collectOptimizerState's.
-  const int kTag = 3 * microBatches_ + layout_.stages;
+  // From replica 0's stage s (rank s); the other replicas hold the same parameters.
   const int rank = comm_ != nullptr ? comm_->rank() : 0;
   for (int s = 1; s < layout_.stages; ++s) {
     if (rank != 0 && rank != s) continue;
@@ -305,9 +318,9 @@ void PipelineStage::gatherParameters() {
     if (tensors.empty()) continue;
     at::Tensor all = flatten(tensors);
     if (rank == s) {
-      comm_->send(all, 0, kTag + s)->wait(comm_->timeout());
+      comm_->send(all, 0, postStepTag(1, s))->wait(comm_->timeout());
     } else {
-      comm_->recv(all, s, kTag + s)->wait(comm_->timeout());
+      comm_->recv(all, s, postStepTag(1, s))->wait(comm_->timeout());
       unflattenInto(all, tensors);
     }
   }
@@ -334,7 +347,6 @@ std::vector<std::vector<PipelineStage::TimelineSpan>> PipelineStage::gatherTimel
     const std::vector<StageStepStats::Span>& spans, Clock::time_point stepStart) {
   // Per span: kind, micro-batch, start, end; the count first. After the step (every message of
   // it completed): collectOptimizerState's and gatherParameters' tags, unused then.
-  const int countTag = 3 * microBatches_, spanTag = 3 * microBatches_ + layout_.stages;
   const int rank = comm_ != nullptr ? comm_->rank() : 0;
   std::vector<std::vector<TimelineSpan>> out;
   if (rank >= layout_.stages) return out;  // pipeline 0 only
@@ -352,8 +364,8 @@ std::vector<std::vector<PipelineStage::TimelineSpan>> PipelineStage::gatherTimel
   if (rank != 0) {
     at::Tensor t = encode();
     at::Tensor count = at::full({1}, t.size(0), at::kLong);
-    comm_->send(count, 0, countTag + rank)->wait(comm_->timeout());
-    comm_->send(t, 0, spanTag + rank)->wait(comm_->timeout());
+    comm_->send(count, 0, postStepTag(0, rank))->wait(comm_->timeout());
+    comm_->send(t, 0, postStepTag(1, rank))->wait(comm_->timeout());
     return out;
   }
   for (int s = 0; s < layout_.stages; ++s) {
@@ -362,11 +374,11 @@ std::vector<std::vector<PipelineStage::TimelineSpan>> PipelineStage::gatherTimel
       t = encode();
     } else {
       at::Tensor count = at::empty({1}, at::kLong);
-      comm_->recv(count, s, countTag + s)->wait(comm_->timeout());
+      comm_->recv(count, s, postStepTag(0, s))->wait(comm_->timeout());
       CARAVAN_CHECK(count.item<int64_t>() >= 0 && count.item<int64_t>() <= 1 << 24,
                     "stage {} sent {} spans", s, count.item<int64_t>());
       t = at::empty({count.item<int64_t>(), 4}, at::kDouble);
-      comm_->recv(t, s, spanTag + s)->wait(comm_->timeout());
+      comm_->recv(t, s, postStepTag(1, s))->wait(comm_->timeout());
     }
     auto a = t.accessor<double, 2>();
     out.emplace_back();
@@ -383,48 +395,39 @@ at::Tensor PipelineStage::forwardOnly(const at::Tensor& input) {
   // One activation in flight per pair of stages (each send is waited for): tags may wrap.
   const int m = static_cast<int>(forwardOnlyCalls_++ % 10000);
   const auto timeout = comm_ != nullptr ? comm_->timeout() : std::chrono::milliseconds(0);
-  at::Tensor x = input;
-  if (!layout_.first()) {
-    const int prev = comm_->rank() - 1;
-    at::Tensor header = at::empty({kHeaderLength}, at::kLong);
-    comm_->recv(header, prev, tagOf(m, kActivationHeader))->wait(timeout);
-    x = emptyFromHeader(header);
-    comm_->recv(x, prev, tagOf(m, kActivation))->wait(timeout);
-  }
-  at::Tensor y = model_->forwardBlocks(x, begin_, end_);
+  const at::Tensor x =
+      layout_.first() ? input : recvActivation(*comm_, comm_->rank() - 1, m, timeout);
+  const at::Tensor y = model_->forwardBlocks(x, begin_, end_);
   if (layout_.last()) return y;
-  y = y.contiguous();
-  const int next = comm_->rank() + 1;
-  WorkPtr header = comm_->send(encodeHeader(y), next, tagOf(m, kActivationHeader));
-  WorkPtr payload = comm_->send(y, next, tagOf(m, kActivation));
-  header->wait(timeout);
-  payload->wait(timeout);
+  for (const WorkPtr& w : sendActivation(*comm_, y.contiguous(), comm_->rank() + 1, m))
+    w->wait(timeout);
   return at::Tensor();
 }
 
 std::vector<at::Tensor> PipelineStage::trainedParameters(int stage) {
   std::vector<at::Tensor> out;
-  for (size_t i = boundaries_[stage]; i < boundaries_[stage + 1]; ++i) {
-    for (const auto& p : model_->block(i).ptr()->parameters()) {
-      if (p.requires_grad()) out.push_back(p);
-    }
+  for (const auto& p : stageParameters(stage)) {
+    if (p.requires_grad()) out.push_back(p);
   }
   return out;
 }
 
-void PipelineStage::collectOptimizerState(torch::optim::Optimizer& optimizer) {
+int PipelineStage::postStepTag(int slot, int stage) const {
   // Above every micro-batch tag (3M + 2), and below 32767 (the least MPI_TAG_UB MPI allows)
-  // for the micro-batch counts parallel.micro_batches accepts.
-  const int kTag = 3 * microBatches_;
+  // for the micro-batch and stage counts the config accepts.
+  return 3 * microBatches_ + slot * layout_.stages + stage;
+}
+
+void PipelineStage::collectOptimizerState(torch::optim::Optimizer& optimizer) {
   for (int s = 1; s < layout_.stages; ++s) {
     const std::vector<at::Tensor> params = trainedParameters(s);
     int64_t n = 0;
     for (const auto& p : params) n += p.numel();
     if (comm_->rank() == s) {
-      sendOptimizerState(*comm_, gatherOptimizerState(optimizer, params), 0, kTag + s);
+      sendOptimizerState(*comm_, gatherOptimizerState(optimizer, params), 0, postStepTag(0, s));
     } else if (comm_->rank() == 0) {
       scatterOptimizerState(optimizer, params,
-                            recvOptimizerState(*comm_, n, s, kTag + s, comm_->timeout()));
+                            recvOptimizerState(*comm_, n, s, postStepTag(0, s), comm_->timeout()));
     }
   }
 }
@@ -460,10 +463,7 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
     switch (a.kind) {
       case ActionKind::kRecvActivation: {
         dropCompleted();
-        at::Tensor header = at::empty({kHeaderLength}, at::kLong);
-        comm_->recv(header, prev, tagOf(a.microBatch, kActivationHeader))->wait(timeout);
-        at::Tensor x = emptyFromHeader(header);
-        comm_->recv(x, prev, tagOf(a.microBatch, kActivation))->wait(timeout);
+        at::Tensor x = recvActivation(*comm_, prev, a.microBatch, timeout);
         if (x.is_floating_point()) x.requires_grad_(true);
         f.input = x;
         break;
@@ -480,10 +480,8 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
         break;
       }
       case ActionKind::kSendActivation: {
-        at::Tensor y = f.output.detach().contiguous();
-        f.activationSend = {
-            comm_->send(encodeHeader(y), next, tagOf(a.microBatch, kActivationHeader)),
-            comm_->send(y, next, tagOf(a.microBatch, kActivation))};
+        f.activationSend =
+            sendActivation(*comm_, f.output.detach().contiguous(), next, a.microBatch);
         break;
       }
       case ActionKind::kRecvGradient: {

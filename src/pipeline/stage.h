@@ -147,6 +147,9 @@ class PipelineStage {
   std::vector<at::Tensor> stageTensors(int stage);
   // Stage s's parameters (every one, trained or not), in block order.
   std::vector<at::Tensor> stageParameters(int stage);
+  // The tags of the exchanges between steps (rank `stage` to rank 0): slot 0 carries optimizer
+  // state or a timeline's span count, slot 1 parameters or the spans. Never in flight together.
+  int postStepTag(int slot, int stage) const;
   BlockModel model_;
   Communicator* comm_;
   Communicator* replicas_;

@@ -35,15 +35,16 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
   const PartitionObjective objective = choice.objective;
   PipelinePlan plan;
   const size_t n = model->numBlocks();
-  evenPartition(n, o.stages);  // refuses more stages than blocks first (as every rank does)
-  // A cut fixed in advance needs no profile, unless the budget may ask its stages to recompute.
-  const std::vector<size_t> given = objective == PartitionObjective::kGiven
+  // Refuses more stages than blocks first (as every rank does).
+  const std::vector<size_t> even = evenPartition(n, o.stages);
+  // A cut fixed in advance (even, given) needs no profile, unless the budget may ask its stages
+  // to recompute.
+  const std::vector<size_t> fixed = objective == PartitionObjective::kEven ? even
+                                    : objective == PartitionObjective::kGiven
                                         ? givenPartition(choice.splits, n, o.stages)
                                         : std::vector<size_t>{};
-  if ((objective == PartitionObjective::kEven || objective == PartitionObjective::kGiven) &&
-      !(options.memory.automatic() && options.memory.budget > 0)) {
-    plan.partition.boundaries =
-        objective == PartitionObjective::kEven ? evenPartition(n, o.stages) : given;
+  if (!fixed.empty() && !(options.memory.automatic() && options.memory.budget > 0)) {
+    plan.partition.boundaries = fixed;
     plan.report =
         fmt::format("pipeline: {} stages {} (parallel.partition = {}): boundaries {}\n", o.stages,
                     objective == PartitionObjective::kEven ? "of equal block counts" : "as given",
@@ -68,7 +69,7 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
   const PipelineSchedule schedule = parsePipelineSchedule(o.schedule);
   plan.partition = partitionBlocks(
       plan.blocks, o.stages, o.microBatches, schedule, options.memory.budget, objective,
-      options.memory.automatic() && schedule != PipelineSchedule::kZeroBubbleH1, given);
+      options.memory.automatic() && schedule != PipelineSchedule::kZeroBubbleH1, fixed);
   plan.report = fmt::format(
       "pipeline: {} stages, {} micro-batches of {} examples, {} (parallel.partition = {}); per "
       "block profiled on one micro-batch\n",
