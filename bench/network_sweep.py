@@ -59,7 +59,9 @@ MODES = {
     "ps-bsp-fp16": (["sync.mode=ps-bsp", "sync.compression=fp16"], True),
     "ps-asp": (["sync.mode=ps-asp"], True),
     "ps-ssp": (["sync.mode=ps-ssp", "sync.staleness=3"], True),
+    "osp-0.25": (["sync.mode=osp", "sync.osp_fraction=0.25"], True),
     "osp": (["sync.mode=osp", "sync.osp_fraction=0.5"], True),
+    "osp-0.75": (["sync.mode=osp", "sync.osp_fraction=0.75"], True),
     "osp-nolgp": (["sync.mode=osp", "sync.osp_fraction=0.5", "sync.osp_lgp=false"], True),
     "osp-auto": (["sync.mode=osp", "sync.osp_auto_fraction=true"], True),
     "osp-auto-nolgp": (["sync.mode=osp", "sync.osp_auto_fraction=true", "sync.osp_lgp=false"],
@@ -145,9 +147,21 @@ def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-def table_text(a, tp, acc, speedup, bound, removed, log_every):
-    """The tables (markdown) from the medians: throughput per rate and mode, OSP against its
-    bound, accuracy."""
+def spread(raw, rate, mode, base=None):
+    """min-max over repeats of a mode's samples/s, or (with base) of its ratio to base's run
+    of the same repeat (runs are interleaved, so repeat k of each mode ran side by side)."""
+    runs = raw.get((rate, mode)) or []
+    if base is None:
+        values = [r["samples_per_s"] for r in runs]
+    else:
+        values = [r["samples_per_s"] / b["samples_per_s"]
+                  for r, b in zip(runs, raw.get((rate, base)) or [])]
+    return (min(values), max(values)) if values else None
+
+
+def table_text(a, tp, raw, acc, speedup, bound, removed, log_every):
+    """The tables (markdown) from the medians, with the spread over repeats: throughput per
+    rate and mode, OSP's fractions against ps-bsp and the bound, accuracy."""
     placement = (f"{a.servers} server shards, one on each worker's host" if
                  getattr(a, "colocate", False) else f"{a.servers} server host(s)")
     lines = [f"# {os.path.basename(a.config)}: {a.workers} workers + {placement} (PS "
@@ -159,26 +173,41 @@ def table_text(a, tp, acc, speedup, bound, removed, log_every):
              (f", each host held to {a.cpus} cores (netns_hosts.sh --cpus)"
               if getattr(a, "cpus", None) else
               " sharing them"),
-             "", "| rate | mode | compute s/step | wait s/step | samples/s | MB sent/step "
-             "(rank 0) | vs ps-bsp | stage-1 fraction | staleness |",
+             "", "| rate | mode | compute s/step | wait s/step | samples/s (min-max) | MB "
+             "sent/step (rank 0) | vs ps-bsp | stage-1 fraction | staleness |",
              "|---|---|---|---|---|---|---|---|---|"]
     for rate in a.rates:
         for mode in a.modes:
             n = tp[(rate, mode)]
+            r = spread(raw, rate, mode)
             lines.append(f"| {rate} | {mode} | {n['compute_s']:.3f} | {n['wait_s']:.3f} | "
-                         f"{n['samples_per_s']:.0f} | {n['sent_mb']:.2f} | "
+                         f"{n['samples_per_s']:.0f} "
+                         f"{f'({r[0]:.0f}-{r[1]:.0f})' if r else ''} | {n['sent_mb']:.2f} | "
                          f"{fmt(speedup.get(rate, {}).get(mode), '.2f')} | "
                          f"{fmt(n['stage1_fraction'], '.2f')} | {fmt(n['staleness'], '.2f')} |")
-    lines += ["", "| rate | ps-bsp compute s | ps-bsp comm s | bound | osp | % of bound | "
-              "osp-nolgp | osp-auto | % of bound |", "|---|---|---|---|---|---|---|---|---|"]
+    # OSP and the other modes over ps-bsp: the median of the medians' ratio, and in brackets
+    # the min-max of the per-repeat ratios; auto against the best fixed fraction's median.
+    others = [m for m in a.modes if m != "ps-bsp"]
+    lines += ["", "Times ps-bsp (per-repeat min-max); bound = (c + m) / max(c, m) with ps-bsp's "
+              "compute c and wait m:", "",
+              "| rate | c s | m s | bound | " + " | ".join(others) +
+              " | osp-auto / best fixed osp | osp-auto's fraction |",
+              "|" + "---|" * (len(others) + 6)]
+    fixed = [m for m in ("osp-0.25", "osp", "osp-0.75") if m in a.modes]
     for rate in speedup:
         base = tp[(rate, "ps-bsp")]
         s = speedup[rate]
-        pct = lambda m: fmt(100 * s[m] / bound[rate] if m in s else None, ".0f")  # noqa: E731
+        cells = []
+        for m in others:
+            r = spread(raw, rate, m, "ps-bsp")
+            cells.append(f"{s[m]:.2f} ({r[0]:.2f}-{r[1]:.2f})" if m in s and r else "-")
+        best = max((tp[(rate, m)]["samples_per_s"] for m in fixed if (rate, m) in tp),
+                   default=None)
+        auto = tp.get((rate, "osp-auto"))
         lines.append(f"| {rate} | {base['compute_s']:.3f} | {base['wait_s']:.3f} | "
-                     f"{bound[rate]:.2f} | {fmt(s.get('osp'), '.2f')} | {pct('osp')} | "
-                     f"{fmt(s.get('osp-nolgp'), '.2f')} | {fmt(s.get('osp-auto'), '.2f')} | "
-                     f"{pct('osp-auto')} |")
+                     f"{bound[rate]:.2f} | " + " | ".join(cells) + " | " +
+                     fmt(auto["samples_per_s"] / best if auto and best else None, ".2f") +
+                     " | " + fmt(auto["stage1_fraction"] if auto else None, ".2f") + " |")
     if acc:
         lines += ["", f"Accuracy at {a.accuracy_rate}, {a.epochs:g} epochs (one run each):", "",
                   f"| mode | test accuracy | time to {100 * a.target:.0f}% (s) | wall s |",
@@ -191,7 +220,7 @@ def table_text(a, tp, acc, speedup, bound, removed, log_every):
 
 def report(a, tp, raw, acc, speedup, bound, removed, log_every, started):
     """Prints the table and writes table.md, results.json and charts.json under --out."""
-    table = table_text(a, tp, acc, speedup, bound, removed, log_every)
+    table = table_text(a, tp, raw, acc, speedup, bound, removed, log_every)
     print("\n" + table)
     results = {"throughput": {f"{r}/{m}": v for (r, m), v in tp.items()},
                "raw": {f"{r}/{m}": v for (r, m), v in raw.items()},
@@ -220,7 +249,8 @@ def write_charts(results, out):
     srates = [r for r in rates if r in speedup]
     if srates:
         sx = [mbit(r) for r in srates]
-        osp = [m for m in ("osp", "osp-nolgp", "osp-auto", "osp-auto-nolgp")
+        osp = [m for m in ("osp-0.25", "osp", "osp-0.75", "osp-nolgp", "osp-auto",
+                           "osp-auto-nolgp")
                if any(m in speedup[r] for r in srates)]
         out_charts.append(charts.line(
             "osp-speedup", "OSP's throughput over ps-bsp against the link rate",
@@ -260,7 +290,8 @@ def write_charts(results, out):
              charts.series("whole run", y=[r["wall_s"] for r in acc.values()])],
             "seconds", x_label="mode"))
     removed = results.get("removed_env")  # not in a results.json from before charts.json
-    text = table_text(a, tp, acc, speedup, bound, removed, max(1, a.steps // 4))
+    raw = {tuple(k.split("/", 1)): v for k, v in results.get("raw", {}).items()}
+    text = table_text(a, tp, raw, acc, speedup, bound, removed, max(1, a.steps // 4))
     head = [l[2:] for l in text.splitlines() if l.startswith("# ")]
     if removed is None:  # the line says "was not set": unknown here
         head[-1] = head[-1].replace("OPENBLAS_CORETYPE was not set; ", "")

@@ -504,6 +504,70 @@ TEST(DistOsp, FractionOneIsPsBspAndHalfTrains) {
   }
 }
 
+// sync.osp_auto_fraction (fraction_search.h): the servers' moves reach metrics.jsonl as one
+// chain of osp_fraction records from sync.osp_fraction, on the 0.05 grid, each with its reason,
+// and the search gets past its warm-up to probing; the stage-1 share every train record
+// reports is exactly the one those moves set (layer-order splits of 100-element chunks: each
+// server's first ceil(f x chunks) chunks, its shard being half of the model). Every worker checks
+// each server's split against the fraction the reply names, so a run that ends also had the two
+// servers agree every step.
+TEST(DistOsp, AutoFractionMovesAreRecordedAndEveryServerSplitsAlike) {
+  TempDir tmp;
+  const auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                              "sync.servers=2", "sync.osp_chunk=100", "train.max_steps=60",
+                              "train.log_every=5", "sync.mode=osp", "sync.osp_fraction=0.5",
+                              "sync.osp_auto_fraction=true", "sync.osp_policy=layer-order"});
+  ASSERT_EQ(runRanks(5, tmp / "auto", o), std::vector<int>(5, 0))
+      << test::readFile(tmp / "auto.rank0.log") << test::readFile(tmp / "auto.rank3.log");
+  std::vector<nlohmann::json> moves, train;
+  std::istringstream lines(test::readFile(tmp / "auto/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "osp_fraction") moves.push_back(j);
+    if (j["kind"] == "train") train.push_back(j);
+  }
+  ASSERT_FALSE(moves.empty());
+  double last = 0.5;
+  int64_t lastStep = 0;
+  int probes = 0;
+  std::vector<double> fractionOf(60, 0.5);  // of each step's split
+  for (const auto& m : moves) {
+    const double to = m.at("to").get<double>();
+    const int64_t step = m.at("step").get<int64_t>();
+    EXPECT_DOUBLE_EQ(m.at("from").get<double>(), last) << m;
+    EXPECT_GT(step, lastStep) << m;
+    EXPECT_NEAR(to / 0.05, std::round(to / 0.05), 1e-9) << m;
+    EXPECT_TRUE(to >= 0.05 - 1e-12 && to <= 1.0 + 1e-12) << m;
+    const std::string reason = m.at("reason").get<std::string>();
+    EXPECT_TRUE(reason == "guess" || reason == "probe" || reason == "faster" || reason == "back" ||
+                reason == "settled")
+        << m;
+    probes += reason == "probe";
+    EXPECT_FALSE(m.at("why").get<std::string>().empty()) << m;
+    for (int64_t s = step; s < 60; ++s) fractionOf[s] = to;
+    last = to;
+    lastStep = step;
+  }
+  EXPECT_GE(probes, 1) << "the search never got past its warm-up";
+  ASSERT_EQ(train.size(), 12u);
+  const int64_t total = train[0].at("mem_weights").get<int64_t>() / 4;  // float32 parameters
+  auto share = [&](double f) {
+    int64_t stage1 = 0;
+    for (int s = 0; s < 2; ++s) {
+      const int64_t n = total * (s + 1) / 2 - total * s / 2, chunks = (n + 99) / 100;
+      const int64_t k = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(f * chunks)), 1, chunks);
+      stage1 += std::min(k * 100, n);
+    }
+    return static_cast<double>(stage1) / static_cast<double>(total);
+  };
+  for (const auto& j : train) {
+    const int64_t end = j.at("step").get<int64_t>();
+    double mean = 0.0;
+    for (int64_t s = end - 5; s < end; ++s) mean += share(fractionOf[s]) / 5.0;
+    EXPECT_NEAR(j.at("stage1_fraction").get<double>(), mean, 1e-12) << j;
+  }
+}
+
 // Out-of-core weights under BSP all-reduce (memory.weights = offload): one bucket per block,
 // each block's optimizer update runs as soon as its exchange finishes, during the rest of
 // backward. With 2 workers the sums are the in-core run's (a + b is exact either way round),

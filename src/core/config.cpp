@@ -207,9 +207,11 @@ std::vector<ConfigOption> buildSchema() {
                "rest go in stage 2, overlapped with the next step",
                true),
       boolOpt("sync.osp_auto_fraction", false,
-              "osp: size the stage-1 fraction every step from measured compute time and "
-              "exchange rate (the smallest whose stage 2 hides behind the next step's compute); "
-              "sync.osp_fraction is then step 0's fraction"),
+              "osp: the servers search the stage-1 fraction by measured step times (probing "
+              "neighbours of the fastest so far, moving on 1.5% gains, rechecking every 100 "
+              "steps), starting from a guess from compute time and exchange rate; "
+              "sync.osp_fraction is then step 0's fraction; moves are osp_fraction records in "
+              "metrics.jsonl"),
       strOpt("sync.osp_policy", "magnitude",
              "osp: which chunks go in stage 1: magnitude (largest mean |gradient| of the last "
              "step) or layer-order (each server's first chunks: the earliest layers of its "

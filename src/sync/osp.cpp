@@ -6,6 +6,7 @@
 #include <cmath>
 #include <numeric>
 #include <optional>
+#include <utility>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -19,7 +20,7 @@ namespace {
 constexpr int kTagPush1 = 21;  // worker -> server: PushHeader (kind, lr, fraction), g[I]
 constexpr int kTagPull1 = 22;  // server -> worker: w[I]
 constexpr int kTagPush2 = 23;  // worker -> server: g[U]
-constexpr int kTagPull2 = 24;  // server -> worker: [w[U], next split flags]
+constexpr int kTagPull2 = 24;  // server -> worker: SplitHeader, w[U], next split flags
 constexpr int kTagState = 25;  // server -> worker 0: its shard's optimizer state
 
 // Of the measured rate, the share auto sizing counts on stage 2 getting while the next step
@@ -106,18 +107,50 @@ void OspWorkerStrategy::drainStage2() {
   stage2_->wait(world_->timeout());
   stage2_.reset();
   at::Tensor flat = flatten(params_);
+  std::optional<SplitHeader> first;
   for (int s = 0; s < servers_; ++s) {
+    const int server = servers().rank(s);
+    const SplitHeader header = decodeSplit(stage2Reply_[s], server);
+    const at::Tensor payload = splitPayload(stage2Reply_[s]);
     const int64_t n = stage2Index_[s].numel();
-    const at::Tensor values = stage2Reply_[s].narrow(0, 0, n);
+    const at::Tensor values = payload.narrow(0, 0, n);
     install(stage2Index_[s], values);
     flat.index_copy_(0, stage2Index_[s], values);  // the global values replace the LGP guess
-    const float* flags = stage2Reply_[s].data_ptr<float>() + n;
+    const float* flags = payload.data_ptr<float>() + n;
+    int64_t marked = 0;
     for (int64_t c = 0; c < splits_[s].numChunks(); ++c) {
       splits_[s].stage1[c] = flags[c] != 0.0f ? 1 : 0;
+      marked += splits_[s].stage1[c];
+    }
+    // Every server decides the same fraction (osp.h); a split that is not its share, or
+    // servers that disagree, would leave workers and servers exchanging different chunks.
+    if (!first) first = header;
+    if (header.fraction != first->fraction ||
+        marked != stage1Count(splits_[s].numChunks(), header.fraction)) {
+      throw PeerError(fmt::format(
+          "rank {} (server) split its shard at stage-1 fraction {} ({} of {} chunks) where "
+          "rank {} chose {}; the servers run different versions of caravan",
+          server, header.fraction, marked, splits_[s].numChunks(), servers().rank(0),
+          first->fraction));
     }
   }
   unflattenInto(flat, params_);
+  if (first && first->move) {
+    const FractionMove& m = *first->move;
+    StrategyEvent e;
+    e.kind = "osp_fraction";
+    e.step = m.step;
+    e.numbers = {{"from", m.from},
+                 {"to", m.to},
+                 {"centre", m.centre},
+                 {"centre_s", m.centreSeconds},
+                 {"probe_s", m.probeSeconds}};
+    e.words = {{"reason", reasonName(m.reason)}, {"why", describe(m, options_.search)}};
+    events_.push_back(std::move(e));
+  }
 }
+
+std::vector<StrategyEvent> OspWorkerStrategy::takeEvents() { return std::exchange(events_, {}); }
 
 std::map<std::string, double> OspWorkerStrategy::takeMetrics() {
   std::map<std::string, double> m;
@@ -164,6 +197,10 @@ void OspWorkerStrategy::finishGradients() {
   PushHeader header;
   header.learningRate = lr_;
   header.requestedFraction = requestedFraction();
+  // The fraction search's sample: the time since the last stage-1 push (fraction_search.h).
+  header.stepSeconds =
+      lastStage1_ == Clock::time_point{} ? 0.0 : secondsBetween(lastStage1_, stage1Start);
+  lastStage1_ = stage1Start;
   std::vector<at::Tensor> idx1(servers_), idx2(servers_), push1(servers_), pull1(servers_);
   for (int s = 0; s < servers_; ++s) {
     idx1[s] = indices(s, true);
@@ -197,7 +234,7 @@ void OspWorkerStrategy::finishGradients() {
   std::vector<at::Tensor> push2(servers_);
   for (int s = 0; s < servers_; ++s) {
     push2[s] = g.index_select(0, idx2[s]);
-    stage2Reply_[s] = at::empty({idx2[s].numel() + splits_[s].numChunks()}, at::kFloat);
+    stage2Reply_[s] = splitBuffer(idx2[s].numel() + splits_[s].numChunks());
   }
   int64_t stage2Elements = 0;
   for (int s = 0; s < servers_; ++s) stage2Elements += idx2[s].numel();
@@ -274,7 +311,11 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
   // One stage: receive every worker's values for the chosen chunks (stage 1: after the push
   // header), average in rank order, step those chunks. Returns the chunks' new values; nothing
   // when stage 1's pushes ask for something other than a gradient (`kind`).
+  // auto: the fraction each split uses comes from measured step times (fraction_search.h);
+  // `move` says why the next split's differs from this one's.
   double fraction = options.fraction;
+  FractionSearch search(options.fraction, options.search);
+  std::optional<FractionMove> move;
   auto stage = [&](bool stage1, int tag, int64_t step, double* lr,
                    PushKind* kind) -> std::vector<at::Tensor> {
     std::vector<int64_t> chosen;
@@ -296,13 +337,15 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
       *kind = round[0].kind;
       if (*kind != PushKind::kGradient) return {};
       *lr = round[0].learningRate;  // worker 0's
-      // auto: the largest stage-1 share any worker asked for (same on every server).
+      // auto: the slowest worker's step time and the largest model-based guess (the same on
+      // every server) into the search, which sizes the next split.
       if (options.autoFraction) {
-        fraction = 0.0;
+        double guess = 0.0, seconds = 0.0;
         for (const PushHeader& h : round) {
-          const double asked = h.requestedFraction;
-          if (std::isfinite(asked)) fraction = std::max(fraction, std::clamp(asked, 0.0, 1.0));
+          if (std::isfinite(h.requestedFraction)) guess = std::max(guess, h.requestedFraction);
+          if (std::isfinite(h.stepSeconds)) seconds = std::max(seconds, h.stepSeconds);
         }
+        fraction = search.observe(step, seconds, guess, &move);
       }
     }
     at::Tensor sum = averagePayloads(payloads, n);
@@ -354,7 +397,11 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     at::Tensor flags = at::empty({next.numChunks()}, at::kFloat);
     float* f = flags.data_ptr<float>();
     for (int64_t c = 0; c < next.numChunks(); ++c) f[c] = next.stage1[c] ? 1.0f : 0.0f;
-    sendToWorkers(world, numWorkers, at::cat({catOrEmpty(w2), flags}), kTagPull2);
+    SplitHeader header;
+    header.fraction = fraction;
+    header.move = std::exchange(move, std::nullopt);
+    sendToWorkers(world, numWorkers, encodeSplit(header, at::cat({catOrEmpty(w2), flags})),
+                  kTagPull2);
     split = next;
     ++step;
     if (stepDone) stepDone(step);

@@ -26,12 +26,17 @@
 // vector — the first layers, which the next forward needs first). Step 0 uses layer order.
 // With fraction 1 every chunk is stage 1: exactly ps-bsp (test).
 //
-// `auto` sizing (sync.osp_auto_fraction; ours in the details): each worker measures the time
+// `auto` sizing (sync.osp_auto_fraction; ours): the servers search the fraction by measuring
+// step times (fraction_search.h), every stage-1 push carrying the worker's time since its last
+// one. The search starts from a model's guess that each worker sends along: from the time
 // between steps' exchanges (forward + backward: the compute stage 2 can hide behind) and the
 // rate of its exchanges (elements per second over stage 1 and the previous stage 2, smoothed),
-// and asks for the smallest stage-1 fraction whose stage 2 fits under 95% of that compute
-// time, with its stage-1 push. The servers take the largest request, so every server and
-// worker uses the same fraction for the next split; step 0 uses sync.osp_fraction.
+// the smallest fraction whose stage 2 fits under 95% of that compute time; the servers take
+// the largest guess. Every server runs the same search on the same headers, so all use the
+// same fraction (each stage-2 reply says which, and why it moved: workers check that every
+// server's split has that share and keep the moves for metrics.jsonl, "osp_fraction" records).
+// Step 0 uses sync.osp_fraction. The search's state is not in checkpoints: a resumed run
+// searches again.
 //
 // Threading: trainer thread; stage 2 on the strategy's CommThread.
 #pragma once
@@ -42,13 +47,15 @@
 #include <vector>
 
 #include "sync/comm_thread.h"
+#include "sync/fraction_search.h"
 #include "sync/parameter_server.h"
 
 namespace caravan {
 
 struct OspOptions {
   double fraction = 0.5;             // of each server's chunks in stage 1, (0, 1]
-  bool autoFraction = false;         // size the fraction from measurements (step 0: fraction)
+  bool autoFraction = false;         // search the fraction by step times (step 0: fraction)
+  FractionSearchOptions search;      // with autoFraction
   std::string policy = "magnitude";  // magnitude | layer-order
   bool lgp = true;
   double lgpMomentum = 0.0;  // mu of the servers' SGD (0: plain-SGD correction)
@@ -80,6 +87,8 @@ class OspWorkerStrategy : public Strategy {
   double consolidate() override;
   // stage1_fraction: the share of parameters synchronized in stage 1, mean over the steps.
   std::map<std::string, double> takeMetrics() override;
+  // "osp_fraction": each move of the auto fraction (from, to, reason, the measurements).
+  std::vector<StrategyEvent> takeEvents() override;
   void finish() override;
   // The servers' optimizer state into rank 0's optimizer (a stage-1 round whose push header asks
   // for it); heavy-ball LGP's w_{t-1}. Not kept: the split for the next step (the resumed
@@ -124,6 +133,8 @@ class OspWorkerStrategy : public Strategy {
   };
   std::shared_ptr<Stage2Timing> stage2Timing_ = std::make_shared<Stage2Timing>();
   std::chrono::steady_clock::time_point lastReturn_{};
+  std::chrono::steady_clock::time_point lastStage1_{};  // the fraction search's sample
+  std::vector<StrategyEvent> events_;
   double computeSeconds_ = 0.0, elementsPerSecond_ = 0.0;
   at::Tensor previous_;  // heavy-ball LGP: w_{t-1}, flat
   at::Tensor restoredPrevious_;  // from a checkpoint, installed by attach()

@@ -14,9 +14,12 @@ namespace {
 
 constexpr uint32_t kPushMagic = 0x43525650;  // "PVRC": a Caravan push, this layout
 constexpr uint32_t kPullMagic = 0x43524c50;  // "PLRC"
+constexpr uint32_t kSplitMagic = 0x43525053;  // "SPRC"
 
-static_assert(PushHeader::kWords * sizeof(float) == 2 * sizeof(uint32_t) + 2 * sizeof(double));
+static_assert(PushHeader::kWords * sizeof(float) == 2 * sizeof(uint32_t) + 3 * sizeof(double));
 static_assert(PullHeader::kWords * sizeof(float) == 2 * sizeof(uint32_t) + sizeof(int64_t));
+static_assert(SplitHeader::kWords * sizeof(float) ==
+              2 * sizeof(uint32_t) + sizeof(int64_t) + 5 * sizeof(double));
 
 template <typename T>
 void put(uint8_t*& at, T value) {
@@ -68,6 +71,7 @@ at::Tensor encodePush(const PushHeader& header, const at::Tensor& payload) {
   put(at, static_cast<uint32_t>(header.kind));
   put(at, header.learningRate);
   put(at, header.requestedFraction);
+  put(at, header.stepSeconds);
   return message;
 }
 
@@ -80,6 +84,21 @@ at::Tensor encodePull(const PullHeader& header, const at::Tensor& payload) {
   return message;
 }
 
+at::Tensor encodeSplit(const SplitHeader& header, const at::Tensor& payload) {
+  at::Tensor message = withHeader(SplitHeader::kWords, payload);
+  uint8_t* at = headerBytes(message);
+  const FractionMove m = header.move.value_or(FractionMove{});
+  put(at, kSplitMagic);
+  put(at, header.move ? static_cast<uint32_t>(m.reason) : uint32_t{0});
+  put(at, header.fraction);
+  put(at, m.step);
+  put(at, m.from);
+  put(at, m.centre);
+  put(at, m.centreSeconds);
+  put(at, m.probeSeconds);
+  return message;
+}
+
 at::Tensor pushBuffer(int64_t payloadWords) {
   return at::empty({PushHeader::kWords + payloadWords}, at::kFloat);
 }
@@ -88,12 +107,20 @@ at::Tensor pullBuffer(int64_t payloadWords) {
   return at::empty({PullHeader::kWords + payloadWords}, at::kFloat);
 }
 
+at::Tensor splitBuffer(int64_t payloadWords) {
+  return at::empty({SplitHeader::kWords + payloadWords}, at::kFloat);
+}
+
 at::Tensor pushPayload(const at::Tensor& message) {
   return message.narrow(0, PushHeader::kWords, message.numel() - PushHeader::kWords);
 }
 
 at::Tensor pullPayload(const at::Tensor& message) {
   return message.narrow(0, PullHeader::kWords, message.numel() - PullHeader::kWords);
+}
+
+at::Tensor splitPayload(const at::Tensor& message) {
+  return message.narrow(0, SplitHeader::kWords, message.numel() - SplitHeader::kWords);
 }
 
 PushHeader decodePush(const at::Tensor& message, int worker, int serverRank) {
@@ -115,6 +142,7 @@ PushHeader decodePush(const at::Tensor& message, int worker, int serverRank) {
   h.kind = static_cast<PushKind>(kind);
   h.learningRate = take<double>(at);
   h.requestedFraction = take<double>(at);
+  h.stepSeconds = take<double>(at);
   if (!std::isfinite(h.learningRate) || h.learningRate < 0.0) {
     throw foreign(fmt::format("learning rate {}", h.learningRate));
   }
@@ -132,6 +160,33 @@ PullHeader decodePull(const at::Tensor& message, int serverRank) {
         fmt::format("rank {} (a server) sent a reply this worker cannot read; it "
                     "runs another version of caravan or is not part of this job",
                     serverRank));
+  }
+  return h;
+}
+
+SplitHeader decodeSplit(const at::Tensor& message, int serverRank) {
+  const uint8_t* at = headerBytes(message, SplitHeader::kWords, "split");
+  const auto magic = take<uint32_t>(at);
+  const auto reason = take<uint32_t>(at);
+  SplitHeader h;
+  h.fraction = take<double>(at);
+  FractionMove m;
+  m.step = take<int64_t>(at);
+  m.from = take<double>(at);
+  m.centre = take<double>(at);
+  m.centreSeconds = take<double>(at);
+  m.probeSeconds = take<double>(at);
+  m.to = h.fraction;
+  const bool known = reason <= static_cast<uint32_t>(FractionReason::kSettled);
+  if (magic != kSplitMagic || !known || !(h.fraction > 0.0 && h.fraction <= 1.0)) {
+    throw PeerError(
+        fmt::format("rank {} (a server) sent an OSP split this worker cannot read; it runs "
+                    "another version of caravan or is not part of this job",
+                    serverRank));
+  }
+  if (reason != 0) {
+    m.reason = static_cast<FractionReason>(reason);
+    h.move = m;
   }
   return h;
 }

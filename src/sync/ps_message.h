@@ -7,7 +7,11 @@
 // fields are written as bytes into its first words, not as float values, so a double keeps
 // every bit and an integer is never rounded:
 //   push (worker -> server)  magic u32 | kind u32 | learning rate f64 | requested fraction f64
+//                            | step seconds f64
 //   pull (server -> worker)  magic u32 | 0 u32    | staleness i64
+//   split (OSP's stage-2 reply, server -> worker)  magic u32 | move reason u32 (0: none) |
+//                            next fraction f64 | move step i64 | from f64 | centre f64 |
+//                            centre seconds f64 | probe seconds f64
 // A header a server cannot read (another magic, an unknown kind, a learning rate that is
 // negative or not finite) is a PeerError naming the worker: another version of caravan or a
 // process that is not part of this job.
@@ -17,11 +21,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "comm/communicator.h"
+#include "sync/fraction_search.h"
 
 namespace caravan {
 
@@ -36,8 +42,11 @@ enum class PushKind : uint32_t {
 struct PushHeader {
   PushKind kind = PushKind::kGradient;
   double learningRate = 0.0;
-  double requestedFraction = 0.0;  // osp with osp.fraction = auto: stage 1's wanted share
-  static constexpr int64_t kWords = 6;
+  // osp with sync.osp_auto_fraction: the worker's model-based stage-1 share (the search's
+  // starting guess) and the time between its last two stage-1 pushes (0: not measured yet).
+  double requestedFraction = 0.0;
+  double stepSeconds = 0.0;
+  static constexpr int64_t kWords = 8;
 };
 
 struct PullHeader {
@@ -45,19 +54,31 @@ struct PullHeader {
   static constexpr int64_t kWords = 4;
 };
 
+// OSP's stage-2 reply: the fraction the next split uses, and why it moved, if it did.
+struct SplitHeader {
+  double fraction = 0.0;
+  std::optional<FractionMove> move;
+  static constexpr int64_t kWords = 14;
+};
+
 // [header | payload]: a float32 tensor of Header::kWords + payload.numel() elements.
 at::Tensor encodePush(const PushHeader& header, const at::Tensor& payload);
 at::Tensor encodePull(const PullHeader& header, const at::Tensor& payload);
+at::Tensor encodeSplit(const SplitHeader& header, const at::Tensor& payload);
 // A receive buffer for a message with `payloadWords` after its header.
 at::Tensor pushBuffer(int64_t payloadWords);
 at::Tensor pullBuffer(int64_t payloadWords);
+at::Tensor splitBuffer(int64_t payloadWords);
 // The payload of a received message (a view).
 at::Tensor pushPayload(const at::Tensor& message);
 at::Tensor pullPayload(const at::Tensor& message);
+at::Tensor splitPayload(const at::Tensor& message);
 
 // A received push's header; PeerError (naming `worker` and `serverRank`) when it is not one.
 PushHeader decodePush(const at::Tensor& message, int worker, int serverRank);
 PullHeader decodePull(const at::Tensor& message, int serverRank);
+// PeerError naming `serverRank` when it is not one (a fraction outside (0, 1], a reason unknown).
+SplitHeader decodeSplit(const at::Tensor& message, int serverRank);
 
 // One synchronous round's pushes (one per worker, in rank order): every worker's header, in
 // rank order, all of one kind (PeerError naming the worker that disagrees or whose header is

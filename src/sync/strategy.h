@@ -47,6 +47,15 @@ struct AttachContext {
   CommEventSink sink;
 };
 
+// A record for metrics.jsonl that belongs to no one step window (docs/metrics.md), e.g. OSP's
+// fraction moves: {"kind": kind, "step": step, numbers..., words...}.
+struct StrategyEvent {
+  std::string kind;
+  int64_t step = 0;
+  std::map<std::string, double> numbers;
+  std::map<std::string, std::string> words;
+};
+
 class Strategy : public GroupExchange {
  public:
   virtual ~Strategy() = default;
@@ -80,6 +89,8 @@ class Strategy : public GroupExchange {
   // Strategy-specific numbers for the next train record of metrics.jsonl (e.g. staleness,
   // stage-1 fraction), aggregated over the steps since the previous call.
   virtual std::map<std::string, double> takeMetrics() { return {}; }
+  // Records since the last call, in order (every rank keeps them; rank 0 writes them).
+  virtual std::vector<StrategyEvent> takeEvents() { return {}; }
 
   // Out-of-core weights (memory/weights.h) update each block as soon as its gradients are
   // final. A strategy that supports it exchanges gradients in the context's parameter groups;

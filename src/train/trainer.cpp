@@ -135,6 +135,7 @@ class Trainer {
   void accountMemory();
   void checkNonFinite(const StepResult& r);
   void writeTrainRecord(double lr, double samplesPerS);
+  void writeStrategyEvents();
   void evaluateNow(std::optional<double> distance = std::nullopt);
   void checkpointNow(std::map<std::string, at::Tensor>* collected = nullptr,
                      bool alsoExportModel = false);
@@ -258,7 +259,20 @@ void Trainer::trainOneStep() {
   const double samplesPerS = window_.samplesPerSecond();
   progress_.update(state.step, epoch_, r.loss, lr, samplesPerS);
   if (stop_.writesRecord(state.step)) writeTrainRecord(lr, samplesPerS);
+  writeStrategyEvents();
   if (s_.pipeline && state.step == timelineStep_) writePipelineTimeline(r.stageSpans, stepStart);
+}
+
+// The strategy's records (e.g. "osp_fraction"), as they come (docs/metrics.md).
+void Trainer::writeStrategyEvents() {
+  if (strategy_ == nullptr) return;
+  for (StrategyEvent& e : strategy_->takeEvents()) {
+    if (!metrics_) continue;
+    nlohmann::json rec = {{"kind", e.kind}, {"step", e.step}, {"time_s", trainSeconds()}};
+    for (const auto& [key, value] : e.numbers) rec[key] = value;
+    for (const auto& [key, value] : e.words) rec[key] = value;
+    metrics_->write(rec);
+  }
 }
 
 // One step of every stage of pipeline 0, for caravan report's timeline (docs/metrics.md).

@@ -1,0 +1,182 @@
+// The online search of OSP's stage-1 fraction (see fraction_search.h).
+#include "sync/fraction_search.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "core/errors.h"
+
+namespace caravan {
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+const char* reasonName(FractionReason reason) {
+  switch (reason) {
+    case FractionReason::kGuess: return "guess";
+    case FractionReason::kProbe: return "probe";
+    case FractionReason::kFaster: return "faster";
+    case FractionReason::kBack: return "back";
+    case FractionReason::kSettled: return "settled";
+  }
+  return "?";
+}
+
+std::string describe(const FractionMove& m, const FractionSearchOptions& o) {
+  const double margin = 100.0 * o.margin;
+  switch (m.reason) {
+    case FractionReason::kGuess:
+      return fmt::format("{:.2f}: the workers' guess from their compute time and exchange rate",
+                         m.to);
+    case FractionReason::kProbe:
+      if (m.probeSeconds > 0.0) {
+        return fmt::format(
+            "{:.2f} took {:.3f} s/step, not {:g}% under {:.3f} at {:.2f}: "
+            "probing {:.2f}",
+            m.from, m.probeSeconds, margin, m.centreSeconds, m.centre, m.to);
+      }
+      return fmt::format("probing {:.2f} ({:.2f} took {:.3f} s/step)", m.to, m.centre,
+                         m.centreSeconds);
+    case FractionReason::kFaster:
+      return fmt::format(
+          "{:.2f} took {:.3f} s/step, at least {:g}% under the old centre: the "
+          "new centre; probing {:.2f}",
+          m.centre, m.centreSeconds, margin, m.to);
+    case FractionReason::kBack:
+      return fmt::format(
+          "{:.2f} took {:.3f} s/step, not {:g}% under {:.3f} at {:.2f}: back "
+          "to {:.2f}, held {} steps, then rechecked",
+          m.from, m.probeSeconds, margin, m.centreSeconds, m.centre, m.to, o.recheckAfter);
+    case FractionReason::kSettled:
+      return fmt::format(
+          "settled at {:.2f} ({:.3f} s/step; no neighbour {:.2f} away {:g}% "
+          "faster), held {} steps, then rechecked",
+          m.centre, m.centreSeconds, o.grid, margin, o.recheckAfter);
+  }
+  return "?";
+}
+
+FractionSearch::FractionSearch(double first, FractionSearchOptions options) : options_(options) {
+  CARAVAN_CHECK(options_.grid > 0.0 && options_.grid <= 1.0 && options_.window >= 1 &&
+                    options_.margin >= 0.0 && options_.warmup >= 1 && options_.recheckAfter >= 1,
+                "OSP fraction search options");
+  maxUnits_ = std::max(1, static_cast<int>(std::lround(1.0 / options_.grid)));
+  CARAVAN_CHECK(std::abs(maxUnits_ * options_.grid - 1.0) < 1e-9,
+                "OSP fraction search: grid {} does not divide 1", options_.grid);
+  current_ = previous_ = snap(first);
+}
+
+int FractionSearch::firstStride() const {
+  return std::max(1, static_cast<int>(std::lround(options_.firstStride / options_.grid)));
+}
+
+int FractionSearch::snap(double fraction) const {
+  if (!std::isfinite(fraction)) fraction = 1.0;
+  return std::clamp(static_cast<int>(std::lround(fraction / options_.grid)), 1, maxUnits_);
+}
+
+double FractionSearch::observe(int64_t step, double seconds, double guess,
+                               std::optional<FractionMove>* move) {
+  move_.reset();
+  // The sample timed step - 1's split: it measures current_ only when that split used it.
+  const bool clean = step >= 1 && std::isfinite(seconds) && seconds > 0.0 && previous_ == current_;
+  const int thisStep = current_;
+  switch (phase_) {
+    case Phase::kWarmup:
+      centre_ = snap(guess);
+      if (step + 1 >= options_.warmup) {
+        stride_ = firstStride();
+        phase_ = Phase::kCentre;
+      }
+      samples_.clear();
+      use(snap(guess), step, FractionReason::kGuess, 0.0);
+      break;
+    case Phase::kHold:  // then measure the centre again and search around it afresh
+      if (step >= holdUntil_) {
+        stride_ = firstStride();
+        samples_.clear();
+        phase_ = Phase::kCentre;
+      }
+      break;
+    case Phase::kCentre:
+    case Phase::kProbe:
+      if (clean) samples_.push_back(seconds);
+      if (static_cast<int>(samples_.size()) >= options_.window) {
+        const double measuredSeconds = median(samples_);
+        samples_.clear();
+        measured(measuredSeconds, step);
+      }
+      break;
+  }
+  previous_ = thisStep;
+  if (move != nullptr) *move = move_;
+  return fraction();
+}
+
+void FractionSearch::measured(double seconds, int64_t step) {
+  if (phase_ == Phase::kCentre) {
+    centreSeconds_ = seconds;
+    pending_ = {+1, -1};
+    nextProbe(step, FractionReason::kProbe, 0.0);
+    return;
+  }
+  // A probe: the winner becomes the centre and the search goes on in its direction (the other
+  // neighbour is the old centre, known slower).
+  if (seconds < centreSeconds_ * (1.0 - options_.margin)) {
+    centre_ = current_;
+    centreSeconds_ = seconds;
+    pending_ = {direction_};
+    nextProbe(step, FractionReason::kFaster, seconds);
+    return;
+  }
+  nextProbe(step, FractionReason::kProbe, seconds);
+}
+
+void FractionSearch::nextProbe(int64_t step, FractionReason reason, double probeSeconds) {
+  while (true) {
+    while (!pending_.empty()) {
+      const int direction = pending_.front();
+      pending_.erase(pending_.begin());
+      const int units = centre_ + direction * stride_;
+      if (units < 1 || units > maxUnits_) continue;
+      direction_ = direction;
+      phase_ = Phase::kProbe;
+      use(units, step, reason, probeSeconds);
+      return;
+    }
+    if (stride_ <= 1) break;
+    stride_ /= 2;
+    pending_ = {+1, -1};
+  }
+  // No neighbour one grid step away is faster: hold the centre.
+  phase_ = Phase::kHold;
+  holdUntil_ = step + options_.recheckAfter;
+  const bool back = current_ != centre_;
+  use(centre_, step, back ? FractionReason::kBack : FractionReason::kSettled, probeSeconds,
+      /*always=*/true);
+}
+
+void FractionSearch::use(int units, int64_t step, FractionReason reason, double probeSeconds,
+                         bool always) {
+  if (units == current_ && !always) return;
+  FractionMove m;
+  m.step = step + 1;
+  m.from = fractionOf(current_);
+  m.to = fractionOf(units);
+  m.centre = fractionOf(centre_);
+  m.reason = reason;
+  m.centreSeconds = centreSeconds_;
+  m.probeSeconds = probeSeconds;
+  move_ = m;
+  current_ = units;
+}
+
+}  // namespace caravan

@@ -1,0 +1,216 @@
+// OSP's stage-1 fraction search (sync/fraction_search.h) against closed-form step times: the
+// oracle is the fastest fraction of the grid, known in closed form for each model.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "core/errors.h"
+#include "sync/fraction_search.h"
+#include "sync/ps_message.h"
+
+using namespace caravan;
+
+namespace {
+
+using StepTime = std::function<double(double fraction, int64_t step)>;
+
+// OSP's step time with compute c, a whole exchange s and stage 2 running at 1/slowdown of the
+// rate while compute runs: c + s f + max(0, slowdown s (1 - f) - c).
+StepTime ospModel(double c, double s, double slowdown) {
+  return [=](double f, int64_t) { return c + s * f + std::max(0.0, slowdown * s * (1 - f) - c); };
+}
+
+struct SearchRun {
+  std::vector<double> split;  // the fraction of each step's split
+  std::vector<FractionMove> moves;
+};
+
+// The servers' view: round s brings the period that timed split s - 1, times noise uniform in
+// [1 - noise, 1 + noise] (a fixed seed); the guess is constant.
+SearchRun simulate(const StepTime& time, double first, double guess, int64_t rounds, double noise,
+                   FractionSearchOptions options = {}, unsigned seed = 7) {
+  FractionSearch search(first, options);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> jitter(1.0 - noise, 1.0 + noise);
+  SearchRun run;
+  run.split.push_back(search.fraction());
+  for (int64_t s = 0; s < rounds; ++s) {
+    const double seconds = s == 0 ? 0.0 : time(run.split[s - 1], s) * jitter(rng);
+    std::optional<FractionMove> move;
+    run.split.push_back(search.observe(s, seconds, guess, &move));
+    if (move) {
+      EXPECT_EQ(move->step, s + 1);
+      EXPECT_DOUBLE_EQ(move->to, run.split.back());
+      EXPECT_FALSE(describe(*move, options).empty());
+      run.moves.push_back(*move);
+    } else {
+      EXPECT_EQ(run.split[s + 1], run.split[s]) << "round " << s << " moved without a reason";
+    }
+  }
+  return run;
+}
+
+double meanTime(const StepTime& time, const SearchRun& run, int64_t from) {
+  double sum = 0.0;
+  for (size_t s = from; s < run.split.size(); ++s) sum += time(run.split[s], s);
+  return sum / static_cast<double>(run.split.size() - from);
+}
+
+double bestOf(const StepTime& time, const std::vector<double>& fractions, int64_t step) {
+  double best = HUGE_VAL;
+  for (double f : fractions) best = std::min(best, time(f, step));
+  return best;
+}
+
+std::vector<double> grid() {
+  std::vector<double> g;
+  for (int u = 1; u <= 20; ++u) g.push_back(u * 0.05);
+  return g;
+}
+
+}  // namespace
+
+// Compute-bound, communication-bound with stage 2 slowed by compute, balanced, stage 1 slow:
+// from guesses at both ends and the middle, under +-3% noise per step (10 seeds), the mean step
+// time over rounds 150-400 (rechecks included) is within 5% of the grid's fastest fraction (so
+// of every fixed fraction 0.25, 0.5, 0.75, and of 1, which is ps-bsp), and every fraction it
+// settled at after round 100 is within 5% too.
+TEST(FractionSearch, SettlesWithinFivePercentOfTheFastestFraction) {
+  const std::vector<std::pair<const char*, StepTime>> models = {
+      {"compute-bound", ospModel(0.15, 0.10, 1.0)},  // fastest at the smallest fraction
+      {"comm-bound", ospModel(0.10, 0.30, 1.5)},     // fastest near 0.78
+      {"balanced", ospModel(0.12, 0.12, 2.0)},       // fastest at 0.5
+      {"stage 1 slow", ospModel(0.05, 0.40, 3.0)},   // fastest near 0.96
+      {"shallow", ospModel(0.08, 0.20, 1.2)}};       // fastest near 0.67, 1.5% per grid step
+  for (const auto& [name, time] : models) {
+    const double best = bestOf(time, grid(), 0);
+    for (const double guess : {0.05, 0.5, 1.0}) {
+      double worst = 0.0;
+      for (unsigned seed = 1; seed <= 10; ++seed) {
+        const SearchRun run = simulate(time, 0.5, guess, 400, 0.03, {}, seed);
+        const double mean = meanTime(time, run, 150);
+        EXPECT_LE(mean, 1.05 * best) << name << " from " << guess << " seed " << seed;
+        worst = std::max(worst, mean / best);
+        for (const FractionMove& m : run.moves) {
+          if (m.step < 100 ||
+              (m.reason != FractionReason::kBack && m.reason != FractionReason::kSettled)) {
+            continue;
+          }
+          EXPECT_LE(time(m.centre, 0), 1.05 * best)
+              << name << " from " << guess << " seed " << seed << ": " << describe(m, {});
+        }
+      }
+      std::printf(
+          "%-13s guess %.2f: mean step time from round 150 at most %.3fx the grid's "
+          "best over 10 seeds\n",
+          name, guess, worst);
+    }
+  }
+}
+
+// A sample times the split of the step before its push: counted for a new fraction, the first
+// sample after each change would be the old fraction's. With one sample per measurement and no
+// margin, a search that counted it would see every probe as fast as its centre and never move;
+// on a step time falling with the fraction it climbs to 1.
+TEST(FractionSearch, CountsEachSampleForTheSplitItTimed) {
+  FractionSearchOptions o;
+  o.window = 1;
+  o.margin = 0.0;
+  const StepTime falling = [](double f, int64_t) { return 1.0 - 0.5 * f; };
+  const SearchRun run = simulate(falling, 0.5, 0.3, 80, 0.0, o);
+  EXPECT_DOUBLE_EQ(run.split.back(), 1.0);
+  ASSERT_FALSE(run.moves.empty());
+  EXPECT_EQ(run.moves.front().reason, FractionReason::kGuess);
+}
+
+// Noise below the margin (+-0.5% against 1.5%) on a flat step time: probes come and go back, the
+// centre never moves from the guess.
+TEST(FractionSearch, NoiseBelowTheMarginNeverMovesTheCentre) {
+  const StepTime flat = [](double, int64_t) { return 0.2; };
+  const SearchRun run = simulate(flat, 0.5, 0.4, 500, 0.005);
+  for (const FractionMove& m : run.moves) {
+    EXPECT_NE(m.reason, FractionReason::kFaster) << describe(m, FractionSearchOptions{});
+    EXPECT_DOUBLE_EQ(m.centre, 0.4);
+  }
+  EXPECT_DOUBLE_EQ(run.split.back(), 0.4);
+  // Held between rechecks: each recheck probes both neighbours at three strides and returns.
+  const auto settled = std::count_if(run.moves.begin(), run.moves.end(), [](const auto& m) {
+    return m.reason == FractionReason::kBack;
+  });
+  EXPECT_GE(settled, 4);
+  EXPECT_LE(run.moves.size(), 7u * 5u + 8u);
+}
+
+// The balance point moves at step 300 (compute falls to a quarter: stage 2 hides less; one grid
+// step from the old optimum is only 1.7% faster, under the margin): the rechecks after holding
+// find the new optimum, and the last 150 steps run within 5% of its step time.
+TEST(FractionSearch, FollowsAnOptimumThatMoves) {
+  const StepTime before = ospModel(0.20, 0.20, 1.0), after = ospModel(0.05, 0.20, 1.5);
+  const StepTime drifting = [&](double f, int64_t s) {
+    return s < 300 ? before(f, s) : after(f, s);
+  };
+  const SearchRun run = simulate(drifting, 0.5, 0.2, 900, 0.02);
+  const double best = bestOf(after, grid(), 0);
+  EXPECT_LE(meanTime(drifting, run, 750), 1.05 * best) << "ended at " << run.split.back();
+  EXPECT_LE(after(run.split.back(), 0), 1.05 * best) << "ended at " << run.split.back();
+  // Before the change it had settled near the old optimum (the smallest fractions).
+  EXPECT_LE(before(run.split[299], 0), 1.05 * bestOf(before, grid(), 0)) << run.split[299];
+}
+
+// The stage-2 reply's header keeps the fraction and the move bit for bit; one that says
+// something a worker cannot use is refused naming the server.
+TEST(FractionSearch, TheSplitHeaderKeepsTheMoveAndRefusesNonsense) {
+  SplitHeader h;
+  h.fraction = 0.35000000000000003;
+  FractionMove m;
+  m.step = (int64_t{1} << 40) + 3;
+  m.from = 0.55;
+  m.to = h.fraction;
+  m.centre = 0.35;
+  m.reason = FractionReason::kBack;
+  m.centreSeconds = 0.1 + 1e-17;
+  m.probeSeconds = 1.0 / 3.0;
+  h.move = m;
+  const at::Tensor payload = at::randn({4});
+  const at::Tensor message = encodeSplit(h, payload);
+  const SplitHeader back = decodeSplit(message, 5);
+  ASSERT_TRUE(back.move.has_value());
+  EXPECT_EQ(back.fraction, h.fraction);
+  EXPECT_EQ(back.move->step, m.step);
+  EXPECT_EQ(back.move->from, m.from);
+  EXPECT_EQ(back.move->to, m.to);
+  EXPECT_EQ(back.move->centre, m.centre);
+  EXPECT_EQ(back.move->reason, m.reason);
+  EXPECT_EQ(back.move->centreSeconds, m.centreSeconds);
+  EXPECT_EQ(back.move->probeSeconds, m.probeSeconds);
+  EXPECT_TRUE(at::equal(splitPayload(message), payload));
+  EXPECT_FALSE(decodeSplit(encodeSplit(SplitHeader{0.5, std::nullopt}, payload), 5).move);
+
+  PushHeader push;
+  push.stepSeconds = 0.1 + 1e-17;
+  EXPECT_EQ(decodePush(encodePush(push, payload), 0, 1).stepSeconds, push.stepSeconds);
+
+  auto refusal = [&](double fraction, uint32_t reason) {
+    at::Tensor bad = encodeSplit(SplitHeader{fraction, m}, payload);
+    static_cast<uint32_t*>(bad.data_ptr())[1] = reason;
+    try {
+      decodeSplit(bad, 5);
+    } catch (const PeerError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  for (const auto& [fraction, reason] :
+       std::vector<std::pair<double, uint32_t>>{{0.0, 3}, {1.5, 3}, {std::nan(""), 3}, {0.5, 9}}) {
+    EXPECT_NE(refusal(fraction, reason).find("rank 5 (a server) sent an OSP split"),
+              std::string::npos)
+        << fraction << " " << reason;
+  }
+  EXPECT_EQ(refusal(0.5, 3), "accepted");
+}
