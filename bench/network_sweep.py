@@ -178,6 +178,8 @@ def table_text(a, tp, raw, acc, speedup, bound, removed, log_every):
              "|---|---|---|---|---|---|---|---|---|"]
     for rate in a.rates:
         for mode in a.modes:
+            if (rate, mode) not in tp:  # --repeats 0: the accuracy part alone
+                continue
             n = tp[(rate, mode)]
             r = spread(raw, rate, mode)
             lines.append(f"| {rate} | {mode} | {n['compute_s']:.3f} | {n['wait_s']:.3f} | "

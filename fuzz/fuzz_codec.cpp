@@ -6,8 +6,8 @@
 // Input: 4 header bytes, then float32 words (native byte order):
 //   [0] compression (none, fp16, bf16, topk: value % 4)   [1] shard elements n (value % 65)
 //   [2] top-k ratio ((value + 1) / 256)                    [3] workers W (1 + value % 4)
-//   then W pushes of (PushHeader::kWords + codec words) float32 each: the header (magic,
-//   kind, lr, fraction as bytes), the encoded gradient; missing bytes are zeros. The
+//   then W pushes of (PushHeader::kWords + codec words) float32 each: the header (ps_message.h's
+//   push layout, as bytes), the encoded gradient; missing bytes are zeros. The
 //   communicator fixes the push size; its contents are the peer's.
 // A PeerError is the documented answer to a hostile push; nothing else may escape. Every push
 // is decoded whatever its kind says.

@@ -193,8 +193,11 @@ TEST(FractionSearch, TheSplitHeaderKeepsTheMoveAndRefusesNonsense) {
   EXPECT_FALSE(decodeSplit(encodeSplit(SplitHeader{0.5, std::nullopt}, payload), 5).move);
 
   PushHeader push;
-  push.stepSeconds = 0.1 + 1e-17;
-  EXPECT_EQ(decodePush(encodePush(push, payload), 0, 1).stepSeconds, push.stepSeconds);
+  push.stage1Seconds = 0.1 + 1e-17;
+  push.sinceStage1Seconds = 1.0 / 3.0;
+  const PushHeader pushBack = decodePush(encodePush(push, payload), 0, 1);
+  EXPECT_EQ(pushBack.stage1Seconds, push.stage1Seconds);
+  EXPECT_EQ(pushBack.sinceStage1Seconds, push.sinceStage1Seconds);
 
   auto refusal = [&](double fraction, uint32_t reason) {
     at::Tensor bad = encodeSplit(SplitHeader{fraction, m}, payload);
@@ -213,4 +216,57 @@ TEST(FractionSearch, TheSplitHeaderKeepsTheMoveAndRefusesNonsense) {
         << fraction << " " << reason;
   }
   EXPECT_EQ(refusal(0.5, 3), "accepted");
+}
+
+// What a step of split s - 1 costs, from round s's pushes, on a timeline of three workers with
+// different, jittered compute and a fraction that changes: worker k pushes step s at
+// p_k(s) = r(s - 1) + max(c_k(s), S2(f(s - 1))) (its compute, or split s - 1's stage 2 still
+// draining), the servers reply at r(s) = max_k p_k(s) + S1(f(s)). splitSeconds of the round
+// trips of step s - 1 and the times since their reply equals, to rounding, the closed form
+// S1(f(s - 1)) + max_k max(c_k(s), S2(f(s - 1))), split s - 1's alone. One fast worker's own
+// period between pushes does not: after a change it also holds the slow worker's drain of the
+// split before.
+TEST(FractionSearch, ARoundsSampleIsThePreviousSplitsCostWhicheverWorkerIsSlow) {
+  auto s1 = [](double f) { return 0.02 + 0.1 * f; };
+  auto s2 = [](double f) { return 0.3 * (1.0 - f); };
+  const std::vector<double> base = {0.10, 0.15, 0.12};
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<double> jitter(0.9, 1.1);
+  const int steps = 40;
+  std::vector<double> f(steps);
+  for (int s = 0; s < steps; ++s) f[s] = s < 10 ? 0.5 : s < 20 ? 0.1 : s < 30 ? 0.9 : 0.3;
+  std::vector<std::vector<double>> c(steps, std::vector<double>(3)), p = c, stage1 = c;
+  std::vector<double> r(steps);
+  for (int s = 0; s < steps; ++s) {
+    for (int k = 0; k < 3; ++k) c[s][k] = base[k] * jitter(rng);
+    const double start = s == 0 ? 0.0 : r[s - 1];
+    for (int k = 0; k < 3; ++k) p[s][k] = start + std::max(c[s][k], s == 0 ? 0.0 : s2(f[s - 1]));
+    r[s] = *std::max_element(p[s].begin(), p[s].end()) + s1(f[s]);
+    for (int k = 0; k < 3; ++k) stage1[s][k] = r[s] - p[s][k];
+  }
+  int fastDiffers = 0;
+  for (int s = 2; s < steps; ++s) {
+    std::vector<double> trips = stage1[s - 1], since(3);
+    for (int k = 0; k < 3; ++k) since[k] = p[s][k] - r[s - 1];
+    double expected = 0.0;
+    for (int k = 0; k < 3; ++k) expected = std::max(expected, std::max(c[s][k], s2(f[s - 1])));
+    expected += s1(f[s - 1]);
+    EXPECT_NEAR(splitSeconds(trips, since), expected, 1e-12) << "round " << s;
+    const double fastPeriod = p[s][0] - p[s - 1][0];
+    fastDiffers += std::abs(fastPeriod - expected) > 1e-3;
+  }
+  EXPECT_GT(fastDiffers, 0) << "the timeline never separates the two measures";
+  EXPECT_EQ(splitSeconds({0.1, 0.0, 0.1}, {0.2, 0.2, 0.2}), 0.0) << "a worker not measuring";
+  EXPECT_EQ(splitSeconds({0.1, 0.1}, {0.2, std::nan("")}), 0.0);
+}
+
+// Step 0's fraction off the grid (sync.osp_fraction = 0.33): the first move starts from it,
+// even when the guess snaps to the grid point nearest it, so the records chain from what ran.
+TEST(FractionSearch, AnOffGridFirstFractionIsWhereTheFirstMoveStarts) {
+  const StepTime flat = [](double, int64_t) { return 0.2; };
+  const SearchRun run = simulate(flat, 0.33, 0.33, 10, 0.0);
+  ASSERT_FALSE(run.moves.empty());
+  EXPECT_EQ(run.moves.front().from, 0.33);
+  EXPECT_DOUBLE_EQ(run.moves.front().to, 0.35);
+  EXPECT_EQ(run.moves.front().step, 1);
 }

@@ -19,6 +19,18 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
+double splitSeconds(const std::vector<double>& stage1Seconds,
+                    const std::vector<double>& sinceStage1Seconds) {
+  auto measured = [](double t) { return std::isfinite(t) && t > 0.0; };
+  if (stage1Seconds.empty() || sinceStage1Seconds.empty() ||
+      !std::all_of(stage1Seconds.begin(), stage1Seconds.end(), measured) ||
+      !std::all_of(sinceStage1Seconds.begin(), sinceStage1Seconds.end(), measured)) {
+    return 0.0;
+  }
+  return *std::min_element(stage1Seconds.begin(), stage1Seconds.end()) +
+         *std::max_element(sinceStage1Seconds.begin(), sinceStage1Seconds.end());
+}
+
 const char* reasonName(FractionReason reason) {
   switch (reason) {
     case FractionReason::kGuess: return "guess";
@@ -72,6 +84,7 @@ FractionSearch::FractionSearch(double first, FractionSearchOptions options) : op
   CARAVAN_CHECK(std::abs(maxUnits_ * options_.grid - 1.0) < 1e-9,
                 "OSP fraction search: grid {} does not divide 1", options_.grid);
   current_ = previous_ = snap(first);
+  if (fractionOf(current_) != first) offGrid_ = first;
 }
 
 int FractionSearch::firstStride() const {
@@ -88,7 +101,7 @@ double FractionSearch::observe(int64_t step, double seconds, double guess,
   move_.reset();
   // The sample timed step - 1's split: it measures current_ only when that split used it.
   const bool clean = step >= 1 && std::isfinite(seconds) && seconds > 0.0 && previous_ == current_;
-  const int thisStep = current_;
+  const int thisStep = offGrid_ != 0.0 ? -1 : current_;  // -1: off the grid, never clean
   switch (phase_) {
     case Phase::kWarmup:
       centre_ = snap(guess);
@@ -166,10 +179,11 @@ void FractionSearch::nextProbe(int64_t step, FractionReason reason, double probe
 
 void FractionSearch::use(int units, int64_t step, FractionReason reason, double probeSeconds,
                          bool always) {
-  if (units == current_ && !always) return;
+  if (units == current_ && !always && offGrid_ == 0.0) return;
   FractionMove m;
   m.step = step + 1;
-  m.from = fractionOf(current_);
+  m.from = offGrid_ != 0.0 ? offGrid_ : fractionOf(current_);
+  offGrid_ = 0.0;
   m.to = fractionOf(units);
   m.centre = fractionOf(centre_);
   m.reason = reason;

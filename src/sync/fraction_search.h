@@ -6,16 +6,22 @@
 // needs the rate stage 2 really gets while compute runs, which on a busy host it does not know;
 // this search measures T instead, with the model's guess as its starting point only.
 //
-// The servers run it, one instance each: every stage-1 round brings each worker's step period
-// (the time between its last two stage-1 pushes) in the push header, the search takes the
-// slowest worker's, and its decision sets the next split. Every server sees the same headers
-// and runs the same deterministic search, so every server and worker uses the same fraction.
+// The servers run it, one instance each, and its decision sets the next split. Every server
+// sees the same push headers and runs the same deterministic search, so every server and
+// worker uses the same fraction.
 //
-// Fractions are multiples of `grid` in [grid, 1]. The period that ends at step s's stage-1 push
-// holds step s - 1's stage 1, its stage 2 (behind step s's compute, drained before step s's
-// stage 1) and step s's compute: it times split s - 1 alone. A sample counts for the fraction in
-// use only when split s - 1 used it too (one sample is lost per change); a measurement is the
-// median of `window` such samples. Phases:
+// What a step of split s - 1 costs, as round s's pushes tell it (splitSeconds): stage 1 of step
+// s - 1 for the worker that pushed last (its round trip is the service alone; the others' also
+// waited for it: the least round trip over workers) plus the most time any worker took from that
+// reply to its push at step s (its compute of step s, with split s - 1's stage 2 behind it, and
+// the wait for that stage 2 to drain). Both parts belong to split s - 1 alone, whichever worker
+// is slow; a period between one worker's pushes would not (a fast worker's holds the slow one's
+// drain of split s - 2). A round with a worker that did not measure (step 0, or the first step
+// after an evaluation or a checkpoint, which are not step time) gives no sample.
+//
+// Fractions are multiples of `grid` in [grid, 1]. A sample counts for the fraction in use only
+// when split s - 1 used it too (one sample is lost per change); a measurement is the median of
+// `window` such samples. Phases:
 //   warm-up  `warmup` rounds at the workers' model-based guess (the compute they measure and
 //            their exchange rate), then the guess becomes the centre;
 //   centre   measure the centre;
@@ -70,14 +76,22 @@ struct FractionMove {
 // One line for people, e.g. "0.65 took 0.190 s/step against 0.212 at 0.45: the new centre".
 std::string describe(const FractionMove& move, const FractionSearchOptions& options);
 
+// Round s's sample from every worker's push (in any order): the least stage-1 round trip of
+// step s - 1 plus the most time from that reply to the push of step s; 0 when a worker did not
+// measure (a time <= 0 or not finite).
+double splitSeconds(const std::vector<double>& stage1Seconds,
+                    const std::vector<double>& sinceStage1Seconds);
+
 class FractionSearch {
  public:
-  // `first`: the fraction of step 0's split (sync.osp_fraction).
+  // `first`: the fraction of step 0's split (sync.osp_fraction; off the grid, the first move
+  // starts from it).
   explicit FractionSearch(double first, FractionSearchOptions options = {});
 
-  // Round `step`'s stage-1 pushes: the slowest worker's step period (<= 0 or not finite: not
-  // measured) and the largest model-based guess. Returns the fraction for step + 1's split;
-  // `move` is set when it differs from this step's. Rounds must come in order, one per step.
+  // Round `step`'s stage-1 pushes: splitSeconds (<= 0 or not finite: not measured) and the
+  // largest model-based guess. Returns the fraction for step + 1's split; `move` is set when it
+  // differs from this step's, and when the search settles (kBack, kSettled). Rounds must come
+  // in order, one per step, counted from 0 in this process.
   double observe(int64_t step, double seconds, double guess, std::optional<FractionMove>* move);
 
   double fraction() const { return fractionOf(current_); }
@@ -102,6 +116,7 @@ class FractionSearch {
   int maxUnits_ = 1;
   Phase phase_ = Phase::kWarmup;
   int current_ = 0;              // grid units of the newest split's fraction (step s's)
+  double offGrid_ = 0.0;         // step 0's fraction while it is in use and off the grid
   int previous_ = 0;             // and of step s - 1's, which round s's sample timed
   int centre_ = 0, stride_ = 0;  // grid units
   double centreSeconds_ = 0.0;   // the centre's measurement

@@ -17,7 +17,7 @@
 namespace caravan {
 namespace {
 
-constexpr int kTagPush1 = 21;  // worker -> server: PushHeader (kind, lr, fraction), g[I]
+constexpr int kTagPush1 = 21;  // worker -> server: PushHeader (ps_message.h), g[I]
 constexpr int kTagPull1 = 22;  // server -> worker: w[I]
 constexpr int kTagPush2 = 23;  // worker -> server: g[U]
 constexpr int kTagPull2 = 24;  // server -> worker: SplitHeader, w[U], next split flags
@@ -139,7 +139,7 @@ void OspWorkerStrategy::drainStage2() {
     const FractionMove& m = *first->move;
     StrategyEvent e;
     e.kind = "osp_fraction";
-    e.step = m.step;
+    e.step = firstStep_ + m.step;  // the servers count from this process's first step
     e.numbers = {{"from", m.from},
                  {"to", m.to},
                  {"centre", m.centre},
@@ -197,10 +197,12 @@ void OspWorkerStrategy::finishGradients() {
   PushHeader header;
   header.learningRate = lr_;
   header.requestedFraction = requestedFraction();
-  // The fraction search's sample: the time since the last stage-1 push (fraction_search.h).
-  header.stepSeconds =
-      lastStage1_ == Clock::time_point{} ? 0.0 : secondsBetween(lastStage1_, stage1Start);
-  lastStage1_ = stage1Start;
+  // The fraction search's sample (fraction_search.h): the last stage 1's round trip and the
+  // time since its reply; 0 (not measured) at the first step and after a pause.
+  if (lastStage1End_ != Clock::time_point{}) {
+    header.stage1Seconds = lastStage1Seconds_;
+    header.sinceStage1Seconds = secondsBetween(lastStage1End_, stage1Start);
+  }
   std::vector<at::Tensor> idx1(servers_), idx2(servers_), push1(servers_), pull1(servers_);
   for (int s = 0; s < servers_; ++s) {
     idx1[s] = indices(s, true);
@@ -209,6 +211,8 @@ void OspWorkerStrategy::finishGradients() {
     push1[s] = encodePush(header, g.index_select(0, idx1[s]));
   }
   servers().exchange(kTagPush1, push1, kTagPull1, &pull1, world_->timeout());
+  lastStage1End_ = Clock::now();
+  lastStage1Seconds_ = secondsBetween(stage1Start, lastStage1End_);
   for (int s = 0; s < servers_; ++s) install(idx1[s], pull1[s]);
   int64_t stage1 = 0;
   for (int s = 0; s < servers_; ++s) stage1 += idx1[s].numel();
@@ -252,6 +256,7 @@ void OspWorkerStrategy::finishGradients() {
 
 std::map<std::string, at::Tensor> OspWorkerStrategy::saveState() {
   drainStage2();
+  lastStage1End_ = {};  // a checkpoint is not step time
   // A stage-1 round whose push header says "state": each server sends worker 0 its shard's
   // optimizer state and steps nothing.
   sendToServers(PushKind::kState);
@@ -272,6 +277,7 @@ void OspWorkerStrategy::restoreState(const std::map<std::string, at::Tensor>& st
 
 double OspWorkerStrategy::consolidate() {
   drainStage2();
+  lastStage1End_ = {};  // an evaluation or a checkpoint follows: not step time
   return 0.0;
 }
 
@@ -337,15 +343,17 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
       *kind = round[0].kind;
       if (*kind != PushKind::kGradient) return {};
       *lr = round[0].learningRate;  // worker 0's
-      // auto: the slowest worker's step time and the largest model-based guess (the same on
-      // every server) into the search, which sizes the next split.
+      // auto: what split step - 1 cost and the largest model-based guess (the same on every
+      // server) into the search, which sizes the next split.
       if (options.autoFraction) {
-        double guess = 0.0, seconds = 0.0;
+        double guess = 0.0;
+        std::vector<double> stage1Seconds, sinceSeconds;
         for (const PushHeader& h : round) {
           if (std::isfinite(h.requestedFraction)) guess = std::max(guess, h.requestedFraction);
-          if (std::isfinite(h.stepSeconds)) seconds = std::max(seconds, h.stepSeconds);
+          stage1Seconds.push_back(h.stage1Seconds);
+          sinceSeconds.push_back(h.sinceStage1Seconds);
         }
-        fraction = search.observe(step, seconds, guess, &move);
+        fraction = search.observe(step, splitSeconds(stage1Seconds, sinceSeconds), guess, &move);
       }
     }
     at::Tensor sum = averagePayloads(payloads, n);

@@ -82,6 +82,9 @@ class OspWorkerStrategy : public Strategy {
   std::string name() const override { return "osp"; }
   void attachModel(torch::nn::Module& model) override;
   void setLearningRate(double lr) override { lr_ = lr; }
+  void beforeForward(int64_t step) override {
+    if (firstStep_ < 0) firstStep_ = step;
+  }
   void finishGradients() override;
   bool updatesParameters() const override { return true; }
   double consolidate() override;
@@ -133,7 +136,10 @@ class OspWorkerStrategy : public Strategy {
   };
   std::shared_ptr<Stage2Timing> stage2Timing_ = std::make_shared<Stage2Timing>();
   std::chrono::steady_clock::time_point lastReturn_{};
-  std::chrono::steady_clock::time_point lastStage1_{};  // the fraction search's sample
+  // The fraction search's sample: the last stage 1's reply and round trip.
+  std::chrono::steady_clock::time_point lastStage1End_{};
+  double lastStage1Seconds_ = 0.0;
+  int64_t firstStep_ = -1;  // the run's step at this process's first step (resumed: > 0)
   std::vector<StrategyEvent> events_;
   double computeSeconds_ = 0.0, elementsPerSecond_ = 0.0;
   at::Tensor previous_;  // heavy-ball LGP: w_{t-1}, flat

@@ -16,7 +16,7 @@ constexpr uint32_t kPushMagic = 0x43525650;  // "PVRC": a Caravan push, this lay
 constexpr uint32_t kPullMagic = 0x43524c50;  // "PLRC"
 constexpr uint32_t kSplitMagic = 0x43525053;  // "SPRC"
 
-static_assert(PushHeader::kWords * sizeof(float) == 2 * sizeof(uint32_t) + 3 * sizeof(double));
+static_assert(PushHeader::kWords * sizeof(float) == 2 * sizeof(uint32_t) + 4 * sizeof(double));
 static_assert(PullHeader::kWords * sizeof(float) == 2 * sizeof(uint32_t) + sizeof(int64_t));
 static_assert(SplitHeader::kWords * sizeof(float) ==
               2 * sizeof(uint32_t) + sizeof(int64_t) + 5 * sizeof(double));
@@ -71,7 +71,8 @@ at::Tensor encodePush(const PushHeader& header, const at::Tensor& payload) {
   put(at, static_cast<uint32_t>(header.kind));
   put(at, header.learningRate);
   put(at, header.requestedFraction);
-  put(at, header.stepSeconds);
+  put(at, header.stage1Seconds);
+  put(at, header.sinceStage1Seconds);
   return message;
 }
 
@@ -142,7 +143,8 @@ PushHeader decodePush(const at::Tensor& message, int worker, int serverRank) {
   h.kind = static_cast<PushKind>(kind);
   h.learningRate = take<double>(at);
   h.requestedFraction = take<double>(at);
-  h.stepSeconds = take<double>(at);
+  h.stage1Seconds = take<double>(at);
+  h.sinceStage1Seconds = take<double>(at);
   if (!std::isfinite(h.learningRate) || h.learningRate < 0.0) {
     throw foreign(fmt::format("learning rate {}", h.learningRate));
   }

@@ -7,7 +7,7 @@
 // fields are written as bytes into its first words, not as float values, so a double keeps
 // every bit and an integer is never rounded:
 //   push (worker -> server)  magic u32 | kind u32 | learning rate f64 | requested fraction f64
-//                            | step seconds f64
+//                            | previous stage-1 seconds f64 | seconds since stage 1 f64
 //   pull (server -> worker)  magic u32 | 0 u32    | staleness i64
 //   split (OSP's stage-2 reply, server -> worker)  magic u32 | move reason u32 (0: none) |
 //                            next fraction f64 | move step i64 | from f64 | centre f64 |
@@ -43,10 +43,12 @@ struct PushHeader {
   PushKind kind = PushKind::kGradient;
   double learningRate = 0.0;
   // osp with sync.osp_auto_fraction: the worker's model-based stage-1 share (the search's
-  // starting guess) and the time between its last two stage-1 pushes (0: not measured yet).
+  // starting guess); how long its previous stage-1 round took, push to reply, and the time
+  // from that reply to this push (0: not measured, fraction_search.h's splitSeconds).
   double requestedFraction = 0.0;
-  double stepSeconds = 0.0;
-  static constexpr int64_t kWords = 8;
+  double stage1Seconds = 0.0;
+  double sinceStage1Seconds = 0.0;
+  static constexpr int64_t kWords = 10;
 };
 
 struct PullHeader {
