@@ -540,7 +540,7 @@ TEST(DistOsp, AutoFractionMovesAreRecordedAndEveryServerSplitsAlike) {
     EXPECT_TRUE(to >= 0.05 - 1e-12 && to <= 1.0 + 1e-12) << m;
     const std::string reason = m.at("reason").get<std::string>();
     EXPECT_TRUE(reason == "guess" || reason == "probe" || reason == "faster" || reason == "back" ||
-                reason == "settled")
+                reason == "settled" || reason == "remeasured")
         << m;
     probes += reason == "probe";
     EXPECT_FALSE(m.at("why").get<std::string>().empty()) << m;

@@ -31,8 +31,8 @@ struct SearchRun {
   std::vector<FractionMove> moves;
 };
 
-// The servers' view: round s brings the period that timed split s - 1, times noise uniform in
-// [1 - noise, 1 + noise] (a fixed seed); the guess is constant.
+// The servers' view: round s brings the sample (splitSeconds) that timed split s - 1, times noise
+// uniform in [1 - noise, 1 + noise] (a fixed seed); the guess is constant.
 SearchRun simulate(const StepTime& time, double first, double guess, int64_t rounds, double noise,
                    FractionSearchOptions options = {}, unsigned seed = 7) {
   FractionSearch search(first, options);
@@ -210,7 +210,7 @@ TEST(FractionSearch, TheSplitHeaderKeepsTheMoveAndRefusesNonsense) {
     return std::string("accepted");
   };
   for (const auto& [fraction, reason] :
-       std::vector<std::pair<double, uint32_t>>{{0.0, 3}, {1.5, 3}, {std::nan(""), 3}, {0.5, 9}}) {
+       std::vector<std::pair<double, uint32_t>>{{0.0, 3}, {1.5, 3}, {std::nan(""), 3}, {0.5, 7}}) {
     EXPECT_NE(refusal(fraction, reason).find("rank 5 (a server) sent an OSP split"),
               std::string::npos)
         << fraction << " " << reason;
@@ -269,4 +269,34 @@ TEST(FractionSearch, AnOffGridFirstFractionIsWhereTheFirstMoveStarts) {
   EXPECT_EQ(run.moves.front().from, 0.33);
   EXPECT_DOUBLE_EQ(run.moves.front().to, 0.35);
   EXPECT_EQ(run.moves.front().step, 1);
+}
+
+// A centre whose first measurement was lucky: the first three samples at 0.8 come 40% low, so
+// 0.8 beats 0.6 and every later neighbour is compared with a time 0.8 never runs at. Back at the
+// centre it is measured again, found more than the margin slower, and the search starts again
+// around it: it ends at the true optimum 0.4 (T = 0.2 + 0.3 |f - 0.4|), not held at 0.8.
+TEST(FractionSearch, ALuckyCentreIsMeasuredAgainAndLeft) {
+  auto time = [](double f) { return 0.2 + 0.3 * std::abs(f - 0.4); };
+  FractionSearch search(0.6);
+  std::vector<double> split = {search.fraction()};
+  std::vector<FractionMove> moves;
+  int lucky = 3;
+  for (int64_t s = 0; s < 160; ++s) {
+    double seconds = s == 0 ? 0.0 : time(split[s - 1]);
+    if (s > 0 && std::abs(split[s - 1] - 0.8) < 1e-9 && lucky > 0) {
+      seconds *= 0.6;
+      --lucky;
+    }
+    std::optional<FractionMove> move;
+    split.push_back(search.observe(s, seconds, 0.6, &move));
+    if (move) moves.push_back(*move);
+  }
+  ASSERT_EQ(lucky, 0) << "the search never tried 0.8";
+  const bool remeasured = std::any_of(moves.begin(), moves.end(), [](const FractionMove& m) {
+    return m.reason == FractionReason::kRemeasured && std::abs(m.centre - 0.8) < 1e-9;
+  });
+  EXPECT_TRUE(remeasured);
+  EXPECT_DOUBLE_EQ(split.back(), 0.4);
+  for (const FractionMove& m : moves)
+    std::printf("  step %3ld %s\n", static_cast<long>(m.step), describe(m, {}).c_str());
 }

@@ -38,6 +38,7 @@ const char* reasonName(FractionReason reason) {
     case FractionReason::kFaster: return "faster";
     case FractionReason::kBack: return "back";
     case FractionReason::kSettled: return "settled";
+    case FractionReason::kRemeasured: return "remeasured";
   }
   return "?";
 }
@@ -65,12 +66,17 @@ std::string describe(const FractionMove& m, const FractionSearchOptions& o) {
     case FractionReason::kBack:
       return fmt::format(
           "{:.2f} took {:.3f} s/step, not {:g}% under {:.3f} at {:.2f}: back "
-          "to {:.2f}, held {} steps, then rechecked",
+          "to {:.2f}, measured again, held {} steps, then rechecked",
           m.from, m.probeSeconds, margin, m.centreSeconds, m.centre, m.to, o.recheckAfter);
+    case FractionReason::kRemeasured:
+      return fmt::format(
+          "{:.2f} measured again took {:.3f} s/step, more than {:g}% over the "
+          "{:.3f} it took before: searching around it again, probing {:.2f}",
+          m.centre, m.centreSeconds, margin, m.probeSeconds, m.to);
     case FractionReason::kSettled:
       return fmt::format(
           "settled at {:.2f} ({:.3f} s/step; no neighbour {:.2f} away {:g}% "
-          "faster), held {} steps, then rechecked",
+          "faster), measured again, held {} steps, then rechecked",
           m.centre, m.centreSeconds, o.grid, margin, o.recheckAfter);
   }
   return "?";
@@ -121,6 +127,7 @@ double FractionSearch::observe(int64_t step, double seconds, double guess,
       break;
     case Phase::kCentre:
     case Phase::kProbe:
+    case Phase::kConfirm:
       if (clean) samples_.push_back(seconds);
       if (static_cast<int>(samples_.size()) >= options_.window) {
         const double measuredSeconds = median(samples_);
@@ -135,6 +142,22 @@ double FractionSearch::observe(int64_t step, double seconds, double guess,
 }
 
 void FractionSearch::measured(double seconds, int64_t step) {
+  if (phase_ == Phase::kConfirm) {
+    // The centre measured again, back from its last probe. Its first measurement won against
+    // noisy neighbours, so it may have been lucky: one more than the margin slower now, and the
+    // search starts again around it with what it takes now (both directions, first stride).
+    if (seconds <= centreSeconds_ * (1.0 + options_.margin)) {
+      phase_ = Phase::kHold;
+      holdUntil_ = step + options_.recheckAfter;
+      return;
+    }
+    const double before = centreSeconds_;
+    centreSeconds_ = seconds;
+    stride_ = firstStride();
+    pending_ = {+1, -1};
+    nextProbe(step, FractionReason::kRemeasured, before);
+    return;
+  }
   if (phase_ == Phase::kCentre) {
     centreSeconds_ = seconds;
     pending_ = {+1, -1};
@@ -169,9 +192,9 @@ void FractionSearch::nextProbe(int64_t step, FractionReason reason, double probe
     stride_ /= 2;
     pending_ = {+1, -1};
   }
-  // No neighbour one grid step away is faster: hold the centre.
-  phase_ = Phase::kHold;
-  holdUntil_ = step + options_.recheckAfter;
+  // No neighbour one grid step away is faster: back to the centre, confirm its time, hold.
+  phase_ = Phase::kConfirm;
+  samples_.clear();
   const bool back = current_ != centre_;
   use(centre_, step, back ? FractionReason::kBack : FractionReason::kSettled, probeSeconds,
       /*always=*/true);

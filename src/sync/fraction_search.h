@@ -29,6 +29,9 @@
 //            skipped); one at least `margin` faster becomes the centre and the search goes on
 //            in the direction that won (the other neighbour is the old centre); when neither
 //            is, the stride halves and both are probed;
+//   confirm  back at the centre, it is measured again: a centre whose first measurement won
+//            against noisy neighbours may have been lucky; more than the margin slower now, the
+//            search starts again around it (first stride, both directions);
 //   hold     below one grid step the centre is kept `recheckAfter` rounds, then measured again
 //            and searched around from the first stride (a shallow slope that one grid step
 //            cannot show above the margin, a larger one can), so a drifting optimum is
@@ -56,11 +59,13 @@ struct FractionSearchOptions {
 
 // Why the fraction changed (FractionMove::reason).
 enum class FractionReason : uint32_t {
-  kGuess = 1,    // warm-up: the workers' model-based guess
-  kProbe = 2,    // trying a neighbour of the centre
-  kFaster = 3,   // the neighbour was faster: it is the new centre, the search goes on
-  kBack = 4,     // no neighbour one grid step away was faster: back to the centre, held
-  kSettled = 5,  // as kBack, the centre already in use (from == to)
+  kGuess = 1,       // warm-up: the workers' model-based guess
+  kProbe = 2,       // trying a neighbour of the centre
+  kFaster = 3,      // the neighbour was faster: it is the new centre, the search goes on
+  kBack = 4,        // no neighbour one grid step away was faster: back to the centre, held
+  kSettled = 5,     // as kBack, the centre already in use (from == to)
+  kRemeasured = 6,  // back at the centre it took more than the margin over its first
+                    // measurement: the search starts again around it
 };
 const char* reasonName(FractionReason reason);
 
@@ -70,7 +75,8 @@ struct FractionMove {
   double centre = 0.0;  // the search's centre after the move
   FractionReason reason = FractionReason::kGuess;
   // The measurements behind the move (median seconds per step; 0 where none): the centre's
-  // and the probe's that was just measured (kFaster, kBack, kProbe after another probe).
+  // and the fraction's that was just measured (kFaster, kBack, kProbe after another probe,
+  // kSettled after kFaster; kRemeasured: the centre's earlier measurement).
   double centreSeconds = 0.0, probeSeconds = 0.0;
 };
 // One line for people, e.g. "0.65 took 0.190 s/step against 0.212 at 0.45: the new centre".
@@ -90,7 +96,8 @@ class FractionSearch {
 
   // Round `step`'s stage-1 pushes: splitSeconds (<= 0 or not finite: not measured) and the
   // largest model-based guess. Returns the fraction for step + 1's split; `move` is set when it
-  // differs from this step's, and when the search settles (kBack, kSettled). Rounds must come
+  // differs from this step's (or step 0's was off the grid), and when the search settles
+  // (kBack, kSettled). Rounds must come
   // in order, one per step, counted from 0 in this process.
   double observe(int64_t step, double seconds, double guess, std::optional<FractionMove>* move);
 
@@ -98,7 +105,7 @@ class FractionSearch {
   const FractionSearchOptions& options() const { return options_; }
 
  private:
-  enum class Phase { kWarmup, kCentre, kProbe, kHold };
+  enum class Phase { kWarmup, kCentre, kProbe, kConfirm, kHold };
   int snap(double fraction) const;  // grid units in [1, maxUnits_]
   int firstStride() const;          // grid units
   // units / (1 / grid): 3 of 20 is 0.15, the double nearest it (not 3 x 0.05).

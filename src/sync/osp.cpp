@@ -256,7 +256,7 @@ void OspWorkerStrategy::finishGradients() {
 
 std::map<std::string, at::Tensor> OspWorkerStrategy::saveState() {
   drainStage2();
-  lastStage1End_ = {};  // a checkpoint is not step time
+  lastStage1End_ = lastReturn_ = {};  // a checkpoint is not step time
   // A stage-1 round whose push header says "state": each server sends worker 0 its shard's
   // optimizer state and steps nothing.
   sendToServers(PushKind::kState);
@@ -277,7 +277,7 @@ void OspWorkerStrategy::restoreState(const std::map<std::string, at::Tensor>& st
 
 double OspWorkerStrategy::consolidate() {
   drainStage2();
-  lastStage1End_ = {};  // an evaluation or a checkpoint follows: not step time
+  lastStage1End_ = lastReturn_ = {};  // an evaluation or a checkpoint follows: not step time
   return 0.0;
 }
 

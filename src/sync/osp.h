@@ -27,8 +27,9 @@
 // With fraction 1 every chunk is stage 1: exactly ps-bsp (test).
 //
 // `auto` sizing (sync.osp_auto_fraction; ours): the servers search the fraction by measuring
-// step times (fraction_search.h), every stage-1 push carrying the worker's time since its last
-// one. The search starts from a model's guess that each worker sends along: from the time
+// step times (fraction_search.h), every stage-1 push carrying the worker's previous stage-1
+// round trip and the time since its reply (neither counts evaluations and checkpoints). The
+// search starts from a model's guess that each worker sends along: from the time
 // between steps' exchanges (forward + backward: the compute stage 2 can hide behind) and the
 // rate of its exchanges (elements per second over stage 1 and the previous stage 2, smoothed),
 // the smallest fraction whose stage 2 fits under 95% of that compute time; the servers take
@@ -36,7 +37,7 @@
 // same fraction (each stage-2 reply says which, and why it moved: workers check that every
 // server's split has that share and keep the moves for metrics.jsonl, "osp_fraction" records).
 // Step 0 uses sync.osp_fraction. The search's state is not in checkpoints: a resumed run
-// searches again.
+// starts again from sync.osp_fraction and searches again.
 //
 // Threading: trainer thread; stage 2 on the strategy's CommThread.
 #pragma once

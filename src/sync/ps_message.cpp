@@ -179,7 +179,7 @@ SplitHeader decodeSplit(const at::Tensor& message, int serverRank) {
   m.centreSeconds = take<double>(at);
   m.probeSeconds = take<double>(at);
   m.to = h.fraction;
-  const bool known = reason <= static_cast<uint32_t>(FractionReason::kSettled);
+  const bool known = reason <= static_cast<uint32_t>(FractionReason::kRemeasured);
   if (magic != kSplitMagic || !known || !(h.fraction > 0.0 && h.fraction <= 1.0)) {
     throw PeerError(
         fmt::format("rank {} (a server) sent an OSP split this worker cannot read; it runs "
