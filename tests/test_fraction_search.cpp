@@ -273,8 +273,9 @@ TEST(FractionSearch, AnOffGridFirstFractionIsWhereTheFirstMoveStarts) {
 
 // A centre whose first measurement was lucky: the first three samples at 0.8 come 40% low, so
 // 0.8 beats 0.6 and every later neighbour is compared with a time 0.8 never runs at. Back at the
-// centre it is measured again, found more than the margin slower, and the search starts again
-// around it: it ends at the true optimum 0.4 (T = 0.2 + 0.3 |f - 0.4|), not held at 0.8.
+// centre it is measured again, its neighbour 0.7 is found the margin faster, and the search
+// starts again around it: it ends at the true optimum 0.4 (T = 0.2 + 0.3 |f - 0.4|), not held
+// at 0.8.
 TEST(FractionSearch, ALuckyCentreIsMeasuredAgainAndLeft) {
   auto time = [](double f) { return 0.2 + 0.3 * std::abs(f - 0.4); };
   FractionSearch search(0.6);

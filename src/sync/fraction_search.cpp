@@ -70,9 +70,9 @@ std::string describe(const FractionMove& m, const FractionSearchOptions& o) {
           m.from, m.probeSeconds, margin, m.centreSeconds, m.centre, m.to, o.recheckAfter);
     case FractionReason::kRemeasured:
       return fmt::format(
-          "{:.2f} measured again took {:.3f} s/step, more than {:g}% over the "
-          "{:.3f} it took before: searching around it again, probing {:.2f}",
-          m.centre, m.centreSeconds, margin, m.probeSeconds, m.to);
+          "{:.2f} measured again took {:.3f} s/step (first {:.3f}), a neighbour {:g}% "
+          "faster: searching around it again, probing {:.2f}",
+          m.centre, m.centreSeconds, m.probeSeconds, margin, m.to);
     case FractionReason::kSettled:
       return fmt::format(
           "settled at {:.2f} ({:.3f} s/step; no neighbour {:.2f} away {:g}% "
@@ -144,15 +144,19 @@ double FractionSearch::observe(int64_t step, double seconds, double guess,
 void FractionSearch::measured(double seconds, int64_t step) {
   if (phase_ == Phase::kConfirm) {
     // The centre measured again, back from its last probe. Its first measurement won against
-    // noisy neighbours, so it may have been lucky: one more than the margin slower now, and the
-    // search starts again around it with what it takes now (both directions, first stride).
-    if (seconds <= centreSeconds_ * (1.0 + options_.margin)) {
+    // noisy neighbours, so it may have been lucky: when a neighbour measured around it is now
+    // the margin faster than it, the search starts again around it with what it takes now
+    // (both directions, first stride). A centre merely slower than its first measurement, with
+    // no neighbour faster, is held: drift alone does not restart the search.
+    if (!(neighbourBest_ < seconds * (1.0 - options_.margin))) {
+      centreSeconds_ = seconds;
       phase_ = Phase::kHold;
       holdUntil_ = step + options_.recheckAfter;
       return;
     }
     const double before = centreSeconds_;
     centreSeconds_ = seconds;
+    neighbourBest_ = HUGE_VAL;
     stride_ = firstStride();
     pending_ = {+1, -1};
     nextProbe(step, FractionReason::kRemeasured, before);
@@ -160,6 +164,7 @@ void FractionSearch::measured(double seconds, int64_t step) {
   }
   if (phase_ == Phase::kCentre) {
     centreSeconds_ = seconds;
+    neighbourBest_ = HUGE_VAL;
     pending_ = {+1, -1};
     nextProbe(step, FractionReason::kProbe, 0.0);
     return;
@@ -168,11 +173,13 @@ void FractionSearch::measured(double seconds, int64_t step) {
   // neighbour is the old centre, known slower).
   if (seconds < centreSeconds_ * (1.0 - options_.margin)) {
     centre_ = current_;
+    neighbourBest_ = centreSeconds_;  // the old centre is a neighbour of the new one
     centreSeconds_ = seconds;
     pending_ = {direction_};
     nextProbe(step, FractionReason::kFaster, seconds);
     return;
   }
+  neighbourBest_ = std::min(neighbourBest_, seconds);
   nextProbe(step, FractionReason::kProbe, seconds);
 }
 

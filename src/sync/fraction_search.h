@@ -30,8 +30,9 @@
 //            in the direction that won (the other neighbour is the old centre); when neither
 //            is, the stride halves and both are probed;
 //   confirm  back at the centre, it is measured again: a centre whose first measurement won
-//            against noisy neighbours may have been lucky; more than the margin slower now, the
-//            search starts again around it (first stride, both directions);
+//            against noisy neighbours may have been lucky; when a neighbour measured around it
+//            is the margin faster than what it takes now, the search starts again around it
+//            (first stride, both directions); drift alone does not restart it;
 //   hold     below one grid step the centre is kept `recheckAfter` rounds, then measured again
 //            and searched around from the first stride (a shallow slope that one grid step
 //            cannot show above the margin, a larger one can), so a drifting optimum is
@@ -64,8 +65,8 @@ enum class FractionReason : uint32_t {
   kFaster = 3,      // the neighbour was faster: it is the new centre, the search goes on
   kBack = 4,        // no neighbour one grid step away was faster: back to the centre, held
   kSettled = 5,     // as kBack, the centre already in use (from == to)
-  kRemeasured = 6,  // back at the centre it took more than the margin over its first
-                    // measurement: the search starts again around it
+  kRemeasured = 6,  // back at the centre, measured again, a neighbour measured around it
+                    // is the margin faster: the search starts again around it
 };
 const char* reasonName(FractionReason reason);
 
@@ -127,6 +128,7 @@ class FractionSearch {
   int previous_ = 0;             // and of step s - 1's, which round s's sample timed
   int centre_ = 0, stride_ = 0;  // grid units
   double centreSeconds_ = 0.0;   // the centre's measurement
+  double neighbourBest_ = 0.0;   // the fastest neighbour measured around this centre
   std::vector<int> pending_;     // directions (+1, -1) still to probe at this stride
   int direction_ = 0;            // the probe being measured: centre + direction * stride
   std::vector<double> samples_;  // clean samples of current_
