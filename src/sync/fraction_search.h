@@ -98,12 +98,10 @@ class FractionSearch {
   // Round `step`'s stage-1 pushes: splitSeconds (<= 0 or not finite: not measured) and the
   // largest model-based guess. Returns the fraction for step + 1's split; `move` is set when it
   // differs from this step's (or step 0's was off the grid), and when the search settles
-  // (kBack, kSettled). Rounds must come
-  // in order, one per step, counted from 0 in this process.
+  // (kBack, kSettled). Rounds must come in order, one per step, counted from 0 in this process.
   double observe(int64_t step, double seconds, double guess, std::optional<FractionMove>* move);
 
   double fraction() const { return fractionOf(current_); }
-  const FractionSearchOptions& options() const { return options_; }
 
  private:
   enum class Phase { kWarmup, kCentre, kProbe, kConfirm, kHold };
@@ -113,7 +111,8 @@ class FractionSearch {
   double fractionOf(int units) const { return static_cast<double>(units) / maxUnits_; }
   // A measurement of the fraction in use (`current_`) is complete: decide what to try next.
   void measured(double seconds, int64_t step);
-  // The next neighbour in pending_ inside the grid, or the next stride, or hold.
+  // The next neighbour in pending_ inside the grid, or the next stride, or (below one grid
+  // step) back to the centre to confirm it.
   void nextProbe(int64_t step, FractionReason reason, double probeSeconds);
   // current_ becomes `units`; a FractionMove for step + 1 is kept when that changes it (or
   // always, with `always`).

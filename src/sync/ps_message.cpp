@@ -52,6 +52,14 @@ const uint8_t* headerBytes(const at::Tensor& message, int64_t words, const char*
   return static_cast<const uint8_t*>(message.data_ptr());
 }
 
+// A server's reply (`what`) this worker cannot read.
+PeerError unreadableReply(int serverRank, const char* what) {
+  return PeerError(
+      fmt::format("rank {} (a server) sent {} this worker cannot read; it runs "
+                  "another version of caravan or is not part of this job",
+                  serverRank, what));
+}
+
 const char* kindName(PushKind kind) {
   switch (kind) {
     case PushKind::kGradient: return "gradient";
@@ -157,12 +165,7 @@ PullHeader decodePull(const at::Tensor& message, int serverRank) {
   take<uint32_t>(at);
   PullHeader h;
   h.staleness = take<int64_t>(at);
-  if (magic != kPullMagic || h.staleness < 0) {
-    throw PeerError(
-        fmt::format("rank {} (a server) sent a reply this worker cannot read; it "
-                    "runs another version of caravan or is not part of this job",
-                    serverRank));
-  }
+  if (magic != kPullMagic || h.staleness < 0) throw unreadableReply(serverRank, "a reply");
   return h;
 }
 
@@ -181,10 +184,7 @@ SplitHeader decodeSplit(const at::Tensor& message, int serverRank) {
   m.to = h.fraction;
   const bool known = reason <= static_cast<uint32_t>(FractionReason::kRemeasured);
   if (magic != kSplitMagic || !known || !(h.fraction > 0.0 && h.fraction <= 1.0)) {
-    throw PeerError(
-        fmt::format("rank {} (a server) sent an OSP split this worker cannot read; it runs "
-                    "another version of caravan or is not part of this job",
-                    serverRank));
+    throw unreadableReply(serverRank, "an OSP split");
   }
   if (reason != 0) {
     m.reason = static_cast<FractionReason>(reason);
