@@ -62,6 +62,7 @@ MODES = {
     "osp-0.25": (["sync.mode=osp", "sync.osp_fraction=0.25"], True),
     "osp": (["sync.mode=osp", "sync.osp_fraction=0.5"], True),
     "osp-0.75": (["sync.mode=osp", "sync.osp_fraction=0.75"], True),
+    "osp-1.0": (["sync.mode=osp", "sync.osp_fraction=1.0"], True),
     "osp-nolgp": (["sync.mode=osp", "sync.osp_fraction=0.5", "sync.osp_lgp=false"], True),
     "osp-auto": (["sync.mode=osp", "sync.osp_auto_fraction=true"], True),
     "osp-auto-nolgp": (["sync.mode=osp", "sync.osp_auto_fraction=true", "sync.osp_lgp=false"],

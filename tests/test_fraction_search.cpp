@@ -80,7 +80,7 @@ std::vector<double> grid() {
 // from guesses at both ends and the middle, under +-3% noise per step (10 seeds), the mean step
 // time over rounds 150-400 (rechecks included) is within 5% of the grid's fastest fraction (so
 // of every fixed fraction 0.25, 0.5, 0.75, and of 1, which is ps-bsp), and every fraction it
-// settled at after round 100 is within 5% too.
+// held after round 100 (back at a centre, not left when measured again) is within 5% too.
 TEST(FractionSearch, SettlesWithinFivePercentOfTheFastestFraction) {
   const std::vector<std::pair<const char*, StepTime>> models = {
       {"compute-bound", ospModel(0.15, 0.10, 1.0)},  // fastest at the smallest fraction
@@ -97,11 +97,18 @@ TEST(FractionSearch, SettlesWithinFivePercentOfTheFastestFraction) {
         const double mean = meanTime(time, run, 150);
         EXPECT_LE(mean, 1.05 * best) << name << " from " << guess << " seed " << seed;
         worst = std::max(worst, mean / best);
-        for (const FractionMove& m : run.moves) {
+        for (size_t i = 0; i < run.moves.size(); ++i) {
+          const FractionMove& m = run.moves[i];
           if (m.step < 100 ||
               (m.reason != FractionReason::kBack && m.reason != FractionReason::kSettled)) {
             continue;
           }
+          // Back at the centre it is measured again (window + 1 rounds); a restart then means
+          // it was not held.
+          const bool left = i + 1 < run.moves.size() &&
+                            run.moves[i + 1].reason == FractionReason::kRemeasured &&
+                            run.moves[i + 1].step <= m.step + FractionSearchOptions{}.window + 1;
+          if (left) continue;
           EXPECT_LE(time(m.centre, 0), 1.05 * best)
               << name << " from " << guess << " seed " << seed << ": " << describe(m, {});
         }
@@ -210,7 +217,7 @@ TEST(FractionSearch, TheSplitHeaderKeepsTheMoveAndRefusesNonsense) {
     return std::string("accepted");
   };
   for (const auto& [fraction, reason] :
-       std::vector<std::pair<double, uint32_t>>{{0.0, 3}, {1.5, 3}, {std::nan(""), 3}, {0.5, 7}}) {
+       std::vector<std::pair<double, uint32_t>>{{0.0, 3}, {1.5, 3}, {std::nan(""), 3}, {0.5, 9}}) {
     EXPECT_NE(refusal(fraction, reason).find("rank 5 (a server) sent an OSP split"),
               std::string::npos)
         << fraction << " " << reason;
@@ -300,4 +307,28 @@ TEST(FractionSearch, ALuckyCentreIsMeasuredAgainAndLeft) {
   EXPECT_DOUBLE_EQ(split.back(), 0.4);
   for (const FractionMove& m : moves)
     std::printf("  step %3ld %s\n", static_cast<long>(m.step), describe(m, {}).c_str());
+}
+
+// A run's first steps are slower than its later ones (measured at 1 Gbit/s, 0.4 cores per host:
+// 0.15 took 0.146 s/step at step 5 and 0.129 at step 70). A centre timed then loses to a
+// neighbour timed later that is really slower, and the search holds that neighbour. Modelled
+// as 1 + 0.25 exp(-s / 6) on a step time with its optimum at 0.2 rising 6% per 0.1 on either
+// side, the guess at the optimum: over rounds 30-120 of every seed the mean step time is within
+// 5% of the optimum's. Where the search started is measured again before the centre is held
+// (recall); without that, 3 seeds of 10 held a neighbour (at most 1.09x).
+TEST(FractionSearch, ARunsSlowFirstStepsDoNotTimeTheCentre) {
+  const StepTime steady = [](double f, int64_t) { return 0.125 * (1.0 + 0.6 * std::abs(f - 0.2)); };
+  const StepTime warming = [&](double f, int64_t s) {
+    return steady(f, s) * (1.0 + 0.25 * std::exp(-static_cast<double>(s) / 6.0));
+  };
+  const double best = bestOf(steady, grid(), 0);
+  double worst = 0.0;
+  for (unsigned seed = 1; seed <= 10; ++seed) {
+    const SearchRun run = simulate(warming, 0.5, 0.2, 120, 0.03, {}, seed);
+    const double mean = meanTime(steady, run, 30);
+    EXPECT_LE(mean, 1.05 * best) << "seed " << seed;
+    worst = std::max(worst, mean / best);
+  }
+  std::printf("mean step time over rounds 30-120 at most %.3fx the grid's best over 10 seeds\n",
+              worst);
 }

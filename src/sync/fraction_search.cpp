@@ -39,6 +39,8 @@ const char* reasonName(FractionReason reason) {
     case FractionReason::kBack: return "back";
     case FractionReason::kSettled: return "settled";
     case FractionReason::kRemeasured: return "remeasured";
+    case FractionReason::kRecall: return "recall";
+    case FractionReason::kOriginFaster: return "origin-faster";
   }
   return "?";
 }
@@ -73,6 +75,16 @@ std::string describe(const FractionMove& m, const FractionSearchOptions& o) {
           "{:.2f} measured again took {:.3f} s/step (first {:.3f}), a neighbour {:g}% "
           "faster: searching around it again, probing {:.2f}",
           m.centre, m.centreSeconds, m.probeSeconds, margin, m.to);
+    case FractionReason::kRecall:
+      return fmt::format(
+          "{:.2f} took {:.3f} s/step, not {:g}% under {:.3f} at {:.2f}: measuring {:.2f}, "
+          "where the search started, again",
+          m.from, m.probeSeconds, margin, m.centreSeconds, m.centre, m.to);
+    case FractionReason::kOriginFaster:
+      return fmt::format(
+          "{:.2f}, where the search started, measured again took {:.3f} s/step, at least {:g}% "
+          "under {:.3f} at the centre: searching around it again, probing {:.2f}",
+          m.centre, m.centreSeconds, margin, m.probeSeconds, m.to);
     case FractionReason::kSettled:
       return fmt::format(
           "settled at {:.2f} ({:.3f} s/step; no neighbour {:.2f} away {:g}% "
@@ -111,22 +123,19 @@ double FractionSearch::observe(int64_t step, double seconds, double guess,
   switch (phase_) {
     case Phase::kWarmup:
       centre_ = snap(guess);
-      if (step + 1 >= options_.warmup) {
-        stride_ = firstStride();
-        phase_ = Phase::kCentre;
-      }
+      if (step + 1 >= options_.warmup) phase_ = Phase::kCentre;
       samples_.clear();
       use(snap(guess), step, FractionReason::kGuess, 0.0);
       break;
     case Phase::kHold:  // then measure the centre again and search around it afresh
       if (step >= holdUntil_) {
-        stride_ = firstStride();
         samples_.clear();
         phase_ = Phase::kCentre;
       }
       break;
     case Phase::kCentre:
     case Phase::kProbe:
+    case Phase::kRecall:
     case Phase::kConfirm:
       if (clean) samples_.push_back(seconds);
       if (static_cast<int>(samples_.size()) >= options_.window) {
@@ -154,19 +163,24 @@ void FractionSearch::measured(double seconds, int64_t step) {
       holdUntil_ = step + options_.recheckAfter;
       return;
     }
-    const double before = centreSeconds_;
-    centreSeconds_ = seconds;
-    neighbourBest_ = HUGE_VAL;
-    stride_ = firstStride();
-    pending_ = {+1, -1};
-    nextProbe(step, FractionReason::kRemeasured, before);
+    searchAround(centre_, seconds, step, FractionReason::kRemeasured, centreSeconds_);
+    return;
+  }
+  if (phase_ == Phase::kRecall) {
+    // Where this search started, measured again: it lost to the centre on a measurement taken
+    // earlier. The margin faster than the centre, the search starts again around it; otherwise
+    // it is one more neighbour the centre's confirmation compares with.
+    if (seconds < centreSeconds_ * (1.0 - options_.margin)) {
+      searchAround(origin_, seconds, step, FractionReason::kOriginFaster, centreSeconds_);
+      return;
+    }
+    neighbourBest_ = std::min(neighbourBest_, seconds);
+    phase_ = Phase::kConfirm;
+    use(centre_, step, FractionReason::kBack, seconds, /*always=*/true);
     return;
   }
   if (phase_ == Phase::kCentre) {
-    centreSeconds_ = seconds;
-    neighbourBest_ = HUGE_VAL;
-    pending_ = {+1, -1};
-    nextProbe(step, FractionReason::kProbe, 0.0);
+    searchAround(centre_, seconds, step, FractionReason::kProbe, 0.0);
     return;
   }
   // A probe: the winner becomes the centre and the search goes on in its direction (the other
@@ -181,6 +195,16 @@ void FractionSearch::measured(double seconds, int64_t step) {
   }
   neighbourBest_ = std::min(neighbourBest_, seconds);
   nextProbe(step, FractionReason::kProbe, seconds);
+}
+
+void FractionSearch::searchAround(int units, double seconds, int64_t step, FractionReason reason,
+                                  double probeSeconds) {
+  centre_ = origin_ = units;
+  centreSeconds_ = seconds;
+  neighbourBest_ = HUGE_VAL;
+  stride_ = firstStride();
+  pending_ = {+1, -1};
+  nextProbe(step, reason, probeSeconds);
 }
 
 void FractionSearch::nextProbe(int64_t step, FractionReason reason, double probeSeconds) {
@@ -199,9 +223,15 @@ void FractionSearch::nextProbe(int64_t step, FractionReason reason, double probe
     stride_ /= 2;
     pending_ = {+1, -1};
   }
-  // No neighbour one grid step away is faster: back to the centre, confirm its time, hold.
-  phase_ = Phase::kConfirm;
+  // No neighbour one grid step away is faster. Away from where the search started: measure that
+  // again first. Then back to the centre, confirm its time, hold.
   samples_.clear();
+  if (origin_ != centre_) {
+    phase_ = Phase::kRecall;
+    use(origin_, step, FractionReason::kRecall, probeSeconds, /*always=*/true);
+    return;
+  }
+  phase_ = Phase::kConfirm;
   const bool back = current_ != centre_;
   use(centre_, step, back ? FractionReason::kBack : FractionReason::kSettled, probeSeconds,
       /*always=*/true);

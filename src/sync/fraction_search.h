@@ -29,10 +29,16 @@
 //            skipped); one at least `margin` faster becomes the centre and the search goes on
 //            in the direction that won (the other neighbour is the old centre); when neither
 //            is, the stride halves and both are probed;
+//   recall   when the probes ended away from where this search started, that fraction is
+//            measured again: the centre won against it on a measurement taken earlier (a run's
+//            first steps are slower than its later ones: measured 15% over the first ten of a
+//            fmnist-cnn run; drift), so it may not be faster now; when it is the margin
+//            faster than the centre, the search starts again around it;
 //   confirm  back at the centre, it is measured again: a centre whose first measurement won
 //            against noisy neighbours may have been lucky; when a neighbour measured around it
-//            is the margin faster than what it takes now, the search starts again around it
-//            (first stride, both directions); drift alone does not restart it;
+//            (or the recalled start) is the margin faster than what it takes now, the search
+//            starts again around it (first stride, both directions); drift alone does not
+//            restart it;
 //   hold     below one grid step the centre is kept `recheckAfter` rounds, then measured again
 //            and searched around from the first stride (a shallow slope that one grid step
 //            cannot show above the margin, a larger one can), so a drifting optimum is
@@ -60,13 +66,17 @@ struct FractionSearchOptions {
 
 // Why the fraction changed (FractionMove::reason).
 enum class FractionReason : uint32_t {
-  kGuess = 1,       // warm-up: the workers' model-based guess
-  kProbe = 2,       // trying a neighbour of the centre
-  kFaster = 3,      // the neighbour was faster: it is the new centre, the search goes on
-  kBack = 4,        // no neighbour one grid step away was faster: back to the centre, held
-  kSettled = 5,     // as kBack, the centre already in use (from == to)
-  kRemeasured = 6,  // back at the centre, measured again, a neighbour measured around it
-                    // is the margin faster: the search starts again around it
+  kGuess = 1,         // warm-up: the workers' model-based guess
+  kProbe = 2,         // trying a neighbour of the centre
+  kFaster = 3,        // the neighbour was faster: it is the new centre, the search goes on
+  kBack = 4,          // no neighbour one grid step away was faster: back to the centre, held
+  kSettled = 5,       // as kBack, the centre already in use (from == to)
+  kRemeasured = 6,    // back at the centre, measured again, a neighbour measured around it
+                      // is the margin faster: the search starts again around it
+  kRecall = 7,        // the probes done away from where this search started: measuring that
+                      // fraction again against the centre
+  kOriginFaster = 8,  // measured again, where the search started is the margin faster than
+                      // the centre: the search starts again around it
 };
 const char* reasonName(FractionReason reason);
 
@@ -104,13 +114,17 @@ class FractionSearch {
   double fraction() const { return fractionOf(current_); }
 
  private:
-  enum class Phase { kWarmup, kCentre, kProbe, kConfirm, kHold };
+  enum class Phase { kWarmup, kCentre, kProbe, kRecall, kConfirm, kHold };
   int snap(double fraction) const;  // grid units in [1, maxUnits_]
   int firstStride() const;          // grid units
   // units / (1 / grid): 3 of 20 is 0.15, the double nearest it (not 3 x 0.05).
   double fractionOf(int units) const { return static_cast<double>(units) / maxUnits_; }
   // A measurement of the fraction in use (`current_`) is complete: decide what to try next.
   void measured(double seconds, int64_t step);
+  // `units`, measured at `seconds`, becomes the centre and where this search starts: its
+  // neighbours are probed from the first stride.
+  void searchAround(int units, double seconds, int64_t step, FractionReason reason,
+                    double probeSeconds);
   // The next neighbour in pending_ inside the grid, or the next stride, or (below one grid
   // step) back to the centre to confirm it.
   void nextProbe(int64_t step, FractionReason reason, double probeSeconds);
@@ -126,6 +140,7 @@ class FractionSearch {
   double offGrid_ = 0.0;         // step 0's fraction while it is in use and off the grid
   int previous_ = 0;             // and of step s - 1's, which round s's sample timed
   int centre_ = 0, stride_ = 0;  // grid units
+  int origin_ = 0;               // the centre this search started from (grid units)
   double centreSeconds_ = 0.0;   // the centre's measurement
   double neighbourBest_ = 0.0;   // the fastest neighbour measured around this centre
   std::vector<int> pending_;     // directions (+1, -1) still to probe at this stride

@@ -182,7 +182,7 @@ SplitHeader decodeSplit(const at::Tensor& message, int serverRank) {
   m.centreSeconds = take<double>(at);
   m.probeSeconds = take<double>(at);
   m.to = h.fraction;
-  const bool known = reason <= static_cast<uint32_t>(FractionReason::kRemeasured);
+  const bool known = reason <= static_cast<uint32_t>(FractionReason::kOriginFaster);
   if (magic != kSplitMagic || !known || !(h.fraction > 0.0 && h.fraction <= 1.0)) {
     throw unreadableReply(serverRank, "an OSP split");
   }
