@@ -245,6 +245,7 @@ int main(int argc, char** argv) {
 
     // Connections, in the same order on every rank.
     auto glooComm = makeCommunicator("gloo", world, store, timeout);
+    auto shmComm = makeCommunicator("shm", world, store, timeout);
     auto rawGloo = glooContext(store, "bench/raw-gloo", rank, n, timeout);
 #if CARAVAN_BENCH_MPI
     auto mpiComm = makeCommunicator("mpi", world, store, timeout);  // the store is unused
@@ -267,6 +268,9 @@ int main(int argc, char** argv) {
     impls.push_back({"caravan-gloo", [&](at::Tensor& t) {
                        glooComm->allreduce(t, ReduceOp::kSum)->wait(timeout);
                      }, {}});
+    impls.push_back({"caravan-shm",
+                     [&](at::Tensor& t) { shmComm->allreduce(t, ReduceOp::kSum)->wait(timeout); },
+                     {}});
     impls.push_back({"raw-gloo", [&](at::Tensor& t) {
                        ::gloo::AllreduceOptions o(rawGloo);
                        o.setOutput(t.data_ptr<float>(), static_cast<size_t>(t.numel()));

@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""All-reduce bus bandwidth: Caravan's Gloo and MPI communicators against raw Gloo and raw MPI,
+"""All-reduce bus bandwidth: Caravan's shared-memory, Gloo and MPI communicators against raw Gloo
+and raw MPI,
 measured in the same process with the implementations interleaved (build/caravan_bench_comm, see
 the comment at the top of bench/bench_comm.cpp). Runs the benchmark at each rank count once
 per Open MPI all-reduce rule (default; MPI_Allreduce forced to the ring with
@@ -45,7 +46,7 @@ RULES = {
     "ring": TUNED_RING,                       # MPI_Allreduce forced to the ring
     "ring+nbc": TUNED_RING + ["--mca", "coll_libnbc_iallreduce_algorithm", "1"],  # both
 }
-COLUMNS = ["caravan-gloo", "raw-gloo", "caravan-mpi", "raw-mpi-nb", "raw-mpi"]
+COLUMNS = ["caravan-shm", "caravan-gloo", "raw-gloo", "caravan-mpi", "raw-mpi-nb", "raw-mpi"]
 
 
 def has_mpi(bench):
@@ -102,6 +103,10 @@ def table(rows):
     ratios = []
     if {"caravan-gloo", "raw-gloo"} <= set(cols):
         ratios.append(("gloo: caravan/raw", "caravan-gloo", "raw-gloo"))
+    if {"caravan-shm", "raw-gloo"} <= set(cols):
+        ratios.append(("shm / raw gloo", "caravan-shm", "raw-gloo"))
+    if {"caravan-shm", "raw-mpi"} <= set(cols):
+        ratios.append(("shm / raw mpi", "caravan-shm", "raw-mpi"))
     if {"caravan-mpi", "raw-mpi"} <= set(cols):
         ratios.append(("mpi: caravan/raw", "caravan-mpi", "raw-mpi"))
     if {"caravan-mpi", "raw-mpi-nb"} <= set(cols):

@@ -11,6 +11,7 @@
 // and every result is compared bit for bit.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -33,6 +34,7 @@
 #include "comm/factory.h"
 #include "comm/gloo_communicator.h"
 #include "comm/mpi_communicator.h"
+#include "comm/shm_communicator.h"
 #include "comm/store.h"
 #include "comm/tcp_store.h"
 #include "comm/world.h"
@@ -599,12 +601,196 @@ TEST(CommStore, FileStoreAndBadOptions) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Shared memory: ranks as threads, each a ShmCommunicator over one segment (send/recv over a
+// loopback Gloo communicator of the same ranks).
+
+// Runs body(comm) for every rank of a world of `size`; returns each rank's exception message
+// ("" when it returned normally).
+std::vector<std::string> runShmRanks(int size, const ShmOptions& options,
+                                     const std::function<void(Communicator&)>& body) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  return test::runGlooRanks(
+      size, loopbackOptions(),
+      [&](std::shared_ptr<Communicator> gloo) {
+        ShmCommunicator c(store, gloo->rank(), size, options, gloo);
+        body(c);
+      },
+      store);
+}
+
+// Rendezvous within kOpTimeout; collectives wait `timeout`.
+ShmOptions shmOptions(int64_t slotBytes = ShmOptions{}.slotBytes,
+                      milliseconds timeout = kOpTimeout) {
+  ShmOptions o;
+  o.slotBytes = slotBytes;
+  o.timeout = timeout;
+  o.joinTimeout = kOpTimeout;
+  o.token = "test-token";
+  return o;
+}
+
+class CommShmCollectives : public ::testing::TestWithParam<std::tuple<int, at::ScalarType>> {};
+
+// The suite every backend passes, at 0/1/7/2^20 elements with the default 4 MiB slots (one
+// chunk, or several for reduce-scatter), and again with slots of 64 bytes per rank and 1000
+// elements, so every collective crosses many chunk and buffer boundaries.
+TEST_P(CommShmCollectives, MatchExpected) {
+  const auto [size, dt] = GetParam();
+  std::vector<std::atomic<int>> arrived(kCounts.size() + 1);
+  auto errors = runShmRanks(size, shmOptions(), [&](Communicator& c) {
+    EXPECT_EQ(c.backend(), "shm");
+    for (size_t i = 0; i < kCounts.size(); ++i) checkCollectives(c, kCounts[i], dt, &arrived[i]);
+  });
+  for (int r = 0; r < size; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  errors = runShmRanks(size, shmOptions(64 * size),
+                       [&](Communicator& c) { checkCollectives(c, 1000, dt, &arrived.back()); });
+  for (int r = 0; r < size; ++r) EXPECT_EQ(errors[r], "") << "small slots, rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(CommShm, CommShmCollectives,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(at::kFloat, at::kBFloat16)),
+                         [](const auto& info) {
+                           return paramName(std::get<0>(info.param), -1, std::get<1>(info.param));
+                         });
+
+// The documented order: rank r's slice is summed over ranks 0, 1, ... in float32 (bfloat16
+// rounded once at the end), so on random data the result is bitwise that sum; with two ranks it
+// is a + b, which any order gives (Gloo's too).
+TEST(CommShm, SumsInRankOrderBitwise) {
+  for (int size : {2, 3, 4}) {
+    for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+      const int64_t n = 100003;
+      at::manual_seed(11);
+      std::vector<at::Tensor> inputs;
+      for (int r = 0; r < size; ++r) inputs.push_back(at::randn({n}).mul_(r + 1).to(dt));
+      at::Tensor expected = inputs[0].to(at::kFloat);
+      for (int r = 1; r < size; ++r) expected = expected + inputs[r].to(at::kFloat);
+      expected = expected.to(dt);
+      std::vector<at::Tensor> results(size);
+      auto errors = runShmRanks(size, shmOptions(64 * 1024), [&](Communicator& c) {
+        at::Tensor t = inputs[c.rank()].clone();
+        c.allreduce(t, ReduceOp::kSum)->wait(kOpTimeout);
+        results[c.rank()] = t;
+      });
+      for (int r = 0; r < size; ++r) {
+        ASSERT_EQ(errors[r], "") << "rank " << r;
+        EXPECT_TRUE(at::equal(results[r], expected))
+            << size << " ranks, " << comm::dtypeName(dt) << ", rank " << r;
+      }
+    }
+  }
+}
+
+// The segments of a job with this token, by the name shm_communicator.cpp gives them.
+std::vector<std::string> segmentsOf(const std::string& token) {
+  const std::string prefix = segmentPrefix(token);
+  std::vector<std::string> found;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) found.push_back(name);
+  }
+  return found;
+}
+
+// The segment's name is gone once every rank mapped it (a SIGKILL later can leave nothing
+// behind), and when a rank never comes, rank 0 names it and removes the name too.
+TEST(CommShm, NoSegmentIsLeftBehind) {
+  ShmOptions o = shmOptions();
+  o.token = "no-segment-left-" + std::to_string(::getpid());
+  auto errors = runShmRanks(2, o, [&](Communicator& c) {
+    c.barrier()->wait(kOpTimeout);
+    EXPECT_EQ(segmentsOf(o.token), std::vector<std::string>{}) << "while the job runs";
+    at::Tensor t = at::ones({5});
+    c.allreduce(t, ReduceOp::kSum)->wait(kOpTimeout);
+    EXPECT_EQ(t[4].item<float>(), 2.0f);
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  // Rank 2 joins Gloo but never maps the segment.
+  o.joinTimeout = milliseconds(2000);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> failed(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto gloo = std::make_unique<GlooCommunicator>(store, r, 3, loopbackOptions());
+        if (r != 2) ShmCommunicator c(store, r, 3, o, std::move(gloo));
+      } catch (const std::exception& e) {
+        failed[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_NE(failed[0].find("rank 2 did not map the shared-memory segment within 2000 ms"),
+            std::string::npos)
+      << failed[0];
+  EXPECT_EQ(segmentsOf(o.token), std::vector<std::string>{}) << "after a failed rendezvous";
+}
+
+// A rank that never joins a collective is named by a rank that waits for it (within the
+// timeout), and a rank that gave up tells the others: rank 1, starting 400 ms after rank 0,
+// fails when rank 0 gives up at 700 ms, not at its own timeout (1100 ms).
+TEST(CommShm, ALateRankIsNamedAndEveryWaiterLearnsIt) {
+  const milliseconds timeout(700);
+  std::atomic<bool> done{false};
+  std::vector<int64_t> failedAfter(3, -1);
+  auto errors = runShmRanks(3, shmOptions(ShmOptions{}.slotBytes, timeout), [&](Communicator& c) {
+    if (c.rank() == 2) {
+      while (!done) std::this_thread::sleep_for(milliseconds(10));
+      return;
+    }
+    if (c.rank() == 1) std::this_thread::sleep_for(milliseconds(400));
+    const auto start = Clock::now();
+    at::Tensor t = at::ones({64});
+    try {
+      c.allreduce(t, ReduceOp::kSum)->wait(kOpTimeout);
+    } catch (...) {
+      failedAfter[c.rank()] = elapsedMs(start);
+      if (c.rank() == 1) done = true;
+      throw;
+    }
+  });
+  EXPECT_NE(errors[0].find("allreduce through shared memory: rank 2 did not arrive within 700 ms"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("rank 0 gave up on it"), std::string::npos) << errors[1];
+  EXPECT_GE(failedAfter[1], 0);
+  EXPECT_LT(failedAfter[1], 650) << "rank 1 learnt it from rank 0, not from its own timeout";
+  EXPECT_EQ(errors[2], "");
+}
+
+// ---------------------------------------------------------------------------------------------
 // Factory and helpers.
 
 TEST(CommFactory, UnknownBackendIsAConfigError) {
   WorldInfo w;
   EXPECT_THROW(makeCommunicator("nccl", w, c10::make_intrusive<c10d::HashStore>(), kOpTimeout),
                ConfigError);
+}
+
+// auto: the ranks publish their host identity; on one host the collectives go through shared
+// memory, one rank alone keeps Gloo.
+TEST(CommFactory, AutoIsShmOnOneHost) {
+  for (int size : {1, 2}) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    std::vector<std::string> backends(size);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < size; ++r) {
+      threads.emplace_back([&, r] {
+        WorldInfo w;
+        w.rank = r;
+        w.worldSize = size;
+        try {
+          backends[r] = makeCommunicator("auto", w, store, kOpTimeout)->backend();
+        } catch (const std::exception& e) {
+          backends[r] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < size; ++r) EXPECT_EQ(backends[r], size == 1 ? "gloo" : "shm");
+  }
 }
 
 TEST(CommFactory, MpiInABuildWithoutMpiSaysHowToGetIt) {

@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 
 #include "cli/launch.h"
+#include "comm/shm_communicator.h"
 #include "run_util.h"
 #include "test_util.h"
 
@@ -48,15 +49,18 @@ std::string lastLine(std::string t) {
 struct Case {
   int victim;
   int signal;
+  std::string backend = "gloo";
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
-  *os << "rank " << c.victim << (c.signal == SIGKILL ? " killed" : " stopped");
+  *os << "rank " << c.victim << (c.signal == SIGKILL ? " killed" : " stopped") << " on "
+      << c.backend;
 }
 
 std::string caseName(const ::testing::TestParamInfo<Case>& info) {
   return "Rank" + std::to_string(info.param.victim) +
-         (info.param.signal == SIGKILL ? "Killed" : "Stopped");
+         (info.param.signal == SIGKILL ? "Killed" : "Stopped") +
+         (info.param.backend == "gloo" ? "" : "On" + info.param.backend);
 }
 
 // A job of caravan processes started by the test (torchrun-style variables), reaped by it.
@@ -174,7 +178,11 @@ class LostRank : public Job, public ::testing::WithParamInterface<Case> {};
 TEST_P(LostRank, SurvivorsExitNamingIt) {
   const Case c = GetParam();
   const int port = caravan::pickFreeLoopbackPort();
-  for (int r = 0; r < kWorld; ++r) startRank(r, port);
+  // A token of its own, so the shared-memory segments checked below are this job's.
+  const std::string token = fmt::format("lost-rank-{}-{}", ::getpid(), port);
+  for (int r = 0; r < kWorld; ++r) {
+    startRank(r, port, {"dist.backend=" + c.backend}, kWorld, {"CARAVAN_JOB_TOKEN=" + token});
+  }
   // Training: rank 0 has logged a few steps.
   waitForMetrics("run", 20);
   std::this_thread::sleep_for(std::chrono::seconds(1));  // two heartbeats carry a step
@@ -206,11 +214,21 @@ TEST_P(LostRank, SurvivorsExitNamingIt) {
     std::printf("rank %d exited %.1f s after rank %d was lost: %s\n", r,
                 std::chrono::duration<double>(when - lostAt).count(), c.victim, line.c_str());
   }
+  if (c.signal == SIGKILL) {
+    ::waitpid(victim, nullptr, 0);
+    exit_[victim] = {0, Clock::now()};
+  }
+  // Shared memory: the segment's name went at the rendezvous; nothing of the job is left.
+  const std::string prefix = caravan::segmentPrefix(token);
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    EXPECT_NE(e.path().filename().string().rfind(prefix, 0), 0u) << e.path();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(ExternalLauncher, LostRank,
-                         ::testing::Values(Case{1, SIGKILL}, Case{0, SIGKILL},
-                                           Case{2, SIGSTOP}),
+                         ::testing::Values(Case{1, SIGKILL}, Case{0, SIGKILL}, Case{2, SIGSTOP},
+                                           Case{1, SIGKILL, "shm"}, Case{0, SIGKILL, "shm"},
+                                           Case{2, SIGSTOP, "shm"}),
                          caseName);
 
 // The kill harness: 20 times, a random rank (worker or server) of a 3-rank job is SIGKILLed at

@@ -505,7 +505,7 @@ TEST_F(LauncherProcess, RefusedCombinationsExitBeforeAnyWorkerStartsWithOneLine)
        "train.nonfinite_skips needs the update after backward; sync.mode = osp"},
       {"--set memory.weights=offload --set train.nonfinite_skips=2",
        "train.nonfinite_skips needs the update after backward; memory.weights = offload"},
-      {"--set sync.mode=ps-asp --set dist.backend=mpi", "runs on dist.backend = gloo only"},
+      {"--set sync.mode=ps-asp --set dist.backend=mpi", "does not run on dist.backend = mpi yet"},
       {"--set optim.nesterov=true --set optim.momentum=0", "optim.nesterov = true needs"},
       {"--set fault.timeout=1e-9", "fault.timeout is below a millisecond"},
   };

@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "cli/launch.h"
+#include "comm/shm_communicator.h"
 #include "comm/world.h"
 #include "core/errors.h"
 
@@ -221,6 +222,8 @@ class Supervisor {
       if (sig > 0) onSignal(sig);
     }
 
+    // A shared-memory segment's name outlives its ranks only when rank 0 died mid-rendezvous.
+    removeSegments(token);
     if (!startError_.empty()) throw IoError(startError_);
     if (failure_) throw WorkerError(*failure_);
     return interrupted_ ? static_cast<int>(ExitCode::kInterrupted) : 0;

@@ -9,8 +9,10 @@
 
 #include <fmt/format.h>
 
+#include "comm/comm_util.h"
 #include "comm/gloo_communicator.h"
 #include "comm/mpi_communicator.h"
+#include "comm/shm_communicator.h"
 #include "core/errors.h"
 
 namespace caravan {
@@ -72,6 +74,30 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const
     return std::make_unique<GlooCommunicator>(std::move(store), world.rank, world.worldSize,
                                               options);
   }
+  if (backend == "shm" || backend == "auto") {
+    CARAVAN_CHECK(store, "the {} backend needs a rendezvous store", backend);
+    // Point-to-point, and the whole job when its ranks are on several hosts, over Gloo.
+    auto gloo = makeCommunicator("gloo", world, store, timeout, joinTimeout);
+    const std::vector<std::string> hosts = exchangeHostIdentities(
+        *store, world.rank, world.worldSize, joinTimeout.count() > 0 ? joinTimeout : timeout);
+    std::vector<int> elsewhere;
+    for (int r = 0; r < world.worldSize; ++r) {
+      if (hosts[r] != hosts[0]) elsewhere.push_back(r);
+    }
+    if (!elsewhere.empty() && backend == "shm") {
+      throw ConfigError(fmt::format(
+          "dist.backend = shm needs every rank on one host, but {} run{} on another host than "
+          "rank 0 (or in another network namespace); use dist.backend = auto or gloo",
+          comm::formatRanks(elsewhere), elsewhere.size() == 1 ? "s" : ""));
+    }
+    if (!elsewhere.empty() || (backend == "auto" && world.worldSize == 1)) return gloo;
+    ShmOptions options;
+    options.timeout = timeout;
+    options.joinTimeout = joinTimeout;
+    options.token = world.token;
+    return std::make_unique<ShmCommunicator>(std::move(store), world.rank, world.worldSize, options,
+                                             std::move(gloo));
+  }
   if (backend == "mpi") {
     MpiOptions options;
     options.timeout = timeout;
@@ -85,8 +111,8 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const
     }
     return comm;
   }
-  throw ConfigError(fmt::format("unknown communication backend \"{}\"; use \"gloo\" or \"mpi\"",
-                                backend));
+  throw ConfigError(fmt::format(
+      "unknown communication backend \"{}\"; use \"auto\", \"shm\", \"gloo\" or \"mpi\"", backend));
 }
 
 }  // namespace caravan

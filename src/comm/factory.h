@@ -1,5 +1,10 @@
-// makeCommunicator: the communicator a job's config names ("gloo" or "mpi") for this process.
+// makeCommunicator: the communicator a job's config names ("auto", "shm", "gloo" or "mpi") for
+// this process.
 //
+// auto: shm when every rank runs on this host (the host identities the ranks publish in the
+//       store agree, shm_communicator.h), else gloo; one rank alone: gloo.
+// shm:  collectives through shared memory, send/recv over gloo; ConfigError naming the ranks on
+//       another host when they are not all on one.
 // gloo: rendezvous through `store` with the launcher's rank and world size; the Gloo endpoint
 //       listens on the interface named by GLOO_SOCKET_IFNAME when set, else on the loopback
 //       address when the master is local, else on this host's address on the route to the

@@ -173,7 +173,10 @@ std::vector<ConfigOption> buildSchema() {
              "counts), or the blocks at which stages 1..K-1 start (\"3,6,9\")"),
 
       strOpt("dist.backend", "gloo",
-             "communicator for multi-worker runs: gloo (c10d) or mpi (Open MPI)", {"gloo", "mpi"}),
+             "communicator for multi-worker runs: auto (shm when every rank is on one host, else "
+             "gloo), shm (collectives through shared memory, send/recv over gloo; one host "
+             "only), gloo (c10d, TCP) or mpi (Open MPI)",
+             {"auto", "shm", "gloo", "mpi"}),
       strOpt("dist.store", "tcp",
              "rendezvous store: tcp (on rank 0, MASTER_ADDR:MASTER_PORT) or file (shared "
              "filesystem)",

@@ -87,15 +87,16 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
   so.connectTimeout = sync.rendezvousTimeout;
   so.token = worldInfo.token;
   const std::string& backend = sync.backend;
-  // MPI brings its own wire-up (mpirun); only Gloo rendezvouses through the store.
+  // MPI brings its own wire-up (mpirun); the others (gloo, and shm/auto, which use gloo for
+  // point-to-point) rendezvous through the store.
   c10::intrusive_ptr<c10d::Store> store;
   if (backend != "mpi") store = makeStore(worldInfo, so);
   world = counted(makeCommunicator(backend, worldInfo, store, timeout, sync.rendezvousTimeout));
   // Gloo's connections carry no credential of their own (comm/auth.h).
-  const bool authenticate = backend == "gloo" && !worldInfo.token.empty();
+  const bool authenticate = backend != "mpi" && !worldInfo.token.empty();
   if (authenticate) authenticatePeers(*world, worldInfo.token);
   if (!job.empty()) checkSameJob(*world, job);
-  if (backend == "gloo" && worldInfo.token.empty() && worldInfo.rank == 0 &&
+  if (backend != "mpi" && worldInfo.token.empty() && worldInfo.rank == 0 &&
       !isLoopbackAddress(worldInfo.masterAddr)) {
     logLine(fmt::format(
         "warning: {} is not set: any process that reaches {}:{} can join this "
@@ -105,10 +106,10 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
   comm = world;
   servers_ = sync.servers;
   workers_ = worldInfo.worldSize - servers_;
-  CARAVAN_CHECK(workers_ >= 1 && (servers_ == 0 || backend == "gloo"),
+  CARAVAN_CHECK(workers_ >= 1 && (servers_ == 0 || backend != "mpi"),
                 "{} servers on {} in a world of {} (validate() refuses it)", servers_, backend,
                 worldInfo.worldSize);
-  // A group of the world's ranks with its own rendezvous under `prefix` in the store (Gloo):
+  // A group of the world's ranks with its own rendezvous under `prefix` in the store (not MPI):
   // this rank is `rank` of `size` in it.
   auto group = [&](const std::string& prefix, int rank, int size) {
     WorldInfo g = worldInfo;
@@ -126,7 +127,7 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
   const std::shared_ptr<CountingCommunicator> workersCounter = counters_.back();
   const int stages = options_.pipeline.stages;
   if (stages > 1 && worldInfo.worldSize > stages) {
-    // validate() allowed this on Gloo only (MPI would need MPI_Comm_split).
+    // validate() refused this on MPI (it would need MPI_Comm_split).
     stageReplicas = group("stage-" + std::to_string(worldInfo.rank % stages),
                           worldInfo.rank / stages, worldInfo.worldSize / stages);
   }

@@ -200,9 +200,10 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
         "stages)",
         what, worldSize));
   }
-  if (pipeline.stages > 1 && worldSize > pipeline.stages && options.sync.backend != "gloo") {
+  if (pipeline.stages > 1 && worldSize > pipeline.stages && options.sync.backend == "mpi") {
     throw ConfigError(fmt::format(
-        "{} with {} workers (data-parallel pipelines) runs on dist.backend = gloo only so far",
+        "{} with {} workers (data-parallel pipelines) does not run on dist.backend = mpi yet; "
+        "use auto, shm or gloo",
         what, worldSize));
   }
   if (pipeline.stages == 1 && worldSize > 1) {
@@ -249,8 +250,9 @@ void validate(const RunOptions& options, int worldSize) {
                       "world of {}; start more processes or use fewer servers",
                       mode, sync.servers, worldSize));
     }
-    if (sync.backend != "gloo") {
-      throw ConfigError(fmt::format("sync.mode {} runs on dist.backend = gloo only so far", mode));
+    if (sync.backend == "mpi") {
+      throw ConfigError(fmt::format(
+          "sync.mode {} does not run on dist.backend = mpi yet; use auto, shm or gloo", mode));
     }
   }
   validate(options.optim);

@@ -1,0 +1,101 @@
+// ShmCommunicator: the collectives of ranks that share one host, through one shared-memory
+// segment; point-to-point goes to a communicator of the same ranks given at construction (Gloo).
+//
+// The segment: a header (each rank's phase counter and pid, a failure word), then two buffers
+// of one slot per rank (`slotBytes` each). A collective moves its tensors through the slots in
+// chunks; each chunk is: every rank copies its part into its own slot, all arrive at a phase
+// (a barrier on the counters), then each rank reads what it needs from the others' slots.
+// Consecutive chunks alternate buffers, so a slot is written again only after every rank has
+// passed the phase that follows its last reader. All-reduce is reduce-scatter + all-gather:
+// rank r reduces slice r of the chunk over every rank's slot in rank order (0, 1, ...) into its
+// result and its slot, a phase, then every rank copies every slice. Reductions are ATen's
+// vectorised kernels; bfloat16 is reduced in float32 and rounded once, AVG divides the float
+// sum (as the Gloo backend does). So results equal the Gloo backend's bitwise where the order of
+// a sum does not matter (2 ranks, integers, MAX/MIN, broadcast, all-gather) and otherwise differ
+// by float32 rounding of a sum of `size` terms in another order.
+//
+// Safety: rank 0 creates the segment private to the job's user (mode 0600) under an
+// unpredictable name (segmentPrefix(token) and a random nonce, passed to the others through the
+// rendezvous store) and removes the name as soon as every rank has mapped it, so after the
+// rendezvous no exit path (a SIGKILL included) can leave it behind: the memory goes when the
+// last rank unmaps it. A rank that fails to map it, or does not arrive within `joinTimeout`, is
+// named (PeerError) and the name removed; only a rank 0 killed during the rendezvous leaves a
+// name, which `caravan train --workers` removes when its workers are gone (removeSegments).
+// rank 0 sizes the slots to at most half of what /dev/shm has free.
+//
+// Waiting: a rank waiting at a phase spins briefly, then yields, then sleeps in short steps (on
+// a busy host the ranks it waits for need the cores). It gives up with PeerError naming the
+// ranks that did not arrive after `timeout`, at once when one of their processes has exited,
+// and when another rank gave up (the failure word): every rank of a broken collective learns
+// it. A failure is final (communicator.h).
+//
+// Threading: collectives run one after another on a thread of this communicator, in issue
+// order, so they overlap the caller's compute like the other backends' do; issue from one
+// thread at a time (communicator.h). The destructor finishes what was issued, then joins.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "comm/communicator.h"
+
+namespace caravan {
+
+struct ShmOptions {
+  std::chrono::milliseconds timeout = kDefaultCommTimeout;
+  std::chrono::milliseconds joinTimeout{0};  // zero: `timeout`
+  int64_t slotBytes = int64_t{4} << 20;      // per rank and buffer
+  std::string token;                         // the job token (names the segment)
+};
+
+// What makes two processes able to share memory and count as one host: the kernel's boot id
+// and the network and mount namespaces (ranks in different network namespaces stand for
+// different hosts, as in scripts/netns_hosts.sh, even on one machine).
+std::string hostIdentity();
+
+// Every rank publishes hostIdentity() under `prefix` in `store` and reads the others': the
+// rank -> host identity map, in rank order. Named PeerError when a rank does not publish
+// within `timeout`.
+std::vector<std::string> exchangeHostIdentities(c10d::Store& store, int rank, int size,
+                                                std::chrono::milliseconds timeout);
+
+// A job's segment names in /dev/shm start with this: "caravan-" + the job token's hash + "-".
+std::string segmentPrefix(const std::string& token);
+// Removes the job's segment names still in /dev/shm (left only when rank 0 died while the
+// others were mapping it) and returns how many; the launcher calls it once its workers are gone.
+int removeSegments(const std::string& token);
+
+class ShmCommunicator final : public Communicator {
+ public:
+  // Every rank constructs it concurrently (a rendezvous through `store`); `pointToPoint` is a
+  // communicator of the same ranks for send/recv.
+  ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int size, ShmOptions options,
+                  std::shared_ptr<Communicator> pointToPoint);
+  ~ShmCommunicator() override;
+  ShmCommunicator(const ShmCommunicator&) = delete;
+  ShmCommunicator& operator=(const ShmCommunicator&) = delete;
+
+  int rank() const override;
+  int size() const override;
+  std::string backend() const override { return "shm"; }
+  std::chrono::milliseconds timeout() const override;
+
+  WorkPtr allreduce(at::Tensor tensor, ReduceOp op) override;
+  WorkPtr broadcast(at::Tensor tensor, int root) override;
+  WorkPtr allgather(at::Tensor output, at::Tensor input) override;
+  WorkPtr reduceScatter(at::Tensor output, at::Tensor input, ReduceOp op) override;
+  WorkPtr send(at::Tensor tensor, int dstRank, int tag) override;
+  WorkPtr recv(at::Tensor tensor, int srcRank, int tag) override;
+  WorkPtr barrier() override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace caravan
