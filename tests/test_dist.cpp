@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 
@@ -553,9 +554,9 @@ TEST(DistOsp, AutoFractionMovesAreRecordedAndEveryServerSplitsAlike) {
     EXPECT_NEAR(to / 0.05, std::round(to / 0.05), 1e-9) << m;
     EXPECT_TRUE(to >= 0.05 - 1e-12 && to <= 1.0 + 1e-12) << m;
     const std::string reason = m.at("reason").get<std::string>();
-    EXPECT_TRUE(reason == "guess" || reason == "probe" || reason == "faster" || reason == "back" ||
-                reason == "settled" || reason == "remeasured")
-        << m;
+    const std::vector<std::string> reasons = {"guess",   "probe",      "faster", "back",
+                                              "settled", "remeasured", "recall", "origin-faster"};
+    EXPECT_NE(std::find(reasons.begin(), reasons.end(), reason), reasons.end()) << m;
     probes += reason == "probe";
     EXPECT_FALSE(m.at("why").get<std::string>().empty()) << m;
     for (int64_t s = step; s < 60; ++s) fractionOf[s] = to;
