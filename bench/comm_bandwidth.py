@@ -248,7 +248,8 @@ def main():
         print(f"\nload average after: {' '.join(f.read().split()[:3])}")
     if a.json:
         data = {"removed_env": removed, "load_before": load, "runs": results, "args": vars(a)}
-        with open(a.json, "w") as f:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+    with open(a.json, "w") as f:
             json.dump(data, f, indent=1)
         print("wrote", write_charts(data, a.json))
 

@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "comm/comm_util.h"
 #include "comm/gloo_communicator.h"
@@ -76,6 +77,8 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const
   }
   if (backend == "shm" || backend == "auto") {
     CARAVAN_CHECK(store, "the {} backend needs a rendezvous store", backend);
+    // Its own keys, so that it can share a store with another communicator of the same ranks.
+    store = c10::make_intrusive<c10d::PrefixStore>("caravan/shm", std::move(store));
     // Point-to-point, and the whole job when its ranks are on several hosts, over Gloo.
     auto gloo = makeCommunicator("gloo", world, store, timeout, joinTimeout);
     const std::vector<std::string> hosts = exchangeHostIdentities(
