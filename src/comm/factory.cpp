@@ -78,11 +78,9 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const
   if (backend == "shm" || backend == "auto") {
     CARAVAN_CHECK(store, "the {} backend needs a rendezvous store", backend);
     // Its own keys, so that it can share a store with another communicator of the same ranks.
-    store = c10::make_intrusive<c10d::PrefixStore>("caravan/shm", std::move(store));
-    // Point-to-point, and the whole job when its ranks are on several hosts, over Gloo.
-    auto gloo = makeCommunicator("gloo", world, store, timeout, joinTimeout);
+    auto own = c10::make_intrusive<c10d::PrefixStore>("caravan/shm", store);
     const std::vector<std::string> hosts = exchangeHostIdentities(
-        *store, world.rank, world.worldSize, joinTimeout.count() > 0 ? joinTimeout : timeout);
+        *own, world.rank, world.worldSize, joinTimeout.count() > 0 ? joinTimeout : timeout);
     std::vector<int> elsewhere;
     for (int r = 0; r < world.worldSize; ++r) {
       if (hosts[r] != hosts[0]) elsewhere.push_back(r);
@@ -93,13 +91,17 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const
           "rank 0 (or in another network namespace); use dist.backend = auto or gloo",
           comm::formatRanks(elsewhere), elsewhere.size() == 1 ? "s" : ""));
     }
-    if (!elsewhere.empty() || (backend == "auto" && world.worldSize == 1)) return gloo;
+    // Several hosts, or one rank alone: Gloo as a gloo job would make it (same keys).
+    if (!elsewhere.empty() || (backend == "auto" && world.worldSize == 1)) {
+      return makeCommunicator("gloo", world, std::move(store), timeout, joinTimeout);
+    }
+    // Point-to-point over Gloo.
+    std::shared_ptr<Communicator> gloo = makeCommunicator("gloo", world, own, timeout, joinTimeout);
     ShmOptions options;
     options.timeout = timeout;
     options.joinTimeout = joinTimeout;
     options.token = world.token;
-    return std::make_unique<ShmCommunicator>(std::move(store), world.rank, world.worldSize, options,
-                                             std::move(gloo));
+    return std::make_unique<ShmCommunicator>(own, world.rank, world.worldSize, options, gloo);
   }
   if (backend == "mpi") {
     MpiOptions options;

@@ -172,7 +172,7 @@ std::vector<ConfigOption> buildSchema() {
              "same, memory ignored), parameters (parameter bytes balanced), even (equal block "
              "counts), or the blocks at which stages 1..K-1 start (\"3,6,9\")"),
 
-      strOpt("dist.backend", "gloo",
+      strOpt("dist.backend", "auto",
              "communicator for multi-worker runs: auto (shm when every rank is on one host, else "
              "gloo), shm (collectives through shared memory, send/recv over gloo; one host "
              "only), gloo (c10d, TCP) or mpi (Open MPI)",

@@ -90,7 +90,7 @@ struct MemoryOptions {
 struct SyncOptions {
   std::string mode = "allreduce";
   int servers = 0;  // processes serving parameters: sync.servers in ps-* and osp, else 0
-  std::string backend = "gloo";
+  std::string backend = "auto";
   std::string store = "tcp";
   std::string storePath;
   std::chrono::milliseconds timeout{60000};            // fault.timeout
