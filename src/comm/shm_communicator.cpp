@@ -237,7 +237,26 @@ std::vector<std::string> exchangeHostIdentities(c10d::Store& store, int rank, in
   auto key = [](int r) { return fmt::format("caravan/host/{}", r); };
   const std::string mine = hostIdentity();
   store.set(key(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
-  waitForRanks(store, rank, size, key, timeout, "say which host it runs on");
+  // The job's first rendezvous under auto/shm: worded as Gloo's own (gloo_communicator.cpp).
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(key(r));
+  try {
+    store.wait(keys, timeout);
+  } catch (const std::exception& e) {
+    std::vector<int> missing;
+    for (int r = 0; r < size; ++r) {
+      if (!store.check({key(r)})) missing.push_back(r);
+    }
+    if (missing.empty()) {
+      throw PeerError(fmt::format("rank {}: rendezvous failed: {}", rank, comm::errorLine(e)));
+    }
+    throw PeerError(
+        fmt::format("rank {}: {} of {} ranks arrived at the rendezvous within {}; {} did not "
+                    "(start every rank with the same world size and store, check the missing "
+                    "ranks' logs, or raise fault.rendezvous_timeout)",
+                    rank, size - static_cast<int>(missing.size()), size, formatDuration(timeout),
+                    formatRanks(missing)));
+  }
   std::vector<std::string> hosts;
   for (int r = 0; r < size; ++r) {
     const std::vector<uint8_t> v = store.get(key(r));
