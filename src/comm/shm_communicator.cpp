@@ -94,10 +94,10 @@ std::string systemError(const std::string& what) {
 }
 
 // Every rank's `key(r)` is in the store within `timeout`; otherwise PeerError naming the ranks
-// whose key is missing.
+// whose key is missing: "rank R: K of N ranks <done> within T; rank M did not (...)".
 void waitForRanks(c10d::Store& store, int rank, int size,
                   const std::function<std::string(int)>& key, milliseconds timeout,
-                  const std::string& what) {
+                  const std::string& done) {
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(key(r));
   try {
@@ -107,9 +107,15 @@ void waitForRanks(c10d::Store& store, int rank, int size,
     for (int r = 0; r < size; ++r) {
       if (!store.check({key(r)})) missing.push_back(r);
     }
-    throw PeerError(fmt::format("rank {}: {} did not {} within {} ({})", rank,
-                                missing.empty() ? "a rank" : formatRanks(missing), what,
-                                formatDuration(timeout), comm::errorLine(e)));
+    if (missing.empty()) {
+      throw PeerError(fmt::format("rank {}: rendezvous failed: {}", rank, comm::errorLine(e)));
+    }
+    throw PeerError(
+        fmt::format("rank {}: {} of {} ranks {} within {}; {} did not (start every rank with the "
+                    "same world size and store, check the missing ranks' logs, or raise "
+                    "fault.rendezvous_timeout)",
+                    rank, size - static_cast<int>(missing.size()), size, done,
+                    formatDuration(timeout), formatRanks(missing)));
   }
 }
 
@@ -238,25 +244,7 @@ std::vector<std::string> exchangeHostIdentities(c10d::Store& store, int rank, in
   const std::string mine = hostIdentity();
   store.set(key(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
   // The job's first rendezvous under auto/shm: worded as Gloo's own (gloo_communicator.cpp).
-  std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) keys.push_back(key(r));
-  try {
-    store.wait(keys, timeout);
-  } catch (const std::exception& e) {
-    std::vector<int> missing;
-    for (int r = 0; r < size; ++r) {
-      if (!store.check({key(r)})) missing.push_back(r);
-    }
-    if (missing.empty()) {
-      throw PeerError(fmt::format("rank {}: rendezvous failed: {}", rank, comm::errorLine(e)));
-    }
-    throw PeerError(
-        fmt::format("rank {}: {} of {} ranks arrived at the rendezvous within {}; {} did not "
-                    "(start every rank with the same world size and store, check the missing "
-                    "ranks' logs, or raise fault.rendezvous_timeout)",
-                    rank, size - static_cast<int>(missing.size()), size, formatDuration(timeout),
-                    formatRanks(missing)));
-  }
+  waitForRanks(store, rank, size, key, timeout, "arrived at the rendezvous");
   std::vector<std::string> hosts;
   for (int r = 0; r < size; ++r) {
     const std::vector<uint8_t> v = store.get(key(r));
@@ -513,8 +501,14 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
       throw;
     }
   } else {
-    waitForRanks(
-        *store, rank, 1, [&](int) { return nameKey; }, join, "create the shared-memory segment");
+    try {
+      store->wait({nameKey}, join);
+    } catch (const std::exception& e) {
+      throw PeerError(
+          fmt::format("rank {}: rank 0 did not make the shared-memory segment within {} "
+                      "({})",
+                      rank, formatDuration(join), comm::errorLine(e)));
+    }
     const std::vector<uint8_t> v = store->get(nameKey);
     name.assign(v.begin(), v.end());
     if (!name.empty() && name[0] == '!') {
@@ -559,7 +553,7 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
   auto mapped = [](int r) { return fmt::format("caravan/shm/mapped/{}", r); };
   m.words[rank].pid.store(::getpid(), std::memory_order_release);
   store->set(mapped(rank), std::vector<uint8_t>{1});
-  if (rank == 0) waitForRanks(*store, rank, size, mapped, join, "map the shared-memory segment");
+  if (rank == 0) waitForRanks(*store, rank, size, mapped, join, "mapped the shared-memory segment");
   m.thread = std::thread([this] { impl_->run(); });
 }
 
