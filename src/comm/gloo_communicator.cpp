@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "comm/comm_util.h"
+#include "comm/store.h"
 #include "core/errors.h"
 
 namespace caravan {
@@ -231,30 +232,7 @@ void joinAll(c10d::Store& store, int rank, int size, milliseconds timeout) {
   }
   auto key = [](int r) { return fmt::format("join/{}", r); };
   store.set(key(rank), std::vector<uint8_t>{1});
-  std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) keys.push_back(key(r));
-  try {
-    store.wait(keys, timeout);
-  } catch (const std::exception& e) {
-    std::vector<int> missing;
-    try {
-      for (int r = 0; r < size; ++r) {
-        if (!store.check({key(r)})) missing.push_back(r);
-      }
-    } catch (const std::exception&) {
-      missing.clear();
-    }
-    if (missing.empty()) {
-      throw PeerError(fmt::format("rank {}: Gloo rendezvous failed: {}", rank, errorLine(e)));
-    }
-    throw PeerError(
-        fmt::format("rank {}: {} of {} ranks arrived at the rendezvous within {}; {} "
-                    "did not (start every rank with the same world size and store, "
-                    "check the missing ranks' logs, or raise "
-                    "fault.rendezvous_timeout)",
-                    rank, size - static_cast<int>(missing.size()), size, formatDuration(timeout),
-                    formatRanks(missing)));
-  }
+  waitForRanks(store, rank, size, key, timeout, "arrived at the rendezvous", "Gloo rendezvous");
 }
 
 }  // namespace

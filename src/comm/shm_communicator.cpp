@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 
 #include "comm/comm_util.h"
+#include "comm/store.h"
 #include "core/errors.h"
 
 namespace caravan {
@@ -91,32 +92,6 @@ bool exited(pid_t pid) {
 
 std::string systemError(const std::string& what) {
   return fmt::format("{}: {}", what, std::strerror(errno));
-}
-
-// Every rank's `key(r)` is in the store within `timeout`; otherwise PeerError naming the ranks
-// whose key is missing: "rank R: K of N ranks <done> within T; rank M did not (...)".
-void waitForRanks(c10d::Store& store, int rank, int size,
-                  const std::function<std::string(int)>& key, milliseconds timeout,
-                  const std::string& done) {
-  std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) keys.push_back(key(r));
-  try {
-    store.wait(keys, timeout);
-  } catch (const std::exception& e) {
-    std::vector<int> missing;
-    for (int r = 0; r < size; ++r) {
-      if (!store.check({key(r)})) missing.push_back(r);
-    }
-    if (missing.empty()) {
-      throw PeerError(fmt::format("rank {}: rendezvous failed: {}", rank, comm::errorLine(e)));
-    }
-    throw PeerError(
-        fmt::format("rank {}: {} of {} ranks {} within {}; {} did not (start every rank with the "
-                    "same world size and store, check the missing ranks' logs, or raise "
-                    "fault.rendezvous_timeout)",
-                    rank, size - static_cast<int>(missing.size()), size, done,
-                    formatDuration(timeout), formatRanks(missing)));
-  }
 }
 
 // The slot size rank 0 lays out: `wanted`, or less when the segment would take more than half of

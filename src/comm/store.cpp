@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -13,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 
 #include "comm/comm_util.h"
+#include "comm/communicator.h"
 #include "comm/tcp_store.h"
 #include "core/errors.h"
 #include "core/files.h"
@@ -102,6 +104,36 @@ c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOpt
   }
   throw ConfigError(fmt::format("unknown store kind \"{}\"; use \"tcp\" or \"file\"",
                                 options.kind));
+}
+
+// Every rank's `key(r)` is in the store within `timeout`; otherwise PeerError naming the ranks
+// whose key is missing: "rank R: K of N ranks <done> within T; rank M did not (...)".
+void waitForRanks(c10d::Store& store, int rank, int size,
+                  const std::function<std::string(int)>& key, std::chrono::milliseconds timeout,
+                  const std::string& done, const std::string& what) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(key(r));
+  try {
+    store.wait(keys, timeout);
+  } catch (const std::exception& e) {
+    std::vector<int> missing;
+    try {
+      for (int r = 0; r < size; ++r) {
+        if (!store.check({key(r)})) missing.push_back(r);
+      }
+    } catch (const std::exception&) {
+      missing.clear();  // the store itself is gone: say that instead
+    }
+    if (missing.empty()) {
+      throw PeerError(fmt::format("rank {}: {} failed: {}", rank, what, comm::errorLine(e)));
+    }
+    throw PeerError(
+        fmt::format("rank {}: {} of {} ranks {} within {}; {} did not (start every rank with the "
+                    "same world size and store, check the missing ranks' logs, or raise "
+                    "fault.rendezvous_timeout)",
+                    rank, size - static_cast<int>(missing.size()), size, done,
+                    comm::formatDuration(timeout), comm::formatRanks(missing)));
+  }
 }
 
 }  // namespace caravan

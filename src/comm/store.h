@@ -14,6 +14,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -34,5 +35,12 @@ struct StoreOptions {
 };
 
 c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOptions& options);
+
+// Waits until every rank's `key(r)` is in `store`; otherwise PeerError: "rank R: K of N ranks
+// <done> within T; rank M did not (...)", or "rank R: <what> failed: ..." when the store itself
+// failed.
+void waitForRanks(c10d::Store& store, int rank, int size,
+                  const std::function<std::string(int)>& key, std::chrono::milliseconds timeout,
+                  const std::string& done, const std::string& what = "rendezvous");
 
 }  // namespace caravan
