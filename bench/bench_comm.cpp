@@ -8,25 +8,33 @@
 //
 // Implementations (each on its own buffer and its own connections):
 //   caravan-gloo  GlooCommunicator::allreduce(kSum) + Work::wait (c10d::ProcessGroupGloo)
+//   caravan-gloo-xN  the same with N TCP connections per pair (--connections N, striping)
+//   caravan-shm   ShmCommunicator (shared memory; every rank on one host)
+//   caravan-auto  dist.backend = auto: shm on one host, hierarchical on several (shared memory
+//                 inside each host, Gloo between the hosts' leaders)
+//   caravan-auto-xN  the same with N TCP connections per pair (--connections N)
 //   raw-gloo      gloo::allreduce with gloo::AllreduceOptions on a gloo::rendezvous::Context over
-//                 the TCP transport on 127.0.0.1: the call ProcessGroupGloo makes, minus c10d
+//                 the TCP transport: the call ProcessGroupGloo makes, minus c10d
 //   caravan-mpi   the MPI communicator's allreduce(kSum) + Work::wait (MPI_Iallreduce + MPI_Test)
 //   raw-mpi       MPI_Allreduce(MPI_IN_PLACE, MPI_FLOAT, MPI_SUM) (Open MPI: coll/tuned)
 //   raw-mpi-nb    MPI_Iallreduce + MPI_Wait: the call Caravan's MPI backend makes (Open MPI:
 //                 coll/libnbc, which coll_tuned_* parameters do not affect)
+//   memcpy        not an all-reduce: every rank copies its buffer into another at once, the
+//                 memory bandwidth the shared-memory all-reduces share (busbw = algbw)
 //
 // Method: for each size, warm-up samples, then `repeats` rounds; each round takes one sample of
 // every implementation in turn (A B C D E A B C D E ...). A sample is a barrier followed by
 // `iters` back-to-back all-reduces (enough to fill ~--batch-bytes, at least 1); its time per
 // all-reduce is the slowest rank's. The barriers and the maximum run on a separate raw Gloo
 // context by default (--control gloo): it blocks rather than spins, so waiting ranks do not
-// take CPU time from ranks still working when ranks outnumber cores. Reported: the median (and min/max) over rounds,
-// algbw = bytes / time and busbw = algbw * 2 (n - 1) / n (nccl-tests' convention). Before timing,
-// every implementation's result is checked (rank r contributes r + 1).
+// take CPU time from ranks still working when ranks outnumber cores. Reported: the median (and
+// min/max) over rounds, algbw = bytes / time and busbw = algbw * 2 (n - 1) / n (nccl-tests'
+// convention). Before timing, every implementation's result is checked (rank r contributes r + 1).
 //
-// Rank and world size come from MPI. A build without MPI (CARAVAN_WITH_MPI off) measures only
-// caravan-gloo and raw-gloo, and takes rank/size/master from the environment
-// (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, as caravan's launcher and torchrun set them).
+// Rank and world size come from MPI under mpirun. Without mpirun (WORLD_SIZE set: ranks in
+// network-namespace hosts, bench/comm_hosts.py) or in a build without MPI, they come from the
+// environment (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, as caravan's launcher and torchrun set
+// them) and the MPI implementations are not available.
 #if CARAVAN_BENCH_MPI
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
@@ -98,13 +106,14 @@ class Control {
 };
 
 std::shared_ptr<::gloo::rendezvous::Context> glooContext(c10::intrusive_ptr<c10d::Store> store,
-                                                         const std::string& prefix, int rank,
+                                                         const std::string& prefix,
+                                                         const std::string& hostname, int rank,
                                                          int size,
                                                          std::chrono::milliseconds timeout) {
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, std::move(store));
   GlooStoreAdapter adapter(prefixed);
   ::gloo::transport::tcp::attr attr;
-  attr.hostname = "127.0.0.1";
+  attr.hostname = hostname;
   auto device = ::gloo::transport::tcp::CreateDevice(attr);
   auto context = std::make_shared<::gloo::rendezvous::Context>(rank, size);
   context->setTimeout(timeout);
@@ -155,7 +164,8 @@ class MpiControl : public Control {
 struct Impl {
   std::string name;
   std::function<void(at::Tensor&)> allreduce;
-  at::Tensor buffer;  // sized per message size
+  at::Tensor buffer;    // sized per message size
+  bool isCopy = false;  // memcpy: no result to check, busbw = algbw
 };
 
 double median(std::vector<double> v) {
@@ -190,7 +200,14 @@ int main(int argc, char** argv) {
       ->default_val(batchBytes);
   app.add_option("--max-iters", maxIters, "most all-reduces per sample")->default_val(maxIters);
   app.add_option("--timeout", timeoutS, "seconds for rendezvous and each wait")->default_val(timeoutS);
-  app.add_option("--impls", only, "measure only these (caravan-gloo raw-gloo caravan-mpi raw-mpi raw-mpi-nb)");
+  int connections = 2;
+  app.add_option("--impls", only,
+                 "measure these, in this order (default: caravan-gloo caravan-shm raw-gloo, and "
+                 "caravan-mpi raw-mpi raw-mpi-nb under mpirun; also caravan-auto, "
+                 "caravan-gloo-x<connections>, caravan-auto-x<connections>, memcpy)");
+  app.add_option("--connections", connections,
+                 "TCP connections per pair for caravan-gloo-x<N> and caravan-auto-x<N>")
+      ->default_val(connections);
   app.add_option("--control", controlKind,
                  "what runs the barriers and time maxima between samples: gloo (a separate "
                  "raw Gloo context; blocks, so a rank waiting there leaves the CPU to the "
@@ -208,103 +225,167 @@ int main(int argc, char** argv) {
   try {
     at::set_num_threads(1);
     WorldInfo world;
-#if CARAVAN_BENCH_MPI
-    int provided = 0;
-    MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-    MPI_Comm_rank(MPI_COMM_WORLD, &world.rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &world.worldSize);
-    world.launcher = "openmpi";
-    world.masterAddr = "127.0.0.1";
-    // Rank 0 serves the rendezvous store on a free loopback port and tells the others.
     c10::intrusive_ptr<c10d::Store> store;
-    int port = 0;
-    if (world.rank == 0) {
-      TcpStoreOptions o;
-      o.host = world.masterAddr;
-      o.port = 0;
-      o.isServer = true;
-      o.timeout = timeout;
-      auto server = c10::make_intrusive<TcpStore>(o);
-      port = server->port();
-      store = server;
+    // Ranks from mpirun (MPI builds, unless WORLD_SIZE is set without mpirun: ranks in network
+    // namespace hosts), else from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT.
+    const bool useMpi = CARAVAN_BENCH_MPI && (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr ||
+                                              std::getenv("WORLD_SIZE") == nullptr);
+#if CARAVAN_BENCH_MPI
+    if (useMpi) {
+      int provided = 0;
+      MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+      MPI_Comm_rank(MPI_COMM_WORLD, &world.rank);
+      MPI_Comm_size(MPI_COMM_WORLD, &world.worldSize);
+      world.launcher = "openmpi";
+      world.masterAddr = "127.0.0.1";
+      // Rank 0 serves the rendezvous store on a free loopback port and tells the others.
+      int port = 0;
+      if (world.rank == 0) {
+        TcpStoreOptions o;
+        o.host = world.masterAddr;
+        o.port = 0;
+        o.isServer = true;
+        o.timeout = timeout;
+        auto server = c10::make_intrusive<TcpStore>(o);
+        port = server->port();
+        store = server;
+      }
+      MPI_Bcast(&port, 1, MPI_INT, 0, MPI_COMM_WORLD);
+      world.masterPort = port;
     }
-    MPI_Bcast(&port, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    world.masterPort = port;
-    if (world.rank != 0) {
+#endif
+    if (!useMpi) world = worldFromEnvironment(processEnvironment());
+    if (!store) {
       StoreOptions so;
       so.timeout = timeout;
       store = makeStore(world, so);
     }
-#else
-    world = worldFromEnvironment(processEnvironment());
-    StoreOptions so;
-    so.timeout = timeout;
-    auto store = makeStore(world, so);
-#endif
     const int rank = world.rank, n = world.worldSize;
 
-    // Connections, in the same order on every rank.
-    auto glooComm = makeCommunicator("gloo", world, store, timeout);
-    auto shmComm = makeCommunicator("shm", world, store, timeout);
-    auto rawGloo = glooContext(store, "bench/raw-gloo", rank, n, timeout);
+    // What to measure: --impls, else every implementation this build and world have.
+    std::vector<std::string> names = only;
+    if (names.empty()) {
+      names = {"caravan-gloo", "caravan-shm", "raw-gloo"};
+      if (useMpi) names.insert(names.end(), {"caravan-mpi", "raw-mpi", "raw-mpi-nb"});
+    }
+    auto wanted = [&](const std::string& name) {
+      return std::find(names.begin(), names.end(), name) != names.end();
+    };
+    const std::string striped = fmt::format("caravan-gloo-x{}", connections);
+    const std::string autoStriped = fmt::format("caravan-auto-x{}", connections);
+    for (const auto& name : names) {
+      const bool known =
+          name == "caravan-gloo" || name == "caravan-shm" || name == "caravan-auto" ||
+          name == striped || name == autoStriped || name == "raw-gloo" || name == "memcpy" ||
+          (useMpi && (name == "caravan-mpi" || name == "raw-mpi" || name == "raw-mpi-nb"));
+      if (!known) {
+        throw ConfigError(fmt::format(
+            "unknown or unavailable implementation \"{}\" (this run "
+            "has caravan-gloo, {}, caravan-shm, caravan-auto, {}, "
+            "raw-gloo, memcpy{})",
+            name, striped, autoStriped, useMpi ? ", caravan-mpi, raw-mpi, raw-mpi-nb" : ""));
+      }
+    }
+    // The address other ranks reach this one at (a namespace host's own, or loopback).
+    const std::string hostname = isLoopbackAddress(world.masterAddr)
+                                     ? "127.0.0.1"
+                                     : localAddressToward(world.masterAddr, world.masterPort);
+
+    // Connections, in the same order on every rank (each under its own store prefix).
+    auto prefixed = [&](const std::string& prefix) {
+      return c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+    };
+    std::unique_ptr<Communicator> glooComm, stripedComm, shmComm, autoComm, autoStripedComm;
+    if (wanted("caravan-gloo")) glooComm = makeCommunicator("gloo", world, store, timeout);
+    if (wanted(striped)) {
+      stripedComm =
+          makeCommunicator("gloo", world, prefixed("bench/striped"), timeout, {}, connections);
+    }
+    if (wanted("caravan-shm"))
+      shmComm = makeCommunicator("shm", world, prefixed("bench/shm"), timeout);
+    if (wanted("caravan-auto"))
+      autoComm = makeCommunicator("auto", world, prefixed("bench/auto"), timeout);
+    if (wanted(autoStriped)) {
+      autoStripedComm =
+          makeCommunicator("auto", world, prefixed("bench/auto-striped"), timeout, {}, connections);
+    }
+    std::shared_ptr<::gloo::Context> rawGloo;
+    if (wanted("raw-gloo"))
+      rawGloo = glooContext(store, "bench/raw-gloo", hostname, rank, n, timeout);
 #if CARAVAN_BENCH_MPI
-    auto mpiComm = makeCommunicator("mpi", world, store, timeout);  // the store is unused
-    MPI_Comm rawComm;
-    MPI_Comm_dup(MPI_COMM_WORLD, &rawComm);
+    std::unique_ptr<Communicator> mpiComm;
+    MPI_Comm rawComm = MPI_COMM_NULL;
+    if (useMpi) {
+      if (wanted("caravan-mpi")) mpiComm = makeCommunicator("mpi", world, store, timeout);
+      MPI_Comm_dup(MPI_COMM_WORLD, &rawComm);
+    }
 #endif
     std::unique_ptr<Control> control;
     if (controlKind == "gloo") {
-      control = std::make_unique<GlooControl>(glooContext(store, "bench/control", rank, n, timeout));
+      control = std::make_unique<GlooControl>(
+          glooContext(store, "bench/control", hostname, rank, n, timeout));
     } else {
 #if CARAVAN_BENCH_MPI
+      if (!useMpi) throw ConfigError("--control mpi needs the ranks started by mpirun");
       control = std::make_unique<MpiControl>();
 #else
       throw ConfigError("--control mpi needs a build with MPI");
 #endif
     }
 
+    auto through = [&](std::unique_ptr<Communicator>& c) {
+      return [&c, timeout](at::Tensor& t) { c->allreduce(t, ReduceOp::kSum)->wait(timeout); };
+    };
     uint32_t rawGlooTag = 0;
+    at::Tensor copyTarget;
     std::vector<Impl> impls;
-    impls.push_back({"caravan-gloo", [&](at::Tensor& t) {
-                       glooComm->allreduce(t, ReduceOp::kSum)->wait(timeout);
-                     }, {}});
-    impls.push_back({"caravan-shm",
-                     [&](at::Tensor& t) { shmComm->allreduce(t, ReduceOp::kSum)->wait(timeout); },
-                     {}});
-    impls.push_back({"raw-gloo", [&](at::Tensor& t) {
-                       ::gloo::AllreduceOptions o(rawGloo);
-                       o.setOutput(t.data_ptr<float>(), static_cast<size_t>(t.numel()));
-                       o.setReduceFunction(
-                           static_cast<void (*)(void*, const void*, const void*, size_t)>(
-                               &::gloo::sum<float>));
-                       o.setTag(rawGlooTag++);
-                       o.setTimeout(timeout);
-                       ::gloo::allreduce(o);
-                     }, {}});
-#if CARAVAN_BENCH_MPI
-    impls.push_back({"caravan-mpi", [&](at::Tensor& t) {
-                       mpiComm->allreduce(t, ReduceOp::kSum)->wait(timeout);
-                     }, {}});
-    impls.push_back({"raw-mpi", [&](at::Tensor& t) {
-                       MPI_Allreduce(MPI_IN_PLACE, t.data_ptr<float>(), static_cast<int>(t.numel()),
-                                     MPI_FLOAT, MPI_SUM, rawComm);
-                     }, {}});
-    impls.push_back({"raw-mpi-nb", [&](at::Tensor& t) {
-                       MPI_Request r;
-                       MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr<float>(),
-                                      static_cast<int>(t.numel()), MPI_FLOAT, MPI_SUM, rawComm, &r);
-                       MPI_Wait(&r, MPI_STATUS_IGNORE);
-                     }, {}});
-#endif
-    if (!only.empty()) {
-      for (const auto& name : only) {
-        if (std::none_of(impls.begin(), impls.end(), [&](const Impl& i) { return i.name == name; })) {
-          throw ConfigError(fmt::format("unknown or unavailable implementation \"{}\"", name));
-        }
+    for (const auto& name : names) {
+      if (name == "caravan-gloo") impls.push_back({name, through(glooComm)});
+      if (name == striped) impls.push_back({name, through(stripedComm)});
+      if (name == "caravan-shm") impls.push_back({name, through(shmComm)});
+      if (name == "caravan-auto") impls.push_back({name, through(autoComm)});
+      if (name == autoStriped) impls.push_back({name, through(autoStripedComm)});
+      if (name == "raw-gloo") {
+        impls.push_back({name, [&](at::Tensor& t) {
+                           ::gloo::AllreduceOptions o(rawGloo);
+                           o.setOutput(t.data_ptr<float>(), static_cast<size_t>(t.numel()));
+                           o.setReduceFunction(
+                               static_cast<void (*)(void*, const void*, const void*, size_t)>(
+                                   &::gloo::sum<float>));
+                           o.setTag(rawGlooTag++);
+                           o.setTimeout(timeout);
+                           ::gloo::allreduce(o);
+                         }});
       }
-      impls.erase(std::remove_if(impls.begin(), impls.end(), [&](const Impl& i) {
-                    return std::find(only.begin(), only.end(), i.name) == only.end();
-                  }), impls.end());
+      if (name == "memcpy") {
+        // Not an all-reduce: every rank copies the buffer into another at once (the memory
+        // bandwidth the all-reduces share); reported with busbw = algbw.
+        impls.push_back({name,
+                         [&](at::Tensor& t) {
+                           if (copyTarget.numel() != t.numel()) copyTarget = at::empty_like(t);
+                           std::memcpy(copyTarget.data_ptr(), t.data_ptr(), t.nbytes());
+                         },
+                         {},
+                         /*isCopy=*/true});
+      }
+#if CARAVAN_BENCH_MPI
+      if (name == "caravan-mpi") impls.push_back({name, through(mpiComm)});
+      if (name == "raw-mpi") {
+        impls.push_back({name, [&](at::Tensor& t) {
+                           MPI_Allreduce(MPI_IN_PLACE, t.data_ptr<float>(),
+                                         static_cast<int>(t.numel()), MPI_FLOAT, MPI_SUM, rawComm);
+                         }});
+      }
+      if (name == "raw-mpi-nb") {
+        impls.push_back({name, [&](at::Tensor& t) {
+                           MPI_Request r;
+                           MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr<float>(),
+                                          static_cast<int>(t.numel()), MPI_FLOAT, MPI_SUM, rawComm,
+                                          &r);
+                           MPI_Wait(&r, MPI_STATUS_IGNORE);
+                         }});
+      }
+#endif
     }
 
     if (rank == 0) {
@@ -336,6 +417,7 @@ int main(int argc, char** argv) {
       const float expected = static_cast<float>(n * (n + 1) / 2);
       for (auto& impl : impls) {
         impl.buffer = at::full({elements}, static_cast<float>(rank + 1), at::kFloat);
+        if (impl.isCopy) continue;
         impl.allreduce(impl.buffer);
         const double err = (impl.buffer - expected).abs().max().item<double>();
         if (err != 0.0) {
@@ -371,7 +453,7 @@ int main(int argc, char** argv) {
                                 {"min_s", *std::min_element(samples[k].begin(), samples[k].end())},
                                 {"max_s", *std::max_element(samples[k].begin(), samples[k].end())},
                                 {"algbw_GBps", algbw},
-                                {"busbw_GBps", algbw * busFactor}};
+                                {"busbw_GBps", impls[k].isCopy ? algbw : algbw * busFactor}};
           std::cout << row.dump() << std::endl;
         }
       }
@@ -382,23 +464,30 @@ int main(int argc, char** argv) {
     control.reset();
     rawGloo.reset();
     glooComm.reset();
+    stripedComm.reset();
+    shmComm.reset();
+    autoComm.reset();
+    autoStripedComm.reset();
 #if CARAVAN_BENCH_MPI
-    mpiComm.reset();
-    MPI_Comm_free(&rawComm);
-    store.reset();
-    MPI_Finalize();
+    if (useMpi) {
+      mpiComm.reset();
+      MPI_Comm_free(&rawComm);
+      store.reset();
+      MPI_Finalize();
+    }
 #endif
     return 0;
   } catch (const Error& e) {
     std::cerr << "caravan_bench_comm: error: " << e.what() << std::endl;
 #if CARAVAN_BENCH_MPI
-    MPI_Abort(MPI_COMM_WORLD, static_cast<int>(e.code()));
+    if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr)
+      MPI_Abort(MPI_COMM_WORLD, static_cast<int>(e.code()));
 #endif
     return static_cast<int>(e.code());
   } catch (const std::exception& e) {
     std::cerr << "caravan_bench_comm: error: " << e.what() << std::endl;
 #if CARAVAN_BENCH_MPI
-    MPI_Abort(MPI_COMM_WORLD, 1);
+    if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) MPI_Abort(MPI_COMM_WORLD, 1);
 #endif
     return 1;
   }

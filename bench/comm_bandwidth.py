@@ -14,7 +14,9 @@ uses) and prints one markdown table per run.
 
 OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are removed from the measured processes' environment;
 the output says whether they were set. Bus bandwidth follows nccl-tests:
-busbw = bytes / time * 2 (n - 1) / n.
+busbw = bytes / time * 2 (n - 1) / n. The memcpy column is every rank copying a buffer of the
+size into another at once (GB/s copied per rank), in the same rounds: "shm / memcpy" is the
+shared-memory all-reduce's bus bandwidth as a fraction of that memory bandwidth.
 
 With --json OUT, every measurement goes to OUT and charts.json (for `caravan report`,
 docs/report.md: bus bandwidth against the message size per rank count and rule, Caravan over raw
@@ -46,7 +48,8 @@ RULES = {
     "ring": TUNED_RING,                       # MPI_Allreduce forced to the ring
     "ring+nbc": TUNED_RING + ["--mca", "coll_libnbc_iallreduce_algorithm", "1"],  # both
 }
-COLUMNS = ["caravan-shm", "caravan-gloo", "raw-gloo", "caravan-mpi", "raw-mpi-nb", "raw-mpi"]
+COLUMNS = ["caravan-shm", "caravan-gloo", "raw-gloo", "caravan-mpi", "raw-mpi-nb", "raw-mpi",
+           "memcpy"]
 
 
 def has_mpi(bench):
@@ -55,8 +58,12 @@ def has_mpi(bench):
 
 
 def run(bench, ranks, rule, a, environ, with_mpi):
+    impls = ["caravan-shm", "caravan-gloo", "raw-gloo", "memcpy"]
+    if with_mpi:
+        impls += ["caravan-mpi", "raw-mpi", "raw-mpi-nb"]
     args = [bench, "--min-bytes", str(a.min_bytes), "--max-bytes", str(a.max_bytes),
-            "--factor", str(a.factor), "--repeats", str(a.repeats), "--warmup", str(a.warmup)]
+            "--factor", str(a.factor), "--repeats", str(a.repeats), "--warmup", str(a.warmup),
+            "--impls"] + impls
     if with_mpi:
         cmd = MPIRUN + RULES[rule] + a.mpirun_arg + ["-np", str(ranks)] + args
         procs = [subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
@@ -107,6 +114,8 @@ def table(rows):
         ratios.append(("shm / raw gloo", "caravan-shm", "raw-gloo"))
     if {"caravan-shm", "raw-mpi"} <= set(cols):
         ratios.append(("shm / raw mpi", "caravan-shm", "raw-mpi"))
+    if {"caravan-shm", "memcpy"} <= set(cols):
+        ratios.append(("shm / memcpy", "caravan-shm", "memcpy"))
     if {"caravan-mpi", "raw-mpi"} <= set(cols):
         ratios.append(("mpi: caravan/raw", "caravan-mpi", "raw-mpi"))
     if {"caravan-mpi", "raw-mpi-nb"} <= set(cols):
@@ -249,7 +258,7 @@ def main():
     if a.json:
         data = {"removed_env": removed, "load_before": load, "runs": results, "args": vars(a)}
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
+        with open(a.json, "w") as f:
             json.dump(data, f, indent=1)
         print("wrote", write_charts(data, a.json))
 

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <unistd.h>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -27,12 +28,14 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "comm/auth.h"
 #include "comm/comm_util.h"
 #include "comm/communicator.h"
 #include "comm/factory.h"
 #include "comm/gloo_communicator.h"
+#include "comm/hierarchical_communicator.h"
 #include "comm/mpi_communicator.h"
 #include "comm/shm_communicator.h"
 #include "comm/store.h"
@@ -657,29 +660,58 @@ INSTANTIATE_TEST_SUITE_P(CommShm, CommShmCollectives,
 // The documented order: rank r's slice is summed over ranks 0, 1, ... in float32 (bfloat16
 // rounded once at the end), so on random data the result is bitwise that sum; with two ranks it
 // is a + b, which any order gives (Gloo's too).
+// AVG divides that float32 sum by the number of ranks (true division, as ATen's div_).
 TEST(CommShm, SumsInRankOrderBitwise) {
   for (int size : {2, 3, 4}) {
     for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
-      const int64_t n = 100003;
-      at::manual_seed(11);
-      std::vector<at::Tensor> inputs;
-      for (int r = 0; r < size; ++r) inputs.push_back(at::randn({n}).mul_(r + 1).to(dt));
-      at::Tensor expected = inputs[0].to(at::kFloat);
-      for (int r = 1; r < size; ++r) expected = expected + inputs[r].to(at::kFloat);
-      expected = expected.to(dt);
-      std::vector<at::Tensor> results(size);
-      auto errors = runShmRanks(size, shmOptions(64 * 1024), [&](Communicator& c) {
-        at::Tensor t = inputs[c.rank()].clone();
-        c.allreduce(t, ReduceOp::kSum)->wait(kOpTimeout);
-        results[c.rank()] = t;
-      });
-      for (int r = 0; r < size; ++r) {
-        ASSERT_EQ(errors[r], "") << "rank " << r;
-        EXPECT_TRUE(at::equal(results[r], expected))
-            << size << " ranks, " << comm::dtypeName(dt) << ", rank " << r;
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+        const int64_t n = 100003;
+        at::manual_seed(11);
+        std::vector<at::Tensor> inputs;
+        for (int r = 0; r < size; ++r) inputs.push_back(at::randn({n}).mul_(r + 1).to(dt));
+        at::Tensor expected = inputs[0].to(at::kFloat);
+        for (int r = 1; r < size; ++r) expected = expected + inputs[r].to(at::kFloat);
+        if (op == ReduceOp::kAvg) expected.div_(size);
+        expected = expected.to(dt);
+        std::vector<at::Tensor> results(size);
+        auto errors = runShmRanks(size, shmOptions(64 * 1024), [&](Communicator& c) {
+          at::Tensor t = inputs[c.rank()].clone();
+          c.allreduce(t, op)->wait(kOpTimeout);
+          results[c.rank()] = t;
+        });
+        for (int r = 0; r < size; ++r) {
+          ASSERT_EQ(errors[r], "") << "rank " << r;
+          EXPECT_TRUE(at::equal(results[r], expected))
+              << size << " ranks, " << comm::dtypeName(dt) << ", " << opName(op) << ", rank " << r;
+        }
       }
     }
   }
+}
+
+// Collectives issued back to back run in issue order whichever thread runs them (the op thread,
+// or a waiter whose collective is next): waited in reverse order, each holds its own result.
+TEST(CommShm, CollectivesWaitedInAnyOrderHoldTheirOwnResults) {
+  const std::vector<int64_t> counts = {5, 70000, 3, 1 << 18, 1};
+  auto errors = runShmRanks(3, shmOptions(64 * 1024), [&](Communicator& c) {
+    for (int round = 0; round < 3; ++round) {
+      std::vector<at::Tensor> tensors;
+      std::vector<WorkPtr> works;
+      for (size_t i = 0; i < counts.size(); ++i) {
+        tensors.push_back(inputFor(c.rank(), counts[i], round * 10 + static_cast<int>(i)));
+        works.push_back(c.allreduce(tensors.back(), ReduceOp::kSum));
+      }
+      if (round == 1) std::reverse(works.begin(), works.end());
+      for (auto& w : works) w->wait(round == 2 ? milliseconds(kOpTimeout / 2) : kOpTimeout);
+      for (size_t i = 0; i < counts.size(); ++i) {
+        expectExact(
+            tensors[i],
+            reduceRows(allInputs(3, counts[i], round * 10 + static_cast<int>(i)), ReduceOp::kSum),
+            fmt::format("round {}, allreduce {} (rank {})", round, i, c.rank()));
+      }
+    }
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
 // The segments of a job with this token, by the name shm_communicator.cpp gives them.
@@ -759,6 +791,133 @@ TEST(CommShm, ALateRankIsNamedAndEveryWaiterLearnsIt) {
   EXPECT_GE(failedAfter[1], 0);
   EXPECT_LT(failedAfter[1], 650) << "rank 1 learnt it from rank 0, not from its own timeout";
   EXPECT_EQ(errors[2], "");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Striping: Gloo with several connections per pair.
+
+// Large all-reduces and broadcasts go as pieces over 3 meshes of connections at once; the suite's
+// results hold (integers: exact in any order), and on 2 ranks a float sum is bitwise the one
+// connection's.
+TEST(CommGloo, StripedCollectivesMatchOneConnection) {
+  GlooOptions striped = loopbackOptions();
+  striped.connections = 3;
+  striped.stripeBytes = 256;
+  for (int size : {2, 3}) {
+    std::vector<std::atomic<int>> arrived(3);
+    auto errors = runGlooRanks(size, striped, [&](Communicator& c) {
+      checkCollectives(c, 7, at::kFloat, &arrived[0]);
+      checkCollectives(c, 1001, at::kFloat, &arrived[1]);
+      checkCollectives(c, 1001, at::kBFloat16, &arrived[2]);
+    });
+    for (int r = 0; r < size; ++r) EXPECT_EQ(errors[r], "") << size << " ranks, rank " << r;
+  }
+  at::manual_seed(5);
+  const std::vector<at::Tensor> inputs = {at::randn({100003}), at::randn({100003})};
+  std::vector<at::Tensor> one(2), three(2);
+  for (auto [options, results] : {std::pair{loopbackOptions(), &one}, std::pair{striped, &three}}) {
+    auto errors = runGlooRanks(2, options, [&, results = results](Communicator& c) {
+      at::Tensor t = inputs[c.rank()].clone();
+      c.allreduce(t, ReduceOp::kSum)->wait(kOpTimeout);
+      (*results)[c.rank()] = t;
+    });
+    for (int r = 0; r < 2; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  }
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(at::equal(one[r], three[r])) << "rank " << r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hierarchical: ranks as threads on made-up hosts (a host identity per rank), shared memory
+// inside each host, Gloo among the leaders (3 connections, striped) and of every rank.
+
+TEST(CommHierarchical, HostGroupsAreEachHostsRanksAndItsLowestRankLeads) {
+  const std::vector<std::string> hosts = {"b", "a", "b", "a", "c"};
+  EXPECT_EQ(hostGroups(hosts, 2).local, (std::vector<int>{0, 2}));
+  EXPECT_EQ(hostGroups(hosts, 3).local, (std::vector<int>{1, 3}));
+  EXPECT_EQ(hostGroups(hosts, 4).local, (std::vector<int>{4}));
+  EXPECT_EQ(hostGroups(hosts, 0).leaders, (std::vector<int>{0, 1, 4}));
+}
+
+std::vector<std::string> runHierarchicalRanks(const std::vector<std::string>& hosts,
+                                              const std::function<void(Communicator&)>& body) {
+  const int size = static_cast<int>(hosts.size());
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto prefixed = [](const std::string& p, c10::intrusive_ptr<c10d::Store> s) {
+    return c10::make_intrusive<c10d::PrefixStore>(p, std::move(s));
+  };
+  std::vector<std::string> errors(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto flat =
+            std::make_shared<GlooCommunicator>(prefixed("flat", store), r, size, loopbackOptions());
+        auto c =
+            makeHierarchical(hosts, r, flat, prefixed("hier", store), shmOptions(64 * 1024),
+                             [](c10::intrusive_ptr<c10d::Store> s, int rank, int n) {
+                               GlooOptions o = loopbackOptions();
+                               o.connections = 3;
+                               o.stripeBytes = 4096;
+                               return std::make_shared<GlooCommunicator>(std::move(s), rank, n, o);
+                             });
+        EXPECT_EQ(c->backend(), "hierarchical");
+        body(*c);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+// The suite every backend passes (integer-valued inputs: exact in any order), on hosts of 2 + 2
+// ranks, 3 + 1 (a rank alone on its host) and 1 + 1 + 1 (no shared memory at all).
+TEST(CommHierarchical, CollectivesMatchExpected) {
+  const std::vector<std::vector<std::string>> layouts = {
+      {"a", "a", "b", "b"}, {"a", "b", "a", "a"}, {"a", "b", "c"}};
+  for (const auto& hosts : layouts) {
+    const int size = static_cast<int>(hosts.size());
+    std::vector<std::atomic<int>> arrived(4);
+    auto errors = runHierarchicalRanks(hosts, [&](Communicator& c) {
+      checkCollectives(c, 0, at::kFloat, &arrived[0]);
+      checkCollectives(c, 7, at::kFloat, &arrived[1]);
+      checkCollectives(c, 100003, at::kFloat, &arrived[2]);
+      checkCollectives(c, 1001, at::kBFloat16, &arrived[3]);
+    });
+    for (int r = 0; r < size; ++r) {
+      EXPECT_EQ(errors[r], "") << "hosts " << hosts[0] << hosts[1] << hosts[2]
+                               << (size > 3 ? hosts[3] : "") << ", rank " << r;
+    }
+  }
+}
+
+// The documented order: each host's ranks in rank order, then the hosts (two hosts: a + b in
+// any order), in float32, bfloat16 rounded once; AVG divides that sum.
+TEST(CommHierarchical, SumsPerHostThenOverHostsBitwise) {
+  const std::vector<std::string> hosts = {"a", "a", "a", "b", "b"};
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      at::manual_seed(3);
+      std::vector<at::Tensor> inputs;
+      for (int r = 0; r < 5; ++r) inputs.push_back(at::randn({50001}).mul_(r + 1).to(dt));
+      auto f = [&](int r) { return inputs[r].to(at::kFloat); };
+      at::Tensor expected = ((f(0) + f(1)) + f(2)) + (f(3) + f(4));
+      if (op == ReduceOp::kAvg) expected.div_(5);
+      expected = expected.to(dt);
+      std::vector<at::Tensor> results(5);
+      auto errors = runHierarchicalRanks(hosts, [&](Communicator& c) {
+        at::Tensor t = inputs[c.rank()].clone();
+        c.allreduce(t, op)->wait(kOpTimeout);
+        results[c.rank()] = t;
+      });
+      for (int r = 0; r < 5; ++r) {
+        ASSERT_EQ(errors[r], "") << "rank " << r;
+        EXPECT_TRUE(at::equal(results[r], expected))
+            << comm::dtypeName(dt) << ", " << opName(op) << ", rank " << r;
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

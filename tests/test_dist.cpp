@@ -253,6 +253,44 @@ TEST_P(DistMultiHost, NamespaceHostsMatchOneHost) {
 
 INSTANTIATE_TEST_SUITE_P(Hosts, DistMultiHost, ::testing::Values(2, 3, 4));
 
+// dist.backend = auto on 2 namespace hosts of 2 ranks each: hierarchical (shared memory inside
+// each host, Gloo between the two leaders, striped over 2 connections). Its sums run per host,
+// then over hosts, so the result equals the same job on one host with Gloo up to float32
+// rounding (hierarchical_communicator.h).
+TEST(DistMultiHostRanks, HierarchicalOnTwoHostsOfTwoRanksMatchesOneHost) {
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                        "sync.first_bucket_mb=0.001", "sync.bucket_mb=0.01"});
+  const std::string rank =
+      std::string("RANK=$((2*HOST_INDEX+k)) WORLD_SIZE=4 ") +
+      "MASTER_ADDR=198.18.0.1 MASTER_PORT=29500 OMP_NUM_THREADS=1 " + CARAVAN_BINARY +
+      " train --config /dev/null" + setArgs(with(o, {"dist.backend=auto", "dist.connections=2"})) +
+      " --run-dir " + (tmp / "hosts") + " >" + (tmp / "hosts.log") + ".$((2*HOST_INDEX+k)) 2>&1";
+  const std::string host = "s=0; for k in 0 1; do " + rank +
+                           " & pids=\"$pids $!\"; done; for p in $pids; do wait $p || s=$?; "
+                           "done; exit $s";
+  const std::string cmd = std::string(CARAVAN_SOURCE_DIR) +
+                          "/scripts/netns_hosts.sh --hosts 2 --timeout 120 -- bash -c '" + host +
+                          "'";
+  const int status = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "needs root and ip netns";
+  std::string logs;
+  for (int r = 0; r < 4; ++r) logs += test::readFile(tmp / ("hosts.log." + std::to_string(r)));
+  ASSERT_EQ(WEXITSTATUS(status), 0) << logs;
+  EXPECT_NE(test::readFile(tmp / "hosts.log.0").find("hierarchical"), std::string::npos) << logs;
+  auto gloo = with(o, {"dist.backend=gloo"});
+  ASSERT_EQ(runRanks(4, tmp / "one", gloo), std::vector<int>(4, 0));
+  auto hosts = finalParams(tmp / "hosts", o), one = finalParams(tmp / "one", gloo);
+  ASSERT_FALSE(hosts.empty());
+  const double diff = maxAbsDiff(hosts, one);
+  EXPECT_LE(diff, 1e-5);
+  std::printf(
+      "2 namespace hosts x 2 ranks (hierarchical): max |difference| to one host (gloo) "
+      "%.3g\n",
+      diff);
+}
+
 // netns_hosts.sh --cpus C: each host's command gets C cores at most (a cgroup quota): a busy
 // loop of 2 s uses about 2 x C seconds of CPU (closed form; /proc's cumulative child times, in
 // 1/100 s), not the whole core it would take alone.

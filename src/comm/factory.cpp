@@ -12,6 +12,7 @@
 
 #include "comm/comm_util.h"
 #include "comm/gloo_communicator.h"
+#include "comm/hierarchical_communicator.h"
 #include "comm/mpi_communicator.h"
 #include "comm/shm_communicator.h"
 #include "core/errors.h"
@@ -53,16 +54,21 @@ std::string localAddressToward(const std::string& host, int port) {
 std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const WorldInfo& world,
                                                c10::intrusive_ptr<c10d::Store> store,
                                                std::chrono::milliseconds timeout,
-                                               std::chrono::milliseconds joinTimeout) {
+                                               std::chrono::milliseconds joinTimeout,
+                                               int connections) {
   if (timeout.count() <= 0) {
     throw ConfigError(fmt::format("communication timeout must be positive, got {} ms",
                                   timeout.count()));
+  }
+  if (connections < 1) {
+    throw ConfigError(fmt::format("dist.connections must be at least 1, got {}", connections));
   }
   if (backend == "gloo") {
     CARAVAN_CHECK(store, "the gloo backend needs a rendezvous store");
     GlooOptions options;
     options.timeout = timeout;
     options.joinTimeout = joinTimeout;
+    options.connections = connections;
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname) {
       options.interface = ifname;
     } else if (isLoopbackAddress(world.masterAddr)) {
@@ -91,16 +97,31 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const
           "rank 0 (or in another network namespace); use dist.backend = auto or gloo",
           comm::formatRanks(elsewhere), elsewhere.size() == 1 ? "s" : ""));
     }
-    // Several hosts, or one rank alone: Gloo as a gloo job would make it (same keys).
-    if (!elsewhere.empty() || (backend == "auto" && world.worldSize == 1)) {
-      return makeCommunicator("gloo", world, std::move(store), timeout, joinTimeout);
+    // One rank alone: Gloo as a gloo job would make it (same keys).
+    if (backend == "auto" && world.worldSize == 1) {
+      return makeCommunicator("gloo", world, std::move(store), timeout, joinTimeout, connections);
     }
-    // Point-to-point over Gloo.
-    std::shared_ptr<Communicator> gloo = makeCommunicator("gloo", world, own, timeout, joinTimeout);
     ShmOptions options;
     options.timeout = timeout;
     options.joinTimeout = joinTimeout;
     options.token = world.token;
+    if (!elsewhere.empty()) {
+      // Several hosts: shared memory inside each, Gloo among one leader per host, and Gloo of
+      // every rank (with a gloo job's keys) for the rest (hierarchical_communicator.h).
+      std::shared_ptr<Communicator> flat =
+          makeCommunicator("gloo", world, store, timeout, joinTimeout, connections);
+      return makeHierarchical(hosts, world.rank, std::move(flat), own, options,
+                              [&](c10::intrusive_ptr<c10d::Store> leaders, int rank, int size) {
+                                WorldInfo among = world;
+                                among.rank = rank;
+                                among.worldSize = size;
+                                return makeCommunicator("gloo", among, std::move(leaders), timeout,
+                                                        joinTimeout, connections);
+                              });
+    }
+    // One host: point-to-point over Gloo.
+    std::shared_ptr<Communicator> gloo =
+        makeCommunicator("gloo", world, own, timeout, joinTimeout, connections);
     return std::make_unique<ShmCommunicator>(own, world.rank, world.worldSize, options, gloo);
   }
   if (backend == "mpi") {

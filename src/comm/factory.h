@@ -2,7 +2,8 @@
 // this process.
 //
 // auto: shm when every rank runs on this host (the host identities the ranks publish in the
-//       store agree, shm_communicator.h), else gloo; one rank alone: gloo.
+//       store agree, shm_communicator.h); on several hosts, hierarchical (shared memory inside
+//       each host, Gloo between them, hierarchical_communicator.h); one rank alone: gloo.
 // shm:  collectives through shared memory, send/recv over gloo; ConfigError naming the ranks on
 //       another host when they are not all on one.
 // gloo: rendezvous through `store` with the launcher's rank and world size; the Gloo endpoint
@@ -13,7 +14,8 @@
 //       launcher said, else ConfigError. A build without MPI throws ConfigError saying so.
 //
 // `timeout` bounds every wait on a peer after the rendezvous; `joinTimeout` (zero: `timeout`)
-// the rendezvous itself.
+// the rendezvous itself. `connections`: TCP connections per pair of ranks for Gloo's large
+// all-reduces and broadcasts (striping, gloo_communicator.h; dist.connections).
 // Threading: blocks the calling thread through the rendezvous (at most `joinTimeout`). Every rank
 // calls it concurrently.
 #pragma once
@@ -32,7 +34,8 @@ namespace caravan {
 std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const WorldInfo& world,
                                                c10::intrusive_ptr<c10d::Store> store,
                                                std::chrono::milliseconds timeout,
-                                               std::chrono::milliseconds joinTimeout = {});
+                                               std::chrono::milliseconds joinTimeout = {},
+                                               int connections = 1);
 
 // True for 127.0.0.0/8, ::1 and "localhost".
 bool isLoopbackAddress(const std::string& address);

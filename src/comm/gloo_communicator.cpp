@@ -1,6 +1,7 @@
 // GlooCommunicator over c10d::ProcessGroupGloo (see gloo_communicator.h for the workarounds).
 #include "comm/gloo_communicator.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -52,12 +53,13 @@ std::string peerFailureMessage(int rank, const OpInfo& info, bool timedOut, mill
   return fmt::format("rank {}: {} failed ({}) while talking to {}", rank, info.what, cause, peers);
 }
 
-// A c10d work plus the step that finishes the result in the caller's tensors.
+// The c10d works of one operation (one per stripe) plus the step that finishes the result in
+// the caller's tensors.
 class GlooWork : public Work {
  public:
-  GlooWork(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish, OpInfo info,
-           int rank, milliseconds ioTimeout, std::shared_ptr<FailureLatch> failure)
-      : work_(std::move(work)),
+  GlooWork(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::function<void()> finish,
+           OpInfo info, int rank, milliseconds ioTimeout, std::shared_ptr<FailureLatch> failure)
+      : works_(std::move(works)),
         finish_(std::move(finish)),
         info_(std::move(info)),
         rank_(rank),
@@ -74,15 +76,21 @@ class GlooWork : public Work {
   // so for them this stays false until then.
   bool isCompleted() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    return done_ || work_->isCompleted();
+    return done_ || std::all_of(works_.begin(), works_.end(),
+                                [](const auto& w) { return w->isCompleted(); });
   }
 
  private:
   void complete(milliseconds timeout) {
     done_ = true;  // a failed wait is final: Gloo closes the pair after a timeout
     std::string cause;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    size_t waiting = 0;  // the work a failure came from
     try {
-      work_->wait(timeout);
+      for (; waiting < works_.size(); ++waiting) {
+        works_[waiting]->wait(atLeastOneMs(
+            std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now())));
+      }
       if (finish_) finish_();
       finish_ = nullptr;
       return;
@@ -95,7 +103,7 @@ class GlooWork : public Work {
     // Our wait ran out: c10d's collective works say "Operation timed out!" and stay incomplete.
     // Gloo's own I/O timeout (ioTimeout_, and the wait's timeout for send/recv) completes the
     // work with "Timed out ...".
-    const bool waitRanOut = !work_->isCompleted();
+    const bool waitRanOut = waiting < works_.size() && !works_[waiting]->isCompleted();
     const bool timedOut = waitRanOut || cause.find("imed out") != std::string::npos;
     const milliseconds shown = waitRanOut ? timeout : std::min(timeout, ioTimeout_);
     const std::string message = peerFailureMessage(rank_, info_, timedOut, shown, cause);
@@ -104,7 +112,7 @@ class GlooWork : public Work {
   }
 
   std::mutex mutex_;
-  c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::function<void()> finish_;
   OpInfo info_;
   int rank_;
@@ -256,9 +264,18 @@ struct GlooCommunicator::Impl {
   // Starts a c10d operation; a synchronous failure becomes a failed Work like any other.
   WorkPtr issue(OpInfo info, const std::function<c10::intrusive_ptr<c10d::Work>()>& start,
                 std::function<void()> finish = nullptr) {
-    c10::intrusive_ptr<c10d::Work> work;
+    return issueStriped(
+        std::move(info), [&] { return std::vector<c10::intrusive_ptr<c10d::Work>>{start()}; },
+        std::move(finish));
+  }
+
+  // The same for an operation started as several c10d operations (stripes).
+  WorkPtr issueStriped(OpInfo info,
+                       const std::function<std::vector<c10::intrusive_ptr<c10d::Work>>()>& start,
+                       std::function<void()> finish) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
     try {
-      work = start();
+      works = start();
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -267,8 +284,23 @@ struct GlooCommunicator::Impl {
       failure->set(message);
       return std::make_shared<ReadyWork>(std::make_exception_ptr(PeerError(message)));
     }
-    return std::make_shared<GlooWork>(std::move(work), std::move(finish), std::move(info), rank,
+    return std::make_shared<GlooWork>(std::move(works), std::move(finish), std::move(info), rank,
                                       options.timeout, failure);
+  }
+
+  // `flat` cut into options.connections contiguous pieces when it has at least
+  // options.stripeBytes, else whole: consecutive c10d collectives run on consecutive meshes.
+  std::vector<at::Tensor> stripes(const at::Tensor& flat) const {
+    const int64_t n = flat.numel();
+    if (options.connections <= 1 || flat.nbytes() < static_cast<size_t>(options.stripeBytes)) {
+      return {flat};
+    }
+    std::vector<at::Tensor> pieces;
+    for (int k = 0; k < options.connections; ++k) {
+      const int64_t begin = n * k / options.connections, end = n * (k + 1) / options.connections;
+      if (end > begin) pieces.push_back(flat.narrow(0, begin, end - begin));
+    }
+    return pieces;
   }
 
   void checkRank(int r, const char* op) const {
@@ -288,9 +320,11 @@ GlooCommunicator::GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, int ra
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix, std::move(store));
   joinAll(*prefixed, rank, size,
           options.joinTimeout.count() > 0 ? options.joinTimeout : options.timeout);
+  CARAVAN_CHECK(options.connections >= 1, "{} connections", options.connections);
   auto pgOptions = c10d::ProcessGroupGloo::Options::create(options.timeout);
-  pgOptions->devices.push_back(makeDevice(options));
-  pgOptions->threads = std::max(1, options.threads);
+  // One full mesh of connections per device (ProcessGroupGloo), and a worker thread for each.
+  for (int k = 0; k < options.connections; ++k) pgOptions->devices.push_back(makeDevice(options));
+  pgOptions->threads = std::max({1, options.threads, options.connections});
   try {
     impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, pgOptions);
   } catch (const Error&) {
@@ -324,12 +358,19 @@ WorkPtr GlooCommunicator::allreduce(at::Tensor tensor, ReduceOp op) {
       if (!buf.is_same(tensor)) tensor.copy_(buf);
     };
   }
-  return impl_->issue(std::move(info), [&] {
-    std::vector<at::Tensor> tensors{buf};
-    c10d::AllreduceOptions o;
-    o.reduceOp = toGloo(op);
-    return impl_->pg->allreduce(tensors, o);
-  }, std::move(finish));
+  return impl_->issueStriped(
+      std::move(info),
+      [&] {
+        std::vector<c10::intrusive_ptr<c10d::Work>> works;
+        for (const at::Tensor& piece : impl_->stripes(buf.view(-1))) {
+          std::vector<at::Tensor> tensors{piece};
+          c10d::AllreduceOptions o;
+          o.reduceOp = toGloo(op);
+          works.push_back(impl_->pg->allreduce(tensors, o));
+        }
+        return works;
+      },
+      std::move(finish));
 }
 
 WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, int root) {
@@ -340,13 +381,20 @@ WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, int root) {
   info.what += fmt::format(" from rank {}", root);
   if (impl_->rank != root) info.peers = {root};
   if (tensor.numel() == 0) return std::make_shared<ReadyWork>();
-  return impl_->issue(std::move(info), [&] {
-    std::vector<at::Tensor> tensors{movable(tensor)};
-    c10d::BroadcastOptions o;
-    o.rootRank = root;
-    o.rootTensor = 0;
-    return impl_->pg->broadcast(tensors, o);
-  });
+  return impl_->issueStriped(
+      std::move(info),
+      [&] {
+        std::vector<c10::intrusive_ptr<c10d::Work>> works;
+        for (const at::Tensor& piece : impl_->stripes(movable(tensor).view(-1))) {
+          std::vector<at::Tensor> tensors{piece};
+          c10d::BroadcastOptions o;
+          o.rootRank = root;
+          o.rootTensor = 0;
+          works.push_back(impl_->pg->broadcast(tensors, o));
+        }
+        return works;
+      },
+      nullptr);
 }
 
 WorkPtr GlooCommunicator::allgather(at::Tensor output, at::Tensor input) {

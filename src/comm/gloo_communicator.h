@@ -48,7 +48,14 @@ struct GlooOptions {
   std::string hostname;
   // Store key prefix; communicators sharing one store need distinct prefixes.
   std::string prefix = "caravan/gloo";
-  int threads = 2;  // ProcessGroupGloo worker threads
+  int threads = 2;  // ProcessGroupGloo worker threads (at least `connections`)
+  // Striping: TCP connections per pair of ranks. An allreduce or broadcast of at least
+  // `stripeBytes` is cut into `connections` contiguous pieces that run at once, each on its own
+  // connections and worker thread, so one flow's limit is not the operation's. Results equal one
+  // connection's bitwise on 2 ranks; on more, Gloo's ring sums an element in an order that
+  // depends on where its piece starts (float rounding of a sum of `size` terms).
+  int connections = 1;
+  int64_t stripeBytes = int64_t{1} << 20;
 };
 
 class GlooCommunicator final : public Communicator {

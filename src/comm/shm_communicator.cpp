@@ -115,21 +115,67 @@ at::Tensor view(char* at, int64_t n, at::ScalarType type) {
   return at::from_blob(at, {n}, at::TensorOptions().dtype(type));
 }
 
-// out = the reduction of `parts` in their order; bfloat16 in float32, rounded once; AVG divides
-// the sum by `size`.
-void reduceInto(at::Tensor out, const std::vector<at::Tensor>& parts, ReduceOp op, int size) {
-  const bool widen = out.scalar_type() == at::kBFloat16;
-  at::Tensor acc = widen ? parts[0].to(at::kFloat) : out.copy_(parts[0]);
+// The reduction of `count` elements of `parts` (one pointer per rank) in rank order into `out`,
+// and into `copy` too when it is not null; `out` may be one of the parts (it is read before it is
+// written, element by element). float32 and bfloat16 sums (and AVG) run in one pass over blocks
+// that stay in registers: bfloat16 widened to float32 and rounded once, AVG dividing the float
+// sum by `size`, each element's sum taken in rank order, so the result is bitwise what ATen's
+// copy_, add_ and div_ give. Other types and MAX/MIN go through ATen on a temporary.
+template <typename T, typename Load, typename Store>
+void sumInBlocks(const std::vector<const char*>& parts, char* out, char* copy, int64_t count,
+                 bool average, int size, Load load, Store store) {
+  constexpr int64_t kBlock = 256;
+  float acc[kBlock];
+  const float divisor = static_cast<float>(size);
+  for (int64_t i = 0; i < count; i += kBlock) {
+    const int64_t m = std::min(kBlock, count - i);
+    const T* first = reinterpret_cast<const T*>(parts[0]) + i;
+    for (int64_t j = 0; j < m; ++j) acc[j] = load(first[j]);
+    for (size_t k = 1; k < parts.size(); ++k) {
+      const T* p = reinterpret_cast<const T*>(parts[k]) + i;
+      for (int64_t j = 0; j < m; ++j) acc[j] += load(p[j]);
+    }
+    if (average) {
+      for (int64_t j = 0; j < m; ++j) acc[j] /= divisor;
+    }
+    T* o = reinterpret_cast<T*>(out) + i;
+    for (int64_t j = 0; j < m; ++j) o[j] = store(acc[j]);
+    if (copy != nullptr) std::memcpy(copy + i * sizeof(T), o, m * sizeof(T));
+  }
+}
+
+void reduceInto(const std::vector<const char*>& parts, char* out, char* copy, int64_t count,
+                at::ScalarType type, ReduceOp op, int size) {
+  const bool sum = op == ReduceOp::kSum || op == ReduceOp::kAvg;
+  const bool average = op == ReduceOp::kAvg;
+  if (sum && type == at::kFloat) {
+    sumInBlocks<float>(
+        parts, out, copy, count, average, size, [](float v) { return v; },
+        [](float v) { return v; });
+    return;
+  }
+  if (sum && type == at::kBFloat16) {
+    sumInBlocks<c10::BFloat16>(
+        parts, out, copy, count, average, size, [](c10::BFloat16 v) { return float(v); },
+        [](float v) { return c10::BFloat16(v); });  // round to nearest even, as ATen's copy_
+    return;
+  }
+  const at::ScalarType accType = type == at::kBFloat16 ? at::kFloat : type;
+  auto operand = [&](size_t k) {
+    return at::from_blob(const_cast<char*>(parts[k]), {count}, at::TensorOptions().dtype(type));
+  };
+  at::Tensor acc = operand(0).to(accType, /*non_blocking=*/false, /*copy=*/true);
   for (size_t k = 1; k < parts.size(); ++k) {
     switch (op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg: acc.add_(parts[k]); break;
-      case ReduceOp::kMax: at::maximum_out(acc, acc, parts[k]); break;
-      case ReduceOp::kMin: at::minimum_out(acc, acc, parts[k]); break;
+      case ReduceOp::kAvg: acc.add_(operand(k)); break;
+      case ReduceOp::kMax: at::maximum_out(acc, acc, operand(k)); break;
+      case ReduceOp::kMin: at::minimum_out(acc, acc, operand(k)); break;
     }
   }
-  if (op == ReduceOp::kAvg) acc.div_(size);
-  if (widen) out.copy_(acc);
+  if (average) acc.div_(size);
+  view(out, count, type).copy_(acc);
+  if (copy != nullptr) std::memcpy(copy, out, count * c10::elementSize(type));
 }
 
 // Element range [begin, begin + count) of part r when n elements are split in `size` parts.
@@ -149,10 +195,74 @@ struct FailureState {
   }
 };
 
+// The collectives waiting to run, in issue order, and who runs them: the op thread, or a thread
+// that waits for the Work of the task at the front (the caller would only sleep meanwhile, and
+// two thread hand-offs cost more than a small collective). One task runs at a time.
+struct OpQueue {
+  std::mutex mutex;
+  std::condition_variable wake;  // the op thread: a task is queued, the runner left, or stop
+  std::deque<std::pair<uint64_t, std::function<void()>>> tasks;
+  uint64_t issued = 0;
+  bool busy = false;  // a task runs
+  bool stop = false;
+
+  uint64_t push(std::function<void()> task) {
+    uint64_t id = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      id = ++issued;
+      tasks.emplace_back(id, std::move(task));
+    }
+    wake.notify_one();
+    return id;
+  }
+
+  // Runs the front task here when it is `id` and nothing runs; false otherwise.
+  bool runIfNext(uint64_t id) {
+    std::function<void()> task;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (busy || tasks.empty() || tasks.front().first != id) return false;
+      task = std::move(tasks.front().second);
+      tasks.pop_front();
+      busy = true;
+    }
+    task();
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      busy = false;
+    }
+    wake.notify_one();
+    return true;
+  }
+
+  // The op thread: runs tasks until stop and none is left (nor running).
+  void serve() {
+    std::unique_lock<std::mutex> lock(mutex);
+    while (true) {
+      wake.wait(lock, [&] { return !busy && (stop || !tasks.empty()); });
+      if (tasks.empty()) return;
+      std::function<void()> task = std::move(tasks.front().second);
+      tasks.pop_front();
+      busy = true;
+      lock.unlock();
+      task();
+      lock.lock();
+      busy = false;
+    }
+  }
+};
+
 class ShmWork final : public Work {
  public:
-  ShmWork(std::string what, int rank, std::shared_ptr<FailureState> failure)
-      : what_(std::move(what)), rank_(rank), failure_(std::move(failure)) {}
+  ShmWork(std::string what, int rank, std::shared_ptr<FailureState> failure,
+          std::shared_ptr<OpQueue> queue, milliseconds opTimeout)
+      : what_(std::move(what)),
+        rank_(rank),
+        failure_(std::move(failure)),
+        queue_(std::move(queue)),
+        opTimeout_(opTimeout) {}
+  void setId(uint64_t id) { id_ = id; }
   // The first outcome stays (a wait that timed out already decided it).
   void finish(std::exception_ptr error) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -162,6 +272,9 @@ class ShmWork final : public Work {
     wake_.notify_all();
   }
   void wait(milliseconds timeout) override {
+    // Run the collective here when it is next: it gives up within the communicator's timeout
+    // (arrive), so only for a wait at least that long.
+    if (timeout >= opTimeout_ && !isCompleted()) queue_->runIfNext(id_);
     std::unique_lock<std::mutex> lock(mutex_);
     if (!wake_.wait_for(lock, atLeastOneMs(timeout), [&] { return done_; })) {
       // Final, as for every backend: the op thread gives up on it and tells the other ranks.
@@ -183,6 +296,9 @@ class ShmWork final : public Work {
   std::string what_;
   int rank_;
   std::shared_ptr<FailureState> failure_;
+  std::shared_ptr<OpQueue> queue_;
+  milliseconds opTimeout_;
+  uint64_t id_ = 0;
   std::mutex mutex_;
   std::condition_variable wake_;
   bool done_ = false;
@@ -237,15 +353,12 @@ struct ShmCommunicator::Impl {
   SegmentHeader* header = nullptr;
   RankWord* words = nullptr;
   char* data = nullptr;
-  // The op thread's alone.
+  // The running task's alone (one at a time: OpQueue).
   uint64_t phase = 0;
   int buffer = 0;
   std::shared_ptr<FailureState> failure = std::make_shared<FailureState>();
-  // The op thread and its queue.
-  std::mutex mutex;
-  std::condition_variable wake;
-  std::deque<std::function<void()>> queue;
-  bool stop = false;
+  // The collectives to run, and the op thread that runs them.
+  std::shared_ptr<OpQueue> queue = std::make_shared<OpQueue>();
   std::thread thread;
 
   ~Impl() {
@@ -310,45 +423,28 @@ struct ShmCommunicator::Impl {
     }
   }
 
+  // Queues `task` behind every collective issued before it (OpQueue).
   WorkPtr submit(const char* op, std::function<void()> task) {
     if (auto refused = failure->latch.refuseIfFailed()) return refused;
-    auto work = std::make_shared<ShmWork>(op, rank, failure);
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      queue.push_back([this, work, task = std::move(task)] {
-        if (auto message = failure->latch.get()) {
-          work->finish(std::make_exception_ptr(PeerError(*message)));
-          return;
-        }
-        try {
-          task();
-          work->finish(nullptr);
-        } catch (const std::exception& e) {
-          // Whatever stopped this rank mid-collective (a peer, an allocation), its phases no
-          // longer line up with the others': final here, and the first to give up tells them.
-          failure->fail(e.what());
-          int64_t none = 0;
-          header->failed.compare_exchange_strong(none, rank + 1, std::memory_order_acq_rel);
-          work->finish(std::current_exception());
-        }
-      });
-    }
-    wake.notify_one();
-    return work;
-  }
-
-  void run() {
-    while (true) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mutex);
-        wake.wait(lock, [&] { return stop || !queue.empty(); });
-        if (queue.empty()) return;
-        task = std::move(queue.front());
-        queue.pop_front();
+    auto work = std::make_shared<ShmWork>(op, rank, failure, queue, options.timeout);
+    work->setId(queue->push([this, work, task = std::move(task)] {
+      if (auto message = failure->latch.get()) {
+        work->finish(std::make_exception_ptr(PeerError(*message)));
+        return;
       }
-      task();
-    }
+      try {
+        task();
+        work->finish(nullptr);
+      } catch (const std::exception& e) {
+        // Whatever stopped this rank mid-collective (a peer, an allocation), its phases no
+        // longer line up with the others': final here, and the first to give up tells them.
+        failure->fail(e.what());
+        int64_t none = 0;
+        header->failed.compare_exchange_strong(none, rank + 1, std::memory_order_acq_rel);
+        work->finish(std::current_exception());
+      }
+    }));
+    return work;
   }
 
   // The collectives, on the op thread. Each chunk: copy in, a phase, read (shm_communicator.h).
@@ -358,23 +454,26 @@ struct ShmCommunicator::Impl {
     for (int64_t off = 0; off < n; off += cap) {
       const int64_t len = std::min(cap, n - off);
       const int b = nextBuffer();
-      std::memcpy(slot(b, rank), mine + off * e, len * e);
-      arrive("allreduce");
       const auto [begin, count] = part(len, size, rank);
+      // The others reduce the other slices: only those go through the slot.
+      char* chunk = mine + off * e;
+      std::memcpy(slot(b, rank), chunk, begin * e);
+      std::memcpy(slot(b, rank) + (begin + count) * e, chunk + (begin + count) * e,
+                  (len - begin - count) * e);
+      arrive("allreduce");
       if (count > 0) {
-        std::vector<at::Tensor> parts;
+        std::vector<const char*> parts;
         for (int r = 0; r < size; ++r) {
-          parts.push_back(view(slot(b, r) + begin * e, count, t.scalar_type()));
+          parts.push_back(r == rank ? chunk + begin * e : slot(b, r) + begin * e);
         }
-        at::Tensor out = view(mine + (off + begin) * e, count, t.scalar_type());
-        reduceInto(out, parts, op, size);
-        std::memcpy(slot(b, rank) + begin * e, out.data_ptr(), count * e);
+        reduceInto(parts, chunk + begin * e, slot(b, rank) + begin * e, count, t.scalar_type(), op,
+                   size);
       }
       arrive("allreduce");
       for (int r = 0; r < size; ++r) {
         if (r == rank) continue;
         const auto [from, many] = part(len, size, r);
-        std::memcpy(mine + (off + from) * e, slot(b, r) + from * e, many * e);
+        std::memcpy(chunk + from * e, slot(b, r) + from * e, many * e);
       }
     }
   }
@@ -413,14 +512,15 @@ struct ShmCommunicator::Impl {
       const int64_t len = std::min(cap, n - off);
       const int b = nextBuffer();
       for (int r = 0; r < size; ++r) {
+        if (r == rank) continue;  // reduced from the input itself
         std::memcpy(slot(b, rank) + r * len * e, input + (r * n + off) * e, len * e);
       }
       arrive("reduceScatter");
-      std::vector<at::Tensor> parts;
+      std::vector<const char*> parts;
       for (int r = 0; r < size; ++r) {
-        parts.push_back(view(slot(b, r) + rank * len * e, len, in.scalar_type()));
+        parts.push_back(r == rank ? input + (rank * n + off) * e : slot(b, r) + rank * len * e);
       }
-      reduceInto(view(mine + off * e, len, out.scalar_type()), parts, op, size);
+      reduceInto(parts, mine + off * e, nullptr, len, in.scalar_type(), op, size);
     }
   }
 };
@@ -429,7 +529,7 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
                                  ShmOptions options, std::shared_ptr<Communicator> pointToPoint)
     : impl_(std::make_unique<Impl>()) {
   CARAVAN_CHECK(store && size >= 1 && rank >= 0 && rank < size, "shm: rank {} of {}", rank, size);
-  CARAVAN_CHECK(pointToPoint && pointToPoint->rank() == rank && pointToPoint->size() == size,
+  CARAVAN_CHECK(!pointToPoint || (pointToPoint->rank() == rank && pointToPoint->size() == size),
                 "shm: the point-to-point communicator is not rank {} of {}", rank, size);
   CARAVAN_CHECK(options.slotBytes >= 64 * size && options.slotBytes % 64 == 0,
                 "shm: slots of {} bytes for {} ranks", options.slotBytes, size);
@@ -529,15 +629,15 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
   m.words[rank].pid.store(::getpid(), std::memory_order_release);
   store->set(mapped(rank), std::vector<uint8_t>{1});
   if (rank == 0) waitForRanks(*store, rank, size, mapped, join, "mapped the shared-memory segment");
-  m.thread = std::thread([this] { impl_->run(); });
+  m.thread = std::thread([queue = m.queue] { queue->serve(); });
 }
 
 ShmCommunicator::~ShmCommunicator() {
   {
-    std::lock_guard<std::mutex> lock(impl_->mutex);
-    impl_->stop = true;
+    std::lock_guard<std::mutex> lock(impl_->queue->mutex);
+    impl_->queue->stop = true;
   }
-  impl_->wake.notify_one();
+  impl_->queue->wake.notify_one();
   if (impl_->thread.joinable()) impl_->thread.join();
 }
 
@@ -588,10 +688,12 @@ WorkPtr ShmCommunicator::reduceScatter(at::Tensor output, at::Tensor input, Redu
 }
 
 WorkPtr ShmCommunicator::send(at::Tensor tensor, int dstRank, int tag) {
+  CARAVAN_CHECK(impl_->pointToPoint, "shm: send on a communicator made without point-to-point");
   return impl_->pointToPoint->send(std::move(tensor), dstRank, tag);
 }
 
 WorkPtr ShmCommunicator::recv(at::Tensor tensor, int srcRank, int tag) {
+  CARAVAN_CHECK(impl_->pointToPoint, "shm: recv on a communicator made without point-to-point");
   return impl_->pointToPoint->recv(std::move(tensor), srcRank, tag);
 }
 

@@ -31,7 +31,10 @@
 //
 // Threading: collectives run one after another on a thread of this communicator, in issue
 // order, so they overlap the caller's compute like the other backends' do; issue from one
-// thread at a time (communicator.h). The destructor finishes what was issued, then joins.
+// thread at a time (communicator.h). A thread that waits for a collective runs it itself when it
+// is next and the op thread has not started it (a wait at least `timeout` long): the waiter
+// would only sleep meanwhile, and two thread hand-offs cost more than a small collective does.
+// The destructor finishes what was issued, then joins.
 #pragma once
 
 #include <chrono>
@@ -73,7 +76,7 @@ int removeSegments(const std::string& token);
 class ShmCommunicator final : public Communicator {
  public:
   // Every rank constructs it concurrently (a rendezvous through `store`); `pointToPoint` is a
-  // communicator of the same ranks for send/recv.
+  // communicator of the same ranks for send/recv (null: send/recv are refused, CARAVAN_CHECK).
   ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int size, ShmOptions options,
                   std::shared_ptr<Communicator> pointToPoint);
   ~ShmCommunicator() override;

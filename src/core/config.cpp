@@ -173,10 +173,15 @@ std::vector<ConfigOption> buildSchema() {
              "counts), or the blocks at which stages 1..K-1 start (\"3,6,9\")"),
 
       strOpt("dist.backend", "auto",
-             "communicator for multi-worker runs: auto (shm when every rank is on one host, else "
-             "gloo), shm (collectives through shared memory, send/recv over gloo; one host "
-             "only), gloo (c10d, TCP) or mpi (Open MPI)",
+             "communicator for multi-worker runs: auto (shm when every rank is on one host; on "
+             "several, all-reduce through shared memory inside each host and gloo between one "
+             "leader per host), shm (collectives through shared memory, send/recv over gloo; one "
+             "host only), gloo (c10d, TCP) or mpi (Open MPI)",
              {"auto", "shm", "gloo", "mpi"}),
+      intOpt("dist.connections", 1, 1, 16,
+             "TCP connections per pair of ranks over gloo (and between hosts under auto): an "
+             "all-reduce or broadcast of at least 1 MiB is cut into this many pieces sent at "
+             "once, each on its own connection"),
       strOpt("dist.store", "tcp",
              "rendezvous store: tcp (on rank 0, MASTER_ADDR:MASTER_PORT) or file (shared "
              "filesystem)",

@@ -36,9 +36,9 @@
 
 #include <ATen/ATen.h>
 
+#include "comm/comm_thread.h"
 #include "comm/communicator.h"
 #include "core/torch_fwd.h"
-#include "sync/comm_thread.h"
 #include "sync/compression.h"
 #include "sync/strategy.h"
 

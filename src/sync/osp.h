@@ -47,7 +47,7 @@
 #include <string>
 #include <vector>
 
-#include "sync/comm_thread.h"
+#include "comm/comm_thread.h"
 #include "sync/fraction_search.h"
 #include "sync/parameter_server.h"
 

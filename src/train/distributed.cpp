@@ -91,7 +91,8 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
   // point-to-point) rendezvous through the store.
   c10::intrusive_ptr<c10d::Store> store;
   if (backend != "mpi") store = makeStore(worldInfo, so);
-  world = counted(makeCommunicator(backend, worldInfo, store, timeout, sync.rendezvousTimeout));
+  world = counted(makeCommunicator(backend, worldInfo, store, timeout, sync.rendezvousTimeout,
+                                   sync.connections));
   // Gloo's connections carry no credential of their own (comm/auth.h).
   const bool authenticate = backend != "mpi" && !worldInfo.token.empty();
   if (authenticate) authenticatePeers(*world, worldInfo.token);
@@ -117,7 +118,7 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
     g.worldSize = size;
     std::shared_ptr<Communicator> c =
         counted(makeCommunicator(backend, g, c10::make_intrusive<c10d::PrefixStore>(prefix, store),
-                                 timeout, sync.rendezvousTimeout));
+                                 timeout, sync.rendezvousTimeout, sync.connections));
     if (authenticate) authenticatePeers(*c, worldInfo.token);
     return c;
   };

@@ -27,6 +27,7 @@ SyncOptions readSync(const Config& config) {
   s.mode = config.str("sync.mode");
   s.servers = serverCount(config);
   s.backend = config.str("dist.backend");
+  s.connections = static_cast<int>(config.i64("dist.connections"));
   s.store = config.str("dist.store");
   s.storePath = config.str("dist.store_path");
   s.timeout = milliseconds(config.f64("fault.timeout"));

@@ -91,6 +91,7 @@ struct SyncOptions {
   std::string mode = "allreduce";
   int servers = 0;  // processes serving parameters: sync.servers in ps-* and osp, else 0
   std::string backend = "auto";
+  int connections = 1;  // dist.connections: TCP connections per pair of ranks (Gloo striping)
   std::string store = "tcp";
   std::string storePath;
   std::chrono::milliseconds timeout{60000};            // fault.timeout

@@ -1,5 +1,5 @@
 // A serial task thread returning Works (see comm_thread.h).
-#include "sync/comm_thread.h"
+#include "comm/comm_thread.h"
 
 #include <future>
 
@@ -16,8 +16,8 @@ class TaskWork : public Work {
       : what_(std::move(what)), done_(std::move(done)) {}
   void wait(std::chrono::milliseconds timeout) override {
     if (done_.wait_for(comm::atLeastOneMs(timeout)) != std::future_status::ready) {
-      throw PeerError(fmt::format("{} did not complete within {}", what_,
-                                  comm::formatDuration(timeout)));
+      throw PeerError(
+          fmt::format("{} did not complete within {}", what_, comm::formatDuration(timeout)));
     }
     done_.get();
   }
