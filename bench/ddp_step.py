@@ -43,6 +43,9 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 PEER = os.path.join(ROOT, "bench", "peer_ddp.py")
 # (config, timed steps, warm-up steps): 6-20 s of timed steps per run.
 CASES = [("configs/fmnist-cnn.toml", 60, 5), ("configs/brown-gpt.toml", 16, 3)]
+# The allocator settings Caravan applies to itself (train.keep_freed_memory): the peer's strongest
+# configuration runs with them too (--no-peer-tuned leaves that column out).
+TUNED_MALLOC = "glibc.malloc.trim_threshold=268435456:glibc.malloc.mmap_threshold=33554432"
 RUN_TIMEOUT = 600
 
 
@@ -228,6 +231,9 @@ def main():
                    help="set an environment variable for Caravan's workers only, e.g. "
                         "GLIBC_TUNABLES=glibc.malloc.trim_threshold=268435456:"
                         "glibc.malloc.mmap_threshold=33554432")
+    p.add_argument("--no-peer-tuned", action="store_true",
+                   help="do not also run PyTorch with Caravan's allocator settings "
+                        f"(GLIBC_TUNABLES={TUNED_MALLOC})")
     p.add_argument("--json", help="write all measurements here (and charts.json beside it)")
     p.add_argument("--replot", metavar="JSON",
                    help="run nothing: rebuild charts.json beside this --json file from it")
@@ -259,24 +265,34 @@ def main():
         steps = a.steps or default_steps
         warmup = a.warmup if a.warmup is not None else default_warmup
         for w in a.workers:
-            ours, theirs = [], []
-            for rep in range(a.repeats):  # interleaved: caravan, pytorch, caravan, pytorch, ...
+            ours, theirs, tuned = [], [], []
+            # Interleaved: caravan, pytorch, pytorch tuned, caravan, pytorch, ...
+            for rep in range(a.repeats):
                 c = run_caravan(a.bench, config, w, steps, warmup, a.threads, caravan_environ,
                                 extra)
                 ours.append(c)
                 q = run_pytorch(config, w, steps, warmup, a.threads, environ, peer_extra)
                 theirs.append(q)
-                print(f"  {config} W={w} repeat {rep + 1}: caravan "
-                      f"{1e3 * c['step_s_median']:.1f} ms"
-                      f" (hidden {100 * c['comm']['hidden_fraction']:.0f}%), pytorch "
-                      f"{1e3 * q['step_s_median']:.1f} ms; load {loadavg()}", flush=True)
-            raw += ours + theirs
+                line = (f"  {config} W={w} repeat {rep + 1}: caravan "
+                        f"{1e3 * c['step_s_median']:.1f} ms"
+                        f" (hidden {100 * c['comm']['hidden_fraction']:.0f}%), pytorch "
+                        f"{1e3 * q['step_s_median']:.1f} ms")
+                if not a.no_peer_tuned:
+                    t = run_pytorch(config, w, steps, warmup, a.threads,
+                                    dict(environ, GLIBC_TUNABLES=TUNED_MALLOC), peer_extra)
+                    tuned.append(t)
+                    line += f", pytorch tuned {1e3 * t['step_s_median']:.1f} ms"
+                print(f"{line}; load {loadavg()}", flush=True)
+            raw += ours + theirs + tuned
             mo = statistics.median(r["step_s_median"] for r in ours)
             mt = statistics.median(r["step_s_median"] for r in theirs)
+            mtt = statistics.median(r["step_s_median"] for r in tuned) if tuned else None
             med = lambda runs, f: statistics.median(f(r) for r in runs)  # noqa: E731
             rows.append({
                 "config": config, "workers": w, "threads": a.threads, "steps": steps,
                 "caravan_step_s": mo, "pytorch_step_s": mt, "ratio": mo / mt,
+                "pytorch_tuned_step_s": mtt, "ratio_tuned": mo / mtt if mtt else None,
+                "pytorch_tuned_runs_s": [r["step_s_median"] for r in tuned],
                 "hidden_fraction": med(ours, lambda r: r["comm"]["hidden_fraction"]),
                 "caravan_comm_s": med(ours, lambda r: r["comm"]["comm_s_median"]),
                 "caravan_exposed_s": med(ours, lambda r: r["comm"]["exposed_s_median"]),
@@ -305,11 +321,14 @@ def main():
           + (f"; {cores} cores, so W={','.join(map(str, over))} oversubscribes them"
              if over else ""))
     print(f"{'config':<24}{'W':>2}{'caravan ms':>11}{'pytorch ms':>11}{'ratio':>7}"
+          f"{'pt tuned':>9}{'ratio t':>8}"
           f"{'hidden':>7}{'comm ms':>8}{'exposed':>8}{'exp.all':>8}{'hid. B':>8}{'agree':>6}"
           f"{'faults/step C/P':>17}{'cpu s/step C/P':>15}")
     for r in rows:
         print(f"{r['config']:<24}{r['workers']:>2}{1e3 * r['caravan_step_s']:>11.1f}"
               f"{1e3 * r['pytorch_step_s']:>11.1f}{r['ratio']:>7.3f}"
+              + (f"{1e3 * r['pytorch_tuned_step_s']:>9.1f}{r['ratio_tuned']:>8.3f}"
+                 if r["pytorch_tuned_step_s"] else f"{'-':>9}{'-':>8}") +
               f"{100 * r['hidden_fraction']:>6.0f}%{1e3 * r['caravan_comm_s']:>8.2f}"
               f"{1e3 * r['caravan_exposed_s']:>8.2f}"
               f"{1e3 * r['caravan_exposed_after_all_backward_s']:>8.2f}"
@@ -318,7 +337,9 @@ def main():
               f"{r['caravan_minor_faults_per_step'] / r['workers']:>9.0f}/"
               f"{r['pytorch_minor_faults_per_step'] / r['workers']:<7.0f}"
               f"{r['caravan_cpu_s_per_step']:>7.2f}/{r['pytorch_cpu_s_per_step']:.2f}")
-    print("ratio = caravan/pytorch step time (<= 1.0: Caravan at least as fast)\n"
+    print("ratio = caravan/pytorch step time (<= 1.0: Caravan at least as fast); pt tuned / "
+          f"ratio t = PyTorch with GLIBC_TUNABLES={TUNED_MALLOC} (Caravan's allocator "
+          "settings), its strongest configuration here\n"
           "hidden = 1 - exposed/comm; comm = union of Caravan's bucket all-reduces in flight "
           "(launch to completion), exposed = its part after backward ended, exp.all = its part "
           "after every rank's backward ended (the rest of exposed is waiting for a slower "

@@ -634,7 +634,7 @@ ShmOptions shmOptions(int64_t slotBytes = ShmOptions{}.slotBytes,
 
 class CommShmCollectives : public ::testing::TestWithParam<std::tuple<int, at::ScalarType>> {};
 
-// The suite every backend passes, at 0/1/7/2^20 elements with the default 4 MiB slots (one
+// The suite every backend passes, at 0/1/7/2^20 elements with the default 1 MiB slots (one
 // chunk, or several for reduce-scatter), and again with slots of 64 bytes per rank and 1000
 // elements, so every collective crosses many chunk and buffer boundaries.
 TEST_P(CommShmCollectives, MatchExpected) {
@@ -796,13 +796,35 @@ TEST(CommShm, ALateRankIsNamedAndEveryWaiterLearnsIt) {
 // ---------------------------------------------------------------------------------------------
 // Striping: Gloo with several connections per pair.
 
-// Large all-reduces and broadcasts go as pieces over 3 meshes of connections at once; the suite's
-// results hold (integers: exact in any order), and on 2 ranks a float sum is bitwise the one
-// connection's.
+// Sockets this process holds (its ranks' connections and listeners, when ranks are threads).
+int openSockets() {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const auto target = std::filesystem::read_symlink(e.path(), ec);
+    if (!ec && target.string().rfind("socket:", 0) == 0) ++n;
+  }
+  return n;
+}
+
+// Large all-reduces and broadcasts go as pieces over 3 meshes of connections at once (2 ranks
+// hold at least twice the sockets one mesh takes); the suite's results hold (integers: exact in
+// any order), and on 2 ranks a float sum is bitwise the one connection's.
 TEST(CommGloo, StripedCollectivesMatchOneConnection) {
   GlooOptions striped = loopbackOptions();
   striped.connections = 3;
   striped.stripeBytes = 256;
+  const int before = openSockets();
+  std::vector<int> held(2);
+  for (int k = 0; k < 2; ++k) {
+    runGlooRanks(2, k == 0 ? loopbackOptions() : striped, [&](Communicator& c) {
+      c.barrier()->wait(kOpTimeout);
+      if (c.rank() == 0) held[k] = openSockets() - before;
+      c.barrier()->wait(kOpTimeout);
+    });
+  }
+  EXPECT_GE(held[1], 2 * held[0]) << "one connection: " << held[0]
+                                  << " sockets, three: " << held[1];
   for (int size : {2, 3}) {
     std::vector<std::atomic<int>> arrived(3);
     auto errors = runGlooRanks(size, striped, [&](Communicator& c) {
@@ -839,7 +861,8 @@ TEST(CommHierarchical, HostGroupsAreEachHostsRanksAndItsLowestRankLeads) {
 }
 
 std::vector<std::string> runHierarchicalRanks(const std::vector<std::string>& hosts,
-                                              const std::function<void(Communicator&)>& body) {
+                                              const std::function<void(Communicator&)>& body,
+                                              milliseconds timeout = kOpTimeout) {
   const int size = static_cast<int>(hosts.size());
   auto store = c10::make_intrusive<c10d::HashStore>();
   auto prefixed = [](const std::string& p, c10::intrusive_ptr<c10d::Store> s) {
@@ -850,16 +873,16 @@ std::vector<std::string> runHierarchicalRanks(const std::vector<std::string>& ho
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
       try {
-        auto flat =
-            std::make_shared<GlooCommunicator>(prefixed("flat", store), r, size, loopbackOptions());
-        auto c =
-            makeHierarchical(hosts, r, flat, prefixed("hier", store), shmOptions(64 * 1024),
-                             [](c10::intrusive_ptr<c10d::Store> s, int rank, int n) {
-                               GlooOptions o = loopbackOptions();
-                               o.connections = 3;
-                               o.stripeBytes = 4096;
-                               return std::make_shared<GlooCommunicator>(std::move(s), rank, n, o);
-                             });
+        auto flat = std::make_shared<GlooCommunicator>(prefixed("flat", store), r, size,
+                                                       loopbackOptions(timeout));
+        auto c = makeHierarchical(
+            hosts, r, flat, prefixed("hier", store), shmOptions(64 * 1024, timeout),
+            [timeout](c10::intrusive_ptr<c10d::Store> s, int rank, int n) {
+              GlooOptions o = loopbackOptions(timeout);
+              o.connections = 3;
+              o.stripeBytes = 4096;
+              return std::make_shared<GlooCommunicator>(std::move(s), rank, n, o);
+            });
         EXPECT_EQ(c->backend(), "hierarchical");
         body(*c);
       } catch (const std::exception& e) {
@@ -918,6 +941,51 @@ TEST(CommHierarchical, SumsPerHostThenOverHostsBitwise) {
       }
     }
   }
+}
+
+// Host b's ranks never join: leader 0's step between hosts times out (700 ms), and rank 1, which
+// waits for rank 0 in shared memory, learns it from rank 0 at once (not at its own, doubled
+// timeout), for both all-reduces it issued: neither reports a result.
+TEST(CommHierarchical, ALeaderThatFailsBetweenHostsFailsItsHostsRanksToo) {
+  const milliseconds timeout(700);
+  std::atomic<bool> done{false};
+  std::vector<int64_t> failedAfter(4, -1);
+  std::vector<std::vector<std::string>> failures(4);
+  auto errors = runHierarchicalRanks(
+      {"a", "a", "b", "b"},
+      [&](Communicator& c) {
+        if (c.rank() >= 2) {
+          while (!done) std::this_thread::sleep_for(milliseconds(10));
+          return;
+        }
+        const auto start = Clock::now();
+        at::Tensor x = at::ones({1000}), y = at::ones({1000});
+        std::vector<WorkPtr> works = {c.allreduce(x, ReduceOp::kSum),
+                                      c.allreduce(y, ReduceOp::kSum)};
+        for (auto& w : works) {
+          try {
+            w->wait(kOpTimeout);
+            failures[c.rank()].push_back("");
+          } catch (const PeerError& e) {
+            failures[c.rank()].push_back(e.what());
+          }
+        }
+        failedAfter[c.rank()] = elapsedMs(start);
+        if (c.rank() == 1) done = true;
+      },
+      timeout);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(failures[r].size(), 2u) << "rank " << r;
+    for (const std::string& f : failures[r]) EXPECT_NE(f, "") << "rank " << r << " got a result";
+  }
+  EXPECT_NE(failures[0][0].find("failed between the hosts' leaders (ranks 0, 2, numbered 0-1 "
+                                "there)"),
+            std::string::npos)
+      << failures[0][0];
+  EXPECT_NE(failures[1][0].find("rank 0 gave up on it"), std::string::npos) << failures[1][0];
+  EXPECT_GE(failedAfter[1], 0);
+  EXPECT_LT(failedAfter[1], 1300) << "rank 1 learnt it from rank 0, not at its own timeout";
 }
 
 // ---------------------------------------------------------------------------------------------

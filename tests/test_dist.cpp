@@ -254,9 +254,10 @@ TEST_P(DistMultiHost, NamespaceHostsMatchOneHost) {
 INSTANTIATE_TEST_SUITE_P(Hosts, DistMultiHost, ::testing::Values(2, 3, 4));
 
 // dist.backend = auto on 2 namespace hosts of 2 ranks each: hierarchical (shared memory inside
-// each host, Gloo between the two leaders, striped over 2 connections). Its sums run per host,
-// then over hosts, so the result equals the same job on one host with Gloo up to float32
-// rounding (hierarchical_communicator.h).
+// each host, Gloo between the two leaders; dist.connections = 2 opens 2 meshes, though these
+// buckets are too small to be cut). Its sums run per host, then over hosts, so the result
+// equals the same job on one host with Gloo up to float32 rounding
+// (hierarchical_communicator.h).
 TEST(DistMultiHostRanks, HierarchicalOnTwoHostsOfTwoRanksMatchesOneHost) {
   TempDir tmp;
   auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",

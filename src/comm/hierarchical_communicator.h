@@ -13,8 +13,12 @@
 // size() terms in another order. bfloat16 is reduced in float32 through the three steps and
 // rounded once; AVG sums, then divides by size().
 //
-// Failures: each step waits at most timeout() (a lost peer is named by the step's transport
-// within it); the first failure is final, as for every backend.
+// Failures: the leaders' step waits at most timeout(); the host's steps twice that, since a
+// host's other ranks wait in the broadcast while their leader talks to the other hosts. A lost
+// peer is named by the step's transport (with the job's rank numbers). The first failure of an
+// all-reduce, or a wait for one that timed out, is final for the all-reduces: later ones fail at
+// once, and the host's other ranks, which may wait for this one in shared memory, are told
+// (ShmCommunicator::fail). The other operations fail as `flat` does.
 // Threading: all-reduces run one after another on a thread of this communicator (CommThread),
 // in issue order; issue from one thread at a time (communicator.h).
 #pragma once
@@ -54,9 +58,10 @@ class HierarchicalCommunicator final : public Communicator {
  public:
   // `flat`: every rank (Gloo). `local`: the ranks of this host, in rank order (null when this
   // rank is alone on its host). `leaders`: one rank per host (null on a rank that is not its
-  // host's leader).
-  HierarchicalCommunicator(std::shared_ptr<Communicator> flat, std::shared_ptr<Communicator> local,
-                           std::shared_ptr<Communicator> leaders);
+  // host's leader). `groups` says which ranks those are (for messages).
+  HierarchicalCommunicator(std::shared_ptr<Communicator> flat,
+                           std::shared_ptr<ShmCommunicator> local,
+                           std::shared_ptr<Communicator> leaders, HostGroups groups);
   ~HierarchicalCommunicator() override;
 
   int rank() const override { return flat_->rank(); }
@@ -73,7 +78,10 @@ class HierarchicalCommunicator final : public Communicator {
   WorkPtr barrier() override;
 
  private:
-  std::shared_ptr<Communicator> flat_, local_, leaders_;
+  struct Shared;  // what the Works share with it: the failure latch, the host's communicator
+  std::shared_ptr<Communicator> flat_, leaders_;
+  std::shared_ptr<Shared> shared_;
+  HostGroups groups_;
   uint64_t allreduces_ = 0;
   CommThread thread_;  // last: joined before the communicators go
 };

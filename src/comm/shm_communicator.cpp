@@ -120,7 +120,8 @@ at::Tensor view(char* at, int64_t n, at::ScalarType type) {
 // written, element by element). float32 and bfloat16 sums (and AVG) run in one pass over blocks
 // that stay in registers: bfloat16 widened to float32 and rounded once, AVG dividing the float
 // sum by `size`, each element's sum taken in rank order, so the result is bitwise what ATen's
-// copy_, add_ and div_ give. Other types and MAX/MIN go through ATen on a temporary.
+// copy_, add_ and div_ give (but for a NaN's payload bits: a bfloat16 NaN here is 0x7fc0). Other
+// types and MAX/MIN go through ATen on a temporary.
 template <typename T, typename Load, typename Store>
 void sumInBlocks(const std::vector<const char*>& parts, char* out, char* copy, int64_t count,
                  bool average, int size, Load load, Store store) {
@@ -195,10 +196,18 @@ struct FailureState {
   }
 };
 
+// When this thread runs a collective for a Work it waits for (OpQueue::runIfNext): the end of
+// that wait. arrive() gives up there, as the wait would have.
+thread_local Clock::time_point tWaitDeadline = Clock::time_point::max();
+thread_local milliseconds tWaitTimeout{0};
+
 // The collectives waiting to run, in issue order, and who runs them: the op thread, or a thread
 // that waits for the Work of the task at the front (the caller would only sleep meanwhile, and
-// two thread hand-offs cost more than a small collective). One task runs at a time.
+// two thread hand-offs cost more than a small collective). One task runs at a time. A task
+// pushed without waking the op thread (a small one: its waiter will likely run it) is still
+// taken by the op thread within kPoll, so a collective nobody waits for yet completes.
 struct OpQueue {
+  static constexpr std::chrono::milliseconds kPoll{2};
   std::mutex mutex;
   std::condition_variable wake;  // the op thread: a task is queued, the runner left, or stop
   std::deque<std::pair<uint64_t, std::function<void()>>> tasks;
@@ -206,19 +215,20 @@ struct OpQueue {
   bool busy = false;  // a task runs
   bool stop = false;
 
-  uint64_t push(std::function<void()> task) {
+  uint64_t push(std::function<void()> task, bool wakeOpThread) {
     uint64_t id = 0;
     {
       std::lock_guard<std::mutex> lock(mutex);
       id = ++issued;
       tasks.emplace_back(id, std::move(task));
     }
-    wake.notify_one();
+    if (wakeOpThread) wake.notify_one();
     return id;
   }
 
-  // Runs the front task here when it is `id` and nothing runs; false otherwise.
-  bool runIfNext(uint64_t id) {
+  // Runs the front task here when it is `id` and nothing runs, giving up at the end of a wait of
+  // `timeout` (tWaitDeadline); false when it was not next.
+  bool runIfNext(uint64_t id, milliseconds timeout) {
     std::function<void()> task;
     {
       std::lock_guard<std::mutex> lock(mutex);
@@ -227,12 +237,20 @@ struct OpQueue {
       tasks.pop_front();
       busy = true;
     }
+    struct Done {
+      OpQueue& q;
+      ~Done() {
+        tWaitDeadline = Clock::time_point::max();
+        {
+          std::lock_guard<std::mutex> lock(q.mutex);
+          q.busy = false;
+        }
+        q.wake.notify_one();
+      }
+    } done{*this};
+    tWaitTimeout = timeout;
+    tWaitDeadline = Clock::now() + timeout;
     task();
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      busy = false;
-    }
-    wake.notify_one();
     return true;
   }
 
@@ -240,7 +258,9 @@ struct OpQueue {
   void serve() {
     std::unique_lock<std::mutex> lock(mutex);
     while (true) {
-      wake.wait(lock, [&] { return !busy && (stop || !tasks.empty()); });
+      if (!wake.wait_for(lock, kPoll, [&] { return !busy && (stop || !tasks.empty()); })) {
+        continue;
+      }
       if (tasks.empty()) return;
       std::function<void()> task = std::move(tasks.front().second);
       tasks.pop_front();
@@ -256,12 +276,11 @@ struct OpQueue {
 class ShmWork final : public Work {
  public:
   ShmWork(std::string what, int rank, std::shared_ptr<FailureState> failure,
-          std::shared_ptr<OpQueue> queue, milliseconds opTimeout)
+          std::shared_ptr<OpQueue> queue)
       : what_(std::move(what)),
         rank_(rank),
         failure_(std::move(failure)),
-        queue_(std::move(queue)),
-        opTimeout_(opTimeout) {}
+        queue_(std::move(queue)) {}
   void setId(uint64_t id) { id_ = id; }
   // The first outcome stays (a wait that timed out already decided it).
   void finish(std::exception_ptr error) {
@@ -272,9 +291,8 @@ class ShmWork final : public Work {
     wake_.notify_all();
   }
   void wait(milliseconds timeout) override {
-    // Run the collective here when it is next: it gives up within the communicator's timeout
-    // (arrive), so only for a wait at least that long.
-    if (timeout >= opTimeout_ && !isCompleted()) queue_->runIfNext(id_);
+    // Run the collective here when it is next (it gives up where this wait would).
+    if (!isCompleted()) queue_->runIfNext(id_, atLeastOneMs(timeout));
     std::unique_lock<std::mutex> lock(mutex_);
     if (!wake_.wait_for(lock, atLeastOneMs(timeout), [&] { return done_; })) {
       // Final, as for every backend: the op thread gives up on it and tells the other ranks.
@@ -297,7 +315,6 @@ class ShmWork final : public Work {
   int rank_;
   std::shared_ptr<FailureState> failure_;
   std::shared_ptr<OpQueue> queue_;
-  milliseconds opTimeout_;
   uint64_t id_ = 0;
   std::mutex mutex_;
   std::condition_variable wake_;
@@ -365,6 +382,9 @@ struct ShmCommunicator::Impl {
     if (base != MAP_FAILED) ::munmap(base, bytes);
   }
 
+  // Rank r's number in messages (options.globalRanks).
+  int global(int r) const { return options.globalRanks.empty() ? r : options.globalRanks[r]; }
+
   char* slot(int b, int r) const {
     return data + (static_cast<int64_t>(b) * size + r) * options.slotBytes;
   }
@@ -394,12 +414,12 @@ struct ShmCommunicator::Impl {
       if ((spin & 63) != 0) continue;
       if (failure->abandon) {
         throw PeerError(failure->latch.get().value_or(
-            fmt::format("rank {}: {} through shared memory was abandoned", rank, op)));
+            fmt::format("rank {}: {} through shared memory was abandoned", global(rank), op)));
       }
       if (const int64_t gaveUp = header->failed.load(std::memory_order_acquire); gaveUp != 0) {
         throw PeerError(fmt::format(
-            "rank {}: {} through shared memory: rank {} gave up on it (its log says why)", rank, op,
-            gaveUp - 1));
+            "rank {}: {} through shared memory: rank {} gave up on it (its log says why)",
+            global(rank), op, global(static_cast<int>(gaveUp - 1))));
       }
       const auto now = Clock::now();
       if (now < nextCheck) continue;
@@ -412,38 +432,46 @@ struct ShmCommunicator::Impl {
         const int64_t pid = words[r].pid.load(std::memory_order_acquire);
         if (pid > 0 && exited(static_cast<pid_t>(pid))) {
           throw PeerError(fmt::format("rank {}: {} through shared memory: rank {} (pid {}) exited",
-                                      rank, op, r, pid));
+                                      global(rank), op, global(r), pid));
         }
       }
+      for (int& r : late) r = global(r);
       if (now - start >= options.timeout) {
         throw PeerError(
-            fmt::format("rank {}: {} through shared memory: {} did not arrive within {}", rank, op,
-                        formatRanks(late), formatDuration(options.timeout)));
+            fmt::format("rank {}: {} through shared memory: {} did not arrive within {}",
+                        global(rank), op, formatRanks(late), formatDuration(options.timeout)));
+      }
+      if (now >= tWaitDeadline) {  // run by a waiter whose wait ends here
+        throw PeerError(fmt::format(
+            "rank {}: {} through shared memory did not complete within {}; {} had not arrived",
+            global(rank), op, formatDuration(tWaitTimeout), formatRanks(late)));
       }
     }
   }
 
-  // Queues `task` behind every collective issued before it (OpQueue).
-  WorkPtr submit(const char* op, std::function<void()> task) {
+  // Queues `task`, moving `bytes`, behind every collective issued before it (OpQueue).
+  WorkPtr submit(const char* op, int64_t bytes, std::function<void()> task) {
     if (auto refused = failure->latch.refuseIfFailed()) return refused;
-    auto work = std::make_shared<ShmWork>(op, rank, failure, queue, options.timeout);
-    work->setId(queue->push([this, work, task = std::move(task)] {
-      if (auto message = failure->latch.get()) {
-        work->finish(std::make_exception_ptr(PeerError(*message)));
-        return;
-      }
-      try {
-        task();
-        work->finish(nullptr);
-      } catch (const std::exception& e) {
-        // Whatever stopped this rank mid-collective (a peer, an allocation), its phases no
-        // longer line up with the others': final here, and the first to give up tells them.
-        failure->fail(e.what());
-        int64_t none = 0;
-        header->failed.compare_exchange_strong(none, rank + 1, std::memory_order_acq_rel);
-        work->finish(std::current_exception());
-      }
-    }));
+    auto work = std::make_shared<ShmWork>(op, global(rank), failure, queue);
+    work->setId(queue->push(
+        [this, work, task = std::move(task)] {
+          if (auto message = failure->latch.get()) {
+            work->finish(std::make_exception_ptr(PeerError(*message)));
+            return;
+          }
+          try {
+            task();
+            work->finish(nullptr);
+          } catch (const std::exception& e) {
+            // Whatever stopped this rank mid-collective (a peer, an allocation), its phases no
+            // longer line up with the others': final here, and the first to give up tells them.
+            failure->fail(e.what());
+            int64_t none = 0;
+            header->failed.compare_exchange_strong(none, rank + 1, std::memory_order_acq_rel);
+            work->finish(std::current_exception());
+          }
+        },
+        bytes > options.deferBytes));
     return work;
   }
 
@@ -533,6 +561,8 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
                 "shm: the point-to-point communicator is not rank {} of {}", rank, size);
   CARAVAN_CHECK(options.slotBytes >= 64 * size && options.slotBytes % 64 == 0,
                 "shm: slots of {} bytes for {} ranks", options.slotBytes, size);
+  CARAVAN_CHECK(options.globalRanks.empty() || static_cast<int>(options.globalRanks.size()) == size,
+                "shm: {} global rank numbers for {} ranks", options.globalRanks.size(), size);
   Impl& m = *impl_;
   m.rank = rank;
   m.size = size;
@@ -580,9 +610,9 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
       store->wait({nameKey}, join);
     } catch (const std::exception& e) {
       throw PeerError(
-          fmt::format("rank {}: rank 0 did not make the shared-memory segment within {} "
+          fmt::format("rank {}: rank {} did not make the shared-memory segment within {} "
                       "({})",
-                      rank, formatDuration(join), comm::errorLine(e)));
+                      m.global(rank), m.global(0), formatDuration(join), comm::errorLine(e)));
     }
     const std::vector<uint8_t> v = store->get(nameKey);
     name.assign(v.begin(), v.end());
@@ -650,7 +680,8 @@ WorkPtr ShmCommunicator::allreduce(at::Tensor tensor, ReduceOp op) {
   comm::checkReducible(tensor, op, "allreduce");
   if (auto refused = impl_->failure->latch.refuseIfFailed()) return refused;
   if (tensor.numel() == 0) return std::make_shared<comm::ReadyWork>();
-  return impl_->submit("allreduce", [this, tensor, op] { impl_->allreduce(tensor, op); });
+  return impl_->submit("allreduce", tensor.nbytes(),
+                       [this, tensor, op] { impl_->allreduce(tensor, op); });
 }
 
 WorkPtr ShmCommunicator::broadcast(at::Tensor tensor, int root) {
@@ -658,7 +689,8 @@ WorkPtr ShmCommunicator::broadcast(at::Tensor tensor, int root) {
   CARAVAN_CHECK(root >= 0 && root < impl_->size, "broadcast from rank {} of {}", root, impl_->size);
   if (auto refused = impl_->failure->latch.refuseIfFailed()) return refused;
   if (tensor.numel() == 0) return std::make_shared<comm::ReadyWork>();
-  return impl_->submit("broadcast", [this, tensor, root] { impl_->broadcast(tensor, root); });
+  return impl_->submit("broadcast", tensor.nbytes(),
+                       [this, tensor, root] { impl_->broadcast(tensor, root); });
 }
 
 WorkPtr ShmCommunicator::allgather(at::Tensor output, at::Tensor input) {
@@ -670,7 +702,8 @@ WorkPtr ShmCommunicator::allgather(at::Tensor output, at::Tensor input) {
       comm::describeTensor(input), impl_->size);
   if (auto refused = impl_->failure->latch.refuseIfFailed()) return refused;
   if (input.numel() == 0) return std::make_shared<comm::ReadyWork>();
-  return impl_->submit("allgather", [this, output, input] { impl_->allgather(output, input); });
+  return impl_->submit("allgather", output.nbytes(),
+                       [this, output, input] { impl_->allgather(output, input); });
 }
 
 WorkPtr ShmCommunicator::reduceScatter(at::Tensor output, at::Tensor input, ReduceOp op) {
@@ -683,7 +716,7 @@ WorkPtr ShmCommunicator::reduceScatter(at::Tensor output, at::Tensor input, Redu
       comm::describeTensor(input), impl_->size);
   if (auto refused = impl_->failure->latch.refuseIfFailed()) return refused;
   if (output.numel() == 0) return std::make_shared<comm::ReadyWork>();
-  return impl_->submit("reduceScatter",
+  return impl_->submit("reduceScatter", input.nbytes(),
                        [this, output, input, op] { impl_->reduceScatter(output, input, op); });
 }
 
@@ -697,8 +730,14 @@ WorkPtr ShmCommunicator::recv(at::Tensor tensor, int srcRank, int tag) {
   return impl_->pointToPoint->recv(std::move(tensor), srcRank, tag);
 }
 
+void ShmCommunicator::fail(const std::string& message) {
+  impl_->failure->fail(message);
+  int64_t none = 0;
+  impl_->header->failed.compare_exchange_strong(none, impl_->rank + 1, std::memory_order_acq_rel);
+}
+
 WorkPtr ShmCommunicator::barrier() {
-  return impl_->submit("barrier", [this] { impl_->arrive("barrier"); });
+  return impl_->submit("barrier", 0, [this] { impl_->arrive("barrier"); });
 }
 
 }  // namespace caravan
