@@ -59,7 +59,7 @@ struct ShmOptions {
   int64_t slotBytes = int64_t{1} << 20;
   // Collectives up to this size do not wake the op thread: their waiter runs them (see below).
   int64_t deferBytes = int64_t{64} << 10;
-  std::string token;                         // the job token (names the segment)
+  std::string token;  // the job token (names the segment)
   // The job's rank numbers of ranks 0..size-1, for messages (a host's ranks in a hierarchical
   // communicator); empty: the same numbers.
   std::vector<int> globalRanks;
