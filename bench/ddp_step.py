@@ -352,6 +352,7 @@ def main():
     if a.json:
         data = {"rows": rows, "raw": raw, "removed_env": removed, "cores": cores,
                 "threads": a.threads, "args": vars(a)}
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(data, f, indent=1)
         print("wrote", write_charts(data, a.json))

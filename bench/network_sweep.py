@@ -67,6 +67,11 @@ MODES = {
     "osp-auto": (["sync.mode=osp", "sync.osp_auto_fraction=true"], True),
     "osp-auto-nolgp": (["sync.mode=osp", "sync.osp_auto_fraction=true", "sync.osp_lgp=false"],
                        True),
+    # The transport before dist.backend = auto (hierarchical where a host has several ranks,
+    # as with --colocate), for an interleaved comparison.
+    "ps-bsp-gloo": (["sync.mode=ps-bsp", "dist.backend=gloo"], True),
+    "osp-gloo": (["sync.mode=osp", "sync.osp_fraction=0.5", "dist.backend=gloo"], True),
+    "allreduce-gloo": (["dist.backend=gloo"], False),
 }
 
 

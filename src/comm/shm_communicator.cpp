@@ -249,7 +249,7 @@ struct OpQueue {
       }
     } done{*this};
     tWaitTimeout = timeout;
-    tWaitDeadline = Clock::now() + timeout;
+    tWaitDeadline = Clock::now() + std::min(timeout, milliseconds(std::chrono::hours(24 * 365)));
     task();
     return true;
   }
