@@ -264,15 +264,33 @@ struct GlooCommunicator::Impl {
   // Starts a c10d operation; a synchronous failure becomes a failed Work like any other.
   WorkPtr issue(OpInfo info, const std::function<c10::intrusive_ptr<c10d::Work>()>& start,
                 std::function<void()> finish = nullptr) {
-    return issueStriped(
+    return issueWorks(
         std::move(info), [&] { return std::vector<c10::intrusive_ptr<c10d::Work>>{start()}; },
         std::move(finish));
   }
 
-  // The same for an operation started as several c10d operations (stripes).
-  WorkPtr issueStriped(OpInfo info,
-                       const std::function<std::vector<c10::intrusive_ptr<c10d::Work>>()>& start,
-                       std::function<void()> finish) {
+  // The same for an operation on `flat` that runs as one c10d operation per stripe (stripes()):
+  // start(piece) starts it on one piece.
+  WorkPtr issueStriped(
+      OpInfo info, const at::Tensor& flat,
+      const std::function<c10::intrusive_ptr<c10d::Work>(std::vector<at::Tensor>&)>& start,
+      std::function<void()> finish) {
+    return issueWorks(
+        std::move(info),
+        [&] {
+          std::vector<c10::intrusive_ptr<c10d::Work>> works;
+          for (const at::Tensor& piece : stripes(flat)) {
+            std::vector<at::Tensor> tensors{piece};
+            works.push_back(start(tensors));
+          }
+          return works;
+        },
+        std::move(finish));
+  }
+
+  WorkPtr issueWorks(OpInfo info,
+                     const std::function<std::vector<c10::intrusive_ptr<c10d::Work>>()>& start,
+                     std::function<void()> finish) {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     try {
       works = start();
@@ -359,16 +377,11 @@ WorkPtr GlooCommunicator::allreduce(at::Tensor tensor, ReduceOp op) {
     };
   }
   return impl_->issueStriped(
-      std::move(info),
-      [&] {
-        std::vector<c10::intrusive_ptr<c10d::Work>> works;
-        for (const at::Tensor& piece : impl_->stripes(buf.view(-1))) {
-          std::vector<at::Tensor> tensors{piece};
-          c10d::AllreduceOptions o;
-          o.reduceOp = toGloo(op);
-          works.push_back(impl_->pg->allreduce(tensors, o));
-        }
-        return works;
+      std::move(info), buf.view(-1),
+      [&](std::vector<at::Tensor>& tensors) {
+        c10d::AllreduceOptions o;
+        o.reduceOp = toGloo(op);
+        return impl_->pg->allreduce(tensors, o);
       },
       std::move(finish));
 }
@@ -382,17 +395,12 @@ WorkPtr GlooCommunicator::broadcast(at::Tensor tensor, int root) {
   if (impl_->rank != root) info.peers = {root};
   if (tensor.numel() == 0) return std::make_shared<ReadyWork>();
   return impl_->issueStriped(
-      std::move(info),
-      [&] {
-        std::vector<c10::intrusive_ptr<c10d::Work>> works;
-        for (const at::Tensor& piece : impl_->stripes(movable(tensor).view(-1))) {
-          std::vector<at::Tensor> tensors{piece};
-          c10d::BroadcastOptions o;
-          o.rootRank = root;
-          o.rootTensor = 0;
-          works.push_back(impl_->pg->broadcast(tensors, o));
-        }
-        return works;
+      std::move(info), movable(tensor).view(-1),
+      [&](std::vector<at::Tensor>& tensors) {
+        c10d::BroadcastOptions o;
+        o.rootRank = root;
+        o.rootTensor = 0;
+        return impl_->pg->broadcast(tensors, o);
       },
       nullptr);
 }

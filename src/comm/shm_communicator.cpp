@@ -382,6 +382,13 @@ struct ShmCommunicator::Impl {
     if (base != MAP_FAILED) ::munmap(base, bytes);
   }
 
+  // Final here with `message`, and the other ranks learn that this one gave up.
+  void giveUp(const std::string& message) {
+    failure->fail(message);
+    int64_t none = 0;
+    header->failed.compare_exchange_strong(none, rank + 1, std::memory_order_acq_rel);
+  }
+
   // Rank r's number in messages (options.globalRanks).
   int global(int r) const { return options.globalRanks.empty() ? r : options.globalRanks[r]; }
 
@@ -465,9 +472,7 @@ struct ShmCommunicator::Impl {
           } catch (const std::exception& e) {
             // Whatever stopped this rank mid-collective (a peer, an allocation), its phases no
             // longer line up with the others': final here, and the first to give up tells them.
-            failure->fail(e.what());
-            int64_t none = 0;
-            header->failed.compare_exchange_strong(none, rank + 1, std::memory_order_acq_rel);
+            giveUp(e.what());
             work->finish(std::current_exception());
           }
         },
@@ -730,11 +735,7 @@ WorkPtr ShmCommunicator::recv(at::Tensor tensor, int srcRank, int tag) {
   return impl_->pointToPoint->recv(std::move(tensor), srcRank, tag);
 }
 
-void ShmCommunicator::fail(const std::string& message) {
-  impl_->failure->fail(message);
-  int64_t none = 0;
-  impl_->header->failed.compare_exchange_strong(none, impl_->rank + 1, std::memory_order_acq_rel);
-}
+void ShmCommunicator::fail(const std::string& message) { impl_->giveUp(message); }
 
 WorkPtr ShmCommunicator::barrier() {
   return impl_->submit("barrier", 0, [this] { impl_->arrive("barrier"); });
