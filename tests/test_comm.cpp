@@ -604,21 +604,27 @@ TEST(CommStore, FileStoreAndBadOptions) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shared memory: ranks as threads, each a ShmCommunicator over one segment (send/recv over a
-// loopback Gloo communicator of the same ranks).
+// Shared memory: ranks as threads, each a ShmCommunicator over one segment.
 
 // Runs body(comm) for every rank of a world of `size`; returns each rank's exception message
 // ("" when it returned normally).
 std::vector<std::string> runShmRanks(int size, const ShmOptions& options,
                                      const std::function<void(Communicator&)>& body) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  return test::runGlooRanks(
-      size, loopbackOptions(),
-      [&](std::shared_ptr<Communicator> gloo) {
-        ShmCommunicator c(store, gloo->rank(), size, options, gloo);
+  std::vector<std::string> errors(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        ShmCommunicator c(store, r, size, options);
         body(c);
-      },
-      store);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
 }
 
 // Rendezvous within kOpTimeout; collectives wait `timeout`.
@@ -738,16 +744,15 @@ TEST(CommShm, NoSegmentIsLeftBehind) {
     EXPECT_EQ(t[4].item<float>(), 2.0f);
   });
   for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
-  // Rank 2 joins Gloo but never maps the segment.
+  // Rank 2 never maps the segment.
   o.joinTimeout = milliseconds(2000);
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> failed(3);
   std::vector<std::thread> threads;
-  for (int r = 0; r < 3; ++r) {
+  for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       try {
-        auto gloo = std::make_unique<GlooCommunicator>(store, r, 3, loopbackOptions());
-        if (r != 2) ShmCommunicator c(store, r, 3, o, std::move(gloo));
+        ShmCommunicator c(store, r, 3, o);
       } catch (const std::exception& e) {
         failed[r] = e.what();
       }
@@ -791,6 +796,134 @@ TEST(CommShm, ALateRankIsNamedAndEveryWaiterLearnsIt) {
   EXPECT_GE(failedAfter[1], 0);
   EXPECT_LT(failedAfter[1], 650) << "rank 1 learnt it from rank 0, not from its own timeout";
   EXPECT_EQ(errors[2], "");
+}
+
+// Point-to-point through 64-byte rings (3 ranks, slots of 192 bytes): every rank sends every rank
+// (itself too) three messages per tag on three tags, of 1 to 70000 elements (streamed through
+// the ring many times over), all issued before any recv; receivers post their recvs tag by tag
+// in reverse, so most messages arrive before their recv and wait in a buffer. Each (source, tag)
+// must deliver its messages in the order sent, each bitwise the sender's.
+TEST(CommShm, PointToPointKeepsEachTagsOrderThroughSmallRings) {
+  constexpr int kSize = 3;
+  const std::vector<int64_t> counts = {1, 70000, 7};
+  auto salt = [](int src, int dst, int tag, int i) { return ((src * 3 + dst) * 3 + tag) * 3 + i; };
+  auto errors = runShmRanks(kSize, shmOptions(64 * kSize), [&](Communicator& c) {
+    std::vector<at::Tensor> outgoing;
+    std::vector<WorkPtr> sends;
+    for (int dst = 0; dst < kSize; ++dst) {
+      for (int tag = 0; tag < 3; ++tag) {
+        for (int i = 0; i < 3; ++i) {
+          outgoing.push_back(inputFor(c.rank(), counts[i], salt(c.rank(), dst, tag, i)));
+          sends.push_back(c.send(outgoing.back(), dst, tag));
+        }
+      }
+    }
+    for (int tag = 2; tag >= 0; --tag) {
+      for (int src = kSize - 1; src >= 0; --src) {
+        for (int i = 0; i < 3; ++i) {
+          at::Tensor in = at::full({counts[i]}, -99.0f);
+          c.recv(in, src, tag)->wait(kOpTimeout);
+          expectExact(in, inputFor(src, counts[i], salt(src, c.rank(), tag, i)),
+                      fmt::format("rank {}: message {} of tag {} from rank {}", c.rank(), i, tag,
+                                  src));
+        }
+      }
+    }
+    for (auto& w : sends) w->wait(kOpTimeout);
+    c.barrier()->wait(kOpTimeout);
+  });
+  for (int r = 0; r < kSize; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+// A message sent just before its sender closed its communicator still arrives; a recv from a
+// rank that closed without sending fails at once naming it (not at the timeout); a recv whose
+// tensor has another size than the message is named with both sizes; a recv nobody sends to
+// fails at its wait's timeout, and the failure is final.
+TEST(CommShm, PointToPointFailuresAreNamed) {
+  std::atomic<int> closed{0};
+  std::string lost, wrongSize, timedOut, later;
+  int64_t lostAfter = -1, timedOutAfter = -1;
+  auto errors = runShmRanks(3, shmOptions(ShmOptions{}.slotBytes, milliseconds(5000)),
+                            [&](Communicator& c) {
+    if (c.rank() == 1) {
+      c.send(at::arange(5, at::kFloat), 0, 4)->wait(kOpTimeout);
+      ++closed;
+      return;  // closes its communicator
+    }
+    if (c.rank() == 2) {
+      c.send(at::ones({3}), 0, 9)->wait(kOpTimeout);
+      while (closed < 2) std::this_thread::sleep_for(milliseconds(5));
+      return;
+    }
+    while (closed < 1) std::this_thread::sleep_for(milliseconds(5));
+    at::Tensor got = at::zeros({5});
+    c.recv(got, 1, 4)->wait(kOpTimeout);
+    expectExact(got, at::arange(5, at::kFloat), "the message sent before closing");
+    auto start = Clock::now();
+    try {
+      c.recv(at::zeros({2}), 1, 4)->wait(kOpTimeout);
+    } catch (const PeerError& e) {
+      lost = e.what();
+    }
+    lostAfter = elapsedMs(start);
+    ++closed;
+    // A new communicator: the one above failed for good.
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  EXPECT_NE(lost.find("recv from rank 1 through shared memory: rank 1 closed its communicator"),
+            std::string::npos)
+      << lost;
+  EXPECT_GE(lostAfter, 0);
+  EXPECT_LT(lostAfter, 2000) << "named when rank 1 was found gone, not at the 5 s timeout";
+
+  errors = runShmRanks(2, shmOptions(ShmOptions{}.slotBytes, milliseconds(5000)),
+                       [&](Communicator& c) {
+    if (c.rank() == 1) {
+      c.send(at::ones({3}), 0, 2)->wait(kOpTimeout);
+      c.barrier()->wait(kOpTimeout);
+      return;
+    }
+    c.barrier()->wait(kOpTimeout);
+    try {
+      c.recv(at::zeros({4}), 1, 2)->wait(kOpTimeout);
+    } catch (const PeerError& e) {
+      wrongSize = e.what();
+    }
+  });
+  EXPECT_NE(wrongSize.find("recv from rank 1 (tag 2) through shared memory: the message has 12 "
+                           "bytes, the tensor 16 (4 float32 elements)"),
+            std::string::npos)
+      << wrongSize;
+
+  std::atomic<bool> done{false};
+  errors = runShmRanks(2, shmOptions(ShmOptions{}.slotBytes, milliseconds(5000)),
+                       [&](Communicator& c) {
+    if (c.rank() == 1) {
+      while (!done) std::this_thread::sleep_for(milliseconds(5));  // alive, never sends
+      return;
+    }
+    const auto start = Clock::now();
+    try {
+      c.recv(at::zeros({4}), 1, 3)->wait(milliseconds(300));
+    } catch (const PeerError& e) {
+      timedOut = e.what();
+    }
+    timedOutAfter = elapsedMs(start);
+    try {
+      c.send(at::zeros({4}), 1, 3)->wait(milliseconds(300));
+    } catch (const PeerError& e) {
+      later = e.what();
+    }
+    done = true;
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  EXPECT_NE(timedOut.find("rank 0: recv from rank 1 (tag 3) through shared memory did not complete "
+                          "within 300 ms"),
+            std::string::npos)
+      << timedOut;
+  EXPECT_GE(timedOutAfter, 250);
+  EXPECT_LT(timedOutAfter, 2000);
+  EXPECT_NE(later.find("earlier failure"), std::string::npos) << later;
 }
 
 // ---------------------------------------------------------------------------------------------

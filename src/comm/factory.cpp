@@ -119,10 +119,8 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const
                                                         joinTimeout, connections);
                               });
     }
-    // One host: point-to-point over Gloo.
-    std::shared_ptr<Communicator> gloo =
-        makeCommunicator("gloo", world, own, timeout, joinTimeout, connections);
-    return std::make_unique<ShmCommunicator>(own, world.rank, world.worldSize, options, gloo);
+    // One host: everything through shared memory.
+    return std::make_unique<ShmCommunicator>(own, world.rank, world.worldSize, options);
   }
   if (backend == "mpi") {
     MpiOptions options;

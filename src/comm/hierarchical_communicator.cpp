@@ -40,7 +40,7 @@ std::unique_ptr<Communicator> makeHierarchical(const std::vector<std::string>& h
     options.globalRanks = groups.local;
     local = std::make_shared<ShmCommunicator>(
         c10::make_intrusive<c10d::PrefixStore>(fmt::format("host{}", leader), store),
-        indexIn(groups.local), static_cast<int>(groups.local.size()), options, nullptr);
+        indexIn(groups.local), static_cast<int>(groups.local.size()), options);
   }
   if (rank == leader) {
     leaders = makeGloo(c10::make_intrusive<c10d::PrefixStore>("leaders", store),

@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 
 #include "comm/comm_util.h"
+#include "comm/shm_channels.h"
 #include "comm/store.h"
 #include "core/errors.h"
 
@@ -39,7 +40,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr uint64_t kMagic = 0x3163617261766e73;  // the layout's version
+constexpr uint64_t kMagic = 0x3263617261766e73;  // the layout's version
 
 struct alignas(64) SegmentHeader {
   uint64_t magic;
@@ -57,13 +58,20 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free &&
                   std::atomic<int64_t>::is_always_lock_free,
               "shared-memory counters must be lock-free atomics");
 
+// The segment: the header, every rank's word, every rank's doorbell (shm_channels.h), then the
+// two buffers of slots, then the point-to-point rings (ShmChannels).
 int64_t headerBytes(int size) {
-  const int64_t raw = static_cast<int64_t>(sizeof(SegmentHeader) + size * sizeof(RankWord));
+  const int64_t raw = static_cast<int64_t>(sizeof(SegmentHeader) + size * sizeof(RankWord) +
+                                           size * sizeof(comm::ShmDoorbell));
   return (raw + 4095) / 4096 * 4096;
 }
 
+// Each ordered pair's ring: a quarter of a slot (at least 64 bytes).
+int64_t ringBytesFor(int64_t slotBytes) { return std::max<int64_t>(64, slotBytes / 4 / 64 * 64); }
+
 int64_t segmentBytes(int size, int64_t slotBytes) {
-  return headerBytes(size) + 2 * static_cast<int64_t>(size) * slotBytes;
+  return headerBytes(size) + 2 * static_cast<int64_t>(size) * slotBytes +
+         comm::ShmChannels::bytesFor(size, ringBytesFor(slotBytes));
 }
 
 std::string firstLine(const char* path) {
@@ -79,17 +87,6 @@ std::string inodeOf(const char* path, bool device) {
   return std::to_string(device ? st.st_dev : st.st_ino);
 }
 
-// The process is gone, or a zombie its parent has not reaped yet (it will never arrive).
-bool exited(pid_t pid) {
-  if (::kill(pid, 0) != 0) return errno == ESRCH;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  std::getline(stat, line);
-  const size_t close = line.rfind(')');  // the state follows the command name's ")"
-  return close != std::string::npos && close + 2 < line.size() &&
-         (line[close + 2] == 'Z' || line[close + 2] == 'X');
-}
-
 std::string systemError(const std::string& what) {
   return fmt::format("{}: {}", what, std::strerror(errno));
 }
@@ -101,7 +98,10 @@ int64_t fittingSlot(int size, int64_t wanted) {
   struct statvfs fs {};
   if (::statvfs("/dev/shm", &fs) != 0) return wanted;
   const int64_t budget = static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize) / 2;
-  const int64_t fits = (budget - headerBytes(size)) / (2 * static_cast<int64_t>(size)) / 64 * 64;
+  // Per slot byte: two buffers of `size` slots and size * size rings of a quarter slot.
+  const int64_t perSlotByte4 = 8 * static_cast<int64_t>(size) + static_cast<int64_t>(size) * size;
+  const int64_t rings = comm::ShmChannels::bytesFor(size, 64);
+  const int64_t fits = (budget - headerBytes(size) - rings) * 4 / perSlotByte4 / 64 * 64;
   if (fits < 64 * size) {
     throw IoError(fmt::format(
         "rank 0: /dev/shm has {} KiB free, too little for the shared-memory collectives of {} "
@@ -185,17 +185,6 @@ std::pair<int64_t, int64_t> part(int64_t n, int size, int r) {
   return {r * base + std::min<int64_t>(r, extra), base + (r < extra ? 1 : 0)};
 }
 
-// What the communicator's Works share with it (a Work may outlive it): the first failure, and
-// the word that tells the op thread to give up on the collective it waits in.
-struct FailureState {
-  comm::FailureLatch latch;
-  std::atomic<bool> abandon{false};
-  void fail(const std::string& message) {
-    latch.set(message);
-    abandon = true;
-  }
-};
-
 // When this thread runs a collective for a Work it waits for (OpQueue::runIfNext): the end of
 // that wait. arrive() gives up there, as the wait would have.
 thread_local Clock::time_point tWaitDeadline = Clock::time_point::max();
@@ -239,8 +228,11 @@ struct OpQueue {
     }
     struct Done {
       OpQueue& q;
+      Clock::time_point deadline = tWaitDeadline;  // restored: a task may run inside a wait
+      milliseconds timeout = tWaitTimeout;
       ~Done() {
-        tWaitDeadline = Clock::time_point::max();
+        tWaitDeadline = deadline;
+        tWaitTimeout = timeout;
         {
           std::lock_guard<std::mutex> lock(q.mutex);
           q.busy = false;
@@ -275,7 +267,7 @@ struct OpQueue {
 
 class ShmWork final : public Work {
  public:
-  ShmWork(std::string what, int rank, std::shared_ptr<FailureState> failure,
+  ShmWork(std::string what, int rank, std::shared_ptr<comm::ShmFailure> failure,
           std::shared_ptr<OpQueue> queue)
       : what_(std::move(what)),
         rank_(rank),
@@ -313,7 +305,7 @@ class ShmWork final : public Work {
  private:
   std::string what_;
   int rank_;
-  std::shared_ptr<FailureState> failure_;
+  std::shared_ptr<comm::ShmFailure> failure_;
   std::shared_ptr<OpQueue> queue_;
   uint64_t id_ = 0;
   std::mutex mutex_;
@@ -364,7 +356,6 @@ std::vector<std::string> exchangeHostIdentities(c10d::Store& store, int rank, in
 struct ShmCommunicator::Impl {
   int rank = 0, size = 1;
   ShmOptions options;
-  std::shared_ptr<Communicator> pointToPoint;
   void* base = MAP_FAILED;
   int64_t bytes = 0;
   SegmentHeader* header = nullptr;
@@ -373,12 +364,14 @@ struct ShmCommunicator::Impl {
   // The running task's alone (one at a time: OpQueue).
   uint64_t phase = 0;
   int buffer = 0;
-  std::shared_ptr<FailureState> failure = std::make_shared<FailureState>();
+  std::shared_ptr<comm::ShmFailure> failure = std::make_shared<comm::ShmFailure>();
   // The collectives to run, and the op thread that runs them.
   std::shared_ptr<OpQueue> queue = std::make_shared<OpQueue>();
   std::thread thread;
+  std::unique_ptr<comm::ShmChannels> channels;  // send/recv
 
   ~Impl() {
+    channels.reset();  // it writes into the segment until it is gone
     if (base != MAP_FAILED) ::munmap(base, bytes);
   }
 
@@ -437,7 +430,7 @@ struct ShmCommunicator::Impl {
       }
       for (int r : late) {
         const int64_t pid = words[r].pid.load(std::memory_order_acquire);
-        if (pid > 0 && exited(static_cast<pid_t>(pid))) {
+        if (pid > 0 && comm::processExited(pid)) {
           throw PeerError(fmt::format("rank {}: {} through shared memory: rank {} (pid {}) exited",
                                       global(rank), op, global(r), pid));
         }
@@ -463,6 +456,7 @@ struct ShmCommunicator::Impl {
     work->setId(queue->push(
         [this, work, task = std::move(task)] {
           if (auto message = failure->latch.get()) {
+            giveUp(*message);  // the others may wait for this one in it
             work->finish(std::make_exception_ptr(PeerError(*message)));
             return;
           }
@@ -559,11 +553,9 @@ struct ShmCommunicator::Impl {
 };
 
 ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                                 ShmOptions options, std::shared_ptr<Communicator> pointToPoint)
+                                 ShmOptions options)
     : impl_(std::make_unique<Impl>()) {
   CARAVAN_CHECK(store && size >= 1 && rank >= 0 && rank < size, "shm: rank {} of {}", rank, size);
-  CARAVAN_CHECK(!pointToPoint || (pointToPoint->rank() == rank && pointToPoint->size() == size),
-                "shm: the point-to-point communicator is not rank {} of {}", rank, size);
   CARAVAN_CHECK(options.slotBytes >= 64 * size && options.slotBytes % 64 == 0,
                 "shm: slots of {} bytes for {} ranks", options.slotBytes, size);
   CARAVAN_CHECK(options.globalRanks.empty() || static_cast<int>(options.globalRanks.size()) == size,
@@ -573,7 +565,6 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
   m.size = size;
   const milliseconds join = options.joinTimeout.count() > 0 ? options.joinTimeout : options.timeout;
   m.options = std::move(options);
-  m.pointToPoint = std::move(pointToPoint);
   const std::string nameKey = "caravan/shm/name";
   std::string name;
   if (rank == 0) {
@@ -660,6 +651,21 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
   } else {
     m.options.slotBytes = m.header->slotBytes;
   }
+  comm::ShmChannels::Layout channels;
+  channels.rank = rank;
+  channels.size = size;
+  channels.rings = m.data + 2 * static_cast<int64_t>(size) * m.options.slotBytes;
+  channels.ringBytes = ringBytesFor(m.options.slotBytes);
+  channels.bells = reinterpret_cast<comm::ShmDoorbell*>(reinterpret_cast<char*>(m.words) +
+                                                        size * sizeof(RankWord));
+  channels.pidOf = [words = m.words](int r) {
+    return words[r].pid.load(std::memory_order_acquire);
+  };
+  channels.failedWord = &m.header->failed;
+  channels.global = [&m](int r) { return m.global(r); };
+  m.channels = std::make_unique<comm::ShmChannels>(
+      std::move(channels), m.options.timeout, m.failure,
+      [&m](const std::string& message) { m.giveUp(message); });
   auto mapped = [](int r) { return fmt::format("caravan/shm/mapped/{}", r); };
   m.words[rank].pid.store(::getpid(), std::memory_order_release);
   store->set(mapped(rank), std::vector<uint8_t>{1});
@@ -674,6 +680,7 @@ ShmCommunicator::~ShmCommunicator() {
   }
   impl_->queue->wake.notify_one();
   if (impl_->thread.joinable()) impl_->thread.join();
+  impl_->channels.reset();  // writes the sends issued, then marks this rank closed
 }
 
 int ShmCommunicator::rank() const { return impl_->rank; }
@@ -726,13 +733,17 @@ WorkPtr ShmCommunicator::reduceScatter(at::Tensor output, at::Tensor input, Redu
 }
 
 WorkPtr ShmCommunicator::send(at::Tensor tensor, int dstRank, int tag) {
-  CARAVAN_CHECK(impl_->pointToPoint, "shm: send on a communicator made without point-to-point");
-  return impl_->pointToPoint->send(std::move(tensor), dstRank, tag);
+  comm::checkTensor(tensor, "send", "tensor");
+  CARAVAN_CHECK(dstRank >= 0 && dstRank < impl_->size && tag >= 0, "send to rank {} of {}, tag {}",
+                dstRank, impl_->size, tag);
+  return impl_->channels->send(tensor, dstRank, tag);
 }
 
 WorkPtr ShmCommunicator::recv(at::Tensor tensor, int srcRank, int tag) {
-  CARAVAN_CHECK(impl_->pointToPoint, "shm: recv on a communicator made without point-to-point");
-  return impl_->pointToPoint->recv(std::move(tensor), srcRank, tag);
+  comm::checkTensor(tensor, "recv", "tensor");
+  CARAVAN_CHECK(srcRank >= 0 && srcRank < impl_->size && tag >= 0,
+                "recv from rank {} of {}, tag {}", srcRank, impl_->size, tag);
+  return impl_->channels->recv(tensor, srcRank, tag);
 }
 
 void ShmCommunicator::fail(const std::string& message) { impl_->giveUp(message); }

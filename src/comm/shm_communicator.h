@@ -1,8 +1,10 @@
-// ShmCommunicator: the collectives of ranks that share one host, through one shared-memory
-// segment; point-to-point goes to a communicator of the same ranks given at construction (Gloo).
+// ShmCommunicator: the collectives and point-to-point operations of ranks that share one host,
+// through one shared-memory segment.
 //
-// The segment: a header (each rank's phase counter and pid, a failure word), then two buffers
-// of one slot per rank (`slotBytes` each). A collective moves its tensors through the slots in
+// The segment: a header (each rank's phase counter, pid and doorbell, a failure word), then two
+// buffers of one slot per rank (`slotBytes` each), then one ring of a quarter slot per ordered
+// pair of ranks for send/recv (shm_channels.h: tag matching, a progress thread per rank, its own
+// completion and failure rules). A collective moves its tensors through the slots in
 // chunks; each chunk is: every rank copies its part into its own slot, all arrive at a phase
 // (a barrier on the counters), then each rank reads what it needs from the others' slots.
 // Consecutive chunks alternate buffers, so a slot is written again only after every rank has
@@ -54,8 +56,9 @@ namespace caravan {
 struct ShmOptions {
   std::chrono::milliseconds timeout = kDefaultCommTimeout;
   std::chrono::milliseconds joinTimeout{0};  // zero: `timeout`
-  // Per rank and buffer. 1 MiB (a segment of 4 MiB per 2 ranks) stays in the caches: against
-  // 4 MiB it took the 2-rank all-reduce of 16-64 MB from about 5 to about 8-10 GB/s here.
+  // Per rank and buffer. 1 MiB (a segment of 5 MiB for 2 ranks, rings included) stays in the
+  // caches: against 4 MiB it took the 2-rank all-reduce of 16-64 MB from about 5 to about
+  // 8-10 GB/s here.
   int64_t slotBytes = int64_t{1} << 20;
   // Collectives up to this size do not wake the op thread: their waiter runs them (see below).
   int64_t deferBytes = int64_t{64} << 10;
@@ -84,10 +87,8 @@ int removeSegments(const std::string& token);
 
 class ShmCommunicator final : public Communicator {
  public:
-  // Every rank constructs it concurrently (a rendezvous through `store`); `pointToPoint` is a
-  // communicator of the same ranks for send/recv (null: send/recv are refused, CARAVAN_CHECK).
-  ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int size, ShmOptions options,
-                  std::shared_ptr<Communicator> pointToPoint);
+  // Every rank constructs it concurrently (a rendezvous through `store`).
+  ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, int size, ShmOptions options);
   ~ShmCommunicator() override;
   ShmCommunicator(const ShmCommunicator&) = delete;
   ShmCommunicator& operator=(const ShmCommunicator&) = delete;
