@@ -31,6 +31,12 @@
 // min/max) over rounds, algbw = bytes / time and busbw = algbw * 2 (n - 1) / n (nccl-tests'
 // convention). Before timing, every implementation's result is checked (rank r contributes r + 1).
 //
+// --op pingpong measures send/recv instead: ranks pair up (0-1, 2-3, ...; an even number of
+// ranks), the even rank sends its buffer and receives the odd rank's reply of the same size; a
+// sample's time per round trip is halved: median_s is the one-way time, algbw = bytes / that
+// (busbw = algbw). Implementations: the caravan-* communicators' send/recv, and raw-mpi
+// (MPI_Send + MPI_Recv). Checked first: the odd rank holds the even rank's values.
+//
 // Rank and world size come from MPI under mpirun. Without mpirun (WORLD_SIZE set: ranks in
 // network-namespace hosts, bench/comm_hosts.py) or in a build without MPI, they come from the
 // environment (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, as caravan's launcher and torchrun set
@@ -190,6 +196,10 @@ int main(int argc, char** argv) {
   int timeoutS = 300;
   std::vector<std::string> only;
   std::string controlKind = "gloo";
+  std::string op = "allreduce";
+  app.add_option("--op", op, "what to measure: allreduce, or pingpong (send/recv between pairs)")
+      ->check(CLI::IsMember({"allreduce", "pingpong"}))
+      ->default_val(op);
   app.add_option("--min-bytes", minBytes, "smallest message, bytes (float32)")->default_val(minBytes);
   app.add_option("--max-bytes", maxBytes, "largest message, bytes")->default_val(maxBytes);
   app.add_option("--factor", factor, "size step (multiplier)")->default_val(factor);
@@ -271,6 +281,10 @@ int main(int argc, char** argv) {
     auto wanted = [&](const std::string& name) {
       return std::find(names.begin(), names.end(), name) != names.end();
     };
+    const bool pingpong = op == "pingpong";
+    if (pingpong && n % 2 != 0) {
+      throw ConfigError(fmt::format("--op pingpong pairs ranks up: {} ranks is odd", n));
+    }
     const std::string striped = fmt::format("caravan-gloo-x{}", connections);
     const std::string autoStriped = fmt::format("caravan-auto-x{}", connections);
     for (const auto& name : names) {
@@ -278,6 +292,9 @@ int main(int argc, char** argv) {
           name == "caravan-gloo" || name == "caravan-shm" || name == "caravan-auto" ||
           name == striped || name == autoStriped || name == "raw-gloo" || name == "memcpy" ||
           (useMpi && (name == "caravan-mpi" || name == "raw-mpi" || name == "raw-mpi-nb"));
+      if (pingpong && (name == "raw-gloo" || name == "memcpy" || name == "raw-mpi-nb")) {
+        throw ConfigError(fmt::format("{} has no ping-pong here; use caravan-* or raw-mpi", name));
+      }
       if (!known) {
         throw ConfigError(fmt::format(
             "unknown or unavailable implementation \"{}\" (this run "
@@ -333,7 +350,16 @@ int main(int argc, char** argv) {
 #endif
     }
 
-    auto through = [&](std::unique_ptr<Communicator>& c) {
+    const int partner = rank ^ 1;
+    const bool sendsFirst = rank % 2 == 0;
+    auto through = [&](std::unique_ptr<Communicator>& c) -> std::function<void(at::Tensor&)> {
+      if (pingpong) {
+        return [&c, timeout, partner, sendsFirst](at::Tensor& t) {
+          if (sendsFirst) c->send(t, partner, 0)->wait(timeout);
+          c->recv(t, partner, 0)->wait(timeout);
+          if (!sendsFirst) c->send(t, partner, 0)->wait(timeout);
+        };
+      }
       return [&c, timeout](at::Tensor& t) { c->allreduce(t, ReduceOp::kSum)->wait(timeout); };
     };
     uint32_t rawGlooTag = 0;
@@ -370,7 +396,15 @@ int main(int argc, char** argv) {
       }
 #if CARAVAN_BENCH_MPI
       if (name == "caravan-mpi") impls.push_back({name, through(mpiComm)});
-      if (name == "raw-mpi") {
+      if (name == "raw-mpi" && pingpong) {
+        impls.push_back({name, [&](at::Tensor& t) {
+                           const int count = static_cast<int>(t.numel());
+                           float* p = t.data_ptr<float>();
+                           if (sendsFirst) MPI_Send(p, count, MPI_FLOAT, partner, 0, rawComm);
+                           MPI_Recv(p, count, MPI_FLOAT, partner, 0, rawComm, MPI_STATUS_IGNORE);
+                           if (!sendsFirst) MPI_Send(p, count, MPI_FLOAT, partner, 0, rawComm);
+                         }});
+      } else if (name == "raw-mpi") {
         impls.push_back({name, [&](at::Tensor& t) {
                            MPI_Allreduce(MPI_IN_PLACE, t.data_ptr<float>(),
                                          static_cast<int>(t.numel()), MPI_FLOAT, MPI_SUM, rawComm);
@@ -390,10 +424,11 @@ int main(int argc, char** argv) {
 
     if (rank == 0) {
       nlohmann::json info = {
-          {"bench", "allreduce-info"},
+          {"bench", pingpong ? "pingpong-info" : "allreduce-info"},
           {"ranks", n},
           {"mpi", bool(CARAVAN_BENCH_MPI)},
-          {"impls", [&] {
+          {"impls",
+           [&] {
              std::vector<std::string> v;
              for (auto& i : impls) v.push_back(i.name);
              return v;
@@ -413,8 +448,10 @@ int main(int argc, char** argv) {
       const int64_t elements = bytes / 4;
       const int iters = static_cast<int>(
           std::clamp<int64_t>((batchBytes + bytes - 1) / bytes, 1, maxIters));
-      // Correctness first: rank r contributes r + 1 everywhere; the sum is n (n + 1) / 2.
-      const float expected = static_cast<float>(n * (n + 1) / 2);
+      // Correctness first: rank r contributes r + 1 everywhere; the sum is n (n + 1) / 2. A
+      // ping-pong leaves the even rank's values (rank + 1) on both ranks of a pair.
+      const float expected =
+          pingpong ? static_cast<float>((rank & ~1) + 1) : static_cast<float>(n * (n + 1) / 2);
       for (auto& impl : impls) {
         impl.buffer = at::full({elements}, static_cast<float>(rank + 1), at::kFloat);
         if (impl.isCopy) continue;
@@ -441,19 +478,22 @@ int main(int argc, char** argv) {
       }
       if (rank == 0) {
         for (size_t k = 0; k < impls.size(); ++k) {
-          const double med = median(samples[k]);
+          // A ping-pong's sample is a round trip: one way is half of it.
+          const double scale = pingpong ? 0.5 : 1.0;
+          const double med = scale * median(samples[k]);
           const double algbw = static_cast<double>(bytes) / med / 1e9;
-          nlohmann::json row = {{"bench", "allreduce"},
-                                {"impl", impls[k].name},
-                                {"ranks", n},
-                                {"bytes", bytes},
-                                {"iters_per_sample", iters},
-                                {"repeats", repeats},
-                                {"median_s", med},
-                                {"min_s", *std::min_element(samples[k].begin(), samples[k].end())},
-                                {"max_s", *std::max_element(samples[k].begin(), samples[k].end())},
-                                {"algbw_GBps", algbw},
-                                {"busbw_GBps", impls[k].isCopy ? algbw : algbw * busFactor}};
+          nlohmann::json row = {
+              {"bench", op},
+              {"impl", impls[k].name},
+              {"ranks", n},
+              {"bytes", bytes},
+              {"iters_per_sample", iters},
+              {"repeats", repeats},
+              {"median_s", med},
+              {"min_s", scale * *std::min_element(samples[k].begin(), samples[k].end())},
+              {"max_s", scale * *std::max_element(samples[k].begin(), samples[k].end())},
+              {"algbw_GBps", algbw},
+              {"busbw_GBps", impls[k].isCopy || pingpong ? algbw : algbw * busFactor}};
           std::cout << row.dump() << std::endl;
         }
       }

@@ -10,7 +10,12 @@ uses) and prints one markdown table per run.
 
     /usr/bin/python3 bench/comm_bandwidth.py [--ranks 2 4] [--rules default ring ring+nbc]
         [--repeats 10] [--min-bytes 1024] [--max-bytes 67108864] [--factor 4] [--json OUT]
+    /usr/bin/python3 bench/comm_bandwidth.py --op pingpong [--ranks 2] ...
     /usr/bin/python3 bench/comm_bandwidth.py --replot OUT
+
+--op pingpong measures send/recv instead (pairs of ranks, a message and its reply): the table's
+GB/s is bytes / one-way time, the times are one way, and "shm / gloo" and "shm / raw mpi" compare
+the shared-memory channels with Caravan's Gloo and with MPI_Send/MPI_Recv.
 
 OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are removed from the measured processes' environment;
 the output says whether they were set. Bus bandwidth follows nccl-tests:
@@ -58,12 +63,15 @@ def has_mpi(bench):
 
 
 def run(bench, ranks, rule, a, environ, with_mpi):
-    impls = ["caravan-shm", "caravan-gloo", "raw-gloo", "memcpy"]
-    if with_mpi:
-        impls += ["caravan-mpi", "raw-mpi", "raw-mpi-nb"]
+    if a.op == "pingpong":
+        impls = ["caravan-shm", "caravan-gloo"] + (["caravan-mpi", "raw-mpi"] if with_mpi else [])
+    else:
+        impls = ["caravan-shm", "caravan-gloo", "raw-gloo", "memcpy"]
+        if with_mpi:
+            impls += ["caravan-mpi", "raw-mpi", "raw-mpi-nb"]
     args = [bench, "--min-bytes", str(a.min_bytes), "--max-bytes", str(a.max_bytes),
             "--factor", str(a.factor), "--repeats", str(a.repeats), "--warmup", str(a.warmup),
-            "--impls"] + impls
+            "--op", a.op, "--impls"] + impls
     if with_mpi:
         cmd = MPIRUN + RULES[rule] + a.mpirun_arg + ["-np", str(ranks)] + args
         procs = [subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
@@ -89,8 +97,8 @@ def run(bench, ranks, rule, a, environ, with_mpi):
         if p.returncode != 0:
             sys.exit(f"comm_bandwidth: {' '.join(cmd)} failed ({p.returncode}):\n{err}")
     lines = [json.loads(l) for l in outs[0][0].splitlines() if l.startswith("{")]
-    info = next(l for l in lines if l["bench"] == "allreduce-info")
-    rows = [l for l in lines if l["bench"] == "allreduce"]
+    info = next(l for l in lines if l["bench"] == f"{a.op}-info")
+    rows = [l for l in lines if l["bench"] == a.op]
     return " ".join(cmd), info, rows
 
 
@@ -110,6 +118,8 @@ def table(rows):
     ratios = []
     if {"caravan-gloo", "raw-gloo"} <= set(cols):
         ratios.append(("gloo: caravan/raw", "caravan-gloo", "raw-gloo"))
+    if {"caravan-shm", "caravan-gloo"} <= set(cols) and "raw-gloo" not in cols:
+        ratios.append(("shm / gloo", "caravan-shm", "caravan-gloo"))
     if {"caravan-shm", "raw-gloo"} <= set(cols):
         ratios.append(("shm / raw gloo", "caravan-shm", "raw-gloo"))
     if {"caravan-shm", "raw-mpi"} <= set(cols):
@@ -202,6 +212,8 @@ def write_charts(data, path):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--op", choices=["allreduce", "pingpong"], default="allreduce",
+                   help="allreduce, or pingpong: send/recv between pairs of ranks")
     p.add_argument("--rules", nargs="+", choices=list(RULES),
                    default=["default", "ring", "ring+nbc"],
                    help="Open MPI all-reduce rule(s), one run each: default; ring = "
@@ -234,7 +246,9 @@ def main():
     rules = a.rules if with_mpi else ["default"]
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    print(f"all-reduce (sum, float32, in place), median of {a.repeats} interleaved rounds after "
+    what = "all-reduce (sum, float32, in place)" if a.op == "allreduce" else \
+        "send/recv ping-pong between pairs of ranks (one-way time)"
+    print(f"{what}, median of {a.repeats} interleaved rounds after "
           f"{a.warmup} warm-up; {os.cpu_count()} CPUs, load average {' '.join(load)}; removed "
           f"from the environment: {', '.join(removed) or 'nothing (not set)'}")
     print("busbw = bytes / time * 2(n-1)/n; ratio = Caravan busbw / raw busbw (1.00 = as fast, "
@@ -250,7 +264,8 @@ def main():
             bw, times = table(rows)
             print(bw)
             if a.times:
-                print("\nmedian time per all-reduce (us):\n")
+                print(f"\nmedian time per {'all-reduce' if a.op == 'allreduce' else 'message, one way'}"
+                      " (us):\n")
                 print(times)
             sys.stdout.flush()
     with open("/proc/loadavg") as f:

@@ -823,9 +823,9 @@ TEST(CommShm, PointToPointKeepsEachTagsOrderThroughSmallRings) {
         for (int i = 0; i < 3; ++i) {
           at::Tensor in = at::full({counts[i]}, -99.0f);
           c.recv(in, src, tag)->wait(kOpTimeout);
-          expectExact(in, inputFor(src, counts[i], salt(src, c.rank(), tag, i)),
-                      fmt::format("rank {}: message {} of tag {} from rank {}", c.rank(), i, tag,
-                                  src));
+          expectExact(
+              in, inputFor(src, counts[i], salt(src, c.rank(), tag, i)),
+              fmt::format("rank {}: message {} of tag {} from rank {}", c.rank(), i, tag, src));
         }
       }
     }
@@ -843,32 +843,32 @@ TEST(CommShm, PointToPointFailuresAreNamed) {
   std::atomic<int> closed{0};
   std::string lost, wrongSize, timedOut, later;
   int64_t lostAfter = -1, timedOutAfter = -1;
-  auto errors = runShmRanks(3, shmOptions(ShmOptions{}.slotBytes, milliseconds(5000)),
-                            [&](Communicator& c) {
-    if (c.rank() == 1) {
-      c.send(at::arange(5, at::kFloat), 0, 4)->wait(kOpTimeout);
-      ++closed;
-      return;  // closes its communicator
-    }
-    if (c.rank() == 2) {
-      c.send(at::ones({3}), 0, 9)->wait(kOpTimeout);
-      while (closed < 2) std::this_thread::sleep_for(milliseconds(5));
-      return;
-    }
-    while (closed < 1) std::this_thread::sleep_for(milliseconds(5));
-    at::Tensor got = at::zeros({5});
-    c.recv(got, 1, 4)->wait(kOpTimeout);
-    expectExact(got, at::arange(5, at::kFloat), "the message sent before closing");
-    auto start = Clock::now();
-    try {
-      c.recv(at::zeros({2}), 1, 4)->wait(kOpTimeout);
-    } catch (const PeerError& e) {
-      lost = e.what();
-    }
-    lostAfter = elapsedMs(start);
-    ++closed;
-    // A new communicator: the one above failed for good.
-  });
+  auto errors =
+      runShmRanks(3, shmOptions(ShmOptions{}.slotBytes, milliseconds(5000)), [&](Communicator& c) {
+        if (c.rank() == 1) {
+          c.send(at::arange(5, at::kFloat), 0, 4)->wait(kOpTimeout);
+          ++closed;
+          return;  // closes its communicator
+        }
+        if (c.rank() == 2) {
+          c.send(at::ones({3}), 0, 9)->wait(kOpTimeout);
+          while (closed < 2) std::this_thread::sleep_for(milliseconds(5));
+          return;
+        }
+        while (closed < 1) std::this_thread::sleep_for(milliseconds(5));
+        at::Tensor got = at::zeros({5});
+        c.recv(got, 1, 4)->wait(kOpTimeout);
+        expectExact(got, at::arange(5, at::kFloat), "the message sent before closing");
+        auto start = Clock::now();
+        try {
+          c.recv(at::zeros({2}), 1, 4)->wait(kOpTimeout);
+        } catch (const PeerError& e) {
+          lost = e.what();
+        }
+        lostAfter = elapsedMs(start);
+        ++closed;
+        // A new communicator: the one above failed for good.
+      });
   for (int r = 0; r < 3; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   EXPECT_NE(lost.find("recv from rank 1 through shared memory: rank 1 closed its communicator"),
             std::string::npos)
@@ -876,46 +876,46 @@ TEST(CommShm, PointToPointFailuresAreNamed) {
   EXPECT_GE(lostAfter, 0);
   EXPECT_LT(lostAfter, 2000) << "named when rank 1 was found gone, not at the 5 s timeout";
 
-  errors = runShmRanks(2, shmOptions(ShmOptions{}.slotBytes, milliseconds(5000)),
-                       [&](Communicator& c) {
-    if (c.rank() == 1) {
-      c.send(at::ones({3}), 0, 2)->wait(kOpTimeout);
-      c.barrier()->wait(kOpTimeout);
-      return;
-    }
-    c.barrier()->wait(kOpTimeout);
-    try {
-      c.recv(at::zeros({4}), 1, 2)->wait(kOpTimeout);
-    } catch (const PeerError& e) {
-      wrongSize = e.what();
-    }
-  });
+  errors =
+      runShmRanks(2, shmOptions(ShmOptions{}.slotBytes, milliseconds(5000)), [&](Communicator& c) {
+        if (c.rank() == 1) {
+          c.send(at::ones({3}), 0, 2)->wait(kOpTimeout);
+          c.barrier()->wait(kOpTimeout);
+          return;
+        }
+        c.barrier()->wait(kOpTimeout);
+        try {
+          c.recv(at::zeros({4}), 1, 2)->wait(kOpTimeout);
+        } catch (const PeerError& e) {
+          wrongSize = e.what();
+        }
+      });
   EXPECT_NE(wrongSize.find("recv from rank 1 (tag 2) through shared memory: the message has 12 "
                            "bytes, the tensor 16 (4 float32 elements)"),
             std::string::npos)
       << wrongSize;
 
   std::atomic<bool> done{false};
-  errors = runShmRanks(2, shmOptions(ShmOptions{}.slotBytes, milliseconds(5000)),
-                       [&](Communicator& c) {
-    if (c.rank() == 1) {
-      while (!done) std::this_thread::sleep_for(milliseconds(5));  // alive, never sends
-      return;
-    }
-    const auto start = Clock::now();
-    try {
-      c.recv(at::zeros({4}), 1, 3)->wait(milliseconds(300));
-    } catch (const PeerError& e) {
-      timedOut = e.what();
-    }
-    timedOutAfter = elapsedMs(start);
-    try {
-      c.send(at::zeros({4}), 1, 3)->wait(milliseconds(300));
-    } catch (const PeerError& e) {
-      later = e.what();
-    }
-    done = true;
-  });
+  errors =
+      runShmRanks(2, shmOptions(ShmOptions{}.slotBytes, milliseconds(5000)), [&](Communicator& c) {
+        if (c.rank() == 1) {
+          while (!done) std::this_thread::sleep_for(milliseconds(5));  // alive, never sends
+          return;
+        }
+        const auto start = Clock::now();
+        try {
+          c.recv(at::zeros({4}), 1, 3)->wait(milliseconds(300));
+        } catch (const PeerError& e) {
+          timedOut = e.what();
+        }
+        timedOutAfter = elapsedMs(start);
+        try {
+          c.send(at::zeros({4}), 1, 3)->wait(milliseconds(300));
+        } catch (const PeerError& e) {
+          later = e.what();
+        }
+        done = true;
+      });
   for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   EXPECT_NE(timedOut.find("rank 0: recv from rank 1 (tag 3) through shared memory did not complete "
                           "within 300 ms"),
@@ -1006,12 +1006,15 @@ std::vector<std::string> runHierarchicalRanks(const std::vector<std::string>& ho
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
       try {
-        auto flat = std::make_shared<GlooCommunicator>(prefixed("flat", store), r, size,
-                                                       loopbackOptions(timeout));
+        GlooOptions flatOptions = loopbackOptions(timeout);
+        flatOptions.joinTimeout = kOpTimeout;  // a short `timeout` is for the operations
+        auto flat =
+            std::make_shared<GlooCommunicator>(prefixed("flat", store), r, size, flatOptions);
         auto c = makeHierarchical(
             hosts, r, flat, prefixed("hier", store), shmOptions(64 * 1024, timeout),
             [timeout](c10::intrusive_ptr<c10d::Store> s, int rank, int n) {
               GlooOptions o = loopbackOptions(timeout);
+              o.joinTimeout = kOpTimeout;
               o.connections = 3;
               o.stripeBytes = 4096;
               return std::make_shared<GlooCommunicator>(std::move(s), rank, n, o);
@@ -1087,11 +1090,14 @@ TEST(CommHierarchical, ALeaderThatFailsBetweenHostsFailsItsHostsRanksToo) {
   auto errors = runHierarchicalRanks(
       {"a", "a", "b", "b"},
       [&](Communicator& c) {
+        c.barrier()->wait(kOpTimeout);  // every rank is up: the clock starts here
+        const auto start = Clock::now();
         if (c.rank() >= 2) {
-          while (!done) std::this_thread::sleep_for(milliseconds(10));
+          while (!done && elapsedMs(start) < kOpTimeout.count()) {
+            std::this_thread::sleep_for(milliseconds(10));
+          }
           return;
         }
-        const auto start = Clock::now();
         at::Tensor x = at::ones({1000}), y = at::ones({1000});
         std::vector<WorkPtr> works = {c.allreduce(x, ReduceOp::kSum),
                                       c.allreduce(y, ReduceOp::kSum)};
@@ -1105,12 +1111,22 @@ TEST(CommHierarchical, ALeaderThatFailsBetweenHostsFailsItsHostsRanksToo) {
         }
         failedAfter[c.rank()] = elapsedMs(start);
         if (c.rank() == 1) done = true;
+        // A second wait gives the first outcome at once.
+        const auto again = Clock::now();
+        try {
+          works[0]->wait(kOpTimeout);
+          failures[c.rank()].push_back("");
+        } catch (const PeerError& e) {
+          failures[c.rank()].push_back(e.what());
+        }
+        if (elapsedMs(again) > 100) failures[c.rank()].push_back("the second wait waited");
       },
       timeout);
   for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   for (int r = 0; r < 2; ++r) {
-    ASSERT_EQ(failures[r].size(), 2u) << "rank " << r;
+    ASSERT_EQ(failures[r].size(), 3u) << "rank " << r;
     for (const std::string& f : failures[r]) EXPECT_NE(f, "") << "rank " << r << " got a result";
+    EXPECT_EQ(failures[r][2], failures[r][0]) << "rank " << r;
   }
   EXPECT_NE(failures[0][0].find("failed between the hosts' leaders (ranks 0, 2, numbered 0-1 "
                                 "there)"),

@@ -231,13 +231,7 @@ std::shared_ptr<::gloo::transport::Device> makeDevice(const GlooOptions& o) {
 // and a second process with a taken number is refused before it touches the job (Gloo's pairs
 // would connect to whichever of the two published its address last).
 void joinAll(c10d::Store& store, int rank, int size, milliseconds timeout) {
-  if (store.add(fmt::format("claim/{}", rank), 1) > 1) {
-    throw ConfigError(fmt::format(
-        "rank {} of {} is taken: another process joined this job as rank {} first; give each "
-        "process its own rank (RANK, SLURM_PROCID or OMPI_COMM_WORLD_RANK) and the world "
-        "size, or use a fresh store",
-        rank, size, rank));
-  }
+  claimRank(store, rank, size);
   auto key = [](int r) { return fmt::format("join/{}", r); };
   store.set(key(rank), std::vector<uint8_t>{1});
   waitForRanks(store, rank, size, key, timeout, "arrived at the rendezvous", "Gloo rendezvous");

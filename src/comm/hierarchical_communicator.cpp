@@ -2,6 +2,8 @@
 #include "comm/hierarchical_communicator.h"
 
 #include <algorithm>
+#include <exception>
+#include <mutex>
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -36,7 +38,9 @@ std::unique_ptr<Communicator> makeHierarchical(const std::vector<std::string>& h
   std::shared_ptr<Communicator> leaders;
   if (groups.local.size() > 1) {
     ShmOptions options = shm;
-    options.timeout = 2 * shm.timeout;  // the broadcast waits through the leaders' step too
+    // The broadcast waits through the leaders' step too; the rendezvous keeps its own limit.
+    if (options.joinTimeout.count() <= 0) options.joinTimeout = shm.timeout;
+    options.timeout = 2 * shm.timeout;
     options.globalRanks = groups.local;
     local = std::make_shared<ShmCommunicator>(
         c10::make_intrusive<c10d::PrefixStore>(fmt::format("host{}", leader), store),
@@ -62,24 +66,38 @@ struct HierarchicalCommunicator::Shared {
 
 namespace {
 
-// The all-reduce's Work: a wait that times out makes the failure final (Shared::fail).
+// The all-reduce's Work: its first outcome stays (a second wait gives it at once), and a wait
+// that times out makes the failure final (Shared::fail).
 class HierarchicalWork final : public Work {
  public:
   HierarchicalWork(WorkPtr task, std::function<void(const std::string&)> fail)
       : task_(std::move(task)), fail_(std::move(fail)) {}
   void wait(std::chrono::milliseconds timeout) override {
-    try {
-      task_->wait(timeout);
-    } catch (const PeerError& e) {
-      fail_(e.what());
-      throw;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!decided_) {
+      try {
+        task_->wait(timeout);
+      } catch (const PeerError& e) {
+        fail_(e.what());
+        error_ = std::current_exception();
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+      decided_ = true;
     }
+    if (error_) std::rethrow_exception(error_);
   }
-  bool isCompleted() override { return task_->isCompleted(); }
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return decided_ || task_->isCompleted();
+  }
 
  private:
   WorkPtr task_;
   std::function<void(const std::string&)> fail_;
+  std::mutex mutex_;
+  bool decided_ = false;
+  std::exception_ptr error_;
 };
 
 }  // namespace
@@ -99,6 +117,10 @@ HierarchicalCommunicator::HierarchicalCommunicator(std::shared_ptr<Communicator>
 
 HierarchicalCommunicator::~HierarchicalCommunicator() = default;
 
+std::chrono::milliseconds HierarchicalCommunicator::timeout() const {
+  return shared_->local ? shared_->local->timeout() : flat_->timeout();
+}
+
 WorkPtr HierarchicalCommunicator::allreduce(at::Tensor tensor, ReduceOp op) {
   comm::checkTensor(tensor, "allreduce", "tensor");
   comm::checkReducible(tensor, op, "allreduce");
@@ -117,7 +139,7 @@ WorkPtr HierarchicalCommunicator::allreduce(at::Tensor tensor, ReduceOp op) {
       const auto& local = shared_->local;
       if (local) local->allreduce(buf, sum)->wait(local->timeout());
       betweenHosts = true;
-      if (leaders_) leaders_->allreduce(buf, sum)->wait(timeout());
+      if (leaders_) leaders_->allreduce(buf, sum)->wait(flat_->timeout());
       betweenHosts = false;
       if (local) local->broadcast(buf, 0)->wait(local->timeout());
       if (op == ReduceOp::kAvg) buf.div_(size());

@@ -13,9 +13,10 @@
 // size() terms in another order. bfloat16 is reduced in float32 through the three steps and
 // rounded once; AVG sums, then divides by size().
 //
-// Failures: the leaders' step waits at most timeout(); the host's steps twice that, since a
-// host's other ranks wait in the broadcast while their leader talks to the other hosts. A lost
-// peer is named by the step's transport (with the job's rank numbers). The first failure of an
+// Failures: the leaders' step waits at most `flat`'s timeout; the host's steps twice that, since
+// a host's other ranks wait in the broadcast while their leader talks to the other hosts (so
+// timeout(), the default for callers' waits, is twice `flat`'s on a rank that shares its host). A
+// lost peer is named by the step's transport (with the job's rank numbers). The first failure of an
 // all-reduce, or a wait for one that timed out, is final for the all-reduces: later ones fail at
 // once, and the host's other ranks, which may wait for this one in shared memory, are told
 // (ShmCommunicator::fail). The other operations fail as `flat` does.
@@ -67,7 +68,9 @@ class HierarchicalCommunicator final : public Communicator {
   int rank() const override { return flat_->rank(); }
   int size() const override { return flat_->size(); }
   std::string backend() const override { return "hierarchical"; }
-  std::chrono::milliseconds timeout() const override { return flat_->timeout(); }
+  // An all-reduce's bound: twice `flat`'s timeout on a rank that shares its host (it waits
+  // through the leaders' step), `flat`'s otherwise.
+  std::chrono::milliseconds timeout() const override;
 
   WorkPtr allreduce(at::Tensor tensor, ReduceOp op) override;
   WorkPtr broadcast(at::Tensor tensor, int root) override;

@@ -113,9 +113,8 @@ class ChannelWork final : public Work {
     if (!wake_.wait_for(lock, atLeastOneMs(timeout), [&] { return done_; })) {
       // Final, as for every backend: the progress thread fails what is pending and tells the
       // other ranks.
-      const std::string message =
-          fmt::format("{} through shared memory did not complete within {}", what_,
-                      formatDuration(atLeastOneMs(timeout)));
+      const std::string message = fmt::format("{} through shared memory did not complete within {}",
+                                              what_, formatDuration(atLeastOneMs(timeout)));
       failure_->fail(message);
       done_ = true;
       error_ = std::make_exception_ptr(PeerError(message));
@@ -219,8 +218,8 @@ struct ShmChannels::Impl {
     const Ring r = ring(rank(), dst);
     const uint64_t start = r.index->head.load(std::memory_order_relaxed);
     uint64_t head = start;
-    int64_t room = r.capacity -
-                   static_cast<int64_t>(head - r.index->tail.load(std::memory_order_acquire));
+    int64_t room =
+        r.capacity - static_cast<int64_t>(head - r.index->tail.load(std::memory_order_acquire));
     std::vector<WorkHandle> written;
     while (!queue.empty() && room > 0) {
       SendOp& op = queue.front();
@@ -388,9 +387,8 @@ struct ShmChannels::Impl {
       if (why.empty()) continue;
       // A receiver first reads what the peer wrote before it went (read after the check above).
       if (!sending && readRing(peer)) continue;
-      failAll(fmt::format("rank {}: {} rank {} through shared memory: rank {} {}",
-                          global(rank()), sending ? "send to" : "recv from", global(peer),
-                          global(peer), why));
+      failAll(fmt::format("rank {}: {} rank {} through shared memory: rank {} {}", global(rank()),
+                          sending ? "send to" : "recv from", global(peer), global(peer), why));
       return;
     }
   }

@@ -72,16 +72,15 @@ class ShmChannels {
   // Where the channels live in the segment and who the ranks are.
   struct Layout {
     int rank = 0, size = 1;
-    char* rings = nullptr;         // bytesFor(size, ringBytes) bytes, zeroed by the creator
-    int64_t ringBytes = 0;         // a multiple of 64, at least 64
-    ShmDoorbell* bells = nullptr;  // one per rank, zeroed by the creator
-    std::function<int64_t(int)> pidOf;          // 0 until rank r mapped the segment
+    char* rings = nullptr;              // bytesFor(size, ringBytes) bytes, zeroed by the creator
+    int64_t ringBytes = 0;              // a multiple of 64, at least 64
+    ShmDoorbell* bells = nullptr;       // one per rank, zeroed by the creator
+    std::function<int64_t(int)> pidOf;  // 0 until rank r mapped the segment
     const std::atomic<int64_t>* failedWord = nullptr;  // 0, or 1 + the rank that gave up
-    std::function<int(int)> global;             // a rank's number in messages
+    std::function<int(int)> global;                    // a rank's number in messages
   };
   // `giveUp(message)`: the communicator's own way to fail (its latch and the failure word).
-  ShmChannels(Layout layout, std::chrono::milliseconds timeout,
-              std::shared_ptr<ShmFailure> failure,
+  ShmChannels(Layout layout, std::chrono::milliseconds timeout, std::shared_ptr<ShmFailure> failure,
               std::function<void(const std::string&)> giveUp);
   ~ShmChannels();
   ShmChannels(const ShmChannels&) = delete;

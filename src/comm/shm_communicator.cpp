@@ -94,7 +94,7 @@ std::string systemError(const std::string& what) {
 // The slot size rank 0 lays out: `wanted`, or less when the segment would take more than half of
 // what /dev/shm has free (a container's is often 64 MiB); IoError when not even 64 bytes per
 // rank fit.
-int64_t fittingSlot(int size, int64_t wanted) {
+int64_t fittingSlot(int size, int64_t wanted, int who) {
   struct statvfs fs {};
   if (::statvfs("/dev/shm", &fs) != 0) return wanted;
   const int64_t budget = static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize) / 2;
@@ -104,9 +104,9 @@ int64_t fittingSlot(int size, int64_t wanted) {
   const int64_t fits = (budget - headerBytes(size) - rings) * 4 / perSlotByte4 / 64 * 64;
   if (fits < 64 * size) {
     throw IoError(fmt::format(
-        "rank 0: /dev/shm has {} KiB free, too little for the shared-memory collectives of {} "
+        "rank {}: /dev/shm has {} KiB free, too little for the shared-memory collectives of {} "
         "ranks; free space there or use dist.backend = gloo",
-        2 * budget >> 10, size));
+        who, 2 * budget >> 10, size));
   }
   return std::min(wanted, fits);
 }
@@ -340,6 +340,7 @@ int removeSegments(const std::string& token) {
 
 std::vector<std::string> exchangeHostIdentities(c10d::Store& store, int rank, int size,
                                                 milliseconds timeout) {
+  claimRank(store, rank, size);  // a job's first rendezvous under auto/shm
   auto key = [](int r) { return fmt::format("caravan/host/{}", r); };
   const std::string mine = hostIdentity();
   store.set(key(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
@@ -582,18 +583,19 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
   int fd = -1;
   if (rank == 0) {
     try {
-      m.options.slotBytes = fittingSlot(size, m.options.slotBytes);
+      m.options.slotBytes = fittingSlot(size, m.options.slotBytes, m.global(0));
       m.bytes = segmentBytes(size, m.options.slotBytes);
       fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-      if (fd < 0) throw IoError(systemError(fmt::format("rank 0: cannot create {}", name)));
+      if (fd < 0)
+        throw IoError(systemError(fmt::format("rank {}: cannot create {}", m.global(0), name)));
       unlink.name = name;
       // Reserve the pages now: a full /dev/shm is one line here, not a SIGBUS mid-collective.
       if (const int err = ::posix_fallocate(fd, 0, m.bytes); err != 0) {
         ::close(fd);
         throw IoError(fmt::format(
-            "rank 0: cannot reserve {} MiB of shared memory in /dev/shm ({}); free space "
+            "rank {}: cannot reserve {} MiB of shared memory in /dev/shm ({}); free space "
             "there or use dist.backend = gloo",
-            m.bytes >> 20, std::strerror(err)));
+            m.global(0), m.bytes >> 20, std::strerror(err)));
       }
     } catch (const std::exception& e) {
       // The others learn why now rather than at their join timeout ("!" + the reason).
@@ -613,24 +615,26 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
     const std::vector<uint8_t> v = store->get(nameKey);
     name.assign(v.begin(), v.end());
     if (!name.empty() && name[0] == '!') {
-      throw IoError(fmt::format("rank {}: no shared-memory segment: {}", rank, name.substr(1)));
+      throw IoError(
+          fmt::format("rank {}: no shared-memory segment: {}", m.global(rank), name.substr(1)));
     }
     fd = ::shm_open(name.c_str(), O_RDWR, 0);
-    if (fd < 0) throw IoError(systemError(fmt::format("rank {}: cannot open {}", rank, name)));
+    if (fd < 0)
+      throw IoError(systemError(fmt::format("rank {}: cannot open {}", m.global(rank), name)));
     struct stat st {};
     if (::fstat(fd, &st) != 0 || st.st_size < headerBytes(size)) {
       ::close(fd);
       throw ConfigError(fmt::format(
           "rank {}: the shared-memory segment {} has {} bytes, too few for {} ranks; every "
           "rank must run the same caravan with the same world size",
-          rank, name, static_cast<int64_t>(st.st_size), size));
+          m.global(rank), name, static_cast<int64_t>(st.st_size), size));
     }
     m.bytes = st.st_size;  // rank 0 chose the slots (fittingSlot)
   }
   m.base = ::mmap(nullptr, m.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
   if (m.base == MAP_FAILED) {
-    throw IoError(systemError(fmt::format("rank {}: cannot map {}", rank, name)));
+    throw IoError(systemError(fmt::format("rank {}: cannot map {}", m.global(rank), name)));
   }
   m.header = static_cast<SegmentHeader*>(m.base);
   m.words = reinterpret_cast<RankWord*>(static_cast<char*>(m.base) + sizeof(SegmentHeader));
@@ -647,7 +651,7 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
     throw ConfigError(fmt::format(
         "rank {}: the shared-memory segment {} was laid out for another version of caravan or "
         "another world size",
-        rank, name));
+        m.global(rank), name));
   } else {
     m.options.slotBytes = m.header->slotBytes;
   }
@@ -663,9 +667,9 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
   };
   channels.failedWord = &m.header->failed;
   channels.global = [&m](int r) { return m.global(r); };
-  m.channels = std::make_unique<comm::ShmChannels>(
-      std::move(channels), m.options.timeout, m.failure,
-      [&m](const std::string& message) { m.giveUp(message); });
+  m.channels =
+      std::make_unique<comm::ShmChannels>(std::move(channels), m.options.timeout, m.failure,
+                                          [&m](const std::string& message) { m.giveUp(message); });
   auto mapped = [](int r) { return fmt::format("caravan/shm/mapped/{}", r); };
   m.words[rank].pid.store(::getpid(), std::memory_order_release);
   store->set(mapped(rank), std::vector<uint8_t>{1});

@@ -74,7 +74,8 @@ struct ShmOptions {
 std::string hostIdentity();
 
 // Every rank publishes hostIdentity() under `prefix` in `store` and reads the others': the
-// rank -> host identity map, in rank order. Named PeerError when a rank does not publish
+// rank -> host identity map, in rank order. It claims the rank first (claimRank: a second
+// process with the same rank is refused at once). Named PeerError when a rank does not publish
 // within `timeout`.
 std::vector<std::string> exchangeHostIdentities(c10d::Store& store, int rank, int size,
                                                 std::chrono::milliseconds timeout);

@@ -108,6 +108,16 @@ c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOpt
 
 // Every rank's `key(r)` is in the store within `timeout`; otherwise PeerError naming the ranks
 // whose key is missing: "rank R: K of N ranks <done> within T; rank M did not (...)".
+void claimRank(c10d::Store& store, int rank, int size) {
+  if (store.add(fmt::format("claim/{}", rank), 1) > 1) {
+    throw ConfigError(fmt::format(
+        "rank {} of {} is taken: another process joined this job as rank {} first; give each "
+        "process its own rank (RANK, SLURM_PROCID or OMPI_COMM_WORLD_RANK) and the world "
+        "size, or use a fresh store",
+        rank, size, rank));
+  }
+}
+
 void waitForRanks(c10d::Store& store, int rank, int size,
                   const std::function<std::string(int)>& key, std::chrono::milliseconds timeout,
                   const std::string& done, const std::string& what) {

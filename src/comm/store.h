@@ -43,4 +43,8 @@ void waitForRanks(c10d::Store& store, int rank, int size,
                   const std::function<std::string(int)>& key, std::chrono::milliseconds timeout,
                   const std::string& done, const std::string& what = "rendezvous");
 
+// Claims `rank` in `store` (a job's first rendezvous calls it): ConfigError naming the rank when
+// another process claimed it first, before this one touches the job.
+void claimRank(c10d::Store& store, int rank, int size);
+
 }  // namespace caravan
