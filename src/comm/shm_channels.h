@@ -95,7 +95,7 @@ class ShmChannels {
 
  private:
   struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;  // shared with waiters that move bytes meanwhile (weakly)
 };
 
 }  // namespace caravan::comm
