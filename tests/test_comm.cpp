@@ -838,10 +838,10 @@ TEST(CommShm, PointToPointKeepsEachTagsOrderThroughSmallRings) {
 // A message sent just before its sender closed its communicator still arrives; a recv from a
 // rank that closed without sending fails at once naming it (not at the timeout); a recv whose
 // tensor has another size than the message is named with both sizes; a recv nobody sends to
-// fails at its wait's timeout, and the failure is final.
+// fails at its wait's timeout, the failure is final, and the peer learns that this rank gave up.
 TEST(CommShm, PointToPointFailuresAreNamed) {
   std::atomic<int> closed{0};
-  std::string lost, wrongSize, timedOut, later;
+  std::string lost, wrongSize, timedOut, later, heard;
   int64_t lostAfter = -1, timedOutAfter = -1;
   auto errors =
       runShmRanks(3, shmOptions(ShmOptions{}.slotBytes, milliseconds(5000)), [&](Communicator& c) {
@@ -898,8 +898,13 @@ TEST(CommShm, PointToPointFailuresAreNamed) {
   std::atomic<bool> done{false};
   errors =
       runShmRanks(2, shmOptions(ShmOptions{}.slotBytes, milliseconds(5000)), [&](Communicator& c) {
-        if (c.rank() == 1) {
-          while (!done) std::this_thread::sleep_for(milliseconds(5));  // alive, never sends
+        if (c.rank() == 1) {  // alive, never sends; learns that rank 0 gave up on it
+          try {
+            c.recv(at::zeros({4}), 0, 8)->wait(kOpTimeout);
+          } catch (const PeerError& e) {
+            heard = e.what();
+          }
+          while (!done) std::this_thread::sleep_for(milliseconds(5));
           return;
         }
         const auto start = Clock::now();
@@ -924,6 +929,9 @@ TEST(CommShm, PointToPointFailuresAreNamed) {
   EXPECT_GE(timedOutAfter, 250);
   EXPECT_LT(timedOutAfter, 2000);
   EXPECT_NE(later.find("earlier failure"), std::string::npos) << later;
+  EXPECT_NE(heard.find("rank 1: recv from rank 0 through shared memory: rank 0 gave up"),
+            std::string::npos)
+      << heard;
 }
 
 // ---------------------------------------------------------------------------------------------

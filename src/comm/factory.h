@@ -4,7 +4,7 @@
 // auto: shm when every rank runs on this host (the host identities the ranks publish in the
 //       store agree, shm_communicator.h); on several hosts, hierarchical (shared memory inside
 //       each host, Gloo between them, hierarchical_communicator.h); one rank alone: gloo.
-// shm:  collectives through shared memory, send/recv over gloo; ConfigError naming the ranks on
+// shm:  collectives and send/recv through shared memory; ConfigError naming the ranks on
 //       another host when they are not all on one.
 // gloo: rendezvous through `store` with the launcher's rank and world size; the Gloo endpoint
 //       listens on the interface named by GLOO_SOCKET_IFNAME when set, else on the loopback

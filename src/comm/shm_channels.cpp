@@ -105,6 +105,9 @@ class Pump {
   virtual ~Pump() = default;
   // One pass over the rings; false once the channels are closed.
   virtual bool pumpOnce(bool& moved) = 0;
+  // A wait timed out: fail what is pending now (the ops leave the queues before the waiter
+  // returns) and tell the other ranks.
+  virtual void failNow(const std::string& message) = 0;
 };
 
 // A waiter helps while bytes move and for kHelpIdle after they last did, then sleeps (the
@@ -148,6 +151,9 @@ class ChannelWork final : public Work {
       failure_->fail(message);
       done_ = true;
       error_ = std::make_exception_ptr(PeerError(message));
+      lock.unlock();
+      if (const std::shared_ptr<Pump> pump = pump_.lock()) pump->failNow(message);
+      std::rethrow_exception(error_);
     }
     if (error_) std::rethrow_exception(error_);
   }
@@ -165,10 +171,11 @@ class ChannelWork final : public Work {
       bool moved = false;
       if (!pump || !pump->pumpOnce(moved)) return;
       const auto now = Clock::now();
+      if (now >= deadline) return;
       if (moved) {
         idleSince = now;
         spin = 0;
-      } else if (now - idleSince >= kHelpIdle || now >= deadline) {
+      } else if (now - idleSince >= kHelpIdle) {
         return;
       }
       relax(spin);
@@ -220,6 +227,7 @@ struct ShmChannels::Impl final : Pump {
   std::map<Key, std::deque<at::Tensor>> early;  // whole messages no recv was posted for yet
   bool stop = false;
   bool closed = false;  // the destructor ran: the segment may be gone
+  bool dead = false;    // failed for good: nothing moves any more
   Clock::time_point stopAt;
   std::thread thread;  // the progress thread, started at the first send or recv
 
@@ -245,6 +253,8 @@ struct ShmChannels::Impl final : Pump {
   // Fails every pending operation with `message`, final for the communicator (lock held).
   void failAll(const std::string& message) {
     giveUp(message);
+    dead = true;
+    layout.bells[rank()].gaveUp.store(1, std::memory_order_release);
     const auto error = std::make_exception_ptr(PeerError(failure->latch.get().value_or(message)));
     for (auto& queue : sends) {
       for (auto& op : queue) op.work->finish(error);
@@ -405,6 +415,7 @@ struct ShmChannels::Impl final : Pump {
   }
 
   bool pump() {
+    if (dead) return false;
     bool moved = false;
     for (int r = 0; r < layout.size; ++r) moved |= readRing(r);
     for (int r = 0; r < layout.size; ++r) moved |= writeSends(r);
@@ -416,6 +427,11 @@ struct ShmChannels::Impl final : Pump {
     if (closed) return false;
     moved = pump();
     return true;
+  }
+
+  void failNow(const std::string& message) override {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!closed) failAll(message);
   }
 
   bool anySends() const {
@@ -443,7 +459,7 @@ struct ShmChannels::Impl final : Pump {
       const bool sending = !sends[peer].empty();
       if (!sending && !receivingFrom(peer)) continue;
       std::string why;
-      if (gaveUp == peer + 1) {
+      if (gaveUp == peer + 1 || layout.bells[peer].gaveUp.load(std::memory_order_acquire) != 0) {
         why = "gave up (its log says why)";
       } else if (layout.bells[peer].closed.load(std::memory_order_acquire) != 0) {
         why = "closed its communicator";
@@ -485,6 +501,9 @@ struct ShmChannels::Impl final : Pump {
       }
       if (moved) {
         idle = 0;
+        lock.unlock();  // a caller issuing, or a waiter helping, gets its turn
+        relax(0);
+        lock.lock();
         continue;
       }
       if (++idle < 80) {  // a reply often comes within microseconds: look again first
@@ -496,7 +515,7 @@ struct ShmChannels::Impl final : Pump {
       // Announce the sleep, then look once more: whoever has news after that wakes us.
       bell.sleeping.store(1, std::memory_order_seq_cst);
       const uint32_t seen = bell.seq.load(std::memory_order_seq_cst);
-      if (pump() || stop) {
+      if (pump()) {
         bell.sleeping.store(0, std::memory_order_relaxed);
         idle = 0;
         continue;
@@ -572,6 +591,13 @@ WorkPtr ShmChannels::send(const at::Tensor& tensor, int dst, int tag) {
       m.failure, impl_);
   {
     std::lock_guard<std::mutex> lock(m.mutex);
+    if (dst != m.rank() && m.layout.bells[dst].closed.load(std::memory_order_acquire) != 0) {
+      m.failAll(
+          fmt::format("rank {}: send to rank {} through shared memory: rank {} closed its "
+                      "communicator",
+                      m.global(m.rank()), m.global(dst), m.global(dst)));
+      return m.failure->latch.refuseIfFailed();
+    }
     m.start();
     m.sends[dst].push_back(Impl::SendOp{work, tensor, tag, 0});
     m.writeSends(dst);  // what fits now, without a hand-off

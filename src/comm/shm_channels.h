@@ -65,6 +65,8 @@ struct alignas(64) ShmDoorbell {
   std::atomic<uint32_t> seq;       // bumped by whoever has news for this rank (a futex word)
   std::atomic<uint32_t> sleeping;  // its progress thread sleeps on `seq`
   std::atomic<uint32_t> closed;    // its communicator was destroyed
+  std::atomic<uint32_t> gaveUp;    // its send/recv failed for good (the segment's failure word
+                                   // keeps only the first rank that gave up)
 };
 
 class ShmChannels {

@@ -66,12 +66,15 @@ int64_t headerBytes(int size) {
   return (raw + 4095) / 4096 * 4096;
 }
 
-// Each ordered pair's ring: a quarter of a slot (at least 64 bytes).
-int64_t ringBytesFor(int64_t slotBytes) { return std::max<int64_t>(64, slotBytes / 4 / 64 * 64); }
+// Each ordered pair's ring: slot / (2 size), at least 64 bytes (a quarter slot for 2 ranks), so
+// the size * size rings take size / 2 slots in all, not size * size / 4.
+int64_t ringBytesFor(int size, int64_t slotBytes) {
+  return std::max<int64_t>(64, slotBytes / (2 * static_cast<int64_t>(size)) / 64 * 64);
+}
 
 int64_t segmentBytes(int size, int64_t slotBytes) {
   return headerBytes(size) + 2 * static_cast<int64_t>(size) * slotBytes +
-         comm::ShmChannels::bytesFor(size, ringBytesFor(slotBytes));
+         comm::ShmChannels::bytesFor(size, ringBytesFor(size, slotBytes));
 }
 
 std::string firstLine(const char* path) {
@@ -98,10 +101,10 @@ int64_t fittingSlot(int size, int64_t wanted, int who) {
   struct statvfs fs {};
   if (::statvfs("/dev/shm", &fs) != 0) return wanted;
   const int64_t budget = static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize) / 2;
-  // Per slot byte: two buffers of `size` slots and size * size rings of a quarter slot.
-  const int64_t perSlotByte4 = 8 * static_cast<int64_t>(size) + static_cast<int64_t>(size) * size;
-  const int64_t rings = comm::ShmChannels::bytesFor(size, 64);
-  const int64_t fits = (budget - headerBytes(size) - rings) * 4 / perSlotByte4 / 64 * 64;
+  // Per slot byte: two buffers of `size` slots and size * size rings of slot / (2 size): 2.5 size.
+  const int64_t rings = comm::ShmChannels::bytesFor(size, 64);  // their counters, and 64 spare
+  const int64_t fits =
+      (budget - headerBytes(size) - rings) * 2 / (5 * static_cast<int64_t>(size)) / 64 * 64;
   if (fits < 64 * size) {
     throw IoError(fmt::format(
         "rank {}: /dev/shm has {} KiB free, too little for the shared-memory collectives of {} "
@@ -659,7 +662,7 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
   channels.rank = rank;
   channels.size = size;
   channels.rings = m.data + 2 * static_cast<int64_t>(size) * m.options.slotBytes;
-  channels.ringBytes = ringBytesFor(m.options.slotBytes);
+  channels.ringBytes = ringBytesFor(size, m.options.slotBytes);
   channels.bells = reinterpret_cast<comm::ShmDoorbell*>(reinterpret_cast<char*>(m.words) +
                                                         size * sizeof(RankWord));
   channels.pidOf = [words = m.words](int r) {

@@ -2,9 +2,9 @@
 // through one shared-memory segment.
 //
 // The segment: a header (each rank's phase counter, pid and doorbell, a failure word), then two
-// buffers of one slot per rank (`slotBytes` each), then one ring of a quarter slot per ordered
-// pair of ranks for send/recv (shm_channels.h: tag matching, a progress thread per rank, its own
-// completion and failure rules). A collective moves its tensors through the slots in
+// buffers of one slot per rank (`slotBytes` each), then one ring of slotBytes / (2 size) per
+// ordered pair of ranks for send/recv (shm_channels.h: tag matching, a progress thread per rank,
+// its own completion and failure rules). A collective moves its tensors through the slots in
 // chunks; each chunk is: every rank copies its part into its own slot, all arrive at a phase
 // (a barrier on the counters), then each rank reads what it needs from the others' slots.
 // Consecutive chunks alternate buffers, so a slot is written again only after every rank has

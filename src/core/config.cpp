@@ -175,8 +175,8 @@ std::vector<ConfigOption> buildSchema() {
       strOpt("dist.backend", "auto",
              "communicator for multi-worker runs: auto (shm when every rank is on one host; on "
              "several, all-reduce through shared memory inside each host and gloo between one "
-             "leader per host), shm (collectives through shared memory, send/recv over gloo; one "
-             "host only), gloo (c10d, TCP) or mpi (Open MPI)",
+             "leader per host), shm (collectives and send/recv through shared memory; one host "
+             "only), gloo (c10d, TCP) or mpi (Open MPI)",
              {"auto", "shm", "gloo", "mpi"}),
       intOpt("dist.connections", 1, 1, 16,
              "TCP connections per pair of ranks over gloo (and between hosts under auto): an "
