@@ -10,7 +10,11 @@
 // message goes straight into the oldest recv posted for its (src, tag), or into a buffer that a
 // later recv of that (src, tag) takes. So messages of one (src, tag) arrive in the order sent,
 // and a rank may post its recvs in another order than the sends were issued across tags (as
-// with Gloo). A send the ring has room for is written by the caller at issue (no hand-off).
+// with Gloo). A send the ring has room for is written by the caller at issue (no hand-off), and
+// a thread waiting for a Work moves bytes itself while they move and for 200 us after (no
+// wake-up of the waiter by the progress thread). Writers publish the head, readers the tail, at
+// least every 64 KiB, so a large message is read while it is being written. Messages that
+// arrive before their recv are buffered without a bound.
 //
 // Doorbells: each rank has a futex word in the segment. Whoever writes into a ring rings its
 // reader's; whoever reads rings the writer's (room was made); a local send/recv rings its own
