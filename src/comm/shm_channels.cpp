@@ -41,6 +41,39 @@ bool processExited(int64_t pid) {
          (line[close + 2] == 'Z' || line[close + 2] == 'X');
 }
 
+void ShmOutcomeWork::finish(std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (done_) return;
+  done_ = true;
+  error_ = std::move(error);
+  wake_.notify_all();
+}
+
+Clock::time_point ShmOutcomeWork::deadlineFor(milliseconds timeout) {
+  return Clock::now() + std::min(atLeastOneMs(timeout), milliseconds(std::chrono::hours(24 * 365)));
+}
+
+bool ShmOutcomeWork::isCompleted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_;
+}
+
+void ShmOutcomeWork::awaitUntil(Clock::time_point deadline, milliseconds timeout,
+                                const std::function<void(const std::string&)>& onTimeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!wake_.wait_until(lock, deadline, [&] { return done_; })) {
+    const std::string message = fmt::format("{} through shared memory did not complete within {}",
+                                            what_, formatDuration(atLeastOneMs(timeout)));
+    failure_->fail(message);
+    done_ = true;
+    error_ = std::make_exception_ptr(PeerError(message));
+    lock.unlock();
+    if (onTimeout) onTimeout(message);
+    std::rethrow_exception(error_);
+  }
+  if (error_) std::rethrow_exception(error_);
+}
+
 namespace {
 
 // A ring's counters, each on its own cache line: only the writer moves `head`, only the
@@ -126,40 +159,18 @@ void relax(int spin) {
   }
 }
 
-class ChannelWork final : public Work {
+class ChannelWork final : public ShmOutcomeWork {
  public:
   ChannelWork(std::string what, std::shared_ptr<ShmFailure> failure, std::weak_ptr<Pump> pump)
-      : what_(std::move(what)), failure_(std::move(failure)), pump_(std::move(pump)) {}
-  const std::string& what() const { return what_; }
-  // The first outcome stays (a wait that timed out already decided it).
-  void finish(std::exception_ptr error) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (done_) return;
-    done_ = true;
-    error_ = std::move(error);
-    wake_.notify_all();
-  }
+      : ShmOutcomeWork(std::move(what), std::move(failure)), pump_(std::move(pump)) {}
   void wait(milliseconds timeout) override {
-    const auto deadline = Clock::now() + std::min(atLeastOneMs(timeout), milliseconds(86400000));
+    const auto deadline = deadlineFor(timeout);
     help(deadline);
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!wake_.wait_until(lock, deadline, [&] { return done_; })) {
-      // Final, as for every backend: the progress thread fails what is pending and tells the
-      // other ranks.
-      const std::string message = fmt::format("{} through shared memory did not complete within {}",
-                                              what_, formatDuration(atLeastOneMs(timeout)));
-      failure_->fail(message);
-      done_ = true;
-      error_ = std::make_exception_ptr(PeerError(message));
-      lock.unlock();
+    // A timeout is final, as for every backend: what is pending fails now, and the other ranks
+    // learn it.
+    awaitUntil(deadline, timeout, [this](const std::string& message) {
       if (const std::shared_ptr<Pump> pump = pump_.lock()) pump->failNow(message);
-      std::rethrow_exception(error_);
-    }
-    if (error_) std::rethrow_exception(error_);
-  }
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return done_;
+    });
   }
 
  private:
@@ -182,13 +193,7 @@ class ChannelWork final : public Work {
     }
   }
 
-  std::string what_;
-  std::shared_ptr<ShmFailure> failure_;
   std::weak_ptr<Pump> pump_;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  bool done_ = false;
-  std::exception_ptr error_;
 };
 
 using WorkHandle = std::shared_ptr<ChannelWork>;
@@ -316,23 +321,25 @@ struct ShmChannels::Impl final : Pump {
     return true;
   }
 
+  // A message of `bytes` from `src` for `op`, whose tensor has another size: final; `op`, in no
+  // queue any more, fails too.
+  void refuseSizeMismatch(const RecvOp& op, int src, int64_t tag, int64_t bytes) {
+    failAll(fmt::format(
+        "rank {}: recv from rank {} (tag {}) through shared memory: the message has {} bytes, "
+        "the tensor {} ({}); sender and receiver must agree on sizes",
+        global(rank()), global(src), tag, bytes, op.tensor.nbytes(), describeTensor(op.tensor)));
+    op.work->finish(std::make_exception_ptr(PeerError(*failure->latch.get())));
+  }
+
   // Copies a whole early message into a recv's tensor; false (and final) on a size mismatch.
   bool deliver(const at::Tensor& buffer, const RecvOp& op, int src, int64_t tag) {
     if (buffer.nbytes() != op.tensor.nbytes()) {
-      failAll(sizeMismatch(src, tag, static_cast<int64_t>(buffer.nbytes()), op.tensor));
-      op.work->finish(std::make_exception_ptr(PeerError(*failure->latch.get())));
+      refuseSizeMismatch(op, src, tag, static_cast<int64_t>(buffer.nbytes()));
       return false;
     }
     std::memcpy(op.tensor.data_ptr(), buffer.data_ptr(), buffer.nbytes());
     op.work->finish(nullptr);
     return true;
-  }
-
-  std::string sizeMismatch(int src, int64_t tag, int64_t bytes, const at::Tensor& t) const {
-    return fmt::format(
-        "rank {}: recv from rank {} (tag {}) through shared memory: the message has {} bytes, "
-        "the tensor {} ({}); sender and receiver must agree on sizes",
-        global(rank()), global(src), tag, bytes, t.nbytes(), describeTensor(t));
   }
 
   // A message from `src` begins: into the oldest recv posted for it, or a buffer (lock held).
@@ -349,8 +356,7 @@ struct ShmChannels::Impl final : Pump {
       it->second.pop_front();
       if (it->second.empty()) posted.erase(it);
       if (static_cast<int64_t>(op.tensor.nbytes()) != header.bytes) {
-        failAll(sizeMismatch(src, header.tag, header.bytes, op.tensor));
-        op.work->finish(std::make_exception_ptr(PeerError(*failure->latch.get())));
+        refuseSizeMismatch(op, src, header.tag, header.bytes);
         return false;
       }
       in.into = op.tensor;

@@ -38,9 +38,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -59,6 +62,33 @@ struct ShmFailure {
     latch.set(message);
     abandon = true;
   }
+};
+
+// A shared-memory operation's Work: whoever runs the operation finishes it once (the first
+// outcome stays); a wait that reaches its deadline first decides it: PeerError "<what> through
+// shared memory did not complete within <timeout>", final for the communicator (`failure`).
+class ShmOutcomeWork : public Work {
+ public:
+  ShmOutcomeWork(std::string what, std::shared_ptr<ShmFailure> failure)
+      : what_(std::move(what)), failure_(std::move(failure)) {}
+  void finish(std::exception_ptr error);
+  bool isCompleted() override;
+  // When a wait of `timeout` from now ends (at least 1 ms; at most a year, so it cannot overflow).
+  static std::chrono::steady_clock::time_point deadlineFor(std::chrono::milliseconds timeout);
+
+ protected:
+  // Waits until finished or `deadline`; a timeout decides it as above, then calls
+  // onTimeout(message) (not under this Work's lock) and throws. Rethrows a failure.
+  void awaitUntil(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
+                  const std::function<void(const std::string&)>& onTimeout = {});
+
+ private:
+  std::string what_;
+  std::shared_ptr<ShmFailure> failure_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool done_ = false;
+  std::exception_ptr error_;
 };
 
 // The process `pid` is gone, or a zombie its parent has not reaped yet (it will never answer).

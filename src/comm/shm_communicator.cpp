@@ -244,7 +244,7 @@ struct OpQueue {
       }
     } done{*this};
     tWaitTimeout = timeout;
-    tWaitDeadline = Clock::now() + std::min(timeout, milliseconds(std::chrono::hours(24 * 365)));
+    tWaitDeadline = comm::ShmOutcomeWork::deadlineFor(timeout);
     task();
     return true;
   }
@@ -268,53 +268,23 @@ struct OpQueue {
   }
 };
 
-class ShmWork final : public Work {
+class ShmWork final : public comm::ShmOutcomeWork {
  public:
-  ShmWork(std::string what, int rank, std::shared_ptr<comm::ShmFailure> failure,
+  ShmWork(std::string what, std::shared_ptr<comm::ShmFailure> failure,
           std::shared_ptr<OpQueue> queue)
-      : what_(std::move(what)),
-        rank_(rank),
-        failure_(std::move(failure)),
-        queue_(std::move(queue)) {}
+      : ShmOutcomeWork(std::move(what), std::move(failure)), queue_(std::move(queue)) {}
   void setId(uint64_t id) { id_ = id; }
-  // The first outcome stays (a wait that timed out already decided it).
-  void finish(std::exception_ptr error) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (done_) return;
-    done_ = true;
-    error_ = std::move(error);
-    wake_.notify_all();
-  }
   void wait(milliseconds timeout) override {
     // Run the collective here when it is next (it gives up where this wait would).
     if (!isCompleted()) queue_->runIfNext(id_, atLeastOneMs(timeout));
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!wake_.wait_for(lock, atLeastOneMs(timeout), [&] { return done_; })) {
-      // Final, as for every backend: the op thread gives up on it and tells the other ranks.
-      const std::string message =
-          fmt::format("rank {}: {} through shared memory did not complete within {}", rank_, what_,
-                      formatDuration(atLeastOneMs(timeout)));
-      failure_->fail(message);
-      done_ = true;
-      error_ = std::make_exception_ptr(PeerError(message));
-    }
-    if (error_) std::rethrow_exception(error_);
-  }
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return done_;
+    // A timeout is final, as for every backend: the op thread gives up on the collective and
+    // tells the other ranks.
+    awaitUntil(deadlineFor(timeout), timeout);
   }
 
  private:
-  std::string what_;
-  int rank_;
-  std::shared_ptr<comm::ShmFailure> failure_;
   std::shared_ptr<OpQueue> queue_;
   uint64_t id_ = 0;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  bool done_ = false;
-  std::exception_ptr error_;
 };
 
 }  // namespace
@@ -456,7 +426,8 @@ struct ShmCommunicator::Impl {
   // Queues `task`, moving `bytes`, behind every collective issued before it (OpQueue).
   WorkPtr submit(const char* op, int64_t bytes, std::function<void()> task) {
     if (auto refused = failure->latch.refuseIfFailed()) return refused;
-    auto work = std::make_shared<ShmWork>(op, global(rank), failure, queue);
+    auto work =
+        std::make_shared<ShmWork>(fmt::format("rank {}: {}", global(rank), op), failure, queue);
     work->setId(queue->push(
         [this, work, task = std::move(task)] {
           if (auto message = failure->latch.get()) {
