@@ -37,6 +37,7 @@
 #include "comm/world.h"
 #include "core/config.h"
 #include "core/errors.h"
+#include "core/openmp_env.h"
 #include "data/loader.h"
 #include "memory/saved_tensors.h"
 #include "train/distributed.h"
@@ -93,8 +94,9 @@ void refusePipelines(const RunOptions& options) {
   }
 }
 
-int benchTrain(const std::string& configPath, std::vector<std::string> overrides, int64_t steps,
-               int64_t warmup, int64_t threads, const std::string& profilePath) {
+int benchTrain(char** argv, const std::string& configPath, std::vector<std::string> overrides,
+               int64_t steps, int64_t warmup, int64_t threads, const std::string& profilePath) {
+  restartWithPassiveOpenMpWaits(argv, threads);  // as caravan train does (core/openmp_env.h)
   overrides.push_back("train.threads=" + std::to_string(threads));
   const Config config = Config::fromFile(configPath, overrides);
   applyRuntimeOptions(RunOptions::read(config).runtime);
@@ -142,6 +144,7 @@ int benchTrain(const std::string& configPath, std::vector<std::string> overrides
                         {"config", configPath},
                         {"model", model->modelName()},
                         {"threads", threads},
+                        {"openmp_wait_policy", openMpWaitPolicy()},
                         {"batch_size", so.batchSize},
                         {"steps", steps},
                         {"seconds", s},
@@ -621,7 +624,7 @@ int main(int argc, char** argv) {
         return benchTrainDistributed(world, config, overrides, steps, warmup, threads, !noAgree,
                                      trace);
       }
-      return benchTrain(config, overrides, steps, warmup, threads, trace);
+      return benchTrain(argv, config, overrides, steps, warmup, threads, trace);
     }
     return benchMatmul(size, threads, repeats);
   } catch (const Error& e) {

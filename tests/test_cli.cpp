@@ -649,3 +649,25 @@ TEST_F(Cli, InspectSaysWhatEachFileHolds) {
   expectOneLineError(runCaravan("data inspect " + (tmp_ / "none")), 3, "does not exist");
   expectOneLineError(runCaravan("data inspect " + configPath_), 3, "not a data file");
 }
+
+// libgomp reads OMP_WAIT_POLICY as it loads; caravan restarts itself with PASSIVE when a run
+// uses more than one compute thread (core/openmp_env.h), keeps a user's value, and leaves a
+// one-thread run as it is. summary.json says which policy the run had.
+TEST_F(Cli, RunsOfTwoThreadsHavePassiveOpenMpWorkersUnlessTheUserChose) {
+  auto run = [&](const std::string& name, const std::string& threads, const std::string& env) {
+    const std::string dir = tmp_ / name;
+    CommandResult r = runCaravan("train -q --config " + configPath_ + " " + kSynthetic +
+                                     "--set train.threads=" + threads + " --run-dir " + dir,
+                                 ".", "env -u OMP_WAIT_POLICY " + env);
+    EXPECT_EQ(r.exitCode, 0) << r.err;
+    return nlohmann::json::parse(readFile(dir + "/summary.json"));
+  };
+  nlohmann::json two = run("two", "2", "");
+  EXPECT_EQ(two["openmp_wait_policy"], "PASSIVE (caravan's default)");
+  EXPECT_EQ(two["compute_threads"], 2);
+  EXPECT_EQ(run("active", "2", "OMP_WAIT_POLICY=ACTIVE")["openmp_wait_policy"],
+            "ACTIVE (from the environment)");
+  nlohmann::json one = run("one", "1", "");
+  EXPECT_EQ(one["openmp_wait_policy"], "unset (libgomp's default: spin)");
+  EXPECT_EQ(one["compute_threads"], 1);
+}

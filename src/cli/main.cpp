@@ -20,6 +20,7 @@
 #include "comm/world.h"
 #include "core/config.h"
 #include "core/errors.h"
+#include "core/openmp_env.h"
 #include "data/text.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
@@ -72,11 +73,13 @@ Config loadTrainConfig(const std::string& configPath, const std::vector<std::str
   return Config::fromFile(configPath, overrides);
 }
 
-int runTrain(const std::string& configPath, const std::vector<std::string>& overrides,
+int runTrain(char** argv, const std::string& configPath, const std::vector<std::string>& overrides,
              std::string runDir, const std::string& resumeDir, int64_t stopAtStep, bool quiet,
              bool trace) {
   TrainerOptions options;
   const Config config = loadTrainConfig(configPath, overrides, resumeDir);
+  // Before anything else starts: this may replace the process with itself (core/openmp_env.h).
+  restartWithPassiveOpenMpWaits(argv, config.i64("train.threads"));
   if (!resumeDir.empty()) {
     options.runDir = resumeDir;
     options.resume = true;
@@ -459,7 +462,8 @@ int main(int argc, char** argv) {
       return launchTrain(argc, argv, workers, maxRestarts, configPath, overrides, runDir,
                          resumeDir);
     }
-    if (*train) return runTrain(configPath, overrides, runDir, resumeDir, stopAtStep, quiet, trace);
+    if (*train)
+      return runTrain(argv, configPath, overrides, runDir, resumeDir, stopAtStep, quiet, trace);
     if (*eval) return runEval(runDir, checkpoint, overrides);
     if (*plan) return runPlan(configPath, overrides);
     if (*reportCmd) return runReport(reportSources, reportOutput, reportPng, reportTitle);

@@ -160,13 +160,15 @@ torch::Tensor CausalSelfAttentionImpl::forward(torch::Tensor x) {
   auto q = qkv[0], k = qkv[1], v = qkv[2];                    // [B*H, T, hd]
 
   const double scale = 1.0 / std::sqrt(static_cast<double>(headDim));
-  auto att = torch::bmm(q, k.transpose(1, 2)).mul_(scale);  // [B*H, T, T]
-  // Made for this length, [T, T] bool true above the diagonal (future positions): a quarter of
-  // one head's scores, where a [context, context] mask kept per layer grew as context^2 before
-  // the first step (17 GB at a context of 65536).
-  const auto future =
-      torch::ones({steps, steps}, torch::TensorOptions(torch::kBool).device(x.device())).triu_(1);
-  att.masked_fill_(future, -std::numeric_limits<double>::infinity());
+  // Made for this length, [T, T]: -inf above the diagonal (future positions), 0 elsewhere; one
+  // head's scores, where a [context, context] mask kept per layer grew as context^2 before the
+  // first step (17 GB at a context of 65536). baddbmm adds it and scales q k^T in one pass
+  // (the scores were scaled and masked in two more passes over [B*H, T, T], ~10% of brown-gpt's
+  // step: bench/README.md, "Two threads").
+  const auto future = torch::full({steps, steps}, -std::numeric_limits<double>::infinity(),
+                                  torch::TensorOptions(q.scalar_type()).device(x.device()))
+                          .triu_(1);
+  auto att = torch::baddbmm(future, q, k.transpose(1, 2), /*beta=*/1.0, /*alpha=*/scale);
   att = maybeDropout(torch::softmax(att, -1), dropout_, is_training());  // [B*H, T, T]
 
   auto y = torch::bmm(att, v)                         // [B*H, T, hd]

@@ -15,6 +15,7 @@
 
 #include "core/clock.h"
 #include "core/errors.h"
+#include "core/openmp_env.h"
 #include "data/loader.h"
 #include "memory/accounting.h"
 #include "memory/executor.h"
@@ -585,7 +586,9 @@ void Trainer::writeSummary(double measuredFwdBwd) {
                        {"fwd_bwd_s", measuredFwdBwd},
                        {"activation_peak_bytes", runActivationPeak_},
                        {"tracked_peak_bytes", runTrackedPeak_},
-                       {"checkpoint", summary_.lastCheckpoint}};
+                       {"checkpoint", summary_.lastCheckpoint},
+                       {"compute_threads", at::get_num_threads()},
+                       {"openmp_wait_policy", openMpWaitPolicy()}};
   if (s_.activations.plan) {
     sj["predicted_fwd_bwd_s"] = s_.activations.plan->prediction.stepSeconds;
     sj["predicted_activation_peak_bytes"] = s_.activations.plan->prediction.peakBytes;

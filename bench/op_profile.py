@@ -1,0 +1,92 @@
+#!/usr/bin/python3
+"""Where a training step's time goes, per op kind: runs `caravan_bench train --trace` (LibTorch's
+autograd profiler over the timed steps) and sums each op's *self* time (its own time less the
+ops it called), per step, sorted; the rest of the step (Python-free glue, waits) is the
+difference to the step's wall time.
+
+    /usr/bin/python3 bench/op_profile.py --config configs/brown-gpt.toml [--threads 1]
+        [--steps 10] [--set KEY=VALUE ...] [--top 25] [--json OUT]
+
+OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are removed from the environment (they slow OpenBLAS on
+this CPU). The profiler adds its own cost per op (a few microseconds): compare profiles with
+each other, and step times with bench/train_throughput.py.
+"""
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def self_times(events):
+    """{name: (self microseconds, calls)} from complete events (ph X), nesting per thread."""
+    by_tid = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X":
+            by_tid[e["tid"]].append(e)
+    total = collections.defaultdict(float)
+    calls = collections.Counter()
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []  # [end, event, child time]
+        for e in evs:
+            while stack and stack[-1][0] <= e["ts"]:
+                end, p, child = stack.pop()
+                total[p["name"]] += p["dur"] - child
+            if stack:
+                stack[-1][2] += e["dur"]
+            stack.append([e["ts"] + e["dur"], e, 0.0])
+            calls[e["name"]] += 1
+        while stack:
+            end, p, child = stack.pop()
+            total[p["name"]] += p["dur"] - child
+    return {k: (total[k], calls[k]) for k in total}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--set", action="append", default=[], dest="overrides")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--json")
+    a = p.parse_args()
+    env = dict(os.environ)
+    removed = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if env.pop(k, None)]
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        cmd = [os.path.join(ROOT, "build", "caravan_bench"), "train", "--config", a.config,
+               "--steps", str(a.steps), "--warmup", "3", "--threads", str(a.threads),
+               "--trace", trace]
+        for o in a.overrides:
+            cmd += ["--set", o]
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        if out.returncode != 0:
+            sys.exit(f"op_profile: {' '.join(cmd)} failed:\n{out.stderr}")
+        run = json.loads(out.stdout.strip().splitlines()[-1])
+        with open(trace) as f:
+            d = json.load(f)
+    events = d["traceEvents"] if isinstance(d, dict) else d
+    times = self_times(events)
+    step_ms = 1e3 * run["seconds"] / a.steps
+    rows = sorted(((n, t / a.steps / 1e3, c / a.steps) for n, (t, c) in times.items()),
+                  key=lambda r: -r[1])
+    print(f"{a.config}, {a.threads} thread(s), {a.steps} profiled steps: {step_ms:.1f} ms per "
+          f"step (profiled); removed from the environment: {', '.join(removed) or 'nothing'}")
+    print(f"{'op':<48}{'self ms/step':>14}{'calls/step':>12}{'of step':>9}")
+    for n, ms, c in rows[:a.top]:
+        print(f"{n[:47]:<48}{ms:>14.2f}{c:>12.0f}{100 * ms / step_ms:>8.1f}%")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "step_ms": step_ms, "run": run, "removed_env": removed,
+                       "ops": [{"op": n, "self_ms_per_step": ms, "calls_per_step": c}
+                               for n, ms, c in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+// OpenMP's wait policy (see openmp_env.h).
+#include "core/openmp_env.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "core/log.h"
+
+namespace caravan {
+
+namespace {
+constexpr const char* kPolicy = "OMP_WAIT_POLICY";
+constexpr const char* kSetByCaravan = "CARAVAN_OMP_SET";  // marks the value as ours
+}  // namespace
+
+void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads) {
+  if (std::getenv(kPolicy) != nullptr) return;
+  // LibTorch's default is one thread per core.
+  const int64_t threads = computeThreads > 0
+                              ? computeThreads
+                              : static_cast<int64_t>(std::thread::hardware_concurrency());
+  if (threads <= 1) return;
+  setenv(kPolicy, "PASSIVE", 1);
+  setenv(kSetByCaravan, "1", 1);
+  execv("/proc/self/exe", argv);
+  logLine(
+      fmt::format("warning: could not restart with OMP_WAIT_POLICY=PASSIVE ({}); idle "
+                  "OpenMP workers spin, which slows runs of more than one thread: set it "
+                  "in the environment",
+                  std::strerror(errno)));
+  unsetenv(kPolicy);
+  unsetenv(kSetByCaravan);
+}
+
+std::string openMpWaitPolicy() {
+  const char* value = std::getenv(kPolicy);
+  if (value == nullptr) return "unset (libgomp's default: spin)";
+  const bool ours = std::getenv(kSetByCaravan) != nullptr;
+  return fmt::format("{} ({})", value, ours ? "caravan's default" : "from the environment");
+}
+
+}  // namespace caravan

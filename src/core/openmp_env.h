@@ -1,0 +1,29 @@
+// OpenMP's idle workers. LibTorch's intra-op pool is libgomp's, which reads OMP_WAIT_POLICY
+// once, as it loads (before main). Unset, its idle workers spin for about 300000 iterations
+// after each parallel region; when the run uses every core (train.threads = 2 on 2 cores) they
+// spin on the core that OpenBLAS's own thread needs for the next matrix product. Measured on
+// brown-gpt (bench/README.md, "Two threads"): 2 threads ran at 0.6x one thread's samples/s
+// with spinning workers, 1.4x with passive ones; Python PyTorch the same.
+//
+// Nothing that runs in the process can set the variable before libgomp reads it (the C
+// library's environment is not set up yet when an executable's .preinit_array runs), so a
+// process that will run more than one compute thread sets it and starts itself again.
+#pragma once
+
+#include <string>
+
+namespace caravan {
+
+// When `computeThreads` (train.threads; 0 = LibTorch's default, every core) means more than
+// one thread and OMP_WAIT_POLICY is unset: sets OMP_WAIT_POLICY=PASSIVE and CARAVAN_OMP_SET=1
+// and replaces the process with /proc/self/exe `argv` (same arguments; about half a second of
+// loading LibTorch again). Returns otherwise, and when the exec fails (one warning line). A
+// user's OMP_WAIT_POLICY (ACTIVE) is kept. Child processes inherit the variable; the
+// launcher sets it for its workers (cli/launch.h).
+void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads);
+
+// The policy libgomp read: "PASSIVE (caravan's default)", "<value> (from the environment)" or
+// "unset (libgomp's default: spin)".
+std::string openMpWaitPolicy();
+
+}  // namespace caravan
