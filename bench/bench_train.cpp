@@ -40,6 +40,7 @@
 #include "core/openmp_env.h"
 #include "data/loader.h"
 #include "memory/saved_tensors.h"
+#include "optim/fused.h"
 #include "train/distributed.h"
 #include "train/run_setup.h"
 #include "train/setup.h"
@@ -582,6 +583,69 @@ int benchLoader(const std::string& configPath, std::vector<std::string> override
   return 0;
 }
 
+// ---- optimizer ---------------------------------------------------------------------------
+
+// torch::optim against the fused optimizers (optim/fused.h) on the same parameters: `sizes`
+// float32 buffers with fresh gradients, the steps of the two interleaved (A B A B), each
+// timing the median of `repeats` steps. Prints bytes of parameters per second for each.
+int benchOptim(const std::string& name, const std::vector<int64_t>& sizes, int64_t threads,
+               int64_t repeats, int64_t rounds) {
+  at::set_num_threads(static_cast<int>(threads));
+  torch::manual_seed(0);
+  std::vector<at::Tensor> a, b;
+  int64_t elements = 0;
+  for (int64_t n : sizes) {
+    a.push_back(torch::randn({n}).requires_grad_(true));
+    b.push_back(a.back().detach().clone().requires_grad_(true));
+    a.back().mutable_grad() = torch::randn({n}) * 1e-3;
+    b.back().mutable_grad() = a.back().grad().clone();
+    elements += n;
+  }
+  auto make = [&](bool fused,
+                  std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (name == "adamw") {
+      torch::optim::AdamWOptions o(1e-3);
+      o.weight_decay(0.01);
+      if (fused) return std::make_unique<FusedAdamW>(params, o);
+      return std::make_unique<torch::optim::AdamW>(params, o);
+    }
+    torch::optim::SGDOptions o(1e-3);
+    o.momentum(0.9).nesterov(true).weight_decay(5e-4);
+    if (fused) return std::make_unique<FusedSgd>(params, o);
+    return std::make_unique<torch::optim::SGD>(params, o);
+  };
+  auto reference = make(false, a), fused = make(true, b);
+  auto time = [&](torch::optim::Optimizer& o) {
+    std::vector<double> t;
+    for (int64_t r = 0; r < repeats; ++r) {
+      const auto t0 = Clock::now();
+      o.step();
+      t.push_back(seconds(t0, Clock::now()));
+    }
+    return median(t);
+  };
+  reference->step();  // the state exists before timing
+  fused->step();
+  std::vector<double> ref, mine;
+  for (int64_t r = 0; r < rounds; ++r) {
+    ref.push_back(time(*reference));
+    mine.push_back(time(*fused));
+  }
+  const double bytes = 4.0 * static_cast<double>(elements);
+  nlohmann::json out = {{"bench", "optim"},
+                        {"optimizer", name},
+                        {"threads", threads},
+                        {"tensors", sizes.size()},
+                        {"parameter_bytes", bytes},
+                        {"torch_s", median(ref)},
+                        {"fused_s", median(mine)},
+                        {"torch_gb_per_s", bytes / median(ref) / 1e9},
+                        {"fused_gb_per_s", bytes / median(mine) / 1e9},
+                        {"speedup", median(ref) / median(mine)}};
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"caravan_bench: training-step throughput and matmul peak (JSON on stdout)"};
   app.require_subcommand(1);
@@ -613,6 +677,17 @@ int main(int argc, char** argv) {
   load->add_option("--set", overrides, "override a config key");
   load->add_option("--batches", batches, "timed batches");
   load->add_option("--warmup", warmup, "untimed batches first");
+  std::string optimizer = "adamw";
+  std::vector<int64_t> sizes = {1 << 20};
+  int64_t rounds = 5;
+  auto* optim = app.add_subcommand(
+      "optim", "torch::optim against the fused optimizer on float32 buffers, interleaved");
+  optim->add_option("--optimizer", optimizer, "adamw or sgd (Nesterov momentum, weight decay)")
+      ->check(CLI::IsMember({"adamw", "sgd"}));
+  optim->add_option("--sizes", sizes, "elements of each parameter buffer");
+  optim->add_option("--threads", threads, "compute threads");
+  optim->add_option("--repeats", repeats, "steps per timing (median)");
+  optim->add_option("--rounds", rounds, "timings of each, interleaved (median)");
   CLI11_PARSE(app, argc, argv);
   // As caravan train: the memory check profiles blocks under the saved-tensor engine.
   installSavedTensorEngine();
@@ -626,6 +701,7 @@ int main(int argc, char** argv) {
       }
       return benchTrain(argv, config, overrides, steps, warmup, threads, trace);
     }
+    if (*optim) return benchOptim(optimizer, sizes, threads, repeats, rounds);
     return benchMatmul(size, threads, repeats);
   } catch (const Error& e) {
     std::cerr << "caravan_bench: error: " << e.what() << "\n";

@@ -16,6 +16,7 @@
 #include "core/scope_guard.h"
 #include "memory/accounting.h"
 #include "memory/host_allocator.h"
+#include "optim/fused.h"
 
 namespace caravan {
 
@@ -27,13 +28,9 @@ constexpr int64_t kAlign = 64;
 
 int64_t alignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-std::string stateKey(const at::Tensor& p) {
-  return c10::guts::to_string(p.unsafeGetTensorImpl());
-}
-
 // The optimizer state tensors of one parameter (none before its first step).
 std::vector<at::Tensor> stateTensors(torch::optim::Optimizer& opt, const at::Tensor& p) {
-  auto it = opt.state().find(stateKey(p));
+  auto it = opt.state().find(optimizerStateKey(p));
   if (it == opt.state().end()) return {};
   return optimizerStateTensors(*it->second);
 }
@@ -178,7 +175,7 @@ OutOfCoreWeights::OutOfCoreWeights(BlockModel model, torch::optim::Optimizer& op
     if (!b->params.empty()) {
       b->optimizer = make(b->params);
       for (const auto& p : b->params) {
-        auto it = optimizer_.state().find(stateKey(p));
+        auto it = optimizer_.state().find(optimizerStateKey(p));
         if (it != optimizer_.state().end()) {
           b->optimizer->state()[it->first] = std::move(it->second);
           optimizer_.state().erase(it);
@@ -640,7 +637,7 @@ void OutOfCoreWeights::withAllResident(const std::function<void()>& fn) {
     for (auto& b : blocks_) {
       if (!b->optimizer) continue;
       for (const auto& p : b->params) {
-        auto it = b->optimizer->state().find(stateKey(p));
+        auto it = b->optimizer->state().find(optimizerStateKey(p));
         if (it != b->optimizer->state().end()) optimizer_.state()[it->first] = it->second->clone();
       }
     }

@@ -6,17 +6,16 @@
 #include <torch/torch.h>
 
 #include "core/errors.h"
+#include "optim/fused.h"
 
 namespace caravan {
 namespace {
-
-std::string key(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
 
 // The state tensors of one parameter, in slot order (empty: none), and AdamW's step.
 std::vector<at::Tensor> slotsOf(torch::optim::Optimizer& optimizer, const at::Tensor& p,
                                 int64_t* step) {
   auto& all = optimizer.state();
-  auto it = all.find(key(p));
+  auto it = all.find(optimizerStateKey(p));
   if (it == all.end()) return {};
   if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
     if (!s->momentum_buffer().defined()) return {};
@@ -82,7 +81,7 @@ void scatterOptimizerState(torch::optim::Optimizer& optimizer,
   int64_t at = 0;
   for (const auto& p : params) {
     const int64_t m = p.numel();
-    all.erase(key(p));
+    all.erase(optimizerStateKey(p));
     if (rows > 0) {
       auto slot = [&](int64_t r) {
         return state.slots[r].narrow(0, at, m).reshape(p.sizes()).to(p.scalar_type()).clone();
@@ -90,13 +89,13 @@ void scatterOptimizerState(torch::optim::Optimizer& optimizer,
       if (sgd) {
         auto s = std::make_unique<torch::optim::SGDParamState>();
         s->momentum_buffer(slot(0));
-        all[key(p)] = std::move(s);
+        all[optimizerStateKey(p)] = std::move(s);
       } else {
         auto s = std::make_unique<torch::optim::AdamWParamState>();
         s->step(state.step);
         s->exp_avg(slot(0));
         s->exp_avg_sq(slot(1));
-        all[key(p)] = std::move(s);
+        all[optimizerStateKey(p)] = std::move(s);
       }
     }
     at += m;

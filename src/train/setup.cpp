@@ -12,6 +12,7 @@
 #include "memory/accounting.h"
 #include "memory/host_allocator.h"
 #include "models/script_model.h"
+#include "optim/fused.h"
 
 namespace caravan {
 
@@ -96,14 +97,14 @@ std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const OptimizerOptions& o
     o.betas({options.beta1, options.beta2});
     o.eps(options.eps);
     o.weight_decay(options.weightDecay);
-    return std::make_unique<torch::optim::AdamW>(params, o);
+    return std::make_unique<FusedAdamW>(params, o);
   }
   validate(options);  // Nesterov without momentum (validate() refused it for a training run)
   torch::optim::SGDOptions o(options.lr);
   o.momentum(options.momentum);
   o.nesterov(options.nesterov);
   o.weight_decay(options.weightDecay);
-  return std::make_unique<torch::optim::SGD>(params, o);
+  return std::make_unique<FusedSgd>(params, o);
 }
 
 SamplerOptions makeSamplerOptions(const RunOptions& options, int64_t datasetSize, int rank,

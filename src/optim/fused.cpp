@@ -1,0 +1,229 @@
+// Fused AdamW and SGD (see fused.h). This file is compiled with -ffp-contract=off: every fused
+// multiply-add below is an explicit std::fma, placed where LibTorch's kernels have one, and
+// the compiler adds no others.
+#include "optim/fused.h"
+
+#include <cmath>
+#include <cstdint>
+
+#include <ATen/Parallel.h>
+#include <torch/types.h>
+#include <torch/utils.h>
+
+namespace caravan {
+namespace {
+
+// Every parameter's update runs on contiguous float32 CPU buffers; anything else takes
+// torch::optim's step.
+bool fusable(const at::Tensor& p) {
+  const at::Tensor& g = p.grad();
+  return p.device().is_cpu() && p.scalar_type() == at::kFloat && p.is_contiguous() &&
+         !p.is_sparse() && g.defined() && !g.is_sparse() && g.scalar_type() == at::kFloat &&
+         g.is_contiguous() && g.sizes() == p.sizes();
+}
+
+template <typename F>
+void forChunks(int64_t n, F&& f) {
+  if (n < 2 * kParallelGrain) {
+    f(int64_t{0}, n);
+  } else {
+    at::parallel_for(0, n, kParallelGrain, f);
+  }
+}
+
+// The loops are built for each instruction set and picked at load time (GCC's target_clones).
+#define CARAVAN_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+
+struct AdamWScalars {
+  float decay;  // 1 - lr * weight_decay (applied when weightDecay)
+  bool weightDecay;
+  float beta1, oneMinusBeta1, beta2, oneMinusBeta2;
+  float sqrtBiasCorrection2, eps;
+  float negStepSize;  // -lr / (1 - beta1^t)
+};
+
+// torch::optim::AdamW, per element (LibTorch 1.13, adamw.cpp):
+//   p.mul_(1 - lr wd); m.mul_(b1).add_(g, 1 - b1); v.mul_(b2).addcmul_(g, g, 1 - b2);
+//   denom = (v.sqrt() / sqrt(bc2)).add_(eps); p.addcdiv_(m, denom, -lr / bc1)
+// add_ with alpha is a + alpha b with one fma; addcmul_ is a + (s t1) t2 with its last multiply
+// and add fused; addcdiv_ is a + (s t1) / t2 (measured: these orders give LibTorch's bits).
+CARAVAN_CLONES void adamwLoop(float* __restrict p, const float* __restrict g, float* __restrict m,
+                              float* __restrict v, int64_t begin, int64_t end,
+                              const AdamWScalars& s) {
+  const float decay = s.weightDecay ? s.decay : 1.0f;
+  for (int64_t i = begin; i < end; ++i) {
+    const float gi = g[i];
+    const float pi = s.weightDecay ? p[i] * decay : p[i];
+    const float mi = std::fma(gi, s.oneMinusBeta1, m[i] * s.beta1);
+    const float vi = std::fma(s.oneMinusBeta2 * gi, gi, v[i] * s.beta2);
+    const float denom = std::sqrt(vi) / s.sqrtBiasCorrection2 + s.eps;
+    p[i] = pi + s.negStepSize * mi / denom;
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+struct SgdScalars {
+  float weightDecay;  // applied when hasWeightDecay
+  bool hasWeightDecay;
+  float momentum, oneMinusDampening;
+  bool nesterov;
+  float negLr;
+};
+
+// torch::optim::SGD with momentum, per element (LibTorch 1.13, sgd.cpp):
+//   d = g.add(p, wd); buf = first ? d : buf.mul_(mu).add_(d, 1 - dampening);
+//   d = nesterov ? d.add(buf, mu) : buf; p.add_(d, -lr)
+CARAVAN_CLONES void sgdMomentumLoop(float* __restrict p, const float* __restrict g,
+                                    float* __restrict buf, int64_t begin, int64_t end, bool first,
+                                    const SgdScalars& s) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float pi = p[i];
+    const float d = s.hasWeightDecay ? std::fma(pi, s.weightDecay, g[i]) : g[i];
+    const float b = first ? d : std::fma(d, s.oneMinusDampening, buf[i] * s.momentum);
+    const float u = s.nesterov ? std::fma(b, s.momentum, d) : b;
+    buf[i] = b;
+    p[i] = std::fma(u, s.negLr, pi);
+  }
+}
+
+// Plain SGD (momentum 0): d = g.add(p, wd); p.add_(d, -lr).
+CARAVAN_CLONES void sgdLoop(float* __restrict p, const float* __restrict g, int64_t begin,
+                            int64_t end, const SgdScalars& s) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float pi = p[i];
+    const float d = s.hasWeightDecay ? std::fma(pi, s.weightDecay, g[i]) : g[i];
+    p[i] = std::fma(d, s.negLr, pi);
+  }
+}
+
+// One parameter through the original optimizer: a group of one with the same options, its
+// state moved in and back (an update of one parameter reads only that parameter's state).
+template <typename Original, typename Options, typename State>
+void stepWithOriginal(const at::Tensor& p, const Options& options, State& state);
+
+template <typename Closure>
+torch::Tensor runClosure(Closure& closure) {
+  if (closure == nullptr) return {};
+  at::AutoGradMode enableGrad(true);
+  return closure();
+}
+
+}  // namespace
+
+std::string optimizerStateKey(const at::Tensor& p) {
+  return c10::guts::to_string(p.unsafeGetTensorImpl());
+}
+
+namespace {
+template <typename Original, typename Options, typename State>
+void stepWithOriginal(const at::Tensor& p, const Options& options, State& state) {
+  Original one({p}, options);
+  const std::string key = optimizerStateKey(p);
+  auto it = state.find(key);
+  if (it != state.end()) one.state()[key] = std::move(it->second);
+  one.step();
+  auto updated = one.state().find(key);
+  if (updated != one.state().end()) state[key] = std::move(updated->second);
+}
+}  // namespace
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  torch::NoGradGuard noGrad;
+  torch::Tensor loss = runClosure(closure);
+  for (auto& group : param_groups_) {
+    auto& options = static_cast<torch::optim::AdamWOptions&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      if (options.amsgrad() || !fusable(p)) {
+        stepWithOriginal<torch::optim::AdamW>(p, options, state_);
+        continue;
+      }
+      const std::string key = optimizerStateKey(p);
+      auto it = state_.find(key);
+      if (it == state_.end()) {
+        auto s = std::make_unique<torch::optim::AdamWParamState>();
+        s->step(0);
+        s->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        s->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        it = state_.emplace(key, std::move(s)).first;
+      }
+      auto& state = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      state.step(state.step() + 1);
+      const double beta1 = std::get<0>(options.betas()), beta2 = std::get<1>(options.betas());
+      const double biasCorrection1 = 1 - std::pow(beta1, state.step());
+      const double biasCorrection2 = 1 - std::pow(beta2, state.step());
+      AdamWScalars s{};
+      s.weightDecay = options.weight_decay() != 0;
+      s.decay = static_cast<float>(1 - options.lr() * options.weight_decay());
+      s.beta1 = static_cast<float>(beta1);
+      s.oneMinusBeta1 = static_cast<float>(1 - beta1);
+      s.beta2 = static_cast<float>(beta2);
+      s.oneMinusBeta2 = static_cast<float>(1 - beta2);
+      s.sqrtBiasCorrection2 = static_cast<float>(std::sqrt(biasCorrection2));
+      s.eps = static_cast<float>(options.eps());
+      s.negStepSize = static_cast<float>(-(options.lr() / biasCorrection1));
+      at::Tensor m = state.exp_avg(), v = state.exp_avg_sq();
+      if (!m.is_contiguous()) m = m.contiguous();
+      if (!v.is_contiguous()) v = v.contiguous();
+      state.exp_avg(m);
+      state.exp_avg_sq(v);
+      float* pp = p.data_ptr<float>();
+      const float* gp = p.grad().data_ptr<float>();
+      float* mp = m.data_ptr<float>();
+      float* vp = v.data_ptr<float>();
+      forChunks(p.numel(),
+                [&](int64_t begin, int64_t end) { adamwLoop(pp, gp, mp, vp, begin, end, s); });
+    }
+  }
+  return loss;
+}
+
+torch::Tensor FusedSgd::step(LossClosure closure) {
+  torch::NoGradGuard noGrad;
+  torch::Tensor loss = runClosure(closure);
+  for (auto& group : param_groups_) {
+    auto& options = static_cast<torch::optim::SGDOptions&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      if (!fusable(p)) {
+        stepWithOriginal<torch::optim::SGD>(p, options, state_);
+        continue;
+      }
+      SgdScalars s{};
+      s.hasWeightDecay = options.weight_decay() != 0;
+      s.weightDecay = static_cast<float>(options.weight_decay());
+      s.momentum = static_cast<float>(options.momentum());
+      s.oneMinusDampening = static_cast<float>(1 - options.dampening());
+      s.nesterov = options.nesterov();
+      s.negLr = static_cast<float>(-1 * options.lr());
+      float* pp = p.data_ptr<float>();
+      const float* gp = p.grad().data_ptr<float>();
+      if (options.momentum() == 0) {
+        forChunks(p.numel(), [&](int64_t begin, int64_t end) { sgdLoop(pp, gp, begin, end, s); });
+        continue;
+      }
+      const std::string key = optimizerStateKey(p);
+      auto it = state_.find(key);
+      const bool first = it == state_.end();
+      if (first) {
+        auto st = std::make_unique<torch::optim::SGDParamState>();
+        st->momentum_buffer(torch::empty_like(p, at::MemoryFormat::Contiguous));
+        it = state_.emplace(key, std::move(st)).first;
+      }
+      auto& state = static_cast<torch::optim::SGDParamState&>(*it->second);
+      at::Tensor buf = state.momentum_buffer();
+      if (!buf.is_contiguous()) {
+        buf = buf.contiguous();
+        state.momentum_buffer(buf);
+      }
+      float* bp = buf.data_ptr<float>();
+      forChunks(p.numel(), [&](int64_t begin, int64_t end) {
+        sgdMomentumLoop(pp, gp, bp, begin, end, first, s);
+      });
+    }
+  }
+  return loss;
+}
+
+}  // namespace caravan
