@@ -383,7 +383,7 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
     probe->probe(-1);
     const auto stepped = Clock::now();
     double loss = r.loss;
-    if (agree) loss = dist.agree(r.loss, false, false).meanLoss;
+    if (agree) loss = dist.agree(r.loss, false, false, 0.0).meanLoss;
     const auto agreed = Clock::now();
     dist.stepDone(i + warmup + 1);  // as the trainer does: the heartbeat publishes it
     if (i < 0) continue;
@@ -532,11 +532,12 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
   return 0;
 }
 
-int benchMatmul(int64_t n, int64_t threads, int64_t repeats) {
+int benchMatmul(int64_t n, int64_t threads, int64_t repeats, const std::string& dtype) {
   at::set_num_threads(static_cast<int>(threads));
   const Config c = Config::fromString("", "<bench>", {"train.threads=" + std::to_string(threads)});
   applyRuntimeOptions(RunOptions::read(c).runtime);
-  at::Tensor a = torch::randn({n, n}), b = torch::randn({n, n});
+  const auto type = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  at::Tensor a = torch::randn({n, n}).to(type), b = torch::randn({n, n}).to(type);
   at::Tensor out = at::mm(a, b);
   double best = 1e300;
   for (int64_t r = 0; r < repeats; ++r) {
@@ -545,7 +546,8 @@ int benchMatmul(int64_t n, int64_t threads, int64_t repeats) {
     best = std::min(best, seconds(t0, Clock::now()));
   }
   const double gflops = 2.0 * static_cast<double>(n) * n * n / best / 1e9;
-  nlohmann::json j = {{"bench", "matmul"}, {"size", n}, {"threads", threads},
+  nlohmann::json j = {{"bench", "matmul"},    {"size", n},
+                      {"threads", threads},   {"dtype", dtype},
                       {"best_seconds", best}, {"gflops", gflops}};
   std::cout << j.dump() << std::endl;
   return 0;
@@ -670,6 +672,9 @@ int main(int argc, char** argv) {
   mm->add_option("--size", size, "matrix size n (n x n times n x n)");
   mm->add_option("--threads", threads, "compute threads");
   mm->add_option("--repeats", repeats, "best of this many");
+  std::string dtype = "float32";
+  mm->add_option("--dtype", dtype, "float32 or bf16 (oneDNN's bf16 kernels)")
+      ->check(CLI::IsMember({"float32", "bf16"}));
   int64_t batches = 1000;
   auto* load = app.add_subcommand(
       "loader", "time the training set's batches as the loader makes them, one thread, no model");
@@ -702,7 +707,7 @@ int main(int argc, char** argv) {
       return benchTrain(argv, config, overrides, steps, warmup, threads, trace);
     }
     if (*optim) return benchOptim(optimizer, sizes, threads, repeats, rounds);
-    return benchMatmul(size, threads, repeats);
+    return benchMatmul(size, threads, repeats, dtype);
   } catch (const Error& e) {
     std::cerr << "caravan_bench: error: " << e.what() << "\n";
     return e.exitCode();

@@ -245,7 +245,8 @@ def main():
     if not os.path.exists(a.bench):
         sys.exit(f"ddp_step: {a.bench} missing; run bash scripts/setup.sh first")
     environ, removed = environment(a.threads)
-    extra = a.caravan_args.split()
+    # The peer trains in float32 (configs/brown-gpt.toml ships train.precision = bf16).
+    extra = ["--set", "train.precision=float32"] + a.caravan_args.split()
     caravan_environ = dict(environ, **dict(kv.split("=", 1) for kv in a.caravan_env))
     peer_extra = []
     if a.bucket_mb is not None:

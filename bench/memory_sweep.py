@@ -139,7 +139,8 @@ def run_train(sets, run_dir, environ, limit, use_cgroup, name, extra_args=()):
 
 def run(args, mode, budget, environ, tmp, use_cgroup, tag):
     run_dir = os.path.join(tmp, tag)
-    sets = [f"model.depth={args.depth}", f"model.heads={args.heads}",
+    sets = ["train.precision=float32", "schedule.horizon=steps",  # as measured before bf16
+            f"model.depth={args.depth}", f"model.heads={args.heads}",
             f"data.seq_len={args.context}", f"data.batch_size={args.batch}",
             "train.threads=1", f"train.max_steps={args.steps}",
             "train.log_every=1", "train.eval_batches=1", "checkpoint.every=0",

@@ -81,9 +81,19 @@ def main():
     print(f"{'op':<48}{'self ms/step':>14}{'calls/step':>12}{'of step':>9}")
     for n, ms, c in rows[:a.top]:
         print(f"{n[:47]:<48}{ms:>14.2f}{c:>12.0f}{100 * ms / step_ms:>8.1f}%")
+    # The matrix products' share and rate: the analytic FLOPs of a step (3x the forward's
+    # matrix products and convolutions) over the self time of the ops that do them.
+    products = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addmm_",
+                "aten::mkldnn_convolution", "aten::convolution_backward",
+                "aten::_convolution", "aten::conv2d"}
+    product_ms = sum(ms for n, ms, _ in rows if n in products)
+    flops = run["train_flops_per_sample"] * run["batch_size"]
+    print(f"matrix products and convolutions: {product_ms:.1f} ms/step "
+          f"({100 * product_ms / step_ms:.1f}% of the step), {flops / product_ms / 1e6:.1f} "
+          f"GFLOP/s over their own time ({flops / 1e9:.2f} GFLOP a step)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "step_ms": step_ms, "run": run, "removed_env": removed,
+            json.dump({"args": vars(a), "step_ms": step_ms, "product_ms": product_ms, "run": run, "removed_env": removed,
                        "ops": [{"op": n, "self_ms_per_step": ms, "calls_per_step": c}
                                for n, ms, c in rows]}, f, indent=1)
 

@@ -99,13 +99,16 @@ def task_loss(out, y):
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
 
 
-def make_step(model, opt, xs, ys, batch, clip):
+def make_step(model, opt, xs, ys, batch, clip, autocast=False):
     """One training step (draw, forward, loss, backward, clip, update) as a function of nothing;
-    returns the loss. Shared with bench/script_step.py's peer."""
+    returns the loss. Shared with bench/script_step.py's peer. `autocast`: forward and loss
+    under PyTorch's CPU autocast to bf16 (torch.autocast("cpu", dtype=torch.bfloat16)), the
+    way PyTorch's documentation trains in mixed precision on a CPU."""
     def step():
         x, y = draw_batch(xs, ys, batch)
         opt.zero_grad()
-        loss = task_loss(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = task_loss(model(x), y)
         loss.backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -120,6 +123,7 @@ def main():
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--autocast", action="store_true", help="bf16 CPU autocast (mixed precision)")
     a = p.parse_args()
     set_threads(a.threads)
     cfg = read_config(a.config)
@@ -128,7 +132,7 @@ def main():
     model.train()
     opt = make_optimizer(cfg, model.parameters())
 
-    step = make_step(model, opt, xs, ys, batch, clip)
+    step = make_step(model, opt, xs, ys, batch, clip, autocast=a.autocast)
 
     for _ in range(a.warmup):
         step()
@@ -137,7 +141,8 @@ def main():
         step()
     s = time.perf_counter() - t0
     cpu = cpu_seconds() - c0
-    print(json.dumps({"bench": "peer", "config": a.config, "threads": a.threads, "batch_size": batch,
+    print(json.dumps({"bench": "peer", "config": a.config, "threads": a.threads,
+                      "autocast": a.autocast, "batch_size": batch,
                       "steps": a.steps, "seconds": s, "samples_per_s": a.steps * batch / s,
                       "cpu_s_per_s": cpu / s,
                       "torch": torch.__version__}))

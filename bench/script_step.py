@@ -158,8 +158,10 @@ def timed_run_config(cfg, threads, warmup, steps, log_every=1):
     train = cfg.setdefault("train", {})
     for k in ("epochs", "max_minutes"):
         train.pop(k, None)
+    # float32 against PyTorch's float32; a step horizon, as max_minutes is gone.
     train.update({"max_steps": warmup + steps, "log_every": log_every, "threads": threads,
-                  "eval_every": warmup + steps, "eval_batches": 1})
+                  "eval_every": warmup + steps, "eval_batches": 1, "precision": "float32"})
+    cfg.setdefault("schedule", {})["horizon"] = "steps"
     cfg["checkpoint"] = {"every": 0, "keep": 1}
     return cfg
 

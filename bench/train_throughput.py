@@ -1,17 +1,24 @@
 #!/usr/bin/python3
 """Single-worker training throughput: Caravan (build/caravan_bench) against the same model,
 batch, optimizer and thread count in Python PyTorch (bench/peer_train.py), measured in the
-same invocation with the runs interleaved (A B A B ...); reports medians and the ratio, plus
-achieved GFLOP/s against the machine's measured float32 matmul peak.
+same invocation with the runs interleaved (A B C D E A B C D E ...); reports medians and
+ratios, plus achieved GFLOP/s against the machine's measured float32 and bf16 matmul peaks.
+
+The arms, per config and thread count:
+  caravan       train.precision = float32
+  caravan-bf16  train.precision = bf16 (per-block timed choice, train/precision.h)
+  pytorch-t     PyTorch float32 with Caravan's allocator settings (GLIBC_TUNABLES, below) and
+                OMP_WAIT_POLICY=PASSIVE: its strongest configuration here
+  pytorch       PyTorch float32 as shipped (neither variable)
+  autocast-t    PyTorch with torch.autocast("cpu", bfloat16), tuned as pytorch-t
 
     /usr/bin/python3 bench/train_throughput.py [--repeats 3] [--threads 1 2] [--json OUT]
-                                               [--bench PATH]
+                                               [--bench PATH] [--configs ...]
     /usr/bin/python3 bench/train_throughput.py --replot OUT
 
 With --json OUT, every measurement goes to OUT and charts.json (for `caravan report`,
-docs/report.md: samples/s against threads per config, the ratio, GFLOP/s against the matmul
-peak, the table) to the same directory. --replot OUT runs nothing: it rebuilds that
-charts.json from OUT.
+docs/report.md) to the same directory. --replot OUT runs nothing: it rebuilds that charts.json
+from OUT.
 
 OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are removed from the environment of the measured
 processes (they slow OpenBLAS on this CPU); the table says so.
@@ -29,12 +36,17 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 BENCH = os.path.join(ROOT, "build", "caravan_bench")
 PEER = os.path.join(ROOT, "bench", "peer_train.py")
 CASES = [("configs/fmnist-cnn.toml", 300), ("configs/brown-gpt.toml", 60)]
+TUNED = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=268435456:"
+                           "glibc.malloc.mmap_threshold=33554432",
+         "OMP_WAIT_POLICY": "PASSIVE"}
+ARMS = ["caravan", "caravan-bf16", "pytorch-t", "pytorch", "autocast-t"]
 
 
 def env():
     e = dict(os.environ)
     removed = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if e.pop(k, None) is not None]
-    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "GLIBC_TUNABLES",
+              "OMP_WAIT_POLICY"):
         e.pop(k, None)
     return e, removed
 
@@ -47,46 +59,60 @@ def run_json(cmd, environ):
 
 
 def write_charts(data, path):
-    """charts.json next to the --json file `path` for `caravan report` (docs/report.md), from
-    what that file holds: per config, samples/s of Caravan and PyTorch at each thread count;
-    the ratio Caravan/PyTorch; Caravan's achieved GFLOP/s against the float32 matmul peak at
-    the same thread count; the table as printed."""
-    # rows: [config, threads, caravan samples/s, pytorch samples/s, ratio, GFLOP/s, mm peak]
+    """charts.json next to the --json file `path` for `caravan report` (docs/report.md): per
+    config, samples/s of every arm at each thread count; the ratios; Caravan's GFLOP/s against
+    the matmul peaks; the table as printed."""
     rows = data["rows"]
     short = lambda c: os.path.basename(c).removesuffix(".toml")  # noqa: E731
-    configs = list(dict.fromkeys(r[0] for r in rows))
     out = []
-    for c in configs:
-        mine = sorted((r for r in rows if r[0] == c), key=lambda r: r[1])
+    for c in dict.fromkeys(r["config"] for r in rows):
+        mine = sorted((r for r in rows if r["config"] == c), key=lambda r: r["threads"])
         out.append(charts.bar(
             f"throughput-{short(c)}", f"{short(c)}: training samples per second (one worker)",
-            [f"{r[1]} thread{'s' if r[1] != 1 else ''}" for r in mine],
-            [charts.series("Caravan", y=[r[2] for r in mine]),
-             charts.series("PyTorch", y=[r[3] for r in mine])], "samples / s",
+            [f"{r['threads']} thread{'s' if r['threads'] != 1 else ''}" for r in mine],
+            [charts.series(a, y=[r["median"][a] for r in mine]) for a in ARMS], "samples / s",
             x_label="compute threads"))
-    labels = [f"{short(r[0])}, {r[1]} thread{'s' if r[1] != 1 else ''}" for r in rows]
-    out.append(charts.bar("ratio", "Caravan / PyTorch samples per second (>= 1: Caravan at "
-                          "least as fast)", labels,
-                          [charts.series("ratio", y=[r[4] for r in rows])], "ratio",
-                          x_label="config, threads"))
-    out.append(charts.bar("gflops", "Caravan's training GFLOP/s against the float32 matmul peak",
-                          labels, [charts.series("Caravan training", y=[r[5] for r in rows]),
-                                   charts.series("1024x1024 mm peak", y=[r[6] for r in rows])],
-                          "GFLOP/s", x_label="config, threads"))
-    table = [[r[0], r[1], f"{r[2]:.1f}", f"{r[3]:.1f}", f"{r[4]:.3f}", f"{r[5]:.1f}",
-              f"{r[6]:.1f}", f"{100 * r[5] / r[6]:.1f}%"] for r in rows]
+    labels = [f"{short(r['config'])}, {r['threads']}t" for r in rows]
+    out.append(charts.bar(
+        "ratio", "Caravan against the tuned peers (>= 1: Caravan faster)", labels,
+        [charts.series(k, y=[r["ratios"][k] for r in rows]) for k in RATIOS], "ratio",
+        x_label="config, threads"))
+    out.append(charts.bar(
+        "gflops", "Caravan's training GFLOP/s against the matmul peaks", labels,
+        [charts.series("caravan float32", y=[r["gflops"]["caravan"] for r in rows]),
+         charts.series("caravan bf16", y=[r["gflops"]["caravan-bf16"] for r in rows]),
+         charts.series("float32 mm peak", y=[r["peak"]["float32"] for r in rows]),
+         charts.series("bf16 mm peak", y=[r["peak"]["bf16"] for r in rows])],
+        "GFLOP/s", x_label="config, threads"))
     removed = data.get("removed_env") or []
-    note = ("Single worker, interleaved runs (Caravan, PyTorch, ...), medians. GFLOP/s counts 3x "
-            "the analytic forward FLOPs per example; mm peak is the best of 3 float32 1024x1024 "
-            "matmuls at the same thread count. Removed from the environment: "
+    note = ("Single worker, interleaved runs (one of each arm per round), medians. GFLOP/s "
+            "counts 3x the analytic forward FLOPs per example; mm peak is the best of 3 "
+            "1024x1024 matmuls at the same thread count. -t: PyTorch with "
+            f"{' '.join(k + '=' + v for k, v in TUNED.items())}. Removed from the environment: "
             f"{', '.join(removed) or 'nothing (not set)'}.")
-    args = data.get("args")  # the --json file has them since charts.json was added
     return charts.write(
         charts.beside(path), "train-throughput",
         "Single-worker training throughput: Caravan against PyTorch", out, note=note,
-        command=charts.command("bench/train_throughput.py", args, skip=("replot", "bench")),
-        table=charts.table(["config", "threads", "caravan/s", "pytorch/s", "ratio", "GFLOP/s",
-                            "mm peak", "of peak"], table))
+        command=charts.command("bench/train_throughput.py", data.get("args"),
+                               skip=("replot", "bench")),
+        table=charts.table(HEADER, [table_row(r) for r in rows]))
+
+
+# ratio name -> (numerator arm, denominator arm)
+RATIOS = {"f32/pytorch-t": ("caravan", "pytorch-t"), "f32/pytorch": ("caravan", "pytorch"),
+          "bf16/pytorch-t": ("caravan-bf16", "pytorch-t"),
+          "bf16/pytorch": ("caravan-bf16", "pytorch"),
+          "bf16/autocast-t": ("caravan-bf16", "autocast-t")}
+HEADER = (["config", "threads"] + [f"{a}/s" for a in ARMS] + list(RATIOS)
+          + ["bf16 GFLOP/s", "of bf16 peak"])
+
+
+def table_row(r):
+    return ([os.path.basename(r["config"]), r["threads"]]
+            + [f"{r['median'][a]:.1f}" for a in ARMS]
+            + [f"{r['ratios'][k]:.3f}" for k in RATIOS]
+            + [f"{r['gflops']['caravan-bf16']:.1f}",
+               f"{100 * r['gflops']['caravan-bf16'] / r['peak']['bf16']:.1f}%"])
 
 
 def main():
@@ -95,6 +121,8 @@ def main():
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--configs", nargs="+", default=[c for c, _ in CASES],
                    help="which configs to measure (default: all)")
+    p.add_argument("--steps-scale", type=float, default=1.0,
+                   help="multiply each config's timed steps (default 1: 300 CNN, 60 GPT)")
     p.add_argument("--json", help="write all measurements here (and charts.json beside it)")
     p.add_argument("--bench", default=BENCH,
                    help="the caravan_bench to measure (default build/caravan_bench; another "
@@ -110,42 +138,59 @@ def main():
     if not os.path.exists(bench):
         sys.exit(f"train_throughput: {bench} missing; build it with bash scripts/test.sh first")
     environ, removed = env()
+    tuned = dict(environ, **TUNED)
 
     peaks = {}
     for t in a.threads:
-        runs = [run_json([bench, "matmul", "--size", "1024", "--threads", str(t)], environ)
-                for _ in range(3)]
-        peaks[t] = max(r["gflops"] for r in runs)
+        for dtype in ("float32", "bf16"):
+            runs = [run_json([bench, "matmul", "--size", "1024", "--threads", str(t),
+                              "--dtype", dtype], environ) for _ in range(3)]
+            peaks[(t, dtype)] = max(r["gflops"] for r in runs)
+
+    def arm(name, config, steps, t):
+        common = ["--config", config, "--steps", str(steps), "--warmup", "10", "--threads",
+                  str(t)]
+        if name.startswith("caravan"):
+            precision = "bf16" if name == "caravan-bf16" else "float32"
+            return run_json([bench, "train"] + common + ["--set", f"train.precision={precision}"],
+                            environ)
+        cmd = ["/usr/bin/python3", PEER] + common + (["--autocast"] if name == "autocast-t" else [])
+        return run_json(cmd, tuned if name.endswith("-t") else environ)
 
     rows, raw = [], []
     for config, steps in CASES:
         if config not in a.configs:
             continue
+        steps = max(10, int(steps * a.steps_scale))
         for t in a.threads:
-            ours, theirs, flops = [], [], 0.0
-            for _ in range(a.repeats):  # interleaved: caravan, pytorch, caravan, pytorch, ...
-                r = run_json([bench, "train", "--config", config, "--steps", str(steps),
-                              "--warmup", "10", "--threads", str(t)], environ)
-                ours.append(r["samples_per_s"])
-                flops = r["train_flops_per_sample"]
-                raw.append(r)
-                q = run_json(["/usr/bin/python3", PEER, "--config", config, "--steps", str(steps),
-                              "--warmup", "10", "--threads", str(t)], environ)
-                theirs.append(q["samples_per_s"])
-                raw.append(q)
-            mo, mt = statistics.median(ours), statistics.median(theirs)
-            rows.append((config, t, mo, mt, mo / mt, mo * flops / 1e9, peaks[t]))
+            got = {k: [] for k in ARMS}
+            flops = 0.0
+            for _ in range(a.repeats):  # interleaved: one run of every arm per round
+                for name in ARMS:
+                    r = arm(name, config, steps, t)
+                    r["arm"] = name
+                    got[name].append(r["samples_per_s"])
+                    flops = r.get("train_flops_per_sample", flops)
+                    raw.append(r)
+            med = {k: statistics.median(v) for k, v in got.items()}
+            rows.append({"config": config, "threads": t, "median": med, "runs": got,
+                         "ratios": {k: med[n] / med[d] for k, (n, d) in RATIOS.items()},
+                         "gflops": {k: med[k] * flops / 1e9 for k in ("caravan", "caravan-bf16")},
+                         "peak": {"float32": peaks[(t, "float32")], "bf16": peaks[(t, "bf16")]}})
 
-    print(f"single-worker training throughput, median of {a.repeats} interleaved runs each; "
-          f"removed from the environment: {', '.join(removed) or 'nothing (not set)'}")
-    print(f"{'config':<28}{'threads':>8}{'caravan/s':>12}{'pytorch/s':>12}{'ratio':>8}"
-          f"{'GFLOP/s':>10}{'mm peak':>10}{'of peak':>9}")
-    for config, t, mo, mt, ratio, gf, peak in rows:
-        print(f"{config:<28}{t:>8}{mo:>12.1f}{mt:>12.1f}{ratio:>8.3f}{gf:>10.1f}{peak:>10.1f}"
-              f"{100 * gf / peak:>8.1f}%")
+    print(f"single-worker training throughput, samples/s, median of {a.repeats} interleaved "
+          f"runs each; removed from the environment: {', '.join(removed) or 'nothing (not set)'}"
+          f"; -t = PyTorch with {' '.join(k + '=' + v for k, v in TUNED.items())}")
+    widths = [22, 8] + [14] * len(ARMS) + [16] * len(RATIOS) + [13, 13]
+    print("".join(f"{h:>{w}}" for h, w in zip(HEADER, widths)))
+    for r in rows:
+        print("".join(f"{str(c):>{w}}" for c, w in zip(table_row(r), widths)))
+    for (t, dtype), v in sorted(peaks.items()):
+        print(f"matmul peak, {t} thread(s), {dtype}: {v:.1f} GFLOP/s")
     if a.json:
-        data = {"rows": rows, "raw": raw, "matmul_peak_gflops": peaks, "removed_env": removed,
-                "args": vars(a)}
+        data = {"rows": rows, "raw": raw, "matmul_peak_gflops": {f"{t} {d}": v for (t, d), v
+                                                                   in peaks.items()},
+                "removed_env": removed, "args": vars(a)}
         with open(a.json, "w") as f:
             json.dump(data, f, indent=1)
         print("wrote", write_charts(data, a.json))

@@ -66,7 +66,8 @@ def step_times(run_dir):
 
 def run(args, kind, budget, environ, tmp, use_cgroup, tag):
     run_dir = os.path.join(tmp, tag)
-    sets = [f"model.width={args.width}", f"model.depth={args.depth}", f"model.heads={args.heads}",
+    sets = ["train.precision=float32", "schedule.horizon=steps",  # as measured before bf16
+            f"model.width={args.width}", f"model.depth={args.depth}", f"model.heads={args.heads}",
             f"data.seq_len={args.context}", f"data.batch_size={args.batch}",
             "train.threads=1", f"train.max_steps={args.steps}", "train.log_every=1",
             "train.eval_every=0", "train.eval_batches=1", "checkpoint.every=0",

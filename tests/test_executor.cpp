@@ -67,12 +67,13 @@ struct Outcome {
 };
 
 // Two steps of SGD from the same initialization and batch; `policies` "" runs without an
-// executor (stock forward, still accounted).
-Outcome train(const ModelSpec& spec, const DataShape& shape, const std::string& policies,
+// executor (stock forward, still accounted). `bf16`: every block under bf16 autocast.
+Outcome train(bool bf16, const ModelSpec& spec, const DataShape& shape, const std::string& policies,
               Tier* tier, bool writesFirst = false) {
   installSavedTensorEngine();
   torch::manual_seed(7);
   BlockModel model = buildModel(spec, shape);
+  for (size_t i = 0; bf16 && i < model->numBlocks(); ++i) model->setBf16(i, true);
   model->train();
   torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   const Batch batch = test::randomBatch(shape, 4, 3);
@@ -137,16 +138,17 @@ std::unique_ptr<Tier> diskTier(const test::TempDir& dir) {
   }
 }
 
-void checkEveryPolicy(const ModelSpec& spec, const DataShape& shape, const std::string& mixed) {
+void checkEveryPolicy(const ModelSpec& spec, const DataShape& shape, const std::string& mixed,
+                      bool bf16 = false) {
   test::TempDir dir;
   HostTier host;
   std::unique_ptr<Tier> disk = diskTier(dir);
-  const Outcome plain = train(spec, shape, "", nullptr);
-  const Outcome keep = train(spec, shape, "keep", nullptr);
+  const Outcome plain = train(bf16, spec, shape, "", nullptr);
+  const Outcome keep = train(bf16, spec, shape, "keep", nullptr);
   expectSame(plain, keep, "keep under the executor");
   EXPECT_EQ(plain.activationPeak, keep.activationPeak);
 
-  const Outcome recompute = train(spec, shape, "recompute", nullptr);
+  const Outcome recompute = train(bf16, spec, shape, "recompute", nullptr);
   expectSame(keep, recompute, "recompute");
   EXPECT_LT(recompute.activationPeak, keep.activationPeak)
       << "recompute held as much as keep";
@@ -156,7 +158,7 @@ void checkEveryPolicy(const ModelSpec& spec, const DataShape& shape, const std::
     if (tier == nullptr) continue;
     SCOPED_TRACE(tier->describe());
     const int64_t readBefore = tier->bytesRead();
-    const Outcome swap = train(spec, shape, "swap", tier, /*writesFirst=*/true);
+    const Outcome swap = train(bf16, spec, shape, "swap", tier, /*writesFirst=*/true);
     expectSame(keep, swap, "swap");
     EXPECT_GT(swap.stats.bytesOffloaded, 0);
     // The swapped tensors really came back from the tier: all but the last block's, whose
@@ -164,11 +166,11 @@ void checkEveryPolicy(const ModelSpec& spec, const DataShape& shape, const std::
     EXPECT_GT(tier->bytesRead() - readBefore, swap.stats.bytesOffloaded / 2);
     EXPECT_LE(tier->bytesRead() - readBefore, swap.stats.bytesOffloaded);
     // And with writes racing backward (prefetches cancel writes not yet started).
-    expectSame(keep, train(spec, shape, "swap", tier), "swap, writes racing backward");
-    const Outcome swapInput = train(spec, shape, "swap-input", tier);
+    expectSame(keep, train(bf16, spec, shape, "swap", tier), "swap, writes racing backward");
+    const Outcome swapInput = train(bf16, spec, shape, "swap-input", tier);
     expectSame(keep, swapInput, "swap-input");
     EXPECT_LT(swapInput.activationPeak, keep.activationPeak);
-    expectSame(keep, train(spec, shape, mixed, tier), mixed);
+    expectSame(keep, train(bf16, spec, shape, mixed, tier), mixed);
   }
   if (!disk) std::cerr << "note: the temp dir is on tmpfs; the disk tier was not tested\n";
 }
@@ -178,6 +180,12 @@ void checkEveryPolicy(const ModelSpec& spec, const DataShape& shape, const std::
 TEST(Executor, EveryPolicyGivesKeepsGradientsOnGpt) {
   // Blocks: embedding, 3 transformer blocks, head.
   checkEveryPolicy(gptSpec(), lmShape(), "swap,recompute,swap-input,keep,swap");
+}
+
+// bf16 blocks save bf16 tensors; swapping moves them as they are and recompute reruns the
+// block under the same autocast (models/precision.h): still the same gradients as keep.
+TEST(Executor, EveryPolicyGivesKeepsGradientsOnGptInBf16) {
+  checkEveryPolicy(gptSpec(), lmShape(), "swap,recompute,swap-input,keep,swap", /*bf16=*/true);
 }
 
 TEST(Executor, EveryPolicyGivesKeepsGradientsOnCnn) {

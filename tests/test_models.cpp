@@ -22,6 +22,7 @@
 #include "core/errors.h"
 #include "models/blocks.h"
 #include "models/model.h"
+#include "models/precision.h"
 
 namespace caravan {
 namespace {
@@ -546,4 +547,52 @@ TEST(ModelPyTorchReference, ForwardAndGradientsMatchPyTorch) {
 }
 
 }  // namespace
+}  // namespace caravan
+
+namespace caravan {
+
+// bf16 blocks (models/precision.h) against the same model in float32: outputs, parameters and
+// gradients stay float32, the masters are untouched by forward, and the loss and gradients
+// are float32's within bf16's rounding (8 bits of mantissa: about 0.4% per product).
+TEST(Precision, Bf16BlocksKeepFloat32MastersGradientsAndOutputs) {
+  if (!cpuHasBf16Instructions()) GTEST_SKIP() << "no bf16 instructions on this CPU";
+  for (const char* name : {"gpt", "cnn"}) {
+    SCOPED_TRACE(name);
+    const bool lm = std::string(name) == "gpt";
+    const DataShape shape = lm ? lmShape(20, 32) : imageShape();
+    const ModelSpec s = lm ? spec(name, 32, 2, 2) : spec(name, 8);
+    torch::manual_seed(5);
+    BlockModel f32 = buildModel(s, shape);
+    torch::manual_seed(5);
+    BlockModel b16 = buildModel(s, shape);
+    for (size_t i = 0; i < b16->numBlocks(); ++i) b16->setBf16(i, true);
+    for (size_t i = 0; i < b16->numBlocks(); ++i) EXPECT_TRUE(b16->bf16(i));
+    const at::Tensor input = lm ? torch::randint(0, 20, {8, 32}) : torch::randn({8, 1, 28, 28});
+    const at::Tensor target = lm ? torch::randint(0, 20, {8, 32}) : torch::randint(0, 10, {8});
+    std::vector<at::Tensor> before;
+    for (const auto& p : b16->parameters()) before.push_back(p.detach().clone());
+    at::Tensor out32 = f32->forward(input), out16 = b16->forward(input);
+    EXPECT_EQ(out16.scalar_type(), at::kFloat);
+    at::Tensor l32 = f32->loss(out32, target), l16 = b16->loss(out16, target);
+    l32.backward();
+    l16.backward();
+    EXPECT_NEAR(l16.item<double>(), l32.item<double>(), 0.01 * l32.item<double>());
+    const auto p32 = f32->parameters(), p16 = b16->parameters();
+    ASSERT_EQ(p32.size(), p16.size());
+    for (size_t i = 0; i < p16.size(); ++i) {
+      EXPECT_EQ(p16[i].scalar_type(), at::kFloat);
+      EXPECT_TRUE(at::equal(p16[i], before[i])) << "forward changed parameter " << i;
+      ASSERT_TRUE(p16[i].grad().defined()) << i;
+      EXPECT_EQ(p16[i].grad().scalar_type(), at::kFloat);
+      const double cosine =
+          torch::cosine_similarity(p16[i].grad().flatten(), p32[i].grad().flatten(), 0)
+              .item<double>();
+      if (p32[i].grad().norm().item<double>() > 1e-6) EXPECT_GT(cosine, 0.98) << "parameter " << i;
+    }
+    // Back to float32: the same numbers as the float32 model.
+    for (size_t i = 0; i < b16->numBlocks(); ++i) b16->setBf16(i, false);
+    EXPECT_TRUE(at::equal(b16->forward(input), f32->forward(input)));
+  }
+}
+
 }  // namespace caravan

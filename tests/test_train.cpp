@@ -9,10 +9,13 @@
 
 #include "core/config.h"
 #include "core/errors.h"
+#include "models/precision.h"
 #include "run_util.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
+#include "train/precision.h"
+#include "train/run_options.h"
 #include "train/run_setup.h"
 #include "train/schedule.h"
 #include "train/setup.h"
@@ -45,6 +48,38 @@ TEST(Schedule, WarmupThenConstantStepCosine) {
   EXPECT_DOUBLE_EQ(learningRate(o, 4), 0.1);
   EXPECT_NEAR(learningRate(o, 54), 0.01 + 0.09 * 0.5, 1e-12);
   EXPECT_NEAR(learningRate(o, 104), 0.01, 1e-12);
+}
+
+TEST(Schedule, ATimeHorizonCountsTrainingSecondsAgainstTheBudget) {
+  ScheduleOptions o;
+  o.kind = "cosine";
+  o.peakLr = 0.1;
+  o.minLr = 0.01;
+  o.warmupSteps = 4;
+  o.totalSteps = 104;  // not read by a time horizon
+  o.horizon = "time";
+  o.budgetSeconds = 600;
+  EXPECT_DOUBLE_EQ(learningRate(o, 0, 500.0), 0.025);  // warm-up counts steps
+  EXPECT_DOUBLE_EQ(learningRate(o, 4, 0.0), 0.1);
+  EXPECT_NEAR(learningRate(o, 5, 300.0), 0.01 + 0.09 * 0.5, 1e-12);
+  EXPECT_NEAR(learningRate(o, 6, 150.0), 0.01 + 0.09 * 0.5 * (1 + std::cos(M_PI / 4)), 1e-12);
+  EXPECT_NEAR(learningRate(o, 1000, 600.0), 0.01, 1e-12);
+  EXPECT_NEAR(learningRate(o, 7, 900.0), 0.01, 1e-12);  // past the budget: the final rate
+}
+
+TEST(Schedule, ATimeHorizonNeedsABudgetAndACosine) {
+  auto refused = [](const std::vector<std::string>& sets, const std::string& needle) {
+    try {
+      validate(RunOptions::read(Config::fromString("", "<test>", sets)), 1);
+      ADD_FAILURE() << "accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused({"schedule.kind=cosine", "schedule.horizon=time"},
+          "set it (e.g. --set train.max_minutes");
+  refused({"schedule.kind=step", "schedule.horizon=time", "train.max_minutes=5"},
+          "use schedule.kind = cosine with schedule.horizon = time");
 }
 
 namespace {
@@ -98,6 +133,69 @@ TEST(Resume, GptAdamWWithDropoutIsExact) {
                                      "model.name=gpt", "model.width=16", "model.depth=2",
                                      "model.heads=2", "model.dropout=0.2", "optim.name=adamw",
                                      "optim.lr=0.003", "optim.grad_clip=1.0"}));
+}
+
+// schedule.horizon = time: each step's rate is the cosine at the training seconds before it,
+// and a resumed run goes on from the checkpoint's seconds (TrainingState::elapsedSeconds), not
+// from the peak. The oracle brackets the seconds a record's rate was computed from: no earlier
+// than the record two back was written (before the step ran), no later than this record.
+TEST(Resume, ATimeHorizonGoesOnFromTheCheckpointsSeconds) {
+  TempDir tmp;
+  const double budget = 1.5;  // seconds: train.max_minutes = 0.025
+  const Config config = syntheticConfig(
+      {"model.name=mlp", "model.width=8", "train.max_steps=1000000", "train.epochs=1000000",
+       "train.eval_every=0", "checkpoint.every=0", "train.max_minutes=0.025",
+       "schedule.kind=cosine", "schedule.horizon=time", "optim.lr=0.1", "schedule.min_lr=0.01"});
+  TrainerOptions o;
+  o.runDir = tmp / "run";
+  o.quiet = true;
+  o.stopAtStep = 20;
+  ASSERT_TRUE(train(config, o).stoppedEarly);
+  o.stopAtStep = 0;
+  o.resume = true;
+  const TrainSummary s = train(config, o);
+  EXPECT_FALSE(s.stoppedEarly);
+  EXPECT_GT(s.steps, 20);
+  auto cosine = [&](double t) {
+    return 0.01 + 0.09 * 0.5 * (1 + std::cos(M_PI * std::min(1.0, t / budget)));
+  };
+  std::vector<double> lr, time;
+  std::istringstream lines(test::readFile(o.runDir + "/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] != "train") continue;
+    lr.push_back(j.at("lr").get<double>());
+    time.push_back(j.at("time_s").get<double>());
+  }
+  ASSERT_EQ(static_cast<int64_t>(lr.size()), s.steps);
+  for (size_t k = 2; k < lr.size(); ++k) {
+    EXPECT_GE(lr[k], cosine(time[k]) - 1e-12) << "record " << k;
+    EXPECT_LE(lr[k], cosine(time[k - 2]) + 1e-12) << "record " << k;
+  }
+  EXPECT_GE(time.back(), budget);  // the run used its budget, and the rate came down with it
+  EXPECT_LT(lr.back(), cosine(time[time.size() - 3]) + 1e-12);
+  EXPECT_LT(lr.back(), 0.02);
+}
+
+TEST(Resume, Bf16BlocksAreExact) {
+  expectExactResume(
+      syntheticConfig({"data.synthetic_task=tokens", "data.seq_len=16", "model.name=gpt",
+                       "model.width=16", "model.depth=2", "model.heads=2", "optim.name=adamw",
+                       "optim.lr=0.003", "train.precision=bf16-all"}));
+}
+
+// A timed choice is recorded in each checkpoint and a resumed run takes it as it is.
+TEST(Precision, AResumedRunTakesTheCheckpointsChoice) {
+  if (!cpuHasBf16Instructions()) GTEST_SKIP() << "no bf16 instructions on this CPU";
+  RunSetup setup(syntheticConfig({"model.name=cnn", "model.width=4"}));
+  const PrecisionChoice c =
+      choosePrecision("bf16", setup.model, setup.sampleBatch(), 2, /*resumed=*/"010");
+  EXPECT_EQ(c.blocksText(), "010");
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(setup.model->bf16(i), i == 1) << i;
+  EXPECT_TRUE(c.float32Seconds.empty());  // not timed
+  const PrecisionChoice f = choosePrecision("float32", setup.model, setup.sampleBatch(), 2, "");
+  EXPECT_EQ(f.blocksText(), "");
+  for (size_t i = 0; i < 3; ++i) EXPECT_FALSE(setup.model->bf16(i)) << i;
 }
 
 TEST(Resume, ResnetBatchNormNesterovIsExact) {

@@ -101,6 +101,11 @@ std::vector<ConfigOption> buildSchema() {
       intOpt("schedule.step_size", 1000, 1, kMaxInt, "step: multiply the rate by gamma every N"),
       floatOpt("schedule.gamma", 0.1, 0.0, 1.0, "step: decay factor"),
       floatOpt("schedule.min_lr", 0.0, 0.0, 1e6, "cosine: final learning rate"),
+      strOpt("schedule.horizon", "steps",
+             "cosine: what its progress counts. steps: it reaches min_lr at the run's last step; "
+             "time: at train.max_minutes of training time, so a run uses its whole budget on "
+             "any machine (the time so far is in each checkpoint; warm-up counts steps)",
+             {"steps", "time"}),
 
       intOpt("train.epochs", 1, 1, 1e9, "passes over the training set"),
       intOpt("train.max_steps", 0, 0, kMaxInt, "stop after this many steps (0 = epochs decide)"),
@@ -126,6 +131,12 @@ std::vector<ConfigOption> buildSchema() {
              "memory.weights = offload (their updates happen before the check)"),
       intOpt("train.threads", 0, 0, 1024,
              "intra-op compute threads (0 = LibTorch's default: all cores)"),
+      strOpt("train.precision", "float32",
+             "float32; bf16: matrix products and convolutions in bfloat16 in the blocks where "
+             "that was timed faster at the start (float32 master weights, optimizer state, "
+             "losses and reductions); bf16-all: in every block, untimed. Without bf16 "
+             "instructions the run says so and stays float32",
+             {"float32", "bf16", "bf16-all"}),
 
       strOpt("memory.budget", "",
              "bytes the run may hold in tracked tensors (activations saved for backward, "

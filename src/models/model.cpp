@@ -10,6 +10,7 @@
 #include "core/errors.h"
 #include "models/blocks.h"
 #include "models/loss.h"
+#include "models/precision.h"
 #include "models/script_model.h"
 
 namespace caravan {
@@ -29,6 +30,36 @@ torch::Tensor BlockModelImpl::forwardBlocks(torch::Tensor x, size_t begin, size_
                            : blocks_[i].forward(std::move(x));
   }
   return x;
+}
+
+namespace {
+
+// A block under bf16 autocast (precision.h): the block is its registered child, so its
+// parameters() and buffers() are the block's own.
+class Bf16BlockImpl : public torch::nn::Module {
+ public:
+  explicit Bf16BlockImpl(torch::nn::AnyModule inner) : inner_(std::move(inner)) {
+    register_module("block", inner_.ptr());
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    torch::Tensor y;
+    {
+      Bf16Autocast autocast;
+      y = inner_.forward(std::move(x));
+    }
+    return y.is_floating_point() && y.scalar_type() != at::kFloat ? y.to(at::kFloat) : y;
+  }
+
+ private:
+  torch::nn::AnyModule inner_;
+};
+TORCH_MODULE(Bf16Block);
+
+}  // namespace
+
+void BlockModelImpl::setBf16(size_t i, bool bf16) {
+  if (bf16 == this->bf16(i)) return;
+  blocks_.at(i) = bf16 ? torch::nn::AnyModule(Bf16Block(plain_.at(i))) : plain_.at(i);
 }
 
 at::Tensor BlockModelImpl::loss(const at::Tensor& output, const at::Tensor& target) const {

@@ -52,6 +52,7 @@ class BlockModelImpl : public torch::nn::Module {
   void addBlock(const std::string& label, ModuleHolder block) {
     register_module("b" + std::to_string(blocks_.size()) + "_" + label, block.ptr());
     blocks_.emplace_back(std::move(block));
+    plain_.push_back(blocks_.back());
     labels_.push_back(label);
   }
 
@@ -65,6 +66,12 @@ class BlockModelImpl : public torch::nn::Module {
   BlockRunner* runner() const { return runner_; }
 
   size_t numBlocks() const { return blocks_.size(); }
+  // Mixed precision (train.precision, models/precision.h): block i runs under bf16 autocast
+  // (its matrix products and convolutions in bfloat16, its floating outputs back to float32)
+  // or in float32. Its parameters stay float32 either way: they are the master weights the
+  // optimizer updates. block(i) is then a wrapper whose parameters() are the block's.
+  void setBf16(size_t i, bool bf16);
+  bool bf16(size_t i) const { return blocks_.at(i).ptr() != plain_.at(i).ptr(); }
   torch::nn::AnyModule& block(size_t i) { return blocks_.at(i); }
   const std::string& blockLabel(size_t i) const { return labels_.at(i); }
   const std::string& modelName() const { return name_; }
@@ -97,7 +104,8 @@ class BlockModelImpl : public torch::nn::Module {
  private:
   std::string name_;
   TaskKind task_;
-  std::vector<torch::nn::AnyModule> blocks_;
+  std::vector<torch::nn::AnyModule> blocks_;  // what runs: a block or its bf16 wrapper
+  std::vector<torch::nn::AnyModule> plain_;   // the blocks as added
   std::vector<std::string> labels_;
   double forwardFlops_ = 0.0;
   BlockRunner* runner_ = nullptr;

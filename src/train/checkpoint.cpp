@@ -158,6 +158,7 @@ void saveCheckpoint(const std::string& path, torch::nn::Module& model,
   archive.write("batch_in_epoch", c10::IValue(state.position.batchInEpoch));
   archive.write("rng", state.rngState, /*is_buffer=*/true);
   archive.write("elapsed_s", c10::IValue(state.elapsedSeconds));
+  archive.write("bf16_blocks", c10::IValue(state.bf16Blocks));
   archive.write("meta", c10::IValue(state.meta.dump()));
   archive.write("workers", c10::IValue(state.workers));
   archive.write("batch_size", c10::IValue(state.batchSize));
@@ -299,6 +300,7 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
     // Checkpoints from before these were stored: 0, the resuming job's own.
     if (archive.try_read("workers", v)) state.workers = v.toInt();
     if (archive.try_read("batch_size", v)) state.batchSize = v.toInt();
+    if (archive.try_read("bf16_blocks", v)) state.bf16Blocks = v.toStringRef();
     if (state.workers < 0 || state.workers > (1 << 20) || state.batchSize < 0 ||
         state.batchSize > (int64_t{1} << 30)) {
       throw CheckpointError(fmt::format("checkpoint {} says it was written by {} workers with "

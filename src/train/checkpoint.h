@@ -36,6 +36,7 @@ struct TrainingState {
   std::map<std::string, at::Tensor> strategy;  // Strategy::saveState (empty in one process)
   at::Tensor rngState;                // default CPU generator (dropout)
   double elapsedSeconds = 0.0;        // training time of the run so far (metrics time_s)
+  std::string bf16Blocks;             // train.precision's choice (PrecisionChoice::blocksText)
   nlohmann::json meta;                // identity of the run: model/optimizer/data keys
 };
 

@@ -241,19 +241,20 @@ std::optional<double> Distributed::takeOutstandingSeconds() {
   return seconds;
 }
 
-Agreement Distributed::agree(double loss, bool interrupted, bool timeUp, const RankWindow* window,
-                             std::vector<RankWindow>* all) {
-  // One sum: [loss, interrupted, time up] then, with `window`, three slots per worker of which
-  // each fills its own.
-  constexpr int kSlots = 3;
+Agreement Distributed::agree(double loss, bool interrupted, bool timeUp, double trainSeconds,
+                             const RankWindow* window, std::vector<RankWindow>* all) {
+  // One sum: [loss, interrupted, time up, training seconds] then, with `window`, three slots
+  // per worker of which each fills its own.
+  constexpr int kShared = 4, kSlots = 3;
   const int n = comm->size();
-  at::Tensor t = torch::zeros({3 + (window != nullptr ? kSlots * n : 0)});
+  at::Tensor t = torch::zeros({kShared + (window != nullptr ? kSlots * n : 0)});
   float* v = t.data_ptr<float>();  // filled and read in place: no tensor op per slot
   v[0] = static_cast<float>(loss);
   v[1] = interrupted ? 1.0f : 0.0f;
   v[2] = timeUp ? 1.0f : 0.0f;
+  v[3] = static_cast<float>(trainSeconds);
   if (window != nullptr) {
-    float* own = v + 3 + kSlots * comm->rank();
+    float* own = v + kShared + kSlots * comm->rank();
     own[0] = static_cast<float>(window->computeS);
     own[1] = static_cast<float>(window->syncWaitS);
     own[2] = static_cast<float>(window->trackedPeakBytes);
@@ -263,10 +264,11 @@ Agreement Distributed::agree(double loss, bool interrupted, bool timeUp, const R
   a.meanLoss = static_cast<double>(v[0]) / n;
   a.interrupted = v[1] > 0;
   a.timeUp = v[2] > 0;
+  a.meanTrainSeconds = static_cast<double>(v[3]) / n;
   if (window != nullptr && all != nullptr) {
     all->assign(n, RankWindow{});
     for (int r = 0; r < n; ++r) {
-      const float* w = v + 3 + kSlots * r;
+      const float* w = v + kShared + kSlots * r;
       (*all)[r] = {w[0], w[1], w[2]};
     }
   }

@@ -29,6 +29,7 @@ struct Agreement {
   double meanLoss = 0.0;
   bool interrupted = false;  // some rank was asked to stop (signal, --stop-at-step)
   bool timeUp = false;       // some rank reached train.max_minutes
+  double meanTrainSeconds = 0.0;  // the workers' training time so far (their mean)
 };
 
 // One rank's numbers for the train record's per-rank columns (the report's skew chart): the
@@ -71,10 +72,10 @@ class Distributed {
   // (parameter servers, OSP). An upper bound on the time spent communicating: Gloo tells a
   // transfer's completion only when asked.
   std::optional<double> takeOutstandingSeconds();
-  // The mean loss over the workers and whether any must stop. With `window`, also every
-  // worker's window (returned in rank order; empty without).
-  Agreement agree(double loss, bool interrupted, bool timeUp, const RankWindow* window = nullptr,
-                  std::vector<RankWindow>* all = nullptr);
+  // The mean loss and training seconds over the workers and whether any must stop. With
+  // `window`, also every worker's window (returned in rank order; empty without).
+  Agreement agree(double loss, bool interrupted, bool timeUp, double trainSeconds,
+                  const RankWindow* window = nullptr, std::vector<RankWindow>* all = nullptr);
 
   // Liveness (Gloo runs; under MPI, mpirun itself stops the job when a rank dies and names it).
   // The last step this rank completed, published with its heartbeat.

@@ -129,6 +129,8 @@ RunOptions RunOptions::read(const Config& config) {
   s.stepSize = config.i64("schedule.step_size");
   s.gamma = config.f64("schedule.gamma");
   s.minLr = config.f64("schedule.min_lr");
+  s.horizon = config.str("schedule.horizon");
+  s.budgetSeconds = config.f64("train.max_minutes") * 60.0;
 
   LoopOptions& l = r.loop;
   l.epochs = config.i64("train.epochs");
@@ -148,6 +150,7 @@ RunOptions RunOptions::read(const Config& config) {
         parseBytes(config.str("train.freed_memory_cache"), "train.freed_memory_cache");
   }
   r.runtime.threads = config.i64("train.threads");
+  r.runtime.precision = config.str("train.precision");
 
   MemoryOptions& m = r.memory;
   m.policy = config.str("memory.policy");
@@ -179,6 +182,20 @@ WeightOptions weightOptions(const RunOptions& options) {
 void validate(const OptimizerOptions& optim) {
   if (optim.name == "sgd" && optim.nesterov && optim.momentum <= 0.0) {
     throw ConfigError("optim.nesterov = true needs optim.momentum > 0");
+  }
+}
+
+void validate(const ScheduleOptions& schedule) {
+  if (schedule.horizon != "time") return;
+  if (schedule.budgetSeconds <= 0) {
+    throw ConfigError(
+        "schedule.horizon = time counts train.max_minutes: set it (e.g. --set "
+        "train.max_minutes=20) or use schedule.horizon = steps");
+  }
+  if (schedule.kind == "step") {
+    throw ConfigError(
+        "schedule.kind = step decays every schedule.step_size steps, which a time horizon does "
+        "not change; use schedule.kind = cosine with schedule.horizon = time");
   }
 }
 
@@ -257,6 +274,7 @@ void validate(const RunOptions& options, int worldSize) {
     }
   }
   validate(options.optim);
+  validate(options.schedule);
   if (distributed) {
     // Waits are counted in milliseconds: less than one would be no wait at all.
     for (const auto& [key, value] :

@@ -73,6 +73,7 @@ struct RuntimeOptions {
   bool keepFreedMemory = true;
   int64_t freedMemoryCache = 0;  // bytes
   int64_t threads = 0;           // 0: the libraries' defaults
+  std::string precision = "float32";  // float32 | bf16 | bf16-all (train/precision.h)
 };
 
 struct MemoryOptions {
@@ -147,6 +148,9 @@ void validate(const RunOptions& options, int worldSize);
 // The optimizer keys on their own (part of validate; also what makeOptimizer checks, for the
 // paths that build one without training: caravan eval, the servers).
 void validate(const OptimizerOptions& optim);
+// The schedule keys on their own (part of validate): a time horizon needs train.max_minutes
+// and a cosine (or constant) schedule.
+void validate(const ScheduleOptions& schedule);
 
 // The out-of-core store's options (memory.prefetch, optim.*).
 WeightOptions weightOptions(const RunOptions& options);

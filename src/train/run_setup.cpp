@@ -114,6 +114,12 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
   // before anything is written, so a run that cannot fit leaves nothing behind.
   const Batch sample = sampleBatch();
   checkTrainingFitsMachine(options, model, sample, data.train->shape().seqLen, localProcesses);
+  // After the machine check (its float32 estimate bounds a bf16 run's too), before the memory
+  // plan, whose profile times the blocks as they will run.
+  precision = choosePrecision(options.runtime.precision, model, sample,
+                              std::max<int>(2, static_cast<int>(options.memory.profileRepeats)),
+                              state.bf16Blocks);
+  state.bf16Blocks = precision.blocksText();
   activations = makeActivationMemory(options, model, sample, /*plan=*/false);
 }
 

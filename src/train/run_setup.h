@@ -32,6 +32,7 @@
 #include "sync/strategy.h"
 #include "train/checkpoint.h"
 #include "train/memory_setup.h"
+#include "train/precision.h"
 #include "train/run_options.h"
 #include "train/schedule.h"
 
@@ -95,6 +96,7 @@ class RunSetup {
   std::optional<std::string> resumedFrom;  // the checkpoint continued from
   TrainingState state;                     // the step and data position to continue at
   std::string reshardNote;                 // one line when the checkpoint was resharded
+  PrecisionChoice precision;               // train.precision's blocks (state.bf16Blocks records it)
   ActivationMemory activations;
 
   // attach:

@@ -1,5 +1,7 @@
 // Learning-rate schedules: linear warm-up, then constant, step decay or cosine decay.
-// Pure functions of the step, so a resumed run recomputes the schedule from the step alone.
+// Pure functions of the step and, for a time horizon, of the training seconds so far (which a
+// checkpoint records: TrainingState::elapsedSeconds), so a resumed run recomputes the schedule
+// from what the checkpoint holds.
 #pragma once
 
 #include <cstdint>
@@ -14,10 +16,16 @@ struct ScheduleOptions {
   int64_t stepSize = 1000;  // step: decay every stepSize steps after warm-up
   double gamma = 0.1;       // step: decay factor
   double minLr = 0.0;       // cosine: final rate
-  int64_t totalSteps = 1;   // cosine: the rate reaches minLr at this step
+  int64_t totalSteps = 1;   // cosine, steps horizon: the rate reaches minLr at this step
+  // cosine: what its progress counts. "steps": (step - warm-up) / (totalSteps - warm-up);
+  // "time": training seconds / budgetSeconds (train.max_minutes), so the rate reaches minLr
+  // when the run's time is up on any machine. Warm-up counts steps either way.
+  std::string horizon = "steps";
+  double budgetSeconds = 0.0;
 };
 
-// The rate for 0-based step `step` (the step about to be taken).
-double learningRate(const ScheduleOptions& options, int64_t step);
+// The rate for 0-based step `step` (the step about to be taken) after `trainSeconds` of
+// training (read only by a time horizon).
+double learningRate(const ScheduleOptions& options, int64_t step, double trainSeconds = 0.0);
 
 }  // namespace caravan

@@ -69,6 +69,7 @@ class StopState {
   // `window` goes along and every worker's comes back into window.ranks().
   double afterStep(int64_t step, double loss, double trainSeconds, Distributed* dist,
                    Strategy* strategy, MetricsWindow& window) {
+    scheduleSeconds_ = trainSeconds;
     bool interrupted = (options_.stopAtStep > 0 && step + 1 >= options_.stopAtStep) ||
                        (options_.stopRequested != nullptr && options_.stopRequested->load());
     bool timeUp = loop_.maxSeconds > 0 && trainSeconds >= loop_.maxSeconds;
@@ -77,9 +78,10 @@ class StopState {
       if (strategy == nullptr || strategy->lockstep() || logNow) {  // pipelines: lockstep
         // On the steps that write a train record, every worker's window comes along.
         const RankWindow own = window.own();
-        const Agreement a =
-            dist->agree(loss, interrupted, timeUp, logNow ? &own : nullptr, window.ranks());
+        const Agreement a = dist->agree(loss, interrupted, timeUp, trainSeconds,
+                                        logNow ? &own : nullptr, window.ranks());
         loss = a.meanLoss;
+        scheduleSeconds_ = a.meanTrainSeconds;
         interrupted = a.interrupted;
         timeUp = a.timeUp;
       } else {
@@ -96,12 +98,18 @@ class StopState {
     return stepsDone % loop_.logEvery == 0 || stepsDone == totalSteps_;
   }
   StopReason reason() const { return reason_; }
+  // The training seconds the next step's learning rate counts (schedule.horizon = time): the
+  // workers' mean where they agreed after the last step (every step in lockstep modes, so
+  // replicas take the same rate), else this rank's own.
+  double scheduleSeconds() const { return scheduleSeconds_; }
+  void setScheduleSeconds(double seconds) { scheduleSeconds_ = seconds; }
 
  private:
   const TrainerOptions& options_;
   const LoopOptions& loop_;
   int64_t totalSteps_;
   StopReason reason_ = StopReason::kNone;
+  double scheduleSeconds_ = 0.0;
 };
 
 // One run's training loop on this rank, from a prepared and attached RunSetup.
@@ -218,7 +226,7 @@ void Trainer::trainOneStep() {
   if (!sourceSamples_.empty()) {
     for (int64_t i : lb.indices) ++sourceSamples_[s_.data.train->sourceOf(i)];
   }
-  const double lr = learningRate(s_.schedule, state.step);
+  const double lr = learningRate(s_.schedule, state.step, stop_.scheduleSeconds());
   setLearningRate(*s_.optimizer, lr);
   if (strategy_ != nullptr) strategy_->setLearningRate(lr);
   const auto stepStart = Clock::now();
@@ -334,6 +342,7 @@ void Trainer::begin() {
   std::vector<at::Tensor> modelState = s_.weights ? std::vector<at::Tensor>{} : parameters_;
   for (const auto& b : s_.model->buffers()) modelState.push_back(b);
   savedTensors_ = std::make_unique<SavedTensorScope>(s_.memory, modelState);
+  for (const std::string& line : s_.precision.report) progress_.line(line);
   {
     std::istringstream report(s_.activations.report);
     for (std::string line; std::getline(report, line);) progress_.line(line);
@@ -341,6 +350,7 @@ void Trainer::begin() {
   releaseFreeHeap();
   epoch_ = state.position.epoch + 1;
   elapsedBefore_ = state.elapsedSeconds;
+  stop_.setScheduleSeconds(state.elapsedSeconds);  // a resumed schedule goes on from there
   start_ = Clock::now();
   timelineStep_ = std::min(state.step + 3, s_.totalSteps);
   s_.model->train();
@@ -588,7 +598,21 @@ void Trainer::writeSummary(double measuredFwdBwd) {
                        {"tracked_peak_bytes", runTrackedPeak_},
                        {"checkpoint", summary_.lastCheckpoint},
                        {"compute_threads", at::get_num_threads()},
-                       {"openmp_wait_policy", openMpWaitPolicy()}};
+                       {"openmp_wait_policy", openMpWaitPolicy()},
+                       {"precision", s_.precision.requested}};
+  {
+    nlohmann::json blocks = nlohmann::json::array();
+    for (size_t i = 0; i < s_.precision.bf16.size(); ++i) {
+      nlohmann::json b = {{"block", s_.model->blockLabel(i)},
+                          {"bf16", static_cast<bool>(s_.precision.bf16[i])}};
+      if (i < s_.precision.float32Seconds.size()) {
+        b["float32_s"] = s_.precision.float32Seconds[i];
+        b["bf16_s"] = s_.precision.bf16Seconds[i];
+      }
+      blocks.push_back(b);
+    }
+    sj["precision_blocks"] = blocks;
+  }
   if (s_.activations.plan) {
     sj["predicted_fwd_bwd_s"] = s_.activations.plan->prediction.stepSeconds;
     sj["predicted_activation_peak_bytes"] = s_.activations.plan->prediction.peakBytes;
