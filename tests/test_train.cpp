@@ -178,6 +178,7 @@ TEST(Resume, ATimeHorizonGoesOnFromTheCheckpointsSeconds) {
 }
 
 TEST(Resume, Bf16BlocksAreExact) {
+  if (!cpuHasBf16Instructions()) GTEST_SKIP() << "no bf16 instructions on this CPU";
   expectExactResume(
       syntheticConfig({"data.synthetic_task=tokens", "data.seq_len=16", "model.name=gpt",
                        "model.width=16", "model.depth=2", "model.heads=2", "optim.name=adamw",
@@ -193,6 +194,10 @@ TEST(Precision, AResumedRunTakesTheCheckpointsChoice) {
   EXPECT_EQ(c.blocksText(), "010");
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(setup.model->bf16(i), i == 1) << i;
   EXPECT_TRUE(c.float32Seconds.empty());  // not timed
+  // A timed choice of no block is a choice too: recorded, and taken again.
+  const PrecisionChoice none = choosePrecision("bf16", setup.model, setup.sampleBatch(), 2, "000");
+  EXPECT_EQ(none.blocksText(), "000");
+  for (size_t i = 0; i < 3; ++i) EXPECT_FALSE(setup.model->bf16(i)) << i;
   const PrecisionChoice f = choosePrecision("float32", setup.model, setup.sampleBatch(), 2, "");
   EXPECT_EQ(f.blocksText(), "");
   for (size_t i = 0; i < 3; ++i) EXPECT_FALSE(setup.model->bf16(i)) << i;

@@ -3,13 +3,12 @@
 
 #include <unistd.h>
 
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
-
-#include <fmt/format.h>
 
 #include "core/log.h"
 
@@ -22,10 +21,8 @@ constexpr const char* kSetByCaravan = "CARAVAN_OMP_SET";  // marks the value as 
 
 void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads) {
   if (std::getenv(kPolicy) != nullptr) return;
-  // LibTorch's default is one thread per core.
-  const int64_t threads = computeThreads > 0
-                              ? computeThreads
-                              : static_cast<int64_t>(std::thread::hardware_concurrency());
+  // LibTorch's default: OMP_NUM_THREADS, else one thread per core (asking starts no thread).
+  const int64_t threads = computeThreads > 0 ? computeThreads : at::get_num_threads();
   if (threads <= 1) return;
   setenv(kPolicy, "PASSIVE", 1);
   setenv(kSetByCaravan, "1", 1);

@@ -14,12 +14,13 @@
 
 namespace caravan {
 
-// When `computeThreads` (train.threads; 0 = LibTorch's default, every core) means more than
-// one thread and OMP_WAIT_POLICY is unset: sets OMP_WAIT_POLICY=PASSIVE and CARAVAN_OMP_SET=1
-// and replaces the process with /proc/self/exe `argv` (same arguments; about half a second of
-// loading LibTorch again). Returns otherwise, and when the exec fails (one warning line). A
-// user's OMP_WAIT_POLICY (ACTIVE) is kept. Child processes inherit the variable; the
-// launcher sets it for its workers (cli/launch.h).
+// When `computeThreads` (train.threads; 0 = LibTorch's default: OMP_NUM_THREADS, else every
+// core) means more than one thread and OMP_WAIT_POLICY is unset: sets OMP_WAIT_POLICY=PASSIVE and
+// CARAVAN_OMP_SET=1 and replaces the process with /proc/self/exe `argv` (same arguments; about half
+// a second of loading LibTorch again). Returns otherwise, and when the exec fails (one warning
+// line). A user's OMP_WAIT_POLICY (ACTIVE) is kept. Child processes inherit the variable; a worker
+// of `caravan train --workers` runs one thread unless train.threads says more (cli/launch.h), and
+// restarts itself only then.
 void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads);
 
 // The policy libgomp read: "PASSIVE (caravan's default)", "<value> (from the environment)" or

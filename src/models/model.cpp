@@ -47,7 +47,8 @@ class Bf16BlockImpl : public torch::nn::Module {
       Bf16Autocast autocast;
       y = inner_.forward(std::move(x));
     }
-    return y.is_floating_point() && y.scalar_type() != at::kFloat ? y.to(at::kFloat) : y;
+    const bool lowered = y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kHalf;
+    return lowered ? y.to(at::kFloat) : y;  // float64 blocks keep their outputs
   }
 
  private:

@@ -12,7 +12,7 @@ namespace caravan {
 std::string PrecisionChoice::blocksText() const {
   std::string text;
   for (bool b : bf16) text += b ? '1' : '0';
-  return text.find('1') == std::string::npos ? "" : text;
+  return chosen ? text : "";
 }
 
 namespace {
@@ -57,13 +57,15 @@ PrecisionChoice choosePrecision(const std::string& requested, BlockModel& model,
           resumed.size(), n));
     }
     for (size_t i = 0; i < n; ++i) c.bf16[i] = resumed[i] == '1';
+    c.chosen = true;
     applyChoice(model, c.bf16);
-    c.report.push_back(fmt::format("precision: bf16 for blocks {} (as the checkpoint chose)",
+    c.report.push_back(fmt::format("precision: bf16 for blocks {} (the checkpoint's choice)",
                                    blockList(model, c.bf16, true)));
     return c;
   }
   if (requested == "bf16-all") {
     c.bf16.assign(n, true);
+    c.chosen = true;
     applyChoice(model, c.bf16);
     c.report.push_back("precision: bf16 for every block (train.precision = bf16-all)");
     return c;
@@ -81,6 +83,7 @@ PrecisionChoice choosePrecision(const std::string& requested, BlockModel& model,
     timings += fmt::format("{}{} {:.2f}/{:.2f}", i == 0 ? "" : ", ", model->blockLabel(i),
                            c.float32Seconds[i] * 1e3, c.bf16Seconds[i] * 1e3);
   }
+  c.chosen = true;
   applyChoice(model, c.bf16);
   c.report.push_back(fmt::format("precision: bf16 for blocks {}; float32 for {}",
                                  blockList(model, c.bf16, true), blockList(model, c.bf16, false)));

@@ -21,7 +21,9 @@ struct PrecisionChoice {
   std::vector<bool> bf16;                           // per block, as applied to the model
   std::vector<double> float32Seconds, bf16Seconds;  // per block forward + backward (timed)
   std::vector<std::string> report;                  // lines for the terminal
-  // "" when every block is float32, else one 0/1 per block ("0111"): the checkpoint's record.
+  bool chosen = false;  // a bf16 choice was made (timed, every block, or the checkpoint's)
+  // The checkpoint's record: one 0/1 per block ("0111", "000" for a timed choice of none) when
+  // chosen, else "" (float32 asked for, or no bf16 instructions).
   std::string blocksText() const;
 };
 

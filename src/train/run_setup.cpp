@@ -114,8 +114,9 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
   // before anything is written, so a run that cannot fit leaves nothing behind.
   const Batch sample = sampleBatch();
   checkTrainingFitsMachine(options, model, sample, data.train->shape().seqLen, localProcesses);
-  // After the machine check (its float32 estimate bounds a bf16 run's too), before the memory
-  // plan, whose profile times the blocks as they will run.
+  // After the machine check (a float32 estimate: it does not count the bf16 copies of weights
+  // a bf16 block saves for backward), before the memory plan, whose profile times the blocks
+  // as they will run. Like the planner's profile, the timing holds every block's input.
   precision = choosePrecision(options.runtime.precision, model, sample,
                               std::max<int>(2, static_cast<int>(options.memory.profileRepeats)),
                               state.bf16Blocks);
@@ -170,8 +171,27 @@ RunSetup::PipelineCut RunSetup::pipelineCut(Communicator* comm) {
   return cut;
 }
 
+void RunSetup::takeRankZeroPrecision(Communicator& comm) {
+  const int64_t n = static_cast<int64_t>(model->numBlocks());
+  at::Tensor flags = torch::zeros({n}, at::kInt);
+  int32_t* f = flags.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) f[i] = precision.bf16[i] ? 1 : 0;
+  comm.broadcast(flags, 0)->wait(comm.timeout());
+  for (int64_t i = 0; i < n; ++i) {
+    precision.bf16[i] = f[i] != 0;
+    model->setBf16(static_cast<size_t>(i), precision.bf16[i]);
+  }
+  state.bf16Blocks = precision.blocksText();
+}
+
 void RunSetup::attach(Distributed* dist) {
   CARAVAN_CHECK(loader != nullptr, "RunSetup::attach before prepareTraining");
+  // Before the pipeline's cut, which rank 0 plans with its own blocks' precision.
+  // (The config decides whether to exchange, so every worker takes part even where a host's
+  // CPU lacks bf16: it then runs rank 0's choice emulated.)
+  if (dist != nullptr && options.runtime.precision != "float32") {
+    takeRankZeroPrecision(*dist->comm);
+  }
   const bool offload = options.memory.offloadWeights;
   if (options.pipeline.active()) {
     // Stages train their own blocks; every rank built the same model from seed.init or loaded

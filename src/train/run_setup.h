@@ -121,6 +121,9 @@ class RunSetup {
     std::vector<bool> recompute;
   };
   PipelineCut pipelineCut(Communicator* comm);
+  // Every worker of `comm` takes rank 0's bf16 blocks (train.precision = bf16 is timed, and
+  // ranks timing at once would disagree): one broadcast, then state.bf16Blocks records it.
+  void takeRankZeroPrecision(Communicator& comm);
 };
 
 }  // namespace caravan
