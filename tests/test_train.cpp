@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -587,4 +588,26 @@ TEST(Resume, MixtureIsExactAndCountsSamplesPerSource) {
   // The whole epoch: its 192 slots split 3:1 exactly (the interleave repeats a, a, a, b).
   EXPECT_EQ(a, 144);
   EXPECT_EQ(b, 48);
+}
+
+// The terminal's ETA of a run bounded by train.max_minutes is the time left, not the steps
+// left at the current rate (an 18-minute run promised 8 hours).
+TEST(Progress, TheEtaIsTheSoonerOfTheStepsAndTheTimeLeft) {
+  auto etaLine = [](double secondsLeft) {
+    char* text = nullptr;
+    size_t size = 0;
+    std::FILE* out = open_memstream(&text, &size);
+    {
+      Progress p(out, /*tty=*/false, /*quiet=*/false, /*totalSteps=*/1000000, /*logEvery=*/1);
+      p.update(1, 1, 1.0, 0.1, 10.0, secondsLeft);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      p.update(2, 1, 1.0, 0.1, 10.0, secondsLeft);
+    }
+    std::fclose(out);
+    std::string s(text, size);
+    std::free(text);
+    return s.substr(s.rfind("eta ") + 4);
+  };
+  EXPECT_EQ(etaLine(90.0), "01:30\n");
+  EXPECT_NE(etaLine(std::numeric_limits<double>::infinity()), "01:30\n");  // ~5.5 h of steps
 }

@@ -114,7 +114,8 @@ Progress::Progress(std::FILE* out, bool tty, bool quiet, int64_t totalSteps, int
   lastDraw_ = start_ - std::chrono::seconds(1);
 }
 
-void Progress::update(int64_t step, int64_t epoch, double loss, double lr, double samplesPerS) {
+void Progress::update(int64_t step, int64_t epoch, double loss, double lr, double samplesPerS,
+                      double secondsLeft) {
   if (quiet_) return;
   auto now = std::chrono::steady_clock::now();
   if (startStep_ < 0) {
@@ -123,7 +124,7 @@ void Progress::update(int64_t step, int64_t epoch, double loss, double lr, doubl
   }
   double elapsed = std::chrono::duration<double>(now - start_).count();
   double perStep = step > startStep_ ? elapsed / static_cast<double>(step - startStep_) : 0.0;
-  double eta = perStep * static_cast<double>(total_ - step);
+  double eta = std::min(perStep * static_cast<double>(total_ - step), std::max(0.0, secondsLeft));
   if (tty_) {
     if (now - lastDraw_ < std::chrono::milliseconds(100) && step != total_) return;
     lastDraw_ = now;

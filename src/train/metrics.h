@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -57,7 +58,10 @@ class Progress {
  public:
   // `out` is the terminal stream (stderr); `tty` selects the bar; `quiet` prints nothing.
   Progress(std::FILE* out, bool tty, bool quiet, int64_t totalSteps, int64_t logEvery);
-  void update(int64_t step, int64_t epoch, double loss, double lr, double samplesPerS);
+  // `secondsLeft`: of train.max_minutes (infinity without): the ETA is the sooner of the two
+  // ends, so a run bounded by time does not promise hours of steps it will not take.
+  void update(int64_t step, int64_t epoch, double loss, double lr, double samplesPerS,
+              double secondsLeft = std::numeric_limits<double>::infinity());
   // A line that must appear whole (eval results, checkpoints, warnings): clears the bar first.
   void line(const std::string& text);
   void finish();

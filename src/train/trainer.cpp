@@ -266,7 +266,9 @@ void Trainer::trainOneStep() {
   state.position = nextPosition(lb.position, s_.batchesPerEpoch);
   lastLoss_ = r.loss;
   const double samplesPerS = window_.samplesPerSecond();
-  progress_.update(state.step, epoch_, r.loss, lr, samplesPerS);
+  progress_.update(state.step, epoch_, r.loss, lr, samplesPerS,
+                   loop_.maxSeconds > 0 ? loop_.maxSeconds - trainSeconds()
+                                        : std::numeric_limits<double>::infinity());
   if (stop_.writesRecord(state.step)) writeTrainRecord(lr, samplesPerS);
   writeStrategyEvents();
   if (s_.pipeline && state.step == timelineStep_) writePipelineTimeline(r.stageSpans, stepStart);
