@@ -15,6 +15,19 @@ std::string PrecisionChoice::blocksText() const {
   return chosen ? text : "";
 }
 
+nlohmann::json PrecisionChoice::blocksJson(const BlockModelImpl& model) const {
+  nlohmann::json blocks = nlohmann::json::array();
+  for (size_t i = 0; i < bf16.size(); ++i) {
+    nlohmann::json b = {{"block", model.blockLabel(i)}, {"bf16", static_cast<bool>(bf16[i])}};
+    if (i < float32Seconds.size()) {
+      b["float32_s"] = float32Seconds[i];
+      b["bf16_s"] = bf16Seconds[i];
+    }
+    blocks.push_back(b);
+  }
+  return blocks;
+}
+
 namespace {
 
 void applyChoice(BlockModel& model, const std::vector<bool>& bf16) {

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "data/dataset.h"
 #include "models/model.h"
 
@@ -25,6 +27,8 @@ struct PrecisionChoice {
   // The checkpoint's record: one 0/1 per block ("0111", "000" for a timed choice of none) when
   // chosen, else "" (float32 asked for, or no bf16 instructions).
   std::string blocksText() const;
+  // summary.json's precision_blocks: per block its label, bf16 or not, and (timed) both times.
+  nlohmann::json blocksJson(const BlockModelImpl& model) const;
 };
 
 // bf16 where its forward + backward takes at most this fraction of float32's.

@@ -602,19 +602,7 @@ void Trainer::writeSummary(double measuredFwdBwd) {
                        {"compute_threads", at::get_num_threads()},
                        {"openmp_wait_policy", openMpWaitPolicy()},
                        {"precision", s_.precision.requested}};
-  {
-    nlohmann::json blocks = nlohmann::json::array();
-    for (size_t i = 0; i < s_.precision.bf16.size(); ++i) {
-      nlohmann::json b = {{"block", s_.model->blockLabel(i)},
-                          {"bf16", static_cast<bool>(s_.precision.bf16[i])}};
-      if (i < s_.precision.float32Seconds.size()) {
-        b["float32_s"] = s_.precision.float32Seconds[i];
-        b["bf16_s"] = s_.precision.bf16Seconds[i];
-      }
-      blocks.push_back(b);
-    }
-    sj["precision_blocks"] = blocks;
-  }
+  sj["precision_blocks"] = s_.precision.blocksJson(*s_.model);
   if (s_.activations.plan) {
     sj["predicted_fwd_bwd_s"] = s_.activations.plan->prediction.stepSeconds;
     sj["predicted_activation_peak_bytes"] = s_.activations.plan->prediction.peakBytes;
