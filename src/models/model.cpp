@@ -63,6 +63,11 @@ void BlockModelImpl::setBf16(size_t i, bool bf16) {
   blocks_.at(i) = bf16 ? torch::nn::AnyModule(Bf16Block(plain_.at(i))) : plain_.at(i);
 }
 
+void BlockModelImpl::setBf16(const std::vector<bool>& bf16) {
+  CARAVAN_CHECK_EQ(bf16.size(), blocks_.size(), "one precision per block");
+  for (size_t i = 0; i < bf16.size(); ++i) setBf16(i, bf16[i]);
+}
+
 at::Tensor BlockModelImpl::loss(const at::Tensor& output, const at::Tensor& target) const {
   return loss_ ? loss_(output, target) : taskLoss(task_, output, target);
 }

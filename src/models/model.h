@@ -71,6 +71,8 @@ class BlockModelImpl : public torch::nn::Module {
   // or in float32. Its parameters stay float32 either way: they are the master weights the
   // optimizer updates. block(i) is then a wrapper whose parameters() are the block's.
   void setBf16(size_t i, bool bf16);
+  // Every block at once: bf16[i] for block i (one entry per block).
+  void setBf16(const std::vector<bool>& bf16);
   bool bf16(size_t i) const { return blocks_.at(i).ptr() != plain_.at(i).ptr(); }
   torch::nn::AnyModule& block(size_t i) { return blocks_.at(i); }
   const std::string& blockLabel(size_t i) const { return labels_.at(i); }

@@ -11,6 +11,11 @@
 #include <torch/utils.h>
 
 namespace caravan {
+
+std::string optimizerStateKey(const at::Tensor& p) {
+  return c10::guts::to_string(p.unsafeGetTensorImpl());
+}
+
 namespace {
 
 // Every parameter's update runs on contiguous float32 CPU buffers; anything else takes
@@ -100,23 +105,6 @@ CARAVAN_CLONES void sgdLoop(float* __restrict p, const float* __restrict g, int6
 // One parameter through the original optimizer: a group of one with the same options, its
 // state moved in and back (an update of one parameter reads only that parameter's state).
 template <typename Original, typename Options, typename State>
-void stepWithOriginal(const at::Tensor& p, const Options& options, State& state);
-
-template <typename Closure>
-torch::Tensor runClosure(Closure& closure) {
-  if (closure == nullptr) return {};
-  at::AutoGradMode enableGrad(true);
-  return closure();
-}
-
-}  // namespace
-
-std::string optimizerStateKey(const at::Tensor& p) {
-  return c10::guts::to_string(p.unsafeGetTensorImpl());
-}
-
-namespace {
-template <typename Original, typename Options, typename State>
 void stepWithOriginal(const at::Tensor& p, const Options& options, State& state) {
   Original one({p}, options);
   const std::string key = optimizerStateKey(p);
@@ -126,104 +114,126 @@ void stepWithOriginal(const at::Tensor& p, const Options& options, State& state)
   auto updated = one.state().find(key);
   if (updated != one.state().end()) state[key] = std::move(updated->second);
 }
-}  // namespace
 
-torch::Tensor FusedAdamW::step(LossClosure closure) {
+// The step both optimizers take: the closure (with gradients on), then every parameter that has
+// a gradient through `update(p, options)`, which returns false for a parameter it does not
+// take; that one goes through Original's step.
+template <typename Original, typename Options, typename Groups, typename State, typename Update>
+torch::Tensor stepParameters(Groups& groups, State& state,
+                             const torch::optim::Optimizer::LossClosure& closure, Update&& update) {
   torch::NoGradGuard noGrad;
-  torch::Tensor loss = runClosure(closure);
-  for (auto& group : param_groups_) {
-    auto& options = static_cast<torch::optim::AdamWOptions&>(group.options());
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enableGrad(true);
+    loss = closure();
+  }
+  for (auto& group : groups) {
+    auto& options = static_cast<Options&>(group.options());
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      if (options.amsgrad() || !fusable(p)) {
-        stepWithOriginal<torch::optim::AdamW>(p, options, state_);
-        continue;
+      if (p.grad().defined() && !update(p, options)) {
+        stepWithOriginal<Original>(p, options, state);
       }
-      const std::string key = optimizerStateKey(p);
-      auto it = state_.find(key);
-      if (it == state_.end()) {
-        auto s = std::make_unique<torch::optim::AdamWParamState>();
-        s->step(0);
-        s->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-        s->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-        it = state_.emplace(key, std::move(s)).first;
-      }
-      auto& state = static_cast<torch::optim::AdamWParamState&>(*it->second);
-      state.step(state.step() + 1);
-      const double beta1 = std::get<0>(options.betas()), beta2 = std::get<1>(options.betas());
-      const double biasCorrection1 = 1 - std::pow(beta1, state.step());
-      const double biasCorrection2 = 1 - std::pow(beta2, state.step());
-      AdamWScalars s{};
-      s.weightDecay = options.weight_decay() != 0;
-      s.decay = static_cast<float>(1 - options.lr() * options.weight_decay());
-      s.beta1 = static_cast<float>(beta1);
-      s.oneMinusBeta1 = static_cast<float>(1 - beta1);
-      s.beta2 = static_cast<float>(beta2);
-      s.oneMinusBeta2 = static_cast<float>(1 - beta2);
-      s.sqrtBiasCorrection2 = static_cast<float>(std::sqrt(biasCorrection2));
-      s.eps = static_cast<float>(options.eps());
-      s.negStepSize = static_cast<float>(-(options.lr() / biasCorrection1));
-      at::Tensor m = state.exp_avg(), v = state.exp_avg_sq();
-      if (!m.is_contiguous()) m = m.contiguous();
-      if (!v.is_contiguous()) v = v.contiguous();
-      state.exp_avg(m);
-      state.exp_avg_sq(v);
-      float* pp = p.data_ptr<float>();
-      const float* gp = p.grad().data_ptr<float>();
-      float* mp = m.data_ptr<float>();
-      float* vp = v.data_ptr<float>();
-      forChunks(p.numel(),
-                [&](int64_t begin, int64_t end) { adamwLoop(pp, gp, mp, vp, begin, end, s); });
     }
   }
   return loss;
 }
 
-torch::Tensor FusedSgd::step(LossClosure closure) {
-  torch::NoGradGuard noGrad;
-  torch::Tensor loss = runClosure(closure);
-  for (auto& group : param_groups_) {
-    auto& options = static_cast<torch::optim::SGDOptions&>(group.options());
-    for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      if (!fusable(p)) {
-        stepWithOriginal<torch::optim::SGD>(p, options, state_);
-        continue;
-      }
-      SgdScalars s{};
-      s.hasWeightDecay = options.weight_decay() != 0;
-      s.weightDecay = static_cast<float>(options.weight_decay());
-      s.momentum = static_cast<float>(options.momentum());
-      s.oneMinusDampening = static_cast<float>(1 - options.dampening());
-      s.nesterov = options.nesterov();
-      s.negLr = static_cast<float>(-1 * options.lr());
-      float* pp = p.data_ptr<float>();
-      const float* gp = p.grad().data_ptr<float>();
-      if (options.momentum() == 0) {
-        forChunks(p.numel(), [&](int64_t begin, int64_t end) { sgdLoop(pp, gp, begin, end, s); });
-        continue;
-      }
-      const std::string key = optimizerStateKey(p);
-      auto it = state_.find(key);
-      const bool first = it == state_.end();
-      if (first) {
-        auto st = std::make_unique<torch::optim::SGDParamState>();
-        st->momentum_buffer(torch::empty_like(p, at::MemoryFormat::Contiguous));
-        it = state_.emplace(key, std::move(st)).first;
-      }
-      auto& state = static_cast<torch::optim::SGDParamState&>(*it->second);
-      at::Tensor buf = state.momentum_buffer();
-      if (!buf.is_contiguous()) {
-        buf = buf.contiguous();
-        state.momentum_buffer(buf);
-      }
-      float* bp = buf.data_ptr<float>();
-      forChunks(p.numel(), [&](int64_t begin, int64_t end) {
-        sgdMomentumLoop(pp, gp, bp, begin, end, first, s);
-      });
-    }
+// One float32 parameter through the fused AdamW loop, its state in `states`; false when the
+// loop does not take it (amsgrad, or not a dense contiguous float32 CPU tensor).
+template <typename States>
+bool fusedAdamW(const at::Tensor& p, const torch::optim::AdamWOptions& options, States& states) {
+  if (options.amsgrad() || !fusable(p)) return false;
+  const std::string key = optimizerStateKey(p);
+  auto it = states.find(key);
+  if (it == states.end()) {
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(0);
+    s->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+    s->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+    it = states.emplace(key, std::move(s)).first;
   }
-  return loss;
+  auto& state = static_cast<torch::optim::AdamWParamState&>(*it->second);
+  state.step(state.step() + 1);
+  const double beta1 = std::get<0>(options.betas()), beta2 = std::get<1>(options.betas());
+  const double biasCorrection1 = 1 - std::pow(beta1, state.step());
+  const double biasCorrection2 = 1 - std::pow(beta2, state.step());
+  AdamWScalars s{};
+  s.weightDecay = options.weight_decay() != 0;
+  s.decay = static_cast<float>(1 - options.lr() * options.weight_decay());
+  s.beta1 = static_cast<float>(beta1);
+  s.oneMinusBeta1 = static_cast<float>(1 - beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.oneMinusBeta2 = static_cast<float>(1 - beta2);
+  s.sqrtBiasCorrection2 = static_cast<float>(std::sqrt(biasCorrection2));
+  s.eps = static_cast<float>(options.eps());
+  s.negStepSize = static_cast<float>(-(options.lr() / biasCorrection1));
+  at::Tensor m = state.exp_avg(), v = state.exp_avg_sq();
+  if (!m.is_contiguous()) m = m.contiguous();
+  if (!v.is_contiguous()) v = v.contiguous();
+  state.exp_avg(m);
+  state.exp_avg_sq(v);
+  float* pp = p.data_ptr<float>();
+  const float* gp = p.grad().data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  forChunks(p.numel(),
+            [&](int64_t begin, int64_t end) { adamwLoop(pp, gp, mp, vp, begin, end, s); });
+  return true;
+}
+
+// The same for SGD (momentum, dampening, Nesterov, weight decay).
+template <typename States>
+bool fusedSgd(const at::Tensor& p, const torch::optim::SGDOptions& options, States& states) {
+  if (!fusable(p)) return false;
+  SgdScalars s{};
+  s.hasWeightDecay = options.weight_decay() != 0;
+  s.weightDecay = static_cast<float>(options.weight_decay());
+  s.momentum = static_cast<float>(options.momentum());
+  s.oneMinusDampening = static_cast<float>(1 - options.dampening());
+  s.nesterov = options.nesterov();
+  s.negLr = static_cast<float>(-1 * options.lr());
+  float* pp = p.data_ptr<float>();
+  const float* gp = p.grad().data_ptr<float>();
+  if (options.momentum() == 0) {
+    forChunks(p.numel(), [&](int64_t begin, int64_t end) { sgdLoop(pp, gp, begin, end, s); });
+    return true;
+  }
+  const std::string key = optimizerStateKey(p);
+  auto it = states.find(key);
+  const bool first = it == states.end();
+  if (first) {
+    auto st = std::make_unique<torch::optim::SGDParamState>();
+    st->momentum_buffer(torch::empty_like(p, at::MemoryFormat::Contiguous));
+    it = states.emplace(key, std::move(st)).first;
+  }
+  auto& state = static_cast<torch::optim::SGDParamState&>(*it->second);
+  at::Tensor buf = state.momentum_buffer();
+  if (!buf.is_contiguous()) {
+    buf = buf.contiguous();
+    state.momentum_buffer(buf);
+  }
+  float* bp = buf.data_ptr<float>();
+  forChunks(p.numel(),
+            [&](int64_t begin, int64_t end) { sgdMomentumLoop(pp, gp, bp, begin, end, first, s); });
+  return true;
+}
+
+}  // namespace
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  return stepParameters<torch::optim::AdamW, torch::optim::AdamWOptions>(
+      param_groups_, state_, closure,
+      [this](const at::Tensor& p, const torch::optim::AdamWOptions& options) {
+        return fusedAdamW(p, options, state_);
+      });
+}
+
+torch::Tensor FusedSgd::step(LossClosure closure) {
+  return stepParameters<torch::optim::SGD, torch::optim::SGDOptions>(
+      param_groups_, state_, closure,
+      [this](const at::Tensor& p, const torch::optim::SGDOptions& options) {
+        return fusedSgd(p, options, state_);
+      });
 }
 
 }  // namespace caravan

@@ -30,10 +30,6 @@ nlohmann::json PrecisionChoice::blocksJson(const BlockModelImpl& model) const {
 
 namespace {
 
-void applyChoice(BlockModel& model, const std::vector<bool>& bf16) {
-  for (size_t i = 0; i < model->numBlocks(); ++i) model->setBf16(i, bf16[i]);
-}
-
 std::string blockList(const BlockModel& model, const std::vector<bool>& bf16, bool which) {
   std::string out;
   for (size_t i = 0; i < bf16.size(); ++i) {
@@ -52,11 +48,11 @@ PrecisionChoice choosePrecision(const std::string& requested, BlockModel& model,
   const size_t n = model->numBlocks();
   c.bf16.assign(n, false);
   if (requested == "float32") {
-    applyChoice(model, c.bf16);
+    model->setBf16(c.bf16);
     return c;
   }
   if (!cpuHasBf16Instructions()) {
-    applyChoice(model, c.bf16);
+    model->setBf16(c.bf16);
     c.report.push_back(fmt::format(
         "train.precision = {}: this CPU has no bf16 instructions (AVX512_BF16 or AMX-BF16), "
         "where bf16 runs slower than float32; the run stays float32",
@@ -71,7 +67,7 @@ PrecisionChoice choosePrecision(const std::string& requested, BlockModel& model,
     }
     for (size_t i = 0; i < n; ++i) c.bf16[i] = resumed[i] == '1';
     c.chosen = true;
-    applyChoice(model, c.bf16);
+    model->setBf16(c.bf16);
     c.report.push_back(fmt::format("precision: bf16 for blocks {} (the checkpoint's choice)",
                                    blockList(model, c.bf16, true)));
     return c;
@@ -79,14 +75,14 @@ PrecisionChoice choosePrecision(const std::string& requested, BlockModel& model,
   if (requested == "bf16-all") {
     c.bf16.assign(n, true);
     c.chosen = true;
-    applyChoice(model, c.bf16);
+    model->setBf16(c.bf16);
     c.report.push_back("precision: bf16 for every block (train.precision = bf16-all)");
     return c;
   }
   CARAVAN_CHECK(requested == "bf16", "train.precision {}", requested);
-  applyChoice(model, std::vector<bool>(n, false));
+  model->setBf16(std::vector<bool>(n, false));
   const ModelProfile f32 = profileModel(model, sample, repeats);
-  applyChoice(model, std::vector<bool>(n, true));
+  model->setBf16(std::vector<bool>(n, true));
   const ModelProfile b16 = profileModel(model, sample, repeats);
   std::string timings;
   for (size_t i = 0; i < n; ++i) {
@@ -97,7 +93,7 @@ PrecisionChoice choosePrecision(const std::string& requested, BlockModel& model,
                            c.float32Seconds[i] * 1e3, c.bf16Seconds[i] * 1e3);
   }
   c.chosen = true;
-  applyChoice(model, c.bf16);
+  model->setBf16(c.bf16);
   c.report.push_back(fmt::format("precision: bf16 for blocks {}; float32 for {}",
                                  blockList(model, c.bf16, true), blockList(model, c.bf16, false)));
   c.report.push_back(fmt::format(

@@ -177,10 +177,8 @@ void RunSetup::takeRankZeroPrecision(Communicator& comm) {
   int32_t* f = flags.data_ptr<int32_t>();
   for (int64_t i = 0; i < n; ++i) f[i] = precision.bf16[i] ? 1 : 0;
   comm.broadcast(flags, 0)->wait(comm.timeout());
-  for (int64_t i = 0; i < n; ++i) {
-    precision.bf16[i] = f[i] != 0;
-    model->setBf16(static_cast<size_t>(i), precision.bf16[i]);
-  }
+  for (int64_t i = 0; i < n; ++i) precision.bf16[i] = f[i] != 0;
+  model->setBf16(precision.bf16);
   state.bf16Blocks = precision.blocksText();
 }
 
