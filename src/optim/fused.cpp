@@ -12,10 +12,6 @@
 
 namespace caravan {
 
-std::string optimizerStateKey(const at::Tensor& p) {
-  return c10::guts::to_string(p.unsafeGetTensorImpl());
-}
-
 namespace {
 
 // Every parameter's update runs on contiguous float32 CPU buffers; anything else takes

@@ -21,6 +21,7 @@
 
 #include <string>
 
+#include <c10/util/C++17.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
@@ -39,8 +40,11 @@ class FusedSgd : public torch::optim::SGD {
 };
 
 // The key of `p`'s state in a torch::optim optimizer's state() (LibTorch 1.13: its
-// TensorImpl's address as text).
-std::string optimizerStateKey(const at::Tensor& p);
+// TensorImpl's address as text). Inline, so that code which only reads optimizer state (the
+// parameter servers' state exchange, the fuzz targets) does not link the fused kernels.
+inline std::string optimizerStateKey(const at::Tensor& p) {
+  return c10::guts::to_string(p.unsafeGetTensorImpl());
+}
 
 // Elements a thread takes at least (below 2x this a buffer is updated by one thread).
 constexpr int64_t kParallelGrain = 1 << 16;
