@@ -221,7 +221,7 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
   }
   std::cout << m.report;
   if (!m.plan->fits) {
-    const int64_t smallest = smallestPlannedBudget(*m.plan, persistentBytes(options, setup.model));
+    const int64_t smallest = smallestPlannedBudget(*m.plan, m.persistent);
     throw ConfigError(
         fmt::format("no plan fits memory.budget = {}; the smallest budget the "
                     "planner can fit is {} ({} bytes)",

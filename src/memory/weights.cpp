@@ -43,21 +43,16 @@ at::Tensor viewOf(const at::Storage& s, int64_t offsetBytes, at::ScalarType dtyp
 
 }  // namespace
 
-struct OutOfCoreWeights::Block {
+struct OutOfCoreWeights::Piece {
   struct Member {
     at::Tensor tensor;  // the parameter or state tensor itself (set_data moves it)
     std::vector<int64_t> sizes;
     at::ScalarType dtype = at::kFloat;
     int64_t offset = 0;  // bytes into the blob
-    bool parameter = false;
   };
-  size_t index = 0;
-  std::vector<at::Tensor> params;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  std::vector<Member> members;
-  int64_t bytes = 0, paramBytes = 0, stateBytes = 0;
-  // Where the block's bytes are. kOnTier -> kReading -> kClean (read in); kClean -> kOnTier
-  // (evicted when nothing pins it); an update makes it kDirty -> kWriting -> kClean.
+  // Where the piece's bytes are. kOnTier -> kReading -> kClean (read in); kClean -> kOnTier
+  // (evicted when nothing pins it); an update makes it kDirty -> kWriting -> kClean. A piece
+  // without members (state before the first step) stays kDirty and is never written.
   enum class Copy {
     kOnTier,   // not in memory; the tier copy is current
     kReading,  // a read is in flight
@@ -65,24 +60,42 @@ struct OutOfCoreWeights::Block {
     kWriting,  // in memory; a write of this blob is in flight
     kClean,    // in memory; the tier copy equals it
   };
-  // This step's update. kAwaitingGradients -> kQueued (every gradient in, or finishStep) ->
-  // kDone; a block without parameters is kDone from the start of the step.
-  enum class Update { kAwaitingGradients, kQueued, kDone };
 
-  at::Storage blob;  // defined while in memory (kDirty, kWriting, kClean)
+  Block* block = nullptr;
+  bool weights = false;            // the block's parameters; else the optimizer state of `params`
+  std::vector<at::Tensor> params;  // state: its parameters
+  std::unique_ptr<torch::optim::Optimizer> optimizer;  // state: steps `params`
+  std::vector<Member> members;
+  int64_t bytes = 0;      // the blob's (members aligned)
+  int64_t dataBytes = 0;  // the members' own, as the tracker counts them
+  at::Storage blob;       // defined while in memory (kDirty, kWriting, kClean) with members
   int64_t slot = -1;
   Copy copy = Copy::kDirty;
-  Update update = Update::kDone;
-  bool keep = false;         // block 0: always in memory
-  int pins = 0;              // forward, updates, withAllResident
-  bool backwardPin = false;  // from acquire() until the update
-  int64_t gradsPending = 0;  // this step
-  int64_t gradBytes = 0;     // counted in the tracker
-  bool counted = false;      // the blob in memory is counted in the tracker
+  int pins = 0;          // forward, updates, withAllResident
+  bool counted = false;  // the blob in memory is counted in the tracker
 
   bool inMemory() const {
     return copy == Copy::kDirty || copy == Copy::kWriting || copy == Copy::kClean;
   }
+  MemoryCategory category() const {
+    return weights ? MemoryCategory::kWeights : MemoryCategory::kOptimizerState;
+  }
+};
+
+struct OutOfCoreWeights::Block {
+  // This step's update. kAwaitingGradients -> kQueued (every gradient in, or finishStep) ->
+  // kDone; a block without parameters is kDone from the start of the step.
+  enum class Update { kAwaitingGradients, kQueued, kDone };
+
+  size_t index = 0;
+  std::vector<at::Tensor> params;
+  Piece weights;
+  std::vector<std::unique_ptr<Piece>> state;
+  Update update = Update::kDone;
+  bool keep = false;         // block 0: always in memory
+  bool backwardPin = false;  // the weights, from acquire() until the update
+  int64_t gradsPending = 0;  // this step
+  int64_t gradBytes = 0;     // counted in the tracker
 };
 
 namespace {
@@ -115,30 +128,57 @@ std::vector<std::vector<at::Tensor>> blockParameters(BlockModel& model) {
   return groups;
 }
 
-int64_t OutOfCoreWeights::windowBytes(BlockModel& model, const WeightOptions& options) {
-  std::vector<int64_t> blob, grads;
-  for (const auto& ps : blockParameters(model)) {
-    const int64_t w = tensorBytes(ps);
-    blob.push_back(w * (1 + options.stateFactor));
+std::vector<std::vector<size_t>> statePieces(const std::vector<at::Tensor>& params,
+                                             const WeightOptions& options) {
+  std::vector<std::vector<size_t>> pieces;
+  int64_t bytes = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const int64_t b = tensorBytes({params[k]}) * options.stateFactor;
+    if (pieces.empty() || bytes + b > options.stateChunkBytes) {
+      pieces.emplace_back();
+      bytes = 0;
+    }
+    pieces.back().push_back(k);
+    bytes += b;
+  }
+  return pieces;
+}
+
+WeightWindow OutOfCoreWeights::window(BlockModel& model, const WeightOptions& options) {
+  WeightWindow out;
+  const std::vector<std::vector<at::Tensor>> blocks = blockParameters(model);
+  if (blocks.empty()) return out;
+  int64_t weights = 0, state = 0;  // the largest of blocks 1..
+  std::vector<int64_t> grads;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t w = tensorBytes(blocks[i]);
     grads.push_back(w);
+    if (i == 0) continue;
+    weights = std::max(weights, w);
+    for (const auto& piece : statePieces(blocks[i], options)) {
+      int64_t s = 0;
+      for (size_t k : piece) s += tensorBytes({blocks[i][k]}) * options.stateFactor;
+      state = std::max(state, s);
+    }
   }
-  if (blob.empty()) return 0;
-  int64_t total = blob[0];
-  std::vector<int64_t> rest(blob.begin() + 1, blob.end());
-  std::sort(rest.rbegin(), rest.rend());
-  // In memory at once besides block 0: the block in use, its prefetches, one block waiting for
-  // its update, the block being updated (waiting for a write slot) and the blobs being written;
-  // gradients: the block in backward and at most
-  // two waiting for or in their update (acquire()'s backpressure).
-  const size_t inFlight = static_cast<size_t>(options.prefetch + 3 + options.maxWritesInFlight);
-  for (size_t k = 0; k < rest.size() && k < inFlight; ++k) total += rest[k];
+  const int64_t backlog = std::max(options.updateBacklog, 0);
+  const int64_t writes = options.maxWritesInFlight;
+  // Block 0 stays; the block in use, its prefetches and the blocks waiting for or in their
+  // update hold their weights; the update holds the piece it steps and the next, each queued
+  // block its first; and any of them may be among the pieces being written.
+  out.weights = grads[0] + (2 + options.prefetch + backlog + writes) * weights;
+  out.state = grads[0] * options.stateFactor + (2 + backlog + writes) * state;
   std::sort(grads.rbegin(), grads.rend());
-  if (!options.overlapUpdates) {
-    for (int64_t g : grads) total += g;  // every gradient waits for finishStep()
-  } else {
-    for (size_t k = 0; k < grads.size() && k < 3; ++k) total += grads[k];
-  }
-  return total;
+  const size_t withGradients =
+      options.overlapUpdates ? static_cast<size_t>(2 + backlog) : grads.size();
+  for (size_t k = 0; k < grads.size() && k < withGradients; ++k) out.gradients += grads[k];
+  // At most `writes` pieces in flight in all: the larger kind counted.
+  out.total = out.weights + out.state + out.gradients - writes * std::min(weights, state);
+  return out;
+}
+
+int64_t OutOfCoreWeights::windowBytes(BlockModel& model, const WeightOptions& options) {
+  return window(model, options).total;
 }
 
 OutOfCoreWeights::OutOfCoreWeights(BlockModel model, torch::optim::Optimizer& optimizer,
@@ -172,20 +212,30 @@ OutOfCoreWeights::OutOfCoreWeights(BlockModel model, torch::optim::Optimizer& op
     b->index = i;
     b->params = std::move(groups[i]);
     b->keep = i == 0;
+    b->weights.block = b.get();
+    b->weights.weights = true;
     if (!b->params.empty()) {
-      b->optimizer = make(b->params);
-      for (const auto& p : b->params) {
-        auto it = optimizer_.state().find(optimizerStateKey(p));
-        if (it != optimizer_.state().end()) {
-          b->optimizer->state()[it->first] = std::move(it->second);
-          optimizer_.state().erase(it);
+      for (const auto& indices : statePieces(b->params, options_)) {
+        auto piece = std::make_unique<Piece>();
+        piece->block = b.get();
+        for (size_t k : indices) piece->params.push_back(b->params[k]);
+        piece->optimizer = make(piece->params);
+        for (const auto& p : piece->params) {
+          auto it = optimizer_.state().find(optimizerStateKey(p));
+          if (it != optimizer_.state().end()) {
+            piece->optimizer->state()[it->first] = std::move(it->second);
+            optimizer_.state().erase(it);
+          }
         }
+        b->state.push_back(std::move(piece));
       }
     }
     blocks_.push_back(std::move(b));
   }
   for (auto& b : blocks_) {
-    if (!b->params.empty()) buildLayout(*b);
+    if (b->params.empty()) continue;
+    buildLayout(b->weights);
+    for (auto& piece : b->state) buildLayout(*piece);
   }
   // An accumulator records its parameter's shape when it is made: make (and hold) them while
   // every parameter has its own, before anything leaves memory.
@@ -202,14 +252,19 @@ OutOfCoreWeights::OutOfCoreWeights(BlockModel model, torch::optim::Optimizer& op
   }
   try {
     for (auto& b : blocks_) {
-      if (!b->params.empty() && !b->keep) writeLocked(b->index, lock);
+      if (b->params.empty() || b->keep) continue;
+      writeLocked(b->weights, lock);
+      for (auto& piece : b->state) writeLocked(*piece, lock);
     }
   } catch (...) {
     // A write failed (disk full, file size limit): the queued jobs refer to this store.
     lock.unlock();
     tier_.drain();
     for (auto& b : blocks_) {
-      if (b->slot >= 0) tier_.free(b->slot);
+      if (b->weights.slot >= 0) tier_.free(b->weights.slot);
+      for (auto& piece : b->state) {
+        if (piece->slot >= 0) tier_.free(piece->slot);
+      }
     }
     throw;
   }
@@ -254,7 +309,10 @@ OutOfCoreWeights::~OutOfCoreWeights() {
   // Everything back in memory as plain tensors would need reads that may fail; the parameters
   // of a destroyed store are left as they are (empty where evicted).
   for (auto& b : blocks_) {
-    if (b->slot >= 0) tier_.free(b->slot);
+    if (b->weights.slot >= 0) tier_.free(b->weights.slot);
+    for (auto& piece : b->state) {
+      if (piece->slot >= 0) tier_.free(piece->slot);
+    }
   }
 }
 
@@ -269,30 +327,36 @@ void OutOfCoreWeights::checkLocked() const {
   tier_.check();
 }
 
-void OutOfCoreWeights::buildLayout(Block& b) {
-  // The members in memory: the parameters, then each one's optimizer state.
-  std::vector<Block::Member> members;
-  for (const auto& p : b.params) {
-    Block::Member m;
-    m.tensor = p;
-    m.parameter = true;
-    members.push_back(m);
-  }
-  for (const auto& p : b.params) {
-    for (const auto& t : stateTensors(*b.optimizer, p)) {
-      Block::Member m;
-      m.tensor = t;
-      members.push_back(m);
+void OutOfCoreWeights::buildLayout(Piece& p) {
+  // The members in memory: the block's parameters, or each of the piece's parameters' state.
+  std::vector<Piece::Member> members;
+  if (p.weights) {
+    for (const auto& t : p.block->params) members.push_back(Piece::Member{t, {}, at::kFloat, 0});
+  } else {
+    for (const auto& param : p.params) {
+      for (const auto& t : stateTensors(*p.optimizer, param)) {
+        members.push_back(Piece::Member{t, {}, at::kFloat, 0});
+      }
     }
   }
-  int64_t offset = 0, paramBytes = 0, stateBytes = 0;
+  if (p.blob) {
+    blobOwner_.erase(p.blob.unsafeGetStorageImpl());
+    uncount(p);
+    p.blob = at::Storage();
+  }
+  p.copy = Piece::Copy::kDirty;
+  if (members.empty()) {
+    p.members.clear();
+    return;
+  }
+  int64_t offset = 0, dataBytes = 0;
   for (auto& m : members) {
     m.sizes = m.tensor.sizes().vec();
     m.dtype = m.tensor.scalar_type();
     m.offset = offset;
     const int64_t n = tensorBytes({m.tensor});
     offset = alignUp(offset + n);
-    (m.parameter ? paramBytes : stateBytes) += n;
+    dataBytes += n;
   }
   const int64_t bytes = std::max<int64_t>(offset, kAlign);
   at::DataPtr data = tier_.allocateHost(bytes);
@@ -302,72 +366,66 @@ void OutOfCoreWeights::buildLayout(Block& b) {
     at::NoGradGuard noGrad;
     for (const auto& m : members) viewOf(blob, m.offset, m.dtype, m.sizes).copy_(m.tensor);
   }
-  if (b.blob) {
-    blobOwner_.erase(b.blob.unsafeGetStorageImpl());
-    uncount(b);
-    b.blob = at::Storage();
+  if (p.slot >= 0 && bytes != p.bytes) {
+    tier_.free(p.slot);
+    p.slot = -1;
   }
-  if (b.slot >= 0 && bytes != b.bytes) {
-    tier_.free(b.slot);
-    b.slot = -1;
-  }
-  b.members = std::move(members);
-  b.bytes = bytes;
-  b.paramBytes = paramBytes;
-  b.stateBytes = stateBytes;
-  attachViews(b, blob);
-  b.copy = Block::Copy::kDirty;
+  p.members = std::move(members);
+  p.bytes = bytes;
+  p.dataBytes = dataBytes;
+  attachViews(p, blob);
 }
 
-void OutOfCoreWeights::attachViews(Block& b, const at::Storage& blob) {
-  for (auto& m : b.members) m.tensor.set_data(viewOf(blob, m.offset, m.dtype, m.sizes));
-  b.blob = blob;
-  blobOwner_[blob.unsafeGetStorageImpl()] = b.index;
-  // Blocks read in for a checkpoint are not training's memory (weights.h).
+void OutOfCoreWeights::attachViews(Piece& p, const at::Storage& blob) {
+  for (auto& m : p.members) m.tensor.set_data(viewOf(blob, m.offset, m.dtype, m.sizes));
+  p.blob = blob;
+  if (p.weights) blobOwner_[blob.unsafeGetStorageImpl()] = p.block->index;
+  // Pieces read in for a checkpoint are not training's memory (weights.h).
   if (tracker_ != nullptr && !gathering_) {
-    tracker_->add(MemoryCategory::kWeights, b.paramBytes);
-    tracker_->add(MemoryCategory::kOptimizerState, b.stateBytes);
-    b.counted = true;
+    tracker_->add(p.category(), p.dataBytes);
+    p.counted = true;
   }
 }
 
-void OutOfCoreWeights::uncount(Block& b) {
-  if (tracker_ != nullptr && b.counted) {
-    tracker_->add(MemoryCategory::kWeights, -b.paramBytes);
-    tracker_->add(MemoryCategory::kOptimizerState, -b.stateBytes);
-  }
-  b.counted = false;
+void OutOfCoreWeights::uncount(Piece& p) {
+  if (tracker_ != nullptr && p.counted) tracker_->add(p.category(), -p.dataBytes);
+  p.counted = false;
 }
 
-void OutOfCoreWeights::evictLocked(Block& b) {
-  for (auto& m : b.members) {
+void OutOfCoreWeights::evictLocked(Piece& p) {
+  for (auto& m : p.members) {
     m.tensor.set_data(at::empty({0}, at::TensorOptions().dtype(m.dtype)));
   }
-  blobOwner_.erase(b.blob.unsafeGetStorageImpl());
-  b.blob = at::Storage();
-  uncount(b);
-  b.copy = Block::Copy::kOnTier;
+  if (p.weights) blobOwner_.erase(p.blob.unsafeGetStorageImpl());
+  p.blob = at::Storage();
+  uncount(p);
+  p.copy = Piece::Copy::kOnTier;
 }
 
-void OutOfCoreWeights::unpinLocked(size_t i) {
-  Block& b = *blocks_[i];
-  if (b.pins > 0) --b.pins;
-  evictIfUnusedLocked(b);
+void OutOfCoreWeights::unpinLocked(Piece& p) {
+  if (p.pins > 0) --p.pins;
+  evictIfUnusedLocked(p);
 }
 
-void OutOfCoreWeights::evictIfUnusedLocked(Block& b) {
-  if (b.pins == 0 && !b.backwardPin && !b.keep && b.copy == Block::Copy::kClean) {
-    evictLocked(b);
+void OutOfCoreWeights::evictIfUnusedLocked(Piece& p) {
+  if (p.pins == 0 && !(p.weights && p.block->backwardPin) && !p.block->keep &&
+      p.copy == Piece::Copy::kClean) {
+    evictLocked(p);
   }
 }
 
 void OutOfCoreWeights::startReadLocked(size_t i) {
-  Block& b = *blocks_[i];
-  if (b.params.empty() || b.copy != Block::Copy::kOnTier) return;
-  CARAVAN_CHECK(b.slot >= 0, "block {}'s weights are neither in memory nor on the tier", i);
-  b.copy = Block::Copy::kReading;
-  const int64_t slot = b.slot, bytes = b.bytes;
-  tier_.submitRead([this, i, slot, bytes] {
+  if (i < blocks_.size()) startReadLocked(blocks_[i]->weights);
+}
+
+void OutOfCoreWeights::startReadLocked(Piece& p) {
+  if (p.members.empty() || p.copy != Piece::Copy::kOnTier) return;
+  CARAVAN_CHECK(p.slot >= 0, "block {}'s {} are neither in memory nor on the tier", p.block->index,
+                p.weights ? "weights" : "optimizer state");
+  p.copy = Piece::Copy::kReading;
+  Piece* piece = &p;
+  const int64_t slot = p.slot, bytes = p.bytes;
+  tier_.submitRead([this, piece, slot, bytes] {
     std::string err;
     at::Storage s;
     try {
@@ -379,13 +437,12 @@ void OutOfCoreWeights::startReadLocked(size_t i) {
       err = e.what();
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    Block& blk = *blocks_[i];
-    blk.copy = Block::Copy::kOnTier;
+    piece->copy = Piece::Copy::kOnTier;
     try {
       if (!err.empty()) throw IoError(err);
       stats_.bytesRead += bytes;
-      attachViews(blk, s);
-      blk.copy = Block::Copy::kClean;
+      attachViews(*piece, s);
+      piece->copy = Piece::Copy::kClean;
     } catch (const std::exception& e) {
       tier_.fail(e.what());  // waiters wake on it
     }
@@ -393,17 +450,16 @@ void OutOfCoreWeights::startReadLocked(size_t i) {
   });
 }
 
-double OutOfCoreWeights::fetchLocked(size_t i, std::unique_lock<std::mutex>& lock) {
-  Block& b = *blocks_[i];
-  ++b.pins;
-  if (b.params.empty() || b.inMemory()) return 0.0;
-  startReadLocked(i);
+double OutOfCoreWeights::fetchLocked(Piece& p, std::unique_lock<std::mutex>& lock) {
+  ++p.pins;
+  if (p.members.empty() || p.inMemory()) return 0.0;
+  startReadLocked(p);
   const auto t0 = Clock::now();
   try {
-    cv_.wait(lock, [&] { return b.inMemory() || error_ || tier_.failed(); });
+    cv_.wait(lock, [&] { return p.inMemory() || error_ || tier_.failed(); });
     checkLocked();
   } catch (...) {
-    --b.pins;
+    --p.pins;
     throw;
   }
   return secondsSince(t0);
@@ -411,20 +467,20 @@ double OutOfCoreWeights::fetchLocked(size_t i, std::unique_lock<std::mutex>& loc
 
 void OutOfCoreWeights::prefetch(size_t i) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (i < blocks_.size()) startReadLocked(i);
+  startReadLocked(i);
 }
 
 at::Storage OutOfCoreWeights::acquire(size_t i) {
   std::unique_lock<std::mutex> lock(mutex_);
   Block& b = *blocks_.at(i);
   if (b.params.empty()) return at::Storage();
-  if (b.backwardPin && b.inMemory()) return b.blob;
+  if (b.backwardPin && b.weights.inMemory()) return b.weights.blob;
   const auto t0 = Clock::now();
   if (options_.overlapUpdates) {
-    // Gradient backpressure: backward moves on to block i once at most one block waits for its
-    // update, so gradients of at most three blocks are in memory when the updater lags. Only
-    // while every block above has all its gradients: a block waiting for one that never comes
-    // (an unused parameter) holds back the exchange of the blocks below until finishStep.
+    // Gradient backpressure: backward moves on to block i once at most updateBacklog blocks
+    // wait for or are in their update. Only while every block above has all its gradients: a
+    // block waiting for one that never comes (an unused parameter) holds back the exchange of
+    // the blocks below until finishStep.
     auto settled = [&] {
       int awaiting = 0;
       for (size_t k = i + 1; k < blocks_.size(); ++k) {
@@ -432,19 +488,19 @@ at::Storage OutOfCoreWeights::acquire(size_t i) {
         if (above.gradsPending > 0) return true;
         awaiting += above.update == Block::Update::kQueued ? 1 : 0;
       }
-      return awaiting <= 1;
+      return awaiting <= std::max(options_.updateBacklog, 0);
     };
     cv_.wait(lock, [&] { return settled() || error_ || tier_.failed() || stop_; });
     checkLocked();
   }
-  fetchLocked(i, lock);
+  fetchLocked(b.weights, lock);
   stats_.stallSeconds += secondsSince(t0);  // backpressure and the read
   b.backwardPin = true;
-  unpinLocked(i);
+  unpinLocked(b.weights);
   for (int k = 1; k <= options_.prefetch && static_cast<size_t>(k) <= i; ++k) {
     startReadLocked(i - k);
   }
-  return b.blob;
+  return b.weights.blob;
 }
 
 void OutOfCoreWeights::beginStepLocked() {
@@ -461,7 +517,7 @@ torch::Tensor OutOfCoreWeights::run(size_t index, torch::nn::AnyModule& block, t
     std::unique_lock<std::mutex> lock(mutex_);
     checkLocked();
     if (index == 0 && training) beginStepLocked();
-    stats_.stallSeconds += fetchLocked(index, lock);
+    stats_.stallSeconds += fetchLocked(blocks_[index]->weights, lock);
     for (int k = 1; k <= options_.prefetch && index + k < n; ++k) startReadLocked(index + k);
   }
   torch::Tensor y;
@@ -469,7 +525,7 @@ torch::Tensor OutOfCoreWeights::run(size_t index, torch::nn::AnyModule& block, t
     y = inner_ != nullptr ? inner_->run(index, block, std::move(x)) : block.forward(std::move(x));
   } catch (...) {
     std::lock_guard<std::mutex> lock(mutex_);
-    unpinLocked(index);
+    unpinLocked(blocks_[index]->weights);
     throw;
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -481,7 +537,7 @@ torch::Tensor OutOfCoreWeights::run(size_t index, torch::nn::AnyModule& block, t
       startReadLocked(index - k);
     }
   }
-  unpinLocked(index);
+  unpinLocked(b.weights);
   return y;
 }
 
@@ -494,30 +550,35 @@ void OutOfCoreWeights::onGradient(size_t i, int64_t bytes) {
   if (options_.overlapUpdates) {
     if (b.update == Block::Update::kAwaitingGradients) queueUpdateLocked(i);
   } else {
-    // The update waits for finishStep() (clipping): the clean blob need not wait in memory.
+    // The update waits for finishStep() (clipping): the clean weights need not wait in memory.
     b.backwardPin = false;
-    evictIfUnusedLocked(b);
+    evictIfUnusedLocked(b.weights);
   }
 }
 
 void OutOfCoreWeights::queueUpdateLocked(size_t i) {
-  blocks_[i]->update = Block::Update::kQueued;
+  Block& b = *blocks_[i];
+  b.update = Block::Update::kQueued;
+  // What the update reads first, while it waits (with clipping every block queues at once:
+  // the update reads it then).
+  if (options_.overlapUpdates && !b.state.empty()) startReadLocked(*b.state.front());
   updates_.push_back(i);
   cv_.notify_all();
 }
 
-void OutOfCoreWeights::writeLocked(size_t i, std::unique_lock<std::mutex>& lock) {
-  Block& b = *blocks_[i];
+void OutOfCoreWeights::writeLocked(Piece& p, std::unique_lock<std::mutex>& lock) {
+  if (p.members.empty()) return;
   cv_.wait(lock, [&] {
     return writesInFlight_ < options_.maxWritesInFlight || error_ || tier_.failed();
   });
   checkLocked();
-  if (b.slot < 0) b.slot = tier_.allocate(b.bytes);
-  b.copy = Block::Copy::kWriting;
+  if (p.slot < 0) p.slot = tier_.allocate(p.bytes);
+  p.copy = Piece::Copy::kWriting;
   ++writesInFlight_;
-  const at::Storage blob = b.blob;
-  const int64_t slot = b.slot, bytes = b.bytes;
-  tier_.submitWrite([this, i, blob, slot, bytes] {
+  Piece* piece = &p;
+  const at::Storage blob = p.blob;
+  const int64_t slot = p.slot, bytes = p.bytes;
+  tier_.submitWrite([this, piece, blob, slot, bytes] {
     std::string err;
     try {
       tier_.store(slot, blob.data(), bytes);
@@ -525,18 +586,18 @@ void OutOfCoreWeights::writeLocked(size_t i, std::unique_lock<std::mutex>& lock)
       err = e.what();
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    Block& blk = *blocks_[i];
     --writesInFlight_;
     // Nothing replaces a blob while it is written: an update waits for the write.
-    const bool unchanged = blk.copy == Block::Copy::kWriting &&
-                           blk.blob.unsafeGetStorageImpl() == blob.unsafeGetStorageImpl();
-    blk.copy = Block::Copy::kDirty;
+    const bool unchanged = piece->copy == Piece::Copy::kWriting &&
+                           piece->blob.unsafeGetStorageImpl() == blob.unsafeGetStorageImpl();
+    piece->copy = Piece::Copy::kDirty;
     try {
-      CARAVAN_CHECK(unchanged, "block {}'s blob changed while it was written", i);
+      CARAVAN_CHECK(unchanged, "block {}'s {} changed while they were written", piece->block->index,
+                    piece->weights ? "weights" : "optimizer state");
       if (!err.empty()) throw IoError(err);
       stats_.bytesWritten += bytes;
-      blk.copy = Block::Copy::kClean;
-      evictIfUnusedLocked(blk);
+      piece->copy = Piece::Copy::kClean;
+      evictIfUnusedLocked(*piece);
     } catch (const std::exception& e) {
       tier_.fail(e.what());  // waiters wake on it
     }
@@ -546,38 +607,56 @@ void OutOfCoreWeights::writeLocked(size_t i, std::unique_lock<std::mutex>& lock)
 
 void OutOfCoreWeights::update(size_t i) {
   Block& b = *blocks_[i];
-  {
+  // Waits until `p` is in memory (pinned) and no write of it is in flight.
+  auto bring = [&](Piece& p) {
     std::unique_lock<std::mutex> lock(mutex_);
-    fetchLocked(i, lock);
-    cv_.wait(lock, [&] { return b.copy != Block::Copy::kWriting || error_ || tier_.failed(); });
+    fetchLocked(p, lock);
+    cv_.wait(lock, [&] { return p.copy != Piece::Copy::kWriting || error_ || tier_.failed(); });
     checkLocked();
+  };
+  if (!b.state.empty()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    startReadLocked(*b.state.front());
   }
+  bring(b.weights);
   // The averaged gradients in .grad (the parameters have their shapes again).
   if (exchange_ != nullptr) exchange_->finishGroup(i);
-  const auto t0 = Clock::now();
-  {
-    at::NoGradGuard noGrad;
-    const double lr = optimizer_.param_groups().front().options().get_lr();
-    for (auto& g : b.optimizer->param_groups()) g.options().set_lr(lr);
-    b.optimizer->step();
-    for (auto& p : b.params) p.mutable_grad() = at::Tensor();
+  const double lr = optimizer_.param_groups().front().options().get_lr();
+  double seconds = 0.0;
+  for (size_t k = 0; k < b.state.size(); ++k) {
+    Piece& piece = *b.state[k];
+    bring(piece);
+    if (k + 1 < b.state.size()) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      startReadLocked(*b.state[k + 1]);
+    }
+    const auto t0 = Clock::now();
+    {
+      at::NoGradGuard noGrad;
+      for (auto& g : piece.optimizer->param_groups()) g.options().set_lr(lr);
+      piece.optimizer->step();
+    }
+    seconds += secondsSince(t0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    // The first step creates the optimizer state: the piece grows to hold it.
+    size_t expected = 0;
+    for (const auto& p : piece.params) expected += stateTensors(*piece.optimizer, p).size();
+    if (expected != piece.members.size()) buildLayout(piece);
+    piece.copy = Piece::Copy::kDirty;
+    if (!b.keep) writeLocked(piece, lock);
+    unpinLocked(piece);
   }
+  for (auto& p : b.params) p.mutable_grad() = at::Tensor();
   std::unique_lock<std::mutex> lock(mutex_);
   if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, -b.gradBytes);
   b.gradBytes = 0;
-  // The first step creates the optimizer state: the blob grows to hold it.
-  size_t expected = b.params.size();
-  for (const auto& p : b.params) expected += stateTensors(*b.optimizer, p).size();
-  if (expected != b.members.size()) {
-    buildLayout(b);
-  }
-  b.copy = Block::Copy::kDirty;
+  b.weights.copy = Piece::Copy::kDirty;
   b.backwardPin = false;
   b.update = Block::Update::kDone;
   cv_.notify_all();  // backward may be waiting for this (acquire's backpressure)
-  stats_.updateSeconds += secondsSince(t0);
-  if (!b.keep) writeLocked(i, lock);
-  unpinLocked(i);
+  stats_.updateSeconds += seconds;
+  if (!b.keep) writeLocked(b.weights, lock);
+  unpinLocked(b.weights);
 }
 
 void OutOfCoreWeights::updaterLoop() {
@@ -617,11 +696,11 @@ void OutOfCoreWeights::finishStep() {
 }
 
 void OutOfCoreWeights::withAllResident(const std::function<void()>& fn) {
-  size_t pinned = 0;
+  std::vector<Piece*> pinned;
   const auto release = onScopeExit([this, &pinned] {
     std::lock_guard<std::mutex> lock(mutex_);
     optimizer_.state().clear();
-    for (size_t i = 0; i < pinned; ++i) unpinLocked(i);
+    for (Piece* p : pinned) unpinLocked(*p);
   });
   // The whole model comes in: first give back what the allocator keeps for reuse.
   if (HostAllocator::installed()) HostAllocator::instance().emptyCache();
@@ -629,16 +708,24 @@ void OutOfCoreWeights::withAllResident(const std::function<void()>& fn) {
     std::unique_lock<std::mutex> lock(mutex_);
     gathering_ = true;
     const auto done = onScopeExit([this] { gathering_ = false; });
-    for (size_t i = 0; i < blocks_.size(); ++i) startReadLocked(i);
-    for (size_t i = 0; i < blocks_.size(); ++i) {
-      fetchLocked(i, lock);
-      ++pinned;
+    std::vector<Piece*> all;
+    for (auto& b : blocks_) {
+      all.push_back(&b->weights);
+      for (auto& piece : b->state) all.push_back(piece.get());
+    }
+    for (Piece* p : all) startReadLocked(*p);
+    for (Piece* p : all) {
+      fetchLocked(*p, lock);
+      pinned.push_back(p);
     }
     for (auto& b : blocks_) {
-      if (!b->optimizer) continue;
-      for (const auto& p : b->params) {
-        auto it = b->optimizer->state().find(optimizerStateKey(p));
-        if (it != b->optimizer->state().end()) optimizer_.state()[it->first] = it->second->clone();
+      for (auto& piece : b->state) {
+        for (const auto& p : piece->params) {
+          auto it = piece->optimizer->state().find(optimizerStateKey(p));
+          if (it != piece->optimizer->state().end()) {
+            optimizer_.state()[it->first] = it->second->clone();
+          }
+        }
       }
     }
   }

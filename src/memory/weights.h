@@ -2,49 +2,56 @@
 // offload): each block's parameters and optimizer state live on a tier and come into memory
 // only while the block is used.
 //
-// Layout: one blob per block, holding the block's parameters and then their optimizer state
-// (momentum, Adam's moments), 64-byte aligned. While the blob is in memory every member is a
-// view of it (a parameter keeps its identity and trades storages with set_data, so the
-// optimizer, autograd's accumulators and the sync strategy still point at it); out of memory
-// every member is an empty tensor and the blob's bytes are on the tier. One read and one write
-// per block move everything the block has.
+// Layout: each block's storage on the tier is in pieces, each one blob (64-byte aligned
+// members, one read and one write move it): the weights piece holds the block's parameters; the
+// state pieces hold the optimizer state (momentum, Adam's moments) of consecutive runs of its
+// parameters, at most WeightOptions::stateChunkBytes each (a parameter whose state is larger
+// is a piece of its own), and each has its own optimizer over those parameters. Forward and
+// backward read only the weights; the update streams the state pieces through memory one after
+// the other. While a blob is in memory every member is a view of it (a parameter keeps its
+// identity and trades storages with set_data, so the optimizer, autograd's accumulators and
+// the sync strategy still point at it); out of memory every member is an empty tensor and the
+// blob's bytes are on the tier.
 //
-// Per step (a block's blob is in memory while it is pinned; unpinned, a clean blob is dropped):
-//   forward   block i is fetched (waiting for its prefetch), i+1..i+prefetch are prefetched,
-//             the block runs, and its blob is dropped (clean: the tier copy is current). The
-//             last block stays, backward starts there.
-//   backward  block i is fetched when backward reaches it (the activation executor's first
-//             unpack, or at the latest the pre-hook of a parameter's gradient accumulator, since
-//             accumulating into an evicted parameter would use its empty shape), blocks below
-//             are prefetched; saved views of weights (a linear layer saves weight.t()) are
-//             rebuilt on the blob fetched back (memory/executor.cpp).
-//   update    when the last gradient of block i is accumulated (and, in data-parallel runs,
-//             the block's all-reduce has finished: GroupExchange::finishGroup), the updater thread
-//             runs the block's own optimizer (same options as the run's) on it, drops its
-//             gradients and queues the blob's write; written, it leaves memory. This overlaps
-//             the backward of blocks i-1..0 (KARMA's host update, ZeRO-Offload's CPU optimizer).
+// Per step (a piece is in memory while it is pinned; unpinned, a clean piece is dropped):
+//   forward   block i's weights are fetched (waiting for their prefetch), those of
+//             i+1..i+prefetch are prefetched, the block runs, and its weights are dropped
+//             (clean: the tier copy is current). The last block stays, backward starts there.
+//   backward  block i's weights are fetched when backward reaches it (the activation
+//             executor's first unpack, or at the latest the pre-hook of a parameter's gradient
+//             accumulator, since accumulating into an evicted parameter would use its empty
+//             shape), blocks below are prefetched; saved views of weights (a linear layer saves
+//             weight.t()) are rebuilt on the blob fetched back (memory/executor.cpp).
+//   update    when the last gradient of block i is accumulated, its first state piece is
+//             prefetched and the block is queued; once (in data-parallel runs) its all-reduce
+//             has finished (GroupExchange::finishGroup), the updater thread steps each state
+//             piece's optimizer (same options as the run's) in turn, the next piece read while
+//             one is stepped and each written back after it, then drops the gradients and
+//             writes the weights; written, they leave memory. This overlaps the backward of
+//             blocks i-1..0 (KARMA's host update, ZeRO-Offload's CPU optimizer).
 //   end       finishStep() (in place of optimizer.step()) updates blocks whose gradients never
 //             completed (parameters without a gradient) and waits for every update.
-// Backpressure: backward enters block i only when at most one block above waits for its
-// update (so gradients do not pile up when the updater lags), and updated blobs wait for their
-// write at most maxWritesInFlight at a time; windowBytes() is the most this keeps in memory.
-// The exception: a block above whose gradients never all arrive (a parameter unused this step)
+// The window (WeightOptions, chosen against memory.budget: train/memory_setup.h): backward
+// enters block i only when at most updateBacklog blocks above wait for or are in their update
+// (so gradients do not pile up when the updater lags), and written pieces wait for their write
+// at most maxWritesInFlight at a time; windowBytes() is the most this keeps in memory. The
+// exception: a block above whose gradients never all arrive (a parameter unused this step)
 // turns the backpressure off until finishStep(), and under all-reduce holds back the exchange
 // (and so the updates) of every block below it, which then wait in memory.
-// Block 0 finishes last and is needed first: it stays in memory (no read at the start of the
-// next forward). With gradient clipping the global norm needs every gradient, so updates wait
-// for finishStep() (no overlap; every gradient is in memory then, and each blob is read again
-// for its update).
+// Block 0 finishes last and is needed first: it stays in memory, state included (no read at the
+// start of the next forward). With gradient clipping the global norm needs every gradient, so
+// updates wait for finishStep() (no overlap; every gradient is in memory then, and each block's
+// weights are read again for its update).
 //
 // Per-parameter optimizers (SGD, AdamW) give the same result whether one optimizer steps all
-// parameters or one per block steps each block: training is bitwise the in-core run's (tests).
-// Checkpoints and exports call withAllResident(): every block comes into memory for the save
+// parameters or one per piece steps each piece's: training is bitwise the in-core run's (tests).
+// Checkpoints and exports call withAllResident(): every piece comes into memory for the save
 // (not counted in the tracker, so not against memory.budget: the cgroup of a budgeted run must
 // allow for it) and the state goes through the run's optimizer, so the checkpoint format is the
 // in-core one.
 //
-// Memory accounting: the blob bytes in memory (weights, optimizer state) and the gradients are
-// added to and taken from the tracker as they appear and go.
+// Memory accounting: the weights, the optimizer state and the gradients in memory are added to
+// and taken from the tracker as they appear and go.
 //
 // Threading: run(), finishStep() and withAllResident() on the training thread; acquire() and
 // the accumulator hooks on autograd's threads; updates on the updater thread; I/O on the tier's.
@@ -76,13 +83,31 @@ namespace caravan {
 // Each block's trainable parameters, in registration order (a strategy's per-block groups).
 std::vector<std::vector<at::Tensor>> blockParameters(BlockModel& model);
 
+// The window: how much of the model the store may hold in memory at once (windowBytes()).
 struct WeightOptions {
-  int prefetch = 1;                 // blocks fetched ahead (forward) / below (backward)
+  int prefetch = 1;                 // blocks' weights fetched ahead (forward) / below (backward)
   bool overlapUpdates = true;       // update blocks during backward (false with clipping)
-  int maxWritesInFlight = 2;        // updated blobs waiting for their write, at most
-  // Optimizer state per weight byte (AdamW 2, SGD with momentum 1), for windowBytes().
+  int updateBacklog = 1;            // blocks above waiting for or in their update when backward
+                                    // enters a block, at most (0: each update before the next
+                                    // block's backward)
+  int maxWritesInFlight = 2;        // pieces waiting for their write, at most
+  int64_t stateChunkBytes = 8 << 20;  // a state piece's bytes, at most (but one parameter's)
+  // Optimizer state per weight byte (AdamW 2, SGD with momentum 1), for windowBytes() and the
+  // state pieces' sizes before the first step.
   int stateFactor = 0;
 };
+
+// What OutOfCoreWeights holds in memory at most, by tracker category: weights, optimizer
+// state, gradients; `total` bounds their sum (fewer pieces are written at once than the
+// categories' bounds allow together).
+struct WeightWindow {
+  int64_t weights = 0, state = 0, gradients = 0, total = 0;
+};
+
+// The state pieces of a block with these parameters: consecutive runs of parameter indices
+// whose state (stateFactor bytes per weight byte) is at most stateChunkBytes, or one parameter.
+std::vector<std::vector<size_t>> statePieces(const std::vector<at::Tensor>& params,
+                                             const WeightOptions& options);
 
 struct WeightStats {
   int64_t bytesRead = 0, bytesWritten = 0;
@@ -125,25 +150,32 @@ class OutOfCoreWeights final : public BlockRunner {
   size_t numBlocks() const { return blocks_.size(); }
   WeightStats takeStats();
 
-  // What the weights need in memory at most (block 0, prefetch + 3 + maxWritesInFlight blobs,
-  // three blocks' gradients, or all of them with clipping), for the budget: before the store
-  // exists, from the model and the options.
+  // What the weights need in memory at most, for the budget: before the store exists, from the
+  // model and the options. Block 0 (weights and state), and of the largest other block: the
+  // weights of the block in use, its prefetches and the blocks waiting for or in their update
+  // (2 + prefetch + updateBacklog), the pieces being written (maxWritesInFlight), the state
+  // pieces of the update and the queued ones (2 + updateBacklog); gradients of 2 + updateBacklog
+  // blocks (all of them with clipping).
   static int64_t windowBytes(BlockModel& model, const WeightOptions& options);
+  static WeightWindow window(BlockModel& model, const WeightOptions& options);
 
+  struct Piece;
   struct Block;
 
  private:
-  void buildLayout(Block& b);                // under mutex_: blob from the members in memory
-  void attachViews(Block& b, const at::Storage& blob);  // under mutex_
-  void evictLocked(Block& b);                // under mutex_
-  void uncount(Block& b);                    // under mutex_: its blob leaves the tracker
-  // Pins block i and waits until it is in memory; returns the seconds waited.
-  double fetchLocked(size_t i, std::unique_lock<std::mutex>& lock);
-  void startReadLocked(size_t i);
-  void unpinLocked(size_t i);
+  // All under mutex_.
+  void buildLayout(Piece& p);  // the blob from the members in memory
+  void attachViews(Piece& p, const at::Storage& blob);
+  void evictLocked(Piece& p);
+  void uncount(Piece& p);  // its blob leaves the tracker
+  // Pins the piece and waits until it is in memory; returns the seconds waited.
+  double fetchLocked(Piece& p, std::unique_lock<std::mutex>& lock);
+  void startReadLocked(Piece& p);
+  void startReadLocked(size_t block);  // the block's weights
+  void unpinLocked(Piece& p);
   // Drops the blob when nothing needs it in memory and the tier copy is current.
-  void evictIfUnusedLocked(Block& b);
-  void writeLocked(size_t i, std::unique_lock<std::mutex>& lock);
+  void evictIfUnusedLocked(Piece& p);
+  void writeLocked(Piece& p, std::unique_lock<std::mutex>& lock);
   void update(size_t i);
   void updaterLoop();
   void queueUpdateLocked(size_t i);

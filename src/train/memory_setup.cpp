@@ -22,11 +22,31 @@ constexpr double kPlanMargin = 0.95;
 
 }  // namespace
 
-int64_t persistentBytes(const RunOptions& options, BlockModel& model) {
-  const WeightOptions o = weightOptions(options);
-  if (options.memory.offloadWeights) return OutOfCoreWeights::windowBytes(model, o);
+std::vector<WeightOptions> weightWindows(const RunOptions& options) {
+  std::vector<WeightOptions> out;
+  WeightOptions o = weightOptions(options);
+  out.push_back(o);
+  o.maxWritesInFlight = 1;
+  out.push_back(o);
+  o.updateBacklog = 0;
+  out.push_back(o);
+  if (o.prefetch > 0) {
+    o.prefetch = 0;
+    out.push_back(o);
+  }
+  o.stateChunkBytes = 1;
+  out.push_back(o);
+  return out;
+}
+
+int64_t persistentBytes(const RunOptions& options, BlockModel& model, const WeightOptions& window) {
+  if (options.memory.offloadWeights) return OutOfCoreWeights::windowBytes(model, window);
   const int64_t weights = tensorBytes(model->parameters());
-  return weights + weights + o.stateFactor * weights;
+  return weights + weights + window.stateFactor * weights;
+}
+
+int64_t persistentBytes(const RunOptions& options, BlockModel& model) {
+  return persistentBytes(options, model, weightOptions(options));
 }
 
 PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Batch& sample) {
@@ -144,18 +164,29 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
                             m.tier->describe(), m.bandwidth.writeBytesPerSecond / 1e9,
                             m.bandwidth.readBytesPerSecond / 1e9);
   }
+  m.weights = weightOptions(options);
+  m.persistent = persistentBytes(options, model, m.weights);
   if (planning) {
     const int64_t budget = o.budget;
-    const int64_t persistent = persistentBytes(options, model);
     m.profile = profileModel(model, sample, static_cast<int>(o.profileRepeats));
-    // The plan aims at 95% of what the budget leaves for activations: the model does not see
-    // threads scheduled late on a busy machine (a swap write that lands after the next block's
-    // saves; measured: up to 2% over a plan's peak with the tests running two at a time).
-    const double room = kPlanMargin * static_cast<double>(budget - persistent);
-    const int64_t activationBudget =
-        budget > 0 ? std::max<int64_t>(static_cast<int64_t>(room), 1) : 0;
     if (automatic || budget > 0) {
-      m.plan = planPolicies(*m.profile, m.bandwidth, activationBudget, prefetch);
+      // Out-of-core weights under a budget: the largest window with which a plan fits (a
+      // smaller one leaves the activations more room and waits more for the tier).
+      const std::vector<WeightOptions> windows =
+          offload && budget > 0 ? weightWindows(options) : std::vector<WeightOptions>{m.weights};
+      for (const WeightOptions& window : windows) {
+        m.weights = window;
+        m.persistent = persistentBytes(options, model, window);
+        // The plan aims at 95% of what the budget leaves for activations: the model does not
+        // see threads scheduled late on a busy machine (a swap write that lands after the next
+        // block's saves; measured: up to 2% over a plan's peak with the tests running two at a
+        // time).
+        const double room = kPlanMargin * static_cast<double>(budget - m.persistent);
+        const int64_t activationBudget =
+            budget > 0 ? std::max<int64_t>(static_cast<int64_t>(room), 1) : 0;
+        m.plan = planPolicies(*m.profile, m.bandwidth, activationBudget, prefetch);
+        if (m.plan->fits) break;
+      }
     } else {
       // caravan plan of a given policy: predict it.
       Plan p;
@@ -164,6 +195,7 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
       p.fits = true;
       m.plan = p;
     }
+    const int64_t persistent = m.persistent;
     m.report += formatPlan(*m.profile, *m.plan, m.bandwidth, prefetch);
     m.report += fmt::format("weights, gradients and optimizer state: {}; memory.budget: {}\n",
                             formatBytes(persistent),
@@ -193,15 +225,21 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
     if (budget > 0 && m.profile) {
       std::vector<int64_t> saved;
       for (const auto& b : m.profile->blocks) saved.push_back(b.savedBytes);
-      m.executor->setActivationLimit(std::max<int64_t>(budget - persistentBytes(options, model), 1),
-                                     std::move(saved));
+      m.executor->setActivationLimit(std::max<int64_t>(budget - m.persistent, 1), std::move(saved));
     }
     m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
   }
   if (offload) {
+    const WeightWindow w = OutOfCoreWeights::window(model, m.weights);
     m.report += fmt::format(
-        "weights, gradients and optimizer state: out of core on the tier, at most {} in memory\n",
-        formatBytes(persistentBytes(options, model)));
+        "weights, gradients and optimizer state: out of core on the tier, at most {} in memory "
+        "(weights {}, optimizer state {}, gradients {}): prefetch {}, {} update(s) waiting at "
+        "most, {} write(s) in flight, optimizer state in pieces of at most {}\n",
+        formatBytes(w.total), formatBytes(w.weights), formatBytes(w.state),
+        formatBytes(w.gradients), m.weights.prefetch, m.weights.updateBacklog,
+        m.weights.maxWritesInFlight,
+        m.weights.stateChunkBytes <= 1 ? std::string("one parameter")
+                                       : formatBytes(m.weights.stateChunkBytes));
   }
   return m;
 }
@@ -288,7 +326,9 @@ std::optional<TrainingMemoryEstimate> estimateTrainingMemory(const RunOptions& o
     const auto policies = parsePolicies(options.memory.policy, model->numBlocks(), "memory.policy");
     activations = predict(*full, policies, unbounded, prefetch).peakBytes;
   }
-  return TrainingMemoryEstimate{persistentBytes(options, model), activations};
+  // The smallest window out-of-core weights may take (a lower bound).
+  return TrainingMemoryEstimate{persistentBytes(options, model, weightWindows(options).back()),
+                                activations};
 }
 
 void checkTrainingFitsMachine(const RunOptions& options, BlockModel& model, const Batch& sample,

@@ -21,8 +21,17 @@ namespace caravan {
 
 // Weights + gradients + optimizer state the run will hold from its first step on (what the
 // activations share memory.budget with); with out-of-core weights, the most of them that will
-// be in memory at once (OutOfCoreWeights::windowBytes).
+// be in memory at once in `window` (OutOfCoreWeights::windowBytes; default: the largest of
+// weightWindows).
 int64_t persistentBytes(const RunOptions& options, BlockModel& model);
+int64_t persistentBytes(const RunOptions& options, BlockModel& model, const WeightOptions& window);
+
+// The windows out-of-core weights may run with, the largest (and the least waiting for the
+// tier) first: the configured prefetch with two blocks' updates in flight and two pieces being
+// written; then one piece written at a time; then each update finished before backward enters
+// the next block; then no prefetch; then the optimizer state moved one parameter at a time.
+// Under memory.budget the first with which an activation plan fits is the run's.
+std::vector<WeightOptions> weightWindows(const RunOptions& options);
 
 // How parallel.pipeline_stages cuts the model (pipeline/partition.h): unless parallel.partition
 // = even, each block is profiled on one micro-batch of `sample` (its first batch / M examples;
@@ -45,6 +54,8 @@ struct ActivationMemory {
   std::optional<Plan> plan;
   std::unique_ptr<ActivationExecutor> executor;  // nullptr when every block keeps in core
   std::string report;                            // lines for the terminal
+  WeightOptions weights;   // the window of out-of-core weights (memory.weights = offload)
+  int64_t persistent = 0;  // persistentBytes with that window
 };
 
 // What training this run needs at least, in memory it does not hold yet: weights, gradients and

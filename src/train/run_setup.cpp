@@ -239,7 +239,7 @@ void RunSetup::attach(Distributed* dist) {
     weights = std::make_unique<OutOfCoreWeights>(
         model, *optimizer,
         [optim](std::vector<at::Tensor> ps) { return makeOptimizer(optim, std::move(ps)); },
-        *activations.tier, &memory, strategy, weightOptions(options));
+        *activations.tier, &memory, strategy, activations.weights);
     activations.executor->setWeights(weights.get());
   } else {
     // A pipeline stage holds its own blocks' parameters only.
