@@ -392,6 +392,48 @@ TEST(Planner, PredictsHandWorkedSchedules) {
   EXPECT_DOUBLE_EQ(slow.stepSeconds, 14.0);
 }
 
+TEST(Planner, PredictsOutOfCoreWeightsHandWorked) {
+  // Three blocks (forward 1 s, backward 2 s, all keep); out-of-core weights: blocks 1 and 2
+  // hold 1 GB of weights and 2 GB of optimizer state each (block 0 stays in memory), the
+  // tier reads and writes 1 GB/s, each update's optimizer takes 0.5 s.
+  ModelProfile profile = twoBlocks();
+  profile.blocks.push_back(profile.blocks.back());
+  const std::vector<BlockPolicy> keep(3, BlockPolicy::kKeep);
+  const TierBandwidth bw{1e9, 1e9};
+  WeightTraffic w;
+  w.weightBytes = {0, 1000000000, 1000000000};
+  w.stateBytes = {0, 2000000000, 2000000000};
+  w.updateSeconds = {0.5, 0.5, 0.5};
+  w.prefetch = 1;
+  w.updateBacklog = 0;
+  // Forward: block 1's weights read at t 0..1 (prefetched while block 0 runs), block 2's at
+  // 1..2: no wait, forward ends at 3. Backward: block 1's weights read again at 3..4 (prefetched
+  // as backward starts; block 2's stayed); block 2 runs 3..5, its update reads the state 5..7 and
+  // steps 7..7.5; block 1 waits for it (updateBacklog 0): 7.5..9.5, its update reads 9.5..11.5
+  // and ends at 12; block 0 (nothing to read) waits for that: 12..14; its update ends at 14.5.
+  const Prediction p = predict(profile, keep, bw, 1, &w);
+  EXPECT_DOUBLE_EQ(p.forwardSeconds, 3.0);
+  EXPECT_DOUBLE_EQ(p.stepSeconds, 14.0);
+  EXPECT_DOUBLE_EQ(p.updatesEndSeconds, 14.5);
+  // One write in flight: each update also waits for its state's write (block 2's: 7..9, so
+  // block 1 runs 9..11, reads 11..13, writes 13..15; block 0 runs 15..17).
+  w.writesInFlight = 1;
+  EXPECT_DOUBLE_EQ(predict(profile, keep, bw, 1, &w).stepSeconds, 17.0);
+  w.writesInFlight = 2;
+  // One update may wait: block 1 runs 5..7 without waiting for block 2's update; its update
+  // reads the state 7..9 and steps 9..9.5; block 0 waits only for block 2's (7.5): 7.5..9.5,
+  // its update 9.5..10.
+  w.updateBacklog = 1;
+  const Prediction q = predict(profile, keep, bw, 1, &w);
+  EXPECT_DOUBLE_EQ(q.stepSeconds, 9.5);
+  EXPECT_DOUBLE_EQ(q.updatesEndSeconds, 10.0);
+  // An updater without a core of its own: its 1.5 s of optimizer come on top.
+  w.updaterSharesCore = true;
+  EXPECT_DOUBLE_EQ(predict(profile, keep, bw, 1, &w).stepSeconds, 11.0);
+  // Weights in memory: the in-core prediction.
+  EXPECT_DOUBLE_EQ(predict(profile, keep, bw, 1).stepSeconds, 9.0);
+}
+
 TEST(Planner, PicksTheFastestPlanThatFits) {
   const ModelProfile profile = twoBlocks();
   const TierBandwidth bw{100.0, 100.0};

@@ -116,7 +116,8 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
 }
 
 Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& policies,
-                   const TierBandwidth& bandwidth, int prefetchDepth) {
+                   const TierBandwidth& bandwidth, int prefetchDepth,
+                   const WeightTraffic* weights) {
   const auto& blocks = profile.blocks;
   const size_t n = blocks.size();
   CARAVAN_CHECK(policies.size() == n, "one policy per block");
@@ -138,11 +139,35 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
   const double wbw = bandwidth.writeBytesPerSecond > 0 ? bandwidth.writeBytesPerSecond : 1e-9;
   const double rbw = bandwidth.readBytesPerSecond > 0 ? bandwidth.readBytesPerSecond : 1e-9;
 
+  // Out-of-core weights: block i's weights read (once in forward, once in backward), queued on
+  // the reader; -inf: in memory.
+  const bool offload = weights != nullptr;
+  if (offload) {
+    CARAVAN_CHECK(weights->weightBytes.size() == n && weights->stateBytes.size() == n &&
+                      weights->updateSeconds.size() == n,
+                  "one weight traffic entry per block");
+  }
+  double readerFree = 0.0;
+  std::vector<double> weightsRead(n, -inf);
+  std::vector<bool> weightsIssued(n, false);
+  auto readWeights = [&](size_t j, double when) {
+    if (!offload || j >= n || weightsIssued[j]) return;
+    weightsIssued[j] = true;
+    if (weights->weightBytes[j] == 0) return;
+    const double start = std::max(when, readerFree);
+    weightsRead[j] = start + static_cast<double>(weights->weightBytes[j]) / rbw;
+    readerFree = weightsRead[j];
+  };
+  const int weightPrefetch = offload ? std::max(weights->prefetch, 0) : 0;
+
   // Forward: compute and the write queue.
   std::vector<double> writeStart(n, inf), writeEnd(n, -inf);
   std::vector<double> forwardEnd(n, 0.0);
   double t = 0.0, writerFree = 0.0;
   for (size_t i = 0; i < n; ++i) {
+    readWeights(i, t);
+    for (int k = 1; k <= weightPrefetch; ++k) readWeights(i + static_cast<size_t>(k), t);
+    t = std::max(t, weightsRead[i]);
     const double start = t;
     t += blocks[i].forwardSeconds;
     forwardEnd[i] = t;
@@ -177,7 +202,18 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
   // Backward: reads queued `prefetchDepth` blocks ahead, compute waits for its read.
   std::vector<double> readEnd(n, -inf);
   std::vector<bool> issued(n, false), cancelled(n, false);
-  double readerFree = 0.0;
+  // The weights are read again in backward (the last block's stay); the update of block i
+  // starts when its backward ended and the previous update did.
+  if (offload) {
+    std::fill(weightsIssued.begin(), weightsIssued.end(), false);
+    std::fill(weightsRead.begin(), weightsRead.end(), -inf);
+    weightsIssued[n - 1] = true;
+    for (int k = 1; k <= weightPrefetch && static_cast<size_t>(k) < n; ++k) {
+      readWeights(n - 1 - static_cast<size_t>(k), forwardSeconds);
+    }
+  }
+  std::vector<double> updateEnd(n, -inf);
+  double updaterFree = 0.0, sharedUpdateSeconds = 0.0;
   auto issueReads = [&](size_t above, double when) {  // backward reached block `above`
     for (size_t k = 1; k <= static_cast<size_t>(prefetchDepth) && k <= above; ++k) {
       const size_t j = above - k;
@@ -197,6 +233,14 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
   for (size_t step = 0; step < n; ++step) {
     const size_t i = n - 1 - step;
     double start = t;
+    if (offload) {
+      // Backpressure: the updates of the blocks above i + updateBacklog have ended; then the
+      // weights (read now, unless prefetched).
+      const size_t above = i + 1 + static_cast<size_t>(std::max(weights->updateBacklog, 0));
+      if (above < n) start = std::max(start, updateEnd[above]);
+      readWeights(i, start);
+      start = std::max(start, weightsRead[i]);
+    }
     if (offloaded(i) > 0) {
       if (!issued[i]) issueReads(i + 1, t);
       start = std::max(start, readEnd[i]);
@@ -219,11 +263,44 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
     peak = std::max(peak, live);
     const bool recomputes =
         policies[i] == BlockPolicy::kRecompute || policies[i] == BlockPolicy::kSwapInput;
+    if (offload) {
+      for (int k = 1; k <= weightPrefetch && static_cast<size_t>(k) <= i; ++k) {
+        readWeights(i - static_cast<size_t>(k), start);
+      }
+    }
     t = start + blocks[i].backwardSeconds + (recomputes ? blocks[i].forwardSeconds : 0.0);
+    if (offload) {
+      // The update: its state read (queued when the gradients are in), the optimizer, then the
+      // state and weights written; the updater moves on once its writes are queued.
+      double begin = std::max(t, updaterFree);
+      if (weights->stateBytes[i] > 0) {
+        const double readStart = std::max(t, readerFree);
+        readerFree = readStart + static_cast<double>(weights->stateBytes[i]) / rbw;
+        begin = std::max(begin, readerFree);
+      }
+      updateEnd[i] = begin + weights->updateSeconds[i];
+      if (weights->updaterSharesCore) sharedUpdateSeconds += weights->updateSeconds[i];
+      if (i > 0) {
+        // The state is written as it is stepped, then the weights. With one write in flight
+        // the updater waits for each piece's write before queueing the next: the update ends
+        // with the state's writes.
+        const double stateStart = std::max(begin, writerFree);
+        const double stateEnd = stateStart + static_cast<double>(weights->stateBytes[i]) / wbw;
+        if (weights->writesInFlight <= 1) updateEnd[i] = std::max(updateEnd[i], stateEnd);
+        writerFree =
+            std::max(stateEnd, updateEnd[i]) + static_cast<double>(weights->weightBytes[i]) / wbw;
+      }
+      updaterFree = updateEnd[i];
+    }
   }
   Prediction p;
-  p.stepSeconds = t;
+  // An updater without a core of its own takes its seconds from the training thread.
+  p.stepSeconds = t + sharedUpdateSeconds;
   p.forwardSeconds = forwardSeconds;
+  if (offload) {
+    for (double e : updateEnd) p.updatesEndSeconds = std::max(p.updatesEndSeconds, e);
+    p.updatesEndSeconds += sharedUpdateSeconds;
+  }
   p.peakBytes = peak;
   return p;
 }
@@ -240,11 +317,11 @@ bool better(const Plan& a, const Plan& b) {
 }  // namespace
 
 Plan planPolicies(const ModelProfile& profile, const TierBandwidth& bandwidth,
-                  int64_t activationBudget, int prefetchDepth) {
+                  int64_t activationBudget, int prefetchDepth, const WeightTraffic* weights) {
   const size_t n = profile.blocks.size();
   auto evaluate = [&](std::vector<BlockPolicy> policies) {
     Plan p;
-    p.prediction = predict(profile, policies, bandwidth, prefetchDepth);
+    p.prediction = predict(profile, policies, bandwidth, prefetchDepth, weights);
     p.fits = activationBudget <= 0 || p.prediction.peakBytes <= activationBudget;
     p.policies = std::move(policies);
     return p;

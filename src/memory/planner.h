@@ -53,14 +53,35 @@ struct ModelProfile {
 // without the model's runner; gradients it creates are removed, existing ones zeroed.
 ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats);
 
+// Out-of-core weights (memory.weights = offload, memory/weights.h) as the model sees them. Per
+// block: the weights read before its forward and again before its backward (prefetched
+// `prefetch` blocks ahead on the same reader as the activations; 0 for a block kept in memory),
+// and after its backward the update: its optimizer state read, the optimizer's seconds, state
+// and weights written (the writer the activations' swaps use; with writesInFlight = 1 the
+// update waits for its state's writes). Updates run one at a time on their own thread;
+// backward enters block i only when the updates of blocks above i + updateBacklog have ended.
+// `updaterSharesCore`: the updater has no core of its own (workers x threads >= cores), so its
+// optimizer seconds delay the training thread as well.
+struct WeightTraffic {
+  std::vector<int64_t> weightBytes, stateBytes;
+  std::vector<double> updateSeconds;
+  int prefetch = 1;
+  int updateBacklog = 1;
+  int writesInFlight = 2;
+  bool updaterSharesCore = false;
+};
+
 struct Prediction {
   double stepSeconds = 0.0;      // forward + loss + backward
   double forwardSeconds = 0.0;
+  double updatesEndSeconds = 0.0;  // out-of-core weights: the last update's end (else 0)
   int64_t peakBytes = 0;         // activation bytes (tracked saved tensors)
 };
 
+// `weights`: nullptr when they stay in memory.
 Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& policies,
-                   const TierBandwidth& bandwidth, int prefetchDepth);
+                   const TierBandwidth& bandwidth, int prefetchDepth,
+                   const WeightTraffic* weights = nullptr);
 
 struct Plan {
   std::vector<BlockPolicy> policies;
@@ -71,7 +92,8 @@ struct Plan {
 // `activationBudget` <= 0: no limit (all keep). Without a fitting plan, returns the plan with
 // the smallest predicted peak (fits = false).
 Plan planPolicies(const ModelProfile& profile, const TierBandwidth& bandwidth,
-                  int64_t activationBudget, int prefetchDepth);
+                  int64_t activationBudget, int prefetchDepth,
+                  const WeightTraffic* weights = nullptr);
 
 // The per-block table `caravan plan` prints.
 std::string formatPlan(const ModelProfile& profile, const Plan& plan,

@@ -1,17 +1,25 @@
 // Activation memory for a run (see memory_setup.h).
 #include "train/memory_setup.h"
 
+#include <sched.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
+#include <thread>
+
+#include <ATen/Parallel.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/clock.h"
 #include "core/errors.h"
 #include "core/machine.h"
 #include "memory/accounting.h"
 #include "memory/tracker.h"
+#include "train/setup.h"
 
 namespace caravan {
 
@@ -19,6 +27,66 @@ namespace {
 
 constexpr int64_t kBandwidthProbeBytes = 64 << 20;
 constexpr double kPlanMargin = 0.95;
+
+int availableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(CPU_COUNT(&set), 1);
+  return std::max(static_cast<int>(std::thread::hardware_concurrency()), 1);
+}
+
+// The run's optimizer's seconds per weight byte: timed on a copy of the largest block's
+// parameters with random gradients (the first step makes the state; the median of three
+// after it).
+double updateSecondsPerByte(const RunOptions& options, BlockModel& model) {
+  std::vector<at::Tensor> largest;
+  int64_t bytes = 0;
+  for (const auto& ps : blockParameters(model)) {
+    if (tensorBytes(ps) > bytes) {
+      bytes = tensorBytes(ps);
+      largest = ps;
+    }
+  }
+  if (bytes == 0) return 0.0;
+  std::vector<at::Tensor> copies;
+  {
+    at::NoGradGuard noGrad;
+    for (const auto& p : largest) {
+      at::Tensor c = p.detach().clone().requires_grad_(true);
+      c.mutable_grad() = at::randn_like(c);
+      copies.push_back(c);
+    }
+  }
+  auto optimizer = makeOptimizer(options.optim, copies);
+  std::vector<double> seconds;
+  for (int r = 0; r < 4; ++r) {
+    at::NoGradGuard noGrad;
+    const auto t0 = std::chrono::steady_clock::now();
+    optimizer->step();
+    if (r > 0) seconds.push_back(secondsSince(t0));
+  }
+  std::sort(seconds.begin(), seconds.end());
+  return seconds[seconds.size() / 2] / static_cast<double>(bytes);
+}
+
+// What out-of-core weights move and compute per block with `window`, for the planner.
+WeightTraffic weightTraffic(BlockModel& model, const WeightOptions& window, double secondsPerByte,
+                            int localProcesses) {
+  WeightTraffic t;
+  const auto blocks = blockParameters(model);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t w = tensorBytes(blocks[i]);
+    t.weightBytes.push_back(i == 0 ? 0 : w);  // block 0 stays in memory
+    t.stateBytes.push_back(i == 0 ? 0 : w * window.stateFactor);
+    t.updateSeconds.push_back(secondsPerByte * static_cast<double>(w));
+  }
+  t.prefetch = window.prefetch;
+  t.updateBacklog = window.overlapUpdates ? window.updateBacklog : 0;
+  t.writesInFlight = window.maxWritesInFlight;
+  t.updaterSharesCore =
+      std::max(localProcesses, 1) * std::max(at::get_num_threads(), 1) >= availableCores();
+  return t;
+}
 
 }  // namespace
 
@@ -134,7 +202,7 @@ void setStagePolicies(ActivationMemory& m, BlockModel& model, std::vector<BlockP
 }
 
 ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,
-                                      const Batch& sample, bool plan) {
+                                      const Batch& sample, bool plan, int localProcesses) {
   const MemoryOptions& o = options.memory;
   ActivationMemory m;
   // A pipeline's partition plans its stages (setStagePolicies); until then every block keeps.
@@ -169,6 +237,9 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
   if (planning) {
     const int64_t budget = o.budget;
     m.profile = profileModel(model, sample, static_cast<int>(o.profileRepeats));
+    const double perByte = offload ? updateSecondsPerByte(options, model) : 0.0;
+    std::optional<WeightTraffic> traffic;
+    if (offload) traffic = weightTraffic(model, m.weights, perByte, localProcesses);
     if (automatic || budget > 0) {
       // Out-of-core weights under a budget: the largest window with which a plan fits (a
       // smaller one leaves the activations more room and waits more for the tier).
@@ -184,14 +255,17 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
         const double room = kPlanMargin * static_cast<double>(budget - m.persistent);
         const int64_t activationBudget =
             budget > 0 ? std::max<int64_t>(static_cast<int64_t>(room), 1) : 0;
-        m.plan = planPolicies(*m.profile, m.bandwidth, activationBudget, prefetch);
+        if (offload) traffic = weightTraffic(model, window, perByte, localProcesses);
+        m.plan = planPolicies(*m.profile, m.bandwidth, activationBudget, prefetch,
+                              traffic ? &*traffic : nullptr);
         if (m.plan->fits) break;
       }
     } else {
       // caravan plan of a given policy: predict it.
       Plan p;
       p.policies = m.policies;
-      p.prediction = predict(*m.profile, m.policies, m.bandwidth, prefetch);
+      p.prediction =
+          predict(*m.profile, m.policies, m.bandwidth, prefetch, traffic ? &*traffic : nullptr);
       p.fits = true;
       m.plan = p;
     }

@@ -96,7 +96,9 @@ int64_t smallestPlannedBudget(const Plan& plan, int64_t persistent);
 // block does not keep (recompute only: stages do not swap).
 void setStagePolicies(ActivationMemory& m, BlockModel& model, std::vector<BlockPolicy> policies,
                       int prefetch);
+// `localProcesses`: the processes training on this host (whether the weights' updater has a
+// core of its own, for the prediction).
 ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,
-                                      const Batch& sample, bool plan);
+                                      const Batch& sample, bool plan, int localProcesses = 1);
 
 }  // namespace caravan

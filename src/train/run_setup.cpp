@@ -121,7 +121,7 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
                               std::max<int>(2, static_cast<int>(options.memory.profileRepeats)),
                               state.bf16Blocks);
   state.bf16Blocks = precision.blocksText();
-  activations = makeActivationMemory(options, model, sample, /*plan=*/false);
+  activations = makeActivationMemory(options, model, sample, /*plan=*/false, localProcesses);
 }
 
 RunSetup::PipelineCut RunSetup::pipelineCut(Communicator* comm) {
