@@ -5,6 +5,7 @@ the planner (memory.policy = auto), all-recompute, all-swap and all-swap-input, 
 keep-everything without a budget; predicted vs measured; one table from one invocation.
 
     /usr/bin/python3 bench/memory_sweep.py [--depth 12] [--context 128] [--heads 4] [--batch 32]
+        [--tier-mbps 50]
         [--fractions 0.5 0.33 0.25 0.2]
         [--steps 6] [--repeats 2] [--overhead-mib 512] [--out bench/results/memory]
     /usr/bin/python3 bench/memory_sweep.py --replot [--out bench/results/memory]
@@ -92,6 +93,38 @@ class Cgroup:
                 time.sleep(0.1)
 
 
+class TierThrottle:
+    """A cgroup-v1 blkio cgroup that throttles reads and writes on the device holding
+    `directory` to `bps` bytes per second (direct I/O, as the file tier does, is throttled;
+    buffered writes would escape it). None where /sys/fs/cgroup/blkio is missing."""
+
+    def __init__(self, name, directory, bps):
+        st = os.stat(directory)
+        self.device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        self.path = os.path.join("/sys/fs/cgroup/blkio", name)
+        os.mkdir(self.path)
+        for kind in ("read", "write"):
+            with open(os.path.join(self.path, f"blkio.throttle.{kind}_bps_device"), "w") as f:
+                f.write(f"{self.device} {int(bps)}")
+
+    def enter(self):  # in the child, before exec
+        with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def remove(self):
+        for _ in range(50):
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+# Bytes per second the tier's device is throttled to in every run (--tier-mbps; 0: not).
+TIER_BPS = 0
+TIER_DIR = "/var/tmp"
+
+
 def cgroups_available():
     """A memory cgroup can be made and limited here (v1, or v2 with the memory controller)."""
     try:
@@ -112,11 +145,19 @@ def run_train(sets, run_dir, environ, limit, use_cgroup, name, extra_args=()):
     for s in sets:
         cmd += ["--set", s]
     cgroup = Cgroup(name, limit) if use_cgroup else None
+    throttle = TierThrottle(name, TIER_DIR, TIER_BPS) if TIER_BPS else None
+
+    def enter():
+        if cgroup:
+            cgroup.enter()
+        if throttle:
+            throttle.enter()
+
     t0 = time.time()
     try:
         try:
             p = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True,
-                               timeout=1800, preexec_fn=cgroup.enter if cgroup else None)
+                               timeout=1800, preexec_fn=enter)
         except subprocess.TimeoutExpired:
             sys.exit(f"{os.path.basename(sys.argv[0])}: {' '.join(cmd)} ran past 30 minutes")
         r = {"rc": p.returncode, "wall_s": time.time() - t0}
@@ -126,6 +167,8 @@ def run_train(sets, run_dir, environ, limit, use_cgroup, name, extra_args=()):
     finally:
         if cgroup:
             cgroup.remove()
+        if throttle:
+            throttle.remove()
     r["killed"] = p.returncode in (-9, 137) or r.get("oom_kills", 0) > 0
     if p.returncode == 0:
         with open(os.path.join(run_dir, "summary.json")) as f:
@@ -179,7 +222,10 @@ def summarize(results):
                  + ("Each budgeted run ran in a memory cgroup limited to budget + "
                     f"{results['overhead_mib']} MiB." if use_cgroup else
                     "NO cgroup was available: runs were not verified.")
-                 + (f" {', '.join(removed)} removed from the environment." if removed else ""))
+                 + (f" {', '.join(removed)} removed from the environment." if removed else "")
+                 + (f" The tier's device was throttled to {args.tier_mbps:g} MB/s for reads and "
+                    "writes (cgroup-v1 blkio) in every run." if getattr(args, "tier_mbps", 0)
+                    else ""))
     lines.append("")
     lines.append("| budget | keep needs | mode | plan | fwd+bwd ms | vs keep | predicted ms | "
                  "error | tracked peak MiB | cgroup max MiB | verdict |")
@@ -292,6 +338,9 @@ def main():
     ap.add_argument("--profile-repeats", type=int, default=2)
     ap.add_argument("--overhead-mib", type=int, default=512)
     ap.add_argument("--swap-dir", default="/var/tmp")
+    ap.add_argument("--tier-mbps", type=float, default=0,
+                    help="throttle the swap directory's device to this many MB/s (10^6 bytes) "
+                         "for reads and writes in every run (cgroup-v1 blkio; 0: not)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "memory"))
     ap.add_argument("--replot", action="store_true",
                     help="run nothing: rebuild OUT/charts.json from OUT/results.json")
@@ -307,6 +356,11 @@ def main():
         sys.exit("memory_sweep: build/caravan missing; run bash scripts/setup.sh first")
     environ, removed = env()
     use_cgroup = cgroups_available()
+    global TIER_BPS, TIER_DIR
+    TIER_BPS, TIER_DIR = int(args.tier_mbps * 1e6), args.swap_dir
+    if TIER_BPS and not os.path.isdir("/sys/fs/cgroup/blkio"):
+        sys.exit("memory_sweep: --tier-mbps needs the cgroup-v1 blkio controller "
+                 "(/sys/fs/cgroup/blkio)")
     tmp = tempfile.mkdtemp(prefix="caravan-memory-sweep-")
     runs = []
     try:

@@ -394,42 +394,51 @@ TEST(Planner, PredictsHandWorkedSchedules) {
 
 TEST(Planner, PredictsOutOfCoreWeightsHandWorked) {
   // Three blocks (forward 1 s, backward 2 s, all keep); out-of-core weights: blocks 1 and 2
-  // hold 1 GB of weights and 2 GB of optimizer state each (block 0 stays in memory), the
-  // tier reads and writes 1 GB/s, each update's optimizer takes 0.5 s.
+  // hold 1 GB of weights and two 1 GB pieces of optimizer state each (block 0 stays in
+  // memory), the tier reads and writes 1 GB/s, each block's update steps for 0.5 s.
   ModelProfile profile = twoBlocks();
   profile.blocks.push_back(profile.blocks.back());
   const std::vector<BlockPolicy> keep(3, BlockPolicy::kKeep);
   const TierBandwidth bw{1e9, 1e9};
+  const int64_t gb = 1000000000;
   WeightTraffic w;
-  w.weightBytes = {0, 1000000000, 1000000000};
-  w.stateBytes = {0, 2000000000, 2000000000};
+  w.weightBytes = {0, gb, gb};
+  w.statePieces = {{}, {gb, gb}, {gb, gb}};
   w.updateSeconds = {0.5, 0.5, 0.5};
   w.prefetch = 1;
   w.updateBacklog = 0;
-  // Forward: block 1's weights read at t 0..1 (prefetched while block 0 runs), block 2's at
-  // 1..2: no wait, forward ends at 3. Backward: block 1's weights read again at 3..4 (prefetched
-  // as backward starts; block 2's stayed); block 2 runs 3..5, its update reads the state 5..7 and
-  // steps 7..7.5; block 1 waits for it (updateBacklog 0): 7.5..9.5, its update reads 9.5..11.5
-  // and ends at 12; block 0 (nothing to read) waits for that: 12..14; its update ends at 14.5.
+  w.writesInFlight = 2;
+  // Forward: block 1's weights read at 0..1 (prefetched while block 0 runs), block 2's at
+  // 1..2: forward ends at 3. Backward: block 1's weights read again at 3..4; block 2 (its
+  // weights stayed) runs 3..5. Its update: pieces read 5..6 and 6..7, stepped 6..6.25 and
+  // 7..7.25, written 6.25..7.25 and 7.25..8.25; done at 7.25 (the weights' write queued then,
+  // 8.25..9.25). Block 1 waits for it (updateBacklog 0): 7.25..9.25; its pieces read 9.25..
+  // 10.25 and 10.25..11.25, stepped to 10.5 and 11.5, written from 10.5 and 11.5: done at
+  // 11.5. Block 0 waits for that: 11.5..13.5, its update (nothing to move) 13.5..14.
   const Prediction p = predict(profile, keep, bw, 1, &w);
   EXPECT_DOUBLE_EQ(p.forwardSeconds, 3.0);
-  EXPECT_DOUBLE_EQ(p.stepSeconds, 14.0);
-  EXPECT_DOUBLE_EQ(p.updatesEndSeconds, 14.5);
-  // One write in flight: each update also waits for its state's write (block 2's: 7..9, so
-  // block 1 runs 9..11, reads 11..13, writes 13..15; block 0 runs 15..17).
+  EXPECT_DOUBLE_EQ(p.stepSeconds, 13.5);
+  EXPECT_DOUBLE_EQ(p.updatesEndSeconds, 14.0);
+  // One piece in flight: block 2's second piece waits for the first's write (to 7.25), the
+  // same; block 1's first write waits for block 2's weights (8.25..9.25 after the second
+  // piece's 7.25..8.25): still before its step ends. Unchanged.
   w.writesInFlight = 1;
-  EXPECT_DOUBLE_EQ(predict(profile, keep, bw, 1, &w).stepSeconds, 17.0);
+  EXPECT_DOUBLE_EQ(predict(profile, keep, bw, 1, &w).stepSeconds, 13.5);
   w.writesInFlight = 2;
-  // One update may wait: block 1 runs 5..7 without waiting for block 2's update; its update
-  // reads the state 7..9 and steps 9..9.5; block 0 waits only for block 2's (7.5): 7.5..9.5,
-  // its update 9.5..10.
+  // One update may wait: block 1 runs 5..7 without waiting for block 2's update; block 0
+  // waits for block 2's (done at 7.25): 7.25..9.25.
   w.updateBacklog = 1;
-  const Prediction q = predict(profile, keep, bw, 1, &w);
-  EXPECT_DOUBLE_EQ(q.stepSeconds, 9.5);
-  EXPECT_DOUBLE_EQ(q.updatesEndSeconds, 10.0);
-  // An updater without a core of its own: its 1.5 s of optimizer come on top.
+  EXPECT_DOUBLE_EQ(predict(profile, keep, bw, 1, &w).stepSeconds, 9.25);
+  // An updater without a core of its own: block 2's steps (6..6.25, 7..7.25) overlap block
+  // 1's backward (5..7) by 0.25 s; block 1's (its pieces read 7..8 and 8..9, stepped 8..8.25
+  // and 9..9.25) overlap block 0's (7.25..9.25) by 0.5 s: 0.75 s more.
   w.updaterSharesCore = true;
-  EXPECT_DOUBLE_EQ(predict(profile, keep, bw, 1, &w).stepSeconds, 11.0);
+  EXPECT_DOUBLE_EQ(predict(profile, keep, bw, 1, &w).stepSeconds, 10.0);
+  w.updaterSharesCore = false;
+  // With clipping the updates wait for backward (3..9, the weights read again for block 1 at
+  // 3..4): forward+backward is the in-core 9 s.
+  w.overlap = false;
+  EXPECT_DOUBLE_EQ(predict(profile, keep, bw, 1, &w).stepSeconds, 9.0);
   // Weights in memory: the in-core prediction.
   EXPECT_DOUBLE_EQ(predict(profile, keep, bw, 1).stepSeconds, 9.0);
 }

@@ -143,7 +143,7 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
   // the reader; -inf: in memory.
   const bool offload = weights != nullptr;
   if (offload) {
-    CARAVAN_CHECK(weights->weightBytes.size() == n && weights->stateBytes.size() == n &&
+    CARAVAN_CHECK(weights->weightBytes.size() == n && weights->statePieces.size() == n &&
                       weights->updateSeconds.size() == n,
                   "one weight traffic entry per block");
   }
@@ -213,7 +213,59 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
     }
   }
   std::vector<double> updateEnd(n, -inf);
-  double updaterFree = 0.0, sharedUpdateSeconds = 0.0;
+  double updaterFree = 0.0;
+  std::vector<double> pieceWrites;  // end times of the pieces written, in order
+  std::vector<std::pair<double, double>> steps, computing;  // optimizer; training thread
+  const bool overlap = offload && weights->overlap;
+  // Block i's update, its gradients in at `ready` (weights.cpp's update()): the first state
+  // piece read from `ready` (overlapped) or when the update begins, each next one when the
+  // previous is stepped; each piece written after its step, the updater waiting while
+  // writesInFlight pieces are in flight; the block is done when its last piece's write is
+  // queued, and the updater moves on once the weights' write is. A kept block (block 0) reads
+  // and writes nothing. Returns when the block is done.
+  auto runUpdate = [&](size_t i, double ready) {
+    const bool kept = weights->weightBytes[i] == 0;
+    double begin = std::max(ready, updaterFree);
+    if (!overlap && !kept) {  // the weights left after backward: read again
+      begin = std::max(begin, readerFree) + static_cast<double>(weights->weightBytes[i]) / rbw;
+      readerFree = begin;
+    }
+    auto read = [&](int64_t bytes, double when) {
+      const double start = std::max(when, readerFree);
+      readerFree = start + static_cast<double>(bytes) / rbw;
+      return readerFree;
+    };
+    auto write = [&](int64_t bytes, double when) {  // returns when the updater may go on
+      const size_t slots = static_cast<size_t>(std::max(weights->writesInFlight, 1));
+      const double submit = pieceWrites.size() >= slots
+                                ? std::max(when, pieceWrites[pieceWrites.size() - slots])
+                                : when;
+      const double start = std::max(submit, writerFree);
+      writerFree = start + static_cast<double>(bytes) / wbw;
+      pieceWrites.push_back(writerFree);
+      return submit;
+    };
+    const std::vector<int64_t>& pieces = weights->statePieces[i];
+    int64_t total = 0;
+    for (int64_t b : pieces) total += b;
+    double at = begin;
+    if (pieces.empty() || kept) {
+      steps.emplace_back(at, at + weights->updateSeconds[i]);
+      at += weights->updateSeconds[i];
+    } else {
+      double readEnd = read(pieces[0], overlap ? ready : begin);
+      for (size_t k = 0; k < pieces.size(); ++k) {
+        const double stepStart = std::max(at, readEnd);
+        if (k + 1 < pieces.size()) readEnd = read(pieces[k + 1], stepStart);
+        const double share = total > 0 ? static_cast<double>(pieces[k]) / total : 1.0;
+        const double stepEnd = stepStart + weights->updateSeconds[i] * share;
+        steps.emplace_back(stepStart, stepEnd);
+        at = write(pieces[k], stepEnd);
+      }
+    }
+    updateEnd[i] = at;
+    updaterFree = kept ? at : write(weights->weightBytes[i], at);
+  };
   auto issueReads = [&](size_t above, double when) {  // backward reached block `above`
     for (size_t k = 1; k <= static_cast<size_t>(prefetchDepth) && k <= above; ++k) {
       const size_t j = above - k;
@@ -237,7 +289,7 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
       // Backpressure: the updates of the blocks above i + updateBacklog have ended; then the
       // weights (read now, unless prefetched).
       const size_t above = i + 1 + static_cast<size_t>(std::max(weights->updateBacklog, 0));
-      if (above < n) start = std::max(start, updateEnd[above]);
+      if (overlap && above < n) start = std::max(start, updateEnd[above]);
       readWeights(i, start);
       start = std::max(start, weightsRead[i]);
     }
@@ -269,38 +321,30 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
       }
     }
     t = start + blocks[i].backwardSeconds + (recomputes ? blocks[i].forwardSeconds : 0.0);
-    if (offload) {
-      // The update: its state read (queued when the gradients are in), the optimizer, then the
-      // state and weights written; the updater moves on once its writes are queued.
-      double begin = std::max(t, updaterFree);
-      if (weights->stateBytes[i] > 0) {
-        const double readStart = std::max(t, readerFree);
-        readerFree = readStart + static_cast<double>(weights->stateBytes[i]) / rbw;
-        begin = std::max(begin, readerFree);
-      }
-      updateEnd[i] = begin + weights->updateSeconds[i];
-      if (weights->updaterSharesCore) sharedUpdateSeconds += weights->updateSeconds[i];
-      if (i > 0) {
-        // The state is written as it is stepped, then the weights. With one write in flight
-        // the updater waits for each piece's write before queueing the next: the update ends
-        // with the state's writes.
-        const double stateStart = std::max(begin, writerFree);
-        const double stateEnd = stateStart + static_cast<double>(weights->stateBytes[i]) / wbw;
-        if (weights->writesInFlight <= 1) updateEnd[i] = std::max(updateEnd[i], stateEnd);
-        writerFree =
-            std::max(stateEnd, updateEnd[i]) + static_cast<double>(weights->weightBytes[i]) / wbw;
-      }
-      updaterFree = updateEnd[i];
+    computing.emplace_back(start, t);
+    if (overlap) runUpdate(i, t);
+  }
+  double updatesEnd = 0.0;
+  if (offload) {
+    // With clipping every update waits for the end of backward (finishStep, top block first).
+    if (!overlap) {
+      for (size_t k = n; k-- > 0;) runUpdate(k, t);
+    }
+    for (double e : updateEnd) updatesEnd = std::max(updatesEnd, e);
+  }
+  // An updater without a core of its own takes the seconds its steps overlap the training
+  // thread's backward compute from it.
+  double shared = 0.0;
+  if (offload && weights->updaterSharesCore) {
+    for (const auto& [s0, s1] : steps) {
+      for (const auto& [c0, c1] : computing)
+        shared += std::max(0.0, std::min(s1, c1) - std::max(s0, c0));
     }
   }
   Prediction p;
-  // An updater without a core of its own takes its seconds from the training thread.
-  p.stepSeconds = t + sharedUpdateSeconds;
+  p.stepSeconds = t + shared;
   p.forwardSeconds = forwardSeconds;
-  if (offload) {
-    for (double e : updateEnd) p.updatesEndSeconds = std::max(p.updatesEndSeconds, e);
-    p.updatesEndSeconds += sharedUpdateSeconds;
-  }
+  if (offload) p.updatesEndSeconds = std::max(updatesEnd + shared, p.stepSeconds);
   p.peakBytes = peak;
   return p;
 }

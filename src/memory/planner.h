@@ -55,17 +55,22 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats);
 
 // Out-of-core weights (memory.weights = offload, memory/weights.h) as the model sees them. Per
 // block: the weights read before its forward and again before its backward (prefetched
-// `prefetch` blocks ahead on the same reader as the activations; 0 for a block kept in memory),
-// and after its backward the update: its optimizer state read, the optimizer's seconds, state
-// and weights written (the writer the activations' swaps use; with writesInFlight = 1 the
-// update waits for its state's writes). Updates run one at a time on their own thread;
-// backward enters block i only when the updates of blocks above i + updateBacklog have ended.
-// `updaterSharesCore`: the updater has no core of its own (workers x threads >= cores), so its
-// optimizer seconds delay the training thread as well.
+// `prefetch` blocks ahead, on the reader the activations use; 0 bytes for a block kept in
+// memory), and the update once its gradients are in: the optimizer state's pieces read one
+// after the other (each while the previous is stepped), the optimizer's seconds shared out by
+// bytes, each piece written after its step (on the writer the activations' swaps use; the
+// updater waits while `writesInFlight` pieces are in flight), then the weights written.
+// Updates run one at a time on their own thread. `overlap` (no clipping): updates run during
+// backward, which enters block i only when the updates of blocks above i + updateBacklog are
+// done; else every update runs after backward, the weights read again. `updaterSharesCore`:
+// the updater has no core of its own (workers x threads >= cores), so the time its steps
+// overlap backward's compute is added to the training thread's.
 struct WeightTraffic {
-  std::vector<int64_t> weightBytes, stateBytes;
+  std::vector<int64_t> weightBytes;
+  std::vector<std::vector<int64_t>> statePieces;  // bytes of each state piece
   std::vector<double> updateSeconds;
   int prefetch = 1;
+  bool overlap = true;
   int updateBacklog = 1;
   int writesInFlight = 2;
   bool updaterSharesCore = false;

@@ -561,7 +561,11 @@ void OutOfCoreWeights::queueUpdateLocked(size_t i) {
   b.update = Block::Update::kQueued;
   // What the update reads first, while it waits (with clipping every block queues at once:
   // the update reads it then).
-  if (options_.overlapUpdates && !b.state.empty()) startReadLocked(*b.state.front());
+  // Only within the backlog: finishStep() may queue many blocks at once.
+  if (options_.overlapUpdates && !b.state.empty() &&
+      updates_.size() <= static_cast<size_t>(std::max(options_.updateBacklog, 0))) {
+    startReadLocked(*b.state.front());
+  }
   updates_.push_back(i);
   cv_.notify_all();
 }

@@ -77,11 +77,20 @@ WeightTraffic weightTraffic(BlockModel& model, const WeightOptions& window, doub
   for (size_t i = 0; i < blocks.size(); ++i) {
     const int64_t w = tensorBytes(blocks[i]);
     t.weightBytes.push_back(i == 0 ? 0 : w);  // block 0 stays in memory
-    t.stateBytes.push_back(i == 0 ? 0 : w * window.stateFactor);
+    std::vector<int64_t> pieces;
+    if (i > 0) {
+      for (const auto& piece : statePieces(blocks[i], window)) {
+        int64_t bytes = 0;
+        for (size_t k : piece) bytes += tensorBytes({blocks[i][k]}) * window.stateFactor;
+        if (bytes > 0) pieces.push_back(bytes);
+      }
+    }
+    t.statePieces.push_back(std::move(pieces));
     t.updateSeconds.push_back(secondsPerByte * static_cast<double>(w));
   }
   t.prefetch = window.prefetch;
-  t.updateBacklog = window.overlapUpdates ? window.updateBacklog : 0;
+  t.overlap = window.overlapUpdates;
+  t.updateBacklog = window.updateBacklog;
   t.writesInFlight = window.maxWritesInFlight;
   t.updaterSharesCore =
       std::max(localProcesses, 1) * std::max(at::get_num_threads(), 1) >= availableCores();
