@@ -49,6 +49,16 @@ MODES = ["auto", "recompute", "swap", "swap-input"]
 MIB = 1 << 20
 
 
+def remove_cgroup(path):
+    """rmdir a cgroup, retrying while its processes are still leaving it."""
+    for _ in range(50):
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 class Cgroup:
     """A memory cgroup (v1 or v2) for one process tree; None where neither is writable."""
 
@@ -85,12 +95,7 @@ class Cgroup:
         return 0
 
     def remove(self):
-        for _ in range(50):
-            try:
-                os.rmdir(self.path)
-                return
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(self.path)
 
 
 class TierThrottle:
@@ -112,12 +117,7 @@ class TierThrottle:
             f.write(str(os.getpid()))
 
     def remove(self):
-        for _ in range(50):
-            try:
-                os.rmdir(self.path)
-                return
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(self.path)
 
 
 # Bytes per second the tier's device is throttled to in every run (--tier-mbps; 0: not).

@@ -120,9 +120,9 @@ def summarize(results):
              + (f" {', '.join(removed)} removed from the environment." if removed else ""),
              "",
              "| run | budget per worker | below in-core keep | step ms | vs in-core DP | "
-             "activation plan | tracked peak MiB | weights read / written per step MiB | "
-             "cgroup max MiB (job) | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "fwd+bwd ms measured / predicted | activation plan | tracked peak MiB | "
+             "weights read / written per step MiB | cgroup max MiB (job) | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def row(kind, bi, budget):
         rs = [r for r in runs if r["kind"] == kind and r["budget_index"] == bi]
@@ -144,16 +144,22 @@ def summarize(results):
         rd = med([r["last_record"].get("weights_read_bytes") for r in ok]) if ok else None
         wr = med([r["last_record"].get("weights_written_bytes") for r in ok]) if ok else None
         cg = max((r.get("cgroup_max_usage", 0) for r in rs), default=0)
+        # The trainer's own check of the planner (summary.json; rank 0): forward+backward.
+        fb = med([r["summary"].get("fwd_bwd_s") for r in ok]) if ok else None
+        pred = med([r["summary"].get("predicted_fwd_bwd_s") for r in ok]) if ok else None
+        fwd = (f"{fb * 1e3:.0f} / {pred * 1e3:.0f} ({(fb / pred - 1) * 100:+.1f}%)"
+               if fb and pred else (f"{fb * 1e3:.0f} / -" if fb else "-"))
         cells = [kind, f"{budget / MIB:.1f} MiB" if budget else "none",
                  f"{keep_need / budget:.2f}x" if budget else "-",
                  f"{t * 1e3:.0f}" if t else "-",
-                 f"{core_t / t:.2f}" if t and core_t else "-", plan,
+                 f"{core_t / t:.2f}" if t and core_t else "-", fwd, plan,
                  f"{peak / MIB:.1f}" if peak else "-",
                  f"{rd / MIB:.0f} / {wr / MIB:.0f}" if rd else "-",
                  f"{cg / MIB:.0f}" if cg else "-", verdict]
         lines.append("| " + " | ".join(cells) + " |")
         rows.append({"kind": kind, "budget": budget, "time": t, "peak": peak, "read": rd,
-                     "written": wr, "cgroup": cg, "verdict": verdict, "plan": plan})
+                     "written": wr, "cgroup": cg, "verdict": verdict, "plan": plan,
+                     "fwd_bwd": fb, "predicted": pred})
         return t
 
     rows = []
