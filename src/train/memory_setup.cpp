@@ -250,24 +250,50 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
     std::optional<WeightTraffic> traffic;
     if (offload) traffic = weightTraffic(model, m.weights, perByte, localProcesses);
     if (automatic || budget > 0) {
-      // Out-of-core weights under a budget: the largest window with which a plan fits (a
-      // smaller one leaves the activations more room and waits more for the tier).
+      // Out-of-core weights under a budget: every window is planned, and the one whose
+      // fitting plan is predicted fastest (to the end of the last update) wins; a smaller one
+      // leaves the activations more room and waits more for the tier. None fitting: the
+      // smallest window's plan (the refusal names its budget).
       const std::vector<WeightOptions> windows =
           offload && budget > 0 ? weightWindows(options) : std::vector<WeightOptions>{m.weights};
-      for (const WeightOptions& window : windows) {
-        m.weights = window;
-        m.persistent = persistentBytes(options, model, window);
+      auto cost = [](const Plan& p) {
+        return std::max(p.prediction.stepSeconds, p.prediction.updatesEndSeconds);
+      };
+      std::string considered;
+      for (size_t k = 0; k < windows.size(); ++k) {
+        const WeightOptions& window = windows[k];
+        const int64_t persistent = persistentBytes(options, model, window);
         // The plan aims at 95% of what the budget leaves for activations: the model does not
         // see threads scheduled late on a busy machine (a swap write that lands after the next
         // block's saves; measured: up to 2% over a plan's peak with the tests running two at a
         // time).
-        const double room = kPlanMargin * static_cast<double>(budget - m.persistent);
+        const double room = kPlanMargin * static_cast<double>(budget - persistent);
         const int64_t activationBudget =
             budget > 0 ? std::max<int64_t>(static_cast<int64_t>(room), 1) : 0;
         if (offload) traffic = weightTraffic(model, window, perByte, localProcesses);
-        m.plan = planPolicies(*m.profile, m.bandwidth, activationBudget, prefetch,
-                              traffic ? &*traffic : nullptr);
-        if (m.plan->fits) break;
+        Plan plan = planPolicies(*m.profile, m.bandwidth, activationBudget, prefetch,
+                                 traffic ? &*traffic : nullptr);
+        if (windows.size() > 1) {
+          considered += fmt::format(
+              "  window {}: {} (prefetch {}, {} update(s) waiting, {} write(s), state pieces {}): "
+              "{}\n",
+              k + 1, formatBytes(persistent), window.prefetch, window.updateBacklog,
+              window.maxWritesInFlight,
+              window.stateChunkBytes <= 1 ? std::string("of one parameter")
+                                          : "<= " + formatBytes(window.stateChunkBytes),
+              plan.fits ? fmt::format("predicted step {:.1f} ms", cost(plan) * 1e3)
+                        : std::string("no activation plan fits"));
+        }
+        const bool better = !m.plan || (plan.fits && (!m.plan->fits || cost(plan) < cost(*m.plan)));
+        if (better || (!m.plan->fits && k + 1 == windows.size())) {
+          m.weights = window;
+          m.persistent = persistent;
+          m.plan = std::move(plan);
+        }
+      }
+      if (!considered.empty()) {
+        m.report += "out-of-core windows under memory.budget (the fastest that fits is taken):\n" +
+                    considered;
       }
     } else {
       // caravan plan of a given policy: predict it.

@@ -30,7 +30,8 @@ int64_t persistentBytes(const RunOptions& options, BlockModel& model, const Weig
 // tier) first: the configured prefetch with two blocks' updates in flight and two pieces being
 // written; then one piece written at a time; then each update finished before backward enters
 // the next block; then no prefetch; then the optimizer state moved one parameter at a time.
-// Under memory.budget the first with which an activation plan fits is the run's.
+// Under memory.budget each is planned and the run takes the one whose fitting activation plan
+// is predicted fastest (to the end of the last update; WeightTraffic), printing every one.
 std::vector<WeightOptions> weightWindows(const RunOptions& options);
 
 // How parallel.pipeline_stages cuts the model (pipeline/partition.h): unless parallel.partition
