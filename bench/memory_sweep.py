@@ -104,13 +104,31 @@ class TierThrottle:
     buffered writes would escape it). None where /sys/fs/cgroup/blkio is missing."""
 
     def __init__(self, name, directory, bps):
-        st = os.stat(directory)
-        self.device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        self.device = TierThrottle.disk_of(directory)
         self.path = os.path.join("/sys/fs/cgroup/blkio", name)
         os.mkdir(self.path)
-        for kind in ("read", "write"):
-            with open(os.path.join(self.path, f"blkio.throttle.{kind}_bps_device"), "w") as f:
-                f.write(f"{self.device} {int(bps)}")
+        try:
+            for kind in ("read", "write"):
+                with open(os.path.join(self.path, f"blkio.throttle.{kind}_bps_device"), "w") as f:
+                    f.write(f"{self.device} {int(bps)}")
+        except OSError:
+            self.remove()
+            raise
+
+    @staticmethod
+    def disk_of(directory):
+        """MAJ:MIN of the disk holding `directory` (blkio throttles whole disks: a partition's
+        rule goes on its disk); None when it is on no block device (tmpfs, overlay, btrfs
+        subvolumes)."""
+        st = os.stat(directory)
+        device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        sysdev = os.path.realpath(f"/sys/dev/block/{device}")
+        if not os.path.exists(sysdev):
+            return None
+        if os.path.exists(os.path.join(sysdev, "partition")):
+            with open(os.path.join(os.path.dirname(sysdev), "dev")) as f:
+                device = f.read().strip()
+        return device
 
     def enter(self):  # in the child, before exec
         with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
@@ -145,7 +163,12 @@ def run_train(sets, run_dir, environ, limit, use_cgroup, name, extra_args=()):
     for s in sets:
         cmd += ["--set", s]
     cgroup = Cgroup(name, limit) if use_cgroup else None
-    throttle = TierThrottle(name, TIER_DIR, TIER_BPS) if TIER_BPS else None
+    try:
+        throttle = TierThrottle(name, TIER_DIR, TIER_BPS) if TIER_BPS else None
+    except OSError:
+        if cgroup:
+            cgroup.remove()
+        raise
 
     def enter():
         if cgroup:
@@ -361,6 +384,9 @@ def main():
     if TIER_BPS and not os.path.isdir("/sys/fs/cgroup/blkio"):
         sys.exit("memory_sweep: --tier-mbps needs the cgroup-v1 blkio controller "
                  "(/sys/fs/cgroup/blkio)")
+    if TIER_BPS and TierThrottle.disk_of(TIER_DIR) is None:
+        sys.exit(f"memory_sweep: --tier-mbps: {TIER_DIR} is on no block device to throttle; "
+                 "give --swap-dir on a disk")
     tmp = tempfile.mkdtemp(prefix="caravan-memory-sweep-")
     runs = []
     try:

@@ -147,16 +147,30 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
                       weights->updateSeconds.size() == n,
                   "one weight traffic entry per block");
   }
-  double readerFree = 0.0;
+  // The reader serves reads in the order they are issued; the model books them in the order
+  // it reaches them, which for the updater's next state pieces is later than reads backward
+  // issues meanwhile. So a read takes the first gap on the reader after its issue time that
+  // holds it (busy: the booked intervals, in time order).
+  std::vector<std::pair<double, double>> readerBusy;
+  auto bookRead = [&](double issue, int64_t bytes) {
+    const double length = static_cast<double>(bytes) / rbw;
+    double start = issue;
+    auto it = readerBusy.begin();
+    for (; it != readerBusy.end(); ++it) {
+      if (it->second <= start) continue;
+      if (it->first >= start + length) break;
+      start = it->second;
+    }
+    readerBusy.insert(it, {start, start + length});
+    return start + length;
+  };
   std::vector<double> weightsRead(n, -inf);
   std::vector<bool> weightsIssued(n, false);
   auto readWeights = [&](size_t j, double when) {
     if (!offload || j >= n || weightsIssued[j]) return;
     weightsIssued[j] = true;
     if (weights->weightBytes[j] == 0) return;
-    const double start = std::max(when, readerFree);
-    weightsRead[j] = start + static_cast<double>(weights->weightBytes[j]) / rbw;
-    readerFree = weightsRead[j];
+    weightsRead[j] = bookRead(when, weights->weightBytes[j]);
   };
   const int weightPrefetch = offload ? std::max(weights->prefetch, 0) : 0;
 
@@ -227,14 +241,9 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
     const bool kept = weights->weightBytes[i] == 0;
     double begin = std::max(ready, updaterFree);
     if (!overlap && !kept) {  // the weights left after backward: read again
-      begin = std::max(begin, readerFree) + static_cast<double>(weights->weightBytes[i]) / rbw;
-      readerFree = begin;
+      begin = bookRead(begin, weights->weightBytes[i]);
     }
-    auto read = [&](int64_t bytes, double when) {
-      const double start = std::max(when, readerFree);
-      readerFree = start + static_cast<double>(bytes) / rbw;
-      return readerFree;
-    };
+    auto read = [&](int64_t bytes, double when) { return bookRead(when, bytes); };
     auto write = [&](int64_t bytes, double when) {  // returns when the updater may go on
       const size_t slots = static_cast<size_t>(std::max(weights->writesInFlight, 1));
       const double submit = pieceWrites.size() >= slots
@@ -276,9 +285,7 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
         readEnd[j] = when;
         continue;
       }
-      const double start = std::max({when, readerFree, writeEnd[j]});
-      readEnd[j] = start + static_cast<double>(offloaded(j)) / rbw;
-      readerFree = readEnd[j];
+      readEnd[j] = bookRead(std::max(when, writeEnd[j]), offloaded(j));
     }
   };
   issueReads(n, forwardSeconds);

@@ -563,7 +563,8 @@ void OutOfCoreWeights::queueUpdateLocked(size_t i) {
   // the update reads it then).
   // Only within the backlog: finishStep() may queue many blocks at once.
   if (options_.overlapUpdates && !b.state.empty() &&
-      updates_.size() <= static_cast<size_t>(std::max(options_.updateBacklog, 0))) {
+      updates_.size() + updatesRunning_ <=
+          static_cast<size_t>(std::max(options_.updateBacklog, 0))) {
     startReadLocked(*b.state.front());
   }
   updates_.push_back(i);
