@@ -341,8 +341,8 @@ TEST(OutOfCoreWeights, KeepsTheTrackedPeakUnderABudgetInCoreExceeds) {
 
 TEST(OutOfCoreWeights, TierWriteErrorFailsTheRunWithAClearMessage) {
   // The CNN's blocks 1.. hold 1.8 MB of weights: written at start-up under the 3 MiB file size
-  // limit; the first updates add the momentum buffers, the blobs grow to 3.6 MB and their
-  // writes fail with EFBIG on the updater's I/O, which reaches the training thread.
+  // limit; the first updates create the momentum buffers, whose pieces take the file to 3.6 MB,
+  // and their writes fail with EFBIG on the updater's I/O, which reaches the training thread.
   if (!test::expectTierWriteFailure(3072, "--set memory.weights=offload")) {
     GTEST_SKIP() << "the temp dir is on tmpfs";
   }
