@@ -130,7 +130,8 @@ TEST(TrainingMemoryEstimate, EqualsTheProfileOfTheWholeBatch) {
                                .peakBytes;
     EXPECT_GT(oracle, 0);
     EXPECT_EQ(estimate->activations, oracle);
-    EXPECT_EQ(estimate->persistent, persistentBytes(setup.options, setup.model));
+    EXPECT_EQ(estimate->persistent,
+              persistentBytes(setup.options, setup.model, weightOptions(setup.options)));
   }
 }
 

@@ -243,7 +243,6 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
     if (!overlap && !kept) {  // the weights left after backward: read again
       begin = bookRead(begin, weights->weightBytes[i]);
     }
-    auto read = [&](int64_t bytes, double when) { return bookRead(when, bytes); };
     auto write = [&](int64_t bytes, double when) {  // returns when the updater may go on
       const size_t slots = static_cast<size_t>(std::max(weights->writesInFlight, 1));
       const double submit = pieceWrites.size() >= slots
@@ -262,10 +261,10 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
       steps.emplace_back(at, at + weights->updateSeconds[i]);
       at += weights->updateSeconds[i];
     } else {
-      double readEnd = read(pieces[0], overlap ? ready : begin);
+      double readEnd = bookRead(overlap ? ready : begin, pieces[0]);
       for (size_t k = 0; k < pieces.size(); ++k) {
         const double stepStart = std::max(at, readEnd);
-        if (k + 1 < pieces.size()) readEnd = read(pieces[k + 1], stepStart);
+        if (k + 1 < pieces.size()) readEnd = bookRead(stepStart, pieces[k + 1]);
         const double share = total > 0 ? static_cast<double>(pieces[k]) / total : 1.0;
         const double stepEnd = stepStart + weights->updateSeconds[i] * share;
         steps.emplace_back(stepStart, stepEnd);

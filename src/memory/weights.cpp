@@ -144,6 +144,17 @@ std::vector<std::vector<size_t>> statePieces(const std::vector<at::Tensor>& para
   return pieces;
 }
 
+std::vector<int64_t> statePieceBytes(const std::vector<at::Tensor>& params,
+                                     const WeightOptions& options) {
+  std::vector<int64_t> out;
+  for (const auto& piece : statePieces(params, options)) {
+    int64_t bytes = 0;
+    for (size_t k : piece) bytes += tensorBytes({params[k]}) * options.stateFactor;
+    out.push_back(bytes);
+  }
+  return out;
+}
+
 WeightWindow OutOfCoreWeights::window(BlockModel& model, const WeightOptions& options) {
   WeightWindow out;
   const std::vector<std::vector<at::Tensor>> blocks = blockParameters(model);
@@ -155,11 +166,7 @@ WeightWindow OutOfCoreWeights::window(BlockModel& model, const WeightOptions& op
     grads.push_back(w);
     if (i == 0) continue;
     weights = std::max(weights, w);
-    for (const auto& piece : statePieces(blocks[i], options)) {
-      int64_t s = 0;
-      for (size_t k : piece) s += tensorBytes({blocks[i][k]}) * options.stateFactor;
-      state = std::max(state, s);
-    }
+    for (int64_t s : statePieceBytes(blocks[i], options)) state = std::max(state, s);
   }
   const int64_t backlog = std::max(options.updateBacklog, 0);
   const int64_t writes = options.maxWritesInFlight;

@@ -108,6 +108,9 @@ struct WeightWindow {
 // whose state (stateFactor bytes per weight byte) is at most stateChunkBytes, or one parameter.
 std::vector<std::vector<size_t>> statePieces(const std::vector<at::Tensor>& params,
                                              const WeightOptions& options);
+// Each of those pieces' state bytes (stateFactor bytes per weight byte).
+std::vector<int64_t> statePieceBytes(const std::vector<at::Tensor>& params,
+                                     const WeightOptions& options);
 
 struct WeightStats {
   int64_t bytesRead = 0, bytesWritten = 0;

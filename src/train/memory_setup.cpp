@@ -79,9 +79,7 @@ WeightTraffic weightTraffic(BlockModel& model, const WeightOptions& window, doub
     t.weightBytes.push_back(i == 0 ? 0 : w);  // block 0 stays in memory
     std::vector<int64_t> pieces;
     if (i > 0) {
-      for (const auto& piece : statePieces(blocks[i], window)) {
-        int64_t bytes = 0;
-        for (size_t k : piece) bytes += tensorBytes({blocks[i][k]}) * window.stateFactor;
+      for (int64_t bytes : statePieceBytes(blocks[i], window)) {
         if (bytes > 0) pieces.push_back(bytes);
       }
     }
@@ -95,6 +93,17 @@ WeightTraffic weightTraffic(BlockModel& model, const WeightOptions& window, doub
   t.updaterSharesCore =
       std::max(localProcesses, 1) * std::max(at::get_num_threads(), 1) >= availableCores();
   return t;
+}
+
+// "prefetch 1, 0 update(s) waiting, 1 write(s) in flight, optimizer state in pieces of at most
+// 8.0 MiB", for the terminal.
+std::string describeWindow(const WeightOptions& w) {
+  return fmt::format(
+      "prefetch {}, {} update(s) waiting at most, {} write(s) in flight, optimizer state in "
+      "pieces of {}",
+      w.prefetch, w.updateBacklog, w.maxWritesInFlight,
+      w.stateChunkBytes <= 1 ? std::string("one parameter")
+                             : "at most " + formatBytes(w.stateChunkBytes));
 }
 
 }  // namespace
@@ -120,10 +129,6 @@ int64_t persistentBytes(const RunOptions& options, BlockModel& model, const Weig
   if (options.memory.offloadWeights) return OutOfCoreWeights::windowBytes(model, window);
   const int64_t weights = tensorBytes(model->parameters());
   return weights + weights + window.stateFactor * weights;
-}
-
-int64_t persistentBytes(const RunOptions& options, BlockModel& model) {
-  return persistentBytes(options, model, weightOptions(options));
 }
 
 PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Batch& sample) {
@@ -248,7 +253,6 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
     m.profile = profileModel(model, sample, static_cast<int>(o.profileRepeats));
     const double perByte = offload ? updateSecondsPerByte(options, model) : 0.0;
     std::optional<WeightTraffic> traffic;
-    if (offload) traffic = weightTraffic(model, m.weights, perByte, localProcesses);
     if (automatic || budget > 0) {
       // Out-of-core weights under a budget: every window is planned, and the one whose
       // fitting plan is predicted fastest (to the end of the last update) wins; a smaller one
@@ -275,12 +279,7 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
                                  traffic ? &*traffic : nullptr);
         if (windows.size() > 1) {
           considered += fmt::format(
-              "  window {}: {} (prefetch {}, {} update(s) waiting, {} write(s), state pieces {}): "
-              "{}\n",
-              k + 1, formatBytes(persistent), window.prefetch, window.updateBacklog,
-              window.maxWritesInFlight,
-              window.stateChunkBytes <= 1 ? std::string("of one parameter")
-                                          : "<= " + formatBytes(window.stateChunkBytes),
+              "  window {}: {} ({}): {}\n", k + 1, formatBytes(persistent), describeWindow(window),
               plan.fits ? fmt::format("predicted step {:.1f} ms", cost(plan) * 1e3)
                         : std::string("no activation plan fits"));
         }
@@ -297,6 +296,7 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
       }
     } else {
       // caravan plan of a given policy: predict it.
+      if (offload) traffic = weightTraffic(model, m.weights, perByte, localProcesses);
       Plan p;
       p.policies = m.policies;
       p.prediction =
@@ -342,13 +342,9 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
     const WeightWindow w = OutOfCoreWeights::window(model, m.weights);
     m.report += fmt::format(
         "weights, gradients and optimizer state: out of core on the tier, at most {} in memory "
-        "(weights {}, optimizer state {}, gradients {}): prefetch {}, {} update(s) waiting at "
-        "most, {} write(s) in flight, optimizer state in pieces of at most {}\n",
+        "(weights {}, optimizer state {}, gradients {}): {}\n",
         formatBytes(w.total), formatBytes(w.weights), formatBytes(w.state),
-        formatBytes(w.gradients), m.weights.prefetch, m.weights.updateBacklog,
-        m.weights.maxWritesInFlight,
-        m.weights.stateChunkBytes <= 1 ? std::string("one parameter")
-                                       : formatBytes(m.weights.stateChunkBytes));
+        formatBytes(w.gradients), describeWindow(m.weights));
   }
   return m;
 }

@@ -21,9 +21,7 @@ namespace caravan {
 
 // Weights + gradients + optimizer state the run will hold from its first step on (what the
 // activations share memory.budget with); with out-of-core weights, the most of them that will
-// be in memory at once in `window` (OutOfCoreWeights::windowBytes; default: the largest of
-// weightWindows).
-int64_t persistentBytes(const RunOptions& options, BlockModel& model);
+// be in memory at once in `window` (OutOfCoreWeights::windowBytes).
 int64_t persistentBytes(const RunOptions& options, BlockModel& model, const WeightOptions& window);
 
 // The windows out-of-core weights may run with, the largest (and the least waiting for the
