@@ -99,13 +99,30 @@ def task_loss(out, y):
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
 
 
-def make_step(model, opt, xs, ys, batch, clip, autocast=False):
+def channels_last(x):
+    """x ([B, C, H, W]) with channels the fastest dimension, as Caravan's convolution blocks run
+    (src/models/blocks.cpp): the layout in which oneDNN convolves without reordering and
+    max_pool2d is vectorized. With one channel both layouts are the same memory and
+    `contiguous(memory_format=torch.channels_last)` leaves the default strides, so they are set
+    explicitly, as Caravan does."""
+    if x.dim() != 4:
+        return x
+    if x.size(1) != 1:
+        return x.contiguous(memory_format=torch.channels_last)
+    x = x.contiguous()
+    return x.as_strided(x.shape, (x.size(2) * x.size(3), 1, x.size(3), 1))
+
+
+def make_step(model, opt, xs, ys, batch, clip, autocast=False, layout=None):
     """One training step (draw, forward, loss, backward, clip, update) as a function of nothing;
     returns the loss. Shared with bench/script_step.py's peer. `autocast`: forward and loss
     under PyTorch's CPU autocast to bf16 (torch.autocast("cpu", dtype=torch.bfloat16)), the
-    way PyTorch's documentation trains in mixed precision on a CPU."""
+    way PyTorch's documentation trains in mixed precision on a CPU. `layout`: applied to each
+    batch's inputs (channels_last for a convolutional model in channels-last layout)."""
     def step():
         x, y = draw_batch(xs, ys, batch)
+        if layout is not None:
+            x = layout(x)
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = task_loss(model(x), y)
@@ -124,6 +141,9 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--autocast", action="store_true", help="bf16 CPU autocast (mixed precision)")
+    p.add_argument("--channels-last", action="store_true",
+                   help="convolutions in channels-last layout (PyTorch's CPU advice for CNNs): "
+                        "the model's weights and each batch; nothing changes for other models")
     a = p.parse_args()
     set_threads(a.threads)
     cfg = read_config(a.config)
@@ -132,7 +152,11 @@ def main():
     model.train()
     opt = make_optimizer(cfg, model.parameters())
 
-    step = make_step(model, opt, xs, ys, batch, clip, autocast=a.autocast)
+    layout = None
+    if a.channels_last and xs.dim() == 4:
+        model = model.to(memory_format=torch.channels_last)
+        layout = channels_last
+    step = make_step(model, opt, xs, ys, batch, clip, autocast=a.autocast, layout=layout)
 
     for _ in range(a.warmup):
         step()
@@ -142,7 +166,8 @@ def main():
     s = time.perf_counter() - t0
     cpu = cpu_seconds() - c0
     print(json.dumps({"bench": "peer", "config": a.config, "threads": a.threads,
-                      "autocast": a.autocast, "batch_size": batch,
+                      "autocast": a.autocast, "channels_last": layout is not None,
+                      "batch_size": batch,
                       "steps": a.steps, "seconds": s, "samples_per_s": a.steps * batch / s,
                       "cpu_s_per_s": cpu / s,
                       "torch": torch.__version__}))

@@ -7,9 +7,11 @@ ratios, plus achieved GFLOP/s against the machine's measured float32 and bf16 ma
 The arms, per config and thread count:
   caravan       train.precision = float32
   caravan-bf16  train.precision = bf16 (per-block timed choice, train/precision.h)
-  pytorch-t     PyTorch float32 with Caravan's allocator settings (GLIBC_TUNABLES, below) and
-                OMP_WAIT_POLICY=PASSIVE: its strongest configuration here
-  pytorch       PyTorch float32 as shipped (neither variable)
+  pytorch-t     PyTorch float32 with Caravan's allocator settings (GLIBC_TUNABLES, below),
+                OMP_WAIT_POLICY=PASSIVE and, for convolutional models, the channels-last
+                layout Caravan's convolutions use (peer_train.py --channels-last): its
+                strongest configuration here
+  pytorch       PyTorch float32 as shipped (neither variable, the default layout)
   autocast-t    PyTorch with torch.autocast("cpu", bfloat16), tuned as pytorch-t
 
     /usr/bin/python3 bench/train_throughput.py [--repeats 3] [--threads 1 2] [--json OUT]
@@ -88,7 +90,8 @@ def write_charts(data, path):
     note = ("Single worker, interleaved runs (one of each arm per round), medians. GFLOP/s "
             "counts 3x the analytic forward FLOPs per example; mm peak is the best of 3 "
             "1024x1024 matmuls at the same thread count. -t: PyTorch with "
-            f"{' '.join(k + '=' + v for k, v in TUNED.items())}. Removed from the environment: "
+            f"{' '.join(k + '=' + v for k, v in TUNED.items())} and, for convolutional models, "
+            "the channels-last layout. Removed from the environment: "
             f"{', '.join(removed) or 'nothing (not set)'}.")
     return charts.write(
         charts.beside(path), "train-throughput",
@@ -155,7 +158,9 @@ def main():
             return run_json([bench, "train"] + common + ["--set", f"train.precision={precision}"],
                             environ)
         cmd = ["/usr/bin/python3", PEER] + common + (["--autocast"] if name == "autocast-t" else [])
-        return run_json(cmd, tuned if name.endswith("-t") else environ)
+        if name.endswith("-t"):
+            return run_json(cmd + ["--channels-last"], tuned)
+        return run_json(cmd, environ)
 
     rows, raw = [], []
     for config, steps in CASES:
@@ -180,8 +185,9 @@ def main():
 
     print(f"single-worker training throughput, samples/s, median of {a.repeats} interleaved "
           f"runs each; removed from the environment: {', '.join(removed) or 'nothing (not set)'}"
-          f"; -t = PyTorch with {' '.join(k + '=' + v for k, v in TUNED.items())}")
-    widths = [22, 8] + [14] * len(ARMS) + [16] * len(RATIOS) + [13, 13]
+          f"; -t = PyTorch with {' '.join(k + '=' + v for k, v in TUNED.items())} and "
+          "--channels-last")
+    widths = [22, 8] + [15] * len(ARMS) + [16] * len(RATIOS) + [13, 13]
     print("".join(f"{h:>{w}}" for h, w in zip(HEADER, widths)))
     for r in rows:
         print("".join(f"{str(c):>{w}}" for c, w in zip(table_row(r), widths)))

@@ -22,6 +22,17 @@ nn::Conv2d conv3x3(int64_t in, int64_t out, int64_t stride) {
   return nn::Conv2d(nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false));
 }
 
+// x in channels-last layout ([B, C, H, W] sizes, channels the fastest dimension), the layout in
+// which oneDNN convolves without reordering and max_pool2d runs vectorized. With one channel
+// both layouts are the same memory and LibTorch reads the strides as the default layout, so
+// the channels-last strides are set explicitly.
+torch::Tensor channelsLast(const torch::Tensor& x) {
+  if (x.dim() != 4) return x;
+  if (x.size(1) != 1) return x.contiguous(torch::MemoryFormat::ChannelsLast);
+  auto c = x.contiguous();
+  return c.as_strided(c.sizes(), {c.size(2) * c.size(3), 1, c.size(3), 1});
+}
+
 // torchvision's ResNet initialization for convolutions followed by batch norm + relu.
 void kaimingFanOut(nn::Conv2d& conv) {
   nn::init::kaiming_normal_(conv->weight, 0.0, torch::kFanOut, torch::kReLU);
@@ -61,6 +72,7 @@ ConvStageImpl::ConvStageImpl(int64_t inChannels, int64_t outChannels, int64_t ke
 }
 
 torch::Tensor ConvStageImpl::forward(torch::Tensor x) {
+  x = channelsLast(x);
   auto h = conv_(x).relu_();  // [B, out, H, W]; conv backward needs input, not output
   return torch::max_pool2d(h, 2);   // [B, out, H/2, W/2]
 }
@@ -81,6 +93,7 @@ ConvBnReluImpl::ConvBnReluImpl(int64_t inChannels, int64_t outChannels)
 }
 
 torch::Tensor ConvBnReluImpl::forward(torch::Tensor x) {
+  x = channelsLast(x);
   return bn_(conv_(x)).relu_();  // [B, out, H, W]; bn backward needs input, not output
 }
 
@@ -101,6 +114,7 @@ BasicBlockImpl::BasicBlockImpl(int64_t inChannels, int64_t outChannels, int64_t 
 }
 
 torch::Tensor BasicBlockImpl::forward(torch::Tensor x) {
+  x = channelsLast(x);
   auto h = bn1_(conv1_(x)).relu_();  // [B, out, Ho, Wo]
   h = bn2_(conv2_(h));                     // [B, out, Ho, Wo]
   auto shortcut = hasProjection() ? shortcutBn_(shortcutConv_(x)) : x;  // [B, out, Ho, Wo]
