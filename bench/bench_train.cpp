@@ -97,9 +97,10 @@ void refusePipelines(const RunOptions& options) {
 
 int benchTrain(char** argv, const std::string& configPath, std::vector<std::string> overrides,
                int64_t steps, int64_t warmup, int64_t threads, const std::string& profilePath) {
-  restartWithPassiveOpenMpWaits(argv, threads);  // as caravan train does (core/openmp_env.h)
   overrides.push_back("train.threads=" + std::to_string(threads));
   const Config config = Config::fromFile(configPath, overrides);
+  // As caravan train does (core/openmp_env.h).
+  restartWithPassiveOpenMpWaits(argv, threads, matrixProductsFor(config.str("train.precision")));
   applyRuntimeOptions(RunOptions::read(config).runtime);
   refusePipelines(RunOptions::read(config));
   // The same run as `caravan train` builds in one process.
@@ -146,6 +147,7 @@ int benchTrain(char** argv, const std::string& configPath, std::vector<std::stri
                         {"model", model->modelName()},
                         {"threads", threads},
                         {"openmp_wait_policy", openMpWaitPolicy()},
+                        {"blas_threads", blasThreads()},
                         {"batch_size", so.batchSize},
                         {"steps", steps},
                         {"seconds", s},

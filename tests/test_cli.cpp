@@ -17,6 +17,7 @@
 
 #include "core/directory_lock.h"
 #include "data/sources.h"
+#include "models/precision.h"
 #include "run_util.h"
 #include "test_util.h"
 
@@ -651,13 +652,17 @@ TEST_F(Cli, InspectSaysWhatEachFileHolds) {
 }
 
 // libgomp reads OMP_WAIT_POLICY as it loads; caravan restarts itself with PASSIVE when a run
-// uses more than one compute thread (core/openmp_env.h), keeps a user's value, and leaves a
-// one-thread run as it is. summary.json says which policy the run had.
+// uses more than one compute thread whose matrix products run on OpenBLAS (core/openmp_env.h),
+// keeps a user's value, and leaves a one-thread run as it is. A bf16 run on a CPU with bf16
+// instructions keeps libgomp's default and holds OpenBLAS to one thread. summary.json says
+// which policy and how many OpenBLAS threads the run had.
 TEST_F(Cli, RunsOfTwoThreadsHavePassiveOpenMpWorkersUnlessTheUserChose) {
-  auto run = [&](const std::string& name, const std::string& threads, const std::string& env) {
+  auto run = [&](const std::string& name, const std::string& threads, const std::string& env,
+                 const std::string& precision = "float32") {
     const std::string dir = tmp_ / name;
     CommandResult r = runCaravan("train -q --config " + configPath_ + " " + kSynthetic +
-                                     "--set train.threads=" + threads + " --run-dir " + dir,
+                                     "--set train.threads=" + threads +
+                                     " --set train.precision=" + precision + " --run-dir " + dir,
                                  ".", "env -u OMP_WAIT_POLICY " + env);
     EXPECT_EQ(r.exitCode, 0) << r.err;
     return nlohmann::json::parse(readFile(dir + "/summary.json"));
@@ -665,6 +670,16 @@ TEST_F(Cli, RunsOfTwoThreadsHavePassiveOpenMpWorkersUnlessTheUserChose) {
   nlohmann::json two = run("two", "2", "");
   EXPECT_EQ(two["openmp_wait_policy"], "PASSIVE (caravan's default)");
   EXPECT_EQ(two["compute_threads"], 2);
+  EXPECT_EQ(two["blas_threads"], 2);
+  nlohmann::json bf16 = run("two-bf16", "2", "", "bf16");
+  EXPECT_EQ(bf16["compute_threads"], 2);
+  if (caravan::cpuHasBf16Instructions()) {
+    EXPECT_EQ(bf16["openmp_wait_policy"], "unset (libgomp's default: spin)");
+    EXPECT_EQ(bf16["blas_threads"], 1);
+  } else {
+    EXPECT_EQ(bf16["openmp_wait_policy"], "PASSIVE (caravan's default)");
+    EXPECT_EQ(bf16["blas_threads"], 2);
+  }
   EXPECT_EQ(run("active", "2", "OMP_WAIT_POLICY=ACTIVE")["openmp_wait_policy"],
             "ACTIVE (from the environment)");
   nlohmann::json one = run("one", "1", "");

@@ -79,7 +79,8 @@ int runTrain(char** argv, const std::string& configPath, const std::vector<std::
   TrainerOptions options;
   const Config config = loadTrainConfig(configPath, overrides, resumeDir);
   // Before anything else starts: this may replace the process with itself (core/openmp_env.h).
-  restartWithPassiveOpenMpWaits(argv, config.i64("train.threads"));
+  restartWithPassiveOpenMpWaits(argv, config.i64("train.threads"),
+                                matrixProductsFor(config.str("train.precision")));
   if (!resumeDir.empty()) {
     options.runDir = resumeDir;
     options.resume = true;

@@ -19,8 +19,8 @@ constexpr const char* kPolicy = "OMP_WAIT_POLICY";
 constexpr const char* kSetByCaravan = "CARAVAN_OMP_SET";  // marks the value as ours
 }  // namespace
 
-void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads) {
-  if (std::getenv(kPolicy) != nullptr) return;
+void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads, MatrixProducts products) {
+  if (products == MatrixProducts::kOneDnn || std::getenv(kPolicy) != nullptr) return;
   // LibTorch's default: OMP_NUM_THREADS, else one thread per core (asking starts no thread).
   const int64_t threads = computeThreads > 0 ? computeThreads : at::get_num_threads();
   if (threads <= 1) return;

@@ -5,6 +5,14 @@
 // brown-gpt (bench/README.md, "Two threads"): 2 threads ran at 0.6x one thread's samples/s
 // with spinning workers, 1.4x with passive ones; Python PyTorch the same.
 //
+// A run whose matrix products go through oneDNN (bf16 on a CPU with bf16 instructions) runs
+// every parallel region on OpenMP's pool: OpenBLAS's threads have nothing to do, so
+// applyRuntimeOptions (train/setup.h) holds OpenBLAS to one thread and the workers keep
+// libgomp's default (spin a while, then sleep). Passive workers there cost a futex wake-up per
+// region, which the short elementwise kernels between products do not repay: measured on
+// brown-gpt bf16 (bench/README.md, "Two threads in bf16"), 2 threads ran 1.4x one thread with
+// passive workers and two OpenBLAS threads, 1.66x with spinning workers and one.
+//
 // Nothing that runs in the process can set the variable before libgomp reads it (the C
 // library's environment is not set up yet when an executable's .preinit_array runs), so a
 // process that will run more than one compute thread sets it and starts itself again.
@@ -14,14 +22,17 @@
 
 namespace caravan {
 
+// Which pool runs a run's matrix products (see above).
+enum class MatrixProducts { kOpenBlas, kOneDnn };
+
 // When `computeThreads` (train.threads; 0 = LibTorch's default: OMP_NUM_THREADS, else every
-// core) means more than one thread and OMP_WAIT_POLICY is unset: sets OMP_WAIT_POLICY=PASSIVE and
-// CARAVAN_OMP_SET=1 and replaces the process with /proc/self/exe `argv` (same arguments; about half
-// a second of loading LibTorch again). Returns otherwise, and when the exec fails (one warning
-// line). A user's OMP_WAIT_POLICY (ACTIVE) is kept. Child processes inherit the variable; a worker
-// of `caravan train --workers` runs one thread unless train.threads says more (cli/launch.h), and
-// restarts itself only then.
-void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads);
+// core) means more than one thread, the products run on OpenBLAS and OMP_WAIT_POLICY is unset:
+// sets OMP_WAIT_POLICY=PASSIVE and CARAVAN_OMP_SET=1 and replaces the process with
+// /proc/self/exe `argv` (same arguments; about half a second of loading LibTorch again).
+// Returns otherwise, and when the exec fails (one warning line). A user's OMP_WAIT_POLICY
+// (ACTIVE) is kept. Child processes inherit the variable; a worker of `caravan train --workers`
+// runs one thread unless train.threads says more (cli/launch.h), and restarts itself only then.
+void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads, MatrixProducts products);
 
 // The policy libgomp read: "PASSIVE (caravan's default)", "<value> (from the environment)" or
 // "unset (libgomp's default: spin)".

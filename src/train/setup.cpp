@@ -11,6 +11,7 @@
 #include "data/sources.h"
 #include "memory/accounting.h"
 #include "memory/host_allocator.h"
+#include "models/precision.h"
 #include "models/script_model.h"
 #include "optim/fused.h"
 
@@ -27,13 +28,29 @@ void applyRuntimeOptions(const RuntimeOptions& options) {
     // transient tensors.
     HostAllocator::install(options.freedMemoryCache);
   }
-  if (options.threads <= 0) return;
-  at::set_num_threads(static_cast<int>(options.threads));
   // LibTorch does not forward its thread count to OpenBLAS; set it directly when present.
   using SetThreads = void (*)(int);
-  if (auto fn = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-    fn(static_cast<int>(options.threads));
+  auto setBlasThreads =
+      reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (matrixProductsFor(options.precision) == MatrixProducts::kOneDnn) {
+    if (options.threads > 0) at::set_num_threads(static_cast<int>(options.threads));
+    if (setBlasThreads) setBlasThreads(1);
+    return;
   }
+  if (options.threads <= 0) return;
+  at::set_num_threads(static_cast<int>(options.threads));
+  if (setBlasThreads) setBlasThreads(static_cast<int>(options.threads));
+}
+
+int blasThreads() {
+  using GetThreads = int (*)();
+  auto fn = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return fn ? fn() : 0;
+}
+
+MatrixProducts matrixProductsFor(const std::string& precision) {
+  return precision != "float32" && cpuHasBf16Instructions() ? MatrixProducts::kOneDnn
+                                                            : MatrixProducts::kOpenBlas;
 }
 
 DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed) {

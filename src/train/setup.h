@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/openmp_env.h"
 #include "core/torch_fwd.h"
 #include "data/dataset.h"
 #include "data/loader.h"
@@ -18,10 +19,18 @@
 
 namespace caravan {
 
+// Where the run's matrix products go (core/openmp_env.h): oneDNN, on OpenMP's pool, for
+// train.precision bf16 or bf16-all on a CPU with bf16 instructions; OpenBLAS otherwise.
+MatrixProducts matrixProductsFor(const std::string& precision);
+
 // Process-wide settings: LibTorch's intra-op threads and OpenBLAS's threads from
-// train.threads (0 = leave the library defaults), and the allocator's thresholds
-// (train.keep_freed_memory). Call before building the model.
+// train.threads (0 = leave the library defaults), OpenBLAS held to one thread when the
+// products go through oneDNN (matrixProductsFor: its threads would only compete with OpenMP's
+// workers), and the allocator's thresholds (train.keep_freed_memory). Call before building the
+// model.
 void applyRuntimeOptions(const RuntimeOptions& options);
+// OpenBLAS's thread count now (0 without OpenBLAS), for summary.json.
+int blasThreads();
 
 // The dataset's train and test splits (`dataSeed`: the synthetic data's seed).
 DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed);

@@ -601,6 +601,7 @@ void Trainer::writeSummary(double measuredFwdBwd) {
                        {"checkpoint", summary_.lastCheckpoint},
                        {"compute_threads", at::get_num_threads()},
                        {"openmp_wait_policy", openMpWaitPolicy()},
+                       {"blas_threads", blasThreads()},
                        {"precision", s_.precision.requested}};
   sj["precision_blocks"] = s_.precision.blocksJson(*s_.model);
   if (s_.activations.plan) {
