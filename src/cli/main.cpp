@@ -194,13 +194,20 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
   }
 }
 
+// What caravan plan and caravan eval run under: the config's settings, in float32, as
+// RunSetup::forInspection builds the model (so OpenBLAS keeps its threads).
+RuntimeOptions inspectionRuntime(RuntimeOptions runtime) {
+  runtime.precision = "float32";
+  return runtime;
+}
+
 // caravan plan: profile the config's model on one batch, plan its blocks under memory.budget
 // and print the plan; exit 2 if no plan fits.
 int runPlan(const std::string& configPath, const std::vector<std::string>& overrides) {
   const Config config = configPath.empty() ? Config::fromString("", "<defaults>", overrides)
                                            : Config::fromFile(configPath, overrides);
   const RunOptions options = RunOptions::read(config);
-  applyRuntimeOptions(options.runtime);
+  applyRuntimeOptions(inspectionRuntime(options.runtime));
   installSavedTensorEngine();
   RunSetup setup = RunSetup::forInspection(config);
   setup.model->train();
@@ -240,7 +247,7 @@ int runEval(const std::string& runDir, std::string checkpoint,
   }
   const Config config = Config::fromFile(saved, overrides);
   const RunOptions options = RunOptions::read(config);
-  applyRuntimeOptions(options.runtime);
+  applyRuntimeOptions(inspectionRuntime(options.runtime));
   if (checkpoint.empty()) {
     CheckpointDir dir(runDir, options.loop.checkpointKeep);
     auto latest = dir.latest();

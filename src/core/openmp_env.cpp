@@ -20,7 +20,11 @@ constexpr const char* kSetByCaravan = "CARAVAN_OMP_SET";  // marks the value as 
 }  // namespace
 
 void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads, MatrixProducts products) {
-  if (products == MatrixProducts::kOneDnn || std::getenv(kPolicy) != nullptr) return;
+  if (std::getenv(kPolicy) != nullptr) return;
+  // Alone on the host (no launcher says otherwise), oneDNN's products keep libgomp's default.
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const bool sharesHost = local != nullptr && std::atoi(local) > 1;
+  if (products == MatrixProducts::kOneDnn && !sharesHost) return;
   // LibTorch's default: OMP_NUM_THREADS, else one thread per core (asking starts no thread).
   const int64_t threads = computeThreads > 0 ? computeThreads : at::get_num_threads();
   if (threads <= 1) return;

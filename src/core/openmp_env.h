@@ -7,11 +7,15 @@
 //
 // A run whose matrix products go through oneDNN (bf16 on a CPU with bf16 instructions) runs
 // every parallel region on OpenMP's pool: OpenBLAS's threads have nothing to do, so
-// applyRuntimeOptions (train/setup.h) holds OpenBLAS to one thread and the workers keep
-// libgomp's default (spin a while, then sleep). Passive workers there cost a futex wake-up per
-// region, which the short elementwise kernels between products do not repay: measured on
-// brown-gpt bf16 (bench/README.md, "Two threads in bf16"), 2 threads ran 1.4x one thread with
-// passive workers and two OpenBLAS threads, 1.66x with spinning workers and one.
+// applyRuntimeOptions (train/setup.h) holds OpenBLAS to one thread and, when the process is
+// alone on its host, the workers keep libgomp's default (spin a while, then sleep). Passive
+// workers there cost a futex wake-up per region, which the short elementwise kernels between
+// products do not repay: measured on brown-gpt bf16 (bench/README.md, "Two threads in bf16"),
+// 2 threads ran 1.37x one thread with passive workers and two OpenBLAS threads, 1.68-1.80x with
+// spinning workers and one. Processes that share a host (LOCAL_WORLD_SIZE > 1, set by caravan's
+// launcher and torchrun) keep passive workers: theirs would spin on each other's cores. A bf16
+// run whose timed choice leaves every block float32 (train/precision.h) gives OpenBLAS its
+// threads back, but its workers spin: train.precision = float32 suits that model better.
 //
 // Nothing that runs in the process can set the variable before libgomp reads it (the C
 // library's environment is not set up yet when an executable's .preinit_array runs), so a
@@ -26,7 +30,8 @@ namespace caravan {
 enum class MatrixProducts { kOpenBlas, kOneDnn };
 
 // When `computeThreads` (train.threads; 0 = LibTorch's default: OMP_NUM_THREADS, else every
-// core) means more than one thread, the products run on OpenBLAS and OMP_WAIT_POLICY is unset:
+// core) means more than one thread, OMP_WAIT_POLICY is unset and the products run on OpenBLAS
+// or the process shares its host with other local processes:
 // sets OMP_WAIT_POLICY=PASSIVE and CARAVAN_OMP_SET=1 and replaces the process with
 // /proc/self/exe `argv` (same arguments; about half a second of loading LibTorch again).
 // Returns otherwise, and when the exec fails (one warning line). A user's OMP_WAIT_POLICY

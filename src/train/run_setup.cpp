@@ -1,6 +1,7 @@
 // A run put together in one order (see run_setup.h).
 #include "train/run_setup.h"
 
+#include <algorithm>
 #include <exception>
 
 #include <fmt/format.h>
@@ -121,6 +122,18 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
                               std::max<int>(2, static_cast<int>(options.memory.profileRepeats)),
                               state.bf16Blocks);
   state.bf16Blocks = precision.blocksText();
+  if (matrixProductsFor(options.runtime.precision) == MatrixProducts::kOneDnn &&
+      std::none_of(precision.bf16.begin(), precision.bf16.end(), [](bool b) { return b; })) {
+    // Every product on OpenBLAS after all: its threads back (core/openmp_env.h).
+    setBlasThreads(at::get_num_threads());
+    if (at::get_num_threads() > 1) {
+      precision.report.push_back(fmt::format(
+          "precision: no block runs bf16, so OpenBLAS multiplies on {} threads again while "
+          "OpenMP's idle workers spin (set for bf16 at start); train.precision = float32 runs "
+          "this model with passive workers",
+          at::get_num_threads()));
+    }
+  }
   activations = makeActivationMemory(options, model, sample, /*plan=*/false, localProcesses);
 }
 

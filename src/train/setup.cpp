@@ -28,23 +28,32 @@ void applyRuntimeOptions(const RuntimeOptions& options) {
     // transient tensors.
     HostAllocator::install(options.freedMemoryCache);
   }
-  // LibTorch does not forward its thread count to OpenBLAS; set it directly when present.
-  using SetThreads = void (*)(int);
-  auto setBlasThreads =
-      reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  if (matrixProductsFor(options.precision) == MatrixProducts::kOneDnn) {
-    if (options.threads > 0) at::set_num_threads(static_cast<int>(options.threads));
-    if (setBlasThreads) setBlasThreads(1);
-    return;
-  }
+  // LibTorch does not forward its thread count to OpenBLAS: setBlasThreads sets it.
+  const bool oneDnn = matrixProductsFor(options.precision) == MatrixProducts::kOneDnn;
+  if (oneDnn) setBlasThreads(1);
   if (options.threads <= 0) return;
+  if (!oneDnn) setBlasThreads(static_cast<int>(options.threads));
+  // After OpenBLAS's: an OpenMP build's openblas_set_num_threads would set this pool too.
   at::set_num_threads(static_cast<int>(options.threads));
-  if (setBlasThreads) setBlasThreads(static_cast<int>(options.threads));
+}
+
+namespace {
+template <typename Fn>
+Fn blasFunction(const char* name) {
+  return reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, name));
+}
+}  // namespace
+
+void setBlasThreads(int threads) {
+  // An OpenMP build of OpenBLAS (openblas_get_parallel() == 2, Debian's libopenblas0-openmp)
+  // runs on OpenMP's own pool, whose size at::set_num_threads sets: leave it.
+  if (auto parallel = blasFunction<int (*)()>("openblas_get_parallel"); parallel && parallel() == 2)
+    return;
+  if (auto fn = blasFunction<void (*)(int)>("openblas_set_num_threads")) fn(threads);
 }
 
 int blasThreads() {
-  using GetThreads = int (*)();
-  auto fn = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  auto fn = blasFunction<int (*)()>("openblas_get_num_threads");
   return fn ? fn() : 0;
 }
 

@@ -24,11 +24,13 @@ namespace caravan {
 MatrixProducts matrixProductsFor(const std::string& precision);
 
 // Process-wide settings: LibTorch's intra-op threads and OpenBLAS's threads from
-// train.threads (0 = leave the library defaults), OpenBLAS held to one thread when the
-// products go through oneDNN (matrixProductsFor: its threads would only compete with OpenMP's
-// workers), and the allocator's thresholds (train.keep_freed_memory). Call before building the
-// model.
+// train.threads (0 = leave the library defaults), OpenBLAS held to one thread whatever
+// train.threads says when the products go through oneDNN (matrixProductsFor: its threads would
+// only compete with OpenMP's workers), and the allocator's thresholds
+// (train.keep_freed_memory). Call before building the model.
 void applyRuntimeOptions(const RuntimeOptions& options);
+// OpenBLAS's threads, when it is loaded and runs its own (pthreads) pool.
+void setBlasThreads(int threads);
 // OpenBLAS's thread count now (0 without OpenBLAS), for summary.json.
 int blasThreads();
 
