@@ -44,7 +44,8 @@ PEER = os.path.join(ROOT, "bench", "peer_ddp.py")
 # (config, timed steps, warm-up steps): 6-20 s of timed steps per run.
 CASES = [("configs/fmnist-cnn.toml", 60, 5), ("configs/brown-gpt.toml", 16, 3)]
 # The allocator settings Caravan applies to itself (train.keep_freed_memory): the peer's strongest
-# configuration runs with them too (--no-peer-tuned leaves that column out).
+# configuration runs with them, and with convolutions in channels-last layout as Caravan's
+# (peer_ddp.py --channels-last; --no-peer-tuned leaves that column out).
 TUNED_MALLOC = "glibc.malloc.trim_threshold=268435456:glibc.malloc.mmap_threshold=33554432"
 RUN_TIMEOUT = 600
 
@@ -280,7 +281,8 @@ def main():
                         f"{1e3 * q['step_s_median']:.1f} ms")
                 if not a.no_peer_tuned:
                     t = run_pytorch(config, w, steps, warmup, a.threads,
-                                    dict(environ, GLIBC_TUNABLES=TUNED_MALLOC), peer_extra)
+                                    dict(environ, GLIBC_TUNABLES=TUNED_MALLOC),
+                                    peer_extra + ["--channels-last"])
                     tuned.append(t)
                     line += f", pytorch tuned {1e3 * t['step_s_median']:.1f} ms"
                 print(f"{line}; load {loadavg()}", flush=True)

@@ -59,6 +59,10 @@ def worker(rank, a, port):
     torch.manual_seed(0)  # the same initial model on every rank (DDP broadcasts rank 0's anyway)
     model, xs, ys, batch, clip = peer_train.build(cfg)
     model.train()
+    layout = None
+    if a.channels_last and xs.dim() == 4:  # as peer_train.py --channels-last
+        model = model.to(memory_format=torch.channels_last)
+        layout = peer_train.channels_last
     dist._DEFAULT_FIRST_BUCKET_BYTES = int(first_bucket_mb * 1024 * 1024)
     # Like Caravan, leave non-floating buffers (the GPT's bool attention mask) out of the
     # initial broadcast; Gloo cannot broadcast bool ("Invalid scalar type").
@@ -80,6 +84,8 @@ def worker(rank, a, port):
             faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         x, y = peer_train.draw_batch(xs, ys, batch, gen)
+        if layout is not None:
+            x = layout(x)
         t1 = time.perf_counter()
         opt.zero_grad()
         loss = peer_train.task_loss(ddp(x), y)
@@ -115,6 +121,7 @@ def worker(rank, a, port):
         print(json.dumps({
             "bench": "train_dist", "engine": "pytorch-ddp", "config": a.config,
             "workers": a.workers, "threads": a.threads, "batch_size": batch, "steps": a.steps,
+            "channels_last": layout is not None,
             "warmup": a.warmup,
             "step_s_median": step_median,
             "step_s_median_rank0": statistics.median(allr[0, :, STEP].tolist()),
@@ -141,6 +148,8 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--channels-last", action="store_true",
+                   help="convolutions in channels-last layout, as Caravan's (peer_train.py)")
     p.add_argument("--port", type=int, default=0, help="rendezvous port (0: a free one)")
     p.add_argument("--bucket-mb", type=float, help="override the config's sync.bucket_mb")
     p.add_argument("--first-bucket-mb", type=float,
