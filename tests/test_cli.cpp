@@ -654,8 +654,9 @@ TEST_F(Cli, InspectSaysWhatEachFileHolds) {
 // libgomp reads OMP_WAIT_POLICY as it loads; caravan restarts itself with PASSIVE when a run
 // uses more than one compute thread whose matrix products run on OpenBLAS (core/openmp_env.h),
 // keeps a user's value, and leaves a one-thread run as it is. A bf16 run on a CPU with bf16
-// instructions keeps libgomp's default and holds OpenBLAS to one thread. summary.json says
-// which policy and how many OpenBLAS threads the run had.
+// instructions (bf16-all: every block, so no timed choice decides) keeps libgomp's default and
+// holds OpenBLAS to one thread. summary.json says which policy and how many OpenBLAS threads the
+// run had.
 TEST_F(Cli, RunsOfTwoThreadsHavePassiveOpenMpWorkersUnlessTheUserChose) {
   auto run = [&](const std::string& name, const std::string& threads, const std::string& env,
                  const std::string& precision = "float32") {
@@ -671,7 +672,7 @@ TEST_F(Cli, RunsOfTwoThreadsHavePassiveOpenMpWorkersUnlessTheUserChose) {
   EXPECT_EQ(two["openmp_wait_policy"], "PASSIVE (caravan's default)");
   EXPECT_EQ(two["compute_threads"], 2);
   if (two["blas_threads"] != 0) EXPECT_EQ(two["blas_threads"], 2);  // 0: no OpenBLAS loaded
-  nlohmann::json bf16 = run("two-bf16", "2", "", "bf16");
+  nlohmann::json bf16 = run("two-bf16", "2", "", "bf16-all");       // every block: no timing
   EXPECT_EQ(bf16["compute_threads"], 2);
   if (caravan::cpuHasBf16Instructions()) {
     EXPECT_EQ(bf16["openmp_wait_policy"], "unset (libgomp's default: spin)");
