@@ -25,7 +25,7 @@ import reference_models  # noqa: E402
 BROWN_VOCAB = 86  # what Caravan's Brown loader reports (85 characters + unknown)
 
 
-def set_threads(n):
+def set_threads(n, blas=None):
     """Run on n cores, as Caravan's train.threads does (src/train/setup.cpp): torch's intra-op
     pool and OpenBLAS's own pool. torch.set_num_threads does not reach OpenBLAS (Debian's
     libtorch calls it through libblas.so.3, openblas-pthread), which otherwise multiplies
@@ -33,7 +33,7 @@ def set_threads(n):
     6.2 s and ran 96 samples/s; with OpenBLAS held to one thread, 73-79 (Caravan 73)."""
     torch.set_num_threads(n)
     try:
-        ctypes.CDLL("libopenblas.so.0").openblas_set_num_threads(n)
+        ctypes.CDLL("libopenblas.so.0").openblas_set_num_threads(n if blas is None else blas)
     except (OSError, AttributeError):
         pass  # no OpenBLAS loaded: torch's own pool is all there is
     return torch.get_num_threads()
@@ -141,11 +141,14 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--autocast", action="store_true", help="bf16 CPU autocast (mixed precision)")
+    p.add_argument("--blas-threads", type=int,
+                   help="OpenBLAS's threads (default --threads); 1 for bf16 autocast, whose "
+                        "products run on oneDNN, as Caravan's bf16 runs (core/openmp_env.h)")
     p.add_argument("--channels-last", action="store_true",
                    help="convolutions in channels-last layout (PyTorch's CPU advice for CNNs): "
                         "the model's weights and each batch; nothing changes for other models")
     a = p.parse_args()
-    set_threads(a.threads)
+    set_threads(a.threads, a.blas_threads)
     cfg = read_config(a.config)
     torch.manual_seed(0)
     model, xs, ys, batch, clip = build(cfg)
@@ -167,6 +170,8 @@ def main():
     cpu = cpu_seconds() - c0
     print(json.dumps({"bench": "peer", "config": a.config, "threads": a.threads,
                       "autocast": a.autocast, "channels_last": layout is not None,
+                      "blas_threads": a.blas_threads or a.threads,
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                       "batch_size": batch,
                       "steps": a.steps, "seconds": s, "samples_per_s": a.steps * batch / s,
                       "cpu_s_per_s": cpu / s,
