@@ -6,10 +6,11 @@ samples/s and the ratio of the medians, plus each round's ratio.
     /usr/bin/python3 bench/thread_scaling.py [--config configs/brown-gpt.toml] [--rounds 4]
         [--steps 40] [--precisions bf16 float32] [--threads 1 2] [--json OUT]
 
-OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (they slow OpenBLAS on this CPU) and OMP_WAIT_POLICY,
-OMP_NUM_THREADS, OPENBLAS_NUM_THREADS (so caravan chooses, core/openmp_env.h) are removed from
-the environment of the measured processes; the output says which were set. Each run reports
-the OpenMP wait policy and OpenBLAS thread count it had.
+The measured processes get bench/train_throughput.py's environment: OPENBLAS_CORETYPE and
+OPENBLAS_L2_SIZE removed (they slow OpenBLAS on this CPU; the output says which were set), and
+the thread and allocator variables (OMP_WAIT_POLICY, OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, ...)
+removed so caravan chooses (core/openmp_env.h). Each run reports the OpenMP wait policy and
+OpenBLAS thread count it had.
 """
 import argparse
 import json
@@ -17,6 +18,8 @@ import os
 import statistics
 import subprocess
 import sys
+
+from train_throughput import env as bench_env  # the measured processes' environment
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 BENCH = os.path.join(ROOT, "build", "caravan_bench")
@@ -33,9 +36,7 @@ def main():
     p.add_argument("--bench", default=BENCH)
     p.add_argument("--json")
     a = p.parse_args()
-    env = dict(os.environ)
-    removed = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_WAIT_POLICY",
-                           "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS") if env.pop(k, None)]
+    env, removed = bench_env()
     arms = [(prec, t) for prec in a.precisions for t in a.threads]
     got = {arm: [] for arm in arms}
     raw = []

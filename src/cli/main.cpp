@@ -78,18 +78,19 @@ int runTrain(char** argv, const std::string& configPath, const std::vector<std::
              bool trace) {
   TrainerOptions options;
   const Config config = loadTrainConfig(configPath, overrides, resumeDir);
+  // Our rank: from the variables of caravan's own launcher (--workers), torchrun, srun or
+  // mpirun; none of them: a world of one.
+  options.world = worldFromEnvironment(processEnvironment());
   // Before anything else starts: this may replace the process with itself (core/openmp_env.h).
   restartWithPassiveOpenMpWaits(argv, config.i64("train.threads"),
-                                matrixProductsFor(config.str("train.precision")));
+                                matrixProductsFor(config.str("train.precision")),
+                                options.world.localWorldSize);
   if (!resumeDir.empty()) {
     options.runDir = resumeDir;
     options.resume = true;
   } else {
     options.runDir = runDir.empty() ? defaultRunDir(configPath) : runDir;
   }
-  // Our rank: from the variables of caravan's own launcher (--workers), torchrun, srun or
-  // mpirun; none of them: a world of one.
-  options.world = worldFromEnvironment(processEnvironment());
   options.stopAtStep = stopAtStep;
   if (trace) {
     options.tracePath = (fs::path(options.runDir) /

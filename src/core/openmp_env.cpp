@@ -19,12 +19,11 @@ constexpr const char* kPolicy = "OMP_WAIT_POLICY";
 constexpr const char* kSetByCaravan = "CARAVAN_OMP_SET";  // marks the value as ours
 }  // namespace
 
-void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads, MatrixProducts products) {
-  if (std::getenv(kPolicy) != nullptr) return;
-  // Alone on the host (no launcher says otherwise), oneDNN's products keep libgomp's default.
-  const char* local = std::getenv("LOCAL_WORLD_SIZE");
-  const bool sharesHost = local != nullptr && std::atoi(local) > 1;
-  if (products == MatrixProducts::kOneDnn && !sharesHost) return;
+void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads, MatrixProducts products,
+                                   int localProcesses) {
+  if (openMpWaitPolicySet()) return;
+  // Alone on the host, oneDNN's products keep libgomp's default.
+  if (products == MatrixProducts::kOneDnn && localProcesses <= 1) return;
   // LibTorch's default: OMP_NUM_THREADS, else one thread per core (asking starts no thread).
   const int64_t threads = computeThreads > 0 ? computeThreads : at::get_num_threads();
   if (threads <= 1) return;
@@ -39,6 +38,8 @@ void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads, MatrixPr
   unsetenv(kPolicy);
   unsetenv(kSetByCaravan);
 }
+
+bool openMpWaitPolicySet() { return std::getenv(kPolicy) != nullptr; }
 
 std::string openMpWaitPolicy() {
   const char* value = std::getenv(kPolicy);

@@ -12,10 +12,11 @@
 // workers there cost a futex wake-up per region, which the short elementwise kernels between
 // products do not repay: measured on brown-gpt bf16 (bench/README.md, "Two threads in bf16"),
 // 2 threads ran 1.37x one thread with passive workers and two OpenBLAS threads, 1.68-1.80x with
-// spinning workers and one. Processes that share a host (LOCAL_WORLD_SIZE > 1, set by caravan's
-// launcher and torchrun) keep passive workers: theirs would spin on each other's cores. A bf16
-// run whose timed choice leaves every block float32 (train/precision.h) gives OpenBLAS its
-// threads back, but its workers spin: train.precision = float32 suits that model better.
+// spinning workers and one. Processes that share a host (several local ranks by caravan's
+// launcher, torchrun, mpirun or srun) keep passive workers: theirs would spin on each other's
+// cores. A bf16 run whose timed choice leaves every block float32 (train/precision.h) gives
+// OpenBLAS its threads back, but its workers spin: train.precision = float32 suits that model
+// better.
 //
 // Nothing that runs in the process can set the variable before libgomp reads it (the C
 // library's environment is not set up yet when an executable's .preinit_array runs), so a
@@ -31,13 +32,19 @@ enum class MatrixProducts { kOpenBlas, kOneDnn };
 
 // When `computeThreads` (train.threads; 0 = LibTorch's default: OMP_NUM_THREADS, else every
 // core) means more than one thread, OMP_WAIT_POLICY is unset and the products run on OpenBLAS
-// or the process shares its host with other local processes:
+// or the process shares its host with other local processes (`localProcesses`, the launcher's
+// count: comm/world.h's localWorldSize):
 // sets OMP_WAIT_POLICY=PASSIVE and CARAVAN_OMP_SET=1 and replaces the process with
 // /proc/self/exe `argv` (same arguments; about half a second of loading LibTorch again).
 // Returns otherwise, and when the exec fails (one warning line). A user's OMP_WAIT_POLICY
 // (ACTIVE) is kept. Child processes inherit the variable; a worker of `caravan train --workers`
 // runs one thread unless train.threads says more (cli/launch.h), and restarts itself only then.
-void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads, MatrixProducts products);
+void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads, MatrixProducts products,
+                                   int localProcesses);
+
+// Whether OMP_WAIT_POLICY is set (by the user, or by the restart above); unset, libgomp's idle
+// workers spin a while.
+bool openMpWaitPolicySet();
 
 // The policy libgomp read: "PASSIVE (caravan's default)", "<value> (from the environment)" or
 // "unset (libgomp's default: spin)".

@@ -95,8 +95,8 @@ WeightTraffic weightTraffic(BlockModel& model, const WeightOptions& window, doub
   return t;
 }
 
-// "prefetch 1, 0 update(s) waiting, 1 write(s) in flight, optimizer state in pieces of at most
-// 8.0 MiB", for the terminal.
+// "prefetch 1, 0 update(s) waiting at most, 1 write(s) in flight, optimizer state in pieces of
+// at most 8.0 MiB", for the terminal.
 std::string describeWindow(const WeightOptions& w) {
   return fmt::format(
       "prefetch {}, {} update(s) waiting at most, {} write(s) in flight, optimizer state in "

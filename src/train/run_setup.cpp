@@ -2,7 +2,6 @@
 #include "train/run_setup.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <exception>
 
 #include <fmt/format.h>
@@ -127,7 +126,7 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
       std::none_of(precision.bf16.begin(), precision.bf16.end(), [](bool b) { return b; })) {
     // Every product on OpenBLAS after all: its threads back (core/openmp_env.h).
     setBlasThreads(at::get_num_threads());
-    if (at::get_num_threads() > 1 && std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    if (at::get_num_threads() > 1 && !openMpWaitPolicySet()) {
       precision.report.push_back(fmt::format(
           "precision: no block runs bf16, so OpenBLAS multiplies on {} threads again while "
           "OpenMP's idle workers spin (set for bf16 at start); train.precision = float32 runs "
