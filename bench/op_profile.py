@@ -6,6 +6,11 @@ difference to the step's wall time.
 
     /usr/bin/python3 bench/op_profile.py --config configs/brown-gpt.toml [--threads 1]
         [--steps 10] [--set KEY=VALUE ...] [--top 25] [--json OUT]
+        [--peer pytorch-t|pytorch|autocast-t]
+
+--peer profiles PyTorch instead (bench/peer_train.py --trace under torch.profiler), in the
+configuration bench/train_throughput.py runs that arm in, so the two engines' profiles can be
+set side by side; --set does not apply to it.
 
 OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are removed from the environment (they slow OpenBLAS on
 this CPU). The profiler adds its own cost per op (a few microseconds): compare profiles with
@@ -18,6 +23,8 @@ import os
 import subprocess
 import sys
 import tempfile
+
+import train_throughput  # the peer arms' commands and environments
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -55,16 +62,23 @@ def main():
     p.add_argument("--set", action="append", default=[], dest="overrides")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json")
+    p.add_argument("--peer", choices=["pytorch-t", "pytorch", "autocast-t"],
+                   help="profile this PyTorch arm (bench/train_throughput.py) instead of Caravan")
     a = p.parse_args()
     env = dict(os.environ)
     removed = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if env.pop(k, None)]
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.json")
-        cmd = [os.path.join(ROOT, "build", "caravan_bench"), "train", "--config", a.config,
-               "--steps", str(a.steps), "--warmup", "3", "--threads", str(a.threads),
-               "--trace", trace]
-        for o in a.overrides:
-            cmd += ["--set", o]
+        common = ["--config", a.config, "--steps", str(a.steps), "--warmup", "3", "--threads",
+                  str(a.threads), "--trace", trace]
+        if a.peer:
+            if a.overrides:
+                sys.exit("op_profile: --set applies to Caravan only; drop it with --peer")
+            cmd, env = train_throughput.peer_command(a.peer, common, train_throughput.env()[0])
+        else:
+            cmd = [os.path.join(ROOT, "build", "caravan_bench"), "train"] + common
+            for o in a.overrides:
+                cmd += ["--set", o]
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         if out.returncode != 0:
             sys.exit(f"op_profile: {' '.join(cmd)} failed:\n{out.stderr}")
@@ -76,7 +90,8 @@ def main():
     step_ms = 1e3 * run["seconds"] / a.steps
     rows = sorted(((n, t / a.steps / 1e3, c / a.steps) for n, (t, c) in times.items()),
                   key=lambda r: -r[1])
-    print(f"{a.config}, {a.threads} thread(s), {a.steps} profiled steps: {step_ms:.1f} ms per "
+    print(f"{a.peer or 'caravan'}, {a.config}, {a.threads} thread(s), {a.steps} profiled steps: "
+          f"{step_ms:.1f} ms per "
           f"step (profiled); removed from the environment: {', '.join(removed) or 'nothing'}")
     print(f"{'op':<48}{'self ms/step':>14}{'calls/step':>12}{'of step':>9}")
     for n, ms, c in rows[:a.top]:
@@ -87,10 +102,13 @@ def main():
                 "aten::mkldnn_convolution", "aten::convolution_backward",
                 "aten::_convolution", "aten::conv2d"}
     product_ms = sum(ms for n, ms, _ in rows if n in products)
-    flops = run["train_flops_per_sample"] * run["batch_size"]
-    print(f"matrix products and convolutions: {product_ms:.1f} ms/step "
-          f"({100 * product_ms / step_ms:.1f}% of the step), {flops / product_ms / 1e6:.1f} "
-          f"GFLOP/s over their own time ({flops / 1e9:.2f} GFLOP a step)")
+    line = (f"matrix products and convolutions: {product_ms:.1f} ms/step "
+            f"({100 * product_ms / step_ms:.1f}% of the step)")
+    if "train_flops_per_sample" in run:  # Caravan's runs count them; the peer's do not
+        flops = run["train_flops_per_sample"] * run["batch_size"]
+        line += (f", {flops / product_ms / 1e6:.1f} GFLOP/s over their own time "
+                 f"({flops / 1e9:.2f} GFLOP a step)")
+    print(line)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "step_ms": step_ms, "product_ms": product_ms, "run": run, "removed_env": removed,

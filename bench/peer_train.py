@@ -9,6 +9,7 @@ The helpers (read_config, build, make_optimizer, draw_batch, task_loss) are shar
 data-parallel peer, bench/peer_ddp.py.
 """
 import argparse
+import contextlib
 import ctypes
 import gzip
 import json
@@ -147,6 +148,9 @@ def main():
     p.add_argument("--channels-last", action="store_true",
                    help="convolutions in channels-last layout (PyTorch's CPU advice for CNNs): "
                         "the model's weights and each batch; nothing changes for other models")
+    p.add_argument("--trace", help="profile the timed steps (torch.profiler) and write a Chrome "
+                                   "trace here, as caravan_bench train --trace does; "
+                                   "bench/op_profile.py --peer reads it")
     a = p.parse_args()
     set_threads(a.threads, a.blas_threads)
     cfg = read_config(a.config)
@@ -163,11 +167,15 @@ def main():
 
     for _ in range(a.warmup):
         step()
-    t0, c0 = time.perf_counter(), cpu_seconds()
-    for _ in range(a.steps):
-        step()
-    s = time.perf_counter() - t0
+    profiler = torch.profiler.profile() if a.trace else contextlib.nullcontext()
+    with profiler:
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        for _ in range(a.steps):
+            step()
+        s = time.perf_counter() - t0
     cpu = cpu_seconds() - c0
+    if a.trace:
+        profiler.export_chrome_trace(a.trace)
     print(json.dumps({"bench": "peer", "config": a.config, "threads": a.threads,
                       "autocast": a.autocast, "channels_last": layout is not None,
                       "blas_threads": a.blas_threads or a.threads,

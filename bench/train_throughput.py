@@ -56,6 +56,21 @@ def env():
     return e, removed
 
 
+def peer_command(arm, args, environ):
+    """(command, environment) of the PyTorch arm `arm` (pytorch-t, pytorch or autocast-t, see
+    the top) with peer_train.py's arguments `args`, from environ (env()'s)."""
+    cmd = ["/usr/bin/python3", PEER] + args
+    tuned = dict(environ, **TUNED)
+    if arm == "autocast-t":
+        spin = {k: v for k, v in tuned.items() if k != "OMP_WAIT_POLICY"}
+        return cmd + ["--autocast", "--channels-last", "--blas-threads", "1"], spin
+    if arm == "pytorch-t":
+        return cmd + ["--channels-last"], tuned
+    if arm == "pytorch":
+        return cmd, environ
+    raise ValueError(f"no PyTorch arm {arm}")
+
+
 def run_json(cmd, environ):
     out = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
@@ -145,7 +160,6 @@ def main():
     if not os.path.exists(bench):
         sys.exit(f"train_throughput: {bench} missing; build it with bash scripts/test.sh first")
     environ, removed = env()
-    tuned = dict(environ, **TUNED)
 
     peaks = {}
     for t in a.threads:
@@ -161,13 +175,7 @@ def main():
             precision = "bf16" if name == "caravan-bf16" else "float32"
             return run_json([bench, "train"] + common + ["--set", f"train.precision={precision}"],
                             environ)
-        cmd = ["/usr/bin/python3", PEER] + common + (["--autocast"] if name == "autocast-t" else [])
-        if name == "autocast-t":
-            spin = {k: v for k, v in tuned.items() if k != "OMP_WAIT_POLICY"}
-            return run_json(cmd + ["--channels-last", "--blas-threads", "1"], spin)
-        if name.endswith("-t"):
-            return run_json(cmd + ["--channels-last"], tuned)
-        return run_json(cmd, environ)
+        return run_json(*peer_command(name, common, environ))
 
     rows, raw = [], []
     for config, steps in CASES:

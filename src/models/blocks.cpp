@@ -44,6 +44,16 @@ void gptInit(nn::Linear& linear, double stdDev) {
   nn::init::zeros_(linear->bias);
 }
 
+// x [..., in] through `layer` as PyTorch's nn.Linear does: ATen's linear, which folds a
+// contiguous [B, T, in] into one addmm with the bias. The C++ frontend's Linear::forward
+// (torch/nn/functional/linear.h) does that only for two dimensions; on [B, T, in] it multiplies
+// and then adds the bias in a second pass over the output, and its backward sums the bias's
+// gradient apart: 8 ms of brown-gpt's 260 ms bf16 step, and its products 7 ms slower
+// (bench/README.md, "Against autocast, op by op").
+torch::Tensor applyLinear(const nn::Linear& layer, const torch::Tensor& x) {
+  return torch::linear(x, layer->weight, layer->bias);
+}
+
 }  // namespace
 
 // ---- image models ------------------------------------------------------------------------
@@ -166,9 +176,9 @@ torch::Tensor CausalSelfAttentionImpl::forward(torch::Tensor x) {
   CARAVAN_CHECK_LE(steps, context_, "the sequence length exceeds the context");
 
   // One copy puts q, k and v each in contiguous [B*H, T, hd] layout for bmm.
-  auto qkv = cAttn_(x)                                       // [B, T, 3d]
-                 .view({batch, steps, 3, heads_, headDim})   // [B, T, 3, H, hd]
-                 .permute({2, 0, 3, 1, 4})                   // [3, B, H, T, hd]
+  auto qkv = applyLinear(cAttn_, x)                         // [B, T, 3d]
+                 .view({batch, steps, 3, heads_, headDim})  // [B, T, 3, H, hd]
+                 .permute({2, 0, 3, 1, 4})                  // [3, B, H, T, hd]
                  .contiguous()
                  .view({3, batch * heads_, steps, headDim});  // [3, B*H, T, hd]
   auto q = qkv[0], k = qkv[1], v = qkv[2];                    // [B*H, T, hd]
@@ -189,7 +199,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(torch::Tensor x) {
                .view({batch, heads_, steps, headDim})  // [B, H, T, hd]
                .transpose(1, 2)                        // [B, T, H, hd]
                .reshape({batch, steps, width});        // [B, T, d]
-  return maybeDropout(cProj_(y), dropout_, is_training());
+  return maybeDropout(applyLinear(cProj_, y), dropout_, is_training());
 }
 
 GptMlpImpl::GptMlpImpl(const GptOptions& options)
@@ -201,8 +211,8 @@ GptMlpImpl::GptMlpImpl(const GptOptions& options)
 }
 
 torch::Tensor GptMlpImpl::forward(torch::Tensor x) {
-  auto h = torch::gelu(cFc_(x));  // [B, T, 4d]
-  return maybeDropout(cProj_(h), dropout_, is_training());  // [B, T, d]
+  auto h = torch::gelu(applyLinear(cFc_, x));                            // [B, T, 4d]
+  return maybeDropout(applyLinear(cProj_, h), dropout_, is_training());  // [B, T, d]
 }
 
 TransformerBlockImpl::TransformerBlockImpl(const GptOptions& options)
@@ -223,7 +233,7 @@ LmHeadImpl::LmHeadImpl(const GptOptions& options)
 }
 
 torch::Tensor LmHeadImpl::forward(torch::Tensor x) {
-  return lmHead_(lnF_(x));  // [B, T, d] -> [B, T, vocab]
+  return applyLinear(lmHead_, lnF_(x));  // [B, T, d] -> [B, T, vocab]
 }
 
 }  // namespace caravan
