@@ -149,6 +149,9 @@ int benchTrain(char** argv, const std::string& configPath, std::vector<std::stri
                         {"threads", threads},
                         {"openmp_wait_policy", openMpWaitPolicy()},
                         {"blas_threads", blasThreads()},
+                        // train.precision's per-block choice ("0111"; "" in float32): a timed
+                        // choice can differ from run to run on a busy machine
+                        {"bf16_blocks", setup.precision.blocksText()},
                         {"batch_size", so.batchSize},
                         {"steps", steps},
                         {"seconds", s},
