@@ -5,7 +5,7 @@ the planner (memory.policy = auto), all-recompute, all-swap and all-swap-input, 
 keep-everything without a budget; predicted vs measured; one table from one invocation.
 
     /usr/bin/python3 bench/memory_sweep.py [--depth 12] [--context 128] [--heads 4] [--batch 32]
-        [--tier-mbps 50]
+        [--tier-mbps 50] [--tier-dtype float32|bf16|both]
         [--fractions 0.5 0.33 0.25 0.2]
         [--steps 6] [--repeats 2] [--overhead-mib 512] [--out bench/results/memory]
     /usr/bin/python3 bench/memory_sweep.py --replot [--out bench/results/memory]
@@ -28,6 +28,9 @@ sweep's settings were stored in it is read with this command line's --depth etc.
 OPENBLAS_CORETYPE is removed from the measured processes' environment; every run is
 single-threaded (train.threads = 1), leaving the other core to the tier's I/O threads and the
 data loader. The tier is the disk (memory.swap_dir, default /var/tmp) with direct I/O.
+--tier-dtype bf16 stores swapped activations as bf16 in every budgeted run (memory.tier_dtype);
+both runs the planner, swap and swap-input once each way, interleaved ("swap@bf16" in the
+table), and compares each planner with the single policies stored its way (and recompute).
 """
 import argparse
 import json
@@ -46,6 +49,15 @@ import charts  # noqa: E402  (charts.json for caravan report)
 from train_throughput import env  # noqa: E402  (the benchmark environment, shared)
 
 MODES = ["auto", "recompute", "swap", "swap-input"]
+BF16 = "@bf16"  # a mode's suffix: its swaps stored as bf16 (--tier-dtype both)
+
+
+def modes_of(args):
+    """The modes a sweep runs, as named in its table: MODES, and with --tier-dtype both the
+    tier-using ones again with BF16."""
+    if getattr(args, "tier_dtype", "float32") != "both":
+        return list(MODES)
+    return MODES + [m + BF16 for m in MODES if m != "recompute"]
 MIB = 1 << 20
 
 
@@ -212,7 +224,10 @@ def run(args, mode, budget, environ, tmp, use_cgroup, tag):
             "train.log_every=1", "train.eval_batches=1", "checkpoint.every=0",
             f"memory.profile_repeats={args.profile_repeats}", f"memory.swap_dir={args.swap_dir}"]
     if mode != "keep":
-        sets += [f"memory.policy={mode}", f"memory.budget={budget}"]
+        policy = mode.removesuffix(BF16)
+        sets += [f"memory.policy={policy}", f"memory.budget={budget}"]
+        if mode.endswith(BF16) or getattr(args, "tier_dtype", "float32") == "bf16":
+            sets.append("memory.tier_dtype=bf16")
     limit = budget + args.overhead_mib * MIB if mode != "keep" else 0
     r = {"mode": mode, "budget": budget,
          **run_train(sets, run_dir, environ, limit, use_cgroup,
@@ -248,7 +263,12 @@ def summarize(results):
                  + (f" {', '.join(removed)} removed from the environment." if removed else "")
                  + (f" The tier's device was throttled to {args.tier_mbps:g} MB/s for reads and "
                     "writes (cgroup-v1 blkio) in every run." if getattr(args, "tier_mbps", 0)
-                    else ""))
+                    else "")
+                 + {"bf16": " Swapped activations were stored as bf16 (memory.tier_dtype) in "
+                            "every budgeted run.",
+                    "both": f" Modes ending {BF16} stored swapped activations as bf16 "
+                            "(memory.tier_dtype)."}.get(getattr(args, "tier_dtype", "float32"),
+                                                        ""))
     lines.append("")
     lines.append("| budget | keep needs | mode | plan | fwd+bwd ms | vs keep | predicted ms | "
                  "error | tracked peak MiB | cgroup max MiB | verdict |")
@@ -256,7 +276,7 @@ def summarize(results):
     summary = {}
     for bi, budget in enumerate(budgets):
         per_mode = {}
-        for mode in MODES:
+        for mode in modes_of(args):
             rs = [r for r in runs if r["budget_index"] == bi and r["mode"] == mode]
             ok = [r for r in rs if r["rc"] == 0]
             killed = any(r["killed"] for r in rs)
@@ -273,10 +293,11 @@ def summarize(results):
             else:
                 verdict = "ok"
             plan = ok[0]["summary"]["memory_policy"] if ok else ""
-            if mode != "auto" and plan:
+            planner = mode.removesuffix(BF16) == "auto"
+            if not planner and plan:
                 plan = mode  # uniform
             short = {"keep": "k", "recompute": "r", "swap": "s", "swap-input": "i"}
-            if mode == "auto" and plan:
+            if planner and plan:
                 plan = "".join(short[p] for p in plan.split(","))
             per_mode[mode] = {"time": t if len(ok) == len(rs) and not killed else None,
                               "pred": pred, "peak": peak, "cgroup": cg, "verdict": verdict,
@@ -288,19 +309,27 @@ def summarize(results):
                      f"{peak / MIB:.1f}" if peak else "-", f"{cg / MIB:.0f}" if cg else "-",
                      verdict]
             lines.append("| " + " | ".join(cells) + " |")
-        singles = {m: v["time"] for m, v in per_mode.items() if m != "auto" and v["time"]}
-        best_single = min(singles.items(), key=lambda kv: kv[1]) if singles else None
-        summary[budget] = {"modes": per_mode, "best_single": best_single}
+        # Each planner against the single policies stored its way (recompute stores nothing).
+        best = {}
+        for planner in (m for m in per_mode if m.removesuffix(BF16) == "auto"):
+            suffix = planner[len("auto"):]
+            singles = {m: v["time"] for m, v in per_mode.items() if v["time"] and
+                       m.removesuffix(BF16) != "auto" and
+                       ((m.endswith(suffix) or m == "recompute") if suffix else
+                        not m.endswith(BF16))}
+            best[planner] = min(singles.items(), key=lambda kv: kv[1]) if singles else None
+        summary[budget] = {"modes": per_mode, "best_single": best["auto"], "best_single_by": best}
     lines.append("")
     lines.append("Planner against the best single policy that fits (forward+backward time):")
     lines.append("")
     for budget, s in summary.items():
-        a = s["modes"]["auto"]["time"]
-        b = s["best_single"]
-        vs = f"{b[1] / a:.2f}x the best single policy ({b[0]})" if a and b else \
-            ("no single policy fits" if a else "the planner's run failed")
-        lines.append(f"- {budget / MIB:.1f} MiB ({keep_need / budget:.1f}x below keep): planner "
-                     + (f"{keep_t / a * 100:.0f}% of keep's throughput, " if a else "") + vs)
+        for planner, b in s["best_single_by"].items():
+            a = s["modes"][planner]["time"]
+            vs = f"{b[1] / a:.2f}x the best single policy ({b[0]})" if a and b else \
+                ("no single policy fits" if a else "the planner's run failed")
+            lines.append(f"- {budget / MIB:.1f} MiB ({keep_need / budget:.1f}x below keep): "
+                         f"{'planner' if planner == 'auto' else planner} "
+                         + (f"{keep_t / a * 100:.0f}% of keep's throughput, " if a else "") + vs)
     return "\n".join(lines) + "\n", keep_t, summary
 
 
@@ -311,24 +340,26 @@ def write_charts(results, out, known_args=True):
     tracked peak against the budget; the table as printed. known_args: results["args"] are
     the sweep's own (not filled in from a --replot command line for an older results.json)."""
     table, keep_t, summary = summarize(results)
+    args = argparse.Namespace(**results["args"])
     keep_need = results["keep_need"]
     budgets = list(summary)
     x = [b / MIB for b in budgets]
     ms = lambda v: v * 1e3 if v else None  # noqa: E731
     step = [charts.series(mode, x, [ms(summary[b]["modes"][mode]["time"]) for b in budgets])
-            for mode in MODES]
-    step.append(charts.series("auto, predicted", x,
-                              [ms(summary[b]["modes"]["auto"]["pred"]) for b in budgets],
-                              dashed=True))
+            for mode in modes_of(args)]
+    for planner in (m for m in modes_of(args) if m.removesuffix(BF16) == "auto"):
+        step.append(charts.series(f"{planner}, predicted", x,
+                                  [ms(summary[b]["modes"][planner]["pred"]) for b in budgets],
+                                  dashed=True))
     step.append(charts.series("keep (no budget)", x, [ms(keep_t)] * len(x), dashed=True))
     labels = [f"{b / MIB:.0f} MiB (1/{keep_need / b:.1f})" for b in budgets]
     speed = [charts.series(mode, y=[keep_t / t if t and keep_t else None for t in
                                     (summary[b]["modes"][mode]["time"] for b in budgets)])
-             for mode in MODES]
+             for mode in modes_of(args)]
     peak = [charts.series("budget", y=x)] + [
         charts.series(mode, y=[summary[b]["modes"][mode]["peak"] / MIB
                                if summary[b]["modes"][mode]["peak"] else None for b in budgets])
-        for mode in MODES]
+        for mode in modes_of(args)]
     paragraphs = table.split("\n\n")
     bullets = [l[2:] for l in table.splitlines() if l.startswith("- ")]
     note = (paragraphs[0].strip() + " Planner against the best single policy that fits: "
@@ -364,6 +395,9 @@ def main():
     ap.add_argument("--tier-mbps", type=float, default=0,
                     help="throttle the swap directory's device to this many MB/s (10^6 bytes) "
                          "for reads and writes in every run (cgroup-v1 blkio; 0: not)")
+    ap.add_argument("--tier-dtype", choices=["float32", "bf16", "both"], default="float32",
+                    help="memory.tier_dtype of the budgeted runs; both: the planner, swap and "
+                         "swap-input each way")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "memory"))
     ap.add_argument("--replot", action="store_true",
                     help="run nothing: rebuild OUT/charts.json from OUT/results.json")
@@ -401,7 +435,7 @@ def main():
         for rep in range(args.repeats):
             for bi, budget in enumerate(budgets):
                 # keep (no budget) next to each budget's runs: A B A B ...
-                for mode in ["keep"] + MODES:
+                for mode in ["keep"] + modes_of(args):
                     tag = f"r{rep}-b{bi}-{mode}"
                     r = run(args, mode, budget, environ, tmp, use_cgroup, tag)
                     r["repeat"], r["budget_index"] = rep, bi

@@ -4,8 +4,11 @@
 // twice); what is accounted drops to zero after backward; recomputation really holds less.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <functional>
+#include <limits>
 #include <thread>
 
 #include <torch/torch.h>
@@ -69,7 +72,7 @@ struct Outcome {
 // Two steps of SGD from the same initialization and batch; `policies` "" runs without an
 // executor (stock forward, still accounted). `bf16`: every block under bf16 autocast.
 Outcome train(bool bf16, const ModelSpec& spec, const DataShape& shape, const std::string& policies,
-              Tier* tier, bool writesFirst = false) {
+              Tier* tier, bool writesFirst = false, TierDtype tierDtype = TierDtype::kAsIs) {
   installSavedTensorEngine();
   torch::manual_seed(7);
   BlockModel model = buildModel(spec, shape);
@@ -86,7 +89,7 @@ Outcome train(bool bf16, const ModelSpec& spec, const DataShape& shape, const st
     std::unique_ptr<ActivationExecutor> exec;
     if (!policies.empty()) {
       exec = std::make_unique<ActivationExecutor>(
-          model, parsePolicies(policies, model->numBlocks(), "test"), tier, 1);
+          model, parsePolicies(policies, model->numBlocks(), "test"), tier, 1, tierDtype);
     }
     torch::manual_seed(11);  // dropout draws
     for (int step = 0; step < 2; ++step) {
@@ -135,6 +138,18 @@ std::unique_ptr<Tier> diskTier(const test::TempDir& dir) {
     return std::make_unique<FileTier>(dir.path());
   } catch (const ConfigError&) {
     return nullptr;  // the temp dir is on tmpfs: the file tier refuses it
+  }
+}
+
+// Runs `body` on the host tier and, unless the temp dir is tmpfs, the disk tier.
+void onEveryTier(const std::function<void(Tier&)>& body) {
+  test::TempDir dir;
+  std::unique_ptr<Tier> disk = diskTier(dir);
+  HostTier host;
+  for (Tier* tier : {static_cast<Tier*>(&host), disk.get()}) {
+    if (tier == nullptr) continue;
+    SCOPED_TRACE(tier->describe());
+    body(*tier);
   }
 }
 
@@ -197,6 +212,53 @@ TEST(Executor, EveryPolicyGivesKeepsGradientsAndBuffersOnResnet) {
   checkEveryPolicy(imageSpec("resnet-mini"), imageShape(), "swap-input,recompute,swap,keep,swap");
 }
 
+// memory.tier_dtype = bf16: what a swap block saves goes to the tier at half the bytes for its
+// float32 storages (the GPT's are all float32 but the embedding's token ids), exactly as many
+// as the profile counts; the first step's loss (forward only) is keep's, and the gradients are
+// computed from rounded saves: not keep's bitwise, within bf16's rounding of them.
+TEST(Executor, Bf16TierStorageHalvesTheFloat32BytesAndRoundsWhatBackwardGets) {
+  installSavedTensorEngine();
+  HostTier tier;
+  const ModelSpec spec = gptSpec();
+  const Outcome keep = train(false, spec, lmShape(), "keep", nullptr);
+  const Outcome f32 = train(false, spec, lmShape(), "swap", &tier, /*writesFirst=*/true);
+  const Outcome bf16 =
+      train(false, spec, lmShape(), "swap", &tier, /*writesFirst=*/true, TierDtype::kBf16);
+  expectSame(keep, f32, "swap, stored as float32");
+  // Rounded whatever the I/O threads' timing: with writes racing backward (prefetches cancel
+  // writes not yet started, or keep storages mid-write), the same gradients bitwise.
+  expectSame(bf16, train(false, spec, lmShape(), "swap", &tier, false, TierDtype::kBf16),
+             "bf16 storage, writes racing backward");
+
+  torch::manual_seed(7);
+  BlockModel model = buildModel(spec, lmShape());
+  model->train();
+  const ModelProfile profile = profileModel(model, test::randomBatch(lmShape(), 4, 3), 0);
+  int64_t saved = 0, float32 = 0;
+  for (const auto& b : profile.blocks) {
+    saved += b.savedBytes;
+    float32 += b.savedFloat32Bytes;
+  }
+  ASSERT_GT(float32, saved / 2) << "the GPT's saves should be mostly float32";
+  EXPECT_EQ(f32.stats.bytesOffloaded, 2 * saved);  // two steps
+  EXPECT_EQ(bf16.stats.bytesOffloaded, 2 * (saved - float32 / 2));
+
+  EXPECT_EQ(bf16.losses[0], keep.losses[0]);
+  ASSERT_EQ(bf16.grads.size(), keep.grads.size());
+  double worst = 0.0;
+  bool anyDiffers = false;
+  for (size_t i = 0; i < keep.grads.size(); ++i) {
+    anyDiffers = anyDiffers || !at::equal(keep.grads[i], bf16.grads[i]);
+    const double scale = keep.grads[i].abs().max().item<double>();
+    if (scale > 0) {
+      worst = std::max(worst, (keep.grads[i] - bf16.grads[i]).abs().max().item<double>() / scale);
+    }
+  }
+  EXPECT_TRUE(anyDiffers) << "no gradient changed: the saves were not rounded";
+  EXPECT_LT(worst, 0.05) << "gradients from bf16-rounded saves strayed beyond rounding";
+  EXPECT_EQ(bf16.activationsAfter, 0);
+}
+
 TEST(Executor, ParsesPolicies) {
   EXPECT_EQ(formatPolicies(parsePolicies("swap", 3, "k")), "swap,swap,swap");
   EXPECT_EQ(formatPolicies(parsePolicies("keep, swap-input,recompute", 3, "k")),
@@ -212,25 +274,20 @@ TEST(Executor, ParsesPolicies) {
 }
 
 TEST(Tier, OffloadRoundTripsBytesAndFreesSlots) {
-  test::TempDir dir;
-  std::unique_ptr<Tier> disk = diskTier(dir);
-  HostTier host;
-  for (Tier* tier : {static_cast<Tier*>(&host), disk.get()}) {
-    if (tier == nullptr) continue;
-    SCOPED_TRACE(tier->describe());
+  onEveryTier([](Tier& tier) {
     // Sizes around the 4 KiB direct-I/O alignment and the 8 MiB staging buffer.
     for (int64_t n : {int64_t{1}, int64_t{4095}, int64_t{4096}, int64_t{12345},
                       int64_t{(8 << 20) + 3}}) {
       at::Tensor data = at::randint(0, 255, {n}, at::TensorOptions().dtype(at::kByte));
       std::atomic<int> held{0};
-      auto offload = Offload::start(*tier, data.clone().storage(),
+      auto offload = Offload::start(tier, data.clone().storage(),
                                     [&](const at::Storage&, int d) { held += d; });
       // Once written the bytes leave memory (held 0); get() reads them back.
-      tier->drainWrites();
+      tier.drainWrites();
       EXPECT_EQ(held, 0);
-      const int64_t readBefore = tier->bytesRead();
+      const int64_t readBefore = tier.bytesRead();
       at::Storage back = offload->get();
-      EXPECT_EQ(tier->bytesRead() - readBefore, n) << "get() did not read from the tier";
+      EXPECT_EQ(tier.bytesRead() - readBefore, n) << "get() did not read from the tier";
       ASSERT_EQ(static_cast<int64_t>(back.nbytes()), n);
       at::Tensor t = at::empty({0}, at::kByte).set_(back, 0, {n}, {1});
       EXPECT_TRUE(at::equal(t, data)) << n << " bytes";
@@ -241,11 +298,61 @@ TEST(Tier, OffloadRoundTripsBytesAndFreesSlots) {
       }
       EXPECT_EQ(held, 0);
     }
-    const TierBandwidth bw = tier->measure(8 << 20);
+    const TierBandwidth bw = tier.measure(8 << 20);
     EXPECT_GT(bw.writeBytesPerSecond, 0.0);
     EXPECT_GT(bw.readBytesPerSecond, 0.0);
-    tier->check();
-  }
+    tier.check();
+  });
+}
+
+// TierDtype::kBf16: a float32 storage goes to the tier as bf16 (half the bytes written and
+// read) and comes back widened, each value as ATen's float32 -> bf16 -> float32 casts give it
+// (round to nearest, ties to even; infinities kept, NaN still NaN).
+TEST(Tier, Bf16StorageRoundsAsATenCastsAndMovesHalfTheBytes) {
+  onEveryTier([](Tier& tier) {
+    // Sizes around the 4 KiB alignment (in bf16 bytes too) and past the 8 MiB staging buffer.
+    for (int64_t n : {int64_t{1}, int64_t{1023}, int64_t{3000}, int64_t{(3 << 20) + 5}}) {
+      at::Tensor data = at::randn({n}) * 1e3;
+      const float specials[] = {0.0f,
+                                -0.0f,
+                                1.00390625f /* a tie: 1 + 2^-8 */,
+                                1.01171875f,
+                                std::numeric_limits<float>::infinity(),
+                                -std::numeric_limits<float>::infinity(),
+                                1e-40f /* subnormal */,
+                                3.4e38f,
+                                std::numeric_limits<float>::quiet_NaN()};
+      for (int64_t i = 0; i < std::min<int64_t>(n, 9); ++i) data[i] = specials[i];
+      const int64_t writtenBefore = tier.bytesWritten();
+      auto offload = Offload::start(tier, data.clone().storage(), nullptr, TierDtype::kBf16);
+      tier.drainWrites();
+      EXPECT_EQ(tier.bytesWritten() - writtenBefore, 2 * n);
+      EXPECT_EQ(offload->storedBytes(), 2 * n);
+      const int64_t readBefore = tier.bytesRead();
+      at::Storage back = offload->get();
+      EXPECT_EQ(tier.bytesRead() - readBefore, 2 * n);
+      ASSERT_EQ(static_cast<int64_t>(back.nbytes()), 4 * n);
+      const at::Tensor want = data.to(at::kBFloat16).to(at::kFloat);
+      const at::Tensor nan = at::isnan(want);
+      auto expectRounded = [&](const at::Storage& s, const char* how) {
+        at::Tensor got = at::empty({0}, at::kFloat).set_(s, 0, {n}, {1});
+        EXPECT_TRUE(at::equal(at::isnan(got), nan)) << n << " values, " << how;
+        EXPECT_TRUE(at::equal(got.masked_fill(nan, 0).view(at::kInt),
+                              want.masked_fill(nan, 0).view(at::kInt)))
+            << n << " values, " << how;
+      };
+      expectRounded(back, "read back");
+      // Asked for at once: the write is cancelled or still running, the storage never left;
+      // what get() returns is rounded all the same.
+      auto early = Offload::start(tier, data.clone().storage(), nullptr, TierDtype::kBf16);
+      expectRounded(early->get(), "never left memory");
+    }
+    // The planner's probe through the same path: rates in bytes as stored, conversions timed.
+    const TierBandwidth bw = tier.measure(8 << 20, TierDtype::kBf16);
+    EXPECT_GT(bw.writeBytesPerSecond, 0.0);
+    EXPECT_GT(bw.readBytesPerSecond, 0.0);
+    tier.check();
+  });
 }
 
 TEST(Tier, RefusesTmpfsAndMissingDirectories) {
@@ -390,6 +497,24 @@ TEST(Planner, PredictsHandWorkedSchedules) {
   // With the read slower than block 1's backward (10 B/s: t 2..12), block 0 waits for it.
   Prediction slow = predict(profile, {P::kSwap, P::kKeep}, TierBandwidth{100.0, 10.0}, 1);
   EXPECT_DOUBLE_EQ(slow.stepSeconds, 14.0);
+}
+
+// memory.tier_dtype = bf16: the tier moves a swapped block's float32 bytes at half; what it
+// holds in memory is unchanged.
+TEST(Planner, PredictsBf16TierStorageHandWorked) {
+  ModelProfile profile = twoBlocks();
+  for (auto& b : profile.blocks) b.savedFloat32Bytes = 80;  // 20 bytes of other types
+  using P = BlockPolicy;
+  const TierBandwidth slowRead{100.0, 10.0};
+  // As stored (float32): block 0's 100 bytes read at 10 B/s (t 2..12), as in
+  // PredictsHandWorkedSchedules.
+  EXPECT_DOUBLE_EQ(predict(profile, {P::kSwap, P::kKeep}, slowRead, 1).stepSeconds, 14.0);
+  // As bf16: 20 + 80 / 2 = 60 bytes, written t 1..1.6, read t 2..8; block 0's backward waits
+  // until 8 and ends at 10.
+  profile.activationsOnTier = TierDtype::kBf16;
+  const Prediction bf16 = predict(profile, {P::kSwap, P::kKeep}, slowRead, 1);
+  EXPECT_DOUBLE_EQ(bf16.stepSeconds, 10.0);
+  EXPECT_EQ(bf16.peakBytes, 200);  // memory holds the float32 saves until they are written
 }
 
 TEST(Planner, PredictsOutOfCoreWeightsHandWorked) {

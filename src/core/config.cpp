@@ -156,6 +156,12 @@ std::vector<ConfigOption> buildSchema() {
              "where swapped bytes go: disk (a file in memory.swap_dir, direct I/O) or host "
              "(separate host memory: out of the budget, not out of the process)",
              {"disk", "host"}),
+      strOpt("memory.tier_dtype", "float32",
+             "how swapped activations (memory.policy swap, swap-input) are stored on "
+             "memory.tier: float32 (as they are: every policy gives keep's gradients bitwise) or "
+             "bf16 (float32 values rounded to bf16: half the tier's bytes, gradients no longer "
+             "bitwise keep's; weights and optimizer state always stay exact)",
+             {"float32", "bf16"}),
       strOpt("memory.swap_dir", "/var/tmp",
              "directory for the disk tier's file (unnamed: nothing is left behind); must not be "
              "tmpfs"),

@@ -133,6 +133,7 @@ struct ActivationExecutor::Frame {
   struct Swapped {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
     std::shared_ptr<Offload> offload;
+    TierDtype dtype = TierDtype::kAsIs;
   };
   std::unordered_map<const c10::StorageImpl*, Swapped> offloads;
 
@@ -179,13 +180,23 @@ struct ActivationExecutor::Frame {
     for (auto& [impl, swapped] : offloads) swapped.offload->prefetch();
   }
 
-  std::shared_ptr<Offload> offloadFor(const at::Storage& s) {
+  // The storage's first saved tensor decides how it is stored (ActivationExecutor::tierDtypeFor).
+  std::shared_ptr<Offload> offloadFor(const at::Tensor& t) {
+    const at::Storage& s = t.storage();
     std::lock_guard<std::mutex> lock(mutex);
     Swapped& entry = offloads[s.unsafeGetStorageImpl()];
     if (!entry.offload || entry.storage.expired()) {
       entry.storage = s.getWeakStorageImpl();
-      entry.offload = Offload::start(*exec->tier(), s, residentFn());
-      exec->addOffloaded(static_cast<int64_t>(s.nbytes()));
+      entry.dtype = exec->tierDtypeFor(t);
+      entry.offload = Offload::start(*exec->tier(), s, residentFn(), entry.dtype);
+      exec->addOffloaded(entry.offload->storedBytes());
+    } else {
+      // A storage goes to the tier once, as its first saved tensor decided: a later view of it
+      // as another type would be widened float32 (only a view(dtype) makes one).
+      CARAVAN_CHECK(entry.dtype != TierDtype::kBf16 || t.scalar_type() == at::kFloat,
+                    "memory.tier_dtype = bf16: a storage was saved as float32 and as {}; set "
+                    "memory.tier_dtype = float32 for this model",
+                    c10::toString(t.scalar_type()));
     }
     return entry.offload;
   }
@@ -295,7 +306,7 @@ class BlockHooks final : public torch::autograd::SavedVariableHooks {
         mode_ = Mode::kRecomputed;  // dropped now, recomputed in backward
         break;
       case BlockPolicy::kSwap:
-        offload_ = frame_->offloadFor(tensor.storage());
+        offload_ = frame_->offloadFor(tensor);
         meta_ = std::make_unique<TensorMeta>(tensor);
         mode_ = Mode::kSwapped;
         break;
@@ -398,17 +409,25 @@ void Frame::materialize() {
 }
 
 ActivationExecutor::ActivationExecutor(BlockModel model, std::vector<BlockPolicy> policies,
-                                       Tier* tier, int prefetchDepth)
+                                       Tier* tier, int prefetchDepth, TierDtype tierDtype)
     : model_(std::move(model)),
       policies_(std::move(policies)),
       tier_(tier),
-      prefetchDepth_(prefetchDepth) {
+      prefetchDepth_(prefetchDepth),
+      tierDtype_(tierDtype) {
   CARAVAN_CHECK(policies_.size() == model_->numBlocks(), "one policy per block");
   CARAVAN_CHECK(tier_ != nullptr || !needsTier(policies_), "swap policies need a tier");
   CARAVAN_CHECK(savedTensorEngineInstalled(),
                 "ActivationExecutor without installSavedTensorEngine()");
   refreshParameters();
   model_->setRunner(this);
+}
+
+TierDtype ActivationExecutor::tierDtypeFor(const at::Tensor& t) const {
+  return tierDtype_ == TierDtype::kBf16 && t.scalar_type() == at::kFloat &&
+                 t.storage().nbytes() % sizeof(float) == 0
+             ? TierDtype::kBf16
+             : TierDtype::kAsIs;
 }
 
 ActivationExecutor::~ActivationExecutor() {
@@ -453,8 +472,9 @@ torch::Tensor ActivationExecutor::run(size_t index, torch::nn::AnyModule& block,
       frame->hold(x.storage());
     } else {
       frame->inputMeta = std::make_unique<TensorMeta>(x);
-      frame->inputOffload = Offload::start(*tier_, x.storage(), frame->residentFn());
-      addOffloaded(static_cast<int64_t>(x.storage().nbytes()));
+      frame->inputOffload =
+          Offload::start(*tier_, x.storage(), frame->residentFn(), tierDtypeFor(x));
+      addOffloaded(frame->inputOffload->storedBytes());
     }
   }
   at::Tensor y;

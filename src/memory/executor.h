@@ -16,6 +16,8 @@
 // Everything goes through the saved-tensor hooks (saved_tensors.h): the graph autograd builds
 // is the one `keep` builds and the tensors backward gets are bitwise the ones forward saved (or
 // recomputed by the same ops from the same input), so every policy gives `keep`'s gradients.
+// The exception is asked for: memory.tier_dtype = bf16 stores swapped float32 storages (swap's
+// saves, swap-input's input) as bf16, and backward gets them rounded to bf16's 8 bits.
 //
 // Prefetch: when backward first unpacks a tensor of block i, the reads of the next
 // `prefetchDepth` blocks below i are queued; at the end of forward those of the last blocks.
@@ -59,7 +61,7 @@ at::Tensor defaultRngState();
 void setDefaultRngState(const at::Tensor& state);
 
 struct ExecutorStats {
-  int64_t bytesOffloaded = 0;     // handed to the tier (writes queued)
+  int64_t bytesOffloaded = 0;     // handed to the tier (writes queued), as it stores them
   double recomputeSeconds = 0.0;  // rerunning forwards inside backward
   double stallSeconds = 0.0;      // backward waiting for reads
 };
@@ -67,9 +69,11 @@ struct ExecutorStats {
 class ActivationExecutor final : public BlockRunner {
  public:
   // Installs itself as the model's runner until destroyed. `tier` may be nullptr when no
-  // policy swaps; it must outlive the executor and every graph built under it.
+  // policy swaps; it must outlive the executor and every graph built under it. `tierDtype`
+  // (memory.tier_dtype): kBf16 stores swapped float32 storages as bf16, so backward gets them
+  // rounded (tensors of other types go as they are).
   ActivationExecutor(BlockModel model, std::vector<BlockPolicy> policies, Tier* tier,
-                     int prefetchDepth);
+                     int prefetchDepth, TierDtype tierDtype = TierDtype::kAsIs);
   ~ActivationExecutor() override;
   ActivationExecutor(const ActivationExecutor&) = delete;
   ActivationExecutor& operator=(const ActivationExecutor&) = delete;
@@ -91,6 +95,9 @@ class ActivationExecutor final : public BlockRunner {
   void addRecompute(double seconds);
   void addOffloaded(int64_t bytes);
   Tier* tier() const { return tier_; }
+  // How `t`'s storage goes to the tier: kBf16 when memory.tier_dtype asks for it and `t` is
+  // float32.
+  TierDtype tierDtypeFor(const at::Tensor& t) const;
   // `t` lives on the storage of one of the model's parameters or buffers (a weight or batch
   // norm's running statistics saved by an op): held as it is, whatever the policy.
   bool isParameter(const at::Tensor& t) const;
@@ -108,6 +115,7 @@ class ActivationExecutor final : public BlockRunner {
   std::vector<BlockPolicy> policies_;
   Tier* tier_;
   int prefetchDepth_;
+  TierDtype tierDtype_;
   int64_t activationLimit_ = 0;
   std::vector<int64_t> savedBytes_;
   std::mutex mutex_;

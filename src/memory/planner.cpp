@@ -62,6 +62,7 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
     BlockProfile b;
     b.label = model->blockLabel(i);
     b.inputBytes = static_cast<int64_t>(inputs[i].storage().nbytes());
+    b.inputFloat32Bytes = inputs[i].scalar_type() == at::kFloat ? b.inputBytes : 0;
     std::vector<double> forward, backward;
     for (int r = 0; r <= repeats; ++r) {  // r = 0 warms up
       at::Tensor x = inputs[i].detach();
@@ -76,6 +77,7 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
         y = model->block(i).forward(x);
         f = secondsSince(t0);
         b.savedBytes = tracker.live(MemoryCategory::kActivations);
+        b.savedFloat32Bytes = activeAccounting()->liveFloat32Bytes();
         g = at::randn_like(y);
         const auto t1 = Clock::now();
         y.backward(g);
@@ -128,6 +130,14 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
       case BlockPolicy::kSwapInput: return blocks[i].inputBytes;
       default: return 0;
     }
+  };
+  // What the tier stores of them (memory.tier_dtype = bf16: float32 storages at half).
+  auto stored = [&](size_t i) -> int64_t {
+    const int64_t bytes = offloaded(i);
+    if (profile.activationsOnTier != TierDtype::kBf16 || bytes == 0) return bytes;
+    const int64_t float32 = policies[i] == BlockPolicy::kSwap ? blocks[i].savedFloat32Bytes
+                                                              : blocks[i].inputFloat32Bytes;
+    return bytes - float32 / 2;
   };
   auto heldInMemory = [&](size_t i) -> int64_t {  // bytes block i holds until its backward
     switch (policies[i]) {
@@ -185,7 +195,7 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
     const double start = t;
     t += blocks[i].forwardSeconds;
     forwardEnd[i] = t;
-    const int64_t bytes = offloaded(i);
+    const int64_t bytes = stored(i);
     if (bytes > 0) {
       const double issue = policies[i] == BlockPolicy::kSwapInput ? start : t;
       writeStart[i] = std::max(issue, writerFree);
@@ -284,7 +294,7 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
         readEnd[j] = when;
         continue;
       }
-      readEnd[j] = bookRead(std::max(when, writeEnd[j]), offloaded(j));
+      readEnd[j] = bookRead(std::max(when, writeEnd[j]), stored(j));
     }
   };
   issueReads(n, forwardSeconds);
@@ -454,9 +464,12 @@ std::string formatPlan(const ModelProfile& profile, const Plan& plan,
   }
   s += fmt::format(
       "loss {:.2f} ms; all blocks save {}; tier write {:.2f} GB/s, read {:.2f} GB/s; prefetch "
-      "{} block(s) ahead\n",
+      "{} block(s) ahead{}\n",
       profile.lossSeconds * 1e3, formatBytes(saved), bandwidth.writeBytesPerSecond / 1e9,
-      bandwidth.readBytesPerSecond / 1e9, prefetchDepth);
+      bandwidth.readBytesPerSecond / 1e9, prefetchDepth,
+      profile.activationsOnTier == TierDtype::kBf16
+          ? "; swapped float32 activations stored as bf16 (memory.tier_dtype)"
+          : "");
   s += fmt::format("predicted: forward+backward {:.1f} ms (forward {:.1f} ms), activation peak {} "
                    "({} bytes){}\n",
                    plan.prediction.stepSeconds * 1e3, plan.prediction.forwardSeconds * 1e3,

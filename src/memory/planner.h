@@ -5,14 +5,14 @@
 //
 // The model. Three engines run at once: compute, tier writes and tier reads (one queue each,
 // FIFO). Forward: block i computes F_i; swap queues A_i bytes (what it saves) when it ends,
-// swap-input queues X_i (its input) when it starts. Backward, last block first: when block
-// i's backward starts, the reads of the `prefetch` blocks below it are queued (those of the
-// last blocks when forward ends); a read starts when its write is done and the reader is free,
-// and one queued before its write started cancels both (the bytes never left). Block i's
-// backward starts when the previous one ended and its read (if any) is done, and takes B_i,
-// plus F_i if it recomputes. Live activation bytes, in the tracker's terms (saved tensors,
-// not transient outputs): after each block's forward, Σ of what earlier blocks hold (keep A,
-// recompute X, swap/swap-input their bytes until written); during block i's backward, what
+// swap-input queues X_i (its input) when it starts (as the tier stores them: memory.tier_dtype).
+// Backward, last block first: when block i's backward starts, the reads of the `prefetch` blocks
+// below it are queued (those of the last blocks when forward ends); a read starts when its write is
+// done and the reader is free, and one queued before its write started cancels both (the bytes
+// never left). Block i's backward starts when the previous one ended and its read (if any) is done,
+// and takes B_i, plus F_i if it recomputes. Live activation bytes, in the tracker's terms (saved
+// tensors, not transient outputs): after each block's forward, Σ of what earlier blocks hold (keep
+// A, recompute X, swap/swap-input their bytes until written); during block i's backward, what
 // blocks below i hold, plus A_i rematerialized, plus the reads already queued.
 //
 // The search: greedy from all-keep (change the block whose move frees the most peak bytes per
@@ -40,11 +40,17 @@ struct BlockProfile {
   double backwardSeconds = 0.0;
   int64_t inputBytes = 0;  // X: the block's input storage
   int64_t savedBytes = 0;  // A: what its forward saves for backward (parameters excluded)
+  // The parts of X and A in float32 storages: what memory.tier_dtype = bf16 stores at half.
+  int64_t inputFloat32Bytes = 0;
+  int64_t savedFloat32Bytes = 0;
 };
 
 struct ModelProfile {
   std::vector<BlockProfile> blocks;
   double lossSeconds = 0.0;  // the loss's forward and backward, outside the blocks
+  // How swapped activations are stored (memory.tier_dtype): the tier's reads and writes of a
+  // swap or swap-input block move its float32 bytes at half as bf16; memory is unchanged.
+  TierDtype activationsOnTier = TierDtype::kAsIs;
 };
 
 // Profiles each block in isolation on this batch: forward with grad on its (detached) input,

@@ -28,10 +28,14 @@ bool SavedTensorAccounting::isParameter(const at::Tensor& t) const {
          parameters_.count(t.storage().unsafeGetStorageImpl()) != 0;
 }
 
-void SavedTensorAccounting::hold(const at::Storage& s) {
+void SavedTensorAccounting::hold(const at::Storage& s, bool float32) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (holders_[s.unsafeGetStorageImpl()]++ == 0) {
-    tracker_->add(MemoryCategory::kActivations, static_cast<int64_t>(s.nbytes()));
+  Holders& h = holders_[s.unsafeGetStorageImpl()];
+  if (h.count++ == 0) {
+    const auto bytes = static_cast<int64_t>(s.nbytes());
+    tracker_->add(MemoryCategory::kActivations, bytes);
+    h.float32 = float32;
+    if (float32) float32Bytes_ += bytes;
   }
 }
 
@@ -39,10 +43,17 @@ void SavedTensorAccounting::release(const at::Storage& s) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = holders_.find(s.unsafeGetStorageImpl());
   CARAVAN_CHECK(it != holders_.end(), "saved tensor released twice");
-  if (--it->second == 0) {
+  if (--it->second.count == 0) {
+    const auto bytes = static_cast<int64_t>(s.nbytes());
+    if (it->second.float32) float32Bytes_ -= bytes;
     holders_.erase(it);
-    tracker_->add(MemoryCategory::kActivations, -static_cast<int64_t>(s.nbytes()));
+    tracker_->add(MemoryCategory::kActivations, -bytes);
   }
+}
+
+int64_t SavedTensorAccounting::liveFloat32Bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return float32Bytes_;
 }
 
 SavedVersion::SavedVersion(const at::Tensor& t) {
@@ -85,7 +96,7 @@ class KeepHooks final : public torch::autograd::SavedVariableHooks {
     tensor_ = tensor.defined() ? tensor.detach() : tensor;
     version_ = SavedVersion(tensor);
     if (!tensor.defined() || !tensor.has_storage() || state_->isParameter(tensor)) return;
-    state_->hold(tensor.storage());
+    state_->hold(tensor.storage(), tensor.scalar_type() == at::kFloat);
     counted_ = true;
   }
   at::Tensor call_unpack_hook() override {

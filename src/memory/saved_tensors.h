@@ -43,15 +43,25 @@ class SavedTensorAccounting {
   // True if `t` lives on a parameter's storage (a weight, held anyway).
   bool isParameter(const at::Tensor& t) const;
   // A holder of `s` appears / goes away; the storage's bytes count while it has holders.
-  void hold(const at::Storage& s);
+  // `float32`: the first holder's tensor is float32 (what memory.tier_dtype = bf16 halves).
+  // Only the keep hooks pass it (what profileModel counts); the executor's holds do not, so
+  // liveFloat32Bytes() is meaningful in a scope without an executor.
+  void hold(const at::Storage& s, bool float32 = false);
   void release(const at::Storage& s);
   MemoryTracker& tracker() { return *tracker_; }
+  // The bytes counted now whose storages were first held by a float32 tensor.
+  int64_t liveFloat32Bytes() const;
 
  private:
   MemoryTracker* tracker_;
   std::unordered_set<const c10::StorageImpl*> parameters_;
-  std::mutex mutex_;
-  std::unordered_map<const c10::StorageImpl*, int64_t> holders_;
+  mutable std::mutex mutex_;
+  struct Holders {
+    int64_t count = 0;
+    bool float32 = false;
+  };
+  std::unordered_map<const c10::StorageImpl*, Holders> holders_;
+  int64_t float32Bytes_ = 0;
 };
 
 // The version a saved tensor had when it was saved. Autograd does not check that a tensor

@@ -147,19 +147,20 @@ at::DataPtr Tier::allocateHost(int64_t bytes) {
   return at::DataPtr(p, p, &alignedFree, at::Device(at::kCPU));
 }
 
-TierBandwidth Tier::measure(int64_t bytes) {
+TierBandwidth Tier::measure(int64_t bytes, TierDtype dtype) {
   using Clock = std::chrono::steady_clock;
-  const int64_t blob = std::min<int64_t>(bytes, 4 << 20);
-  const int64_t count = std::max<int64_t>(1, bytes / blob);
+  const int64_t blob = std::min<int64_t>(bytes, 4 << 20) / 4 * 4;
+  const int64_t count = std::max<int64_t>(1, bytes / std::max<int64_t>(blob, 1));
   // Random bytes (no layer can compress or deduplicate them) from a private generator: the
-  // default one drives dropout and is part of a run's exact state.
+  // default one drives dropout and is part of a run's exact state. As bf16: random floats.
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/20201109);
-  at::Tensor data =
-      at::randint(0, 255, {blob}, gen, at::TensorOptions().dtype(at::kByte));
+  at::Tensor data = dtype == TierDtype::kBf16
+                        ? at::randn({blob / 4}, gen, at::TensorOptions().dtype(at::kFloat))
+                        : at::randint(0, 255, {blob}, gen, at::TensorOptions().dtype(at::kByte));
   std::vector<std::shared_ptr<Offload>> offloads;
   const auto t0 = Clock::now();
   for (int64_t i = 0; i < count; ++i) {
-    offloads.push_back(Offload::start(*this, data.storage(), nullptr));
+    offloads.push_back(Offload::start(*this, data.storage(), nullptr, dtype));
   }
   drainWrites();
   const auto t1 = Clock::now();
@@ -167,7 +168,7 @@ TierBandwidth Tier::measure(int64_t bytes) {
   for (auto& o : offloads) o->prefetch();
   for (auto& o : offloads) o->get();
   const auto t2 = Clock::now();
-  const double total = static_cast<double>(blob * count);
+  const double total = static_cast<double>(offloads.front()->storedBytes() * count);
   TierBandwidth bw;
   bw.writeBytesPerSecond = total / std::chrono::duration<double>(t1 - t0).count();
   bw.readBytesPerSecond = total / std::chrono::duration<double>(t2 - t1).count();
@@ -407,8 +408,35 @@ std::unique_ptr<Tier> makeTier(const std::string& kind, const std::string& direc
 
 // ---- Offload ------------------------------------------------------------------------------
 
-std::shared_ptr<Offload> Offload::start(Tier& tier, at::Storage storage, ResidentFn onResident) {
-  std::shared_ptr<Offload> o(new Offload(tier, std::move(storage), std::move(onResident)));
+TierDtype parseTierDtype(const std::string& text, const std::string& key) {
+  if (text == "float32") return TierDtype::kAsIs;
+  if (text == "bf16") return TierDtype::kBf16;
+  throw ConfigError(
+      fmt::format("{} = '{}': use float32 (activations stored as they are) or "
+                  "bf16 (float32 activations stored at half the bytes, rounded)",
+                  key, text));
+}
+
+namespace {
+
+// float32 -> bf16, rounding to nearest with ties to even (c10::BFloat16's conversion, the one
+// ATen's casts use), and back (exact). Plain loops: they run on the tier's I/O threads, where
+// ATen's parallel kernels would start a second OpenMP team beside the training thread's.
+void narrowToBf16(const float* from, c10::BFloat16* to, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) to[i] = c10::BFloat16(from[i]);
+}
+void widenFromBf16(const c10::BFloat16* from, float* to, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) to[i] = static_cast<float>(from[i]);
+}
+void roundToBf16(const float* from, float* to, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) to[i] = static_cast<float>(c10::BFloat16(from[i]));
+}
+
+}  // namespace
+
+std::shared_ptr<Offload> Offload::start(Tier& tier, at::Storage storage, ResidentFn onResident,
+                                        TierDtype dtype) {
+  std::shared_ptr<Offload> o(new Offload(tier, std::move(storage), std::move(onResident), dtype));
   std::weak_ptr<Offload> weak = o;
   tier.submitWrite([weak] {
     if (auto self = weak.lock()) self->write();
@@ -416,13 +444,16 @@ std::shared_ptr<Offload> Offload::start(Tier& tier, at::Storage storage, Residen
   return o;
 }
 
-Offload::Offload(Tier& tier, at::Storage storage, ResidentFn onResident)
+Offload::Offload(Tier& tier, at::Storage storage, ResidentFn onResident, TierDtype dtype)
     : tier_(tier),
       onResident_(std::move(onResident)),
       bytes_(static_cast<int64_t>(storage.nbytes())),
+      dtype_(dtype),
       device_(storage.device()),
       storage_(std::move(storage)) {
   CARAVAN_CHECK(device_.is_cpu(), "only CPU storages can be offloaded in this build");
+  CARAVAN_CHECK(dtype_ != TierDtype::kBf16 || bytes_ % 4 == 0,
+                "a storage of {} bytes is not float32 values: it cannot be stored as bf16", bytes_);
   if (onResident_) onResident_(storage_, +1);
 }
 
@@ -443,8 +474,15 @@ void Offload::write() {
   std::string error;
   int64_t slot = -1;
   try {
-    slot = tier_.allocate(bytes_);
-    tier_.store(slot, s.data(), bytes_);
+    slot = tier_.allocate(storedBytes());
+    if (dtype_ == TierDtype::kBf16) {
+      at::DataPtr narrow = tier_.allocateHost(storedBytes());
+      narrowToBf16(static_cast<const float*>(s.data()), static_cast<c10::BFloat16*>(narrow.get()),
+                   bytes_ / 4);
+      tier_.store(slot, narrow.get(), storedBytes());
+    } else {
+      tier_.store(slot, s.data(), bytes_);
+    }
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -471,7 +509,14 @@ void Offload::read() {
   at::Storage s;
   try {
     at::DataPtr data = tier_.allocateHost(bytes_);
-    tier_.load(slot_, data.get(), bytes_);
+    if (dtype_ == TierDtype::kBf16) {
+      at::DataPtr narrow = tier_.allocateHost(storedBytes());
+      tier_.load(slot_, narrow.get(), storedBytes());
+      widenFromBf16(static_cast<const c10::BFloat16*>(narrow.get()),
+                    static_cast<float*>(data.get()), bytes_ / 4);
+    } else {
+      tier_.load(slot_, data.get(), bytes_);
+    }
     s = at::Storage(at::Storage::use_byte_size_t(), static_cast<size_t>(bytes_),
                     std::move(data), /*allocator=*/nullptr, /*resizable=*/false);
   } catch (const std::exception& e) {
@@ -485,6 +530,7 @@ void Offload::read() {
       storage_ = std::move(s);
       if (onResident_) onResident_(storage_, +1);
       state_ = State::kResident;
+      rounded_ = true;
     }
   } catch (const std::exception& e) {
     failLocked(e.what());
@@ -522,6 +568,20 @@ at::Storage Offload::get() {
   std::unique_lock<std::mutex> lock(mutex_);
   cv_.wait(lock, [&] { return state_ == State::kResident || state_ == State::kFailed; });
   if (state_ == State::kFailed) throw IoError(error_);
+  if (dtype_ == TierDtype::kBf16 && !rounded_) {
+    // It never went through the tier: round a copy, as the trip would have.
+    at::DataPtr data = tier_.allocateHost(bytes_);
+    roundToBf16(static_cast<const float*>(storage_.data()), static_cast<float*>(data.get()),
+                bytes_ / 4);
+    at::Storage rounded(at::Storage::use_byte_size_t(), static_cast<size_t>(bytes_),
+                        std::move(data), /*allocator=*/nullptr, /*resizable=*/false);
+    if (onResident_) {
+      onResident_(rounded, +1);
+      onResident_(storage_, -1);
+    }
+    storage_ = std::move(rounded);
+    rounded_ = true;
+  }
   return storage_;
 }
 

@@ -12,7 +12,9 @@
 // read back into a new storage, get() waits for it. A prefetch before the write has started
 // cancels the write; one during the write keeps the storage. Errors (disk full, file size
 // limit, I/O error) are kept: get() and Tier::check() throw IoError with the first of them,
-// naming the tier and what to do.
+// naming the tier and what to do. Stored as bf16 (TierDtype below), the writer narrows into a
+// half-size buffer of its own before storing and the reader widens after loading: one such
+// transient buffer per I/O thread at a time, outside the memory accounting.
 //
 // Threading: Tier's blocking calls run on its I/O threads only; Offload methods and check()
 // may be called from any thread.
@@ -32,6 +34,14 @@
 #include <ATen/ATen.h>
 
 namespace caravan {
+
+// How an offloaded storage is kept on the tier (memory.tier_dtype): as it is, or, for a
+// storage of float32 values, as bf16 (half the bytes each way; each value rounded to the
+// nearest bf16, ties to even, as float32 -> bf16 casts round). Only activations are given
+// kBf16: weights and optimizer state stay exact.
+enum class TierDtype { kAsIs, kBf16 };
+// "float32" -> kAsIs, "bf16" -> kBf16; ConfigError naming `key` otherwise.
+TierDtype parseTierDtype(const std::string& text, const std::string& key);
 
 struct TierBandwidth {
   double writeBytesPerSecond = 0.0;
@@ -76,8 +86,10 @@ class Tier {
   void fail(const std::string& message);
   bool failed() const;
 
-  // Writes and reads `bytes` through the I/O threads (in 4 MiB blobs) and times it.
-  TierBandwidth measure(int64_t bytes);
+  // Writes and reads `bytes` through the I/O threads (in 4 MiB blobs) and times it. `dtype`
+  // kBf16: float32 blobs stored as bf16, the conversions timed with the I/O, and the rates in
+  // bytes as stored (what the planner divides by them).
+  TierBandwidth measure(int64_t bytes, TierDtype dtype = TierDtype::kAsIs);
 
   // Call from the most-derived destructor: drains the queues before the slots go away.
   void stopThreads();
@@ -151,7 +163,13 @@ class Offload : public std::enable_shared_from_this<Offload> {
   // `onResident(storage, +1/-1)` is told when a storage of these bytes starts and stops being
   // held in memory by this Offload (the memory accounting).
   using ResidentFn = std::function<void(const at::Storage&, int)>;
-  static std::shared_ptr<Offload> start(Tier& tier, at::Storage storage, ResidentFn onResident);
+  // `dtype` kBf16: the storage holds float32 values (a whole number of them); they are written
+  // as bf16 and read back widened, so get() returns a float32 storage of the same size whose
+  // values are rounded to bf16. Also when the storage never left (a prefetch cancelled the
+  // write, or came during it): get() then rounds a copy, so what the caller gets does not
+  // depend on how the I/O threads were timed.
+  static std::shared_ptr<Offload> start(Tier& tier, at::Storage storage, ResidentFn onResident,
+                                        TierDtype dtype = TierDtype::kAsIs);
   ~Offload();
 
   // Queues the read (no-op if resident, reading, or the write has not finished: then the
@@ -160,10 +178,12 @@ class Offload : public std::enable_shared_from_this<Offload> {
   // The storage, waiting for a read in flight (starting one if needed). Throws IoError.
   at::Storage get();
   int64_t bytes() const { return bytes_; }
+  // The bytes the tier holds for it (half of bytes() as bf16).
+  int64_t storedBytes() const { return dtype_ == TierDtype::kBf16 ? bytes_ / 2 : bytes_; }
 
  private:
   enum class State { kWriting, kOnTier, kReading, kResident, kFailed };
-  Offload(Tier& tier, at::Storage storage, ResidentFn onResident);
+  Offload(Tier& tier, at::Storage storage, ResidentFn onResident, TierDtype dtype);
   void write();
   void read();
   void failLocked(const std::string& message);  // under mutex_
@@ -171,12 +191,14 @@ class Offload : public std::enable_shared_from_this<Offload> {
   Tier& tier_;
   ResidentFn onResident_;
   const int64_t bytes_;
+  const TierDtype dtype_;
   const at::Device device_;
   std::mutex mutex_;
   std::condition_variable cv_;
   State state_ = State::kWriting;
   bool wanted_ = false;  // a prefetch/get came while writing: keep the storage
   bool writeStarted_ = false;
+  bool rounded_ = false;  // kBf16: storage_ holds the bf16-rounded values (read back, or copied)
   int64_t slot_ = -1;
   at::Storage storage_;  // defined while resident (or writing)
   std::string error_;

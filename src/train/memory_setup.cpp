@@ -241,16 +241,21 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
   }
   if (planning && m.tier) {
     // Only the planner uses the bandwidths: fixed policies skip the probe.
-    m.bandwidth = m.tier->measure(kBandwidthProbeBytes);
-    m.report += fmt::format("memory tier: {}, measured write {:.2f} GB/s, read {:.2f} GB/s\n",
-                            m.tier->describe(), m.bandwidth.writeBytesPerSecond / 1e9,
-                            m.bandwidth.readBytesPerSecond / 1e9);
+    // memory.tier_dtype = bf16: measured through the conversions, in bytes as stored.
+    const TierDtype dtype = parseTierDtype(o.tierDtype, "memory.tier_dtype");
+    m.bandwidth = m.tier->measure(kBandwidthProbeBytes, dtype);
+    m.report += fmt::format(
+        "memory tier: {}, measured write {:.2f} GB/s, read {:.2f} GB/s{}\n", m.tier->describe(),
+        m.bandwidth.writeBytesPerSecond / 1e9, m.bandwidth.readBytesPerSecond / 1e9,
+        dtype == TierDtype::kBf16 ? " (of bf16 bytes, conversions included: memory.tier_dtype)"
+                                  : "");
   }
   m.weights = weightOptions(options);
   m.persistent = persistentBytes(options, model, m.weights);
   if (planning) {
     const int64_t budget = o.budget;
     m.profile = profileModel(model, sample, static_cast<int>(o.profileRepeats));
+    m.profile->activationsOnTier = parseTierDtype(o.tierDtype, "memory.tier_dtype");
     const double perByte = offload ? updateSecondsPerByte(options, model) : 0.0;
     std::optional<WeightTraffic> traffic;
     if (automatic || budget > 0) {
@@ -329,7 +334,9 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
     if (needsTier(m.policies) && !m.tier) {
       m.tier = makeTier(o.tier, o.swapDir);
     }
-    m.executor = std::make_unique<ActivationExecutor>(model, m.policies, m.tier.get(), prefetch);
+    m.executor =
+        std::make_unique<ActivationExecutor>(model, m.policies, m.tier.get(), prefetch,
+                                             parseTierDtype(o.tierDtype, "memory.tier_dtype"));
     const int64_t budget = o.budget;
     if (budget > 0 && m.profile) {
       std::vector<int64_t> saved;

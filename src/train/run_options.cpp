@@ -156,6 +156,7 @@ RunOptions RunOptions::read(const Config& config) {
   m.policy = config.str("memory.policy");
   m.offloadWeights = config.str("memory.weights") == "offload";
   m.tier = config.str("memory.tier");
+  m.tierDtype = config.str("memory.tier_dtype");
   m.swapDir = config.str("memory.swap_dir");
   m.prefetch = config.i64("memory.prefetch");
   m.profileRepeats = config.i64("memory.profile_repeats");

@@ -80,6 +80,7 @@ struct MemoryOptions {
   std::string policy = "keep";  // keep | recompute | swap | swap-input | auto | a list per block
   bool offloadWeights = false;  // memory.weights = offload
   std::string tier = "disk";
+  std::string tierDtype = "float32";  // memory.tier_dtype: float32 | bf16 (memory/tier.h)
   std::string swapDir;
   int64_t prefetch = 1;
   int64_t profileRepeats = 3;
