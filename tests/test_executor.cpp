@@ -13,6 +13,7 @@
 
 #include <torch/torch.h>
 
+#include "core/config.h"
 #include "core/errors.h"
 #include "memory/executor.h"
 #include "memory/host_allocator.h"
@@ -21,9 +22,11 @@
 #include "memory/tier.h"
 #include "memory/tracker.h"
 #include "models/model.h"
-#include "train/step.h"
 #include "run_util.h"
 #include "test_util.h"
+#include "train/memory_setup.h"
+#include "train/run_options.h"
+#include "train/step.h"
 
 using namespace caravan;
 
@@ -72,7 +75,8 @@ struct Outcome {
 // Two steps of SGD from the same initialization and batch; `policies` "" runs without an
 // executor (stock forward, still accounted). `bf16`: every block under bf16 autocast.
 Outcome train(bool bf16, const ModelSpec& spec, const DataShape& shape, const std::string& policies,
-              Tier* tier, bool writesFirst = false, TierDtype tierDtype = TierDtype::kAsIs) {
+              Tier* tier, bool writesFirst = false, TierDtype tierDtype = TierDtype::kAsIs,
+              int64_t activationLimit = 0) {
   installSavedTensorEngine();
   torch::manual_seed(7);
   BlockModel model = buildModel(spec, shape);
@@ -90,6 +94,8 @@ Outcome train(bool bf16, const ModelSpec& spec, const DataShape& shape, const st
     if (!policies.empty()) {
       exec = std::make_unique<ActivationExecutor>(
           model, parsePolicies(policies, model->numBlocks(), "test"), tier, 1, tierDtype);
+      // As memory_setup sets it for a fixed policy under a budget: no profile, no saved sizes.
+      if (activationLimit > 0) exec->setActivationLimit(activationLimit, {});
     }
     torch::manual_seed(11);  // dropout draws
     for (int step = 0; step < 2; ++step) {
@@ -140,6 +146,25 @@ std::unique_ptr<Tier> diskTier(const test::TempDir& dir) {
     return nullptr;  // the temp dir is on tmpfs: the file tier refuses it
   }
 }
+
+// Host memory whose writes each take `delay`: a tier slower than the forward that fills it.
+class SlowTier final : public Tier {
+ public:
+  explicit SlowTier(std::chrono::milliseconds delay) : delay_(delay) {}
+  ~SlowTier() override { stopThreads(); }
+  std::string describe() const override { return "slow host memory (test)"; }
+  int64_t allocate(int64_t bytes) override { return inner_.allocate(bytes); }
+  void free(int64_t slot) override { inner_.free(slot); }
+  void store(int64_t slot, const void* data, int64_t bytes) override {
+    std::this_thread::sleep_for(delay_);
+    inner_.store(slot, data, bytes);
+  }
+  void load(int64_t slot, void* data, int64_t bytes) override { inner_.load(slot, data, bytes); }
+
+ private:
+  HostTier inner_;
+  std::chrono::milliseconds delay_;
+};
 
 // Runs `body` on the host tier and, unless the temp dir is tmpfs, the disk tier.
 void onEveryTier(const std::function<void(Tier&)>& body) {
@@ -257,6 +282,47 @@ TEST(Executor, Bf16TierStorageHalvesTheFloat32BytesAndRoundsWhatBackwardGets) {
   EXPECT_TRUE(anyDiffers) << "no gradient changed: the saves were not rounded";
   EXPECT_LT(worst, 0.05) << "gradients from bf16-rounded saves strayed beyond rounding";
   EXPECT_EQ(bf16.activationsAfter, 0);
+}
+
+// A fixed swap policy under a budget gets the write backpressure without a profile: on a tier
+// slower than forward, what is held stays within one block's saves of the limit (without it,
+// the saves of every block pile up while their writes queue), and the gradients are keep's.
+TEST(Executor, AFixedSwapPolicyWaitsForSlowWritesToStayNearItsLimit) {
+  installSavedTensorEngine();
+  const ModelSpec spec = gptSpec();
+  torch::manual_seed(7);
+  BlockModel model = buildModel(spec, lmShape());
+  model->train();
+  const ModelProfile profile = profileModel(model, test::randomBatch(lmShape(), 4, 3), 0);
+  int64_t largest = 0;
+  for (const auto& b : profile.blocks) largest = std::max(largest, b.savedBytes);
+
+  SlowTier tier(std::chrono::milliseconds(10));
+  const Outcome keep = train(false, spec, lmShape(), "keep", nullptr);
+  const Outcome unlimited = train(false, spec, lmShape(), "swap", &tier);
+  const int64_t limit = unlimited.activationPeak / 3;
+  ASSERT_GT(unlimited.activationPeak, limit + largest)
+      << "the writes kept up without a limit: the tier is not slow enough to test this";
+  const Outcome limited =
+      train(false, spec, lmShape(), "swap", &tier, false, TierDtype::kAsIs, limit);
+  EXPECT_LE(limited.activationPeak, limit + largest);
+  EXPECT_GT(limited.stats.stallSeconds, 0.0) << "forward never waited for a write";
+  expectSame(keep, limited, "swap under a limit");
+}
+
+// The run's side of the test above: a fixed policy under memory.budget (no profile) gets the
+// limit the planner's runs get, the budget less the weights, gradients and optimizer state.
+TEST(MemorySetup, AFixedSwapPolicyUnderABudgetGetsTheWriteBackpressure) {
+  installSavedTensorEngine();
+  torch::manual_seed(7);
+  BlockModel model = buildModel(gptSpec(), lmShape());
+  const Batch batch = test::randomBatch(lmShape(), 4, 3);
+  const RunOptions options = RunOptions::read(Config::fromString(
+      "", "<test>", {"memory.policy=swap", "memory.tier=host", "memory.budget=64MiB"}));
+  const ActivationMemory m = makeActivationMemory(options, model, batch, /*plan=*/false);
+  ASSERT_NE(m.executor, nullptr);
+  ASSERT_GT(m.persistent, 0);
+  EXPECT_EQ(m.executor->activationLimit(), (int64_t{64} << 20) - m.persistent);
 }
 
 TEST(Executor, ParsesPolicies) {

@@ -338,9 +338,14 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
         std::make_unique<ActivationExecutor>(model, m.policies, m.tier.get(), prefetch,
                                              parseTierDtype(o.tierDtype, "memory.tier_dtype"));
     const int64_t budget = o.budget;
-    if (budget > 0 && m.profile) {
+    if (budget > 0) {
+      // A fixed policy has no profile: the check is then on what is held alone. Without any
+      // limit, writes slower than forward pile up in memory (all-swap at 50 MB/s grew past its
+      // cgroup during its first step, before the budget check after it could refuse the run).
       std::vector<int64_t> saved;
-      for (const auto& b : m.profile->blocks) saved.push_back(b.savedBytes);
+      if (m.profile) {
+        for (const auto& b : m.profile->blocks) saved.push_back(b.savedBytes);
+      }
       m.executor->setActivationLimit(std::max<int64_t>(budget - m.persistent, 1), std::move(saved));
     }
     m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
