@@ -76,7 +76,7 @@ struct Outcome {
 // executor (stock forward, still accounted). `bf16`: every block under bf16 autocast.
 Outcome train(bool bf16, const ModelSpec& spec, const DataShape& shape, const std::string& policies,
               Tier* tier, bool writesFirst = false, TierDtype tierDtype = TierDtype::kAsIs,
-              int64_t activationLimit = 0) {
+              int64_t activationLimit = 0, std::vector<int64_t> savedBytes = {}) {
   installSavedTensorEngine();
   torch::manual_seed(7);
   BlockModel model = buildModel(spec, shape);
@@ -94,8 +94,8 @@ Outcome train(bool bf16, const ModelSpec& spec, const DataShape& shape, const st
     if (!policies.empty()) {
       exec = std::make_unique<ActivationExecutor>(
           model, parsePolicies(policies, model->numBlocks(), "test"), tier, 1, tierDtype);
-      // As memory_setup sets it for a fixed policy under a budget: no profile, no saved sizes.
-      if (activationLimit > 0) exec->setActivationLimit(activationLimit, {});
+      // As memory_setup sets it under a budget (savedBytes: each block's, from a profile).
+      if (activationLimit > 0) exec->setActivationLimit(activationLimit, std::move(savedBytes));
     }
     torch::manual_seed(11);  // dropout draws
     for (int step = 0; step < 2; ++step) {
@@ -284,9 +284,12 @@ TEST(Executor, Bf16TierStorageHalvesTheFloat32BytesAndRoundsWhatBackwardGets) {
   EXPECT_EQ(bf16.activationsAfter, 0);
 }
 
-// A fixed swap policy under a budget gets the write backpressure without a profile: on a tier
-// slower than forward, what is held stays within one block's saves of the limit (without it,
-// the saves of every block pile up while their writes queue), and the gradients are keep's.
+// Write backpressure on a tier slower than forward. In forward, with each block's saved sizes
+// (as the run's setup gives a fixed swap policy under a budget) what is held stays within the
+// limit, or one block's saves when they alone exceed it; with none, within one block's saves
+// over it. Backward holds a block's saves and its prefetched successor's (memory.prefetch 1),
+// whatever the limit. Without a limit the saves of every block pile up while their writes
+// queue. The gradients are keep's.
 TEST(Executor, AFixedSwapPolicyWaitsForSlowWritesToStayNearItsLimit) {
   installSavedTensorEngine();
   const ModelSpec spec = gptSpec();
@@ -295,19 +298,28 @@ TEST(Executor, AFixedSwapPolicyWaitsForSlowWritesToStayNearItsLimit) {
   model->train();
   const ModelProfile profile = profileModel(model, test::randomBatch(lmShape(), 4, 3), 0);
   int64_t largest = 0;
-  for (const auto& b : profile.blocks) largest = std::max(largest, b.savedBytes);
+  std::vector<int64_t> saved;
+  for (const auto& b : profile.blocks) {
+    largest = std::max(largest, b.savedBytes);
+    saved.push_back(b.savedBytes);
+  }
 
   SlowTier tier(std::chrono::milliseconds(10));
   const Outcome keep = train(false, spec, lmShape(), "keep", nullptr);
   const Outcome unlimited = train(false, spec, lmShape(), "swap", &tier);
   const int64_t limit = unlimited.activationPeak / 3;
-  ASSERT_GT(unlimited.activationPeak, limit + largest)
+  ASSERT_GT(unlimited.activationPeak, std::max(limit + largest, 2 * largest))
       << "the writes kept up without a limit: the tier is not slow enough to test this";
   const Outcome limited =
       train(false, spec, lmShape(), "swap", &tier, false, TierDtype::kAsIs, limit);
-  EXPECT_LE(limited.activationPeak, limit + largest);
+  EXPECT_LE(limited.activationPeak, std::max(limit + largest, 2 * largest));
   EXPECT_GT(limited.stats.stallSeconds, 0.0) << "forward never waited for a write";
   expectSame(keep, limited, "swap under a limit");
+  const Outcome ahead =
+      train(false, spec, lmShape(), "swap", &tier, false, TierDtype::kAsIs, limit, saved);
+  EXPECT_LE(ahead.activationPeak, std::max(limit, 2 * largest))
+      << "the look-ahead at each block's saves";
+  expectSame(keep, ahead, "swap under a limit, sizes known");
 }
 
 // The run's side of the test above: a fixed policy under memory.budget (no profile) gets the
@@ -323,6 +335,9 @@ TEST(MemorySetup, AFixedSwapPolicyUnderABudgetGetsTheWriteBackpressure) {
   ASSERT_NE(m.executor, nullptr);
   ASSERT_GT(m.persistent, 0);
   EXPECT_EQ(m.executor->activationLimit(), (int64_t{64} << 20) - m.persistent);
+  // The sizes it looks ahead at, one per block, from an untimed profile.
+  ASSERT_EQ(m.executor->limitSavedBytes().size(), model->numBlocks());
+  EXPECT_GT(m.executor->limitSavedBytes()[1], 0);
 }
 
 TEST(Executor, ParsesPolicies) {

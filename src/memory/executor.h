@@ -83,11 +83,12 @@ class ActivationExecutor final : public BlockRunner {
   // will save (savedBytes[i], from the profile) exceed `limit`, wait for the tier's queued
   // writes (their storages leave memory). The planner assumes writes keep up; when they do not
   // (small writes, a busy disk), this keeps the tracked peak under the budget at the cost of a
-  // stall (counted in stallSeconds). Without savedBytes (a fixed policy, not profiled) the
-  // check is on the activations held alone, so the peak stays within one block's saves of
-  // `limit`.
+  // stall (counted in stallSeconds). Without savedBytes the check is on the activations held
+  // alone, so the peak can end one block's saves over `limit` (the run's setup gives fixed
+  // policies the sizes from an untimed profile).
   void setActivationLimit(int64_t limit, std::vector<int64_t> savedBytes);
   int64_t activationLimit() const { return activationLimit_; }  // 0: none
+  const std::vector<int64_t>& limitSavedBytes() const { return savedBytes_; }
   const std::vector<BlockPolicy>& policies() const { return policies_; }
   ExecutorStats takeStats();
 

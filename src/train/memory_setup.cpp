@@ -338,14 +338,15 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
         std::make_unique<ActivationExecutor>(model, m.policies, m.tier.get(), prefetch,
                                              parseTierDtype(o.tierDtype, "memory.tier_dtype"));
     const int64_t budget = o.budget;
-    if (budget > 0) {
-      // A fixed policy has no profile: the check is then on what is held alone. Without any
-      // limit, writes slower than forward pile up in memory (all-swap at 50 MB/s grew past its
-      // cgroup during its first step, before the budget check after it could refuse the run).
+    if (budget > 0 && m.tier) {
+      // Fixed policies too: without a limit, writes slower than forward pile up in memory
+      // (all-swap at 50 MB/s grew past its cgroup during its first step, before the budget
+      // check after it could refuse the run). Not planned, they are profiled for sizes only
+      // (one untimed pass), so the check can look ahead at what each block will save and the
+      // peak stays within the limit rather than one block over it.
+      const ModelProfile sizes = m.profile ? *m.profile : profileModel(model, sample, 0);
       std::vector<int64_t> saved;
-      if (m.profile) {
-        for (const auto& b : m.profile->blocks) saved.push_back(b.savedBytes);
-      }
+      for (const auto& b : sizes.blocks) saved.push_back(b.savedBytes);
       m.executor->setActivationLimit(std::max<int64_t>(budget - m.persistent, 1), std::move(saved));
     }
     m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
