@@ -218,6 +218,7 @@ void setStagePolicies(ActivationMemory& m, BlockModel& model, std::vector<BlockP
 ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,
                                       const Batch& sample, bool plan, int localProcesses) {
   const MemoryOptions& o = options.memory;
+  const TierDtype tierDtype = parseTierDtype(o.tierDtype, "memory.tier_dtype");
   ActivationMemory m;
   // A pipeline's partition plans its stages (setStagePolicies); until then every block keeps.
   const std::string policy =
@@ -242,20 +243,19 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
   if (planning && m.tier) {
     // Only the planner uses the bandwidths: fixed policies skip the probe.
     // memory.tier_dtype = bf16: measured through the conversions, in bytes as stored.
-    const TierDtype dtype = parseTierDtype(o.tierDtype, "memory.tier_dtype");
-    m.bandwidth = m.tier->measure(kBandwidthProbeBytes, dtype);
+    m.bandwidth = m.tier->measure(kBandwidthProbeBytes, tierDtype);
     m.report += fmt::format(
         "memory tier: {}, measured write {:.2f} GB/s, read {:.2f} GB/s{}\n", m.tier->describe(),
         m.bandwidth.writeBytesPerSecond / 1e9, m.bandwidth.readBytesPerSecond / 1e9,
-        dtype == TierDtype::kBf16 ? " (of bf16 bytes, conversions included: memory.tier_dtype)"
-                                  : "");
+        tierDtype == TierDtype::kBf16 ? " (of bf16 bytes, conversions included: memory.tier_dtype)"
+                                      : "");
   }
   m.weights = weightOptions(options);
   m.persistent = persistentBytes(options, model, m.weights);
   if (planning) {
     const int64_t budget = o.budget;
     m.profile = profileModel(model, sample, static_cast<int>(o.profileRepeats));
-    m.profile->activationsOnTier = parseTierDtype(o.tierDtype, "memory.tier_dtype");
+    m.profile->activationsOnTier = tierDtype;
     const double perByte = offload ? updateSecondsPerByte(options, model) : 0.0;
     std::optional<WeightTraffic> traffic;
     if (automatic || budget > 0) {
@@ -335,11 +335,11 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
       m.tier = makeTier(o.tier, o.swapDir);
     }
     m.executor =
-        std::make_unique<ActivationExecutor>(model, m.policies, m.tier.get(), prefetch,
-                                             parseTierDtype(o.tierDtype, "memory.tier_dtype"));
+        std::make_unique<ActivationExecutor>(model, m.policies, m.tier.get(), prefetch, tierDtype);
     const int64_t budget = o.budget;
-    if (budget > 0 && m.tier) {
-      // Fixed policies too: without a limit, writes slower than forward pile up in memory
+    if (budget > 0 && (m.profile || needsTier(m.policies))) {
+      // Fixed swap policies too (one that writes nothing has nothing to wait for, and skips the
+      // profiling pass): without a limit, writes slower than forward pile up in memory
       // (all-swap at 50 MB/s grew past its cgroup during its first step, before the budget
       // check after it could refuse the run). Not planned, they are profiled for sizes only
       // (one untimed pass), so the check can look ahead at what each block will save and the
