@@ -580,6 +580,30 @@ TEST(Planner, PredictsHandWorkedSchedules) {
   EXPECT_DOUBLE_EQ(slow.stepSeconds, 14.0);
 }
 
+// The executor's write backpressure (setActivationLimit) in the model: three swap blocks whose
+// 100-byte saves take 2 s each to write at 50 B/s. Without a limit forward runs 3 s, the writes
+// trail it and backward's prefetch cancels block 2's (not started at t 3): backward 3..9. With
+// 150 bytes, blocks 1 and 2 each wait until the writes queued before them ended (t 3 and 6),
+// so forward ends at 7, block 2's write at 9, and backward (2 s a block) at 15.
+TEST(Planner, PredictsTheWriteBackpressureOfAnActivationLimit) {
+  ModelProfile profile = twoBlocks();
+  profile.blocks.push_back(profile.blocks.back());
+  profile.blocks.back().label = "b2";
+  using P = BlockPolicy;
+  const std::vector<P> swap(3, P::kSwap);
+  const TierBandwidth bw{50.0, 1e9};
+  const Prediction free = predict(profile, swap, bw, 1);
+  EXPECT_DOUBLE_EQ(free.forwardSeconds, 3.0);
+  EXPECT_NEAR(free.stepSeconds, 9.0, 1e-6);
+  const Prediction limited = predict(profile, swap, bw, 1, nullptr, 150);
+  EXPECT_DOUBLE_EQ(limited.forwardSeconds, 7.0);
+  EXPECT_NEAR(limited.stepSeconds, 15.0, 1e-6);
+  // A limit the saves never reach changes nothing.
+  const Prediction roomy = predict(profile, swap, bw, 1, nullptr, 1000);
+  EXPECT_DOUBLE_EQ(roomy.stepSeconds, free.stepSeconds);
+  EXPECT_EQ(roomy.peakBytes, free.peakBytes);
+}
+
 // memory.tier_dtype = bf16: the tier moves a swapped block's float32 bytes at half; what it
 // holds in memory is unchanged.
 TEST(Planner, PredictsBf16TierStorageHandWorked) {

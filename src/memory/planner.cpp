@@ -118,8 +118,8 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
 }
 
 Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& policies,
-                   const TierBandwidth& bandwidth, int prefetchDepth,
-                   const WeightTraffic* weights) {
+                   const TierBandwidth& bandwidth, int prefetchDepth, const WeightTraffic* weights,
+                   int64_t activationLimit) {
   const auto& blocks = profile.blocks;
   const size_t n = blocks.size();
   CARAVAN_CHECK(policies.size() == n, "one policy per block");
@@ -188,10 +188,20 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
   std::vector<double> writeStart(n, inf), writeEnd(n, -inf);
   std::vector<double> forwardEnd(n, 0.0);
   double t = 0.0, writerFree = 0.0;
+  // What block j holds at `when` once its forward ran (offloaded bytes until their write ends).
+  auto residentAt = [&](size_t j, double when) -> int64_t {
+    if (offloaded(j) > 0) return writeEnd[j] > when ? offloaded(j) : 0;
+    return heldInMemory(j);
+  };
   for (size_t i = 0; i < n; ++i) {
     readWeights(i, t);
     for (int k = 1; k <= weightPrefetch; ++k) readWeights(i + static_cast<size_t>(k), t);
     t = std::max(t, weightsRead[i]);
+    if (activationLimit > 0) {  // the executor's backpressure: drain the writes
+      int64_t held = 0;
+      for (size_t j = 0; j < i; ++j) held += residentAt(j, t);
+      if (held + blocks[i].savedBytes > activationLimit) t = std::max(t, writerFree);
+    }
     const double start = t;
     t += blocks[i].forwardSeconds;
     forwardEnd[i] = t;
@@ -209,10 +219,6 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
   // Memory during forward: after block i's forward, what blocks <= i hold (offloaded bytes
   // until their write ends).
   int64_t peak = 0;
-  auto residentAt = [&](size_t j, double when) -> int64_t {
-    if (offloaded(j) > 0) return writeEnd[j] > when ? offloaded(j) : 0;
-    return heldInMemory(j);
-  };
   for (size_t i = 0; i < n; ++i) {
     int64_t live = 0;
     for (size_t j = 0; j <= i; ++j) live += residentAt(j, forwardEnd[i]);
@@ -381,7 +387,8 @@ Plan planPolicies(const ModelProfile& profile, const TierBandwidth& bandwidth,
   const size_t n = profile.blocks.size();
   auto evaluate = [&](std::vector<BlockPolicy> policies) {
     Plan p;
-    p.prediction = predict(profile, policies, bandwidth, prefetchDepth, weights);
+    p.prediction = predict(profile, policies, bandwidth, prefetchDepth, weights,
+                           std::max<int64_t>(activationBudget, 0));
     p.fits = activationBudget <= 0 || p.prediction.peakBytes <= activationBudget;
     p.policies = std::move(policies);
     return p;

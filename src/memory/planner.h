@@ -89,10 +89,14 @@ struct Prediction {
   int64_t peakBytes = 0;         // activation bytes (tracked saved tensors)
 };
 
-// `weights`: nullptr when they stay in memory.
+// `weights`: nullptr when they stay in memory. `activationLimit` > 0: the executor's write
+// backpressure (ActivationExecutor::setActivationLimit, which planned runs and fixed policies
+// under memory.budget get): before block i's forward, when the activations held (offloaded
+// bytes until their write ends) plus block i's saves exceed the limit, forward waits until
+// every queued write has ended. A tier slower than forward then costs time instead of memory.
 Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& policies,
                    const TierBandwidth& bandwidth, int prefetchDepth,
-                   const WeightTraffic* weights = nullptr);
+                   const WeightTraffic* weights = nullptr, int64_t activationLimit = 0);
 
 struct Plan {
   std::vector<BlockPolicy> policies;

@@ -304,8 +304,10 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
       if (offload) traffic = weightTraffic(model, m.weights, perByte, localProcesses);
       Plan p;
       p.policies = m.policies;
-      p.prediction =
-          predict(*m.profile, m.policies, m.bandwidth, prefetch, traffic ? &*traffic : nullptr);
+      // Under a budget the executor gets the write backpressure (below): predicted with it.
+      const int64_t limit = budget > 0 ? std::max<int64_t>(budget - m.persistent, 1) : 0;
+      p.prediction = predict(*m.profile, m.policies, m.bandwidth, prefetch,
+                             traffic ? &*traffic : nullptr, limit);
       p.fits = true;
       m.plan = p;
     }
