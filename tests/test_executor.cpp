@@ -323,7 +323,8 @@ TEST(Executor, AFixedSwapPolicyWaitsForSlowWritesToStayNearItsLimit) {
 }
 
 // The run's side of the test above: a fixed policy under memory.budget (no profile) gets the
-// limit the planner's runs get, the budget less the weights, gradients and optimizer state.
+// write backpressure too, at the budget less the weights, gradients and optimizer state (a
+// planned run's is its plan's budget: the next test).
 TEST(MemorySetup, AFixedSwapPolicyUnderABudgetGetsTheWriteBackpressure) {
   installSavedTensorEngine();
   torch::manual_seed(7);
@@ -338,6 +339,29 @@ TEST(MemorySetup, AFixedSwapPolicyUnderABudgetGetsTheWriteBackpressure) {
   // The sizes it looks ahead at, one per block, from an untimed profile.
   ASSERT_EQ(m.executor->limitSavedBytes().size(), model->numBlocks());
   EXPECT_GT(m.executor->limitSavedBytes()[1], 0);
+}
+
+// A planned run drains its writes at the budget its plan was fitted to and predicted with
+// (95% of the room), so the prediction's backpressure is the run's.
+TEST(MemorySetup, APlannedRunDrainsAtItsPlansBudget) {
+  installSavedTensorEngine();
+  torch::manual_seed(7);
+  BlockModel model = buildModel(gptSpec(), lmShape());
+  const Batch batch = test::randomBatch(lmShape(), 4, 3);
+  // A budget with room for half of what keeping every block holds: the plan cannot keep all.
+  const ActivationMemory unbounded = makeActivationMemory(
+      RunOptions::read(Config::fromString("", "<test>", {"memory.profile_repeats=1"})), model,
+      batch, /*plan=*/true);
+  const int64_t budget = unbounded.persistent + unbounded.plan->prediction.peakBytes / 2;
+  const RunOptions options = RunOptions::read(
+      Config::fromString("", "<test>",
+                         {"memory.policy=auto", "memory.tier=host",
+                          "memory.budget=" + std::to_string(budget), "memory.profile_repeats=1"}));
+  const ActivationMemory m = makeActivationMemory(options, model, batch, /*plan=*/false);
+  ASSERT_TRUE(m.plan.has_value() && m.plan->fits);
+  ASSERT_NE(m.executor, nullptr) << "a plan under half of keep's peak keeps every block";
+  const int64_t room = budget - m.persistent;
+  EXPECT_EQ(m.executor->activationLimit(), static_cast<int64_t>(0.95 * static_cast<double>(room)));
 }
 
 TEST(Executor, ParsesPolicies) {

@@ -383,12 +383,13 @@ bool better(const Plan& a, const Plan& b) {
 }  // namespace
 
 Plan planPolicies(const ModelProfile& profile, const TierBandwidth& bandwidth,
-                  int64_t activationBudget, int prefetchDepth, const WeightTraffic* weights) {
+                  int64_t activationBudget, int prefetchDepth, const WeightTraffic* weights,
+                  int64_t writeLimit) {
   const size_t n = profile.blocks.size();
   auto evaluate = [&](std::vector<BlockPolicy> policies) {
     Plan p;
     p.prediction = predict(profile, policies, bandwidth, prefetchDepth, weights,
-                           std::max<int64_t>(activationBudget, 0));
+                           std::max<int64_t>(writeLimit, 0));
     p.fits = activationBudget <= 0 || p.prediction.peakBytes <= activationBudget;
     p.policies = std::move(policies);
     return p;

@@ -106,9 +106,12 @@ struct Plan {
 
 // `activationBudget` <= 0: no limit (all keep). Without a fitting plan, returns the plan with
 // the smallest predicted peak (fits = false).
+// `writeLimit` > 0: the activation limit the run's executor will apply (predict's
+// `activationLimit`); the plans are predicted with it, and fit when their peak is at most
+// `activationBudget` (which may be set below it, as a margin).
 Plan planPolicies(const ModelProfile& profile, const TierBandwidth& bandwidth,
                   int64_t activationBudget, int prefetchDepth,
-                  const WeightTraffic* weights = nullptr);
+                  const WeightTraffic* weights = nullptr, int64_t writeLimit = 0);
 
 // The per-block table `caravan plan` prints.
 std::string formatPlan(const ModelProfile& profile, const Plan& plan,

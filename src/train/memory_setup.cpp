@@ -280,8 +280,10 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
         const int64_t activationBudget =
             budget > 0 ? std::max<int64_t>(static_cast<int64_t>(room), 1) : 0;
         if (offload) traffic = weightTraffic(model, window, perByte, localProcesses);
+        // Predicted with the write backpressure the executor applies (below): a planned run's
+        // executor drains at the plan's budget, so the margin holds while the writes lag too.
         Plan plan = planPolicies(*m.profile, m.bandwidth, activationBudget, prefetch,
-                                 traffic ? &*traffic : nullptr);
+                                 traffic ? &*traffic : nullptr, activationBudget);
         if (windows.size() > 1) {
           considered += fmt::format(
               "  window {}: {} ({}): {}\n", k + 1, formatBytes(persistent), describeWindow(window),
@@ -304,10 +306,8 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
       if (offload) traffic = weightTraffic(model, m.weights, perByte, localProcesses);
       Plan p;
       p.policies = m.policies;
-      // Under a budget the executor gets the write backpressure (below): predicted with it.
-      const int64_t limit = budget > 0 ? std::max<int64_t>(budget - m.persistent, 1) : 0;
-      p.prediction = predict(*m.profile, m.policies, m.bandwidth, prefetch,
-                             traffic ? &*traffic : nullptr, limit);
+      p.prediction =
+          predict(*m.profile, m.policies, m.bandwidth, prefetch, traffic ? &*traffic : nullptr);
       p.fits = true;
       m.plan = p;
     }
@@ -349,7 +349,11 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
       const ModelProfile sizes = m.profile ? *m.profile : profileModel(model, sample, 0);
       std::vector<int64_t> saved;
       for (const auto& b : sizes.blocks) saved.push_back(b.savedBytes);
-      m.executor->setActivationLimit(std::max<int64_t>(budget - m.persistent, 1), std::move(saved));
+      // A planned run drains at the budget its plan was fitted to (the plan's margin below the
+      // room, as its prediction assumed); a fixed policy at the whole room.
+      const double room = static_cast<double>(budget - m.persistent);
+      const int64_t limit = static_cast<int64_t>(automatic ? kPlanMargin * room : room);
+      m.executor->setActivationLimit(std::max<int64_t>(limit, 1), std::move(saved));
     }
     m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
   }
