@@ -90,7 +90,7 @@ def run(mode, rate, a, run_dir, overrides):
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             return [json.loads(line) for line in f]
     settings, servers = MODES[mode]
-    sets = settings + overrides + ["train.threads=1", f"data.batch_size={a.batch}",
+    sets = settings + a.extra + overrides + ["train.threads=1", f"data.batch_size={a.batch}",
                                    f"sync.servers={a.servers}", "fault.timeout=120",
                                    "checkpoint.every=0"]
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -320,6 +320,9 @@ def main():
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--batch", type=int, default=64, help="per-worker batch")
+    p.add_argument("--set", dest="extra", action="append", default=[],
+                   help="a config override for every run, e.g. --set optim.grad_clip=0 "
+                        "(repeatable; brown-gpt's clipping is refused by the server modes)")
     p.add_argument("--rates", nargs="+", default=["1gbit", "500mbit", "300mbit", "100mbit"])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--repeats", type=int, default=2)

@@ -105,9 +105,65 @@ TEST_F(Cli, HelpListsSubcommandsAndKeys) {
 }
 
 TEST_F(Cli, UnknownCommandIsNamedWithTheCommandsThereAre) {
-  expectOneLineError(runCaravan("calibrate --config " + configPath_), 2,
-                     "unknown command 'calibrate'; the commands are train, eval, plan, config, "
-                     "report");
+  expectOneLineError(runCaravan("fit --config " + configPath_), 2,
+                     "unknown command 'fit'; the commands are train, eval, plan, simulate, "
+                     "calibrate, config, report");
+}
+
+TEST_F(Cli, SimulateWritesOnePredictionPerWorkerCountAndReusesItsWorkload) {
+  const std::string cluster = tmp_ / "cluster.toml";
+  writeFile(cluster, "[cluster]\nhosts = 4\nlink_mbit = 100\nlatency_us = 100\n");
+  const std::string out = tmp_ / "sim";
+  const std::string base = "simulate --config " + configPath_ + " " + kSynthetic + "--cluster " +
+                           cluster + " --workers 1,4 --steps 20 ";
+  CommandResult r = runCaravan(base + "-o " + out);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const std::string first = readFile(out + "/predictions.jsonl");
+  EXPECT_EQ(countLines(first), 2) << first;
+  for (const char* key :
+       {"\"workers\":1", "\"workers\":4", "\"step_s\"", "\"samples_per_s\"",
+        "\"scaling_efficiency\"", "\"bytes_per_step\"", "\"memory_peak_bytes\""}) {
+    EXPECT_NE(first.find(key), std::string::npos) << key << " in " << first;
+  }
+  EXPECT_TRUE(fs::exists(out + "/charts.json"));
+  // The saved workload predicts the same, without profiling again.
+  const std::string again = tmp_ / "again";
+  r = runCaravan(base + "--workload " + out + "/workload.json -o " + again);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_EQ(r.err.find("profiling"), std::string::npos) << r.err;
+  EXPECT_EQ(readFile(again + "/predictions.jsonl"), first);
+  // A workload profiled at another batch is refused.
+  expectOneLineError(
+      runCaravan(base + "--set data.batch_size=4 --workload " + out + "/workload.json"), 2,
+      "profiled at data.batch_size = 8");
+}
+
+TEST_F(Cli, SimulatesAPipelineAtMultiplesOfItsStages) {
+  const std::string cluster = tmp_ / "cluster.toml";
+  writeFile(cluster, "[cluster]\nhosts = 4\nlink_mbit = 100\n");
+  const std::string out = tmp_ / "sim";
+  CommandResult r = runCaravan("simulate --config " + configPath_ + " " + kSynthetic +
+                               "--set parallel.pipeline_stages=2 --set parallel.micro_batches=2 "
+                               "--cluster " +
+                               cluster + " --steps 5 -o " + out);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const std::string lines = readFile(out + "/predictions.jsonl");
+  EXPECT_EQ(countLines(lines), 2) << lines;  // 2 and 4 workers
+  EXPECT_NE(lines.find("\"workers\":2"), std::string::npos) << lines;
+  EXPECT_NE(lines.find("\"workers\":4"), std::string::npos) << lines;
+}
+
+TEST_F(Cli, SimulateRefusesABadClusterOrModeInOneLine) {
+  const std::string base = "simulate --config " + configPath_ + " " + kSynthetic;
+  expectOneLineError(runCaravan(base + "--cluster " + std::string(tmp_ / "none.toml")), 2,
+                     "cannot read cluster file");
+  const std::string cluster = tmp_ / "cluster.toml";
+  writeFile(cluster, "[cluster]\nhosts = 4\nlink_gbit = 1\n");
+  expectOneLineError(runCaravan(base + "--cluster " + cluster), 2, "unknown key cluster.link_gbit");
+  writeFile(cluster, "[cluster]\nhosts = 4\nlink_mbit = 100\n");
+  expectOneLineError(runCaravan(base + "--cluster " + cluster + " --set sync.mode=ps-bsp " +
+                                "--set optim.grad_clip=1"),
+                     2, "optim.grad_clip");
 }
 
 TEST_F(Cli, UnknownConfigKey) {

@@ -17,6 +17,7 @@
 
 #include "cli/launch.h"
 #include "cli/launcher.h"
+#include "cli/simulate.h"
 #include "comm/world.h"
 #include "core/config.h"
 #include "core/errors.h"
@@ -378,6 +379,53 @@ int main(int argc, char** argv) {
   plan->add_option("--config,-c", configPath, "TOML config file");
   plan->add_option("--set", overrides, "override a config key (e.g. memory.budget=1GiB)");
 
+  SimulateArgs sim;
+  auto* simulate = app.add_subcommand(
+      "simulate",
+      "predict the config's job on a cluster you describe (--cluster FILE): step "
+      "time, throughput, scaling, bytes and utilisation per worker count, from the "
+      "model's profile on this host (docs/simulate.md); --recommend ranks the ways "
+      "to run it");
+  simulate->add_option("--config,-c", sim.configPath, "TOML config file");
+  simulate->add_option("--set", sim.overrides, "override a config key (e.g. sync.mode=osp)");
+  simulate
+      ->add_option("--cluster", sim.clusterPath,
+                   "the cluster's TOML file ([cluster]: hosts, link_mbit, ...; caravan "
+                   "calibrate writes one)")
+      ->required();
+  simulate
+      ->add_option("--workers", sim.workers,
+                   "worker counts, e.g. --workers 2,4,8 (default 1, 2, 4, ... up to the "
+                   "cluster's hosts)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1 << 20));
+  simulate->add_option("--steps", sim.steps, "steps simulated per point (default 100)")
+      ->check(CLI::Range(1, 1000000));
+  simulate->add_option("--seed", sim.seed, "the stragglers' random seed");
+  simulate->add_option("--output,-o", sim.outDir,
+                       "write DIR/predictions.jsonl (one JSON object per worker count and mode) "
+                       "and DIR/charts.json (caravan report)");
+  simulate->add_option("--workload", sim.workloadPath,
+                       "the workload.json an earlier -o DIR wrote: simulate without profiling "
+                       "again (the config's sync keys still apply)");
+  simulate->add_flag("--recommend", sim.recommend,
+                     "also simulate the other sync modes and rank them, one line of reasons each");
+
+  CalibrateArgs calib;
+  auto* calibrate =
+      app.add_subcommand("calibrate",
+                         "measure this host (cores, memory, disk) and write a cluster file for "
+                         "caravan simulate; the link's rate and latency are given");
+  calibrate->add_option("--output,-o", calib.output, "the cluster file to write (default: print)");
+  calibrate->add_option("--hosts", calib.hosts, "hosts like this one")
+      ->check(CLI::Range(1, 1000000));
+  calibrate->add_option("--link-mbit", calib.linkMbit, "each host's link rate, Mbit/s")
+      ->check(CLI::Range(1e-3, 1e7));
+  calibrate->add_option("--latency-us", calib.latencyUs, "one message's fixed cost, microseconds")
+      ->check(CLI::Range(0.0, 1e7));
+  calibrate->add_option("--swap-dir", calib.swapDir,
+                        "where to measure the disk (default /var/tmp)");
+
   bool schema = false;
   auto* config = app.add_subcommand("config", "print the resolved config of --config/--set, or "
                                               "the schema with --schema");
@@ -475,6 +523,8 @@ int main(int argc, char** argv) {
       return runTrain(argv, configPath, overrides, runDir, resumeDir, stopAtStep, quiet, trace);
     if (*eval) return runEval(runDir, checkpoint, overrides);
     if (*plan) return runPlan(configPath, overrides);
+    if (*simulate) return runSimulate(sim);
+    if (*calibrate) return runCalibrate(calib);
     if (*reportCmd) return runReport(reportSources, reportOutput, reportPng, reportTitle);
     if (*tokenizeCmd) return runTokenizer(tokenizeCmd->remaining());
     if (*inspectCmd) {

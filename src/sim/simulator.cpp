@@ -1,0 +1,688 @@
+#include "sim/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <queue>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "core/errors.h"
+#include "pipeline/schedule.h"
+
+namespace caravan::sim {
+
+int64_t Workload::parameterTotal() const {
+  return std::accumulate(parameterBytes.begin(), parameterBytes.end(), int64_t{0});
+}
+
+double Workload::computeSeconds() const {
+  return std::accumulate(forwardSeconds.begin(), forwardSeconds.end(), 0.0) + lossSeconds +
+         std::accumulate(backwardSeconds.begin(), backwardSeconds.end(), 0.0);
+}
+
+std::string SyncSpec::label() const {
+  std::string s = mode;
+  if (mode == "ps-ssp") s += fmt::format("({})", staleness);
+  if (mode == "osp") s += ospAuto ? "(auto)" : fmt::format("({:g})", ospFraction);
+  if (mode == "local-sgd") s += fmt::format("(H={})", localPeriod);
+  if (compression != "none") s += "+" + compression;
+  if (pipelineStages > 1) s += fmt::format("+pipeline({}x{})", pipelineStages, microBatches);
+  return s;
+}
+
+std::string SyncSpec::unsupported() const {
+  static const char* kModes[] = {"allreduce", "ps-bsp",    "ps-asp", "ps-ssp",
+                                 "osp",       "local-sgd", "gossip"};
+  if (std::find(std::begin(kModes), std::end(kModes), mode) == std::end(kModes)) {
+    return fmt::format(
+        "sync.mode = {} is not simulated (allreduce, ps-bsp, ps-asp, ps-ssp, "
+        "osp, local-sgd, gossip are)",
+        mode);
+  }
+  if (mode == "gossip" && gossipTopology != "ring") {
+    return fmt::format("sync.gossip_topology = {} is not simulated (ring is)", gossipTopology);
+  }
+  if (mode == "local-sgd" && postLocalSteps > 0) {
+    return "sync.post_local_steps > 0 (a BSP phase before local SGD) is not simulated";
+  }
+  if (pipelineStages > 1 && mode != "allreduce") {
+    return "pipeline stages are simulated with sync.mode = allreduce between replicas only";
+  }
+  if ((mode == "ps-bsp" || mode == "ps-asp" || mode == "ps-ssp" || mode == "osp") && servers < 1) {
+    return fmt::format("sync.mode = {} needs sync.servers >= 1", mode);
+  }
+  return "";
+}
+
+double meanStaleness(const std::vector<int64_t>& histogram) {
+  double n = 0.0, sum = 0.0;
+  for (size_t gap = 0; gap < histogram.size(); ++gap) {
+    n += static_cast<double>(histogram[gap]);
+    sum += static_cast<double>(gap) * static_cast<double>(histogram[gap]);
+  }
+  return n > 0.0 ? sum / n : 0.0;
+}
+
+namespace {
+
+// The hosts' links: one outgoing and one incoming per host, each held first come first served.
+// Calls must come in non-decreasing `ready` order per link for that to hold (the event loops
+// below issue transfers as their events happen).
+class Links {
+ public:
+  explicit Links(const ClusterSpec& c)
+      : txFree_(c.hosts, 0.0),
+        rxFree_(c.hosts, 0.0),
+        txBusy_(c.hosts, 0.0),
+        rxBusy_(c.hosts, 0.0),
+        alpha_(c.latencySeconds),
+        rate_(c.linkBytesPerSecond()),
+        shm_(c.shmBytesPerSecond) {}
+
+  // When `bytes` sent from host `src` at `ready` have arrived at host `dst`.
+  double transfer(int src, int dst, double bytes, double ready) {
+    if (src == dst) return ready + bytes / shm_;
+    const double start = std::max({ready, txFree_[src], rxFree_[dst]});
+    const double d = alpha_ + bytes / rate_;
+    txFree_[src] = rxFree_[dst] = start + d;
+    txBusy_[src] += d;
+    rxBusy_[dst] += d;
+    return start + d;
+  }
+  double busiest() const {
+    double b = 0.0;
+    for (size_t h = 0; h < txBusy_.size(); ++h) b = std::max({b, txBusy_[h], rxBusy_[h]});
+    return b;
+  }
+
+ private:
+  std::vector<double> txFree_, rxFree_, txBusy_, rxBusy_;
+  double alpha_, rate_, shm_;
+};
+
+struct Placement {
+  std::vector<int> workerHost, serverHost;
+  std::vector<int> workersOnHost;
+  int hostsUsed = 0;  // hosts with a worker
+  int mostPerHost = 0;
+  std::string text;
+};
+
+// Workers one per host while there are hosts, then round robin; servers on hosts of their own
+// when the cluster has that many more, else beside the workers (server s on host s).
+Placement place(int workers, int servers, const ClusterSpec& c) {
+  Placement p;
+  p.workersOnHost.assign(c.hosts, 0);
+  for (int w = 0; w < workers; ++w) {
+    p.workerHost.push_back(w % c.hosts);
+    ++p.workersOnHost[w % c.hosts];
+  }
+  const bool own = c.hosts >= workers + servers;
+  for (int s = 0; s < servers; ++s) p.serverHost.push_back(own ? workers + s : s % c.hosts);
+  p.hostsUsed = std::min(workers, c.hosts);
+  p.mostPerHost = *std::max_element(p.workersOnHost.begin(), p.workersOnHost.end());
+  p.text = fmt::format("{} worker{} on {} host{}", workers, workers == 1 ? "" : "s", p.hostsUsed,
+                       p.hostsUsed == 1 ? "" : "s");
+  if (servers > 0) {
+    p.text += fmt::format(", {} server{} {}", servers, servers == 1 ? "" : "s",
+                          own ? "on hosts of their own" : "beside workers");
+  }
+  return p;
+}
+
+// Lognormal factors with mean 1 and the given coefficient of variation (1 when cv = 0).
+class Stragglers {
+ public:
+  Stragglers(double cv, uint64_t seed) : rng_(seed) {
+    const double s2 = std::log1p(cv * cv);
+    dist_ = std::lognormal_distribution<double>(-s2 / 2.0, std::sqrt(s2));
+    on_ = cv > 0.0;
+  }
+  double next() { return on_ ? dist_(rng_) : 1.0; }
+
+ private:
+  std::mt19937_64 rng_;
+  std::lognormal_distribution<double> dist_;
+  bool on_ = false;
+};
+
+struct Context {
+  const Workload& w;
+  const SyncSpec& sync;
+  const ClusterSpec& c;
+  const SimOptions& o;
+  Placement p;
+  std::vector<double> scale;  // per worker: its host's compute contention
+};
+
+double contention(const Placement& p, int host, int workers, const Workload& w,
+                  const ClusterSpec& c) {
+  if (c.sharedCores > 0.0) return std::max(1.0, workers * w.threads / c.sharedCores);
+  return std::max(1.0, p.workersOnHost[host] * w.threads / c.coresPerHost);
+}
+
+// A ring all-reduce of `bytes` between the hosts with workers, after a reduction inside each
+// host (and a broadcast back) through memory.
+double allReduceSeconds(double bytes, const Placement& p, const ClusterSpec& c) {
+  double t = 0.0;
+  if (p.mostPerHost > 1) t += 2.0 * bytes / c.shmBytesPerSecond;
+  const int h = p.hostsUsed;
+  if (h > 1) t += 2.0 * (h - 1) * (c.latencySeconds + bytes / h / c.linkBytesPerSecond());
+  return t;
+}
+double allReduceSentBytes(double bytes, const Placement& p) {
+  const int h = p.hostsUsed;
+  return h > 1 ? 2.0 * (h - 1) / h * bytes : 0.0;
+}
+
+// Wire bytes of a float32 gradient of `bytes` (fp16/bf16 half; top-k an (index, value) pair per
+// kept element).
+double wireBytes(double bytes, const SyncSpec& s) {
+  if (s.compression == "fp16" || s.compression == "bf16") return bytes / 2.0;
+  if (s.compression == "topk") return 2.0 * s.topkRatio * bytes;
+  return bytes;
+}
+
+// One gradient bucket's exchange: a ring all-reduce, or top-k's all-gather.
+struct Exchange {
+  double seconds = 0.0, sent = 0.0;
+};
+Exchange gradientExchange(double bytes, const Context& x) {
+  if (x.sync.compression == "topk") {
+    const double part = wireBytes(bytes, x.sync) * x.p.mostPerHost;
+    const int h = x.p.hostsUsed;
+    Exchange e;
+    if (h > 1) {
+      e.seconds = (h - 1) * (x.c.latencySeconds + part / x.c.linkBytesPerSecond());
+      e.sent = (h - 1) * part;
+    }
+    return e;
+  }
+  const double wire = wireBytes(bytes, x.sync);
+  return {allReduceSeconds(wire, x.p, x.c), allReduceSentBytes(wire, x.p)};
+}
+
+struct Totals {
+  double wall = 0.0, compute = 0.0, sent = 0.0, linkBusy = 0.0;
+  std::vector<int64_t> staleness;
+};
+
+// allreduce: buckets in backward order, each started when the slowest worker produced it.
+Totals simulateAllReduce(const Context& x) {
+  struct Bucket {
+    double readyOffset;  // seconds from the step's start on a worker with factor 1
+    double bytes;
+  };
+  std::vector<Bucket> buckets;
+  const size_t n = x.w.forwardSeconds.size();
+  const double forward =
+      std::accumulate(x.w.forwardSeconds.begin(), x.w.forwardSeconds.end(), 0.0) + x.w.lossSeconds;
+  // As AllReduceStrategy forms them (per parameter there, per block here): in backward order, a
+  // new bucket before one would pass its cap (the first bucket's cap is the small one); a bucket
+  // is ready when its last block's backward ended.
+  double cum = forward, bytes = 0.0;
+  for (size_t k = n; k-- > 0;) {
+    cum += x.w.backwardSeconds[k];
+    const double b = static_cast<double>(x.w.parameterBytes[k]);
+    const double cap =
+        static_cast<double>(buckets.size() <= 1 ? x.sync.firstBucketBytes : x.sync.bucketBytes);
+    if (buckets.empty() || (bytes > 0.0 && bytes + b > cap)) {
+      buckets.push_back({cum, 0.0});
+      bytes = 0.0;
+    }
+    buckets.back().bytes += b;
+    buckets.back().readyOffset = cum;
+    bytes += b;
+  }
+  Stragglers noise(x.c.stragglerCv, x.o.seed);
+  Totals t;
+  const double maxScale = *std::max_element(x.scale.begin(), x.scale.end());
+  for (int64_t step = 0; step < x.o.steps; ++step) {
+    double slowest = 0.0;
+    for (int wk = 0; wk < x.o.workers; ++wk) {
+      const double f = noise.next() * x.scale[wk];
+      slowest = std::max(slowest, f);
+      t.compute += f * x.w.computeSeconds() + x.scale[wk] * x.w.updateSeconds;
+    }
+    const double start = t.wall;
+    double done = start;
+    for (const Bucket& b : buckets) {
+      const Exchange e = gradientExchange(b.bytes, x);
+      done = std::max(done, start + slowest * b.readyOffset) + e.seconds;
+      t.sent += e.sent * x.p.hostsUsed;  // one process per host sends (the host's leader)
+      t.linkBusy += e.seconds;
+    }
+    done = std::max(done, start + slowest * x.w.computeSeconds());
+    t.wall = done + maxScale * x.w.updateSeconds;
+  }
+  return t;
+}
+
+// local-sgd: H steps on each worker alone, then a barrier and the parameters' all-reduce.
+Totals simulateLocalSgd(const Context& x) {
+  Stragglers noise(x.c.stragglerCv, x.o.seed);
+  Totals t;
+  std::vector<double> at(x.o.workers, 0.0);
+  const double params = static_cast<double>(x.w.parameterTotal());
+  for (int64_t step = 0; step < x.o.steps; ++step) {
+    for (int wk = 0; wk < x.o.workers; ++wk) {
+      const double d =
+          noise.next() * x.scale[wk] * x.w.computeSeconds() + x.scale[wk] * x.w.updateSeconds;
+      at[wk] += d;
+      t.compute += d;
+    }
+    if ((step + 1) % x.sync.localPeriod == 0 || step + 1 == x.o.steps) {
+      const double barrier = *std::max_element(at.begin(), at.end());
+      const double e = allReduceSeconds(params, x.p, x.c);
+      std::fill(at.begin(), at.end(), barrier + e);
+      t.sent += allReduceSentBytes(params, x.p) * x.p.hostsUsed;
+      t.linkBusy += e;
+    }
+  }
+  t.wall = *std::max_element(at.begin(), at.end());
+  return t;
+}
+
+// gossip (sync/gossip.cpp): a worker sends its parameters of step t to its ring neighbours as
+// step t starts, computes, and ends the step once its neighbours' parameters of step t are in.
+// An event loop, so the links serve transfers in time order.
+Totals simulateGossip(const Context& x) {
+  Stragglers noise(x.c.stragglerCv, x.o.seed);
+  Links links(x.c);
+  Totals t;
+  const int n = x.o.workers;
+  const double params = static_cast<double>(x.w.parameterTotal());
+  auto neighbours = [n](int w) {
+    std::vector<int> out;
+    if (n > 1) out.push_back((w + 1) % n);
+    if (n > 2) out.push_back((w + n - 1) % n);
+    return out;
+  };
+  struct Event {
+    double time;
+    int64_t seq;
+    int worker;
+    int64_t step;
+    bool operator<(const Event& o) const { return time != o.time ? time > o.time : seq > o.seq; }
+  };
+  std::priority_queue<Event> events;
+  int64_t seq = 0;
+  std::vector<int64_t> stepOf(n, 0);
+  std::vector<double> computeEnd(n, -1.0);
+  std::map<std::pair<int, int64_t>, std::pair<size_t, double>> in;  // (worker, step): arrived
+  auto tryFinish = [&](int w, int64_t step) {
+    if (stepOf[w] != step || computeEnd[w] < 0.0) return;
+    const auto it = in.find({w, step});
+    const size_t got = it == in.end() ? 0 : it->second.first;
+    if (got < neighbours(w).size()) return;
+    const double end = std::max(computeEnd[w], it == in.end() ? 0.0 : it->second.second);
+    if (it != in.end()) in.erase(it);
+    computeEnd[w] = -1.0;
+    stepOf[w] = step + 1;
+    t.wall = std::max(t.wall, end);
+    if (step + 1 < x.o.steps) events.push({end, seq++, w, step + 1});
+  };
+  for (int w = 0; w < n; ++w) events.push({0.0, seq++, w, 0});
+  while (!events.empty()) {
+    const Event e = events.top();
+    events.pop();
+    const double d = noise.next() * x.scale[e.worker] * x.w.computeSeconds() +
+                     x.scale[e.worker] * x.w.updateSeconds;
+    t.compute += d;
+    computeEnd[e.worker] = e.time + d;
+    for (int nb : neighbours(e.worker)) {
+      const int from = x.p.workerHost[e.worker], to = x.p.workerHost[nb];
+      const double a = links.transfer(from, to, params, e.time);
+      if (from != to) t.sent += params;
+      auto& got = in[{nb, e.step}];
+      ++got.first;
+      got.second = std::max(got.second, a);
+      tryFinish(nb, e.step);
+    }
+    tryFinish(e.worker, e.step);
+  }
+  t.linkBusy = links.busiest();
+  return t;
+}
+
+// Parameter servers and OSP (sync/parameter_server.cpp, sync/osp.cpp): an event loop over
+// pushes, server updates and pulls.
+class ServerLoop {
+ public:
+  ServerLoop(const Context& x, double fraction)
+      : x_(x),
+        links_(x.c),
+        noise_(x.c.stragglerCv, x.o.seed),
+        n_(x.o.workers),
+        s_(x.sync.servers),
+        osp_(x.sync.mode == "osp"),
+        fraction_(osp_ ? fraction : 1.0),
+        bound_(x.sync.mode == "ps-asp"   ? -1
+               : x.sync.mode == "ps-ssp" ? x.sync.staleness
+                                         : 0),
+        workers_(n_),
+        clock_(s_, std::vector<int64_t>(n_, 0)),
+        waiting_(s_) {
+    const double shard = static_cast<double>(x.w.parameterTotal()) / s_;
+    pushBytes_ = wireBytes(shard, x.sync);
+    pullBytes_ = shard;
+    shardUpdate_ = x.w.updateSeconds / s_;
+    serverFree_.assign(s_, 0.0);
+  }
+
+  Totals run() {
+    for (int wk = 0; wk < n_; ++wk) startCompute(wk, 0, 0.0);
+    while (!events_.empty()) {
+      const Event e = events_.top();
+      events_.pop();
+      now_ = e.time;
+      handle(e);
+    }
+    t_.linkBusy = links_.busiest();
+    t_.wall = now_;
+    return std::move(t_);
+  }
+
+ private:
+  enum Kind { kComputeDone, kPushArrive, kServerDone, kPullArrive };
+  struct Event {
+    double time;
+    int64_t seq;
+    Kind kind;
+    int worker, server;
+    int64_t step;
+    int stage;                              // 1, or 2 (osp's second stage)
+    bool operator<(const Event& o) const {  // the priority queue's top is the earliest
+      return time != o.time ? time > o.time : seq > o.seq;
+    }
+  };
+  struct Worker {
+    std::map<std::pair<int64_t, int>, int> pulls;  // (step, stage) -> pulls arrived
+    std::map<int64_t, bool> stage2Back;            // osp: steps whose stage 2 is all back
+    int64_t heldPush = -1;  // osp: a step whose stage-1 push waits for the stage 2 before it
+  };
+
+  void post(double time, Kind kind, int worker, int server, int64_t step, int stage) {
+    events_.push({time, seq_++, kind, worker, server, step, stage});
+  }
+  double bytes(int stage, double full) const {
+    return (stage == 1 ? fraction_ : 1.0 - fraction_) * full;
+  }
+
+  void startCompute(int wk, int64_t step, double at) {
+    if (step >= x_.o.steps) return;
+    double d = noise_.next() * x_.scale[wk] * x_.w.computeSeconds();
+    if (osp_ && x_.sync.ospLgp) {  // the LGP update of the stage-2 part, on the worker
+      d += x_.scale[wk] * x_.w.updateSeconds * (1.0 - fraction_);
+    }
+    t_.compute += d;
+    post(at + d, kComputeDone, wk, -1, step, 1);
+  }
+
+  void push(int wk, int64_t step, int stage) {
+    for (int sv = 0; sv < s_; ++sv) {
+      const double b = bytes(stage, pushBytes_);
+      const double a = links_.transfer(x_.p.workerHost[wk], x_.p.serverHost[sv], b, now_);
+      if (x_.p.workerHost[wk] != x_.p.serverHost[sv]) t_.sent += b;
+      post(a, kPushArrive, wk, sv, step, stage);
+    }
+  }
+  void pull(int sv, int wk, int64_t step, int stage) {
+    const double a =
+        links_.transfer(x_.p.serverHost[sv], x_.p.workerHost[wk], bytes(stage, pullBytes_), now_);
+    post(a, kPullArrive, wk, sv, step, stage);
+  }
+
+  void handle(const Event& e) {
+    switch (e.kind) {
+      case kComputeDone: {
+        Worker& w = workers_[e.worker];
+        // osp: step t's stage 1 goes once step t - 1's stage 2 is back (osp.cpp drainStage2).
+        if (osp_ && fraction_ < 1.0 && e.step >= 1 && w.stage2Back.count(e.step - 1) == 0) {
+          w.heldPush = e.step;
+          break;
+        }
+        w.stage2Back.erase(e.step - 1);
+        push(e.worker, e.step, 1);
+        break;
+      }
+      case kPushArrive: {
+        const double start = std::max(now_, serverFree_[e.server]);
+        if (bound_ == 0 || osp_) {  // synchronous: update once all N pushes are in
+          std::vector<int>& arrived = rounds_[{e.server, e.step, e.stage}];
+          arrived.push_back(e.worker);
+          if (static_cast<int>(arrived.size()) < n_) break;
+          serverFree_[e.server] = start + bytes(e.stage, shardUpdate_);
+          post(serverFree_[e.server], kServerDone, -1, e.server, e.step, e.stage);
+        } else {  // asp/ssp: applied on arrival
+          serverFree_[e.server] = start + shardUpdate_;
+          post(serverFree_[e.server], kServerDone, e.worker, e.server, e.step, 1);
+        }
+        break;
+      }
+      case kServerDone:
+        if (e.worker < 0) {
+          auto it = rounds_.find({e.server, e.step, e.stage});
+          for (int wk : it->second) pull(e.server, wk, e.step, e.stage);
+          rounds_.erase(it);
+        } else {
+          applied(e);
+        }
+        break;
+      case kPullArrive: pulled(e); break;
+    }
+  }
+
+  // asp/ssp: a push applied on server `e.server`, whose clocks are its own (as each server's
+  // in parameter_server.cpp): the pusher's clock advances, then every pull waiting there whose
+  // reader is within the bound of that server's slowest clock is answered. The staleness of a
+  // read is the reader's clock less the slowest's, the most over the servers (as the worker
+  // records it).
+  void applied(const Event& e) {
+    std::vector<int64_t>& clock = clock_[e.server];
+    clock[e.worker] = e.step + 1;
+    auto& waiting = waiting_[e.server];
+    waiting.push_back({e.worker, e.step});
+    const int64_t slowest = *std::min_element(clock.begin(), clock.end());
+    for (auto it = waiting.begin(); it != waiting.end();) {
+      const int64_t gap = clock[it->first] - slowest;
+      if (bound_ >= 0 && gap > bound_) {
+        ++it;
+        continue;
+      }
+      auto& [replies, most] = gaps_[{it->first, it->second}];
+      most = std::max(most, gap);
+      if (++replies == s_) {
+        if (t_.staleness.size() <= static_cast<size_t>(most)) t_.staleness.resize(most + 1, 0);
+        ++t_.staleness[most];
+        gaps_.erase({it->first, it->second});
+      }
+      pull(e.server, it->first, it->second, 1);
+      it = waiting.erase(it);
+    }
+  }
+
+  void pulled(const Event& e) {
+    Worker& w = workers_[e.worker];
+    if (++w.pulls[{e.step, e.stage}] < s_) return;
+    w.pulls.erase({e.step, e.stage});
+    if (e.stage == 2) {
+      w.stage2Back[e.step] = true;
+      if (w.heldPush == e.step + 1) {  // step + 1's stage 1 waited for this stage 2
+        w.heldPush = -1;
+        w.stage2Back.erase(e.step);
+        push(e.worker, e.step + 1, 1);
+      }
+      return;
+    }
+    if (osp_ && fraction_ < 1.0) push(e.worker, e.step, 2);
+    startCompute(e.worker, e.step + 1, now_);
+  }
+
+  const Context& x_;
+  Links links_;
+  Stragglers noise_;
+  int n_, s_;
+  bool osp_;
+  double fraction_;
+  int64_t bound_;  // 0 bsp, s for ssp, -1 asp
+  double pushBytes_ = 0.0, pullBytes_ = 0.0, shardUpdate_ = 0.0;
+  std::vector<double> serverFree_;
+  std::vector<Worker> workers_;
+  std::vector<std::vector<int64_t>> clock_;                           // server -> worker -> clock
+  std::vector<std::vector<std::pair<int, int64_t>>> waiting_;         // server -> (worker, step)
+  std::map<std::pair<int, int64_t>, std::pair<int, int64_t>> gaps_;   // read -> (replies, most)
+  std::map<std::tuple<int, int64_t, int>, std::vector<int>> rounds_;  // workers in push order
+  std::priority_queue<Event> events_;
+  int64_t seq_ = 0;
+  double now_ = 0.0;
+  Totals t_;
+};
+
+// Pipelines: K stages cut by profiled time, M micro-batches, then the stages' all-reduce.
+Totals simulatePipeline(const Context& x) {
+  const int k = x.sync.pipelineStages, m = x.sync.microBatches;
+  const size_t n = x.w.forwardSeconds.size();
+  if (static_cast<size_t>(k) > n) {
+    throw ConfigError(
+        fmt::format("{} pipeline stages need at least {} blocks; the model has {}", k, k, n));
+  }
+  // A contiguous cut: each stage takes blocks until its share of the time is reached.
+  std::vector<size_t> begin{0};
+  const double total = x.w.computeSeconds() - x.w.lossSeconds;
+  double acc = 0.0;
+  for (size_t b = 0; b < n && static_cast<int>(begin.size()) < k; ++b) {
+    acc += x.w.forwardSeconds[b] + x.w.backwardSeconds[b];
+    const size_t left = n - (b + 1);
+    const size_t stagesLeft = k - begin.size();
+    if ((acc >= total * begin.size() / k && left >= stagesLeft) || left == stagesLeft) {
+      begin.push_back(b + 1);
+    }
+  }
+  begin.push_back(n);
+  const int replicas = x.o.workers / k;
+  std::vector<StageCosts> costs(k);
+  std::vector<double> stageParams(k, 0.0);
+  double slowest = 0.0;
+  for (int s = 0; s < k; ++s) {
+    double f = 0.0, bw = 0.0;
+    for (size_t b = begin[s]; b < begin[s + 1]; ++b) {
+      f += x.w.forwardSeconds[b];
+      bw += x.w.backwardSeconds[b];
+      stageParams[s] += static_cast<double>(x.w.parameterBytes[b]);
+    }
+    if (s == k - 1) f += x.w.lossSeconds;
+    const double sc = x.scale[s];
+    costs[s].forward = sc * f / m;
+    costs[s].backwardInput = sc * bw / 2.0 / m;
+    costs[s].backwardWeight = sc * bw / 2.0 / m;
+    // A stage's receives: activations across its first cut, gradients across its last (the
+    // schedule's simulation has one transfer time per receiving stage: the larger of the two).
+    double boundary = 0.0;
+    if (s > 0) boundary = static_cast<double>(x.w.inputBytes[begin[s]]);
+    if (s + 1 < k) boundary = std::max(boundary, static_cast<double>(x.w.inputBytes[begin[s + 1]]));
+    boundary /= m;
+    const bool sameHost = x.p.workerHost[s] == x.p.workerHost[s > 0 ? s - 1 : 1];
+    costs[s].transfer = sameHost ? boundary / x.c.shmBytesPerSecond
+                                 : x.c.latencySeconds + boundary / x.c.linkBytesPerSecond();
+    slowest = std::max(slowest, sc);
+  }
+  const ScheduleSimulation one =
+      simulateSchedule(buildSchedule(parsePipelineSchedule(x.sync.schedule), k, m), costs);
+  // The replicas of each stage all-reduce its gradients (hosts: one per replica).
+  Placement replicaHosts;
+  replicaHosts.hostsUsed = std::min(replicas, x.c.hosts);
+  replicaHosts.mostPerHost = (replicas + x.c.hosts - 1) / x.c.hosts;
+  double exchange = 0.0, sent = 0.0;
+  for (int s = 0; s < k && replicas > 1; ++s) {
+    exchange = std::max(exchange, allReduceSeconds(stageParams[s], replicaHosts, x.c));
+    sent += allReduceSentBytes(stageParams[s], replicaHosts) / k;
+  }
+  Totals t;
+  const double step = one.makespan + exchange + slowest * x.w.updateSeconds / k;
+  t.wall = step * x.o.steps;
+  double busy = 0.0;
+  for (double b : one.busy) busy += b;
+  t.compute = busy * replicas * x.o.steps;
+  t.sent = sent * x.o.workers * x.o.steps;
+  t.linkBusy = exchange * x.o.steps;
+  return t;
+}
+
+SimResult finish(const Context& x, const Totals& t, double fraction) {
+  SimResult r;
+  r.workers = x.o.workers;
+  r.mode = x.sync.label();
+  r.placement = x.p.text;
+  const int64_t steps = x.o.steps;
+  r.stepSeconds = t.wall / steps;
+  const int replicas =
+      x.sync.pipelineStages > 1 ? x.o.workers / x.sync.pipelineStages : x.o.workers;
+  r.samplesPerSecond = replicas * x.w.batchPerWorker / r.stepSeconds;
+  // One worker alone on one host of this cluster.
+  const double aloneScale = x.c.sharedCores > 0.0 ? std::max(1.0, x.w.threads / x.c.sharedCores)
+                                                  : std::max(1.0, x.w.threads / x.c.coresPerHost);
+  const double alone =
+      x.w.batchPerWorker / (aloneScale * (x.w.computeSeconds() + x.w.updateSeconds));
+  r.scalingEfficiency = r.samplesPerSecond / (x.o.workers * alone);
+  r.bytesSentPerStep = t.sent / x.o.workers / steps;
+  r.computeUtilisation = t.compute / (x.o.workers * t.wall);
+  r.linkUtilisation = t.linkBusy / t.wall;
+  r.computeScale = *std::max_element(x.scale.begin(), x.scale.end());
+  r.ospFraction = fraction;
+  r.staleness = t.staleness;
+  const bool workerUpdates =
+      x.sync.mode == "allreduce" || x.sync.mode == "local-sgd" || x.sync.mode == "gossip";
+  if (x.sync.pipelineStages <= 1) {
+    r.memoryPeakBytes = 2 * x.w.parameterTotal() + (workerUpdates ? x.w.optimizerStateBytes : 0) +
+                        x.w.activationPeakBytes;
+  }
+  return r;
+}
+
+}  // namespace
+
+SimResult simulate(const Workload& workload, const SyncSpec& sync, const ClusterSpec& cluster,
+                   const SimOptions& options) {
+  if (const std::string why = sync.unsupported(); !why.empty()) throw ConfigError(why);
+  if (options.steps < 1) throw ConfigError("simulate needs at least one step");
+  if (options.workers < 1) throw ConfigError("simulate needs at least one worker");
+  if (workload.forwardSeconds.empty()) throw ConfigError("the workload has no blocks");
+  if (sync.pipelineStages > 1 && options.workers % sync.pipelineStages != 0) {
+    throw ConfigError(fmt::format("{} workers are not a multiple of {} pipeline stages",
+                                  options.workers, sync.pipelineStages));
+  }
+  const bool servers = sync.mode.rfind("ps-", 0) == 0 || sync.mode == "osp";
+  Context x{
+      workload, sync, cluster, options, place(options.workers, servers ? sync.servers : 0, cluster),
+      {}};
+  for (int wk = 0; wk < options.workers; ++wk) {
+    x.scale.push_back(contention(x.p, x.p.workerHost[wk], options.workers, workload, cluster));
+  }
+  if (sync.pipelineStages > 1) return finish(x, simulatePipeline(x), -1.0);
+  if (sync.mode == "allreduce") return finish(x, simulateAllReduce(x), -1.0);
+  if (sync.mode == "local-sgd") return finish(x, simulateLocalSgd(x), -1.0);
+  if (sync.mode == "gossip") return finish(x, simulateGossip(x), -1.0);
+  if (sync.mode != "osp") return finish(x, ServerLoop(x, 1.0).run(), -1.0);
+  double fraction = sync.ospFraction;
+  if (sync.ospAuto) {  // the fastest fraction on the search's grid (ties: the larger one)
+    SimOptions probe = options;
+    probe.steps = std::min<int64_t>(options.steps, 30);
+    double best = 0.0;
+    for (int g = 20; g >= 1; --g) {
+      const double f = g * 0.05;
+      const double wall =
+          ServerLoop(Context{workload, sync, cluster, probe, x.p, x.scale}, f).run().wall;
+      if (g == 20 || wall < best * 0.999) {
+        best = wall;
+        fraction = f;
+      }
+    }
+  }
+  return finish(x, ServerLoop(x, fraction).run(), fraction);
+}
+
+}  // namespace caravan::sim

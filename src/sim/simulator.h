@@ -1,0 +1,121 @@
+// `caravan simulate`: training steps of a job on a cluster it does not run on, predicted from
+// one worker's measured profile (sim/workload.h) and a cluster description (sim/cluster.h).
+//
+// The model, per sync mode (docs/simulate.md has it with its blind spots):
+//   compute  each worker's forward, loss, backward and (where the worker updates) optimizer
+//            step, as profiled on one core, times its host's contention: max(1, threads of the
+//            processes computing on the host (or on the shared cores) / its cores), times a
+//            lognormal straggler factor per worker and step (cluster.straggler_cv; mean 1).
+//   links    every host has one outgoing and one incoming link; a transfer holds the sender's
+//            outgoing and the receiver's incoming link from when both are free, for
+//            latency + bytes / (rate x efficiency), first come first served. Processes of one
+//            host exchange through memory (shm_gbps).
+//   allreduce  gradient buckets as AllReduceStrategy forms them (at block granularity, in
+//            backward order, closed before one would pass its cap) start when the slowest
+//            worker produced them, one after the other; a bucket is a ring all-reduce between
+//            hosts (2(H-1) steps of latency + bytes/H) after a reduction inside each host;
+//            fp16/bf16 halve the bytes, top-k is an all-gather of (index, value) pairs. Then
+//            every worker updates.
+//   ps-bsp/asp/ssp  workers push each server its shard (compressed as configured) and pull it
+//            back (float32); a server updates its shard once all pushes of a step arrived (bsp)
+//            or on each push (asp, ssp), and answers an ssp pull when the reader is within the
+//            staleness bound of that server's slowest clock (each server keeps its own). Servers
+//            sit on hosts of their own when the cluster has them, else beside workers.
+//   osp      stage 1 is ps-bsp on the stage-1 fraction of each shard; stage 2 (the rest) is
+//            pushed as the next step's compute starts, and a step's stage 1 leaves only once the
+//            previous step's stage 2 is back; the LGP update runs on the worker. `auto` picks
+//            the fraction on a 0.05 grid that the simulation finds fastest.
+//   local-sgd  H local steps (the worker updates), then a ring all-reduce of the parameters.
+//   gossip   a step's parameters go to both ring neighbours as the step starts, overlapped
+//            with its compute; the step ends once the neighbours' parameters are in.
+//   pipeline K stages of a contiguous cut balanced by profiled time, M micro-batches, the
+//            configured schedule (pipeline/schedule.h simulateSchedule), activations between
+//            hosts; then the stage's gradients all-reduced across the data-parallel replicas.
+// Threading: pure functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sim/cluster.h"
+
+namespace caravan::sim {
+
+// One worker's training step as profiled on this host (sim/workload.h measures it).
+struct Workload {
+  std::string model;
+  int64_t batchPerWorker = 0;
+  int threads = 1;  // per worker process
+  // Per block, in forward order: seconds on one process at `threads` threads.
+  std::vector<double> forwardSeconds, backwardSeconds;
+  std::vector<int64_t> parameterBytes;  // float32 bytes of each block's parameters
+  std::vector<int64_t> inputBytes;      // each block's input (what crosses a pipeline cut)
+  double lossSeconds = 0.0;
+  double updateSeconds = 0.0;       // the optimizer's step over every parameter
+  int64_t optimizerStateBytes = 0;  // of the whole model
+  int64_t activationPeakBytes = 0;  // the memory plan's predicted activation peak
+  int64_t epochExamples = 0;        // the training split's examples (0: unknown)
+
+  int64_t parameterTotal() const;
+  double computeSeconds() const;  // forward + loss + backward
+};
+
+// How the job synchronises (from the run's config: sim/workload.h syncSpecFrom).
+struct SyncSpec {
+  std::string mode = "allreduce";  // allreduce | ps-bsp | ps-asp | ps-ssp | osp | local-sgd |
+                                   // gossip
+  int servers = 1;                 // ps-* and osp
+  int64_t staleness = 3;           // ps-ssp
+  int64_t localPeriod = 4;         // local-sgd
+  double ospFraction = 0.5;
+  bool ospAuto = false;
+  bool ospLgp = true;          // osp: the worker's LGP update (sync.osp_lgp)
+  int64_t postLocalSteps = 0;  // local-sgd's BSP phase: not simulated (refused)
+  std::string gossipTopology = "ring";
+  std::string compression = "none";  // none | fp16 | bf16 | topk
+  double topkRatio = 0.01;
+  int64_t firstBucketBytes = 1 << 20;
+  int64_t bucketBytes = 25 << 20;
+  int pipelineStages = 1;
+  int microBatches = 1;
+  std::string schedule = "1f1b";
+
+  // A short name: "allreduce", "ps-ssp(3)", "osp(auto)", "local-sgd(H=4)", "allreduce+fp16".
+  std::string label() const;
+  // "" when the mode and keys can be simulated, else why not (one line).
+  std::string unsupported() const;
+};
+
+struct SimOptions {
+  int workers = 1;  // data-parallel workers (pipelines: stages x replicas processes)
+  int64_t steps = 100;
+  uint64_t seed = 1;
+};
+
+struct SimResult {
+  int workers = 0;
+  std::string mode;
+  double stepSeconds = 0.0;  // mean over the simulated steps
+  double samplesPerSecond = 0.0;
+  double scalingEfficiency = 0.0;   // samples/s over workers x one worker alone on one host
+  double bytesSentPerStep = 0.0;    // per worker, mean (a local-sgd exchange spread over H)
+  double computeUtilisation = 0.0;  // the workers' compute time over their wall time
+  double linkUtilisation = 0.0;     // the busiest host link's busy time over the wall time
+  double computeScale = 1.0;        // the contention factor applied to compute
+  double ospFraction = -1.0;        // osp: the stage-1 fraction used (auto: the one chosen)
+  std::vector<int64_t> staleness;   // asp/ssp: pushes by clock gap (index = gap)
+  int64_t memoryPeakBytes = 0;      // per worker: weights, gradients, its optimizer state,
+                                    // activations (pipelines: 0, not modelled)
+  std::string placement;            // "4 workers on 4 hosts, 1 server on its own host"
+};
+
+// ConfigError when the cluster cannot hold the job (no host for a process) or the sync spec is
+// unsupported; steps >= 1.
+SimResult simulate(const Workload& workload, const SyncSpec& sync, const ClusterSpec& cluster,
+                   const SimOptions& options);
+
+// The mean of gap x count over a staleness histogram (0 when empty).
+double meanStaleness(const std::vector<int64_t>& histogram);
+
+}  // namespace caravan::sim

@@ -1,0 +1,186 @@
+#include "sim/workload.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "core/errors.h"
+#include "memory/planner.h"
+#include "memory/saved_tensors.h"
+#include "train/memory_setup.h"
+#include "train/precision.h"
+#include "train/run_setup.h"
+#include "train/setup.h"
+
+namespace caravan::sim {
+
+Workload measureWorkload(const Config& config) {
+  const RunOptions options = RunOptions::read(config);
+  RuntimeOptions runtime = options.runtime;
+  // One thread unless the config says otherwise: the libraries' default (every core) is not
+  // what a worker gets on a host it shares.
+  runtime.threads = std::max<int64_t>(1, runtime.threads);
+  applyRuntimeOptions(runtime);
+  installSavedTensorEngine();
+  RunSetup setup = RunSetup::forInspection(config);
+  setup.model->train();
+  const Batch sample = setup.sampleBatch();
+  // train.precision as a run makes it (bf16: each block timed both ways on this host).
+  choosePrecision(options.runtime.precision, setup.model, sample,
+                  std::max<int>(2, static_cast<int>(options.memory.profileRepeats)), "");
+
+  Workload w;
+  w.model = setup.model->modelName();
+  w.batchPerWorker = sample.size();
+  w.epochExamples = setup.data.train->size();
+  w.threads = static_cast<int>(runtime.threads);
+  // The run's memory plan (its profile is the one the planner measured).
+  ActivationMemory m = makeActivationMemory(options, setup.model, sample, /*plan=*/true);
+  CARAVAN_CHECK(m.profile.has_value(), "a plan without a profile");
+  const ModelProfile& profile = *m.profile;
+  for (size_t i = 0; i < profile.blocks.size(); ++i) {
+    const BlockProfile& b = profile.blocks[i];
+    w.forwardSeconds.push_back(b.forwardSeconds);
+    w.backwardSeconds.push_back(b.backwardSeconds);
+    w.inputBytes.push_back(b.inputBytes);
+    int64_t bytes = 0;
+    for (const auto& p : setup.model->block(i).ptr()->parameters()) {
+      bytes += p.numel() * static_cast<int64_t>(sizeof(float));
+    }
+    w.parameterBytes.push_back(bytes);
+  }
+  w.lossSeconds = profile.lossSeconds;
+  // The run's memory plan: its predicted peak, and its timeline's cost in the step. Blocks that
+  // recompute rerun their forward in backward; what the plan predicts beyond that (waits for the
+  // tier) is spread over the backward times.
+  const int64_t limit = options.memory.budget > 0 ? options.memory.budget - m.persistent : 0;
+  const Prediction plan =
+      predict(profile, m.policies, m.bandwidth, static_cast<int>(options.memory.prefetch), nullptr,
+              std::max<int64_t>(limit, 0));
+  w.activationPeakBytes = plan.peakBytes;
+  for (size_t i = 0; i < m.policies.size(); ++i) {
+    if (m.policies[i] == BlockPolicy::kRecompute || m.policies[i] == BlockPolicy::kSwapInput) {
+      w.backwardSeconds[i] += w.forwardSeconds[i];
+    }
+  }
+  const double backward = std::accumulate(w.backwardSeconds.begin(), w.backwardSeconds.end(), 0.0);
+  if (plan.stepSeconds > w.computeSeconds() && backward > 0.0) {
+    const double scale = 1.0 + (plan.stepSeconds - w.computeSeconds()) / backward;
+    for (double& b : w.backwardSeconds) b *= scale;
+  }
+
+  // The optimizer's step over every parameter: the median of five after one warm-up.
+  std::vector<torch::Tensor> params = setup.model->parameters();
+  for (auto& p : params) p.mutable_grad() = torch::full_like(p, 1e-3);
+  const auto optimizer = makeOptimizer(options.optim, params);
+  std::vector<double> times;
+  for (int i = 0; i < 6; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    optimizer->step();
+    times.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  times.erase(times.begin());
+  std::sort(times.begin(), times.end());
+  w.updateSeconds = times[times.size() / 2];
+  const int64_t paramBytes = w.parameterTotal();
+  if (options.optim.name == "adamw") {
+    w.optimizerStateBytes = 2 * paramBytes;
+  } else if (options.optim.momentum > 0.0) {
+    w.optimizerStateBytes = paramBytes;
+  }
+  return w;
+}
+
+std::string workloadJson(const Workload& w) {
+  const nlohmann::json j = {{"format", "caravan-workload-1"},
+                            {"model", w.model},
+                            {"batch_per_worker", w.batchPerWorker},
+                            {"threads", w.threads},
+                            {"forward_s", w.forwardSeconds},
+                            {"backward_s", w.backwardSeconds},
+                            {"parameter_bytes", w.parameterBytes},
+                            {"input_bytes", w.inputBytes},
+                            {"loss_s", w.lossSeconds},
+                            {"update_s", w.updateSeconds},
+                            {"optimizer_state_bytes", w.optimizerStateBytes},
+                            {"activation_peak_bytes", w.activationPeakBytes},
+                            {"epoch_examples", w.epochExamples}};
+  return j.dump(1) + "\n";
+}
+
+Workload workloadFromJson(const std::string& text, const std::string& source) {
+  Workload w;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    if (j.value("format", "") != "caravan-workload-1") {
+      throw ConfigError(
+          fmt::format("{} is not a workload caravan simulate wrote (no format "
+                      "caravan-workload-1)",
+                      source));
+    }
+    w.model = j.at("model").get<std::string>();
+    w.batchPerWorker = j.at("batch_per_worker").get<int64_t>();
+    w.threads = j.at("threads").get<int>();
+    w.forwardSeconds = j.at("forward_s").get<std::vector<double>>();
+    w.backwardSeconds = j.at("backward_s").get<std::vector<double>>();
+    w.parameterBytes = j.at("parameter_bytes").get<std::vector<int64_t>>();
+    w.inputBytes = j.at("input_bytes").get<std::vector<int64_t>>();
+    w.lossSeconds = j.at("loss_s").get<double>();
+    w.updateSeconds = j.at("update_s").get<double>();
+    w.optimizerStateBytes = j.at("optimizer_state_bytes").get<int64_t>();
+    w.activationPeakBytes = j.at("activation_peak_bytes").get<int64_t>();
+    w.epochExamples = j.at("epoch_examples").get<int64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(
+        fmt::format("{}: not a readable workload ({}); write one with caravan "
+                    "simulate -o DIR",
+                    source, e.what()));
+  }
+  const size_t n = w.forwardSeconds.size();
+  bool finite = std::isfinite(w.lossSeconds) && w.lossSeconds >= 0.0 &&
+                std::isfinite(w.updateSeconds) && w.updateSeconds >= 0.0 &&
+                w.optimizerStateBytes >= 0 && w.activationPeakBytes >= 0 && w.epochExamples >= 0;
+  for (const auto* times : {&w.forwardSeconds, &w.backwardSeconds}) {
+    for (double v : *times) finite = finite && std::isfinite(v) && v >= 0.0;
+  }
+  for (const auto* sizes : {&w.parameterBytes, &w.inputBytes}) {
+    for (int64_t v : *sizes) finite = finite && v >= 0;
+  }
+  if (n == 0 || w.backwardSeconds.size() != n || w.parameterBytes.size() != n ||
+      w.inputBytes.size() != n || w.threads < 1 || w.batchPerWorker < 1 || !finite) {
+    throw ConfigError(
+        fmt::format("{}: the workload's per-block lists disagree or are empty; "
+                    "write it again with caravan simulate -o DIR",
+                    source));
+  }
+  return w;
+}
+
+SyncSpec syncSpecFrom(const RunOptions& options) {
+  SyncSpec s;
+  s.mode = options.sync.mode;
+  s.servers = options.sync.servers;
+  s.staleness = options.sync.ps.staleness;
+  s.localPeriod = options.sync.localSgd.period;
+  s.ospFraction = options.sync.osp.fraction;
+  s.ospAuto = options.sync.osp.autoFraction;
+  s.ospLgp = options.sync.osp.lgp;
+  s.postLocalSteps = options.sync.localSgd.postLocalAfter;
+  s.gossipTopology = options.sync.gossip.topology;
+  s.compression = options.sync.compressionName;
+  s.topkRatio = options.sync.allreduce.topkRatio;
+  s.firstBucketBytes = options.sync.allreduce.firstBucketBytes;
+  s.bucketBytes = options.sync.allreduce.bucketBytes;
+  s.pipelineStages = options.pipeline.stages;
+  s.microBatches = options.pipeline.microBatches;
+  s.schedule = options.pipeline.schedule;
+  return s;
+}
+
+}  // namespace caravan::sim

@@ -1,0 +1,32 @@
+// What `caravan simulate` measures of a job on this host before it simulates a cluster
+// (sim/simulator.h): one worker's step, block by block, as the memory planner profiles it, and
+// the job's synchronisation read from its config.
+// Threading: the caller's thread (it runs the model).
+#pragma once
+
+#include "sim/simulator.h"
+#include "train/run_options.h"
+
+namespace caravan {
+class Config;
+}
+
+namespace caravan::sim {
+
+// Profiles the config's model on its first batch (memory/planner.h profileModel, median of
+// memory.profile_repeats) in the config's train.precision (bf16: the blocks a run would choose)
+// at the config's threads (one when 0), times the optimizer's step over
+// every parameter, and takes the activation peak the run's memory plan predicts (memory.policy,
+// memory.budget). Applies the config's runtime options to this process.
+Workload measureWorkload(const Config& config);
+
+// A workload as JSON (`caravan simulate -o DIR` writes DIR/workload.json; --workload reads it
+// back instead of profiling again). fromJson: ConfigError naming `source` for a missing or bad
+// field.
+std::string workloadJson(const Workload& w);
+Workload workloadFromJson(const std::string& text, const std::string& source);
+
+// The run's sync.*, compression and pipeline keys.
+SyncSpec syncSpecFrom(const RunOptions& options);
+
+}  // namespace caravan::sim
