@@ -564,21 +564,16 @@ Totals simulatePipeline(const Context& x) {
   }
   begin.push_back(n);
   const int replicas = x.o.workers / k;
+  std::vector<double> stageForward(k, 0.0), stageBackward(k, 0.0), stageParams(k, 0.0);
   std::vector<StageCosts> costs(k);
-  std::vector<double> stageParams(k, 0.0);
-  double slowest = 0.0;
+  double activationsSent = 0.0;  // per pipeline and step: activations and their gradients
   for (int s = 0; s < k; ++s) {
-    double f = 0.0, bw = 0.0;
     for (size_t b = begin[s]; b < begin[s + 1]; ++b) {
-      f += x.w.forwardSeconds[b];
-      bw += x.w.backwardSeconds[b];
+      stageForward[s] += x.w.forwardSeconds[b];
+      stageBackward[s] += x.w.backwardSeconds[b];
       stageParams[s] += static_cast<double>(x.w.parameterBytes[b]);
     }
-    if (s == k - 1) f += x.w.lossSeconds;
-    const double sc = x.scale[s];
-    costs[s].forward = sc * f / m;
-    costs[s].backwardInput = sc * bw / 2.0 / m;
-    costs[s].backwardWeight = sc * bw / 2.0 / m;
+    if (s == k - 1) stageForward[s] += x.w.lossSeconds;
     // A stage's receives: activations across its first cut, gradients across its last (the
     // schedule's simulation has one transfer time per receiving stage: the larger of the two).
     double boundary = 0.0;
@@ -588,10 +583,32 @@ Totals simulatePipeline(const Context& x) {
     const bool sameHost = x.p.workerHost[s] == x.p.workerHost[s > 0 ? s - 1 : 1];
     costs[s].transfer = sameHost ? boundary / x.c.shmBytesPerSecond
                                  : x.c.latencySeconds + boundary / x.c.linkBytesPerSecond();
-    slowest = std::max(slowest, sc);
+    if (s + 1 < k && x.p.workerHost[s] != x.p.workerHost[s + 1]) {
+      activationsSent += 2.0 * static_cast<double>(x.w.inputBytes[begin[s + 1]]);
+    }
   }
-  const ScheduleSimulation one =
-      simulateSchedule(buildSchedule(parsePipelineSchedule(x.sync.schedule), k, m), costs);
+  const std::vector<StageProgram> programs =
+      buildSchedule(parsePipelineSchedule(x.sync.schedule), k, m);
+  auto run = [&](const std::vector<double>& scale) {
+    for (int s = 0; s < k; ++s) {
+      costs[s].forward = scale[s] * stageForward[s] / m;
+      costs[s].backwardInput = scale[s] * stageBackward[s] / 2.0 / m;
+      costs[s].backwardWeight = scale[s] * stageBackward[s] / 2.0 / m;
+    }
+    return simulateSchedule(programs, costs);
+  };
+  // Processes that share cores contend only while they compute, and a pipeline's stages idle
+  // in its bubbles: the contention is x.scale (every process always computing) times the share
+  // of the step the stages compute, as the schedule without contention has it.
+  const ScheduleSimulation alone = run(std::vector<double>(k, 1.0));
+  const double computing = 1.0 - alone.bubbleFraction();
+  std::vector<double> scale(k);
+  double slowest = 0.0;
+  for (int s = 0; s < k; ++s) {
+    scale[s] = std::max(1.0, x.scale[s] * computing);
+    slowest = std::max(slowest, scale[s]);
+  }
+  const ScheduleSimulation one = run(scale);
   // The replicas of each stage all-reduce its gradients (hosts: one per replica).
   Placement replicaHosts;
   replicaHosts.hostsUsed = std::min(replicas, x.c.hosts);
@@ -607,7 +624,7 @@ Totals simulatePipeline(const Context& x) {
   double busy = 0.0;
   for (double b : one.busy) busy += b;
   t.compute = busy * replicas * x.o.steps;
-  t.sent = sent * x.o.workers * x.o.steps;
+  t.sent = (sent * x.o.workers + activationsSent * replicas) * x.o.steps;
   t.linkBusy = exchange * x.o.steps;
   return t;
 }
