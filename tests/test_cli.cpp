@@ -132,6 +132,16 @@ TEST_F(Cli, SimulateWritesOnePredictionPerWorkerCountAndReusesItsWorkload) {
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_EQ(r.err.find("profiling"), std::string::npos) << r.err;
   EXPECT_EQ(readFile(again + "/predictions.jsonl"), first);
+  // A run directory, or another bench's results, is not written over.
+  const std::string run = finishedRun();
+  const auto before = snapshot(run);
+  expectOneLineError(runCaravan(base + "-o " + run), 2, "is a run directory");
+  EXPECT_EQ(snapshot(run), before);
+  const std::string bench = tmp_ / "bench";
+  fs::create_directories(bench);
+  writeFile(bench + "/charts.json", "{\"name\": \"network\"}");
+  expectOneLineError(runCaravan(base + "-o " + bench), 2, "another bench's charts.json");
+  EXPECT_EQ(readFile(bench + "/charts.json"), "{\"name\": \"network\"}");
   // A workload profiled at another batch is refused.
   expectOneLineError(
       runCaravan(base + "--set data.batch_size=4 --workload " + out + "/workload.json"), 2,

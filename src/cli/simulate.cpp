@@ -128,6 +128,30 @@ RunOptions withSync(RunOptions o, const SyncSpec& s) {
   return o;
 }
 
+// -o DIR holds what simulate writes; a run directory or another bench's results (their
+// charts.json) are not overwritten.
+void checkOutputDirectory(const std::string& dir) {
+  for (const char* name : {"config.toml", "metrics.jsonl"}) {
+    if (fs::exists(fs::path(dir) / name)) {
+      throw ConfigError(
+          fmt::format("-o {} is a run directory ({} is in it); pass a directory "
+                      "of its own for the predictions",
+                      dir, name));
+    }
+  }
+  const fs::path charts = fs::path(dir) / "charts.json";
+  if (!fs::exists(charts)) return;
+  std::string why;
+  const auto text = readRegularFile(charts.string(), &why, false, size_t{64} << 20);
+  const nlohmann::json j = text ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
+  if (!j.is_object() || j.value("name", "") != "simulate") {
+    throw ConfigError(
+        fmt::format("-o {} holds another bench's charts.json; pass a directory of "
+                    "its own for the predictions",
+                    dir));
+  }
+}
+
 }  // namespace
 
 int runSimulate(const SimulateArgs& args) {
@@ -145,6 +169,7 @@ int runSimulate(const SimulateArgs& args) {
     validate(options, n + options.sync.servers);
   }
   if (!args.outDir.empty()) {
+    checkOutputDirectory(args.outDir);
     std::error_code ec;
     fs::create_directories(args.outDir, ec);
     if (ec) {
@@ -180,7 +205,6 @@ int runSimulate(const SimulateArgs& args) {
       1e3 * w.updateSeconds, formatBytes(w.parameterTotal()));
 
   std::string lines;
-  nlohmann::json series = nlohmann::json::array();
   nlohmann::json xs = nlohmann::json::array(), ys = nlohmann::json::array(),
                  eff = nlohmann::json::array();
   std::cout << fmt::format("{:>8}  {:<22} {:>9} {:>10} {:>7} {:>12} {:>6} {:>6}\n", "workers",
