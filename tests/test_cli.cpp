@@ -148,6 +148,23 @@ TEST_F(Cli, SimulateWritesOnePredictionPerWorkerCountAndReusesItsWorkload) {
       "profiled at data.batch_size = 8");
 }
 
+TEST_F(Cli, SimulateRecommendsOnlyWaysTheConfigCanRun) {
+  const std::string cluster = tmp_ / "cluster.toml";
+  writeFile(cluster, "[cluster]\nhosts = 4\nlink_mbit = 100\nmemory_gib = 1\n");
+  // Clipping: the server modes are listed as refused, not ranked.
+  CommandResult r = runCaravan("simulate --config " + configPath_ + " " + kSynthetic +
+                               "--set optim.grad_clip=1 --cluster " + cluster +
+                               " --workers 4 --steps 5 --recommend");
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.out.find("recommended for 4 workers"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("ps-bsp                 not a way to run this config"), std::string::npos)
+      << r.out;
+  const std::string ranked = r.out.substr(r.out.find("recommended for"));
+  EXPECT_EQ(ranked.find("ps-bsp"), std::string::npos) << ranked;
+  EXPECT_NE(ranked.find("1. "), std::string::npos) << ranked;
+  EXPECT_NE(ranked.find("allreduce"), std::string::npos) << ranked;
+}
+
 TEST_F(Cli, SimulatesAPipelineAtMultiplesOfItsStages) {
   const std::string cluster = tmp_ / "cluster.toml";
   writeFile(cluster, "[cluster]\nhosts = 4\nlink_mbit = 100\n");

@@ -111,9 +111,9 @@ TEST(Simulate, OspAtFractionOneIsPsBsp) {
 }
 
 TEST(Simulate, OspHidesStageTwoBehindTheNextStepsCompute) {
-  // One worker, one server: stage 2's round trip (0.32 s at f = 0.5) is under the compute plus
-  // the LGP update... with compute of 1 s it is hidden, and each step costs compute, LGP and
-  // stage 1; the last step's stage 2 comes after.
+  // One worker, one server: stage 2's round trip (two transfers of 0.3201 s at f = 0.5, and
+  // the update) is under the compute of 1 s, so it is hidden, and each step costs compute, LGP
+  // and stage 1; the last step's stage 2 comes after.
   Workload w = oneBlock();
   w.forwardSeconds = {0.330};
   w.backwardSeconds = {0.660};

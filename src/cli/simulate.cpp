@@ -61,6 +61,8 @@ std::vector<SyncSpec> candidates(const SyncSpec& own, int workers) {
     s.pipelineStages = 1;
     s.microBatches = 1;
     s.servers = std::max(1, own.servers);
+    s.postLocalSteps = 0;
+    s.gossipTopology = "ring";
     change(s);
     if (s.label() != own.label()) out.push_back(s);
   };
@@ -225,7 +227,14 @@ int runSimulate(const SimulateArgs& args) {
           continue;
         }
       }
-      const SimResult r = sim::simulate(w, s, cluster, o);
+      SimResult r;
+      try {
+        r = sim::simulate(w, s, cluster, o);
+      } catch (const ConfigError& e) {
+        if (s.label() == own.label()) throw;
+        std::cout << fmt::format("{:>8}  {:<22} not simulated: {}\n", n, s.label(), e.what());
+        continue;
+      }
       results.push_back({r, s});
       nlohmann::json j = toJson(r, w);
       lines += j.dump() + "\n";
@@ -251,6 +260,7 @@ int runSimulate(const SimulateArgs& args) {
       const double perWorker =
           perHost > 0.0 ? perHost / std::max(1, (n + cluster.hosts - 1) / cluster.hosts) : 0.0;
       const bool fits = perWorker <= 0.0 || r.memoryPeakBytes <= perWorker;
+      const std::string memory = r.memoryPeakBytes == 0 ? "; memory not predicted" : "";
       const std::string bound =
           r.computeUtilisation >= 0.8
               ? fmt::format("compute-bound ({:.0f}% computing)", 100.0 * r.computeUtilisation)
@@ -260,8 +270,8 @@ int runSimulate(const SimulateArgs& args) {
           w.epochExamples > 0
               ? fmt::format(", {:.1f} min/epoch", w.epochExamples / r.samplesPerSecond / 60.0)
               : "";
-      std::cout << fmt::format("  {}. {}: {:.0f} samples/s{}; {}; {}{}\n", ++rank, r.mode,
-                               r.samplesPerSecond, epoch, bound, consistency(s, r),
+      std::cout << fmt::format("  {}. {}: {:.0f} samples/s{}; {}; {}{}{}\n", ++rank, r.mode,
+                               r.samplesPerSecond, epoch, bound, consistency(s, r), memory,
                                fits ? ""
                                     : fmt::format("; does NOT fit memory ({} per worker)",
                                                   formatBytes(r.memoryPeakBytes)));

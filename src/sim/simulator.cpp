@@ -311,14 +311,15 @@ Totals simulateGossip(const Context& x) {
   std::priority_queue<Event> events;
   int64_t seq = 0;
   std::vector<int64_t> stepOf(n, 0);
-  std::vector<double> computeEnd(n, -1.0);
+  std::vector<double> computeEnd(n, -1.0), ownSent(n, 0.0);         // gossip.cpp waits for both
   std::map<std::pair<int, int64_t>, std::pair<size_t, double>> in;  // (worker, step): arrived
   auto tryFinish = [&](int w, int64_t step) {
     if (stepOf[w] != step || computeEnd[w] < 0.0) return;
     const auto it = in.find({w, step});
     const size_t got = it == in.end() ? 0 : it->second.first;
     if (got < neighbours(w).size()) return;
-    const double end = std::max(computeEnd[w], it == in.end() ? 0.0 : it->second.second);
+    const double end =
+        std::max({computeEnd[w], ownSent[w], it == in.end() ? 0.0 : it->second.second});
     if (it != in.end()) in.erase(it);
     computeEnd[w] = -1.0;
     stepOf[w] = step + 1;
@@ -333,9 +334,11 @@ Totals simulateGossip(const Context& x) {
                      x.scale[e.worker] * x.w.updateSeconds;
     t.compute += d;
     computeEnd[e.worker] = e.time + d;
+    ownSent[e.worker] = e.time;
     for (int nb : neighbours(e.worker)) {
       const int from = x.p.workerHost[e.worker], to = x.p.workerHost[nb];
       const double a = links.transfer(from, to, params, e.time);
+      ownSent[e.worker] = std::max(ownSent[e.worker], a);
       if (from != to) t.sent += params;
       auto& got = in[{nb, e.step}];
       ++got.first;
@@ -451,7 +454,7 @@ class ServerLoop {
       }
       case kPushArrive: {
         const double start = std::max(now_, serverFree_[e.server]);
-        if (bound_ == 0 || osp_) {  // synchronous: update once all N pushes are in
+        if (x_.sync.mode == "ps-bsp" || osp_) {  // synchronous: update once all N are in
           std::vector<int>& arrived = rounds_[{e.server, e.step, e.stage}];
           arrived.push_back(e.worker);
           if (static_cast<int>(arrived.size()) < n_) break;
@@ -597,18 +600,6 @@ Totals simulatePipeline(const Context& x) {
     }
     return simulateSchedule(programs, costs);
   };
-  // Processes that share cores contend only while they compute, and a pipeline's stages idle
-  // in its bubbles: the contention is x.scale (every process always computing) times the share
-  // of the step the stages compute, as the schedule without contention has it.
-  const ScheduleSimulation alone = run(std::vector<double>(k, 1.0));
-  const double computing = 1.0 - alone.bubbleFraction();
-  std::vector<double> scale(k);
-  double slowest = 0.0;
-  for (int s = 0; s < k; ++s) {
-    scale[s] = std::max(1.0, x.scale[s] * computing);
-    slowest = std::max(slowest, scale[s]);
-  }
-  const ScheduleSimulation one = run(scale);
   // The replicas of each stage all-reduce its gradients (hosts: one per replica).
   Placement replicaHosts;
   replicaHosts.hostsUsed = std::min(replicas, x.c.hosts);
@@ -617,6 +608,27 @@ Totals simulatePipeline(const Context& x) {
   for (int s = 0; s < k && replicas > 1; ++s) {
     exchange = std::max(exchange, allReduceSeconds(stageParams[s], replicaHosts, x.c));
     sent += allReduceSentBytes(stageParams[s], replicaHosts) / k;
+  }
+  // Processes that share cores contend only while they compute, and a pipeline's stages idle
+  // in its bubbles and exchanges: the contention is x.scale (every process always computing)
+  // times the share of the step the stages compute, found as a fixed point (the share from the
+  // schedule with the contention it implies; from none, a few rounds settle it).
+  std::vector<double> scale(k, 1.0);
+  double slowest = 1.0;
+  ScheduleSimulation one;
+  for (int round = 0; round < 20; ++round) {
+    one = run(scale);
+    double busy = 0.0;
+    for (double b : one.busy) busy += b;
+    const double step = one.makespan + exchange + slowest * x.w.updateSeconds / k;
+    const double computing = busy / (k * step);
+    double next = 1.0;
+    for (int s = 0; s < k; ++s) {
+      scale[s] = std::max(1.0, x.scale[s] * computing);
+      next = std::max(next, scale[s]);
+    }
+    if (std::abs(next - slowest) < 1e-9 * next) break;
+    slowest = next;
   }
   Totals t;
   const double step = one.makespan + exchange + slowest * x.w.updateSeconds / k;

@@ -58,10 +58,20 @@ Workload measureWorkload(const Config& config) {
   // The run's memory plan: its predicted peak, and its timeline's cost in the step. Blocks that
   // recompute rerun their forward in backward; what the plan predicts beyond that (waits for the
   // tier) is spread over the backward times.
+  // memory.policy = auto: the plan's own prediction (with the write backpressure its run gets);
+  // a given policy: predicted with the whole room as its limit, as the run drains at.
+  if (options.memory.automatic() && !m.plan->fits) {
+    throw ConfigError(
+        fmt::format("memory.budget = {} fits no plan for this model and batch "
+                    "(caravan plan says what fits); caravan train would refuse it",
+                    options.memory.budgetText));
+  }
   const int64_t limit = options.memory.budget > 0 ? options.memory.budget - m.persistent : 0;
   const Prediction plan =
-      predict(profile, m.policies, m.bandwidth, static_cast<int>(options.memory.prefetch), nullptr,
-              std::max<int64_t>(limit, 0));
+      options.memory.automatic()
+          ? m.plan->prediction
+          : predict(profile, m.policies, m.bandwidth, static_cast<int>(options.memory.prefetch),
+                    nullptr, std::max<int64_t>(limit, 0));
   w.activationPeakBytes = plan.peakBytes;
   for (size_t i = 0; i < m.policies.size(); ++i) {
     if (m.policies[i] == BlockPolicy::kRecompute || m.policies[i] == BlockPolicy::kSwapInput) {
