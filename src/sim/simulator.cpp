@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "core/errors.h"
+#include "pipeline/partition.h"
 #include "pipeline/schedule.h"
 
 namespace caravan::sim {
@@ -549,23 +550,23 @@ class ServerLoop {
 Totals simulatePipeline(const Context& x) {
   const int k = x.sync.pipelineStages, m = x.sync.microBatches;
   const size_t n = x.w.forwardSeconds.size();
-  if (static_cast<size_t>(k) > n) {
-    throw ConfigError(
-        fmt::format("{} pipeline stages need at least {} blocks; the model has {}", k, k, n));
+  // The cut the run makes (pipeline/partition.h, parallel.partition): from the profiled block
+  // times (per micro-batch), with no memory budget (memory is not simulated for pipelines).
+  // ConfigError when there are more stages than blocks.
+  std::vector<BlockCost> blocks(n);
+  for (size_t b = 0; b < n; ++b) {
+    blocks[b].forwardSeconds = x.w.forwardSeconds[b] / m;
+    blocks[b].backwardSeconds = x.w.backwardSeconds[b] / m;
+    blocks[b].parameterBytes = x.w.parameterBytes[b];
+    blocks[b].inputBytes = x.w.inputBytes[b] / m;
   }
-  // A contiguous cut: each stage takes blocks until its share of the time is reached.
-  std::vector<size_t> begin{0};
-  const double total = x.w.computeSeconds() - x.w.lossSeconds;
-  double acc = 0.0;
-  for (size_t b = 0; b < n && static_cast<int>(begin.size()) < k; ++b) {
-    acc += x.w.forwardSeconds[b] + x.w.backwardSeconds[b];
-    const size_t left = n - (b + 1);
-    const size_t stagesLeft = k - begin.size();
-    if ((acc >= total * begin.size() / k && left >= stagesLeft) || left == stagesLeft) {
-      begin.push_back(b + 1);
-    }
-  }
-  begin.push_back(n);
+  const PartitionChoice choice = parsePartition(x.sync.partition);
+  const std::vector<size_t> begin =
+      partitionBlocks(
+          blocks, k, m, parsePipelineSchedule(x.sync.schedule), 0, choice.objective, false,
+          choice.objective == PartitionObjective::kGiven ? givenPartition(choice.splits, n, k)
+                                                         : std::vector<size_t>{})
+          .boundaries;
   const int replicas = x.o.workers / k;
   std::vector<double> stageForward(k, 0.0), stageBackward(k, 0.0), stageParams(k, 0.0);
   std::vector<StageCosts> costs(k);

@@ -28,7 +28,7 @@
 //   local-sgd  H local steps (the worker updates), then a ring all-reduce of the parameters.
 //   gossip   a step's parameters go to both ring neighbours as the step starts, overlapped
 //            with its compute; the step ends once the neighbours' parameters are in.
-//   pipeline K stages of a contiguous cut balanced by profiled time, M micro-batches, the
+//   pipeline K stages cut as the run cuts them (parallel.partition), M micro-batches, the
 //            configured schedule (pipeline/schedule.h simulateSchedule), activations between
 //            hosts; then the stage's gradients all-reduced across the data-parallel replicas.
 // Threading: pure functions.
@@ -80,6 +80,7 @@ struct SyncSpec {
   int pipelineStages = 1;
   int microBatches = 1;
   std::string schedule = "1f1b";
+  std::string partition = "auto";  // parallel.partition
 
   // A short name: "allreduce", "ps-ssp(3)", "osp(auto)", "local-sgd(H=4)", "allreduce+fp16".
   std::string label() const;

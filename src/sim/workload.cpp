@@ -10,6 +10,7 @@
 
 #include "core/config.h"
 #include "core/errors.h"
+#include "memory/accounting.h"
 #include "memory/planner.h"
 #include "memory/saved_tensors.h"
 #include "train/memory_setup.h"
@@ -48,11 +49,7 @@ Workload measureWorkload(const Config& config) {
     w.forwardSeconds.push_back(b.forwardSeconds);
     w.backwardSeconds.push_back(b.backwardSeconds);
     w.inputBytes.push_back(b.inputBytes);
-    int64_t bytes = 0;
-    for (const auto& p : setup.model->block(i).ptr()->parameters()) {
-      bytes += p.numel() * static_cast<int64_t>(sizeof(float));
-    }
-    w.parameterBytes.push_back(bytes);
+    w.parameterBytes.push_back(tensorBytes(setup.model->block(i).ptr()->parameters()));
   }
   w.lossSeconds = profile.lossSeconds;
   // The run's memory plan: its predicted peak, and its timeline's cost in the step. Blocks that
@@ -98,12 +95,7 @@ Workload measureWorkload(const Config& config) {
   times.erase(times.begin());
   std::sort(times.begin(), times.end());
   w.updateSeconds = times[times.size() / 2];
-  const int64_t paramBytes = w.parameterTotal();
-  if (options.optim.name == "adamw") {
-    w.optimizerStateBytes = 2 * paramBytes;
-  } else if (options.optim.momentum > 0.0) {
-    w.optimizerStateBytes = paramBytes;
-  }
+  w.optimizerStateBytes = optimizerStateBytes(*optimizer);  // as stepped: its state exists
   return w;
 }
 
@@ -190,6 +182,7 @@ SyncSpec syncSpecFrom(const RunOptions& options) {
   s.pipelineStages = options.pipeline.stages;
   s.microBatches = options.pipeline.microBatches;
   s.schedule = options.pipeline.schedule;
+  s.partition = options.pipeline.partition;
   return s;
 }
 
