@@ -4,7 +4,8 @@ network namespaces (scripts/netns_hosts.sh: veth pairs to a bridge, each host's 
 to RATE in both directions with tc netem), one table from one invocation.
 
     /usr/bin/python3 bench/network_sweep.py [--rates 1gbit 500mbit 300mbit 100mbit]
-        [--repeats 2] [--steps 40] [--epochs 2] [--accuracy-rate 500mbit]
+        [--repeats 2] [--steps 40] [--epochs 2] [--accuracy-rate 500mbit ...]
+        [--modes allreduce osp-auto diloco streaming-diloco-int4 ...] [--diloco-period 32]
         [--out bench/results/network]
     /usr/bin/python3 bench/network_sweep.py --replot [--out bench/results/network]
 
@@ -14,9 +15,15 @@ next repeat):
               log window dropped as warm-up): compute s/step (forward + backward + optimizer),
               wait s/step (blocked on synchronization), samples/s, MB sent per step. Medians
               over repeats.
-  accuracy    every mode at --accuracy-rate for --epochs epochs, evaluating on the full test
-              set four times per epoch: test accuracy after the epochs, and the wall-clock time
-              (evaluations included) of the first evaluation at or above --target.
+  accuracy    every mode at each --accuracy-rate for --epochs epochs (or --accuracy-steps
+              steps, at most --accuracy-minutes each), evaluating on the full test set four
+              times per epoch (or every --eval-every steps): test accuracy and loss at the end,
+              the wall-clock time and step (evaluations included) of the first evaluation at or
+              above --target (or at or below --target-loss), and rank 0's bytes sent per step
+              over the whole run, against allreduce's.
+Samples/s and MB sent per step are over all measured steps (not a median of windows), so modes
+that exchange every H steps (diloco, local-sgd) show their average; for those make the measured
+steps a multiple of H (--log-every).
 OSP's speedup is its samples/s over ps-bsp's at the same rate; its bound is (compute + comm) /
 max(compute, comm) with ps-bsp's compute and wait per step (ps-bsp exposes all communication).
 
@@ -72,6 +79,14 @@ MODES = {
     "ps-bsp-gloo": (["sync.mode=ps-bsp", "dist.backend=gloo"], True),
     "osp-gloo": (["sync.mode=osp", "sync.osp_fraction=0.5", "dist.backend=gloo"], True),
     "allreduce-gloo": (["dist.backend=gloo"], False),
+    # Rare synchronization (issue 22): H = --diloco-period inner steps, outer Nesterov 0.7/0.9.
+    "diloco": (["sync.mode=diloco", "sync.local_period={period}"], False),
+    "diloco-int4": (["sync.mode=diloco", "sync.local_period={period}", "sync.compression=int4"],
+                    False),
+    "streaming-diloco-int4": (["sync.mode=diloco", "sync.local_period={period}",
+                               "sync.fragments={fragments}", "sync.compression=int4"], False),
+    "local-sgd-int4": (["sync.mode=local-sgd", "sync.local_period={period}",
+                        "sync.compression=int4"], False),
 }
 
 
@@ -90,6 +105,7 @@ def run(mode, rate, a, run_dir, overrides):
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             return [json.loads(line) for line in f]
     settings, servers = MODES[mode]
+    settings = [x.format(period=a.diloco_period, fragments=a.fragments) for x in settings]
     sets = settings + a.extra + overrides + ["train.threads=1", f"data.batch_size={a.batch}",
                                    f"sync.servers={a.servers}", "fault.timeout=120",
                                    "checkpoint.every=0"]
@@ -132,20 +148,54 @@ def train_on_hosts(hosts, rate, timeout, config, sets, run_dir, what, cpus=None,
         return [json.loads(line) for line in f]
 
 
+def window_steps(records):
+    """(train record, steps in its window) for every train record."""
+    out, last = [], 0
+    for r in records:
+        if r["kind"] == "train":
+            out.append((r, r["step"] - last))
+            last = r["step"]
+    return out
+
+
+def mean_sent_mb(train):
+    """Rank 0's MB sent per step over the windows `train` ((record, steps) pairs): total bytes
+    over total steps, so a mode that exchanges every H steps shows its average."""
+    steps = sum(n for _, n in train)
+    return sum(r.get("sent_bytes", 0.0) * n for r, n in train) / max(steps, 1) / 1e6
+
+
 def throughput_numbers(records):
-    train = [r for r in records if r["kind"] == "train"][1:]  # first window: warm-up
+    windows = window_steps(records)[1:]  # first window: warm-up
+    train = [r for r, _ in windows]
     med = lambda k: statistics.median(r.get(k, 0.0) for r in train)  # noqa: E731
+    # Samples/s over the measured steps (the windows' rates harmonically weighted by their
+    # steps): a window with a rare exchange counts as long as it took, not as one vote.
+    steps = sum(n for _, n in windows)
+    rate = steps / sum(n / r["samples_per_s"] for r, n in windows)
     return {"compute_s": med("compute_s"), "wait_s": med("sync_wait_s"),
-            "samples_per_s": med("samples_per_s"), "sent_mb": med("sent_bytes") / 1e6,
+            "samples_per_s": rate, "sent_mb": mean_sent_mb(windows),
             "stage1_fraction": med("stage1_fraction") if "stage1_fraction" in train[0] else None,
             "staleness": med("staleness") if "staleness" in train[0] else None}
 
 
-def accuracy_numbers(records, target):
+def accuracy_numbers(records, target, target_loss=None):
+    """The run's evaluations: final accuracy and loss, the time and step of the first evaluation
+    at or above `target` accuracy (or, with `target_loss`, at or below that loss), rank 0's MB
+    sent per step over the whole run, and the curve (time, accuracy or loss)."""
     evals = [r for r in records if r["kind"] == "eval"]
-    reached = next((r["time_s"] for r in evals if r["accuracy"] >= target), None)
-    return {"accuracy": evals[-1]["accuracy"], "time_to_target_s": reached,
-            "curve": [(r["time_s"], r["accuracy"]) for r in evals],
+    if target_loss is not None:
+        hit = next((r for r in evals if r["loss"] <= target_loss), None)
+    else:
+        hit = next((r for r in evals if r["accuracy"] >= target), None)
+    key = "loss" if target_loss is not None else "accuracy"
+    return {"accuracy": evals[-1].get("accuracy"), "loss": evals[-1]["loss"],
+            "steps": evals[-1]["step"],
+            "time_to_target_s": hit["time_s"] if hit else None,
+            "steps_to_target": hit["step"] if hit else None,
+            "sent_mb": mean_sent_mb(window_steps(records)),
+            "curve": [(r["time_s"], r[key]) for r in evals],
+            "step_curve": [(r["step"], r[key]) for r in evals],
             "wall_s": evals[-1]["time_s"]}
 
 
@@ -216,13 +266,36 @@ def table_text(a, tp, raw, acc, speedup, bound, removed, log_every):
                      f"{bound[rate]:.2f} | " + " | ".join(cells) + " | " +
                      fmt(auto["samples_per_s"] / best if auto and best else None, ".2f") +
                      " | " + fmt(auto["stage1_fraction"] if auto else None, ".2f") + " |")
-    if acc:
-        lines += ["", f"Accuracy at {a.accuracy_rate}, {a.epochs:g} epochs (one run each):", "",
-                  f"| mode | test accuracy | time to {100 * a.target:.0f}% (s) | wall s |",
-                  "|---|---|---|---|"]
-        for mode, r in acc.items():
-            lines.append(f"| {mode} | {100 * r['accuracy']:.2f}% | "
-                         f"{fmt(r['time_to_target_s'], '.0f')} | {r['wall_s']:.0f} |")
+    for rate, runs in acc.items():
+        loss = getattr(a, "target_loss", None) is not None
+        goal = f"loss {a.target_loss:g}" if loss else f"{100 * a.target:.0f}%"
+        length = (f"{a.accuracy_steps} steps" if getattr(a, "accuracy_steps", 0)
+                  else f"{a.epochs:g} epochs")
+        cap = (f", at most {a.accuracy_minutes:g} min of training each"
+               if getattr(a, "accuracy_minutes", 0) else "")
+        base = runs.get("allreduce")
+        lines += ["", f"Quality at {rate}, {length} (one run each{cap}); bytes: rank 0's per "
+                  "step over the whole run (evaluations' consolidations included):", "",
+                  f"| mode | steps run | test accuracy | test loss | vs allreduce | time to "
+                  f"{goal} (s) | steps to it | MB sent/step | fewer bytes than allreduce | "
+                  "wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for mode, r in runs.items():  # (results from before issue 22 lack steps and bytes)
+            if base is None or r.get("steps") is None or base.get("steps") != r["steps"]:
+                versus = "-"  # not at equal steps
+            elif loss:
+                versus = f"{r['loss'] - base['loss']:+.3f} nats"
+            else:
+                versus = f"{100 * (r['accuracy'] - base['accuracy']):+.2f} pt"
+            sent = r.get("sent_mb")
+            fewer = (f"{base['sent_mb'] / sent:.0f}x" if base and base.get("sent_mb") and sent
+                     else "-")
+            accuracy = r.get("accuracy")
+            lines.append(f"| {mode} | {fmt(r.get('steps'), 'd')} | "
+                         f"{fmt(100 * accuracy if accuracy is not None else None, '.2f')} | "
+                         f"{fmt(r.get('loss'), '.4f')} | {versus} | "
+                         f"{fmt(r['time_to_target_s'], '.0f')} | "
+                         f"{fmt(r.get('steps_to_target'), 'd')} | {fmt(sent, '.4f')} | "
+                         f"{fewer} | {r['wall_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -250,6 +323,9 @@ def write_charts(results, out):
     a = argparse.Namespace(**results["args"])
     tp = {tuple(k.split("/", 1)): v for k, v in results["throughput"].items()}
     speedup, bound, acc = results["speedup"], results["bound"], results.get("accuracy") or {}
+    if isinstance(a.accuracy_rate, str):  # results.json from before issue 22: one rate
+        acc = {a.accuracy_rate: acc} if acc else {}
+        a.accuracy_rate = [a.accuracy_rate]
     rates = [r for r in a.rates if any((r, m) in tp for m in a.modes)]
     modes = [m for m in a.modes if any((r, m) in tp for r in rates)]
     x = [mbit(r) for r in rates]
@@ -280,26 +356,32 @@ def write_charts(results, out):
             here, [charts.series("compute", y=[tp[(slow, m)]["compute_s"] for m in here]),
                    charts.series("wait", y=[tp[(slow, m)]["wait_s"] for m in here])],
             "s / step (rank 0)", stacked=True, x_label="mode"))
-    if acc:
+    loss = getattr(a, "target_loss", None) is not None
+    goal = f"loss {a.target_loss:g}" if loss else f"{100 * a.target:.0f}% test accuracy"
+    scale = 1 if loss else 100
+    for rate, runs in acc.items():
+        suffix = "" if len(acc) == 1 else f"-{rate}"
         curves = []
-        for m, r in acc.items():
+        for m, r in runs.items():
             t, y = zip(*r["curve"]) if r["curve"] else ((), ())
-            curves.append(charts.series(m, t, [100 * v for v in y]))
-        end = max((r["wall_s"] for r in acc.values()), default=0)
-        curves.append(charts.series(f"target {100 * a.target:.0f}%", [0, end],
-                                    [100 * a.target] * 2, dashed=True))
+            curves.append(charts.series(m, t, [scale * v for v in y]))
+        end = max((r["wall_s"] for r in runs.values()), default=0)
+        level = a.target_loss if loss else 100 * a.target
+        curves.append(charts.series(f"target {level:g}", [0, end], [level] * 2, dashed=True))
         out_charts.append(charts.line(
-            "accuracy", f"Test accuracy against wall-clock time, links {a.accuracy_rate}",
-            "wall-clock time (s)", "test accuracy (%)", curves))
+            "accuracy" + suffix,
+            f"Test {'loss' if loss else 'accuracy'} against wall-clock time, links {rate}",
+            "wall-clock time (s)", "test loss (nats)" if loss else "test accuracy (%)", curves))
         out_charts.append(charts.bar(
-            "time-to-target", f"Time to {100 * a.target:.0f}% test accuracy at "
-            f"{a.accuracy_rate} (missing: not reached in {a.epochs:g} epochs)", list(acc),
-            [charts.series("time to target", y=[r["time_to_target_s"] for r in acc.values()]),
-             charts.series("whole run", y=[r["wall_s"] for r in acc.values()])],
+            "time-to-target" + suffix, f"Time to {goal} at {rate} (missing: not reached)",
+            list(runs),
+            [charts.series("time to target", y=[r["time_to_target_s"] for r in runs.values()]),
+             charts.series("whole run", y=[r["wall_s"] for r in runs.values()])],
             "seconds", x_label="mode"))
     removed = results.get("removed_env")  # not in a results.json from before charts.json
     raw = {tuple(k.split("/", 1)): v for k, v in results.get("raw", {}).items()}
-    text = table_text(a, tp, raw, acc, speedup, bound, removed, max(1, a.steps // 4))
+    text = table_text(a, tp, raw, acc, speedup, bound, removed,
+                      getattr(a, "log_every", 0) or max(1, a.steps // 4))
     head = [l[2:] for l in text.splitlines() if l.startswith("# ")]
     if removed is None:  # the line says "was not set": unknown here
         head[-1] = head[-1].replace("OPENBLAS_CORETYPE was not set; ", "")
@@ -327,9 +409,29 @@ def main():
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--steps", type=int, default=40, help="throughput runs: steps per run")
+    p.add_argument("--log-every", type=int, default=0,
+                   help="throughput runs: steps per metrics window, the first dropped (0: a "
+                        "quarter of --steps); make the rest a multiple of --diloco-period")
     p.add_argument("--epochs", type=int, default=2, help="accuracy runs (0: skip them)")
-    p.add_argument("--accuracy-rate", default="500mbit")
+    p.add_argument("--accuracy-rate", nargs="+", default=["500mbit"],
+                   help="link rates of the accuracy runs (every mode at each)")
+    p.add_argument("--accuracy-steps", type=int, default=0,
+                   help="accuracy runs: this many steps instead of --epochs epochs")
+    p.add_argument("--accuracy-minutes", type=float, default=0,
+                   help="accuracy runs: stop each after this many minutes of training "
+                        "(train.max_minutes; 0: no limit); a run cut short says so by its steps")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="accuracy runs: steps between evaluations (0: a quarter epoch of "
+                        "Fashion-MNIST)")
+    p.add_argument("--eval-batches", type=int, default=0,
+                   help="accuracy runs: evaluation batches (0: the whole test split)")
     p.add_argument("--target", type=float, default=0.88)
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="time to this test loss instead of --target accuracy (language models)")
+    p.add_argument("--diloco-period", type=int, default=32,
+                   help="H of the diloco and local-sgd-int4 modes")
+    p.add_argument("--fragments", type=int, default=4,
+                   help="fragments of streaming-diloco-int4")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     p.add_argument("--colocate", action="store_true",
                    help="parameter-server modes: as many servers as workers, server shard i on "
@@ -363,7 +465,7 @@ def main():
     started = time.time()
 
     raw = {}  # (rate, mode) -> [numbers per repeat]
-    log_every = max(1, a.steps // 4)
+    log_every = a.log_every or max(1, a.steps // 4)
     for rep in range(a.repeats):
         for rate in a.rates:
             for mode in a.modes:
@@ -392,18 +494,25 @@ def main():
     # The throughput table first, so an interrupted accuracy part loses nothing.
     report(a, tp, raw, {}, speedup, bound, removed, log_every, started)
     acc = {}
-    if a.epochs > 0:
-        steps_per_epoch = 60000 // (a.workers * a.batch)
-        for mode in a.modes:
-            rec = run(mode, a.accuracy_rate, a, os.path.join(work, f"acc-{mode}{variant}"),
-                      [f"train.epochs={a.epochs}", f"train.eval_every={steps_per_epoch // 4}",
-                       f"train.log_every={steps_per_epoch // 4}", "train.eval_batches=0"])
-            acc[mode] = accuracy_numbers(rec, a.target)
-            print(f"[{time.time() - started:6.0f}s] accuracy {mode:<10}: "
-                  f"{100 * acc[mode]['accuracy']:.2f}%", flush=True)
+    if a.epochs > 0 or a.accuracy_steps > 0:
+        every = a.eval_every or 60000 // (a.workers * a.batch) // 4
+        length = ([f"train.max_steps={a.accuracy_steps}", "train.epochs=1000000"]
+                  if a.accuracy_steps else [f"train.epochs={a.epochs}"])
+        if a.accuracy_minutes:
+            length.append(f"train.max_minutes={a.accuracy_minutes}")
+        for rate in a.accuracy_rate:
+            for mode in a.modes:
+                rec = run(mode, rate, a, os.path.join(work, f"acc-{rate}-{mode}{variant}"),
+                          length + [f"train.eval_every={every}", f"train.log_every={every}",
+                                    f"train.eval_batches={a.eval_batches}"])
+                n = acc.setdefault(rate, {})[mode] = accuracy_numbers(rec, a.target,
+                                                                      a.target_loss)
+                print(f"[{time.time() - started:6.0f}s] {rate:>8} quality {mode:<10}: "
+                      f"loss {n['loss']:.4f} accuracy {fmt(n['accuracy'], '.4f')} after "
+                      f"{n['steps']} steps, target at {fmt(n['time_to_target_s'], '.0f')} s, "
+                      f"{n['sent_mb']:.4f} MB/step", flush=True)
+                report(a, tp, raw, acc, speedup, bound, removed, log_every, started)
 
-    if acc:
-        report(a, tp, raw, acc, speedup, bound, removed, log_every, started)
 
 
 if __name__ == "__main__":

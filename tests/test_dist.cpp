@@ -342,6 +342,25 @@ TEST(DistLocalSgd, PeriodOneWithPlainSgdMatchesAllReduce) {
   std::printf("local SGD H=1 vs all-reduce after 20 steps: max |difference| %.3g\n", diff);
 }
 
+// DiLoCo with H = 1, outer lr 1 and no outer momentum replaces the replicas by their mean after
+// every inner step. The inner SGD with momentum 0.9 (each worker's own buffer) is linear, so the
+// mean of the replicas is the BSP all-reduce step, up to float rounding.
+TEST(DistDiloco, PeriodOneWithOuterLrOneIsAllReduce) {
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8"});
+  ASSERT_EQ(runRanks(3, tmp / "bsp", o), std::vector<int>(3, 0));
+  auto d = with(
+      o, {"sync.mode=diloco", "sync.local_period=1", "sync.outer_lr=1", "sync.outer_momentum=0"});
+  ASSERT_EQ(runRanks(3, tmp / "diloco", d), std::vector<int>(3, 0))
+      << test::readFile(tmp / "diloco.rank0.log");
+  const double diff = maxAbsDiff(finalParams(tmp / "bsp", o), finalParams(tmp / "diloco", o));
+  EXPECT_LE(diff, 1e-5);
+  std::printf(
+      "diloco H=1, outer lr 1, no outer momentum vs all-reduce after 20 steps: max "
+      "|difference| %.3g\n",
+      diff);
+}
+
 TEST(DistLocalSgd, PostLocalPhaseIsBspExactly) {
   TempDir tmp;
   auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8"});
@@ -791,7 +810,17 @@ INSTANTIATE_TEST_SUITE_P(
         std::make_tuple("sync.mode=ps-bsp", 2, 1),
         std::make_tuple("sync.mode=ps-bsp,optim.name=adamw", 2, 2),
         std::make_tuple("sync.mode=ps-bsp,sync.compression=topk", 2, 1),
-        std::make_tuple("sync.mode=osp", 2, 1)));
+        std::make_tuple("sync.mode=osp", 2, 1),
+        // Streaming DiLoCo with int4: θ_sync, the outer momentum, every worker's residual and
+        // every worker's own inner momentum; with AdamW inside, every worker's moments.
+        std::make_tuple("sync.mode=diloco,sync.local_period=3,sync.fragments=3,"
+                        "sync.compression=int4,sync.outer_momentum=0.5",
+                        2, 0),
+        std::make_tuple("sync.mode=diloco,sync.local_period=2,optim.name=adamw", 3, 0),
+        // Local SGD's int8 averaging (its residuals; plain SGD: no per-worker state besides).
+        std::make_tuple("sync.mode=local-sgd,sync.local_period=4,sync.compression=int8,"
+                        "optim.momentum=0",
+                        2, 0)));
 
 // Resharding: a checkpoint of W workers resumes on W' workers. With the global batch kept
 // (W x b = W' x b') the resumed run takes the same samples in the same steps, so it ends with
@@ -882,6 +911,9 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple("sync.mode=ps-ssp", 3, 1, 2, 2),
                       std::make_tuple("sync.mode=gossip", 3, 0, 2, 0),
                       std::make_tuple("sync.mode=local-sgd,sync.local_period=4", 2, 0, 3, 0),
+                      std::make_tuple("sync.mode=diloco,sync.local_period=4,sync.fragments=2,"
+                                      "sync.compression=int8",
+                                      2, 0, 3, 0),
                       std::make_tuple("sync.mode=osp,sync.osp_policy=magnitude", 2, 1, 3, 2)));
 
 // ---- pipeline stages: `caravan train` with parallel.pipeline_stages = K on K workers ----------

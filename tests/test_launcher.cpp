@@ -508,6 +508,12 @@ TEST_F(LauncherProcess, RefusedCombinationsExitBeforeAnyWorkerStartsWithOneLine)
       {"--set sync.mode=ps-asp --set dist.backend=mpi", "does not run on dist.backend = mpi yet"},
       {"--set optim.nesterov=true --set optim.momentum=0", "optim.nesterov = true needs"},
       {"--set fault.timeout=1e-9", "fault.timeout is below a millisecond"},
+      {"--set sync.compression=int4", "sync.compression = int4 is for parameter changes"},
+      {"--set sync.mode=diloco --set sync.compression=topk",
+       "sync.compression = topk works with sync.mode = allreduce, ps-bsp, ps-asp and ps-ssp; "
+       "for diloco use none, int8 or int4"},
+      {"--set sync.mode=diloco --set sync.local_period=2 --set sync.fragments=3",
+       "sync.fragments = 3 is more than sync.local_period = 2"},
   };
   const int port = 20000 + static_cast<int>(::getpid() % 20000);
   for (const auto& [settings, needle] : combinations) {

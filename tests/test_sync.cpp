@@ -13,13 +13,14 @@
 #include <torch/torch.h>
 
 #include "comm/counting_communicator.h"
+#include "gloo_ranks.h"
 #include "sync/compression.h"
+#include "sync/diloco.h"
 #include "sync/gossip.h"
 #include "sync/local_sgd.h"
 #include "sync/osp.h"
 #include "sync/parameter_server.h"
 #include "sync/replicas.h"
-#include "gloo_ranks.h"
 
 using namespace caravan;
 using caravan::test::loopbackOptions;
@@ -126,6 +127,183 @@ TEST(LocalSgd, AveragesExactlyEveryPeriodAndNotInBetween) {
       const bool averaged = step == 4 || step == 7;
       EXPECT_TRUE(at::equal(replica(net), averaged ? mean : valuesOf(comm->rank(), 11)))
           << "step " << step;
+    }
+  }));
+}
+
+// int8/int4 with error feedback: values that are whole multiples of their block's scale (each
+// block's largest magnitude is 127 or 7, so the scale is 1) travel exactly and leave no
+// residual; other values travel within half a scale step with the rounding kept in the
+// residual (value = decoded + residual), and a second message of zeros carries that residual
+// within half of its own, smaller, step. A message is the closed-form size.
+TEST(Quantization, BlockScaledIntegersAreExactAndRoundingIsFedBack) {
+  for (const auto& [compression, qmax] :
+       {std::pair{Compression::kInt8, 127}, std::pair{Compression::kInt4, 7}}) {
+    SCOPED_TRACE(qmax);
+    const QuantCodec codec(compression);
+    const int64_t n = 2 * kQuantBlock + 37;  // a partial last block
+    const int64_t blocks = 3, bytes = (n * codec.bits() + 7) / 8;
+    EXPECT_EQ(codec.words(n), blocks + (bytes + 3) / 4);
+
+    at::Tensor exact = at::arange(n, at::kFloat).remainder(2 * qmax + 1).sub(qmax);
+    for (int64_t b = 0; b < blocks; ++b) exact[b * kQuantBlock] = static_cast<float>(qmax);
+    at::Tensor residual = at::zeros({n});
+    const at::Tensor message = codec.encode(exact, residual);
+    EXPECT_EQ(message.numel(), codec.words(n));
+    at::Tensor decoded = at::zeros({n});
+    codec.addDecoded(message, decoded);
+    EXPECT_TRUE(at::equal(decoded, exact));
+    EXPECT_TRUE(at::equal(residual, at::zeros({n})));
+
+    at::manual_seed(5);
+    const at::Tensor values = at::randn({n}).mul(3);
+    residual.zero_();
+    decoded.zero_();
+    codec.addDecoded(codec.encode(values, residual), decoded);
+    EXPECT_TRUE(at::allclose(decoded + residual, values, 0, 1e-6));
+    at::Tensor stepBound = at::zeros({n}), secondBound = at::zeros({n});
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t begin = b * kQuantBlock, len = std::min(kQuantBlock, n - begin);
+      const float scale = values.narrow(0, begin, len).abs().max().item<float>() / qmax;
+      stepBound.narrow(0, begin, len).fill_(scale / 2 * (1 + 1e-5));
+      const float second = residual.narrow(0, begin, len).abs().max().item<float>() / qmax;
+      secondBound.narrow(0, begin, len).fill_(second / 2 * (1 + 1e-5) + 1e-7);
+    }
+    EXPECT_TRUE(residual.abs().le(stepBound).all().item<bool>());
+    codec.addDecoded(codec.encode(at::zeros({n}), residual), decoded);
+    EXPECT_TRUE((values - decoded).abs().le(secondBound).all().item<bool>());
+  }
+}
+
+// The streaming schedule: over four periods every fragment syncs once per period, exactly H
+// steps after its previous sync, in the order 0, 1, ..., F-1, 0, ...; nothing syncs before the
+// first step. (The schedule is a function of the step alone, so every rank follows it.)
+TEST(Diloco, EveryFragmentSyncsOncePerPeriodInOrder) {
+  for (const auto& [h, f] : {std::pair<int64_t, int64_t>{8, 4}, {7, 3}, {5, 5}, {6, 1}, {1, 1}}) {
+    SCOPED_TRACE(std::to_string(h) + " steps, " + std::to_string(f) + " fragments");
+    EXPECT_EQ(fragmentDue(0, h, f), -1);
+    std::vector<int64_t> order, last(f, -1);
+    for (int64_t t = 1; t <= 4 * h; ++t) {
+      const int64_t due = fragmentDue(t, h, f);
+      if (due < 0) continue;
+      ASSERT_LT(due, f);
+      if (last[due] >= 0) EXPECT_EQ(t - last[due], h) << "fragment " << due;
+      last[due] = t;
+      order.push_back(due);
+    }
+    ASSERT_EQ(static_cast<int64_t>(order.size()), 4 * f);
+    for (size_t i = 0; i < order.size(); ++i) EXPECT_EQ(order[i], static_cast<int64_t>(i) % f);
+  }
+}
+
+namespace {
+
+// The mean over `w` ranks of valuesOf(rank + shift), in double.
+at::Tensor meanValues(int w, int shift) {
+  at::Tensor m = at::zeros({11}, at::kDouble);
+  for (int r = 0; r < w; ++r) m += valuesOf(r + shift, 11).to(at::kDouble);
+  return m / w;
+}
+
+}  // namespace
+
+// Blocking DiLoCo on 3 ranks, H = 2, outer lr 0.7, Nesterov momentum 0.5: between syncs each
+// replica keeps its own values; after steps 1 and 3 every replica is θ_sync after the outer
+// step on the mean pseudo-gradient (closed form in double: m = μ m + Δ̄, θ -= lr (Δ̄ + μ m)).
+TEST(Diloco, BlockingOuterStepIsNesterovOnTheMeanChange) {
+  const int w = 3;
+  expectNoErrors(runGlooRanks(w, loopbackOptions(kTimeout), [&](auto comm) {
+    const int r = comm->rank();
+    Net net;  // zeros: θ_sync starts at 0
+    DilocoOptions o;
+    o.period = 2;
+    o.outerLr = 0.7;
+    o.outerMomentum = 0.5;
+    DilocoStrategy s(comm, o);
+    s.attach(net);
+    at::Tensor anchor = at::zeros({11}, at::kDouble), m = at::zeros({11}, at::kDouble);
+    for (int step = 0; step < 4; ++step) {
+      setReplica(net, r + step);  // the inner optimizer's result
+      s.afterStep(step);
+      if (step % 2 == 0) {
+        EXPECT_TRUE(at::equal(replica(net), valuesOf(r + step, 11))) << "step " << step;
+        continue;
+      }
+      const at::Tensor delta = anchor - meanValues(w, step);
+      m = m * 0.5 + delta;
+      anchor = anchor - 0.7 * (delta + 0.5 * m);
+      EXPECT_TRUE(at::allclose(replica(net).to(at::kDouble), anchor, 0, 1e-5))
+          << "rank " << r << " step " << step << ": " << replica(net) << " vs " << anchor;
+    }
+  }));
+}
+
+// Streaming DiLoCo on 3 ranks, H = 2, F = 2 (elements [0, 5) and [5, 11)), outer lr 1, no
+// momentum: fragment 0 is sent after step 0 and applied after step 1, keeping each rank's step-1
+// progress (θ = mean of what was sent + (now - sent)); fragment 1 is sent after step 1 and
+// applied after step 2 likewise; the other fragment is untouched meanwhile.
+TEST(Diloco, StreamedFragmentArrivesAStepLaterWithTheLocalProgressKept) {
+  const int w = 3;
+  expectNoErrors(runGlooRanks(w, loopbackOptions(kTimeout), [&](auto comm) {
+    const int r = comm->rank();
+    Net net;
+    DilocoOptions o;
+    o.period = 2;
+    o.fragments = 2;
+    o.outerLr = 1.0;
+    o.outerMomentum = 0.0;
+    DilocoStrategy s(comm, o);
+    s.attach(net);
+    auto own = [&](int step) { return valuesOf(r + step, 11).to(at::kDouble); };
+    setReplica(net, r);
+    s.afterStep(0);  // sends fragment 0
+    EXPECT_TRUE(at::equal(replica(net), valuesOf(r, 11)));
+    setReplica(net, r + 1);
+    s.afterStep(1);  // applies fragment 0, sends fragment 1
+    at::Tensor expected = own(1);
+    expected.narrow(0, 0, 5) += meanValues(w, 0).narrow(0, 0, 5) - own(0).narrow(0, 0, 5);
+    EXPECT_TRUE(at::allclose(replica(net).to(at::kDouble), expected, 0, 1e-5))
+        << "rank " << r << ": " << replica(net) << " vs " << expected;
+    at::Tensor afterOne = replica(net).to(at::kDouble);
+    setReplica(net, r + 2);
+    s.afterStep(2);  // applies fragment 1
+    expected = own(2);
+    expected.narrow(0, 5, 6) += meanValues(w, 1).narrow(0, 5, 6) - afterOne.narrow(0, 5, 6);
+    EXPECT_TRUE(at::allclose(replica(net).to(at::kDouble), expected, 0, 1e-5))
+        << "rank " << r << ": " << replica(net) << " vs " << expected;
+  }));
+}
+
+// Local SGD with int4 averaging on 4 ranks, H = 1: values that are whole numbers in [-7, 7]
+// with a 7 in the block travel exactly, so the replicas become their exact mean (as the
+// uncompressed averaging makes them); and the next averaging starts from that mean.
+TEST(LocalSgd, Int4AveragingOfExactValuesIsTheMean) {
+  const int w = 4;
+  auto exactValues = [](int rank) {
+    at::Tensor v = valuesOf(rank, 11).clamp(-7, 7);
+    v[0] = 7;
+    return v;
+  };
+  at::Tensor mean = at::zeros({11});
+  for (int r = 0; r < w; ++r) mean += exactValues(r);
+  mean /= w;
+  expectNoErrors(runGlooRanks(w, loopbackOptions(kTimeout), [&](auto comm) {
+    Net net;
+    LocalSgdOptions o;
+    o.period = 1;
+    o.compression = Compression::kInt4;
+    LocalSgdStrategy s(comm, o);
+    s.attach(net);
+    for (int step = 0; step < 2; ++step) {
+      {
+        torch::NoGradGuard g;
+        at::Tensor v = exactValues(comm->rank());
+        if (step == 1) v = v.mul(0.0).add(mean);  // equal replicas: their mean is themselves
+        unflattenInto(v, {net.a, net.b});
+      }
+      s.beforeForward(step);
+      s.afterStep(step);
+      EXPECT_TRUE(at::equal(replica(net), mean)) << "step " << step << ": " << replica(net);
     }
   }));
 }

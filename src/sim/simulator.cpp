@@ -46,6 +46,10 @@ std::string SyncSpec::unsupported() const {
   if (mode == "gossip" && gossipTopology != "ring") {
     return fmt::format("sync.gossip_topology = {} is not simulated (ring is)", gossipTopology);
   }
+  if (compression == "int8" || compression == "int4") {
+    return fmt::format("sync.compression = {} (quantized parameter changes) is not simulated",
+                       compression);
+  }
   if (mode == "local-sgd" && postLocalSteps > 0) {
     return "sync.post_local_steps > 0 (a BSP phase before local SGD) is not simulated";
   }

@@ -17,6 +17,10 @@ using Clock = std::chrono::steady_clock;
 AllReduceStrategy::AllReduceStrategy(std::shared_ptr<Communicator> comm, AllReduceOptions options)
     : comm_(std::move(comm)), options_(options) {
   CARAVAN_CHECK(comm_ != nullptr, "allreduce needs a communicator");
+  CARAVAN_CHECK(
+      options_.compression != Compression::kInt8 && options_.compression != Compression::kInt4,
+      "int8/int4 are for pseudo-gradients (diloco, local-sgd); validate() refuses them "
+      "for gradients");
 }
 
 AllReduceStrategy::~AllReduceStrategy() {
@@ -213,6 +217,8 @@ WorkPtr AllReduceStrategy::launch(size_t index) {
     }
     case Compression::kTopK:
       return comm_->allgather(b.gathered, b.topk->encode(b.buffer));
+    case Compression::kInt8:
+    case Compression::kInt4: break;  // refused by the constructor
   }
   return nullptr;
 }

@@ -1,6 +1,7 @@
 // 16-bit ring all-reduce and top-k with error feedback (see compression.h).
 #include "sync/compression.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -14,7 +15,10 @@ Compression parseCompression(const std::string& name) {
   if (name == "fp16") return Compression::kFp16;
   if (name == "bf16") return Compression::kBf16;
   if (name == "topk") return Compression::kTopK;
-  throw ConfigError(fmt::format("unknown compression \"{}\"; use none, fp16, bf16 or topk", name));
+  if (name == "int8") return Compression::kInt8;
+  if (name == "int4") return Compression::kInt4;
+  throw ConfigError(
+      fmt::format("unknown compression \"{}\"; use none, fp16, bf16, topk, int8 or int4", name));
 }
 
 void ringAllreduce16(Communicator& comm, at::Tensor buffer, at::ScalarType wire, int tag,
@@ -89,6 +93,79 @@ void TopKCodec::decode(const at::Tensor& gathered, int world, at::Tensor& out) c
   }
 }
 
+QuantCodec::QuantCodec(Compression compression) {
+  CARAVAN_CHECK(compression == Compression::kInt8 || compression == Compression::kInt4,
+                "QuantCodec is for int8 and int4");
+  bits_ = compression == Compression::kInt8 ? 8 : 4;
+  qmax_ = compression == Compression::kInt8 ? 127 : 7;
+}
+
+int64_t QuantCodec::words(int64_t n) const {
+  const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  const int64_t bytes = (n * bits_ + 7) / 8;
+  return blocks + (bytes + 3) / 4;
+}
+
+at::Tensor QuantCodec::encode(const at::Tensor& values, at::Tensor residual) const {
+  CARAVAN_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous() &&
+                    residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
+                    values.numel() == residual.numel(),
+                "QuantCodec::encode needs contiguous float32 values and residual of one size");
+  const int64_t n = values.numel();
+  const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  at::Tensor message = at::zeros({words(n)}, at::kFloat);
+  float* scales = message.data_ptr<float>();
+  auto* packed = reinterpret_cast<uint8_t*>(scales + blocks);
+  const float* v = values.data_ptr<float>();
+  float* r = residual.data_ptr<float>();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kQuantBlock, end = std::min(n, begin + kQuantBlock);
+    float largest = 0.0f;
+    for (int64_t i = begin; i < end; ++i) {
+      r[i] += v[i];
+      largest = std::max(largest, std::fabs(r[i]));
+    }
+    const float scale = largest / static_cast<float>(qmax_);
+    scales[b] = scale;
+    for (int64_t i = begin; i < end; ++i) {
+      int q = 0;
+      if (scale > 0.0f) {
+        q = static_cast<int>(std::nearbyint(r[i] / scale));
+        q = std::clamp(q, -qmax_, qmax_);
+      }
+      r[i] -= static_cast<float>(q) * scale;
+      if (bits_ == 8) {
+        packed[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      } else {
+        packed[i / 2] |= static_cast<uint8_t>((q + 8) << (4 * (i % 2)));
+      }
+    }
+  }
+  return message;
+}
+
+void QuantCodec::addDecoded(const at::Tensor& message, at::Tensor out) const {
+  const int64_t n = out.numel();
+  CARAVAN_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(),
+                "QuantCodec::addDecoded needs a contiguous float32 output");
+  if (message.numel() != words(n) || message.scalar_type() != at::kFloat) {
+    throw PeerError(fmt::format(
+        "an int{} message holds {} words where {} elements take {} (a peer runs another "
+        "version of caravan, or the message was damaged)",
+        bits_, message.numel(), n, words(n)));
+  }
+  const at::Tensor m = message.contiguous();
+  const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  const float* scales = m.data_ptr<float>();
+  const auto* packed = reinterpret_cast<const uint8_t*>(scales + blocks);
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int q = bits_ == 8 ? static_cast<int>(static_cast<int8_t>(packed[i]))
+                             : static_cast<int>((packed[i / 2] >> (4 * (i % 2))) & 0xF) - 8;
+    o[i] += static_cast<float>(q) * scales[i / kQuantBlock];
+  }
+}
+
 ShardCodec::ShardCodec(Compression compression, int64_t numel, double topkRatio)
     : compression_(compression), numel_(numel) {
   switch (compression_) {
@@ -99,6 +176,9 @@ ShardCodec::ShardCodec(Compression compression, int64_t numel, double topkRatio)
       topk_ = std::make_unique<TopKCodec>(numel, topkRatio);
       words_ = 2 * topk_->k();
       break;
+    case Compression::kInt8:
+    case Compression::kInt4:
+      CARAVAN_CHECK(false, "parameter-server pushes are not int8/int4 (validate() refuses it)");
   }
 }
 
@@ -114,6 +194,8 @@ at::Tensor ShardCodec::encode(const at::Tensor& grad) {
       return packed.view(at::kFloat);
     }
     case Compression::kTopK: return topk_->encode(grad);
+    case Compression::kInt8:
+    case Compression::kInt4: break;
   }
   return {};
 }
@@ -133,6 +215,8 @@ at::Tensor ShardCodec::decode(const at::Tensor& words) const {
       topk_->decode(words.contiguous(), 1, out);
       return out;
     }
+    case Compression::kInt8:
+    case Compression::kInt4: break;
   }
   return {};
 }

@@ -11,6 +11,12 @@
 //               index) through one all-gather and keeps the rest in the residual; nothing is
 //               dropped, only delayed. Ratio 1 sends everything (= no compression up to the
 //               order of the float sums).
+//   int8, int4  (pseudo-gradients of diloco and local-sgd, diloco.h) blocks of kQuantBlock
+//               values travel as one float32 scale (the block's largest magnitude / 127 or / 7)
+//               and rounded 8- or 4-bit integers, with error feedback: what rounding lost stays
+//               in the sender's residual and goes with its next exchange. QuantCodec below;
+//               every rank gathers every rank's message and sums them in rank order, so every
+//               rank ends with the same float32 values.
 //
 // Threading: ringAllreduce16 blocks its caller (the strategy runs it on its communication
 // thread); TopKCodec is used by one thread at a time.
@@ -25,9 +31,9 @@
 
 namespace caravan {
 
-enum class Compression { kNone, kFp16, kBf16, kTopK };
+enum class Compression { kNone, kFp16, kBf16, kTopK, kInt8, kInt4 };
 
-// "none" | "fp16" | "bf16" | "topk" (ConfigError otherwise).
+// "none" | "fp16" | "bf16" | "topk" | "int8" | "int4" (ConfigError otherwise).
 Compression parseCompression(const std::string& name);
 
 // In place: `buffer` (float32, contiguous) becomes the sum over ranks, with 16-bit `wire`
@@ -52,6 +58,28 @@ class TopKCodec {
  private:
   int64_t k_;
   at::Tensor residual_;
+};
+
+// Block-scaled int8/int4 with error feedback (kInt8, kInt4): a message for n elements is ceil(n /
+// kQuantBlock) float32 scales then the values packed (int8: one byte each; int4: two per byte, as
+// value + 8), padded to whole float32 words.
+inline constexpr int64_t kQuantBlock = 256;
+class QuantCodec {
+ public:
+  explicit QuantCodec(Compression compression);
+  int bits() const { return bits_; }
+  // The message's float32 words for n elements.
+  int64_t words(int64_t n) const;
+  // The message for `values` (float32, contiguous); `residual` (same numel) holds what earlier
+  // messages did not carry: it is added to the values before rounding and left holding what
+  // this message does not carry.
+  at::Tensor encode(const at::Tensor& values, at::Tensor residual) const;
+  // `out` (n elements, float32, contiguous) += what `message` (words(n) words) carries.
+  void addDecoded(const at::Tensor& message, at::Tensor out) const;
+
+ private:
+  int bits_;
+  int qmax_;
 };
 
 // How a parameter-server push carries a gradient shard of n elements as float32 words, so the

@@ -20,6 +20,33 @@ void LocalSgdStrategy::attachModel(torch::nn::Module& model) {
   AttachContext inner;
   inner.sink = sink_;
   bsp_->attach(model, std::move(inner));  // also broadcasts rank 0's parameters
+  if (options_.compression != Compression::kNone) {
+    DilocoOptions d;
+    d.period = options_.period;
+    d.outerLr = 1.0;  // the mean of the replicas
+    d.outerMomentum = 0.0;
+    d.compression = options_.compression;
+    d.firstStep = options_.postLocalAfter;
+    quantized_ = std::make_unique<DilocoStrategy>(comm_, d);
+    AttachContext outer;
+    outer.sink = sink_;
+    if (!restored_.empty()) {
+      outer.restoredState = &restored_;
+      outer.savedWorkers = savedWorkers_;
+    }
+    quantized_->attach(model, std::move(outer));
+    restored_.clear();
+  }
+}
+
+void LocalSgdStrategy::restoreState(const std::map<std::string, at::Tensor>& state,
+                                    int64_t savedWorkers) {
+  restored_ = state;  // for the quantized averaging, made in attachModel()
+  savedWorkers_ = savedWorkers;
+}
+
+std::map<std::string, at::Tensor> LocalSgdStrategy::saveState() {
+  return quantized_ ? quantized_->saveState() : std::map<std::string, at::Tensor>{};
 }
 
 void LocalSgdStrategy::beforeForward(int64_t step) {
@@ -30,7 +57,15 @@ void LocalSgdStrategy::beforeForward(int64_t step) {
 void LocalSgdStrategy::finishGradients() { bsp_->finishGradients(); }
 
 void LocalSgdStrategy::afterStep(int64_t step) {
-  if (bspPhase(step)) return;
+  if (bspPhase(step)) {
+    // The replicas are equal after the last BSP step: the quantized averaging starts there.
+    if (quantized_ && step + 1 == options_.postLocalAfter) quantized_->rebase();
+    return;
+  }
+  if (quantized_) {
+    quantized_->afterStep(step);
+    return;
+  }
   if ((step + 1 - options_.postLocalAfter) % options_.period != 0) return;
   const auto start = Clock::now();
   averageModel(*comm_, *model_);
@@ -38,6 +73,7 @@ void LocalSgdStrategy::afterStep(int64_t step) {
 }
 
 double LocalSgdStrategy::consolidate() {
+  if (quantized_) return quantized_->consolidate();
   const double distance = consensusDistance(*comm_, *model_);
   averageModel(*comm_, *model_);
   return distance;

@@ -8,12 +8,18 @@
 // (momentum) stays local (ours). H = 1 with plain SGD equals BSP all-reduce up to float
 // rounding: the mean of (x - lr*g_k) is x - lr*mean(g_k).
 //
+// With `compression` int8 or int4 the averaging is DiLoCo's exchange (diloco.h) with outer lr 1
+// and no outer momentum: each worker sends its parameters' change since the last averaging,
+// quantized with error feedback, and every worker adds the mean change to the last averaged
+// parameters. Its residuals are in checkpoints.
+//
 // Threading: trainer thread, except the inner all-reduce's gradient hooks (see allreduce.h).
 #pragma once
 
 #include <memory>
 
 #include "sync/allreduce.h"
+#include "sync/diloco.h"
 
 namespace caravan {
 
@@ -21,6 +27,7 @@ struct LocalSgdOptions {
   int64_t period = 4;          // H: steps between averagings, >= 1
   int64_t postLocalAfter = 0;  // K: BSP all-reduce for steps [0, K)
   AllReduceOptions allreduce;  // the BSP phase's buckets
+  Compression compression = Compression::kNone;  // the averaging's: none, int8 or int4
 };
 
 class LocalSgdStrategy : public Strategy {
@@ -32,6 +39,10 @@ class LocalSgdStrategy : public Strategy {
   void finishGradients() override;
   void afterStep(int64_t step) override;
   double consolidate() override;
+  std::map<std::string, at::Tensor> saveState() override;
+
+ protected:
+  void restoreState(const std::map<std::string, at::Tensor>& state, int64_t savedWorkers) override;
 
  private:
   bool bspPhase(int64_t step) const { return step < options_.postLocalAfter; }
@@ -39,6 +50,9 @@ class LocalSgdStrategy : public Strategy {
   std::shared_ptr<Communicator> comm_;
   LocalSgdOptions options_;
   std::unique_ptr<AllReduceStrategy> bsp_;
+  std::unique_ptr<DilocoStrategy> quantized_;  // int8/int4 averaging
+  std::map<std::string, at::Tensor> restored_;
+  int64_t savedWorkers_ = 0;
   torch::nn::Module* model_ = nullptr;
 };
 

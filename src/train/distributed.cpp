@@ -19,6 +19,7 @@
 #include "core/errors.h"
 #include "core/log.h"
 #include "sync/allreduce.h"
+#include "sync/diloco.h"
 #include "sync/gossip.h"
 #include "sync/local_sgd.h"
 #include "sync/osp.h"
@@ -202,6 +203,8 @@ Strategy* Distributed::attach(torch::nn::Module& model, AttachContext context) {
     strategy_ = std::make_unique<AllReduceStrategy>(comm, sync.allreduce);
   } else if (mode == "local-sgd") {
     strategy_ = std::make_unique<LocalSgdStrategy>(comm, sync.localSgd);
+  } else if (mode == "diloco") {
+    strategy_ = std::make_unique<DilocoStrategy>(comm, sync.diloco);
   } else if (mode == "gossip") {
     strategy_ = std::make_unique<GossipStrategy>(comm, sync.gossip);
   } else {

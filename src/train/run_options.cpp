@@ -42,6 +42,14 @@ SyncOptions readSync(const Config& config) {
   s.localSgd.period = config.i64("sync.local_period");
   s.localSgd.postLocalAfter = config.i64("sync.post_local_steps");
   s.localSgd.allreduce = a;
+  s.localSgd.allreduce.compression = Compression::kNone;  // the BSP phase's gradients
+  s.localSgd.compression = a.compression;                 // the averaging's: none, int8, int4
+  DilocoOptions& dl = s.diloco;
+  dl.period = s.localSgd.period;
+  dl.outerLr = config.f64("sync.outer_lr");
+  dl.outerMomentum = config.f64("sync.outer_momentum");
+  dl.fragments = config.i64("sync.fragments");
+  dl.compression = a.compression;
   s.gossip.topology = config.str("sync.gossip_topology");
   if (usesServers(s.mode) && s.mode != "osp") {
     s.ps = psOptions(s.mode, config.i64("sync.staleness"));
@@ -289,12 +297,27 @@ void validate(const RunOptions& options, int worldSize) {
       }
     }
     const bool psMode = usesServers(mode) && mode != "osp";  // ps-bsp, ps-asp, ps-ssp
-    const bool compressed = sync.allreduce.compression != Compression::kNone;
-    if (compressed && mode != "allreduce" && !psMode) {
-      throw ConfigError(
-          fmt::format("sync.compression = {} works with sync.mode = allreduce, "
-                      "ps-bsp, ps-asp and ps-ssp; set sync.compression = none for {}",
-                      sync.compressionName, mode));
+    const Compression compression = sync.allreduce.compression;
+    const bool compressed = compression != Compression::kNone;
+    const bool quantized = compression == Compression::kInt8 || compression == Compression::kInt4;
+    const bool rare = mode == "diloco" || mode == "local-sgd";  // parameter changes travel
+    if (quantized && !rare) {
+      throw ConfigError(fmt::format(
+          "sync.compression = {} is for parameter changes (sync.mode = diloco or local-sgd); "
+          "for {} use none, fp16, bf16 or topk",
+          sync.compressionName, mode));
+    }
+    if (compressed && !quantized && mode != "allreduce" && !psMode) {
+      throw ConfigError(fmt::format(
+          "sync.compression = {} works with sync.mode = allreduce, ps-bsp, ps-asp and ps-ssp; "
+          "for {} use none{}",
+          sync.compressionName, mode, rare ? ", int8 or int4" : ""));
+    }
+    if (mode == "diloco" && sync.diloco.fragments > sync.diloco.period) {
+      throw ConfigError(fmt::format(
+          "sync.fragments = {} is more than sync.local_period = {}: each fragment syncs once "
+          "every sync.local_period steps, one at a time; use at most {} fragments",
+          sync.diloco.fragments, sync.diloco.period, sync.diloco.period));
     }
     if (usesServers(mode) && options.optim.gradClip > 0.0) {
       throw ConfigError(

@@ -16,6 +16,7 @@
 #include "memory/weights.h"
 #include "models/model.h"
 #include "sync/allreduce.h"
+#include "sync/diloco.h"
 #include "sync/gossip.h"
 #include "sync/local_sgd.h"
 #include "sync/osp.h"
@@ -102,6 +103,7 @@ struct SyncOptions {
   std::string compressionName = "none";
   AllReduceOptions allreduce;
   LocalSgdOptions localSgd;
+  DilocoOptions diloco;
   GossipOptions gossip;
   PsOptions ps;  // ps-bsp, ps-asp, ps-ssp
   OspOptions osp;

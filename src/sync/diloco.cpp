@@ -1,0 +1,200 @@
+// DiLoCo and its streaming variant (see diloco.h).
+#include "sync/diloco.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "comm/communicator.h"
+#include "core/errors.h"
+#include "sync/optimizer_state.h"
+#include "sync/replicas.h"
+
+namespace caravan {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t fragmentDue(int64_t stepsDone, int64_t period, int64_t fragments) {
+  if (stepsDone <= 0) return -1;
+  const int64_t phase = stepsDone % period;
+  for (int64_t f = 0; f < fragments; ++f) {
+    if ((f + 1) * period / fragments % period == phase) return f;
+  }
+  return -1;
+}
+
+// One fragment's exchange between launch() and complete().
+struct DilocoStrategy::InFlight {
+  int64_t fragment = 0;
+  int64_t dueStep = 0;  // complete() after this step at the latest
+  at::Tensor sent;      // the fragment's parameters when it was launched
+  at::Tensor reduced;   // none: the all-reduced sum of pseudo-gradients
+  at::Tensor gathered;  // int8/int4: every rank's message
+  WorkPtr work;
+  Clock::time_point start;
+};
+
+DilocoStrategy::DilocoStrategy(std::shared_ptr<Communicator> comm, DilocoOptions options)
+    : comm_(std::move(comm)), options_(options) {
+  CARAVAN_CHECK(comm_ != nullptr, "diloco needs a communicator");
+  CARAVAN_CHECK(options_.period >= 1, "diloco period {} < 1", options_.period);
+  CARAVAN_CHECK(options_.fragments >= 1 && options_.fragments <= options_.period,
+                "diloco fragments {} outside [1, period {}]", options_.fragments, options_.period);
+  CARAVAN_CHECK(options_.outerLr > 0.0, "diloco outer lr {} <= 0", options_.outerLr);
+  CARAVAN_CHECK(options_.outerMomentum >= 0.0 && options_.outerMomentum < 1.0,
+                "diloco outer momentum {} outside [0, 1)", options_.outerMomentum);
+  if (options_.compression == Compression::kInt8 || options_.compression == Compression::kInt4) {
+    codec_.emplace(options_.compression);
+  } else {
+    CARAVAN_CHECK(options_.compression == Compression::kNone,
+                  "diloco pseudo-gradients travel as float32, int8 or int4");
+  }
+}
+
+DilocoStrategy::~DilocoStrategy() = default;
+
+std::pair<int64_t, int64_t> DilocoStrategy::range(int64_t fragment) const {
+  return {numel_ * fragment / options_.fragments, numel_ * (fragment + 1) / options_.fragments};
+}
+
+void DilocoStrategy::attachModel(torch::nn::Module& model) {
+  broadcastModel(*comm_, model);  // rank 0's initial parameters (and buffers) everywhere
+  model_ = &model;
+  params_ = syncedParameters(model);
+  const at::Tensor flat = flatten(params_);
+  numel_ = flat.numel();
+  anchor_ = flat.clone();
+  momentum_ = at::zeros({numel_}, at::kFloat);
+  if (codec_) residual_ = at::zeros({numel_}, at::kFloat);
+  if (restored_.empty()) return;
+  auto take = [&](const std::string& key, int64_t rows) -> std::optional<at::Tensor> {
+    auto it = restored_.find(key);
+    if (it == restored_.end()) return std::nullopt;
+    const at::Tensor& t = it->second;
+    if (t.scalar_type() != at::kFloat || t.dim() != 1 || t.numel() != rows) {
+      throw CheckpointError(fmt::format(
+          "the checkpoint's {} holds {} values where this model has {}: it was written for "
+          "another model; start a new run directory",
+          key, t.numel(), rows));
+    }
+    return t;
+  };
+  if (auto a = take("diloco_anchor", numel_)) anchor_.copy_(*a);
+  if (auto m = take("diloco_momentum", numel_)) momentum_.copy_(*m);
+  const int rank = comm_->rank(), world = comm_->size();
+  auto it = restored_.find("diloco_residuals");
+  if (codec_ && it != restored_.end()) {
+    residual_.copy_(rowForRank(it->second, rank, world, numel_));
+  }
+  it = restored_.find("diloco_inner_state");
+  auto steps = restored_.find("diloco_inner_step");
+  if (optimizer_ != nullptr && it != restored_.end() && steps != restored_.end() &&
+      it->second.dim() == 2 && it->second.size(1) % std::max<int64_t>(numel_, 1) == 0) {
+    const int64_t rows = it->second.size(1) / std::max<int64_t>(numel_, 1);
+    FlatOptimizerState inner;
+    inner.slots = rowForRank(it->second, rank, world, rows * numel_).view({rows, numel_});
+    inner.step = steps->second.item<int64_t>();
+    scatterOptimizerState(*optimizer_, params_, inner);
+  }
+  restored_.clear();
+}
+
+void DilocoStrategy::restoreState(const std::map<std::string, at::Tensor>& state,
+                                  int64_t /*savedWorkers: rowForRank sees the rows*/) {
+  restored_ = state;  // attachModel() knows the parameters
+}
+
+void DilocoStrategy::rebase() {
+  CARAVAN_CHECK(inFlight_ == nullptr, "diloco rebase with an exchange in flight");
+  anchor_.copy_(flatten(params_));
+}
+
+void DilocoStrategy::afterStep(int64_t step) {
+  if (inFlight_ != nullptr && inFlight_->dueStep <= step) complete();
+  const int64_t fragment =
+      fragmentDue(step + 1 - options_.firstStep, options_.period, options_.fragments);
+  if (fragment < 0) return;
+  launch(fragment, step);
+  if (options_.fragments == 1) complete();  // blocking DiLoCo
+}
+
+void DilocoStrategy::launch(int64_t fragment, int64_t step) {
+  CARAVAN_CHECK(inFlight_ == nullptr, "diloco launched a fragment with another in flight");
+  auto f = std::make_unique<InFlight>();
+  f->fragment = fragment;
+  f->dueStep = step + 1;
+  f->start = Clock::now();
+  const auto [begin, end] = range(fragment);
+  f->sent = flatten(params_).narrow(0, begin, end - begin).clone();
+  at::Tensor delta = anchor_.narrow(0, begin, end - begin) - f->sent;  // Δ = θ_sync − θ
+  if (codec_) {
+    const at::Tensor message = codec_->encode(delta, residual_.narrow(0, begin, end - begin));
+    f->gathered = at::empty({comm_->size() * message.numel()}, at::kFloat);
+    f->work = comm_->allgather(f->gathered, message);
+  } else {
+    f->reduced = delta;
+    f->work = comm_->allreduce(f->reduced, ReduceOp::kSum);
+  }
+  inFlight_ = std::move(f);
+}
+
+void DilocoStrategy::complete() {
+  std::unique_ptr<InFlight> f = std::move(inFlight_);
+  f->work->wait(comm_->timeout());
+  const auto [begin, end] = range(f->fragment);
+  const int64_t n = end - begin;
+  at::Tensor mean;
+  if (codec_) {
+    mean = at::zeros({n}, at::kFloat);
+    const int64_t words = f->gathered.numel() / comm_->size();
+    for (int r = 0; r < comm_->size(); ++r) {
+      codec_->addDecoded(f->gathered.narrow(0, r * words, words), mean);
+    }
+  } else {
+    mean = f->reduced;
+  }
+  mean.div_(comm_->size());
+  // Outer SGD, Nesterov as torch.optim.SGD: m = μ m + Δ; θ_sync -= lr (Δ + μ m).
+  at::Tensor anchor = anchor_.narrow(0, begin, end - begin);
+  const double mu = options_.outerMomentum;
+  if (mu > 0.0) {
+    at::Tensor m = momentum_.narrow(0, begin, end - begin);
+    m.mul_(mu).add_(mean);
+    anchor.sub_(mean.add(m, mu), options_.outerLr);
+  } else {
+    anchor.sub_(mean, options_.outerLr);
+  }
+  // The fragment becomes θ_sync plus what this rank did since it sent (nothing when blocking).
+  at::Tensor flat = flatten(params_);
+  at::Tensor now = flat.narrow(0, begin, end - begin);
+  if (options_.fragments == 1) {
+    now.copy_(anchor);
+  } else {
+    now.sub_(f->sent).add_(anchor);
+  }
+  unflattenInto(flat, params_);
+  if (sink_) sink_(fmt::format("outer sync of fragment {}", f->fragment), f->start, Clock::now());
+}
+
+double DilocoStrategy::consolidate() {
+  if (inFlight_ != nullptr) complete();
+  const double distance = consensusDistance(*comm_, *model_);
+  averageModel(*comm_, *model_);  // parameters and floating-point buffers
+  return distance;
+}
+
+std::map<std::string, at::Tensor> DilocoStrategy::saveState() {
+  std::map<std::string, at::Tensor> state = {{"diloco_anchor", anchor_.clone()},
+                                             {"diloco_momentum", momentum_.clone()}};
+  if (codec_) state["diloco_residuals"] = gatherRows(*comm_, residual_);
+  if (optimizer_ != nullptr) {
+    const FlatOptimizerState inner = gatherOptimizerState(*optimizer_, params_);
+    // Every rank stepped as often, so every rank has as many rows (none before the first step).
+    if (inner.rows() > 0) {
+      state["diloco_inner_state"] = gatherRows(*comm_, inner.slots.reshape({-1}));
+      state["diloco_inner_step"] = at::tensor({inner.step}, at::kLong);
+    }
+  }
+  return state;
+}
+
+}  // namespace caravan

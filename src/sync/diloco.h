@@ -1,0 +1,95 @@
+// DiLoCo (sync.mode = "diloco", ALGORITHMS.md §1.6): every worker takes H = `period` steps of
+// the run's own optimizer (the inner optimizer, whose state stays on the worker), then the
+// workers exchange their pseudo-gradients Δ_r = θ_sync − θ_r and an outer optimizer (SGD with
+// Nesterov momentum `outerMomentum`, learning rate `outerLr`) applies the mean to the shared
+// parameters θ_sync, which every worker then continues from.
+//
+// Streaming (fragments F > 1): the flat parameter vector is cut into F equal fragments;
+// fragment f syncs when t, the steps done, is a positive multiple of H plus
+// floor((f + 1) H / F) mod H (fragmentDue below), so fragments go in order 0, 1, ... F-1, each
+// every H steps, one at a time. Its exchange is launched after step t and applied after step
+// t + 1 (it overlaps one inner step): θ_f ← θ_f^sync + (θ_f^now − θ_f^sent), keeping the local
+// progress made meanwhile (mixing factor 1; ours). F = 1 is blocking DiLoCo: the exchange is
+// applied right after the step that launched it.
+//
+// Compression (none | int8 | int4, compression.h): int8/int4 pseudo-gradients travel block-
+// scaled with error feedback (every worker's residual), gathered from every rank and summed in
+// rank order; none: a float32 all-reduce.
+//
+// Consistency: θ_sync, the outer momentum and (with compression) the sum are the same on every
+// rank; a fragment's parameters are equal on every rank right after a blocking sync, and differ
+// by each rank's one overlapped step after a streaming one. With H = 1, outer lr 1, no outer
+// momentum and a linear inner optimizer (SGD with momentum) the mean of θ_r is what BSP
+// all-reduce computes, up to float rounding.
+//
+// Checkpoints (saveState, after consolidate(): in-flight exchange applied, replicas averaged):
+// θ_sync, the outer momentum, every rank's residual and every rank's inner optimizer state, so a
+// resumed run on the same workers continues exactly; on another number of workers the residuals
+// and the inner state are the mean of the saved ranks' (replicas.h rowForRank).
+//
+// Threading: trainer thread; the exchange runs on the communicator's own thread. lockstep() is
+// false: the trainer's per-step agreement would queue behind an overlapped exchange.
+#pragma once
+
+#include <memory>
+#include <optional>
+
+#include "sync/compression.h"
+#include "sync/strategy.h"
+
+namespace caravan {
+
+struct DilocoOptions {
+  int64_t period = 4;          // H: inner steps between a fragment's syncs, >= 1
+  double outerLr = 0.7;        // > 0
+  double outerMomentum = 0.9;  // Nesterov, in [0, 1); 0: plain outer SGD
+  int64_t fragments = 1;       // F in [1, H]: > 1 streams fragments, each overlapping a step
+  Compression compression = Compression::kNone;  // none | int8 | int4
+  int64_t firstStep = 0;  // steps before this one are not counted (local-sgd's BSP phase)
+};
+
+// Which fragment syncs when `stepsDone` steps are done (-1: none), for H = period, F =
+// fragments: f with stepsDone > 0 and stepsDone ≡ floor((f + 1) H / F) (mod H).
+int64_t fragmentDue(int64_t stepsDone, int64_t period, int64_t fragments);
+
+class Communicator;
+
+class DilocoStrategy : public Strategy {
+ public:
+  DilocoStrategy(std::shared_ptr<Communicator> comm, DilocoOptions options);
+  ~DilocoStrategy() override;
+  std::string name() const override { return "diloco"; }
+  void finishGradients() override {}  // the inner optimizer applies the local gradient
+  void afterStep(int64_t step) override;
+  double consolidate() override;
+  bool lockstep() const override { return false; }
+  std::map<std::string, at::Tensor> saveState() override;
+  // θ_sync := the current parameters (every rank's equal): local-sgd at the end of its BSP
+  // phase. Only between exchanges.
+  void rebase();
+
+ protected:
+  void attachModel(torch::nn::Module& model) override;
+  void restoreState(const std::map<std::string, at::Tensor>& state, int64_t savedWorkers) override;
+
+ private:
+  struct InFlight;
+  void launch(int64_t fragment, int64_t step);
+  void complete();
+  // [begin, end) of fragment f in the flat parameter vector.
+  std::pair<int64_t, int64_t> range(int64_t fragment) const;
+
+  std::shared_ptr<Communicator> comm_;
+  DilocoOptions options_;
+  std::optional<QuantCodec> codec_;
+  torch::nn::Module* model_ = nullptr;
+  std::vector<at::Tensor> params_;
+  int64_t numel_ = 0;
+  at::Tensor anchor_;    // θ_sync, flat
+  at::Tensor momentum_;  // the outer momentum, flat
+  at::Tensor residual_;  // error feedback (compressed only), flat
+  std::unique_ptr<InFlight> inFlight_;
+  std::map<std::string, at::Tensor> restored_;  // a checkpoint's, until attachModel()
+};
+
+}  // namespace caravan
