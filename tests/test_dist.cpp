@@ -812,14 +812,16 @@ INSTANTIATE_TEST_SUITE_P(
         std::make_tuple("sync.mode=ps-bsp,sync.compression=topk", 2, 1),
         std::make_tuple("sync.mode=osp", 2, 1),
         // Streaming DiLoCo with int4: θ_sync, the outer momentum, every worker's residual and
-        // every worker's own inner momentum; with AdamW inside, every worker's moments.
+        // every worker's own inner momentum; with AdamW inside, every worker's moments. (Streamed
+        // fragments are not lockstep: the workers agree every train.log_every = 3 steps.)
         std::make_tuple("sync.mode=diloco,sync.local_period=3,sync.fragments=3,"
-                        "sync.compression=int4,sync.outer_momentum=0.5",
+                        "sync.compression=int4,sync.outer_momentum=0.5,train.log_every=3",
                         2, 0),
         std::make_tuple("sync.mode=diloco,sync.local_period=2,optim.name=adamw", 3, 0),
-        // Local SGD's int8 averaging (its residuals; plain SGD: no per-worker state besides).
+        // Local SGD's int8 averaging after a BSP phase of 5 steps (its residuals; plain SGD:
+        // no per-worker state besides).
         std::make_tuple("sync.mode=local-sgd,sync.local_period=4,sync.compression=int8,"
-                        "optim.momentum=0",
+                        "optim.momentum=0,sync.post_local_steps=5",
                         2, 0)));
 
 // Resharding: a checkpoint of W workers resumes on W' workers. With the global batch kept

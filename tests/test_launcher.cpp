@@ -514,6 +514,10 @@ TEST_F(LauncherProcess, RefusedCombinationsExitBeforeAnyWorkerStartsWithOneLine)
        "for diloco use none, int8 or int4"},
       {"--set sync.mode=diloco --set sync.local_period=2 --set sync.fragments=3",
        "sync.fragments = 3 is more than sync.local_period = 2"},
+      {"--set sync.mode=local-sgd --set sync.fragments=2",
+       "sync.fragments = 2 streams diloco's fragments"},
+      {"--set sync.mode=diloco --set sync.post_local_steps=3",
+       "sync.post_local_steps is local-sgd's BSP phase"},
   };
   const int port = 20000 + static_cast<int>(::getpid() % 20000);
   for (const auto& [settings, needle] : combinations) {

@@ -234,9 +234,9 @@ std::vector<ConfigOption> buildSchema() {
       floatOpt("sync.outer_momentum", 0.9, 0.0, 0.999,
                "diloco: the outer optimizer's Nesterov momentum (0: plain SGD)"),
       intOpt("sync.fragments", 1, 1, kMaxInt,
-             "diloco: parameter fragments synchronized in turn, one every sync.local_period / "
-             "F steps, each exchange overlapping the next inner step (streaming DiLoCo); 1 = "
-             "the whole model at once, blocking; at most sync.local_period"),
+             "diloco: parameter fragments synchronized in turn, spread evenly over each "
+             "sync.local_period steps, each exchange overlapping the next inner step (streaming "
+             "DiLoCo); 1 = the whole model at once, blocking; at most sync.local_period"),
       intOpt("sync.post_local_steps", 0, 0, kMaxInt,
              "local-sgd: BSP all-reduce for the first K steps, local steps after (post-local "
              "SGD); 0 = local from the start"),

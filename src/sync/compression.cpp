@@ -123,6 +123,12 @@ at::Tensor QuantCodec::encode(const at::Tensor& values, at::Tensor residual) con
     float largest = 0.0f;
     for (int64_t i = begin; i < end; ++i) {
       r[i] += v[i];
+      if (!std::isfinite(r[i])) {
+        throw NonFiniteError(fmt::format(
+            "a parameter change to send holds a non-finite value (element {} of {}): the run "
+            "diverged; lower optim.lr or sync.outer_lr",
+            i, n));
+      }
       largest = std::max(largest, std::fabs(r[i]));
     }
     const float scale = largest / static_cast<float>(qmax_);

@@ -6,6 +6,7 @@
 
 #include "comm/communicator.h"
 #include "core/errors.h"
+#include "core/log.h"
 #include "sync/optimizer_state.h"
 #include "sync/replicas.h"
 
@@ -86,13 +87,22 @@ void DilocoStrategy::attachModel(torch::nn::Module& model) {
     residual_.copy_(rowForRank(it->second, rank, world, numel_));
   }
   it = restored_.find("diloco_inner_state");
-  auto steps = restored_.find("diloco_inner_step");
-  if (optimizer_ != nullptr && it != restored_.end() && steps != restored_.end() &&
-      it->second.dim() == 2 && it->second.size(1) % std::max<int64_t>(numel_, 1) == 0) {
-    const int64_t rows = it->second.size(1) / std::max<int64_t>(numel_, 1);
+  if (optimizer_ != nullptr && it != restored_.end()) {
+    // [workers, rows * n + 1]: this run's optimizer must have as many rows (SGD with momentum
+    // 1, AdamW 2) for this model.
+    const FlatOptimizerState own = gatherOptimizerState(*optimizer_, params_);
+    const int64_t width = own.rows() * numel_ + 1;
+    if (own.rows() == 0 || it->second.dim() != 2 || it->second.size(1) != width) {
+      throw CheckpointError(fmt::format(
+          "the checkpoint's per-worker optimizer state ({}) does not fit this run's optimizer "
+          "and model ({} values per worker); resume with the optimizer that wrote it, or start "
+          "a new run directory",
+          c10::str(it->second.sizes()), width));
+    }
+    const at::Tensor row = rowForRank(it->second, rank, world, width);
     FlatOptimizerState inner;
-    inner.slots = rowForRank(it->second, rank, world, rows * numel_).view({rows, numel_});
-    inner.step = steps->second.item<int64_t>();
+    inner.slots = row.narrow(0, 0, width - 1).view({own.rows(), numel_});
+    inner.step = static_cast<int64_t>(std::lround(row[width - 1].item<double>()));
     scatterOptimizerState(*optimizer_, params_, inner);
   }
   restored_.clear();
@@ -177,21 +187,40 @@ void DilocoStrategy::complete() {
 
 double DilocoStrategy::consolidate() {
   if (inFlight_ != nullptr) complete();
-  const double distance = consensusDistance(*comm_, *model_);
-  averageModel(*comm_, *model_);  // parameters and floating-point buffers
-  return distance;
+  return averageReplicas(*comm_, *model_);  // parameters and floating-point buffers
 }
 
 std::map<std::string, at::Tensor> DilocoStrategy::saveState() {
   std::map<std::string, at::Tensor> state = {{"diloco_anchor", anchor_.clone()},
                                              {"diloco_momentum", momentum_.clone()}};
   if (codec_) state["diloco_residuals"] = gatherRows(*comm_, residual_);
-  if (optimizer_ != nullptr) {
-    const FlatOptimizerState inner = gatherOptimizerState(*optimizer_, params_);
-    // Every rank stepped as often, so every rank has as many rows (none before the first step).
-    if (inner.rows() > 0) {
-      state["diloco_inner_state"] = gatherRows(*comm_, inner.slots.reshape({-1}));
-      state["diloco_inner_step"] = at::tensor({inner.step}, at::kLong);
+  if (optimizer_ == nullptr) return state;
+  // Every worker's inner optimizer state, as one row each: its slots, then its step count.
+  // The ranks first agree that every one has state of one shape (none before the first step; a
+  // parameter that never got a gradient has none, which gatherOptimizerState refuses; a worker
+  // that skipped non-finite steps may have none yet), so the gather is entered by all or none.
+  FlatOptimizerState inner;
+  int64_t rows = -1;  // -1: this rank cannot say
+  try {
+    inner = gatherOptimizerState(*optimizer_, params_);
+    rows = inner.rows();
+  } catch (const Error&) {
+  }
+  at::Tensor agree =
+      at::tensor({static_cast<double>(rows), -static_cast<double>(rows)}, at::kDouble);
+  comm_->allreduce(agree, ReduceOp::kMax)->wait(comm_->timeout());
+  const double most = agree[0].item<double>(), least = -agree[1].item<double>();
+  if (most == least && least >= 1) {
+    const at::Tensor row =
+        at::cat({inner.slots.reshape({-1}), at::tensor({static_cast<float>(inner.step)})});
+    state["diloco_inner_state"] = gatherRows(*comm_, row);
+  } else if (most > 0) {
+    if (comm_->rank() == 0) {
+      logLine(fmt::format(
+          "warning: the workers' inner optimizer states differ in shape ({} to {} rows; a "
+          "parameter without gradients has none): the checkpoint holds worker 0's only, and a "
+          "resumed run starts every worker from it",
+          least, most));
     }
   }
   return state;

@@ -5,12 +5,12 @@
 // parameters θ_sync, which every worker then continues from.
 //
 // Streaming (fragments F > 1): the flat parameter vector is cut into F equal fragments;
-// fragment f syncs when t, the steps done, is a positive multiple of H plus
-// floor((f + 1) H / F) mod H (fragmentDue below), so fragments go in order 0, 1, ... F-1, each
-// every H steps, one at a time. Its exchange is launched after step t and applied after step
-// t + 1 (it overlaps one inner step): θ_f ← θ_f^sync + (θ_f^now − θ_f^sent), keeping the local
-// progress made meanwhile (mixing factor 1; ours). F = 1 is blocking DiLoCo: the exchange is
-// applied right after the step that launched it.
+// fragment f syncs when t, the steps done, is positive and t ≡ floor((f + 1) H / F) (mod H)
+// (fragmentDue below; the first time at t = floor((f + 1) H / F)), so fragments go in order
+// 0, 1, ... F-1, each every H steps, one at a time. Its exchange is launched after step t and
+// applied after step t + 1 (it overlaps one inner step): θ_f ← θ_f^sync + (θ_f^now − θ_f^sent),
+// keeping the local progress made meanwhile (mixing factor 1; ours). F = 1 is blocking DiLoCo: the
+// exchange is applied right after the step that launched it.
 //
 // Compression (none | int8 | int4, compression.h): int8/int4 pseudo-gradients travel block-
 // scaled with error feedback (every worker's residual), gathered from every rank and summed in
@@ -27,8 +27,16 @@
 // resumed run on the same workers continues exactly; on another number of workers the residuals
 // and the inner state are the mean of the saved ranks' (replicas.h rowForRank).
 //
+// Floating-point buffers (batch-norm statistics) are not exchanged at syncs: consolidate()
+// averages them with the parameters, before every evaluation and checkpoint.
+//
+// Bytes: none sends a float32 ring all-reduce (2 (W-1)/W x 4 bytes per element per sync);
+// int8/int4 gather every rank's message, (W-1) x 1 or 0.5 bytes per element: less than float32
+// below 8 (int8) or 16 (int4) workers, more above.
+//
 // Threading: trainer thread; the exchange runs on the communicator's own thread. lockstep() is
-// false: the trainer's per-step agreement would queue behind an overlapped exchange.
+// false when fragments stream: the trainer's per-step agreement would queue behind an
+// overlapped exchange.
 #pragma once
 
 #include <memory>
@@ -62,7 +70,9 @@ class DilocoStrategy : public Strategy {
   void finishGradients() override {}  // the inner optimizer applies the local gradient
   void afterStep(int64_t step) override;
   double consolidate() override;
-  bool lockstep() const override { return false; }
+  // Blocking DiLoCo leaves nothing in flight between steps; a streamed fragment's exchange
+  // would hold the trainer's per-step agreement back (it queues behind it).
+  bool lockstep() const override { return options_.fragments == 1; }
   std::map<std::string, at::Tensor> saveState() override;
   // θ_sync := the current parameters (every rank's equal): local-sgd at the end of its BSP
   // phase. Only between exchanges.

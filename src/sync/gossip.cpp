@@ -74,9 +74,7 @@ void GossipStrategy::afterStep(int64_t step) {
 }
 
 double GossipStrategy::consolidate() {
-  const double distance = consensusDistance(*comm_, *model_);
-  averageModel(*comm_, *model_);
-  return distance;
+  return averageReplicas(*comm_, *model_);  // parameters and floating-point buffers
 }
 
 }  // namespace caravan

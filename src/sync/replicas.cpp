@@ -73,6 +73,22 @@ void averageModel(Communicator& comm, torch::nn::Module& model) {
   unflattenInto(flat, all);
 }
 
+double averageReplicas(Communicator& comm, torch::nn::Module& model) {
+  std::vector<at::Tensor> all = syncedParameters(model);
+  const size_t parameters = all.size();
+  for (auto& b : floatBuffers(model)) all.push_back(b);
+  at::Tensor flat = flatten(all);
+  int64_t n = 0;
+  for (size_t i = 0; i < parameters; ++i) n += all[i].numel();
+  const at::Tensor mine = flat.narrow(0, 0, n).to(at::kDouble);
+  comm.allreduce(flat, ReduceOp::kSum)->wait(comm.timeout());
+  flat.div_(static_cast<double>(comm.size()));
+  at::Tensor sq = (mine - flat.narrow(0, 0, n).to(at::kDouble)).pow(2).sum().reshape({1});
+  comm.allreduce(sq, ReduceOp::kSum)->wait(comm.timeout());
+  unflattenInto(flat, all);
+  return std::sqrt(sq.item<double>() / static_cast<double>(comm.size()));
+}
+
 double consensusDistance(Communicator& comm, torch::nn::Module& model) {
   return consensusDistance(comm, syncedParameters(model));
 }

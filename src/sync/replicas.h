@@ -35,6 +35,12 @@ void broadcastModel(Communicator& comm, torch::nn::Module& model);
 // Every rank's parameters (and floating-point buffers) replaced by the mean over ranks.
 void averageModel(Communicator& comm, torch::nn::Module& model);
 
+// averageModel and the consensus distance the parameters had before it (consensusDistance,
+// measured from the float32 mean) in one float32 all-reduce of the model and one of a number,
+// instead of a float64 all-reduce, a number and a float32 all-reduce: what consolidate() of
+// the strategies whose replicas drift (local SGD, gossip, DiLoCo) does.
+double averageReplicas(Communicator& comm, torch::nn::Module& model);
+
 // Every rank's `mine` (float32, the same numel on every rank) as the rows of one [W, n] tensor,
 // on rank 0 (undefined elsewhere): per-rank state for a checkpoint, e.g. top-k residuals.
 at::Tensor gatherRows(Communicator& comm, const at::Tensor& mine);

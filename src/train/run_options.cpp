@@ -313,6 +313,18 @@ void validate(const RunOptions& options, int worldSize) {
           "for {} use none{}",
           sync.compressionName, mode, rare ? ", int8 or int4" : ""));
     }
+    if (mode == "local-sgd" && sync.diloco.fragments > 1) {
+      throw ConfigError(fmt::format(
+          "sync.fragments = {} streams diloco's fragments; local-sgd averages the whole model "
+          "at once: use sync.mode = diloco (sync.outer_lr = 1, sync.outer_momentum = 0 for "
+          "local SGD's averaging) or sync.fragments = 1",
+          sync.diloco.fragments));
+    }
+    if (mode == "diloco" && sync.localSgd.postLocalAfter > 0) {
+      throw ConfigError(
+          "sync.post_local_steps is local-sgd's BSP phase; diloco has none: set "
+          "sync.post_local_steps = 0");
+    }
     if (mode == "diloco" && sync.diloco.fragments > sync.diloco.period) {
       throw ConfigError(fmt::format(
           "sync.fragments = {} is more than sync.local_period = {}: each fragment syncs once "
