@@ -388,10 +388,13 @@ def write_charts(results, out):
     note = "; ".join(head) + (
         ". vs ps-bsp: samples/s over ps-bsp's at the same rate; OSP's bound is (compute + comm)"
         " / max(compute, comm) with ps-bsp's compute and wait per step.")
+    # --set is stored as "extra" (its dest); the command line says --set once per value.
+    command_args = {k: v for k, v in results["args"].items() if k != "extra"}
+    command_args["set"] = results["args"].get("extra", [])
     return charts.write(out, "network", "Synchronization modes on constrained links",
                         out_charts, note=note,
-                        command=charts.command("bench/network_sweep.py", results["args"],
-                                               skip=("replot", "reuse")),
+                        command=charts.command("bench/network_sweep.py", command_args,
+                                               skip=("replot", "reuse"), repeated=("set",)),
                         table=charts.markdown_table(text))
 
 
