@@ -334,3 +334,20 @@ TEST(ClusterFile, RefusesUnknownMissingAndOutOfRangeKeys) {
   EXPECT_NE(message("[cluster\n").find("invalid TOML"), std::string::npos);
   EXPECT_EQ(message("[cluster]\nhosts = 2\nlink_mbit = 100\n"), "accepted");
 }
+
+// What the simulator does not model is said, not simulated as something else: diloco, and the
+// quantized parameter changes of local-sgd (whose bytes the float32 model would overstate 8x).
+TEST(Simulate, SaysWhatItDoesNotModel) {
+  SyncSpec diloco;
+  diloco.mode = "diloco";
+  EXPECT_NE(diloco.unsupported().find("sync.mode = diloco is not simulated"), std::string::npos)
+      << diloco.unsupported();
+  SyncSpec quantized;
+  quantized.mode = "local-sgd";
+  quantized.compression = "int4";
+  EXPECT_NE(quantized.unsupported().find("sync.compression = int4"), std::string::npos)
+      << quantized.unsupported();
+  SyncSpec plain;
+  plain.mode = "local-sgd";
+  EXPECT_EQ(plain.unsupported(), "");
+}
