@@ -17,10 +17,9 @@ using Clock = std::chrono::steady_clock;
 AllReduceStrategy::AllReduceStrategy(std::shared_ptr<Communicator> comm, AllReduceOptions options)
     : comm_(std::move(comm)), options_(options) {
   CARAVAN_CHECK(comm_ != nullptr, "allreduce needs a communicator");
-  CARAVAN_CHECK(
-      options_.compression != Compression::kInt8 && options_.compression != Compression::kInt4,
-      "int8/int4 are for pseudo-gradients (diloco, local-sgd); validate() refuses them "
-      "for gradients");
+  CARAVAN_CHECK(!isQuantized(options_.compression),
+                "int8/int4 are for pseudo-gradients (diloco, local-sgd); validate() refuses them "
+                "for gradients");
 }
 
 AllReduceStrategy::~AllReduceStrategy() {

@@ -34,6 +34,11 @@ namespace caravan {
 enum class Compression { kNone, kFp16, kBf16, kTopK, kInt8, kInt4 };
 
 // "none" | "fp16" | "bf16" | "topk" | "int8" | "int4" (ConfigError otherwise).
+// int8 and int4: for parameter changes (diloco, local-sgd), never gradients.
+inline bool isQuantized(Compression c) {
+  return c == Compression::kInt8 || c == Compression::kInt4;
+}
+
 Compression parseCompression(const std::string& name);
 
 // In place: `buffer` (float32, contiguous) becomes the sum over ranks, with 16-bit `wire`

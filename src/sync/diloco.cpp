@@ -43,7 +43,7 @@ DilocoStrategy::DilocoStrategy(std::shared_ptr<Communicator> comm, DilocoOptions
   CARAVAN_CHECK(options_.outerLr > 0.0, "diloco outer lr {} <= 0", options_.outerLr);
   CARAVAN_CHECK(options_.outerMomentum >= 0.0 && options_.outerMomentum < 1.0,
                 "diloco outer momentum {} outside [0, 1)", options_.outerMomentum);
-  if (options_.compression == Compression::kInt8 || options_.compression == Compression::kInt4) {
+  if (isQuantized(options_.compression)) {
     codec_.emplace(options_.compression);
   } else {
     CARAVAN_CHECK(options_.compression == Compression::kNone,

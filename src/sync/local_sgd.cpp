@@ -30,19 +30,15 @@ void LocalSgdStrategy::attachModel(torch::nn::Module& model) {
     quantized_ = std::make_unique<DilocoStrategy>(comm_, d);
     AttachContext outer;
     outer.sink = sink_;
-    if (!restored_.empty()) {
-      outer.restoredState = &restored_;
-      outer.savedWorkers = savedWorkers_;
-    }
+    if (!restored_.empty()) outer.restoredState = &restored_;  // its rows say how many wrote it
     quantized_->attach(model, std::move(outer));
     restored_.clear();
   }
 }
 
 void LocalSgdStrategy::restoreState(const std::map<std::string, at::Tensor>& state,
-                                    int64_t savedWorkers) {
+                                    int64_t /*savedWorkers: rowForRank sees the rows*/) {
   restored_ = state;  // for the quantized averaging, made in attachModel()
-  savedWorkers_ = savedWorkers;
 }
 
 std::map<std::string, at::Tensor> LocalSgdStrategy::saveState() {

@@ -50,9 +50,8 @@ class LocalSgdStrategy : public Strategy {
   std::shared_ptr<Communicator> comm_;
   LocalSgdOptions options_;
   std::unique_ptr<AllReduceStrategy> bsp_;
-  std::unique_ptr<DilocoStrategy> quantized_;  // int8/int4 averaging
-  std::map<std::string, at::Tensor> restored_;
-  int64_t savedWorkers_ = 0;
+  std::unique_ptr<DilocoStrategy> quantized_;   // int8/int4 averaging
+  std::map<std::string, at::Tensor> restored_;  // a checkpoint's, until attachModel()
   torch::nn::Module* model_ = nullptr;
 };
 

@@ -299,7 +299,7 @@ void validate(const RunOptions& options, int worldSize) {
     const bool psMode = usesServers(mode) && mode != "osp";  // ps-bsp, ps-asp, ps-ssp
     const Compression compression = sync.allreduce.compression;
     const bool compressed = compression != Compression::kNone;
-    const bool quantized = compression == Compression::kInt8 || compression == Compression::kInt4;
+    const bool quantized = isQuantized(compression);
     const bool rare = mode == "diloco" || mode == "local-sgd";  // parameter changes travel
     if (quantized && !rare) {
       throw ConfigError(fmt::format(
