@@ -361,6 +361,50 @@ TEST(DistDiloco, PeriodOneWithOuterLrOneIsAllReduce) {
       diff);
 }
 
+// ps-diloco takes the outer step on the servers: with float32 exchanges it is diloco among the
+// workers, up to the order of the float sums (the servers sum in rank order, the all-reduce in
+// ring order). Streamed in 3 fragments over 2 servers with 2 workers, so fragments straddle the
+// shards and some rounds leave a server an empty piece; outer momentum 0.9 is on the servers.
+// With int4 pushes and replies, the run ends near the float one (the replies' error feedback
+// keeps θ̂ within a few rounding steps of θ_sync).
+TEST(DistDiloco, ThroughServersEqualsAmongWorkers) {
+  TempDir tmp;
+  auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
+                        "sync.local_period=4", "sync.fragments=3", "train.log_every=4"});
+  ASSERT_EQ(runRanks(2, tmp / "workers", with(o, {"sync.mode=diloco"})), std::vector<int>(2, 0))
+      << test::readFile(tmp / "workers.rank0.log");
+  auto ps = with(o, {"sync.mode=ps-diloco", "sync.servers=2"});
+  ASSERT_EQ(runRanks(4, tmp / "servers", ps), std::vector<int>(4, 0))
+      << test::readFile(tmp / "servers.rank0.log") << test::readFile(tmp / "servers.rank3.log");
+  const auto among = finalParams(tmp / "workers", o);
+  const double diff = maxAbsDiff(among, finalParams(tmp / "servers", o));
+  EXPECT_LE(diff, 1e-5);
+  std::printf(
+      "ps-diloco (2 servers) vs diloco, H=4, 3 fragments, 20 steps: max |difference| %.3g\n", diff);
+  // The checkpoint holds the servers' outer momentum: diloco's, up to rounding, and not zeros.
+  auto momentum = [&](const std::string& run) {
+    Config config = Config::fromString("", "<test>", o);
+    RunSetup setup(config);
+    const auto latest = CheckpointDir(run, 3).latest();
+    EXPECT_TRUE(latest.has_value()) << run;
+    return loadCheckpoint(*latest, *setup.model, *setup.optimizer, setup.identity)
+        .strategy.at("diloco_momentum");
+  };
+  const at::Tensor m = momentum(tmp / "workers"), mps = momentum(tmp / "servers");
+  EXPECT_GT(m.abs().max().item<double>(), 1e-3);
+  EXPECT_LE((m - mps).abs().max().item<double>(), 1e-5);
+  auto q = with(ps, {"sync.compression=int4"});
+  ASSERT_EQ(runRanks(4, tmp / "int4", q), std::vector<int>(4, 0))
+      << test::readFile(tmp / "int4.rank0.log");
+  const double quantized = maxAbsDiff(among, finalParams(tmp / "int4", o));
+  double largest = 0.0;
+  for (const auto& [name, t] : among) largest = std::max(largest, t.abs().max().item<double>());
+  EXPECT_GT(quantized, 0.0);  // int4 did change what travelled
+  EXPECT_LE(quantized, 0.05 * largest);
+  std::printf("ps-diloco int4 vs diloco float: max |difference| %.3g (largest parameter %.3g)\n",
+              quantized, largest);
+}
+
 TEST(DistLocalSgd, PostLocalPhaseIsBspExactly) {
   TempDir tmp;
   auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8"});
@@ -512,6 +556,7 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple("ps-asp", 1, 1), std::make_tuple("ps-asp", 3, 2),
                       std::make_tuple("ps-ssp", 1, 2), std::make_tuple("ps-ssp", 3, 1),
                       std::make_tuple("osp", 1, 1), std::make_tuple("osp", 3, 2),
+                      std::make_tuple("ps-diloco", 1, 1), std::make_tuple("ps-diloco+int4", 3, 2),
                       std::make_tuple("ps-ssp+fp16", 3, 1), std::make_tuple("ps-bsp+topk", 3, 2),
                       std::make_tuple("allreduce+bf16", 3, 0)));
 
@@ -818,6 +863,12 @@ INSTANTIATE_TEST_SUITE_P(
                         "sync.compression=int4,sync.outer_momentum=0.5,train.log_every=3",
                         2, 0),
         std::make_tuple("sync.mode=diloco,sync.local_period=2,optim.name=adamw", 3, 0),
+        // The same through servers: their shards of the outer momentum and (int4 replies) of
+        // θ_sync, which differs from the workers' θ̂ by the replies' rounding.
+        std::make_tuple("sync.mode=ps-diloco,sync.local_period=3,sync.fragments=3,"
+                        "sync.compression=int4,sync.outer_momentum=0.5,train.log_every=3",
+                        2, 2),
+        std::make_tuple("sync.mode=ps-diloco,sync.local_period=2,optim.name=adamw", 3, 1),
         // Local SGD's int8 averaging after a BSP phase of 5 steps (its residuals; plain SGD:
         // no per-worker state besides).
         std::make_tuple("sync.mode=local-sgd,sync.local_period=4,sync.compression=int8,"

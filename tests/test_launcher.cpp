@@ -518,6 +518,10 @@ TEST_F(LauncherProcess, RefusedCombinationsExitBeforeAnyWorkerStartsWithOneLine)
        "sync.fragments = 2 streams diloco's fragments"},
       {"--set sync.mode=diloco --set sync.post_local_steps=3",
        "sync.post_local_steps is local-sgd's BSP phase"},
+      {"--set sync.mode=ps-diloco --set sync.compression=bf16",
+       "for ps-diloco use none, int8 or int4"},
+      {"--set sync.mode=ps-diloco --set sync.local_period=2 --set sync.fragments=3",
+       "sync.fragments = 3 is more than sync.local_period = 2"},
   };
   const int port = 20000 + static_cast<int>(::getpid() % 20000);
   for (const auto& [settings, needle] : combinations) {

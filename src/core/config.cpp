@@ -211,30 +211,34 @@ std::vector<ConfigOption> buildSchema() {
              "how workers synchronize (multi-worker runs): allreduce (BSP, gradients averaged "
              "every step), local-sgd (parameters averaged every sync.local_period steps), "
              "diloco (sync.local_period local steps, then an outer Nesterov step on the mean "
-             "parameter change; streamed in sync.fragments), "
+             "parameter change; streamed in sync.fragments), ps-diloco (diloco with the outer "
+             "step on parameter servers), "
              "gossip (parameters mixed with neighbours every step, D-PSGD), ps-bsp (parameter "
              "servers run the optimizer; BSP), ps-asp (parameter servers applying each push "
              "on arrival), ps-ssp (ps-asp with at most sync.staleness clocks between the "
              "fastest and the slowest worker), osp (parameter servers, two-stage "
              "synchronization with local-gradient correction)",
-             {"allreduce", "local-sgd", "diloco", "gossip", "ps-bsp", "ps-asp", "ps-ssp", "osp"}),
+             {"allreduce", "local-sgd", "diloco", "gossip", "ps-bsp", "ps-asp", "ps-ssp",
+              "ps-diloco", "osp"}),
       intOpt("sync.servers", 1, 1, 1024,
              "parameter-server modes (ps-*, osp): how many of the world's ranks (the last ones) "
-             "serve parameter shards; --workers N then starts N workers plus these"),
+             "serve parameter shards (ps-diloco: of the outer parameters and momentum); --workers "
+             "N then starts N workers plus these"),
       intOpt("sync.staleness", 3, 0, kMaxInt,
              "ps-ssp: how many clocks (steps) a worker may run ahead of the slowest worker "
              "before its pull waits (s; 0 waits like BSP)"),
       intOpt("sync.local_period", 4, 1, kMaxInt,
-             "local-sgd: optimizer steps between parameter averagings (H); diloco: inner steps "
-             "between outer steps (of each fragment)"),
-      floatOpt("sync.outer_lr", 0.7, 0.0, 1e6,
-               "diloco: the outer optimizer's learning rate (1 with sync.outer_momentum = 0: "
-               "the replicas' mean, as local-sgd)",
-               true),
+             "local-sgd: optimizer steps between parameter averagings (H); diloco, ps-diloco: "
+             "inner steps between outer steps (of each fragment)"),
+      floatOpt(
+          "sync.outer_lr", 0.7, 0.0, 1e6,
+          "diloco, ps-diloco: the outer optimizer's learning rate (1 with sync.outer_momentum = 0: "
+          "the replicas' mean, as local-sgd)",
+          true),
       floatOpt("sync.outer_momentum", 0.9, 0.0, 0.999,
-               "diloco: the outer optimizer's Nesterov momentum (0: plain SGD)"),
+               "diloco, ps-diloco: the outer optimizer's Nesterov momentum (0: plain SGD)"),
       intOpt("sync.fragments", 1, 1, kMaxInt,
-             "diloco: parameter fragments synchronized in turn, spread evenly over each "
+             "diloco, ps-diloco: parameter fragments synchronized in turn, spread evenly over each "
              "sync.local_period steps, each exchange overlapping the next inner step (streaming "
              "DiLoCo); 1 = the whole model at once, blocking; at most sync.local_period"),
       intOpt("sync.post_local_steps", 0, 0, kMaxInt,
@@ -267,10 +271,11 @@ std::vector<ConfigOption> buildSchema() {
       floatOpt("sync.first_bucket_mb", 1.0, 0.0, 1e6,
                "allreduce: first bucket cap (MiB); small so communication starts early", true),
       strOpt("sync.compression", "none",
-             "allreduce and ps-*: how gradients travel: none (float32), fp16 or bf16 (16-bit "
-             "values; all-reduce sums them in float32 at each hop), topk (largest entries with "
-             "error feedback, sync.topk_ratio); diloco and local-sgd: how parameter changes "
-             "travel: none, int8 or int4 (per-256-value scale, error feedback)",
+             "allreduce, ps-bsp, ps-asp, ps-ssp: how gradients travel: none (float32), fp16 or "
+             "bf16 (16-bit values; all-reduce sums them in float32 at each hop), topk (largest "
+             "entries with error feedback, sync.topk_ratio); diloco, ps-diloco and local-sgd: "
+             "how parameter changes travel: none, int8 or int4 (per-256-value scale, error "
+             "feedback; ps-diloco's replies too)",
              {"none", "fp16", "bf16", "topk", "int8", "int4"}),
       floatOpt("sync.topk_ratio", 0.01, 0.0, 1.0,
                "topk: fraction of each bucket's entries sent per step (> 0)", true),

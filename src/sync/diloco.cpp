@@ -7,6 +7,7 @@
 #include "comm/communicator.h"
 #include "core/errors.h"
 #include "core/log.h"
+#include "sync/diloco_servers.h"
 #include "sync/optimizer_state.h"
 #include "sync/replicas.h"
 
@@ -23,6 +24,27 @@ int64_t fragmentDue(int64_t stepsDone, int64_t period, int64_t fragments) {
   return -1;
 }
 
+std::pair<int64_t, int64_t> nextSync(int64_t stepsDone, int64_t period, int64_t fragments) {
+  for (int64_t t = stepsDone + 1;; ++t) {  // at most `period` tries
+    const int64_t f = fragmentDue(t, period, fragments);
+    if (f >= 0) return {t, f};
+  }
+}
+
+std::pair<int64_t, int64_t> fragmentRange(int64_t numel, int64_t fragment, int64_t fragments) {
+  return {numel * fragment / fragments, numel * (fragment + 1) / fragments};
+}
+
+void outerNesterovStep(at::Tensor anchor, at::Tensor momentum, const at::Tensor& mean, double lr,
+                       double mu) {
+  if (mu > 0.0) {
+    momentum.mul_(mu).add_(mean);
+    anchor.sub_(mean.add(momentum, mu), lr);
+  } else {
+    anchor.sub_(mean, lr);
+  }
+}
+
 // One fragment's exchange between launch() and complete().
 struct DilocoStrategy::InFlight {
   int64_t fragment = 0;
@@ -34,9 +56,12 @@ struct DilocoStrategy::InFlight {
   Clock::time_point start;
 };
 
-DilocoStrategy::DilocoStrategy(std::shared_ptr<Communicator> comm, DilocoOptions options)
-    : comm_(std::move(comm)), options_(options) {
+DilocoStrategy::DilocoStrategy(std::shared_ptr<Communicator> comm, DilocoOptions options,
+                               std::shared_ptr<Communicator> world, int servers)
+    : comm_(std::move(comm)), options_(options), world_(std::move(world)), servers_(servers) {
   CARAVAN_CHECK(comm_ != nullptr, "diloco needs a communicator");
+  CARAVAN_CHECK(servers_ == 0 || (world_ != nullptr && options_.firstStep == 0),
+                "ps-diloco needs the world's communicator and has no BSP phase");
   CARAVAN_CHECK(options_.period >= 1, "diloco period {} < 1", options_.period);
   CARAVAN_CHECK(options_.fragments >= 1 && options_.fragments <= options_.period,
                 "diloco fragments {} outside [1, period {}]", options_.fragments, options_.period);
@@ -54,7 +79,7 @@ DilocoStrategy::DilocoStrategy(std::shared_ptr<Communicator> comm, DilocoOptions
 DilocoStrategy::~DilocoStrategy() = default;
 
 std::pair<int64_t, int64_t> DilocoStrategy::range(int64_t fragment) const {
-  return {numel_ * fragment / options_.fragments, numel_ * (fragment + 1) / options_.fragments};
+  return fragmentRange(numel_, fragment, options_.fragments);
 }
 
 void DilocoStrategy::attachModel(torch::nn::Module& model) {
@@ -66,7 +91,16 @@ void DilocoStrategy::attachModel(torch::nn::Module& model) {
   anchor_ = flat.clone();
   momentum_ = at::zeros({numel_}, at::kFloat);
   if (codec_) residual_ = at::zeros({numel_}, at::kFloat);
-  if (restored_.empty()) return;
+  stepsDone_ = startStep_;
+  if (!restored_.empty()) restore();
+  if (servers_ > 0) {
+    route_ = std::make_unique<DilocoServerRoute>(world_, comm_, servers_, options_, numel_);
+    route_->seed(anchor_, momentum_, serverParams_, stepsDone_);
+    serverParams_ = at::Tensor();
+  }
+}
+
+void DilocoStrategy::restore() {
   auto take = [&](const std::string& key, int64_t rows) -> std::optional<at::Tensor> {
     auto it = restored_.find(key);
     if (it == restored_.end()) return std::nullopt;
@@ -81,6 +115,9 @@ void DilocoStrategy::attachModel(torch::nn::Module& model) {
   };
   if (auto a = take("diloco_anchor", numel_)) anchor_.copy_(*a);
   if (auto m = take("diloco_momentum", numel_)) momentum_.copy_(*m);
+  if (auto p = take("diloco_server_params", numel_); p && servers_ > 0 && codec_) {
+    serverParams_ = p->clone();
+  }
   const int rank = comm_->rank(), world = comm_->size();
   auto it = restored_.find("diloco_residuals");
   if (codec_ && it != restored_.end()) {
@@ -119,6 +156,7 @@ void DilocoStrategy::rebase() {
 }
 
 void DilocoStrategy::afterStep(int64_t step) {
+  stepsDone_ = step + 1;
   if (inFlight_ != nullptr && inFlight_->dueStep <= step) complete();
   const int64_t fragment =
       fragmentDue(step + 1 - options_.firstStep, options_.period, options_.fragments);
@@ -136,7 +174,10 @@ void DilocoStrategy::launch(int64_t fragment, int64_t step) {
   const auto [begin, end] = range(fragment);
   f->sent = flatten(params_).narrow(0, begin, end - begin).clone();
   at::Tensor delta = anchor_.narrow(0, begin, end - begin) - f->sent;  // Δ = θ_sync − θ
-  if (codec_) {
+  if (route_) {
+    route_->launch(begin, end, delta,
+                   codec_ ? residual_.narrow(0, begin, end - begin) : at::Tensor());
+  } else if (codec_) {
     const at::Tensor message = codec_->encode(delta, residual_.narrow(0, begin, end - begin));
     f->gathered = at::empty({comm_->size() * message.numel()}, at::kFloat);
     f->work = comm_->allgather(f->gathered, message);
@@ -149,33 +190,19 @@ void DilocoStrategy::launch(int64_t fragment, int64_t step) {
 
 void DilocoStrategy::complete() {
   std::unique_ptr<InFlight> f = std::move(inFlight_);
-  f->work->wait(comm_->timeout());
   const auto [begin, end] = range(f->fragment);
   const int64_t n = end - begin;
-  at::Tensor mean;
-  if (codec_) {
-    mean = at::zeros({n}, at::kFloat);
-    const int64_t words = f->gathered.numel() / comm_->size();
-    for (int r = 0; r < comm_->size(); ++r) {
-      codec_->addDecoded(f->gathered.narrow(0, r * words, words), mean);
-    }
+  at::Tensor anchor = anchor_.narrow(0, begin, n);
+  if (route_) {
+    route_->complete(anchor_);  // the servers took the outer step
   } else {
-    mean = f->reduced;
-  }
-  mean.div_(comm_->size());
-  // Outer SGD, Nesterov as torch.optim.SGD: m = μ m + Δ; θ_sync -= lr (Δ + μ m).
-  at::Tensor anchor = anchor_.narrow(0, begin, end - begin);
-  const double mu = options_.outerMomentum;
-  if (mu > 0.0) {
-    at::Tensor m = momentum_.narrow(0, begin, end - begin);
-    m.mul_(mu).add_(mean);
-    anchor.sub_(mean.add(m, mu), options_.outerLr);
-  } else {
-    anchor.sub_(mean, options_.outerLr);
+    f->work->wait(comm_->timeout());
+    outerNesterovStep(anchor, momentum_.narrow(0, begin, n), meanChange(*f, n), options_.outerLr,
+                      options_.outerMomentum);
   }
   // The fragment becomes θ_sync plus what this rank did since it sent (nothing when blocking).
   at::Tensor flat = flatten(params_);
-  at::Tensor now = flat.narrow(0, begin, end - begin);
+  at::Tensor now = flat.narrow(0, begin, n);
   if (options_.fragments == 1) {
     now.copy_(anchor);
   } else {
@@ -185,14 +212,46 @@ void DilocoStrategy::complete() {
   if (sink_) sink_(fmt::format("outer sync of fragment {}", f->fragment), f->start, Clock::now());
 }
 
+at::Tensor DilocoStrategy::meanChange(const InFlight& f, int64_t n) const {
+  at::Tensor mean;
+  if (codec_) {
+    mean = at::zeros({n}, at::kFloat);
+    const int64_t words = f.gathered.numel() / comm_->size();
+    for (int r = 0; r < comm_->size(); ++r) {
+      codec_->addDecoded(f.gathered.narrow(0, r * words, words), mean);
+    }
+  } else {
+    mean = f.reduced;
+  }
+  return mean.div_(comm_->size());
+}
+
+void DilocoStrategy::finish() {
+  if (!route_ || finished_) return;
+  if (inFlight_ != nullptr) complete();
+  const auto [begin, end] = range(nextSync(stepsDone_, options_.period, options_.fragments).second);
+  route_->goodbye(begin, end);
+  finished_ = true;
+}
+
 double DilocoStrategy::consolidate() {
   if (inFlight_ != nullptr) complete();
   return averageReplicas(*comm_, *model_);  // parameters and floating-point buffers
 }
 
 std::map<std::string, at::Tensor> DilocoStrategy::saveState() {
-  std::map<std::string, at::Tensor> state = {{"diloco_anchor", anchor_.clone()},
-                                             {"diloco_momentum", momentum_.clone()}};
+  std::map<std::string, at::Tensor> state = {{"diloco_anchor", anchor_.clone()}};
+  if (route_) {  // the outer momentum (and θ_sync, when the replies are quantized) is theirs
+    CARAVAN_CHECK(inFlight_ == nullptr, "ps-diloco checkpoint before consolidate()");
+    const auto [begin, end] =
+        range(nextSync(stepsDone_, options_.period, options_.fragments).second);
+    at::Tensor momentum, serverParams;
+    route_->fetchState(begin, end, &momentum, &serverParams);
+    if (momentum.defined()) state["diloco_momentum"] = momentum;
+    if (serverParams.defined()) state["diloco_server_params"] = serverParams;
+  } else {
+    state["diloco_momentum"] = momentum_.clone();
+  }
   if (codec_) state["diloco_residuals"] = gatherRows(*comm_, residual_);
   if (optimizer_ == nullptr) return state;
   // Every worker's inner optimizer state, as one row each: its slots, then its step count.

@@ -34,6 +34,11 @@
 // int8/int4 gather every rank's message, (W-1) x 1 or 0.5 bytes per element: less than float32
 // below 8 (int8) or 16 (int4) workers, more above.
 //
+// Through parameter servers (sync.mode = ps-diloco): the same schedule, fragments and
+// compression, but the servers hold θ_sync and the outer momentum and take the outer step
+// (diloco_servers.h); workers keep θ̂, the parameters the servers last replied with (θ_sync
+// itself in float32), and a checkpoint fetches the momentum (and θ_sync) from the servers.
+//
 // Threading: trainer thread; the exchange runs on the communicator's own thread. lockstep() is
 // false when fragments stream: the trainer's per-step agreement would queue behind an
 // overlapped exchange.
@@ -41,6 +46,7 @@
 
 #include <memory>
 #include <optional>
+#include <utility>
 
 #include "sync/compression.h"
 #include "sync/strategy.h"
@@ -59,14 +65,28 @@ struct DilocoOptions {
 // Which fragment syncs when `stepsDone` steps are done (-1: none), for H = period, F =
 // fragments: f with stepsDone > 0 and stepsDone ≡ floor((f + 1) H / F) (mod H).
 int64_t fragmentDue(int64_t stepsDone, int64_t period, int64_t fragments);
+// The next sync after `stepsDone` steps: {t, f}, the smallest t > stepsDone at which fragment f
+// is due.
+std::pair<int64_t, int64_t> nextSync(int64_t stepsDone, int64_t period, int64_t fragments);
+// [begin, end) of fragment f of `fragments` in a flat vector of `numel` values.
+std::pair<int64_t, int64_t> fragmentRange(int64_t numel, int64_t fragment, int64_t fragments);
+// The outer step, SGD with Nesterov momentum as torch.optim.SGD: m = μ m + Δ;
+// θ_sync -= lr (Δ + μ m) (μ = 0: θ_sync -= lr Δ, m untouched). In place on `anchor` and
+// `momentum` (views allowed); `mean` is the mean pseudo-gradient Δ.
+void outerNesterovStep(at::Tensor anchor, at::Tensor momentum, const at::Tensor& mean, double lr,
+                       double mu);
 
 class Communicator;
+class DilocoServerRoute;
 
 class DilocoStrategy : public Strategy {
  public:
-  DilocoStrategy(std::shared_ptr<Communicator> comm, DilocoOptions options);
+  // Among the workers of `comm`; or, with `world` and `servers` >= 1 (sync.mode = ps-diloco),
+  // through the servers that close `world` (diloco_servers.h), `comm` being the workers' group.
+  DilocoStrategy(std::shared_ptr<Communicator> comm, DilocoOptions options,
+                 std::shared_ptr<Communicator> world = nullptr, int servers = 0);
   ~DilocoStrategy() override;
-  std::string name() const override { return "diloco"; }
+  std::string name() const override { return servers_ > 0 ? "ps-diloco" : "diloco"; }
   void finishGradients() override {}  // the inner optimizer applies the local gradient
   void afterStep(int64_t step) override;
   double consolidate() override;
@@ -74,6 +94,8 @@ class DilocoStrategy : public Strategy {
   // would hold the trainer's per-step agreement back (it queues behind it).
   bool lockstep() const override { return options_.fragments == 1; }
   std::map<std::string, at::Tensor> saveState() override;
+  // ps-diloco: goodbye to the servers (after the final checkpoint's saveState).
+  void finish() override;
   // θ_sync := the current parameters (every rank's equal): local-sgd at the end of its BSP
   // phase. Only between exchanges.
   void rebase();
@@ -86,18 +108,28 @@ class DilocoStrategy : public Strategy {
   struct InFlight;
   void launch(int64_t fragment, int64_t step);
   void complete();
+  // Among the workers: the mean pseudo-gradient of the exchange `f` of n values, once done.
+  at::Tensor meanChange(const InFlight& f, int64_t n) const;
+  // The checkpoint's state (restored_) into anchor_, momentum_, residual_, the optimizer.
+  void restore();
   // [begin, end) of fragment f in the flat parameter vector.
   std::pair<int64_t, int64_t> range(int64_t fragment) const;
 
   std::shared_ptr<Communicator> comm_;
   DilocoOptions options_;
+  std::shared_ptr<Communicator> world_;  // ps-diloco: workers then servers
+  int servers_ = 0;
+  std::unique_ptr<DilocoServerRoute> route_;  // ps-diloco, from attachModel()
+  int64_t stepsDone_ = 0;                     // the schedule's clock (AttachContext::startStep)
+  bool finished_ = false;
   std::optional<QuantCodec> codec_;
   torch::nn::Module* model_ = nullptr;
   std::vector<at::Tensor> params_;
   int64_t numel_ = 0;
-  at::Tensor anchor_;    // θ_sync, flat
-  at::Tensor momentum_;  // the outer momentum, flat
-  at::Tensor residual_;  // error feedback (compressed only), flat
+  at::Tensor anchor_;        // θ_sync, flat (ps-diloco: θ̂, the servers' last reply)
+  at::Tensor momentum_;      // the outer momentum, flat (ps-diloco: on the servers; unused here)
+  at::Tensor serverParams_;  // ps-diloco int8/int4: a checkpoint's θ_sync, until seeded
+  at::Tensor residual_;      // error feedback (compressed only), flat
   std::unique_ptr<InFlight> inFlight_;
   std::map<std::string, at::Tensor> restored_;  // a checkpoint's, until attachModel()
 };

@@ -48,7 +48,7 @@
 // as with all-reduce.
 //
 // Not yet: pushes overlapped with backward, gradient clipping (global norm across shards).
-// OSP builds on this: osp.h.
+// OSP builds on this: osp.h; ps-diloco (outer steps on the servers) too: diloco_servers.h.
 //
 // Threading: trainer thread (worker) / the server's main thread.
 #pragma once

@@ -7,6 +7,7 @@ namespace caravan {
 
 void Strategy::attach(torch::nn::Module& model, AttachContext context) {
   optimizer_ = context.optimizer;
+  startStep_ = context.startStep;
   sink_ = std::move(context.sink);
   if (!context.parameterGroups.empty()) {
     CARAVAN_CHECK(supportsParameterGroups(),

@@ -43,6 +43,9 @@ struct AttachContext {
   // wrote it, which may differ from this job's (resharding); null for a new run.
   const std::map<std::string, at::Tensor>* restoredState = nullptr;
   int64_t savedWorkers = 0;
+  // The steps already done: a resumed run's step, 0 for a new run (strategies whose schedule
+  // depends on the step before afterStep() tells it, e.g. ps-diloco's rounds).
+  int64_t startStep = 0;
   // (name, start, end) of each communication, for the timeline and the metrics; may be empty.
   CommEventSink sink;
 };
@@ -60,8 +63,9 @@ class Strategy : public GroupExchange {
  public:
   virtual ~Strategy() = default;
   virtual std::string name() const = 0;
-  // Called once, before the first step: takes the context (in this order: optimizer, sink,
-  // parameter groups, restored state), then attachModel(), e.g. broadcast rank 0's parameters.
+  // Called once, before the first step: takes the context (in this order: optimizer, start step,
+  // sink, parameter groups, restored state), then attachModel(), e.g. broadcast rank 0's
+  // parameters.
   void attach(torch::nn::Module& model, AttachContext context = {});
   virtual void beforeForward(int64_t step) {}
   // The step's learning rate, set before beforeForward; for strategies that run the
@@ -121,6 +125,7 @@ class Strategy : public GroupExchange {
 
   CommEventSink sink_;
   torch::optim::Optimizer* optimizer_ = nullptr;
+  int64_t startStep_ = 0;  // AttachContext::startStep
 };
 
 }  // namespace caravan

@@ -20,6 +20,7 @@
 #include "core/log.h"
 #include "sync/allreduce.h"
 #include "sync/diloco.h"
+#include "sync/diloco_servers.h"
 #include "sync/gossip.h"
 #include "sync/local_sgd.h"
 #include "sync/osp.h"
@@ -157,6 +158,8 @@ void Distributed::serve() {
   auto onStep = [this](int64_t step) { stepDone(step); };
   if (options_.sync.mode == "osp") {
     runOspServer(*world, workers_, options_.sync.osp, optimizer, onStep);
+  } else if (options_.sync.mode == "ps-diloco") {
+    runDilocoServer(*world, workers_, options_.sync.diloco, onStep);
   } else {
     runParameterServer(*world, workers_, options_.sync.ps, optimizer, onStep);
   }
@@ -195,8 +198,10 @@ Distributed::~Distributed() = default;
 Strategy* Distributed::attach(torch::nn::Module& model, AttachContext context) {
   const SyncOptions& sync = options_.sync;
   const std::string& mode = sync.mode;
-  if (usesServers(mode) && mode != "osp") {  // ps-bsp, ps-asp, ps-ssp
+  if (isConsistencyMode(mode)) {  // ps-bsp, ps-asp, ps-ssp
     strategy_ = std::make_unique<PsWorkerStrategy>(world, comm, servers_, sync.ps);
+  } else if (mode == "ps-diloco") {
+    strategy_ = std::make_unique<DilocoStrategy>(comm, sync.diloco, world, servers_);
   } else if (mode == "osp") {
     strategy_ = std::make_unique<OspWorkerStrategy>(world, comm, servers_, sync.osp);
   } else if (mode == "allreduce") {

@@ -12,6 +12,14 @@ namespace caravan {
 
 bool usesServers(const std::string& mode) { return mode.rfind("ps-", 0) == 0 || mode == "osp"; }
 
+bool isConsistencyMode(const std::string& mode) {
+  return mode == "ps-bsp" || mode == "ps-asp" || mode == "ps-ssp";
+}
+
+bool stepsOnServers(const std::string& mode) { return isConsistencyMode(mode) || mode == "osp"; }
+
+bool isDiloco(const std::string& mode) { return mode == "diloco" || mode == "ps-diloco"; }
+
 int serverCount(const Config& config) {
   return usesServers(config.str("sync.mode")) ? static_cast<int>(config.i64("sync.servers")) : 0;
 }
@@ -51,7 +59,7 @@ SyncOptions readSync(const Config& config) {
   dl.fragments = config.i64("sync.fragments");
   dl.compression = a.compression;
   s.gossip.topology = config.str("sync.gossip_topology");
-  if (usesServers(s.mode) && s.mode != "osp") {
+  if (isConsistencyMode(s.mode)) {
     s.ps = psOptions(s.mode, config.i64("sync.staleness"));
   }
   s.ps.compression = a.compression;
@@ -296,14 +304,15 @@ void validate(const RunOptions& options, int worldSize) {
                         key));
       }
     }
-    const bool psMode = usesServers(mode) && mode != "osp";  // ps-bsp, ps-asp, ps-ssp
+    const bool psMode = isConsistencyMode(mode);
     const Compression compression = sync.allreduce.compression;
     const bool compressed = compression != Compression::kNone;
     const bool quantized = isQuantized(compression);
-    const bool rare = mode == "diloco" || mode == "local-sgd";  // parameter changes travel
+    const bool rare = isDiloco(mode) || mode == "local-sgd";  // parameter changes travel
     if (quantized && !rare) {
       throw ConfigError(fmt::format(
-          "sync.compression = {} is for parameter changes (sync.mode = diloco or local-sgd); "
+          "sync.compression = {} is for parameter changes (sync.mode = diloco, ps-diloco or "
+          "local-sgd); "
           "for {} use none, fp16, bf16 or topk",
           sync.compressionName, mode));
     }
@@ -320,18 +329,19 @@ void validate(const RunOptions& options, int worldSize) {
           "local SGD's averaging) or sync.fragments = 1",
           sync.diloco.fragments));
     }
-    if (mode == "diloco" && sync.localSgd.postLocalAfter > 0) {
+    if (isDiloco(mode) && sync.localSgd.postLocalAfter > 0) {
       throw ConfigError(
-          "sync.post_local_steps is local-sgd's BSP phase; diloco has none: set "
-          "sync.post_local_steps = 0");
+          fmt::format("sync.post_local_steps is local-sgd's BSP phase; {} has none: set "
+                      "sync.post_local_steps = 0",
+                      mode));
     }
-    if (mode == "diloco" && sync.diloco.fragments > sync.diloco.period) {
+    if (isDiloco(mode) && sync.diloco.fragments > sync.diloco.period) {
       throw ConfigError(fmt::format(
           "sync.fragments = {} is more than sync.local_period = {}: each fragment syncs once "
           "every sync.local_period steps, one at a time; use at most {} fragments",
           sync.diloco.fragments, sync.diloco.period, sync.diloco.period));
     }
-    if (usesServers(mode) && options.optim.gradClip > 0.0) {
+    if (stepsOnServers(mode) && options.optim.gradClip > 0.0) {
       throw ConfigError(
           "optim.grad_clip is not supported with parameter-server modes yet (the "
           "global norm spans the servers' shards); set optim.grad_clip = 0");
@@ -354,7 +364,7 @@ void validate(const RunOptions& options, int worldSize) {
   validate(options.pipeline, options, worldSize);
   // train.nonfinite_skips: the update must come after the gradients can be checked.
   const bool updatesBeforeCheck =
-      options.memory.offloadWeights || (distributed && usesServers(mode));
+      options.memory.offloadWeights || (distributed && stepsOnServers(mode));
   if (options.loop.nonfiniteSkips > 0 && updatesBeforeCheck) {
     throw ConfigError(fmt::format(
         "train.nonfinite_skips needs the update after backward; {} updates before it can be "

@@ -106,6 +106,7 @@ struct SyncOptions {
   DilocoOptions diloco;
   GossipOptions gossip;
   PsOptions ps;  // ps-bsp, ps-asp, ps-ssp
+  // diloco and ps-diloco read `diloco`.
   OspOptions osp;
   bool usesServers() const { return servers > 0; }
 };
@@ -139,6 +140,14 @@ struct RunOptions {
 
 // Whether sync.mode `mode` runs parameter servers beside the workers (ps-*, osp).
 bool usesServers(const std::string& mode);
+// ps-bsp, ps-asp, ps-ssp: servers apply the workers' gradients with the run's optimizer under
+// a consistency model (parameter_server.h).
+bool isConsistencyMode(const std::string& mode);
+// Whether the run's optimizer steps on the servers (ps-bsp/asp/ssp, osp), so the workers
+// never see the update before it is applied; ps-diloco's servers run only the outer step.
+bool stepsOnServers(const std::string& mode);
+// diloco, ps-diloco: inner steps of the run's optimizer, outer steps every sync.local_period.
+bool isDiloco(const std::string& mode);
 // How many of the world's processes are servers: sync.servers in those modes, else 0.
 int serverCount(const Config& config);
 

@@ -236,6 +236,7 @@ void RunSetup::attach(Distributed* dist) {
   } else if (dist != nullptr) {
     AttachContext context;
     context.optimizer = optimizer.get();
+    context.startStep = state.step;
     // Out-of-core weights exchange and update gradients per block: the strategy's groups.
     if (offload) context.parameterGroups = blockParameters(model);
     if (resumedFrom) {
