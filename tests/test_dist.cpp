@@ -363,10 +363,10 @@ TEST(DistDiloco, PeriodOneWithOuterLrOneIsAllReduce) {
 
 // ps-diloco takes the outer step on the servers: with float32 exchanges it is diloco among the
 // workers, up to the order of the float sums (the servers sum in rank order, the all-reduce in
-// ring order). Streamed in 3 fragments over 2 servers with 2 workers, so fragments straddle the
-// shards and some rounds leave a server an empty piece; outer momentum 0.9 is on the servers.
-// With int4 pushes and replies, the run ends near the float one (the replies' error feedback
-// keeps θ̂ within a few rounding steps of θ_sync).
+// ring order; with two workers both are a + b, so bitwise). Streamed in 3 fragments over 2 servers
+// with 2 workers, so fragments straddle the shards and some rounds leave a server an empty piece;
+// outer momentum 0.9 is on the servers. With int4 pushes and replies, the run ends near the float
+// one (the replies' error feedback keeps θ̂ within a few rounding steps of θ_sync).
 TEST(DistDiloco, ThroughServersEqualsAmongWorkers) {
   TempDir tmp;
   auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
@@ -378,7 +378,7 @@ TEST(DistDiloco, ThroughServersEqualsAmongWorkers) {
       << test::readFile(tmp / "servers.rank0.log") << test::readFile(tmp / "servers.rank3.log");
   const auto among = finalParams(tmp / "workers", o);
   const double diff = maxAbsDiff(among, finalParams(tmp / "servers", o));
-  EXPECT_LE(diff, 1e-5);
+  EXPECT_EQ(diff, 0.0);  // two workers: a + b in either order
   std::printf(
       "ps-diloco (2 servers) vs diloco, H=4, 3 fragments, 20 steps: max |difference| %.3g\n", diff);
   // The checkpoint holds the servers' outer momentum: diloco's, up to rounding, and not zeros.
@@ -865,7 +865,9 @@ INSTANTIATE_TEST_SUITE_P(
         std::make_tuple("sync.mode=diloco,sync.local_period=2,optim.name=adamw", 3, 0),
         // The same through servers: their shards of the outer momentum and (int4 replies) of
         // θ_sync, which differs from the workers' θ̂ by the replies' rounding.
-        std::make_tuple("sync.mode=ps-diloco,sync.local_period=3,sync.fragments=3,"
+        // Stopped at step 9 with H = F = 4, the next round is fragment 1's, not fragment 0's: a
+        // resumed schedule that restarted at step 0 would send the wrong fragment.
+        std::make_tuple("sync.mode=ps-diloco,sync.local_period=4,sync.fragments=4,"
                         "sync.compression=int4,sync.outer_momentum=0.5,train.log_every=3",
                         2, 2),
         std::make_tuple("sync.mode=ps-diloco,sync.local_period=2,optim.name=adamw", 3, 1),
@@ -967,7 +969,12 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple("sync.mode=diloco,sync.local_period=4,sync.fragments=2,"
                                       "sync.compression=int8",
                                       2, 0, 3, 0),
-                      std::make_tuple("sync.mode=osp,sync.osp_policy=magnitude", 2, 1, 3, 2)));
+                      std::make_tuple("sync.mode=osp,sync.osp_policy=magnitude", 2, 1, 3, 2),
+                      // ps-diloco from 2 workers + 1 server to 3 + 2: the servers' momentum and
+                      // θ_sync cut again for 2 shards, residuals and inner state averaged.
+                      std::make_tuple("sync.mode=ps-diloco,sync.local_period=4,sync.fragments=2,"
+                                      "sync.compression=int4",
+                                      2, 1, 3, 2)));
 
 // ---- pipeline stages: `caravan train` with parallel.pipeline_stages = K on K workers ----------
 

@@ -496,7 +496,7 @@ TEST_F(LauncherProcess, RefusedCombinationsExitBeforeAnyWorkerStartsWithOneLine)
       {"--set sync.mode=gossip --set sync.compression=fp16",
        "sync.compression = fp16 works with sync.mode = allreduce"},
       {"--set sync.mode=ps-bsp --set optim.grad_clip=1",
-       "optim.grad_clip is not supported with parameter-server modes"},
+       "optim.grad_clip is not supported with sync.mode = ps-bsp"},
       {"--set sync.mode=local-sgd --set memory.weights=offload",
        "memory.weights = offload works with sync.mode = allreduce"},
       {"--set sync.compression=bf16 --set memory.weights=offload",

@@ -193,6 +193,13 @@ TEST(Diloco, EveryFragmentSyncsOncePerPeriodInOrder) {
     }
     ASSERT_EQ(static_cast<int64_t>(order.size()), 4 * f);
     for (size_t i = 0; i < order.size(); ++i) EXPECT_EQ(order[i], static_cast<int64_t>(i) % f);
+    // nextSync (ps-diloco's rounds) is the first due step after any step count, as a scan of
+    // fragmentDue finds it.
+    for (int64_t done = 0; done <= 3 * h; ++done) {
+      int64_t t = done + 1;
+      while (fragmentDue(t, h, f) < 0) ++t;
+      EXPECT_EQ(nextSync(done, h, f), std::make_pair(t, fragmentDue(t, h, f))) << done;
+    }
   }
 }
 

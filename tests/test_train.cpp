@@ -83,6 +83,21 @@ TEST(Schedule, ATimeHorizonNeedsABudgetAndACosine) {
           "use schedule.kind = cosine with schedule.horizon = time");
 }
 
+// Under ps-diloco the run's optimizer steps on the workers (the servers take only the outer
+// step), so clipping and skipping non-finite steps work as among workers; the modes whose
+// servers run the optimizer still refuse both.
+TEST(RunOptionsCheck, PsDilocoClipsAndSkipsOnTheWorkers) {
+  auto read = [](const std::string& mode) {
+    return RunOptions::read(Config::fromString(
+        "", "<test>",
+        {"sync.mode=" + mode, "optim.grad_clip=1", "train.nonfinite_skips=2", "sync.servers=1"}));
+  };
+  EXPECT_NO_THROW(validate(read("ps-diloco"), 3));
+  for (const std::string mode : {"ps-bsp", "osp"}) {
+    EXPECT_THROW(validate(read(mode), 3), ConfigError) << mode;
+  }
+}
+
 namespace {
 
 Config syntheticConfig(const std::vector<std::string>& extra) {

@@ -127,8 +127,8 @@ std::vector<ConfigOption> buildSchema() {
              "steps whose loss or gradient is not finite that are skipped (no update: the batch "
              "and the step's learning rate are used up; counted in metrics.jsonl as "
              "skipped_steps) before the run stops at the next one; 0 = stop at the first. Not with "
-             "parameter-server modes or "
-             "memory.weights = offload (their updates happen before the check)"),
+             "ps-bsp, ps-asp, ps-ssp, osp or memory.weights = offload (their updates happen "
+             "before the check)"),
       intOpt("train.threads", 0, 0, 1024,
              "intra-op compute threads (0 = LibTorch's default: all cores)"),
       strOpt("train.precision", "float32",

@@ -25,9 +25,12 @@ int64_t fragmentDue(int64_t stepsDone, int64_t period, int64_t fragments) {
 }
 
 std::pair<int64_t, int64_t> nextSync(int64_t stepsDone, int64_t period, int64_t fragments) {
-  for (int64_t t = stepsDone + 1;; ++t) {  // at most `period` tries
-    const int64_t f = fragmentDue(t, period, fragments);
-    if (f >= 0) return {t, f};
+  // Within a period fragment f is due at floor((f + 1) H / F), increasing in f (F <= H), the last
+  // at H (the next period's 0): the first one past this period's phase.
+  const int64_t start = stepsDone - stepsDone % period, phase = stepsDone % period;
+  for (int64_t f = 0;; ++f) {
+    const int64_t at = (f + 1) * period / fragments;
+    if (at > phase) return {start + at, f};
   }
 }
 
@@ -96,7 +99,7 @@ void DilocoStrategy::attachModel(torch::nn::Module& model) {
   if (servers_ > 0) {
     route_ = std::make_unique<DilocoServerRoute>(world_, comm_, servers_, options_, numel_);
     route_->seed(anchor_, momentum_, serverParams_, stepsDone_);
-    serverParams_ = at::Tensor();
+    serverParams_ = momentum_ = at::Tensor();  // the servers keep them
   }
 }
 
@@ -115,8 +118,17 @@ void DilocoStrategy::restore() {
   };
   if (auto a = take("diloco_anchor", numel_)) anchor_.copy_(*a);
   if (auto m = take("diloco_momentum", numel_)) momentum_.copy_(*m);
-  if (auto p = take("diloco_server_params", numel_); p && servers_ > 0 && codec_) {
-    serverParams_ = p->clone();
+  if (auto p = take("diloco_server_params", numel_)) {
+    if (servers_ > 0 && codec_) {
+      serverParams_ = p->clone();
+    } else if (comm_->rank() == 0) {
+      // θ_sync is ahead of θ̂ by what the quantized replies have not carried yet (rounding).
+      logLine(fmt::format(
+          "warning: the checkpoint's servers held θ_sync up to {:.3g} from the workers' "
+          "parameters (int8/int4 replies of ps-diloco); {} continues from the workers' and "
+          "drops that remainder",
+          (*p - anchor_).abs().max().item<double>(), name()));
+    }
   }
   const int rank = comm_->rank(), world = comm_->size();
   auto it = restored_.find("diloco_residuals");
@@ -175,7 +187,7 @@ void DilocoStrategy::launch(int64_t fragment, int64_t step) {
   f->sent = flatten(params_).narrow(0, begin, end - begin).clone();
   at::Tensor delta = anchor_.narrow(0, begin, end - begin) - f->sent;  // Δ = θ_sync − θ
   if (route_) {
-    route_->launch(begin, end, delta,
+    route_->launch(step + 1, begin, end, delta,
                    codec_ ? residual_.narrow(0, begin, end - begin) : at::Tensor());
   } else if (codec_) {
     const at::Tensor message = codec_->encode(delta, residual_.narrow(0, begin, end - begin));
@@ -229,8 +241,9 @@ at::Tensor DilocoStrategy::meanChange(const InFlight& f, int64_t n) const {
 void DilocoStrategy::finish() {
   if (!route_ || finished_) return;
   if (inFlight_ != nullptr) complete();
-  const auto [begin, end] = range(nextSync(stepsDone_, options_.period, options_.fragments).second);
-  route_->goodbye(begin, end);
+  const auto [round, fragment] = nextSync(stepsDone_, options_.period, options_.fragments);
+  const auto [begin, end] = range(fragment);
+  route_->goodbye(round, begin, end);
   finished_ = true;
 }
 
@@ -243,10 +256,10 @@ std::map<std::string, at::Tensor> DilocoStrategy::saveState() {
   std::map<std::string, at::Tensor> state = {{"diloco_anchor", anchor_.clone()}};
   if (route_) {  // the outer momentum (and θ_sync, when the replies are quantized) is theirs
     CARAVAN_CHECK(inFlight_ == nullptr, "ps-diloco checkpoint before consolidate()");
-    const auto [begin, end] =
-        range(nextSync(stepsDone_, options_.period, options_.fragments).second);
+    const auto [round, fragment] = nextSync(stepsDone_, options_.period, options_.fragments);
+    const auto [begin, end] = range(fragment);
     at::Tensor momentum, serverParams;
-    route_->fetchState(begin, end, &momentum, &serverParams);
+    route_->fetchState(round, begin, end, &momentum, &serverParams);
     if (momentum.defined()) state["diloco_momentum"] = momentum;
     if (serverParams.defined()) state["diloco_server_params"] = serverParams;
   } else {

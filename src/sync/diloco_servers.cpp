@@ -57,6 +57,7 @@ DilocoServerRoute::~DilocoServerRoute() = default;
 void DilocoServerRoute::seed(const at::Tensor& anchor, const at::Tensor& momentum,
                              const at::Tensor& serverParams, int64_t stepsDone) {
   // The servers' state as rows over the flat vector: [momentum] or [momentum, θ_sync].
+  if (workers_->rank() != 0) return;  // only worker 0 seeds
   FlatOptimizerState state;
   state.step = stepsDone;
   state.slots = codec_ ? at::stack({momentum, serverParams.defined() ? serverParams : anchor})
@@ -64,12 +65,13 @@ void DilocoServerRoute::seed(const at::Tensor& anchor, const at::Tensor& momentu
   seedServers(*world_, *workers_, anchor, state, layout_);
 }
 
-std::vector<at::Tensor> DilocoServerRoute::pushes(int64_t begin, int64_t end, PushKind kind,
-                                                  const at::Tensor& delta,
+std::vector<at::Tensor> DilocoServerRoute::pushes(int64_t round, int64_t begin, int64_t end,
+                                                  PushKind kind, const at::Tensor& delta,
                                                   const at::Tensor& residual) {
   std::vector<at::Tensor> out;
   PushHeader header;
   header.kind = kind;
+  header.round = round;
   for (int s = 0; s < layout_.servers; ++s) {
     const auto [b, e] = piece(layout_, s, begin, end);
     at::Tensor payload;
@@ -86,13 +88,13 @@ std::vector<at::Tensor> DilocoServerRoute::pushes(int64_t begin, int64_t end, Pu
   return out;
 }
 
-void DilocoServerRoute::launch(int64_t begin, int64_t end, const at::Tensor& delta,
+void DilocoServerRoute::launch(int64_t round, int64_t begin, int64_t end, const at::Tensor& delta,
                                const at::Tensor& residual) {
   CARAVAN_CHECK(round_ == nullptr, "ps-diloco launched a round with another in flight");
   auto r = std::make_unique<Round>();
   r->begin = begin;
   r->end = end;
-  r->pushes = pushes(begin, end, PushKind::kGradient, delta, residual);
+  r->pushes = pushes(round, begin, end, PushKind::kGradient, delta, residual);
   const ServerGroup servers(world_.get(), layout_.servers);
   for (int s = 0; s < layout_.servers; ++s) {
     const auto [b, e] = piece(layout_, s, begin, end);
@@ -123,11 +125,11 @@ void DilocoServerRoute::complete(at::Tensor anchor) {
   }
 }
 
-void DilocoServerRoute::fetchState(int64_t begin, int64_t end, at::Tensor* momentum,
+void DilocoServerRoute::fetchState(int64_t round, int64_t begin, int64_t end, at::Tensor* momentum,
                                    at::Tensor* serverParams) {
   CARAVAN_CHECK(round_ == nullptr, "ps-diloco checkpoint with a round in flight");
   const ServerGroup servers(world_.get(), layout_.servers);
-  servers.exchange(kTagPush, pushes(begin, end, PushKind::kState, {}, {}), 0, nullptr,
+  servers.exchange(kTagPush, pushes(round, begin, end, PushKind::kState, {}, {}), 0, nullptr,
                    world_->timeout());
   if (workers_->rank() != 0) return;
   std::vector<at::Tensor> m, p;
@@ -145,10 +147,10 @@ void DilocoServerRoute::fetchState(int64_t begin, int64_t end, at::Tensor* momen
   *serverParams = codec_ ? at::cat(p) : at::Tensor();
 }
 
-void DilocoServerRoute::goodbye(int64_t begin, int64_t end) {
+void DilocoServerRoute::goodbye(int64_t round, int64_t begin, int64_t end) {
   CARAVAN_CHECK(round_ == nullptr, "ps-diloco goodbye with a round in flight");
   const ServerGroup servers(world_.get(), layout_.servers);
-  servers.exchange(kTagPush, pushes(begin, end, PushKind::kGoodbye, {}, {}), 0, nullptr,
+  servers.exchange(kTagPush, pushes(round, begin, end, PushKind::kGoodbye, {}, {}), 0, nullptr,
                    world_->timeout());
 }
 
@@ -173,7 +175,16 @@ void runDilocoServer(Communicator& world, int numWorkers, const DilocoOptions& o
     const int64_t len = e - b, begin = len > 0 ? b - layout.begin(s) : 0;
     for (auto& p : pushes) p = pushBuffer(pieceWords(codec, len));
     receiveFromWorkers(world, kTagPush, pushes, kServerWait);
-    const PushKind kind = decodeRound(pushes, world.rank(), t)[0].kind;
+    const std::vector<PushHeader> round = decodeRound(pushes, world.rank(), t);
+    for (int k = 0; k < numWorkers; ++k) {
+      if (round[k].round != t) {
+        throw PeerError(fmt::format(
+            "rank {} (server): worker {} sent the ps-diloco round of step {} where this server's "
+            "schedule has step {} next; the workers and servers disagree about the steps done",
+            world.rank(), k, round[k].round, t));
+      }
+    }
+    const PushKind kind = round[0].kind;
     if (kind == PushKind::kGoodbye) return;
     if (kind == PushKind::kState) {
       FlatOptimizerState out;

@@ -16,7 +16,9 @@
 //                      θ̂ follows θ_sync, and is the same on every worker and the server).
 //
 // Rounds follow the schedule (nextSync): both sides know from the steps done which fragment
-// the next round carries, so every message has a size the receiver knows. A push's header
+// the next round carries, so every message has a size the receiver knows; each push names its
+// round's step, and a server whose schedule says otherwise fails with a PeerError instead of
+// applying one fragment's change to another. A push's header
 // (ps_message.h) says what it asks: a pseudo-gradient, a checkpoint's state (the server sends
 // worker 0 its shard's outer momentum, and θ_sync when quantized, as FlatOptimizerState rows)
 // or goodbye; every worker sends the same kind in a round. Non-gradient pushes carry zeros of
@@ -55,24 +57,28 @@ class DilocoServerRoute {
   // (θ_sync; undefined: θ̂) and `stepsDone`; the other workers do nothing.
   void seed(const at::Tensor& anchor, const at::Tensor& momentum, const at::Tensor& serverParams,
             int64_t stepsDone);
-  // Pushes the pseudo-gradient `delta` of [begin, end) (float32, end - begin values); with
-  // int8/int4 `residual` (the same range of this worker's error feedback) is updated.
-  void launch(int64_t begin, int64_t end, const at::Tensor& delta, const at::Tensor& residual);
+  // Pushes the pseudo-gradient `delta` of [begin, end) (float32, end - begin values), the round
+  // of step `round` (nextSync's t); with int8/int4 `residual` (the same range of this worker's
+  // error feedback) is updated.
+  void launch(int64_t round, int64_t begin, int64_t end, const at::Tensor& delta,
+              const at::Tensor& residual);
   // Waits for the replies of the launched round and writes θ̂ into `anchor` (the whole flat
   // vector; only [begin, end) changes).
   void complete(at::Tensor anchor);
-  // A checkpoint, between rounds, the next one being [begin, end): worker 0 gets the servers'
-  // outer momentum and θ_sync (the whole flat vector each; θ_sync undefined when it is θ̂).
-  void fetchState(int64_t begin, int64_t end, at::Tensor* momentum, at::Tensor* serverParams);
-  // The end: every server returns once every worker said it.
-  void goodbye(int64_t begin, int64_t end);
+  // A checkpoint, between rounds, the next one being step `round`'s of [begin, end): worker 0
+  // gets the servers' outer momentum and θ_sync (the whole flat vector each; θ_sync undefined
+  // when it is θ̂).
+  void fetchState(int64_t round, int64_t begin, int64_t end, at::Tensor* momentum,
+                  at::Tensor* serverParams);
+  // The end (the next round as for fetchState): every server returns once every worker said it.
+  void goodbye(int64_t round, int64_t begin, int64_t end);
 
  private:
   struct Round;
-  // One message per server for [begin, end): `kind`'s header, then the pieces (zeros unless a
-  // pseudo-gradient).
-  std::vector<at::Tensor> pushes(int64_t begin, int64_t end, PushKind kind, const at::Tensor& delta,
-                                 const at::Tensor& residual);
+  // One message per server for step `round`'s round of [begin, end): `kind`'s header, then the
+  // pieces (zeros unless a pseudo-gradient).
+  std::vector<at::Tensor> pushes(int64_t round, int64_t begin, int64_t end, PushKind kind,
+                                 const at::Tensor& delta, const at::Tensor& residual);
 
   std::shared_ptr<Communicator> world_;
   std::shared_ptr<Communicator> workers_;

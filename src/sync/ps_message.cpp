@@ -12,11 +12,12 @@
 namespace caravan {
 namespace {
 
-constexpr uint32_t kPushMagic = 0x43525650;  // "PVRC": a Caravan push, this layout
+constexpr uint32_t kPushMagic = 0x43525651;  // "QVRC": a Caravan push, this layout
 constexpr uint32_t kPullMagic = 0x43524c50;  // "PLRC"
 constexpr uint32_t kSplitMagic = 0x43525053;  // "SPRC"
 
-static_assert(PushHeader::kWords * sizeof(float) == 2 * sizeof(uint32_t) + 4 * sizeof(double));
+static_assert(PushHeader::kWords * sizeof(float) ==
+              2 * sizeof(uint32_t) + 4 * sizeof(double) + sizeof(int64_t));
 static_assert(PullHeader::kWords * sizeof(float) == 2 * sizeof(uint32_t) + sizeof(int64_t));
 static_assert(SplitHeader::kWords * sizeof(float) ==
               2 * sizeof(uint32_t) + sizeof(int64_t) + 5 * sizeof(double));
@@ -81,6 +82,7 @@ at::Tensor encodePush(const PushHeader& header, const at::Tensor& payload) {
   put(at, header.requestedFraction);
   put(at, header.stage1Seconds);
   put(at, header.sinceStage1Seconds);
+  put(at, header.round);
   return message;
 }
 
@@ -153,6 +155,7 @@ PushHeader decodePush(const at::Tensor& message, int worker, int serverRank) {
   h.requestedFraction = take<double>(at);
   h.stage1Seconds = take<double>(at);
   h.sinceStage1Seconds = take<double>(at);
+  h.round = take<int64_t>(at);
   if (!std::isfinite(h.learningRate) || h.learningRate < 0.0) {
     throw foreign(fmt::format("learning rate {}", h.learningRate));
   }

@@ -8,6 +8,7 @@
 // every bit and an integer is never rounded:
 //   push (worker -> server)  magic u32 | kind u32 | learning rate f64 | requested fraction f64
 //                            | previous stage-1 seconds f64 | seconds since stage 1 f64
+//                            | round i64
 //   pull (server -> worker)  magic u32 | 0 u32    | staleness i64
 //   split (OSP's stage-2 reply, server -> worker)  magic u32 | move reason u32 (0: none) |
 //                            next fraction f64 | move step i64 | from f64 | centre f64 |
@@ -48,7 +49,10 @@ struct PushHeader {
   double requestedFraction = 0.0;
   double stage1Seconds = 0.0;
   double sinceStage1Seconds = 0.0;
-  static constexpr int64_t kWords = 10;
+  // ps-diloco: the step whose round this push belongs to (nextSync's t; the next round's for a
+  // checkpoint or goodbye), which the server checks against its own schedule. 0 elsewhere.
+  int64_t round = 0;
+  static constexpr int64_t kWords = 12;
 };
 
 struct PullHeader {

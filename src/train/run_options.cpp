@@ -342,9 +342,10 @@ void validate(const RunOptions& options, int worldSize) {
           sync.diloco.fragments, sync.diloco.period, sync.diloco.period));
     }
     if (stepsOnServers(mode) && options.optim.gradClip > 0.0) {
-      throw ConfigError(
-          "optim.grad_clip is not supported with parameter-server modes yet (the "
-          "global norm spans the servers' shards); set optim.grad_clip = 0");
+      throw ConfigError(fmt::format(
+          "optim.grad_clip is not supported with sync.mode = {} yet (its servers run the "
+          "optimizer and the global norm spans their shards); set optim.grad_clip = 0",
+          mode));
     }
     if (options.memory.offloadWeights) {
       // Only the all-reduce exchanges gradients per block (Strategy::supportsParameterGroups).
