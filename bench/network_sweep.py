@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Synchronization models on constrained links: W workers (+ S servers) as separate hosts in
 network namespaces (scripts/netns_hosts.sh: veth pairs to a bridge, each host's link limited
-to RATE in both directions with tc netem), one table from one invocation.
+to RATE in both directions with tc tbf), one table from one invocation.
 
     /usr/bin/python3 bench/network_sweep.py [--rates 1gbit 500mbit 300mbit 100mbit]
         [--repeats 2] [--steps 40] [--epochs 2] [--accuracy-rate 500mbit ...]
@@ -21,9 +21,9 @@ next repeat):
               the wall-clock time and step (evaluations included) of the first evaluation at or
               above --target (or at or below --target-loss), and rank 0's bytes sent per step
               over the whole run, against allreduce's.
-Samples/s and MB sent per step are over all measured steps (not a median of windows), so modes
-that exchange every H steps (diloco, local-sgd) show their average; for those make the measured
-steps a multiple of H (--log-every).
+Samples/s, compute and wait s/step and MB sent per step are over all measured steps (not a
+median of windows), so modes that exchange every H steps (diloco, local-sgd) show their
+average; for those make the measured steps a multiple of H (--log-every).
 OSP's speedup is its samples/s over ps-bsp's at the same rate; its bound is (compute + comm) /
 max(compute, comm) with ps-bsp's compute and wait per step (ps-bsp exposes all communication).
 
@@ -87,6 +87,10 @@ MODES = {
                                "sync.fragments={fragments}", "sync.compression=int4"], False),
     "local-sgd-int4": (["sync.mode=local-sgd", "sync.local_period={period}",
                         "sync.compression=int4"], False),
+    # The same through parameter servers (the outer step on the servers).
+    "ps-diloco": (["sync.mode=ps-diloco", "sync.local_period={period}"], True),
+    "ps-streaming-diloco-int4": (["sync.mode=ps-diloco", "sync.local_period={period}",
+                                  "sync.fragments={fragments}", "sync.compression=int4"], True),
 }
 
 
@@ -170,10 +174,13 @@ def throughput_numbers(records):
     train = [r for r, _ in windows]
     med = lambda k: statistics.median(r.get(k, 0.0) for r in train)  # noqa: E731
     # Samples/s over the measured steps (the windows' rates harmonically weighted by their
-    # steps): a window with a rare exchange counts as long as it took, not as one vote.
+    # steps): a window with a rare exchange counts as long as it took, not as one vote. Compute
+    # and wait per step likewise: means over the steps, not the median window (which would
+    # hide an exchange made every H steps).
     steps = sum(n for _, n in windows)
     rate = steps / sum(n / r["samples_per_s"] for r, n in windows)
-    return {"compute_s": med("compute_s"), "wait_s": med("sync_wait_s"),
+    mean = lambda k: sum(r.get(k, 0.0) * n for r, n in windows) / max(steps, 1)  # noqa: E731
+    return {"compute_s": mean("compute_s"), "wait_s": mean("sync_wait_s"),
             "samples_per_s": rate, "sent_mb": mean_sent_mb(windows),
             "stage1_fraction": med("stage1_fraction") if "stage1_fraction" in train[0] else None,
             "staleness": med("staleness") if "staleness" in train[0] else None}
@@ -434,7 +441,7 @@ def main():
     p.add_argument("--diloco-period", type=int, default=32,
                    help="H of the diloco and local-sgd-int4 modes")
     p.add_argument("--fragments", type=int, default=4,
-                   help="fragments of streaming-diloco-int4")
+                   help="fragments of streaming-diloco-int4 and ps-streaming-diloco-int4")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     p.add_argument("--colocate", action="store_true",
                    help="parameter-server modes: as many servers as workers, server shard i on "
