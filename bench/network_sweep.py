@@ -252,12 +252,14 @@ def table_text(a, tp, raw, acc, speedup, bound, removed, log_every):
                          f"{fmt(n['stage1_fraction'], '.2f')} | {fmt(n['staleness'], '.2f')} |")
     # OSP and the other modes over ps-bsp: the median of the medians' ratio, and in brackets
     # the min-max of the per-repeat ratios; auto against the best fixed fraction's median.
+    # (Only when ps-bsp ran: without it the table would be its header alone.)
     others = [m for m in a.modes if m != "ps-bsp"]
-    lines += ["", "Times ps-bsp (per-repeat min-max); bound = (c + m) / max(c, m) with ps-bsp's "
-              "compute c and wait m:", "",
-              "| rate | c s | m s | bound | " + " | ".join(others) +
-              " | osp-auto / best fixed osp | osp-auto's fraction |",
-              "|" + "---|" * (len(others) + 6)]
+    if speedup:
+        lines += ["", "Times ps-bsp (per-repeat min-max); bound = (c + m) / max(c, m) with "
+                  "ps-bsp's compute c and wait m:", "",
+                  "| rate | c s | m s | bound | " + " | ".join(others) +
+                  " | osp-auto / best fixed osp | osp-auto's fraction |",
+                  "|" + "---|" * (len(others) + 6)]
     fixed = [m for m in ("osp-0.25", "osp", "osp-0.75") if m in a.modes]
     for rate in speedup:
         base = tp[(rate, "ps-bsp")]
