@@ -621,6 +621,7 @@ TEST(PsMessages, HeadersKeepEveryBitAndThePayload) {
   push.kind = PushKind::kState;
   push.learningRate = std::nextafter(0.05, 1.0);
   push.requestedFraction = 1.0 / 3.0;
+  push.round = (int64_t{1} << 40) + 1;  // ps-diloco's round step: not a float32 value
   const at::Tensor payload = at::randn({5});
   const at::Tensor message = encodePush(push, payload);
   ASSERT_EQ(message.numel(), PushHeader::kWords + 5);
@@ -628,6 +629,7 @@ TEST(PsMessages, HeadersKeepEveryBitAndThePayload) {
   EXPECT_EQ(back.kind, PushKind::kState);
   EXPECT_EQ(back.learningRate, push.learningRate);
   EXPECT_EQ(back.requestedFraction, push.requestedFraction);
+  EXPECT_EQ(back.round, push.round);
   EXPECT_TRUE(at::equal(pushPayload(message), payload));
 
   PullHeader pull;

@@ -25,6 +25,8 @@ int64_t fragmentDue(int64_t stepsDone, int64_t period, int64_t fragments) {
 }
 
 std::pair<int64_t, int64_t> nextSync(int64_t stepsDone, int64_t period, int64_t fragments) {
+  CARAVAN_CHECK(stepsDone >= 0 && fragments >= 1 && fragments <= period,
+                "nextSync({}, {}, {}) outside its domain", stepsDone, period, fragments);
   // Within a period fragment f is due at floor((f + 1) H / F), increasing in f (F <= H), the last
   // at H (the next period's 0): the first one past this period's phase.
   const int64_t start = stepsDone - stepsDone % period, phase = stepsDone % period;

@@ -65,8 +65,8 @@ struct DilocoOptions {
 // Which fragment syncs when `stepsDone` steps are done (-1: none), for H = period, F =
 // fragments: f with stepsDone > 0 and stepsDone ≡ floor((f + 1) H / F) (mod H).
 int64_t fragmentDue(int64_t stepsDone, int64_t period, int64_t fragments);
-// The next sync after `stepsDone` steps: {t, f}, the smallest t > stepsDone at which fragment f
-// is due.
+// The next sync after `stepsDone` (>= 0) steps: {t, f}, the smallest t > stepsDone at which
+// fragment f is due.
 std::pair<int64_t, int64_t> nextSync(int64_t stepsDone, int64_t period, int64_t fragments);
 // [begin, end) of fragment f of `fragments` in a flat vector of `numel` values.
 std::pair<int64_t, int64_t> fragmentRange(int64_t numel, int64_t fragment, int64_t fragments);
@@ -127,7 +127,7 @@ class DilocoStrategy : public Strategy {
   std::vector<at::Tensor> params_;
   int64_t numel_ = 0;
   at::Tensor anchor_;        // θ_sync, flat (ps-diloco: θ̂, the servers' last reply)
-  at::Tensor momentum_;      // the outer momentum, flat (ps-diloco: on the servers; unused here)
+  at::Tensor momentum_;      // the outer momentum, flat (ps-diloco: the servers', undefined here)
   at::Tensor serverParams_;  // ps-diloco int8/int4: a checkpoint's θ_sync, until seeded
   at::Tensor residual_;      // error feedback (compressed only), flat
   std::unique_ptr<InFlight> inFlight_;

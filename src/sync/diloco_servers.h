@@ -18,7 +18,8 @@
 // Rounds follow the schedule (nextSync): both sides know from the steps done which fragment
 // the next round carries, so every message has a size the receiver knows; each push names its
 // round's step, and a server whose schedule says otherwise fails with a PeerError instead of
-// applying one fragment's change to another. A push's header
+// applying one fragment's change to another (when the sizes disagree as well, the transport's
+// receive fails first, also a PeerError). A push's header
 // (ps_message.h) says what it asks: a pseudo-gradient, a checkpoint's state (the server sends
 // worker 0 its shard's outer momentum, and θ_sync when quantized, as FlatOptimizerState rows)
 // or goodbye; every worker sends the same kind in a round. Non-gradient pushes carry zeros of

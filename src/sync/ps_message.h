@@ -1,6 +1,6 @@
-// The messages between parameter-server workers and servers (ps-* in parameter_server.h and
-// osp in osp.h), encoded and decoded here and nowhere else, and the round trips both modes
-// make with a group of peers.
+// The messages between parameter-server workers and servers (ps-bsp/asp/ssp in
+// parameter_server.h, osp in osp.h, ps-diloco in diloco_servers.h), encoded and decoded here and
+// nowhere else, and the round trips these modes make with a group of peers.
 //
 // A message is one float32 tensor (the communicator moves tensors): a typed header, then the
 // payload (gradient values or codec words to a server; parameter values back). The header's
@@ -34,7 +34,8 @@ namespace caravan {
 
 // What a worker's push asks of a server.
 enum class PushKind : uint32_t {
-  kGradient = 0,  // apply this gradient at the header's learning rate
+  kGradient = 0,  // apply this gradient at the header's learning rate (ps-diloco: this
+                  // pseudo-gradient with the outer optimizer's)
   kGoodbye = 1,   // the worker is done (payload zeros); the server returns once all said it
   kSync = 2,      // reply with the current values, apply nothing (asynchronous modes)
   kState = 3,     // a checkpoint: as kSync, then send worker 0 the shard's optimizer state
