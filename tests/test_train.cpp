@@ -93,7 +93,7 @@ TEST(RunOptionsCheck, PsDilocoClipsAndSkipsOnTheWorkers) {
         {"sync.mode=" + mode, "optim.grad_clip=1", "train.nonfinite_skips=2", "sync.servers=1"}));
   };
   EXPECT_NO_THROW(validate(read("ps-diloco"), 3));
-  for (const std::string mode : {"ps-bsp", "osp"}) {
+  for (const char* mode : {"ps-bsp", "osp"}) {
     EXPECT_THROW(validate(read(mode), 3), ConfigError) << mode;
   }
 }

@@ -40,6 +40,19 @@ std::pair<int64_t, int64_t> fragmentRange(int64_t numel, int64_t fragment, int64
   return {numel * fragment / fragments, numel * (fragment + 1) / fragments};
 }
 
+at::Tensor meanOfChanges(const std::optional<QuantCodec>& codec,
+                         const std::vector<at::Tensor>& messages, int64_t n) {
+  at::Tensor mean = at::zeros({n}, at::kFloat);
+  for (const at::Tensor& m : messages) {
+    if (codec) {
+      codec->addDecoded(m, mean);
+    } else {
+      mean.add_(m);
+    }
+  }
+  return mean.div_(static_cast<int64_t>(messages.size()));
+}
+
 void outerNesterovStep(at::Tensor anchor, at::Tensor momentum, const at::Tensor& mean, double lr,
                        double mu) {
   if (mu > 0.0) {
@@ -227,17 +240,12 @@ void DilocoStrategy::complete() {
 }
 
 at::Tensor DilocoStrategy::meanChange(const InFlight& f, int64_t n) const {
-  at::Tensor mean;
-  if (codec_) {
-    mean = at::zeros({n}, at::kFloat);
-    const int64_t words = f.gathered.numel() / comm_->size();
-    for (int r = 0; r < comm_->size(); ++r) {
-      codec_->addDecoded(f.gathered.narrow(0, r * words, words), mean);
-    }
-  } else {
-    mean = f.reduced;
-  }
-  return mean.div_(comm_->size());
+  if (!codec_) return f.reduced.div_(comm_->size());  // the all-reduced sum
+  std::vector<at::Tensor> messages;
+  const int64_t words = f.gathered.numel() / comm_->size();
+  for (int r = 0; r < comm_->size(); ++r)
+    messages.push_back(f.gathered.narrow(0, r * words, words));
+  return meanOfChanges(codec_, messages, n);
 }
 
 void DilocoStrategy::finish() {
@@ -257,7 +265,6 @@ double DilocoStrategy::consolidate() {
 std::map<std::string, at::Tensor> DilocoStrategy::saveState() {
   std::map<std::string, at::Tensor> state = {{"diloco_anchor", anchor_.clone()}};
   if (route_) {  // the outer momentum (and θ_sync, when the replies are quantized) is theirs
-    CARAVAN_CHECK(inFlight_ == nullptr, "ps-diloco checkpoint before consolidate()");
     const auto [round, fragment] = nextSync(stepsDone_, options_.period, options_.fragments);
     const auto [begin, end] = range(fragment);
     at::Tensor momentum, serverParams;

@@ -70,6 +70,11 @@ int64_t fragmentDue(int64_t stepsDone, int64_t period, int64_t fragments);
 std::pair<int64_t, int64_t> nextSync(int64_t stepsDone, int64_t period, int64_t fragments);
 // [begin, end) of fragment f of `fragments` in a flat vector of `numel` values.
 std::pair<int64_t, int64_t> fragmentRange(int64_t numel, int64_t fragment, int64_t fragments);
+// The mean pseudo-gradient of n values from every worker's message, summed in rank order, then
+// divided by their number: int8/int4 messages through `codec`, float32 values without one.
+// (Among the workers the gathered messages, on a ps-diloco server the pushes' pieces.)
+at::Tensor meanOfChanges(const std::optional<QuantCodec>& codec,
+                         const std::vector<at::Tensor>& messages, int64_t n);
 // The outer step, SGD with Nesterov momentum as torch.optim.SGD: m = μ m + Δ;
 // θ_sync -= lr (Δ + μ m) (μ = 0: θ_sync -= lr Δ, m untouched). In place on `anchor` and
 // `momentum` (views allowed); `mean` is the mean pseudo-gradient Δ.

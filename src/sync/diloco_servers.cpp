@@ -163,9 +163,15 @@ void runDilocoServer(Communicator& world, int numWorkers, const DilocoOptions& o
   const int s = world.rank() - numWorkers;
   std::optional<QuantCodec> codec;
   if (isQuantized(options.compression)) codec.emplace(options.compression);
-  const int64_t n = hat.numel();
-  at::Tensor momentum = state.rows() >= 1 ? state.slots[0].clone() : at::zeros({n}, at::kFloat);
-  at::Tensor theta = !codec ? hat : state.rows() >= 2 ? state.slots[1].clone() : hat.clone();
+  // Worker 0 always seeds both rows, or the momentum alone in float32 (θ_sync = θ̂).
+  if (state.rows() != (codec ? 2 : 1)) {
+    throw PeerError(
+        fmt::format("rank {} (server): worker 0 seeded {} rows of state where "
+                    "ps-diloco keeps {}; it runs another version of caravan",
+                    world.rank(), state.rows(), codec ? 2 : 1));
+  }
+  at::Tensor momentum = state.slots[0].clone();
+  at::Tensor theta = codec ? state.slots[1].clone() : hat;
   int64_t stepsDone = state.step;
   std::vector<at::Tensor> pushes(numWorkers);
   for (;;) {
@@ -200,16 +206,9 @@ void runDilocoServer(Communicator& world, int numWorkers, const DilocoOptions& o
                       world.rank()));
     }
     // The mean pseudo-gradient, summed in rank order, then the outer step on θ_sync.
-    at::Tensor mean = at::zeros({len}, at::kFloat);
-    for (int k = 0; k < numWorkers; ++k) {
-      const at::Tensor payload = pushPayload(pushes[k]);
-      if (codec) {
-        codec->addDecoded(payload, mean);
-      } else {
-        mean.add_(payload);
-      }
-    }
-    mean.div_(numWorkers);
+    std::vector<at::Tensor> payloads;
+    for (const at::Tensor& p : pushes) payloads.push_back(pushPayload(p));
+    const at::Tensor mean = meanOfChanges(codec, payloads, len);
     at::Tensor thetaPiece = theta.narrow(0, begin, len);
     outerNesterovStep(thetaPiece, momentum.narrow(0, begin, len), mean, options.outerLr,
                       options.outerMomentum);
