@@ -88,16 +88,8 @@ inline Batch randomBatch(const DataShape& shape, int64_t n, uint64_t seed) {
 
 // `caravan ARGS` under `ulimit -f LIMIT_KIB`; the exit code is -1 if it did not exit.
 inline CommandResult runCaravanWithFileLimit(int limitKiB, const std::string& args) {
-  TempDir io;
-  const std::string cmd = "ulimit -f " + std::to_string(limitKiB) + "; exec " +
-                          std::string(CARAVAN_BINARY) + " " + args;
-  const int status =
-      std::system(("sh -c '" + cmd + "' >" + (io / "out") + " 2>" + (io / "err")).c_str());
-  CommandResult r;
-  r.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = readFile(io / "out");
-  r.err = readFile(io / "err");
-  return r;
+  return runShell("sh -c 'ulimit -f " + std::to_string(limitKiB) + "; exec " +
+                  std::string(CARAVAN_BINARY) + " " + args + "'");
 }
 
 // The CNN trained on synthetic data for 3 steps with `settings` (--set ...) and the disk tier in

@@ -135,17 +135,109 @@ TEST_F(Cli, SimulateWritesOnePredictionPerWorkerCountAndReusesItsWorkload) {
   // A run directory, or another bench's results, is not written over.
   const std::string run = finishedRun();
   const auto before = snapshot(run);
-  expectOneLineError(runCaravan(base + "-o " + run), 2, "is a run directory");
+  expectOneLineError(runCaravan(base + "-o " + run), 2, "is the directory of the run");
   EXPECT_EQ(snapshot(run), before);
   const std::string bench = tmp_ / "bench";
   fs::create_directories(bench);
   writeFile(bench + "/charts.json", "{\"name\": \"network\"}");
   expectOneLineError(runCaravan(base + "-o " + bench), 2, "another bench's charts.json");
   EXPECT_EQ(readFile(bench + "/charts.json"), "{\"name\": \"network\"}");
+  // A workload of another model (here: the same one at another width) is refused, naming both.
+  expectOneLineError(runCaravan(base + "--set model.width=32 --workload " + out + "/workload.json"),
+                     2, "was profiled on another model");
   // A workload profiled at another batch is refused.
   expectOneLineError(
       runCaravan(base + "--set data.batch_size=4 --workload " + out + "/workload.json"), 2,
       "profiled at data.batch_size = 8");
+}
+
+// One output guard (core/output_path.h) for every command that writes: each refuses the same
+// set of targets, in the same words, with exit 2 and the target as it was (issue 51: calibrate
+// -o /dev/null replaced the device as root, calibrate -o RUN/config.toml replaced a run's
+// config).
+TEST_F(Cli, EveryCommandThatWritesRefusesTheSameOutputs) {
+  const std::string run = finishedRun();
+  const std::string cluster = tmp_ / "cluster.toml";
+  writeFile(cluster, "[cluster]\nhosts = 2\nlink_mbit = 100\n");
+  writeFile(tmp_ / "text.txt", "some text to tokenize, some text to tokenize.\n");
+  writeFile(tmp_ / "file", "the user's file");
+  ASSERT_EQ(::mkfifo((tmp_ / "fifo").c_str(), 0644), 0);
+  fs::create_symlink(tmp_ / "file", tmp_ / "link");
+  fs::create_directories(tmp_ / "dir");
+  const std::string checkpoint =
+      run + "/checkpoints/" +
+      fs::path(fs::directory_iterator(run + "/checkpoints")->path()).filename().string();
+  // How each command names its output: one file, or a directory it writes files into.
+  struct Command {
+    std::string prefix;
+    bool directory;
+  };
+  const std::vector<Command> commands = {
+      {"report " + run + " -o ", false},
+      {"report " + run + " --png ", true},
+      {"simulate --config " + configPath_ + " " + kSynthetic + "--cluster " + cluster +
+           " --workers 2 --steps 2 -o ",
+       true},
+      {"calibrate --hosts 2 --link-mbit 100 --swap-dir " + (tmp_ / "dir") + " -o ", false},
+      {"data tokenize --input " + (tmp_ / "text.txt") + " --vocab-size 8 --out ", true},
+  };
+  // The same targets for every command, and what the one line says of each.
+  const std::vector<std::pair<std::string, std::string>> files = {
+      {"/dev/null", "is not a regular file (a device)"},
+      {tmp_ / "fifo", "is not a regular file (a FIFO)"},
+      {tmp_ / "link", "is not a regular file (a symbolic link)"},
+      {tmp_ / "dir", "is not a regular file (a directory)"},
+      {run + "/config.toml", "is a file of the run " + run},
+      {run + "/metrics.jsonl", "is a file of the run " + run},
+      {checkpoint, "is a file of the run " + run},
+      {run + "/summary.json", "is a file of the run " + run},
+  };
+  const std::vector<std::pair<std::string, std::string>> dirs = {
+      {"/dev/null", "is not a directory (a device)"},
+      {tmp_ / "fifo", "is not a directory (a FIFO)"},
+      {tmp_ / "link", "is not a directory (a symbolic link)"},
+      {tmp_ / "file", "is not a directory (a regular file)"},
+      {run, "is the directory of the run " + run},
+      {run + "/checkpoints", "is in the run " + run},
+      {run + "/new", "is in the run " + run},
+  };
+  const auto before = snapshot(tmp_.path());
+  for (const Command& c : commands) {
+    for (const auto& [target, says] : c.directory ? dirs : files) {
+      SCOPED_TRACE(c.prefix + target);
+      expectOneLineError(runCaravan(c.prefix + target), 2, says);
+    }
+  }
+  EXPECT_EQ(snapshot(tmp_.path()), before);
+  EXPECT_TRUE(fs::is_character_file("/dev/null"));
+  EXPECT_TRUE(fs::is_fifo(tmp_ / "fifo"));
+  EXPECT_TRUE(fs::is_symlink(tmp_ / "link"));
+  EXPECT_FALSE(fs::exists(run + "/new"));
+  // An input of the command is not written over either (text named like the tokens it writes).
+  fs::create_directories(tmp_ / "tok");
+  writeFile(tmp_ / "tok/train.bin", "text that happens to be named train.bin\n");
+  expectOneLineError(runCaravan("data tokenize --input " + (tmp_ / "tok/train.bin") +
+                                " --vocab-size 8 --out " + (tmp_ / "tok")),
+                     2, "is " + (tmp_ / "tok/train.bin") + ", an input of this command");
+  EXPECT_EQ(readFile(tmp_ / "tok/train.bin"), "text that happens to be named train.bin\n");
+  // calibrate's numbers are checked before anything is measured or written.
+  expectOneLineError(runCaravan("calibrate --hosts 2 --link-mbit nan -o " + (tmp_ / "c.toml")), 2,
+                     "--link-mbit nan is not a number");
+  EXPECT_FALSE(fs::exists(tmp_ / "c.toml"));
+}
+
+// SentencePiece spun at 100% CPU on --vocab-size 2000000000 for a tiny file: a vocabulary is
+// bounded by the characters of the text it is learned from, and refused at once beyond them.
+TEST_F(Cli, TokenizeBoundsTheVocabularyByTheText) {
+  writeFile(tmp_ / "tiny.txt", "a tiny text, a tiny text.\nand one more line of it.\n");
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const char* size : {"2000000000", "100000"}) {
+    expectOneLineError(runCaravan("data tokenize --input " + (tmp_ / "tiny.txt") +
+                                  " --vocab-size " + size + " --out " + (tmp_ / "out")),
+                       2, "is more pieces than the training text has characters");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+  EXPECT_FALSE(fs::exists(tmp_ / "out"));
 }
 
 TEST_F(Cli, SimulateRecommendsOnlyWaysTheConfigCanRun) {
@@ -725,11 +817,26 @@ TEST_F(Cli, InspectSaysWhatEachFileHolds) {
   EXPECT_NE(r.out.find("train-labels-idx1-ubyte.gz: IDX array, uint8, shape [3], values 0..2"),
             std::string::npos)
       << r.out;
-  // A bad file in a directory is its own line; the others are still shown.
+  // A bad file in a directory is its own line; the others are still shown, and the exit code
+  // says that not everything could be read (it was 0).
   fs::copy_file(fx + "/bad/fortran.npy", tmp_ / "idx/x.npy");
   r = runCaravan("data inspect " + (tmp_ / "idx"));
-  EXPECT_EQ(r.exitCode, 0);
+  EXPECT_EQ(r.exitCode, 3);
   EXPECT_NE(r.out.find("x.npy is in Fortran order"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("train-labels-idx1-ubyte.gz: IDX array"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("1 file in " + (tmp_ / "idx") + " cannot be read"), std::string::npos)
+      << r.err;
+  // A FIFO (with a data file's name or not) is named and counted, never opened (it would wait
+  // for a writer); a subdirectory is named, not skipped silently.
+  ASSERT_EQ(::mkfifo((tmp_ / "idx/y.bin").c_str(), 0644), 0);
+  ASSERT_EQ(::mkfifo((tmp_ / "idx/notes").c_str(), 0644), 0);
+  fs::create_directories(tmp_ / "idx/sub");
+  r = runCaravan("data inspect " + (tmp_ / "idx"));
+  EXPECT_EQ(r.exitCode, 3);
+  EXPECT_NE(r.out.find("y.bin"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("notes: not a regular file"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("sub: a directory (not looked into"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("3 files in"), std::string::npos) << r.err;
   expectOneLineError(runCaravan("data inspect " + (tmp_ / "none")), 3, "does not exist");
   expectOneLineError(runCaravan("data inspect " + configPath_), 3, "not a data file");
 }

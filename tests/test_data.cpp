@@ -695,6 +695,12 @@ TEST(NpyArrays, BadFilesAreRefusedWithOneLine) {
   test::writeNpy(dir.file("train_targets.npy"), at::tensor({0, 1, -1, 2, 0, 1, 2}, at::kLong));
   expectDataError([&] { loadNpyArrays(dir.file("")); },
                   {"train_targets.npy holds the class id -1", "float32 targets for regression"});
+  // A class id of 1e9 would size the output layer at a billion classes (it ended as an
+  // out-of-memory with batch-size advice): a dataset error naming the id.
+  test::writeNpy(dir.file("train_targets.npy"),
+                 at::tensor({0, 1, 1000000000, 2, 0, 1, 2}, at::kLong));
+  expectDataError([&] { loadNpyArrays(dir.file("")); },
+                  {"holds the id 1000000000", "1000000001 classes", "renumber them"});
   test::writeNpy(dir.file("train_targets.npy"), at::zeros({7}, at::kFloat));
   expectDataError([&] { loadNpyArrays(dir.file("")); },
                   {"train_targets.npy holds float32 examples [] but",

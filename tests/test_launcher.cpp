@@ -405,6 +405,80 @@ TEST_F(LauncherProcess, MaxRestartsContinuesFromTheLastCheckpointAfterAKilledWor
   for (const auto& [name, t] : a) EXPECT_TRUE(at::equal(t, b.at(name))) << name;
 }
 
+// An explicit dist.store_path outlives its job: a restart after a killed worker, and a new job
+// on the file a killed job left, each keep their keys apart in it (issue 51: both stopped with
+// "rank 0 of 2 is taken", exit 8).
+TEST_F(LauncherProcess, RestartsAndNewJobsReuseAnExplicitStoreFile) {
+  const std::string store = tmp_ / "store";
+  const std::string job = kSynthetic +
+                          " --set train.max_steps=400 --set checkpoint.every=20 "
+                          "--set train.log_every=1 --set dist.store=file --set dist.store_path=" +
+                          store;
+  run_ = tmp_ / "run";
+  start("train --config /dev/null " + job + " --run-dir " + run_ + " --workers 2 --max-restarts 1");
+  ASSERT_TRUE(waitForWorkers(2, seconds(30))) << readFile(tmp_ / "err");
+  ASSERT_TRUE(waitUntil(
+      [&] { return fs::exists(run_ + "/checkpoints") && !fs::is_empty(run_ + "/checkpoints"); },
+      seconds(60)))
+      << readFile(tmp_ / "err");
+  ASSERT_EQ(::kill(workers_.at(1), SIGKILL), 0);
+  const auto status = waitExit(seconds(120));
+  ASSERT_TRUE(status.has_value()) << "the restarted job did not finish within 120 s";
+  const std::string err = readFile(tmp_ / "err");
+  EXPECT_NE(err.find("caravan: restart 1 of 1, from"), std::string::npos) << err;
+  ASSERT_TRUE(WIFEXITED(*status)) << err;
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << err;
+  EXPECT_EQ(err.find("is taken"), std::string::npos) << err;
+  // A new job on the same file, which the killed start left behind.
+  ASSERT_TRUE(fs::exists(store));
+  const test::CommandResult again =
+      test::runCaravan("train -q --config /dev/null " + job +
+                       " --set train.max_steps=3 --run-dir " + (tmp_ / "again") + " --workers 2");
+  EXPECT_EQ(again.exitCode, 0) << again.err;
+}
+
+// A config error only a worker can find (here memory.budget, checked after the first step)
+// reaches the launcher as exit 2, not 8 (a worker failed), and is not restarted.
+TEST_F(LauncherProcess, AConfigErrorFoundInAWorkerExitsTwoAndIsNotRestarted) {
+  const test::CommandResult r = test::runCaravan(
+      "train -q --config /dev/null " + kSynthetic +
+          " --set train.max_steps=3 --set memory.budget=1KiB --workers 2 --max-restarts 2 "
+          "--set checkpoint.every=1 --run-dir " +
+          (tmp_ / "run"),
+      tmp_.path());
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+  EXPECT_NE(r.err.find("memory.budget = 1 KiB is below"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("restart"), std::string::npos) << r.err;
+}
+
+// A /dev/shm that cannot hold the segment (here read-only, in a mount namespace of the test's
+// own): dist.backend = auto says so in one line and trains on Gloo; dist.backend = shm stops,
+// naming /dev/shm and the way out (it said "cannot create /caravan-...: Read-only file system").
+TEST_F(LauncherProcess, AutoFallsBackToGlooWhenDevShmCannotHoldTheSegment) {
+  if (std::system("unshare -m true 2>/dev/null") != 0) GTEST_SKIP() << "no mount namespaces here";
+  const std::string bin = CARAVAN_BINARY;
+  auto runReadOnlyShm = [&](const std::string& backend, const std::string& dir) {
+    const std::string script = "mount -t tmpfs -o ro,size=64k tmpfs /dev/shm && exec " + bin +
+                               " train --config /dev/null " + kSynthetic +
+                               " --set train.max_steps=3 --set dist.backend=" + backend +
+                               " --workers 2 --run-dir " + dir;
+    return test::runShell("unshare -m sh -c '" + script + "'", tmp_.path());
+  };
+  const test::CommandResult autoRun = runReadOnlyShm("auto", tmp_ / "auto");
+  EXPECT_EQ(autoRun.exitCode, 0) << autoRun.err;
+  EXPECT_NE(autoRun.err.find("dist.backend = auto: /dev/shm cannot hold the job's segment"),
+            std::string::npos)
+      << autoRun.err;
+  EXPECT_NE(autoRun.err.find("using gloo instead"), std::string::npos) << autoRun.err;
+  const test::CommandResult shm = runReadOnlyShm("shm", tmp_ / "shm");
+  EXPECT_NE(shm.exitCode, 0) << shm.err;
+  EXPECT_NE(shm.err.find("dist.backend = shm: rank 0: cannot create the shared-memory segment "
+                         "/dev/shm/caravan-"),
+            std::string::npos)
+      << shm.err;
+  EXPECT_NE(shm.err.find("use dist.backend = auto or gloo"), std::string::npos) << shm.err;
+}
+
 TEST_F(LauncherProcess, MaxRestartsNeedsWorkers) {
   const test::CommandResult r = test::runCaravan("train --config /dev/null --max-restarts 1");
   EXPECT_EQ(r.exitCode, 2) << r.err;
@@ -661,7 +735,8 @@ TEST_F(LauncherProcess, ADuplicateRankIsRefusedAtOnceAndTheJobRunsOn) {
       "wait $!; echo $? >b.rc) & " +
       "for i in $(seq 600); do [ -s a/metrics.jsonl ] && break; sleep 0.1; done; " +
       "s=$(date +%s%N); RANK=1 timeout 60 " + train + "c 2>c.err; echo $? >c.rc; " +
-      "echo $(( ($(date +%s%N) - s) / 1000000 )) >c.ms; " +
+      "echo $(( ($(date +%s%N) - s) / 1000000 )) >c.ms; " + "RANK=1 timeout 60 " + train +
+      "a 2>d.err; echo $? >d.rc; " +
       "sleep 1; kill -0 $(cat a.pid) && kill -0 $(cat b.pid) && echo yes >alive; " +
       "for p in $(cat a.pid) $(cat b.pid); do pkill -KILL -P $p; kill -KILL $p; done; wait";
   ASSERT_EQ(std::system(("bash -c '" + script + "'").c_str()), 0);
@@ -672,6 +747,14 @@ TEST_F(LauncherProcess, ADuplicateRankIsRefusedAtOnceAndTheJobRunsOn) {
             std::string::npos)
       << err;
   EXPECT_LT(std::stoi(readFile(tmp_ / "c.ms")), 10000) << "fault.timeout is 2 s";
+  // A duplicate given the running job's own directory is told a job runs there, and never to
+  // remove it (it was told the run "stopped before its first checkpoint ... or remove" it).
+  const std::string dup = readFile(tmp_ / "d.err");
+  EXPECT_EQ(readFile(tmp_ / "d.rc"), "2\n") << dup;
+  EXPECT_EQ(countLines(dup), 1) << dup;
+  EXPECT_NE(dup.find("is in use by process"), std::string::npos) << dup;
+  EXPECT_NE(dup.find("a job is running in it"), std::string::npos) << dup;
+  EXPECT_EQ(dup.find("remove"), std::string::npos) << dup;
   EXPECT_EQ(readFile(tmp_ / "alive"), "yes\n")
       << "the job stopped when the duplicate came: " << readFile(tmp_ / "a.err")
       << readFile(tmp_ / "b.err");

@@ -2,6 +2,9 @@
 // writes, and memory.budget: the smallest budget the error names is exactly the smallest that
 // works. (Saved-activation bytes against PyTorch's own saved-tensor hooks: test_oracle.cpp.)
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <regex>
 #include <sstream>
@@ -91,6 +94,38 @@ TEST(AvailableMemory, TheSmallerOfMemAvailableAndTheCgroupRoom) {
   EXPECT_EQ(availableMemory(proc, cg)->bytes, 0);
   // Nothing readable: no claim.
   EXPECT_FALSE(availableMemory(tmp / "none", tmp / "none").has_value());
+}
+
+// ulimit -v (RLIMIT_AS) limits a process's address space: what it leaves is the limit less the
+// process's size now (VmSize), and without a limit there is no claim. Checked in a child, whose
+// limit is set there (a parent's stays as it was).
+TEST(AvailableMemory, AnAddressSpaceLimitLeavesTheLimitLessTheProcessSize) {
+  TempDir tmp;
+  std::filesystem::create_directories(tmp / "proc/self");
+  caravan::test::writeFile(tmp / "proc/self/status",
+                           "Name:\tcaravan\nVmPeak:\t 2097152 kB\nVmSize:\t 1048576 kB\n");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    struct rlimit unlimited {
+      RLIM_INFINITY, RLIM_INFINITY
+    };
+    struct rlimit eight {
+      rlim_t{8} << 30, RLIM_INFINITY
+    };
+    int bad = 0;
+    if (::setrlimit(RLIMIT_AS, &unlimited) == 0 && addressSpaceLeft(tmp / "proc")) bad |= 1;
+    if (::setrlimit(RLIMIT_AS, &eight) != 0) bad |= 2;
+    const auto left = addressSpaceLeft(tmp / "proc");
+    if (!left || left->limit != int64_t{8} << 30 || left->bytes != int64_t{7} << 30) bad |= 4;
+    if (addressSpaceLeft(tmp / "none")) bad |= 8;  // no status file: no claim
+    ::_exit(bad);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "bits: 1 unlimited claimed, 2 setrlimit, 4 wrong value, "
+                                       "8 claimed without status";
 }
 
 // The estimate a run is checked against before it allocates anything large is scaled from a

@@ -152,6 +152,48 @@ TEST(ScriptModel, EveryMemoryPolicyIsBitwiseKeep) {
   }
 }
 
+// Blocks without parameters train (issue 51: "element 0 of tensors does not require grad" from
+// the planner's profile, which assumed every block's output carries a gradient): a leading
+// Flatten and a ReLU between Linears as their own blocks, the same MLP as a module's `layers`
+// (model.blocks = "layers"), and a torch.jit.trace'd MLP. Every memory policy gives keep's
+// weights bitwise (recomputing or swapping a block with nothing to differentiate included), and
+// caravan plan and simulate profile them.
+TEST(ScriptModel, BlocksWithoutParametersTrainUnderEveryPolicy) {
+  TempDir tmp;
+  const std::string m = models();
+  for (const std::string model :
+       {"flatten-first.pt", "flatten-layers.pt --set model.blocks=layers", "traced-mlp.pt"}) {
+    SCOPED_TRACE(model);
+    const std::string set =
+        "--config /dev/null --set data.dataset=synthetic "
+        "--set data.synthetic_size=64 --set data.batch_size=8 "
+        "--set train.threads=1 --set model.name=torchscript --set model.path=" +
+        m + "/" + model;
+    const std::string dir = tmp / std::to_string(std::hash<std::string>{}(model));
+    const auto r = test::runCaravan("train " + set + " --set train.max_steps=3 --run-dir " + dir);
+    ASSERT_EQ(r.exitCode, 0) << r.err;
+    EXPECT_TRUE(std::filesystem::exists(dir + "/model.pt"));
+    const auto plan = test::runCaravan("plan " + set + " --set memory.budget=64MiB");
+    EXPECT_EQ(plan.exitCode, 0) << plan.err;
+    EXPECT_NE(plan.out.find("block"), std::string::npos) << plan.out;
+  }
+  const auto mlp = [&](const std::vector<std::string>& more) {
+    std::vector<std::string> o = scriptedCnn(more);
+    o.back() = "model.path=" + m + "/flatten-first.pt";
+    return o;
+  };
+  const auto keep = trainAndExport(mlp({"memory.tier=host"}), tmp / "keep");
+  ASSERT_EQ(keep.size(), 4u);  // two Linears' weights and biases
+  for (const std::string policy :
+       {"recompute", "swap", "swap-input", "swap-input,recompute,swap,keep"}) {
+    SCOPED_TRACE(policy);
+    const auto other =
+        trainAndExport(mlp({"memory.tier=host", "memory.policy=" + policy}), tmp / policy);
+    ASSERT_EQ(other.size(), keep.size());
+    for (const auto& [name, t] : keep) EXPECT_TRUE(at::equal(t, other.at(name))) << name;
+  }
+}
+
 // model.pt loads into the user's own Python class with load_state_dict(strict=True) and holds
 // what Caravan trained; a scripted loss(output, target) method is used when asked for.
 TEST(ScriptModel, ModelPtLoadsIntoTheUsersClassAndAModuleLossIsUsed) {
@@ -188,9 +230,26 @@ TEST(ScriptModel, BadModelsAreOneLineAndWriteNothing) {
       {"--set model.path=" + tmp.path(), "is a directory"},
       {"--set model.path=" + (tmp / "none.pt"), "does not exist"},
       // A scripted function loads as a module whose forward is the function.
-      {"--set model.path=" + m + "/function.pt",
-       "on input [2, 1, 28, 28] Float it gives [2, 1, 28, 28] Float, but the loss on this data "
-       "needs [batch, 10] (the classes)"},
+      {"--set model.path=" + m + "/function.pt", "has no parameters to train (a scripted function"},
+      // Mistakes that ended as "internal error (LibTorch)", exit 1 (issue 51): each one line
+      // naming the module, what it gave and what Caravan expected.
+      {"--set model.path=" + m + "/no-params.pt", "no-params.pt has no parameters to train"},
+      {"--set model.path=" + m + "/int-output.pt",
+       "int-output.pt: on input [2, 1, 28, 28] Float its forward returns a Tensor [2] Long; "
+       "Caravan trains a forward that returns floating-point outputs"},
+      {"--set model.path=" + m + "/cnn.pt --set model.loss=mse",
+       "model.loss = 'mse' needs floating-point targets (regression), but this data's targets "
+       "are Long class ids"},
+      {"--set model.path=" + m + "/loss-vector.pt --set model.loss=module",
+       "the loss method of " + m +
+           "/loss-vector.pt cannot be the training loss: it returns a "
+           "Tensor [2] Float; Caravan expects one floating-point number"},
+      {"--set model.path=" + m + "/loss-one-arg.pt --set model.loss=module",
+       "loss-one-arg.pt cannot be the training loss: it takes 1 argument; Caravan calls "
+       "loss(output, target)"},
+      {"--set model.path=" + m + "/loss-string.pt --set model.loss=module",
+       "loss-string.pt cannot be the training loss: it returns String; Caravan expects one "
+       "number"},
       {"--set model.path=" + m + "/double.pt", "is Double; Caravan trains float32"},
       {"--set model.path=" + m + "/cnn.pt --set model.blocks=nothere", "names no submodule"},
       {"--set model.path=" + m + "/cnn.pt --set model.blocks=features",
@@ -203,7 +262,8 @@ TEST(ScriptModel, BadModelsAreOneLineAndWriteNothing) {
        "has no loss method"},
       {"--set model.path=" + m + "/cnn.pt --set model.width=8", "has no meaning"},
       {"--set model.path=" + m + "/tied.pt", "is the same tensor as"},
-      {"--set model.path=" + m + "/pair.pt", "forward returns Tuple; Caravan trains a forward"},
+      {"--set model.path=" + m + "/pair.pt",
+       "pair.pt: the module's forward returns Tuple; Caravan trains a forward"},
       {"", "needs model.path"},
   };
   for (const auto& [args, says] : cases) {

@@ -98,6 +98,24 @@ TEST(RunOptionsCheck, PsDilocoClipsAndSkipsOnTheWorkers) {
   }
 }
 
+// A pipeline under a parameter-server mode is refused for the mode, before any count of
+// workers (the world counts the server: the message said "does not divide 3 workers" for 2
+// workers and a server).
+TEST(RunOptionsCheck, APipelineUnderServersIsRefusedForTheModeNotTheCount) {
+  const RunOptions o = RunOptions::read(Config::fromString(
+      "", "<test>", {"sync.mode=ps-bsp", "sync.servers=1", "parallel.pipeline_stages=2"}));
+  try {
+    validate(o, 3);
+    FAIL() << "a pipeline under ps-bsp was accepted";
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("parallel.pipeline_stages = 2 runs without sync.mode = ps-bsp"),
+              std::string::npos)
+        << m;
+    EXPECT_EQ(m.find("3 workers"), std::string::npos) << m;
+  }
+}
+
 namespace {
 
 Config syntheticConfig(const std::vector<std::string>& extra) {

@@ -65,6 +65,20 @@ inline CommandResult runCaravan(const std::string& args, const std::string& cwd 
   return r;
 }
 
+// Runs the shell command `command` (quoted as the shell reads it) in `cwd`, with stdout and
+// stderr captured; the exit code is -1 if it did not exit.
+inline CommandResult runShell(const std::string& command, const std::string& cwd = ".") {
+  TempDir io;
+  const std::string cmd = "cd '" + cwd + "' && { " + command + "; } >" + (io / "out") + " 2>" +
+                          (io / "err") + " </dev/null";
+  const int status = std::system(cmd.c_str());
+  CommandResult r;
+  r.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = readFile(io / "out");
+  r.err = readFile(io / "err");
+  return r;
+}
+
 inline int countLines(const std::string& text) {
   int n = 0;
   for (char c : text) n += c == '\n';

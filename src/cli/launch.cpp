@@ -135,6 +135,12 @@ std::string describeExit(int waitStatus) {
   return fmt::format("ended with wait status {:#x}", waitStatus);
 }
 
+ExitCode launcherExitCode(int waitStatus) {
+  return WIFEXITED(waitStatus) && WEXITSTATUS(waitStatus) == static_cast<int>(ExitCode::kConfig)
+             ? ExitCode::kConfig
+             : ExitCode::kWorkerFailed;
+}
+
 std::string workerFailureMessage(int rank, pid_t pid, int waitStatus, int stopped, int worldSize,
                                  const std::string& runDir) {
   std::string others;

@@ -17,12 +17,18 @@
 
 namespace caravan {
 
-// A worker process of a local launch failed (non-zero exit or a signal). Exit code:
-// kWorkerFailed. The message names the rank, its pid, how it ended and where its log is.
+// A worker process of a local launch failed (non-zero exit or a signal). The message names the
+// rank, its pid, how it ended and where its log is. Exit code: kConfig when the worker refused
+// the config or command (it exited 2: a check only a worker can make, such as a pipeline's
+// partition or a memory budget; a restart would be refused again), else kWorkerFailed.
 class WorkerError : public Error {
  public:
-  explicit WorkerError(const std::string& m) : Error(ExitCode::kWorkerFailed, m) {}
+  explicit WorkerError(const std::string& m, ExitCode code = ExitCode::kWorkerFailed)
+      : Error(code, m) {}
 };
+
+// The exit code a launcher reports for a worker that ended with `waitStatus` (WorkerError).
+ExitCode launcherExitCode(int waitStatus);
 
 constexpr const char* kLocalMasterAddr = "127.0.0.1";
 constexpr const char* kCaravanLauncher = "caravan";  // CARAVAN_LAUNCHER's value for our workers

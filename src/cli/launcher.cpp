@@ -164,14 +164,17 @@ class Supervisor {
     auto given = base.find(kJobTokenVariable);
     const std::string token =
         given != base.end() && !given->second.empty() ? given->second : newJobToken();
+    // This start's own keys in a file store that an earlier start or job left (store.h).
+    const std::string start = newJobToken();
     std::vector<WorkerSpec> specs(static_cast<size_t>(o_.workers));
     std::vector<Fd> logs;
     for (int r = 0; r < o_.workers; ++r) {
       WorkerSpec& s = specs[static_cast<size_t>(r)];
       s.argv = workerArguments(o_.args, r, o_.addRunDir ? o_.runDir : "");
       s.argv.insert(s.argv.begin(), o_.program);
-      s.envp = environmentStrings(workerEnvironment(base, r, o_.workers, port,
-                                                    o_.threadsConfigured, token));
+      Environment env = workerEnvironment(base, r, o_.workers, port, o_.threadsConfigured, token);
+      env[kJobStartVariable] = start;
+      s.envp = environmentStrings(env);
       if (r > 0) {
         const std::string path = rankLogPath(o_.runDir, r);
         logs.emplace_back(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
@@ -225,7 +228,7 @@ class Supervisor {
     // A shared-memory segment's name outlives its ranks only when rank 0 died mid-rendezvous.
     removeSegments(token);
     if (!startError_.empty()) throw IoError(startError_);
-    if (failure_) throw WorkerError(*failure_);
+    if (failure_) throw WorkerError(*failure_, failureCode_);
     return interrupted_ ? static_cast<int>(ExitCode::kInterrupted) : 0;
   }
 
@@ -277,6 +280,7 @@ class Supervisor {
     if (cause == nullptr || stopping()) return;
     failure_ = workerFailureMessage(cause->rank, cause->pid, cause->status, running_, o_.workers,
                                     o_.runDir);
+    failureCode_ = launcherExitCode(cause->status);
     stop(o_.stopGrace);
   }
 
@@ -285,6 +289,7 @@ class Supervisor {
   int running_ = 0;
   bool interrupted_ = false;
   std::optional<std::string> failure_;
+  ExitCode failureCode_ = ExitCode::kWorkerFailed;
   std::string startError_;
   std::optional<Clock::time_point> killAt_;   // SIGKILL whoever still runs at this time
   std::optional<Clock::time_point> giveUpAt_; // stop waiting for SIGKILLed workers

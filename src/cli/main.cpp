@@ -22,6 +22,7 @@
 #include "core/config.h"
 #include "core/errors.h"
 #include "core/openmp_env.h"
+#include "core/output_path.h"
 #include "data/text.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
@@ -170,7 +171,7 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
   for (int restart = 1;; ++restart) {
     // This launcher starts every rank: the run directory's own file store, if there, holds
     // the keys (rank claims among them) of a job that is over. (A dist.store_path is the
-    // user's file: never removed; it must be a fresh one per job.)
+    // user's file: never removed; each start keeps its keys apart in it, comm/store.h.)
     if (options.sync.store == "file" && options.sync.storePath.empty()) {
       std::error_code ec;
       fs::remove(fs::path(launch.runDir) / "rendezvous", ec);
@@ -181,7 +182,8 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
       // Every worker has stopped: a checkpoint one was writing is a stale temporary.
       const CheckpointDir checkpoints(launch.runDir, options.loop.checkpointKeep);
       checkpoints.removeStaleTemporaries();
-      if (restart > maxRestarts) throw;
+      // A refused config or command is refused again: no restart.
+      if (restart > maxRestarts || e.code() == ExitCode::kConfig) throw;
       const std::optional<std::string> latest = checkpoints.latest();
       if (!latest) {
         throw WorkerError(fmt::format("{}; not restarted: {} has no checkpoint yet (set "
@@ -285,6 +287,7 @@ int runReport(const std::vector<std::string>& sources, std::string output,
               const std::string& pngDir, const std::string& title) {
   if (output.empty() && pngDir.empty()) output = "report.html";
   if (!output.empty()) report::checkOutputIsNoInput(output, sources);
+  if (!pngDir.empty()) checkOutputPath({"--png", pngDir, /*directory=*/true}, sources);
   const nlohmann::json data = report::collect(sources, title);
   const std::string html = report::renderHtml(data);
   if (!output.empty()) {
@@ -528,7 +531,13 @@ int main(int argc, char** argv) {
     if (*reportCmd) return runReport(reportSources, reportOutput, reportPng, reportTitle);
     if (*tokenizeCmd) return runTokenizer(tokenizeCmd->remaining());
     if (*inspectCmd) {
-      for (const auto& line : inspectData(inspectPath, inspectDtype)) std::cout << line << "\n";
+      const InspectResult r = inspectData(inspectPath, inspectDtype);
+      for (const auto& line : r.lines) std::cout << line << "\n";
+      std::cout.flush();
+      if (r.unreadable > 0) {
+        throw DataError(fmt::format("{} file{} in {} cannot be read (said above)", r.unreadable,
+                                    r.unreadable == 1 ? "" : "s", inspectPath));
+      }
       return 0;
     }
     if (*config) {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -14,6 +15,7 @@
 #include "core/config.h"
 #include "core/errors.h"
 #include "core/files.h"
+#include "core/output_path.h"
 #include "memory/tier.h"
 #include "memory/tracker.h"
 #include "sim/cluster.h"
@@ -130,17 +132,13 @@ RunOptions withSync(RunOptions o, const SyncSpec& s) {
   return o;
 }
 
-// -o DIR holds what simulate writes; a run directory or another bench's results (their
-// charts.json) are not overwritten.
-void checkOutputDirectory(const std::string& dir) {
-  for (const char* name : {"config.toml", "metrics.jsonl"}) {
-    if (fs::exists(fs::path(dir) / name)) {
-      throw ConfigError(
-          fmt::format("-o {} is a run directory ({} is in it); pass a directory "
-                      "of its own for the predictions",
-                      dir, name));
-    }
-  }
+// -o DIR holds what simulate writes (core/output_path.h), and no other bench's results (their
+// charts.json) are overwritten.
+void checkOutputDirectory(const SimulateArgs& args) {
+  const std::string& dir = args.outDir;
+  checkOutputPath(
+      {"-o", dir, /*directory=*/true, {"predictions.jsonl", "workload.json", "charts.json"}},
+      {args.configPath, args.clusterPath, args.workloadPath});
   const fs::path charts = fs::path(dir) / "charts.json";
   if (!fs::exists(charts)) return;
   std::string why;
@@ -171,7 +169,7 @@ int runSimulate(const SimulateArgs& args) {
     validate(options, n + options.sync.servers);
   }
   if (!args.outDir.empty()) {
-    checkOutputDirectory(args.outDir);
+    checkOutputDirectory(args);
     std::error_code ec;
     fs::create_directories(args.outDir, ec);
     if (ec) {
@@ -190,6 +188,7 @@ int runSimulate(const SimulateArgs& args) {
                       args.workloadPath, why));
     }
     w = sim::workloadFromJson(*text, args.workloadPath);
+    sim::checkWorkloadIsTheConfigs(w, config, args.workloadPath);
     if (w.batchPerWorker != options.data.batchSize) {
       throw ConfigError(fmt::format(
           "{} was profiled at data.batch_size = {}, the config has {}; profile again (drop "
@@ -311,6 +310,15 @@ int runSimulate(const SimulateArgs& args) {
 }
 
 int runCalibrate(const CalibrateArgs& args) {
+  for (const auto& [option, value] :
+       {std::pair{"--link-mbit", args.linkMbit}, std::pair{"--latency-us", args.latencyUs}}) {
+    if (!std::isfinite(value)) {
+      throw ConfigError(fmt::format("{} {} is not a number; give a finite one", option, value));
+    }
+  }
+  const bool toFile = !args.output.empty() && args.output != "-";
+  // Before the disk is measured: the file it would write is checked first.
+  if (toFile) checkOutputPath({"-o", args.output}, {});
   sim::ClusterSpec c;
   c.hosts = args.hosts;
   c.linkBitsPerSecond = args.linkMbit * 1e6;
@@ -329,7 +337,7 @@ int runCalibrate(const CalibrateArgs& args) {
       "# caravan calibrate: cores, memory and disk measured on this host; the link's rate and\n"
       "# latency as given (--link-mbit, --latency-us)\n" +
       c.toToml();
-  if (args.output.empty() || args.output == "-") {
+  if (!toFile) {
     std::cout << text;
   } else {
     writeFileAtomic(args.output, text);

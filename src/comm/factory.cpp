@@ -16,6 +16,7 @@
 #include "comm/mpi_communicator.h"
 #include "comm/shm_communicator.h"
 #include "core/errors.h"
+#include "core/log.h"
 
 namespace caravan {
 
@@ -119,8 +120,25 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const
                                                         joinTimeout, connections);
                               });
     }
-    // One host: everything through shared memory.
-    return std::make_unique<ShmCommunicator>(own, world.rank, world.worldSize, options);
+    // One host: everything through shared memory, or (auto) Gloo when /dev/shm cannot hold
+    // the segment; every rank learns that from rank 0 and falls back alike.
+    try {
+      return std::make_unique<ShmCommunicator>(own, world.rank, world.worldSize, options);
+    } catch (const ShmUnavailable& e) {
+      if (backend == "shm") {
+        throw ShmUnavailable(fmt::format(
+            "dist.backend = shm: {}; make /dev/shm writable with room, or use dist.backend = "
+            "auto or gloo",
+            e.what()));
+      }
+      if (world.rank == 0) {
+        logLine(
+            fmt::format("dist.backend = auto: /dev/shm cannot hold the job's "
+                        "segment ({}); using gloo instead",
+                        e.what()));
+      }
+      return makeCommunicator("gloo", world, std::move(store), timeout, joinTimeout, connections);
+    }
   }
   if (backend == "mpi") {
     MpiOptions options;

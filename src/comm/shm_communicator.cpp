@@ -560,8 +560,10 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
       m.options.slotBytes = fittingSlot(size, m.options.slotBytes, m.global(0));
       m.bytes = segmentBytes(size, m.options.slotBytes);
       fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-      if (fd < 0)
-        throw IoError(systemError(fmt::format("rank {}: cannot create {}", m.global(0), name)));
+      if (fd < 0) {
+        throw IoError(systemError(fmt::format(
+            "rank {}: cannot create the shared-memory segment /dev/shm{}", m.global(0), name)));
+      }
       unlink.name = name;
       // Reserve the pages now: a full /dev/shm is one line here, not a SIGBUS mid-collective.
       if (const int err = ::posix_fallocate(fd, 0, m.bytes); err != 0) {
@@ -575,7 +577,7 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
       // The others learn why now rather than at their join timeout ("!" + the reason).
       const std::string why = std::string("!") + e.what();
       store->set(nameKey, std::vector<uint8_t>(why.begin(), why.end()));
-      throw;
+      throw ShmUnavailable(e.what());
     }
   } else {
     try {
@@ -589,7 +591,7 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
     const std::vector<uint8_t> v = store->get(nameKey);
     name.assign(v.begin(), v.end());
     if (!name.empty() && name[0] == '!') {
-      throw IoError(
+      throw ShmUnavailable(
           fmt::format("rank {}: no shared-memory segment: {}", m.global(rank), name.substr(1)));
     }
     fd = ::shm_open(name.c_str(), O_RDWR, 0);

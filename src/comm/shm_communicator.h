@@ -50,6 +50,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "comm/communicator.h"
+#include "core/errors.h"
 
 namespace caravan {
 
@@ -85,6 +86,14 @@ std::string segmentPrefix(const std::string& token);
 // Removes the job's segment names still in /dev/shm (left only when rank 0 died while the
 // others were mapping it) and returns how many; the launcher calls it once its workers are gone.
 int removeSegments(const std::string& token);
+
+// /dev/shm cannot hold the job's segment: rank 0 could not create or reserve it (a read-only or
+// full /dev/shm). Every rank of the rendezvous throws it (the others learn it through the
+// store), so they can agree to use another backend (dist.backend = auto falls back to Gloo).
+class ShmUnavailable : public IoError {
+ public:
+  explicit ShmUnavailable(const std::string& m) : IoError(m) {}
+};
 
 class ShmCommunicator final : public Communicator {
  public:

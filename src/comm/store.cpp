@@ -12,9 +12,12 @@
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "comm/comm_util.h"
 #include "comm/communicator.h"
+#include "comm/shm_channels.h"
+#include "comm/shm_communicator.h"
 #include "comm/tcp_store.h"
 #include "core/errors.h"
 #include "core/files.h"
@@ -94,9 +97,10 @@ c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOpt
     }
     checkStoreFile(options.filePath);
     try {
-      auto store = c10::make_intrusive<c10d::FileStore>(options.filePath, world.worldSize);
-      store->setTimeout(options.timeout);
-      return store;
+      auto file = c10::make_intrusive<c10d::FileStore>(options.filePath, world.worldSize);
+      file->setTimeout(options.timeout);
+      if (world.start.empty()) return file;
+      return c10::make_intrusive<c10d::PrefixStore>("start/" + world.start, std::move(file));
     } catch (const std::exception& e) {
       throw IoError(fmt::format("cannot open the store file {}: {}", options.filePath,
                                 comm::errorLine(e)));
@@ -109,13 +113,37 @@ c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOpt
 // Every rank's `key(r)` is in the store within `timeout`; otherwise PeerError naming the ranks
 // whose key is missing: "rank R: K of N ranks <done> within T; rank M did not (...)".
 void claimRank(c10d::Store& store, int rank, int size) {
-  if (store.add(fmt::format("claim/{}", rank), 1) > 1) {
-    throw ConfigError(fmt::format(
-        "rank {} of {} is taken: another process joined this job as rank {} first; give each "
-        "process its own rank (RANK, SLURM_PROCID or OMPI_COMM_WORLD_RANK) and the world "
-        "size, or use a fresh store",
-        rank, size, rank));
+  const std::string key = fmt::format("claim/{}", rank);
+  // Who claimed it: this host's identity and the claimant's pid.
+  const std::string me = fmt::format("{}\n{}", hostIdentity(), static_cast<long>(::getpid()));
+  if (store.add(key, 1) == 1) {
+    store.set(key + "/by", std::vector<uint8_t>(me.begin(), me.end()));
+    return;
   }
+  std::string by;
+  try {
+    if (store.check({key + "/by"})) {
+      const std::vector<uint8_t> v = store.get(key + "/by");
+      by.assign(v.begin(), v.end());
+    }
+  } catch (const std::exception&) {
+    by.clear();  // not known: say it is taken
+  }
+  const size_t newline = by.rfind('\n');
+  const long pid = newline == std::string::npos ? 0 : std::atol(by.c_str() + newline + 1);
+  if (newline != std::string::npos && by.substr(0, newline) == hostIdentity() && pid > 0 &&
+      comm::processExited(pid)) {
+    throw ConfigError(fmt::format(
+        "rank {} of {}: the rendezvous store holds an earlier job's keys (rank {} was claimed by "
+        "process {} on this host, which has ended); start with a fresh store (remove the file "
+        "at dist.store_path, or name a new one per job)",
+        rank, size, rank, pid));
+  }
+  throw ConfigError(fmt::format(
+      "rank {} of {} is taken: another process joined this job as rank {} first; give each "
+      "process its own rank (RANK, SLURM_PROCID or OMPI_COMM_WORLD_RANK) and the world "
+      "size, or use a fresh store",
+      rank, size, rank));
 }
 
 void waitForRanks(c10d::Store& store, int rank, int size,

@@ -4,7 +4,10 @@
 // kind "tcp":  rank 0 serves a TcpStore on the master address and port (loopback unless the
 //              launcher says otherwise); other ranks connect to it, retrying until `timeout`.
 // kind "file": a c10d::FileStore at `filePath` on a file system every rank sees (NFS, Lustre).
-//              Use a fresh path per job: keys left in an old file would satisfy new waits.
+//              The file outlives its job: with WorldInfo::start (every start of `caravan train
+//              --workers`) the start's keys live under "start/<start>/", apart from those an
+//              earlier start or job left. Without it (other launchers) use a fresh path per
+//              job: claimRank names a file left by a job whose processes have ended.
 //
 // Errors: an unreachable master -> PeerError naming address:port and what to check; a port
 // rank 0 cannot bind, an unknown kind or a missing file path -> ConfigError.
@@ -44,7 +47,9 @@ void waitForRanks(c10d::Store& store, int rank, int size,
                   const std::string& done, const std::string& what = "rendezvous");
 
 // Claims `rank` in `store` (a job's first rendezvous calls it): ConfigError naming the rank when
-// another process claimed it first, before this one touches the job.
+// another process claimed it first, before this one touches the job; when that process was on
+// this host and has ended, the store is an earlier job's and the message says to use a fresh
+// one.
 void claimRank(c10d::Store& store, int rank, int size);
 
 }  // namespace caravan

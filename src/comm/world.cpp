@@ -111,6 +111,7 @@ WorldInfo worldFromEnvironment(const Environment& env) {
   if (!get(env, "MASTER_ADDR").empty()) w.masterAddr = get(env, "MASTER_ADDR");
   if (!get(env, "MASTER_PORT").empty()) w.masterPort = parseInt(env, "MASTER_PORT", 1, 65535);
   w.token = get(env, kJobTokenVariable);
+  w.start = get(env, kJobStartVariable);
   return w;
 }
 

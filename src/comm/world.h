@@ -21,7 +21,14 @@ struct WorldInfo {
   // The job's secret (CARAVAN_JOB_TOKEN; `--workers` makes one): a process without it cannot
   // use the rendezvous store nor complete a connection to a rank. Empty: not authenticated.
   std::string token;
+  // One start of a job (CARAVAN_JOB_START, a fresh value for each start of `caravan train
+  // --workers`, restarts included): a file store, which outlives its job, keeps each start's
+  // keys apart under it. Empty: none given (other launchers).
+  std::string start;
 };
+
+// The variable that carries a start's identity (WorldInfo::start).
+inline constexpr const char* kJobStartVariable = "CARAVAN_JOB_START";
 
 // The variable that carries the job token (never a config key: config.toml is written out).
 inline constexpr const char* kJobTokenVariable = "CARAVAN_JOB_TOKEN";

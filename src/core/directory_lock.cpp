@@ -62,4 +62,10 @@ DirectoryLock::~DirectoryLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
+std::optional<pid_t> directoryLockHolder(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  return flockHolder(st);
+}
+
 }  // namespace caravan

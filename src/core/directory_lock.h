@@ -37,4 +37,9 @@ class DirectoryLock {
   std::optional<pid_t> holder_;
 };
 
+// The process that holds the lock on the directory `path` (a DirectoryLock in it), read from
+// /proc/locks without taking the lock; nullopt when no process does (or /proc/locks does not
+// say).
+std::optional<pid_t> directoryLockHolder(const std::string& path);
+
 }  // namespace caravan

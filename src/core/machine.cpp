@@ -1,8 +1,11 @@
 // availableMemory (see machine.h).
 #include "core/machine.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <fstream>
+#include <sstream>
 
 namespace caravan {
 namespace {
@@ -84,6 +87,21 @@ std::optional<AvailableMemory> availableMemory(const std::string& procRoot,
     if (!best || room->bytes < best->bytes) best = room;
   }
   return best;
+}
+
+std::optional<AddressSpaceLeft> addressSpaceLeft(const std::string& procRoot) {
+  struct rlimit limit {};
+  if (::getrlimit(RLIMIT_AS, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return std::nullopt;
+  std::ifstream in(procRoot + "/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmSize:", 0) != 0) continue;
+    std::istringstream fields(line.substr(7));  // "VmSize:  123456 kB"
+    int64_t kib = 0;
+    if (!(fields >> kib)) return std::nullopt;
+    const auto cap = static_cast<int64_t>(std::min<rlim_t>(limit.rlim_cur, INT64_MAX));
+    return AddressSpaceLeft{std::max<int64_t>(cap - kib * 1024, 0), cap};
+  }
+  return std::nullopt;
 }
 
 }  // namespace caravan

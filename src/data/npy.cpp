@@ -24,6 +24,9 @@
 namespace caravan {
 namespace {
 
+// The most classes (or ids of a vocabulary) integer targets may name: 2^24.
+constexpr int64_t kMostClasses = int64_t{1} << 24;
+
 constexpr std::string_view kMagic("\x93NUMPY", 6);
 constexpr int64_t kMaxHeaderBytes = int64_t{1} << 20;
 
@@ -418,6 +421,15 @@ DatasetSplits loadNpyArrays(const std::string& dir) {
         }
         classes = std::max(classes, hi + 1);
       }
+    }
+    // The output layer (and an embedding) is sized from the largest id: one of 1e9 made a
+    // model of gigabytes that ended as an out-of-memory with batch-size advice.
+    if (classes > kMostClasses) {
+      throw DataError(fmt::format(
+          "{} or {} holds the id {}: {} classes (or vocabulary entries) are more than the {} "
+          "Caravan sizes a model for from the data; ids are 0, 1, ... up to the number of "
+          "classes: renumber them (or use float32 targets for regression)",
+          train.targets.path, test.targets.path, classes - 1, classes, kMostClasses));
     }
     shape.numClasses = classes;
     shape.vocabSize = classes;

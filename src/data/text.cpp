@@ -125,14 +125,14 @@ std::string inspectFile(const fs::path& p, const std::string& tokenDtype) {
 
 }  // namespace
 
-std::vector<std::string> inspectData(const std::string& path, const std::string& tokenDtype) {
+InspectResult inspectData(const std::string& path, const std::string& tokenDtype) {
   if (!tokenDtype.empty() && tokenDtype != "uint16" && tokenDtype != "uint32") {
     throw ConfigError(fmt::format("--token-dtype {}: use uint16 or uint32", tokenDtype));
   }
   std::error_code ec;
   const fs::path p(path);
   if (!fs::exists(p, ec)) throw DataError(fmt::format("{} does not exist", path));
-  std::vector<std::string> lines;
+  InspectResult out;
   if (!fs::is_directory(p, ec)) {
     std::string line = inspectFile(p, tokenDtype);
     if (line.empty()) {
@@ -140,27 +140,46 @@ std::vector<std::string> inspectData(const std::string& path, const std::string&
           "{}: not a data file Caravan reads (.npy, .bin token ids, IDX *-ubyte[.gz], .txt)",
           path));
     }
-    return {line};
+    out.lines.push_back(line);
+    return out;
   }
-  std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(p, ec)) {
-    if (entry.is_regular_file(ec)) files.push_back(entry.path());
-  }
-  std::sort(files.begin(), files.end());
-  for (const auto& f : files) {
+  std::vector<fs::directory_entry> entries;
+  for (const auto& entry : fs::directory_iterator(p, ec)) entries.push_back(entry);
+  if (ec) throw DataError(fmt::format("cannot list {}: {}", path, ec.message()));
+  std::sort(entries.begin(), entries.end());
+  bool anyData = false;
+  for (const auto& entry : entries) {
+    const std::string name = entry.path().string();
+    std::error_code statError;
+    if (entry.is_directory(statError)) {
+      out.lines.push_back(
+          fmt::format("{}: a directory (not looked into; inspect it by itself)", name));
+      continue;
+    }
     try {
-      std::string line = inspectFile(f, tokenDtype);
-      if (!line.empty()) lines.push_back(line);
+      // A FIFO, socket or device is refused by the readers (core/files.h) with a DataError.
+      std::string line = inspectFile(entry.path(), tokenDtype);
+      if (!line.empty()) {
+        out.lines.push_back(line);
+        anyData = true;
+      } else if (!entry.is_regular_file(statError)) {
+        out.lines.push_back(
+            fmt::format("{}: not a regular file (a FIFO, socket, device or "
+                        "broken link), skipped",
+                        name));
+        ++out.unreadable;
+      }
     } catch (const DataError& e) {
-      lines.push_back(e.what());  // names the file; the others are still worth seeing
+      out.lines.push_back(e.what());  // names the file; the others are still worth seeing
+      ++out.unreadable;
     }
   }
-  if (lines.empty()) {
+  if (!anyData && out.unreadable == 0) {
     throw DataError(fmt::format(
         "{} holds no data file Caravan reads (.npy, .bin token ids, IDX *-ubyte[.gz], .txt)",
         path));
   }
-  return lines;
+  return out;
 }
 
 }  // namespace caravan

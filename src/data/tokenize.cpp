@@ -20,6 +20,7 @@
 
 #include "core/errors.h"
 #include "core/files.h"
+#include "core/output_path.h"
 #include "core/scope_guard.h"
 
 namespace caravan {
@@ -142,9 +143,13 @@ TokenizeSummary tokenizeText(const TokenizeOptions& o) {
   }
   const fs::path out(o.outDir);
   std::error_code ec;
-  if (fs::exists(out, ec) && !fs::is_directory(out, ec)) {
-    throw IoError(fmt::format("--out {} is a file; name a directory", o.outDir));
-  }
+  std::vector<std::string> inputs = o.inputs;
+  if (!o.tokenizer.empty() && o.tokenizer != "bytes") inputs.push_back(o.tokenizer);
+  checkOutputPath({"--out",
+                   o.outDir,
+                   /*directory=*/true,
+                   {"train.bin", "val.bin", "tokens.json", "tokenizer.model", "tokenizer.log"}},
+                  inputs);
   for (const char* name : {"train.bin", "val.bin", "tokens.json", "tokenizer.model"}) {
     if (fs::exists(out / name, ec)) {
       throw IoError(
@@ -181,7 +186,19 @@ TokenizeSummary tokenizeText(const TokenizeOptions& o) {
     const std::string modelPath = (out / "tokenizer.model").string();
     if (o.tokenizer.empty()) {
       if (o.vocabSize < 8 || o.vocabSize > (int64_t{1} << 31) - 1) {
-        throw ConfigError(fmt::format("--vocab-size {} must be 8 or more", o.vocabSize));
+        throw ConfigError(fmt::format("--vocab-size {} must be 8 to 2147483647", o.vocabSize));
+      }
+      // A piece occurs in the text at least once, so no vocabulary outgrows its characters
+      // (SentencePiece itself spun on 2000000000 pieces of a tiny file).
+      int64_t characters = 0;
+      for (const auto& t : texts) {
+        for (unsigned char c : t.train) characters += (c & 0xC0) != 0x80;
+      }
+      if (o.vocabSize > characters) {
+        throw ConfigError(fmt::format(
+            "--vocab-size {} is more pieces than the training text has characters ({}); "
+            "give a smaller --vocab-size or more text",
+            o.vocabSize, characters));
       }
       LineIterator lines(texts);
       const std::string partial = modelPath + ".partial";

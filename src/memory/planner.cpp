@@ -58,16 +58,19 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
   }
 
   ModelProfile profile;
+  // Whether block i's input carries a gradient in training: the data does not; a block's
+  // output does when its input or one of its parameters does (a leading Flatten's does not).
+  bool inputNeedsGrad = false;
   for (size_t i = 0; i < model->numBlocks(); ++i) {
     BlockProfile b;
     b.label = model->blockLabel(i);
     b.inputBytes = static_cast<int64_t>(inputs[i].storage().nbytes());
     b.inputFloat32Bytes = inputs[i].scalar_type() == at::kFloat ? b.inputBytes : 0;
     std::vector<double> forward, backward;
+    bool outputNeedsGrad = false;
     for (int r = 0; r <= repeats; ++r) {  // r = 0 warms up
       at::Tensor x = inputs[i].detach();
-      // As in training: every block's input but the first is an activation that needs grad.
-      if (i > 0 && x.is_floating_point()) x.requires_grad_(true);
+      if (inputNeedsGrad && x.is_floating_point()) x.requires_grad_(true);
       MemoryTracker tracker;
       at::Tensor y, g;
       double f = 0.0;
@@ -78,13 +81,15 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
         f = secondsSince(t0);
         b.savedBytes = tracker.live(MemoryCategory::kActivations);
         b.savedFloat32Bytes = activeAccounting()->liveFloat32Bytes();
-        g = at::randn_like(y);
+        outputNeedsGrad = y.requires_grad();  // else nothing to differentiate: no backward
+        if (outputNeedsGrad) g = at::randn_like(y);
         const auto t1 = Clock::now();
-        y.backward(g);
+        if (outputNeedsGrad) y.backward(g);
         if (r > 0) backward.push_back(secondsSince(t1));
       }
       if (r > 0) forward.push_back(f);
     }
+    inputNeedsGrad = outputNeedsGrad;
     b.forwardSeconds = median(forward);
     b.backwardSeconds = median(backward);
     profile.blocks.push_back(b);

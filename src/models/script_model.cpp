@@ -105,12 +105,71 @@ at::Tensor sampleInput(const DataShape& shape, int64_t tokens) {
   return at::randn({2, shape.channels, shape.height, shape.width}, generator);
 }
 
+// Targets for the batch `x` like the data's: class ids, next tokens or regression values.
+at::Tensor sampleTarget(const DataShape& shape, const at::Tensor& x) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(20231202);
+  std::vector<int64_t> dims{x.size(0)};
+  if (!shape.targetShape.empty()) {
+    dims.insert(dims.end(), shape.targetShape.begin(), shape.targetShape.end());
+  } else if (shape.task == TaskKind::kLanguageModel) {
+    dims.push_back(x.size(1));
+  }
+  if (shape.task == TaskKind::kRegression || isFloatingType(shape.targetType)) {
+    return at::randn(dims, generator, at::TensorOptions(shape.targetType));
+  }
+  const int64_t classes =
+      shape.task == TaskKind::kLanguageModel ? shape.vocabSize : shape.numClasses;
+  return at::randint(std::max<int64_t>(classes, 1), dims, generator, at::TensorOptions(at::kLong));
+}
+
+// Why the module's `loss` method cannot be the training loss ("" when it can): it must take
+// (output, target) and return one floating-point number (a 0-dimensional Tensor).
+std::string whyNotALoss(jit::Module& root, const at::Tensor& output, const at::Tensor& target) {
+  const auto method = root.find_method("loss");
+  const size_t arguments = method->function().getSchema().arguments().size();  // self included
+  if (arguments != 3) {
+    return fmt::format("it takes {} argument{}; Caravan calls loss(output, target)", arguments - 1,
+                       arguments == 2 ? "" : "s");
+  }
+  c10::IValue value;
+  auto generator = at::detail::getDefaultCPUGenerator();  // seeded for the run: put back
+  const at::Tensor rng = generator.get_state();
+  try {
+    jit::GraphOptimizerEnabledGuard plain(false);
+    at::NoGradGuard noGrad;
+    value = root.run_method("loss", output, target);
+    generator.set_state(rng);
+  } catch (const std::exception& e) {
+    generator.set_state(rng);
+    return fmt::format("loss(output, target) fails on output {} and target {} ({})",
+                       shapeText(output), shapeText(target), lastLine(e));
+  }
+  if (!value.isTensor()) {
+    return fmt::format("it returns {}; Caravan expects one number (a 0-dimensional Tensor)",
+                       value.tagKind());
+  }
+  const at::Tensor t = value.toTensor();
+  if (t.dim() != 0 || !t.is_floating_point()) {
+    return fmt::format(
+        "it returns a Tensor {}; Caravan expects one floating-point number (a "
+        "0-dimensional Tensor: reduce it, e.g. .mean())",
+        shapeText(t));
+  }
+  return "";
+}
+
 // The output shape the loss needs on input `x`, or "" when any fits (the module's own loss).
 std::string neededOutput(const ModelSpec& spec, const DataShape& shape, const at::Tensor& x,
                          const at::Tensor& out) {
   const bool regression = shape.task == TaskKind::kRegression;
   const std::string& loss = spec.loss;
-  if (loss == "module" || (loss == "mse" && !regression)) return "";
+  if (loss == "module") return "";
+  if (loss == "mse" && !regression) {
+    throw ConfigError(fmt::format(
+        "model.path {}: model.loss = 'mse' needs floating-point targets (regression), but this "
+        "data's targets are {} class ids; use model.loss = 'cross_entropy' or leave it empty",
+        spec.path, c10::toString(shape.targetType)));
+  }
   if (loss == "cross_entropy" && regression) {
     throw ConfigError(fmt::format(
         "model.loss = 'cross_entropy' needs integer class targets, but this data's targets are "
@@ -277,6 +336,16 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
                     "(torch.jit.script(model)), not a function",
                     spec.path));
   }
+  bool trainable = false;
+  for (const auto& p : root.named_parameters(true))
+    trainable = trainable || p.value.requires_grad();
+  if (!trainable) {
+    throw ConfigError(
+        fmt::format("model.path {} has no parameters to train (a scripted function, a module "
+                    "without parameters, or one whose parameters are all frozen); script an "
+                    "nn.Module with trainable parameters",
+                    spec.path));
+  }
   for (const auto& p : root.named_parameters(true)) {
     if (p.value.scalar_type() != at::kFloat) {
       throw ConfigError(
@@ -314,6 +383,8 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
       try {
         whole = run(root, x);
         return "";
+      } catch (const ConfigError& e) {  // it returned something else than a Tensor
+        throw ConfigError(fmt::format("model.path {}: {}", spec.path, e.what()));
       } catch (const Error&) {
         throw;
       } catch (const std::exception& e) {
@@ -331,6 +402,13 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
                       "({}): {}",
                       spec.path, shapeText(x), failed));
     }
+  }
+  if (!whole.is_floating_point()) {
+    throw ConfigError(
+        fmt::format("model.path {}: on input {} its forward returns a Tensor {}; Caravan "
+                    "trains a forward that returns floating-point outputs (logits or "
+                    "predictions)",
+                    spec.path, shapeText(x), shapeText(whole)));
   }
   const std::string needed = neededOutput(spec, shape, x, whole);
   if (!needed.empty()) {
@@ -402,6 +480,13 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
           fmt::format("model.loss = 'module' but {} has no loss method; add "
                       "`def loss(self, output, target) -> Tensor` (scripted)",
                       spec.path));
+    }
+    const std::string whyNot = whyNotALoss(root, whole, sampleTarget(shape, x));
+    if (!whyNot.empty()) {
+      throw ConfigError(
+          fmt::format("model.loss = 'module': the loss method of {} cannot be "
+                      "the training loss: {}",
+                      spec.path, whyNot));
     }
     // The loss runs on the whole module, whose own mode the blocks do not set: the model's
     // (a loss may branch on self.training). The model owns this function, so `self` lives.

@@ -24,6 +24,7 @@
 
 #include "core/errors.h"
 #include "core/files.h"
+#include "core/output_path.h"
 #include "core/scope_guard.h"
 #include "report/assets.h"
 #include "train/checkpoint.h"
@@ -463,49 +464,17 @@ json readBench(const std::string& source) {
 }
 
 void checkOutputIsNoInput(const std::string& output, const std::vector<std::string>& sources) {
+  // What the page reads: the sources, and in a source directory the files collect() opens.
+  std::vector<std::string> inputs;
   std::error_code ec;
-  const fs::file_status link = fs::symlink_status(output, ec);
-  if (!fs::exists(link)) return;  // nothing there to overwrite
-  // The page replaces the file (written beside it, renamed over it): a device, FIFO or
-  // symbolic link there would be replaced by a regular file (/dev/null, as root).
-  if (!fs::is_regular_file(link)) {
-    throw ConfigError(
-        fmt::format("--output {} is not a regular file (a {}); write the page to "
-                    "a new or regular file (e.g. report.html)",
-                    output,
-                    fs::is_symlink(link)     ? "symbolic link"
-                    : fs::is_directory(link) ? "directory"
-                                             : "device, FIFO or socket"));
-  }
-  // Nothing a run directory holds is overwritten but an earlier page (.html).
-  const fs::path canonicalOutput = fs::weakly_canonical(output, ec);
   for (const std::string& source : sources) {
-    if (!fs::is_directory(source, ec) || fs::path(output).extension() == ".html") continue;
-    const fs::path dir = fs::weakly_canonical(source, ec);
-    const auto rel = canonicalOutput.lexically_relative(dir);
-    if (!rel.empty() && *rel.begin() != "..") {
-      throw ConfigError(
-          fmt::format("--output {} is a file of the run {}; write the page to a "
-                      "new file or an .html one (e.g. report.html)",
-                      output, source));
+    inputs.push_back(source);
+    if (!fs::is_directory(source, ec)) continue;
+    for (const char* name : {"metrics.jsonl", "config.toml", "summary.json", "charts.json"}) {
+      inputs.push_back((fs::path(source) / name).string());
     }
   }
-  for (const std::string& source : sources) {
-    std::vector<fs::path> inputs = {source};
-    if (fs::is_directory(source, ec)) {
-      for (const char* name : {"metrics.jsonl", "config.toml", "summary.json", "charts.json"}) {
-        inputs.push_back(fs::path(source) / name);
-      }
-    }
-    for (const fs::path& input : inputs) {
-      if (fs::exists(input, ec) && fs::equivalent(output, input, ec)) {
-        throw ConfigError(
-            fmt::format("--output {} is {}, an input of this report; write the "
-                        "page to another file (e.g. report.html)",
-                        output, input.string()));
-      }
-    }
-  }
+  checkOutputPath({"--output", output}, inputs);
 }
 
 json collect(const std::vector<std::string>& sources, const std::string& title) {

@@ -31,9 +31,9 @@ nlohmann::json readBench(const std::string& path);
 // benches}. Run names are the directory names, made unique with their parents when needed.
 nlohmann::json collect(const std::vector<std::string>& sources, const std::string& title);
 
-// Refuses (ConfigError) an output file that is one of the files the report reads from
-// `sources` (a run's metrics.jsonl, config.toml or summary.json, a bench's charts.json): the
-// page would overwrite its own input.
+// Refuses (ConfigError) an output file the page may not replace (core/output_path.h), among them
+// the files the report reads from `sources` (a run's metrics.jsonl, config.toml or
+// summary.json, a bench's charts.json).
 void checkOutputIsNoInput(const std::string& output, const std::vector<std::string>& sources);
 
 // Whether this build carries Chart.js (report/node_modules was installed when it was built).

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <numeric>
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
@@ -13,6 +14,7 @@
 #include "memory/accounting.h"
 #include "memory/planner.h"
 #include "memory/saved_tensors.h"
+#include "memory/tracker.h"
 #include "train/memory_setup.h"
 #include "train/precision.h"
 #include "train/run_setup.h"
@@ -97,6 +99,23 @@ Workload measureWorkload(const Config& config) {
   w.updateSeconds = times[times.size() / 2];
   w.optimizerStateBytes = optimizerStateBytes(*optimizer);  // as stepped: its state exists
   return w;
+}
+
+void checkWorkloadIsTheConfigs(const Workload& w, const Config& config, const std::string& source) {
+  RunSetup setup = RunSetup::forInspection(config);
+  std::vector<int64_t> bytes;
+  for (size_t i = 0; i < setup.model->numBlocks(); ++i) {
+    bytes.push_back(tensorBytes(setup.model->block(i).ptr()->parameters()));
+  }
+  if (w.model == setup.model->modelName() && w.parameterBytes == bytes) return;
+  const auto total = [](const std::vector<int64_t>& v) {
+    return formatBytes(std::accumulate(v.begin(), v.end(), int64_t{0}));
+  };
+  throw ConfigError(fmt::format(
+      "{} was profiled on another model ({}, {} blocks, {} of parameters) than the config's "
+      "({}, {} blocks, {}); profile again (drop --workload) or pass that model's config",
+      source, w.model, w.parameterBytes.size(), total(w.parameterBytes), setup.model->modelName(),
+      bytes.size(), total(bytes)));
 }
 
 std::string workloadJson(const Workload& w) {

@@ -26,6 +26,10 @@ Workload measureWorkload(const Config& config);
 std::string workloadJson(const Workload& w);
 Workload workloadFromJson(const std::string& text, const std::string& source);
 
+// ConfigError naming `source` when `w` was not profiled from the config's model (another
+// model, or the same one at another size: its blocks' parameter bytes differ). Builds the model.
+void checkWorkloadIsTheConfigs(const Workload& w, const Config& config, const std::string& source);
+
 // The run's sync.*, compression and pipeline keys.
 SyncSpec syncSpecFrom(const RunOptions& options);
 

@@ -458,7 +458,8 @@ std::optional<TrainingMemoryEstimate> estimateTrainingMemory(const RunOptions& o
 void checkTrainingFitsMachine(const RunOptions& options, BlockModel& model, const Batch& sample,
                               int64_t seqLen, int localProcesses) {
   const std::optional<AvailableMemory> room = availableMemory();
-  if (!room) return;
+  const std::optional<AddressSpaceLeft> address = addressSpaceLeft();
+  if (!room && !address) return;
   std::optional<TrainingMemoryEstimate> need;
   if (options.pipeline.stages > 1) {
     // A stage's share is not known before the cut; what every rank holds for certain is the
@@ -468,13 +469,22 @@ void checkTrainingFitsMachine(const RunOptions& options, BlockModel& model, cons
     need = estimateTrainingMemory(options, model, sample, seqLen);
   }
   if (!need) return;
-  const int64_t total = need->total() * std::max(localProcesses, 1);
-  if (total <= room->bytes) return;
-  const std::string machine =
-      room->cgroupLimit > 0
-          ? fmt::format("{} left under this process's cgroup limit of {}", formatBytes(room->bytes),
-                        formatBytes(room->cgroupLimit))
-          : fmt::format("{} available on this machine (MemAvailable)", formatBytes(room->bytes));
+  int64_t total = need->total() * std::max(localProcesses, 1);
+  std::string machine;
+  if (room && total > room->bytes) {
+    machine =
+        room->cgroupLimit > 0
+            ? fmt::format("{} left under this process's cgroup limit of {}",
+                          formatBytes(room->bytes), formatBytes(room->cgroupLimit))
+            : fmt::format("{} available on this machine (MemAvailable)", formatBytes(room->bytes));
+  } else if (address && need->total() > address->bytes) {  // the limit is this process's own
+    total = need->total();
+    localProcesses = 1;
+    machine = fmt::format("{} of address space this process's limit of {} (ulimit -v) leaves it",
+                          formatBytes(address->bytes), formatBytes(address->limit));
+  } else {
+    return;
+  }
   throw ConfigError(fmt::format(
       "this run needs at least {}{} (activations {} at data.batch_size = {}{}, weights, "
       "gradients and optimizer state {}), more than the {}; lower data.batch_size{}{}",

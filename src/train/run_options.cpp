@@ -229,6 +229,11 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
   const std::string what = pipeline.stages > 1
                                ? fmt::format("parallel.pipeline_stages = {}", pipeline.stages)
                                : fmt::format("parallel.micro_batches = {}", pipeline.microBatches);
+  // First: with parameter servers the world counts them, which the counts below would not.
+  if (options.sync.mode != "allreduce" && worldSize > 1) {
+    throw ConfigError(fmt::format("{} runs without sync.mode = {}: leave sync.mode at allreduce",
+                                  what, options.sync.mode));
+  }
   if (pipeline.stages > 1 && worldSize % pipeline.stages != 0) {
     throw ConfigError(fmt::format(
         "{} does not divide {} workers: run K x D workers (D data-parallel pipelines of K "
@@ -246,10 +251,6 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
         "{} without pipeline stages is gradient accumulation on one worker; with {} workers "
         "set parallel.micro_batches = 1",
         what, worldSize));
-  }
-  if (options.sync.mode != "allreduce" && worldSize > 1) {
-    throw ConfigError(fmt::format("{} runs without sync.mode = {}: leave sync.mode at allreduce",
-                                  what, options.sync.mode));
   }
   if (options.memory.offloadWeights) {
     throw ConfigError(fmt::format(

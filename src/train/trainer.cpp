@@ -406,9 +406,14 @@ void Trainer::accountMemory() {
         formatBytes(memory.live(MemoryCategory::kGradients)),
         formatBytes(memory.live(MemoryCategory::kOptimizerState)), mo.policy, formatBytes(needed),
         needed,
+        // (The run directory is not written before the first step: the plan is not there.)
         mo.automatic()
-            ? std::string("; the plan's prediction was short: see ") +
-                  (s_.pipeline ? "pipeline_plan.txt" : "memory_plan.txt")
+            ? fmt::format("; the plan's prediction was short{} (caravan plan with the same "
+                          "settings prints the plan)",
+                          s_.activations.plan
+                              ? fmt::format(": it predicted {} of activations",
+                                            formatBytes(s_.activations.plan->prediction.peakBytes))
+                              : "")
             : std::string(
                   "; or set memory.policy = auto to recompute or swap blocks within the budget"),
         mo.offloadWeights
@@ -434,14 +439,17 @@ void Trainer::checkNonFinite(const StepResult& r) {
                     step, r.loss, skippedSteps_, loop_.nonfiniteSkips));
     return;
   }
+  // DiLoCo's outer step moves the parameters too: its rate is as likely a cause.
+  const std::string lower =
+      isDiloco(s_.options.sync.mode) ? "lower sync.outer_lr or optim.lr" : "lower optim.lr";
   throw NonFiniteError(fmt::format(
-      "loss became {} at step {} (epoch {}){}; the last good checkpoint is {}; lower optim.lr "
-      "or set optim.grad_clip",
+      "loss became {} at step {} (epoch {}){}; the last good checkpoint is {}; {} or set "
+      "optim.grad_clip",
       r.loss, step, epoch_,
       loop_.nonfiniteSkips > 0
           ? fmt::format(" after {} skipped steps (train.nonfinite_skips)", skippedSteps_)
           : "",
-      checkpoints_.latest().value_or("(none: set checkpoint.every)")));
+      checkpoints_.latest().value_or("(none: set checkpoint.every)"), lower));
 }
 
 void Trainer::writeTrainRecord(double lr, double samplesPerS) {
@@ -619,6 +627,19 @@ std::optional<std::string> checkRunDirectory(const std::string& runDir, bool res
   // A run that stopped before its first checkpoint can be neither continued nor overwritten:
   // both messages say so, and the same way out.
   const bool startedWithoutCheckpoint = !latest && fs::exists(fs::path(runDir) / "metrics.jsonl");
+  // A run that another process is running (it holds the directory's lock; not this process,
+  // nor its launcher) is never to be removed: say that a job runs there. A rank of a job
+  // that holds no lock of its own (rank > 0) meets this when it joins a live run.
+  if (resume ? startedWithoutCheckpoint : (startedWithoutCheckpoint || latest)) {
+    const std::optional<pid_t> holder = directoryLockHolder(runDir);
+    if (holder && *holder != ::getpid() && *holder != ::getppid()) {
+      throw ConfigError(fmt::format(
+          "{} is in use by process {}: a job is running in it (if this process was to join "
+          "it, its rank is taken: give each process its own rank); wait for it to end, or "
+          "choose another --run-dir",
+          runDir, *holder));
+    }
+  }
   if (resume) {
     if (startedWithoutCheckpoint) {
       throw CheckpointError(fmt::format(

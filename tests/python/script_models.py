@@ -12,6 +12,12 @@ torch.jit.script(module).save(OUT_DIR/<name>.pt). Usage: script_models.py OUT_DI
                 training (dropout between them) or for gradients (a detach): one block
   tied.pt       one module under two names (tied weights: refused); pair.pt returns a tuple
   linear.pt     nn.Linear(4, 2) with no bias, for regression on arrays
+  flatten-first.pt  nn.Sequential(nn.Flatten(), Linear, ReLU, Linear): blocks without
+                parameters first and in the middle; flatten-layers.pt the same as a module's
+                `layers` (model.blocks = "layers"); traced-mlp.pt a torch.jit.trace'd MLP
+  no-params.pt, int-output.pt, loss-vector.pt, loss-one-arg.pt, loss-string.pt  user mistakes
+                (no parameters; a forward returning class ids; a loss method returning a
+                vector, taking one argument, returning a string): refused in one line
 Needs Debian's python3-torch: run with /usr/bin/python3.
 """
 import os
@@ -82,6 +88,42 @@ class NotSequential(Cnn):
         return self.head(self.flat(self.features(x))) * 0.5
 
 
+def mlp_layers():
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+class FlattenLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = mlp_layers()
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class IntOutput(Cnn):
+    def forward(self, x):
+        return self.head(self.flat(self.features(x))).argmax(1)
+
+
+class LossVector(Cnn):
+    @torch.jit.export
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output, target, reduction="none")
+
+
+class LossOneArgument(Cnn):
+    @torch.jit.export
+    def loss(self, output: torch.Tensor) -> torch.Tensor:
+        return output.sum()
+
+
+class LossString(Cnn):
+    @torch.jit.export
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> str:
+        return "low"
+
+
 def main(out_dir):
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
@@ -97,6 +139,17 @@ def main(out_dir):
     torch.jit.script(Pair()).save(os.path.join(out_dir, "pair.pt"))
     torch.jit.script(nn.Sequential(nn.Linear(4, 2, bias=False))).save(
         os.path.join(out_dir, "linear.pt"))
+
+    torch.jit.script(mlp_layers()).save(os.path.join(out_dir, "flatten-first.pt"))
+    torch.jit.script(FlattenLayers()).save(os.path.join(out_dir, "flatten-layers.pt"))
+    torch.jit.trace(mlp_layers(), torch.randn(2, 1, 28, 28)).save(
+        os.path.join(out_dir, "traced-mlp.pt"))
+    torch.jit.script(nn.Sequential(nn.Flatten(), nn.ReLU())).save(
+        os.path.join(out_dir, "no-params.pt"))
+    torch.jit.script(IntOutput()).save(os.path.join(out_dir, "int-output.pt"))
+    torch.jit.script(LossVector()).save(os.path.join(out_dir, "loss-vector.pt"))
+    torch.jit.script(LossOneArgument()).save(os.path.join(out_dir, "loss-one-arg.pt"))
+    torch.jit.script(LossString()).save(os.path.join(out_dir, "loss-string.pt"))
 
     def function(x: torch.Tensor) -> torch.Tensor:
         return x * 2
