@@ -191,6 +191,11 @@ TEST(Config, OverrideWithMoreThanOneValueIsRefused) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("more than one TOML value"), std::string::npos)
         << e.what();
+    // One line: the value's line breaks are shown, not printed (they made a 3-line error).
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--set data.path=\"x\"\\n[model]\\nname"),
+              std::string::npos)
+        << e.what();
   }
   EXPECT_EQ(Config::fromString("", "<t>", {"data.path=\"x\""}).str("data.path"), "x");
 }

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <set>
 #include <string>
 #include <thread>
@@ -699,8 +700,15 @@ TEST(NpyArrays, BadFilesAreRefusedWithOneLine) {
   // out-of-memory with batch-size advice): a dataset error naming the id.
   test::writeNpy(dir.file("train_targets.npy"),
                  at::tensor({0, 1, 1000000000, 2, 0, 1, 2}, at::kLong));
+  expectDataError(
+      [&] { loadNpyArrays(dir.file("")); },
+      {"train_targets.npy holds the id 1000000000", "1000000001 classes", "renumber them"});
+  // The largest int64 (its count of classes overflowed past the check: an internal error).
+  test::writeNpy(
+      dir.file("train_targets.npy"),
+      at::tensor(std::vector<int64_t>{0, 1, std::numeric_limits<int64_t>::max(), 2, 0, 1, 2}));
   expectDataError([&] { loadNpyArrays(dir.file("")); },
-                  {"holds the id 1000000000", "1000000001 classes", "renumber them"});
+                  {"holds the id 9223372036854775807", "9223372036854775808 classes"});
   test::writeNpy(dir.file("train_targets.npy"), at::zeros({7}, at::kFloat));
   expectDataError([&] { loadNpyArrays(dir.file("")); },
                   {"train_targets.npy holds float32 examples [] but",

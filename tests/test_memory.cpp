@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <regex>
 #include <sstream>
 
@@ -190,6 +191,19 @@ TEST(TrainingMemoryEstimate, ARunTooLargeForTheMachineIsRefusedBeforeItAllocates
                              "lower data.batch_size or data.seq_len"}) {
       EXPECT_NE(what.find(part), std::string::npos) << part << " in: " << what;
     }
+  }
+}
+
+// The smallest budget a refusal suggests, read back as a size, is at least the bytes it stands
+// for (3284143 bytes was shown as "3.1 MiB", and 3.1MiB was refused again).
+TEST(MemoryAccounting, ASuggestedSizeReadsBackAsAtLeastItsBytes) {
+  EXPECT_EQ(formatBytesAtLeast(3284143), "3.2 MiB");
+  EXPECT_EQ(formatBytes(3284143), "3.1 MiB");
+  for (int64_t b : {int64_t{1}, int64_t{1023}, int64_t{1025}, int64_t{3284143}, int64_t{1} << 20,
+                    (int64_t{5} << 30) + 1, int64_t{123456789012}}) {
+    std::string text = formatBytesAtLeast(b);
+    text.erase(std::remove(text.begin(), text.end(), ' '), text.end());
+    EXPECT_GE(parseBytes(text, "memory.budget"), b) << text;
   }
 }
 

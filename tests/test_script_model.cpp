@@ -157,7 +157,7 @@ TEST(ScriptModel, EveryMemoryPolicyIsBitwiseKeep) {
 // Flatten and a ReLU between Linears as their own blocks, the same MLP as a module's `layers`
 // (model.blocks = "layers"), and a torch.jit.trace'd MLP. Every memory policy gives keep's
 // weights bitwise (recomputing or swapping a block with nothing to differentiate included), and
-// caravan plan and simulate profile them.
+// caravan plan profiles them (simulate profiles as plan does; the probe runs it too).
 TEST(ScriptModel, BlocksWithoutParametersTrainUnderEveryPolicy) {
   TempDir tmp;
   const std::string m = models();
@@ -241,12 +241,14 @@ TEST(ScriptModel, BadModelsAreOneLineAndWriteNothing) {
        "int-output.pt: on input [2, 1, 28, 28] Float its forward returns a Tensor [2] Long; "
        "Caravan trains a forward that returns floating-point outputs"},
       {"--set model.path=" + m + "/cnn.pt --set model.loss=mse",
-       "model.loss = 'mse' needs floating-point targets (regression), but this data's targets "
-       "are Long class ids"},
+       "cnn.pt: model.loss = 'mse' compares the output with this data's Long targets, [2] Long "
+       "on input [2, 1, 28, 28] Float, but the module gives [2, 10] Float"},
       {"--set model.path=" + m + "/loss-vector.pt --set model.loss=module",
        "the loss method of " + m +
            "/loss-vector.pt cannot be the training loss: it returns a "
            "Tensor [2] Float; Caravan expects one floating-point number"},
+      {"--set model.path=" + m + "/loss-constant.pt --set model.loss=module",
+       "loss-constant.pt cannot be the training loss: its value does not depend on the output"},
       {"--set model.path=" + m + "/loss-one-arg.pt --set model.loss=module",
        "loss-one-arg.pt cannot be the training loss: it takes 1 argument; Caravan calls "
        "loss(output, target)"},
@@ -279,6 +281,15 @@ TEST(ScriptModel, BadModelsAreOneLineAndWriteNothing) {
     EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
     EXPECT_TRUE(!std::filesystem::exists(tmp / "run") || std::filesystem::is_empty(tmp / "run"));
   }
+  // What the load-time checks accept: a loss of shape [1] whose third argument has a default.
+  const auto lossDefault = test::runCaravan(
+      "train -q --config /dev/null --set data.dataset=synthetic --set model.name=torchscript "
+      "--set model.path=" +
+      m +
+      "/loss-default.pt --set model.loss=module --set train.max_steps=2 "
+      "--set train.threads=1 --run-dir " +
+      (tmp / "default"));
+  EXPECT_EQ(lossDefault.exitCode, 0) << lossDefault.err;
   // The model options of a scripted module are refused for the built-in ones.
   const auto r = test::runCaravan(
       "train --config /dev/null --set data.dataset=synthetic "

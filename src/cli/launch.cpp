@@ -78,8 +78,8 @@ std::vector<std::string> withoutOptions(const std::vector<std::string>& args,
 
 std::vector<std::string> restartArguments(const std::vector<std::string>& supervisorArgs,
                                           const std::string& runDir) {
-  std::vector<std::string> out = withoutOptions(
-      supervisorArgs, {"--config", "-c", "--run-dir", "--resume", "--set", "--stop-at-step"});
+  std::vector<std::string> out =
+      withoutOptions(supervisorArgs, {"--config", "-c", "--run-dir", "--resume", "--set"});
   out.push_back("--resume");
   out.push_back(runDir);
   return out;

@@ -21,10 +21,17 @@ namespace caravan {
 // rank, its pid, how it ended and where its log is. Exit code: kConfig when the worker refused
 // the config or command (it exited 2: a check only a worker can make, such as a pipeline's
 // partition or a memory budget; a restart would be refused again), else kWorkerFailed.
+// `saidAbove`: rank 0, which shares the supervisor's terminal, refused the config itself and its
+// one line already says why; the supervisor adds no second line.
 class WorkerError : public Error {
  public:
-  explicit WorkerError(const std::string& m, ExitCode code = ExitCode::kWorkerFailed)
-      : Error(code, m) {}
+  explicit WorkerError(const std::string& m, ExitCode code = ExitCode::kWorkerFailed,
+                       bool saidAbove = false)
+      : Error(code, m), saidAbove_(saidAbove) {}
+  bool saidAbove() const { return saidAbove_; }
+
+ private:
+  bool saidAbove_;
 };
 
 // The exit code a launcher reports for a worker that ended with `waitStatus` (WorkerError).
@@ -54,7 +61,8 @@ std::vector<std::string> environmentStrings(const Environment& env);
 // `--quiet` appended for ranks > 0 (only rank 0 draws on the terminal).
 // The supervisor's arguments for a restart after a failure (--max-restarts): the same flags
 // and --workers, with `--resume RUN_DIR` in place of --config/-c, --run-dir, --resume, --set
-// (RUN_DIR/config.toml has them) and --stop-at-step (the first run's stop, passed already).
+// (RUN_DIR/config.toml has them). --stop-at-step stays: the failure came before that step, and
+// a restart without it ran on to train.max_steps.
 std::vector<std::string> restartArguments(const std::vector<std::string>& supervisorArgs,
                                           const std::string& runDir);
 

@@ -228,7 +228,12 @@ class Supervisor {
     // A shared-memory segment's name outlives its ranks only when rank 0 died mid-rendezvous.
     removeSegments(token);
     if (!startError_.empty()) throw IoError(startError_);
-    if (failure_) throw WorkerError(*failure_, failureCode_);
+    if (failure_) {
+      const int rank0 = workers_.empty() ? 0 : workers_.front().status;
+      const bool said = failureCode_ == ExitCode::kConfig && WIFEXITED(rank0) &&
+                        WEXITSTATUS(rank0) == static_cast<int>(ExitCode::kConfig);
+      throw WorkerError(*failure_, failureCode_, said);
+    }
     return interrupted_ ? static_cast<int>(ExitCode::kInterrupted) : 0;
   }
 

@@ -237,7 +237,7 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
     throw ConfigError(
         fmt::format("no plan fits memory.budget = {}; the smallest budget the "
                     "planner can fit is {} ({} bytes)",
-                    options.memory.budgetText, formatBytes(smallest), smallest));
+                    options.memory.budgetText, formatBytesAtLeast(smallest), smallest));
   }
   return 0;
 }
@@ -307,9 +307,9 @@ int runReport(const std::vector<std::string>& sources, std::string output,
 // so and what to lower, and its own exit code, instead of "internal error: std::bad_alloc".
 int outOfMemory(const char* clearLine, const std::string& detail) {
   std::fprintf(stderr,
-               "%scaravan: error: out of memory%s%s; lower data.batch_size, data.seq_len or the "
-               "model's size, or fit it in less (memory.policy = auto with memory.budget, "
-               "memory.weights = offload)\n",
+               "%scaravan: error: out of memory%s%s; lower data.batch_size (data.eval_batch_size "
+               "when it ran out in evaluation), data.seq_len or the model's size, or fit it in "
+               "less (memory.policy = auto with memory.budget, memory.weights = offload)\n",
                clearLine, detail.empty() ? "" : ": ", detail.c_str());
   return static_cast<int>(ExitCode::kOutOfMemory);
 }
@@ -551,7 +551,10 @@ int main(int argc, char** argv) {
       return 0;
     }
   } catch (const Error& e) {
-    std::fprintf(stderr, "%scaravan: error: %s\n", clearLine, e.what());
+    const auto* worker = dynamic_cast<const WorkerError*>(&e);
+    if (worker == nullptr || !worker->saidAbove()) {
+      std::fprintf(stderr, "%scaravan: error: %s\n", clearLine, e.what());
+    }
     return e.exitCode();
   } catch (const std::bad_alloc&) {
     return outOfMemory(clearLine, "");

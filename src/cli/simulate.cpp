@@ -134,11 +134,12 @@ RunOptions withSync(RunOptions o, const SyncSpec& s) {
 
 // -o DIR holds what simulate writes (core/output_path.h), and no other bench's results (their
 // charts.json) are overwritten.
-void checkOutputDirectory(const SimulateArgs& args) {
+void checkOutputDirectory(const SimulateArgs& args, bool workloadIsThere) {
   const std::string& dir = args.outDir;
-  checkOutputPath(
-      {"-o", dir, /*directory=*/true, {"predictions.jsonl", "workload.json", "charts.json"}},
-      {args.configPath, args.clusterPath, args.workloadPath});
+  std::vector<std::string> files = {"predictions.jsonl", "charts.json"};
+  if (!workloadIsThere) files.push_back("workload.json");
+  checkOutputPath({"-o", dir, /*directory=*/true, files},
+                  {args.configPath, args.clusterPath, args.workloadPath});
   const fs::path charts = fs::path(dir) / "charts.json";
   if (!fs::exists(charts)) return;
   std::string why;
@@ -168,8 +169,14 @@ int runSimulate(const SimulateArgs& args) {
     // What caravan train would refuse for this many workers, refused here too.
     validate(options, n + options.sync.servers);
   }
+  // --workload DIR/workload.json -o DIR: simulated again into its own directory, where the
+  // workload already is (it is not written over itself).
+  std::error_code same;
+  const bool workloadIsThere =
+      !args.outDir.empty() && !args.workloadPath.empty() &&
+      fs::equivalent(args.workloadPath, fs::path(args.outDir) / "workload.json", same);
   if (!args.outDir.empty()) {
-    checkOutputDirectory(args);
+    checkOutputDirectory(args, workloadIsThere);
     std::error_code ec;
     fs::create_directories(args.outDir, ec);
     if (ec) {
@@ -278,7 +285,9 @@ int runSimulate(const SimulateArgs& args) {
   }
   if (!args.outDir.empty()) {
     writeFileAtomic((fs::path(args.outDir) / "predictions.jsonl").string(), lines);
-    writeFileAtomic((fs::path(args.outDir) / "workload.json").string(), sim::workloadJson(w));
+    if (!workloadIsThere) {
+      writeFileAtomic((fs::path(args.outDir) / "workload.json").string(), sim::workloadJson(w));
+    }
     nlohmann::json charts = {
         {"format", "caravan-bench-1"},
         {"name", "simulate"},
@@ -328,9 +337,9 @@ int runCalibrate(const CalibrateArgs& args) {
   if (sysinfo(&info) == 0) {
     c.memoryBytesPerHost = static_cast<double>(info.totalram) * info.mem_unit;
   }
+  const std::unique_ptr<Tier> tier = makeTier("disk", args.swapDir);  // refusals before the line
   std::cerr << fmt::format("caravan: measuring the disk under {} (256 MiB each way)...\n",
                            args.swapDir);
-  const std::unique_ptr<Tier> tier = makeTier("disk", args.swapDir);
   const TierBandwidth b = tier->measure(int64_t{256} << 20);
   c.diskBytesPerSecond = std::min(b.writeBytesPerSecond, b.readBytesPerSecond);
   const std::string text =

@@ -106,31 +106,38 @@ std::unique_ptr<Communicator> makeCommunicator(const std::string& backend, const
     options.timeout = timeout;
     options.joinTimeout = joinTimeout;
     options.token = world.token;
+    // What /dev/shm cannot hold, said with the ways out.
+    const auto noSegment = [&](const ShmUnavailable& e) {
+      return ShmUnavailable(
+          fmt::format("dist.backend = {}: {}; make /dev/shm writable with room, "
+                      "or use dist.backend = {}",
+                      backend, e.what(), backend == "shm" ? "auto or gloo" : "gloo"));
+    };
     if (!elsewhere.empty()) {
       // Several hosts: shared memory inside each, Gloo among one leader per host, and Gloo of
-      // every rank (with a gloo job's keys) for the rest (hierarchical_communicator.h).
+      // every rank (with a gloo job's keys) for the rest (hierarchical_communicator.h). A host
+      // whose /dev/shm cannot hold its segment stops the job (no fallback across hosts yet).
       std::shared_ptr<Communicator> flat =
           makeCommunicator("gloo", world, store, timeout, joinTimeout, connections);
-      return makeHierarchical(hosts, world.rank, std::move(flat), own, options,
-                              [&](c10::intrusive_ptr<c10d::Store> leaders, int rank, int size) {
-                                WorldInfo among = world;
-                                among.rank = rank;
-                                among.worldSize = size;
-                                return makeCommunicator("gloo", among, std::move(leaders), timeout,
-                                                        joinTimeout, connections);
-                              });
+      try {
+        return makeHierarchical(hosts, world.rank, std::move(flat), own, options,
+                                [&](c10::intrusive_ptr<c10d::Store> leaders, int rank, int size) {
+                                  WorldInfo among = world;
+                                  among.rank = rank;
+                                  among.worldSize = size;
+                                  return makeCommunicator("gloo", among, std::move(leaders),
+                                                          timeout, joinTimeout, connections);
+                                });
+      } catch (const ShmUnavailable& e) {
+        throw noSegment(e);
+      }
     }
     // One host: everything through shared memory, or (auto) Gloo when /dev/shm cannot hold
     // the segment; every rank learns that from rank 0 and falls back alike.
     try {
       return std::make_unique<ShmCommunicator>(own, world.rank, world.worldSize, options);
     } catch (const ShmUnavailable& e) {
-      if (backend == "shm") {
-        throw ShmUnavailable(fmt::format(
-            "dist.backend = shm: {}; make /dev/shm writable with room, or use dist.backend = "
-            "auto or gloo",
-            e.what()));
-      }
+      if (backend == "shm") throw noSegment(e);
       if (world.rank == 0) {
         logLine(
             fmt::format("dist.backend = auto: /dev/shm cannot hold the job's "

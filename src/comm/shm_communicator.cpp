@@ -568,10 +568,9 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
       // Reserve the pages now: a full /dev/shm is one line here, not a SIGBUS mid-collective.
       if (const int err = ::posix_fallocate(fd, 0, m.bytes); err != 0) {
         ::close(fd);
-        throw IoError(fmt::format(
-            "rank {}: cannot reserve {} MiB of shared memory in /dev/shm ({}); free space "
-            "there or use dist.backend = gloo",
-            m.global(0), m.bytes >> 20, std::strerror(err)));
+        throw IoError(
+            fmt::format("rank {}: cannot reserve {} MiB of shared memory in /dev/shm ({})",
+                        m.global(0), m.bytes >> 20, std::strerror(err)));
       }
     } catch (const std::exception& e) {
       // The others learn why now rather than at their join timeout ("!" + the reason).

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <functional>
 
+#include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -96,8 +97,22 @@ c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOpt
                                     options.filePath, dir.string()));
     }
     checkStoreFile(options.filePath);
+    // c10d opens the file at each operation: one it cannot write failed inside the first one.
+    if (const int fd =
+            ::open(options.filePath.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+        fd >= 0) {
+      ::close(fd);
+    } else {
+      throw ConfigError(
+          fmt::format("the store file {} cannot be written ({}); name a file on a "
+                      "writable file system every rank sees",
+                      options.filePath, std::strerror(errno)));
+    }
     try {
-      auto file = c10::make_intrusive<c10d::FileStore>(options.filePath, world.worldSize);
+      // Under a start's prefix the file is shared with other starts: no rank may remove it
+      // (c10d removes it when `numWorkers` ranks have closed it, counted over every start).
+      auto file = c10::make_intrusive<c10d::FileStore>(options.filePath,
+                                                       world.start.empty() ? world.worldSize : -1);
       file->setTimeout(options.timeout);
       if (world.start.empty()) return file;
       return c10::make_intrusive<c10d::PrefixStore>("start/" + world.start, std::move(file));
@@ -135,8 +150,8 @@ void claimRank(c10d::Store& store, int rank, int size) {
       comm::processExited(pid)) {
     throw ConfigError(fmt::format(
         "rank {} of {}: the rendezvous store holds an earlier job's keys (rank {} was claimed by "
-        "process {} on this host, which has ended); start with a fresh store (remove the file "
-        "at dist.store_path, or name a new one per job)",
+        "process {} on this host, which has ended); start with a fresh store: remove its file "
+        "(dist.store_path, or RUN_DIR/rendezvous) or name a new one per job",
         rank, size, rank, pid));
   }
   throw ConfigError(fmt::format(

@@ -15,6 +15,23 @@
 namespace caravan {
 namespace {
 
+// `text` for a one-line message: line breaks and tabs shown as \n, \r and \t.
+std::string oneLine(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 ConfigOption intOpt(std::string key, int64_t def, double min, double max, std::string doc) {
   return {std::move(key), ConfigType::kInt, def, std::move(doc), min, max, false, {}};
 }
@@ -568,7 +585,7 @@ Config Config::fromString(const std::string& text, const std::string& source,
     }
     std::string key = item.substr(0, eq);
     std::string raw = item.substr(eq + 1);
-    std::string at = "--set " + item;
+    std::string at = "--set " + oneLine(item);
     if (key == "data.sources") {
       throw ConfigError(fmt::format(
           "{}: data.sources are [[data.sources]] tables; write them in the config file", at));

@@ -1,6 +1,10 @@
 // checkOutputPath (see output_path.h).
 #include "core/output_path.h"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -31,6 +35,15 @@ std::string enclosingRun(const fs::path& p) {
   return "";
 }
 
+// `p` (canonical) lies in the directory `dir`.
+bool isInside(const fs::path& p, const std::string& dir) {
+  std::error_code ec;
+  const fs::path d = fs::weakly_canonical(dir, ec);
+  if (ec) return false;
+  const fs::path rel = p.lexically_relative(d);
+  return !rel.empty() && *rel.begin() != ".." && rel != ".";
+}
+
 void checkFile(const std::string& option, const fs::path& path,
                const std::vector<std::string>& inputs) {
   std::error_code ec;
@@ -42,20 +55,39 @@ void checkFile(const std::string& option, const fs::path& path,
                     option, path.string(), kindOf(s)));
   }
   const fs::path canonical = fs::weakly_canonical(path, ec);
-  const std::string ext = path.extension().string();
+  const bool page = path.extension() == ".html";
   const std::string run = enclosingRun(canonical.parent_path());
-  if (!run.empty() && ext != ".html" && ext != ".png") {
+  if (!run.empty() && !page) {
     throw ConfigError(
         fmt::format("{} {} is a file of the run {}: a run directory holds its run's "
                     "files and report pages (.html) only; write it elsewhere",
                     option, path.string(), run));
   }
-  if (!fs::exists(s)) return;
   for (const std::string& input : inputs) {
-    if (fs::exists(input, ec) && fs::equivalent(path, input, ec)) {
+    if (input.empty()) continue;
+    if (fs::exists(s) && fs::exists(input, ec) && fs::equivalent(path, input, ec)) {
       throw ConfigError(fmt::format("{} {} is {}, an input of this command; write to another file",
                                     option, path.string(), input));
     }
+    // What a directory the command reads holds is its input too (a bench's results.json).
+    if (!page && fs::is_directory(input, ec) && isInside(canonical, input)) {
+      throw ConfigError(
+          fmt::format("{} {} is in {}, which this command reads: write it elsewhere "
+                      "(or as an .html page)",
+                      option, path.string(), input));
+    }
+  }
+  // Where it goes must exist and take files: said now, not after the command's work.
+  const fs::path parent = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  if (!fs::is_directory(parent, ec)) {
+    throw IoError(
+        fmt::format("{} {}: the directory {} does not exist; create it or write "
+                    "elsewhere",
+                    option, path.string(), parent.string()));
+  }
+  if (::access(parent.c_str(), W_OK) != 0) {
+    throw IoError(fmt::format("{} {}: cannot write in {} ({}); write elsewhere", option,
+                              path.string(), parent.string(), std::strerror(errno)));
   }
 }
 
@@ -73,8 +105,9 @@ void checkOutputPath(const OutputPath& out, const std::vector<std::string>& inpu
     checkFile(out.option, out.path, inputs);
     return;
   }
+  // Files are written inside it, never over it: a link to a directory is that directory.
   std::error_code ec;
-  const fs::file_status s = fs::symlink_status(out.path, ec);
+  const fs::file_status s = fs::status(out.path, ec);
   if (fs::exists(s) && !fs::is_directory(s)) {
     throw ConfigError(
         fmt::format("{} {} is not a directory (a {}); name a new or existing "
@@ -88,6 +121,7 @@ void checkOutputPath(const OutputPath& out, const std::vector<std::string>& inpu
         "and report pages (.html) only; name a directory outside it",
         out.option, out.path, fs::equivalent(out.path, run, ec) ? "the directory of" : "in", run));
   }
+  if (!fs::is_directory(s)) return;  // made new: nothing in it yet
   for (const std::string& name : out.files) {
     checkFile(out.option, fs::path(out.path) / name, inputs);
   }

@@ -3,14 +3,15 @@
 // writes never replaces what it must not.
 //
 // Refused, each with one line in the same words whichever command asks (ConfigError, exit 2):
-// - what is not a regular file where a file is written, or not a directory where files are
-//   written into one: a device (as root, /dev/null became a regular file), a FIFO, a socket, a
-//   symbolic link (the file renamed over it would replace the link, not what it points to), a
-//   directory;
+// - what is not a regular file where a file is written: a device (as root, /dev/null became a
+//   regular file), a FIFO, a socket, a symbolic link (the file renamed over it would replace the
+//   link, not what it points to), a directory; where files are written into a directory, what
+//   is not one (a link to a directory is that directory: files go inside it);
 // - a run directory or anything in one (a directory with metrics.jsonl, or config.toml and
-//   checkpoints/), but for report pages and charts (.html, .png files): a run's files
-//   (config.toml, checkpoints, model.pt, ...) are the run's alone;
-// - an input of the command (the same file, through any path or link).
+//   checkpoints/), but for report pages (.html files): a run's files (config.toml,
+//   checkpoints, model.pt, ...) are the run's alone;
+// - an input of the command (the same file, through any path or link), or a file in a
+//   directory the command reads (a bench's results), again but for .html pages.
 //
 // Threading: free functions; any thread. They only look at the file system.
 #pragma once

@@ -398,7 +398,19 @@ DatasetSplits loadNpyArrays(const std::string& dir) {
   if (shape.targetType == at::kFloat) {
     shape.task = TaskKind::kRegression;
   } else {
+    // The output layer (and an embedding) is sized from the largest id: one of 1e9 made a
+    // model of gigabytes that ended as an out-of-memory with batch-size advice.
     int64_t classes = 0;
+    const auto count = [&](const ArrayFile& t, int64_t hi) {
+      if (hi >= kMostClasses) {
+        throw DataError(fmt::format(
+            "{} holds the id {}: a model sized for {} classes (or vocabulary entries) from the "
+            "data; Caravan takes at most {}: ids are 0, 1, ... up to the number of classes, so "
+            "renumber them (or use float32 targets for regression)",
+            t.path, hi, fmt::format("{}", static_cast<uint64_t>(hi) + 1), kMostClasses));
+      }
+      classes = std::max(classes, hi + 1);
+    };
     for (const ArrayFile* t : {&train.targets, &test.targets}) {
       const auto [lo, hi] = integerRange(*t);
       if (lo < 0) {
@@ -407,7 +419,7 @@ DatasetSplits loadNpyArrays(const std::string& dir) {
             "targets for regression)",
             t->path, lo));
       }
-      classes = std::max(classes, hi + 1);
+      count(*t, hi);
     }
     shape.task =
         shape.targetShape.empty() ? TaskKind::kImageClassification : TaskKind::kLanguageModel;
@@ -419,17 +431,8 @@ DatasetSplits loadNpyArrays(const std::string& dir) {
           throw DataError(
               fmt::format("{} holds the id {}; integer inputs are ids 0, 1, ...", t->path, lo));
         }
-        classes = std::max(classes, hi + 1);
+        count(*t, hi);
       }
-    }
-    // The output layer (and an embedding) is sized from the largest id: one of 1e9 made a
-    // model of gigabytes that ended as an out-of-memory with batch-size advice.
-    if (classes > kMostClasses) {
-      throw DataError(fmt::format(
-          "{} or {} holds the id {}: {} classes (or vocabulary entries) are more than the {} "
-          "Caravan sizes a model for from the data; ids are 0, 1, ... up to the number of "
-          "classes: renumber them (or use float32 targets for regression)",
-          train.targets.path, test.targets.path, classes - 1, classes, kMostClasses));
     }
     shape.numClasses = classes;
     shape.vocabSize = classes;

@@ -40,8 +40,10 @@ std::string inspectTokens(const std::string& path, const std::string& dtype,
   ::fstat(fd, &st);
   const auto bytes = static_cast<int64_t>(st.st_size);
   if (bytes % width != 0) {
-    return fmt::format("{}: {} bytes, not a whole number of {} ids ({}): not a {} token file", path,
-                       bytes, dtype, how, dtype);
+    throw DataError(
+        fmt::format("{}: {} bytes, not a whole number of {} ids ({}): not a {} token "
+                    "file",
+                    path, bytes, dtype, how, dtype));
   }
   uint32_t lo = std::numeric_limits<uint32_t>::max(), hi = 0;
   std::vector<unsigned char> piece(size_t{1} << 20);

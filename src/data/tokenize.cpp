@@ -195,7 +195,7 @@ TokenizeSummary tokenizeText(const TokenizeOptions& o) {
         for (unsigned char c : t.train) characters += (c & 0xC0) != 0x80;
       }
       if (o.vocabSize > characters) {
-        throw ConfigError(fmt::format(
+        throw DataError(fmt::format(  // as SentencePiece's own "too many pieces" (exit 3)
             "--vocab-size {} is more pieces than the training text has characters ({}); "
             "give a smaller --vocab-size or more text",
             o.vocabSize, characters));

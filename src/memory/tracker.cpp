@@ -1,6 +1,8 @@
 // MemoryTracker (see tracker.h).
 #include "memory/tracker.h"
 
+#include <cmath>
+
 #include <fmt/format.h>
 
 namespace caravan {
@@ -36,6 +38,17 @@ std::string formatBytes(int64_t bytes) {
   if (b >= 1024.0 * 1024 * 1024) return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
   if (b >= 1024.0 * 1024) return fmt::format("{:.1f} MiB", b / (1024.0 * 1024));
   if (b >= 1024.0) return fmt::format("{:.1f} KiB", b / 1024.0);
+  return fmt::format("{} B", bytes);
+}
+
+std::string formatBytesAtLeast(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  const auto up = [](double v, double places) { return std::ceil(v * places) / places; };
+  if (b >= 1024.0 * 1024 * 1024) {
+    return fmt::format("{:.2f} GiB", up(b / (1024.0 * 1024 * 1024), 100));
+  }
+  if (b >= 1024.0 * 1024) return fmt::format("{:.1f} MiB", up(b / (1024.0 * 1024), 10));
+  if (b >= 1024.0) return fmt::format("{:.1f} KiB", up(b / 1024.0, 10));
   return fmt::format("{} B", bytes);
 }
 

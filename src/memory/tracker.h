@@ -44,5 +44,8 @@ class MemoryTracker {
 
 // "1.5 GiB", "512 MiB", "900 KiB", "12 B".
 std::string formatBytes(int64_t bytes);
+// As formatBytes, rounded up at its last digit: a size suggested as enough (the smallest budget
+// that works) is at least `bytes` when read back (3284143 bytes: "3.2 MiB", not "3.1 MiB").
+std::string formatBytesAtLeast(int64_t bytes);
 
 }  // namespace caravan

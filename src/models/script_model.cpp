@@ -15,6 +15,7 @@
 
 #include "core/errors.h"
 #include "core/files.h"
+#include "core/scope_guard.h"
 
 namespace caravan {
 namespace {
@@ -123,24 +124,36 @@ at::Tensor sampleTarget(const DataShape& shape, const at::Tensor& x) {
 }
 
 // Why the module's `loss` method cannot be the training loss ("" when it can): it must take
-// (output, target) and return one floating-point number (a 0-dimensional Tensor).
+// (output, target), more arguments only with defaults, and return one floating-point number.
 std::string whyNotALoss(jit::Module& root, const at::Tensor& output, const at::Tensor& target) {
   const auto method = root.find_method("loss");
-  const size_t arguments = method->function().getSchema().arguments().size();  // self included
-  if (arguments != 3) {
-    return fmt::format("it takes {} argument{}; Caravan calls loss(output, target)", arguments - 1,
-                       arguments == 2 ? "" : "s");
+  const auto& arguments = method->function().getSchema().arguments();  // self included
+  size_t required = 0;
+  for (const auto& a : arguments) required += !a.default_value().has_value();
+  if (required > 3 || arguments.size() < 3) {
+    const size_t n = (arguments.size() < 3 ? arguments.size() : required) - 1;
+    return fmt::format("it {} {} argument{}; Caravan calls loss(output, target)",
+                       arguments.size() < 3 ? "takes" : "needs", n, n == 1 ? "" : "s");
   }
-  c10::IValue value;
-  auto generator = at::detail::getDefaultCPUGenerator();  // seeded for the run: put back
+  // As the run left them afterwards: the RNG (seeded for the run) and buffers a loss updates.
+  auto generator = at::detail::getDefaultCPUGenerator();
   const at::Tensor rng = generator.get_state();
+  std::vector<at::Tensor> buffers, saved;
+  for (const auto& b : root.named_buffers(true)) {
+    buffers.push_back(b.value);
+    saved.push_back(b.value.clone());
+  }
+  const auto restore = onScopeExit([&] {
+    at::NoGradGuard noGrad;
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+    generator.set_state(rng);
+  });
+  c10::IValue value;
+  const at::Tensor in = output.detach().requires_grad_(true);  // as training calls it
   try {
     jit::GraphOptimizerEnabledGuard plain(false);
-    at::NoGradGuard noGrad;
-    value = root.run_method("loss", output, target);
-    generator.set_state(rng);
+    value = root.run_method("loss", in, target);
   } catch (const std::exception& e) {
-    generator.set_state(rng);
     return fmt::format("loss(output, target) fails on output {} and target {} ({})",
                        shapeText(output), shapeText(target), lastLine(e));
   }
@@ -149,11 +162,14 @@ std::string whyNotALoss(jit::Module& root, const at::Tensor& output, const at::T
                        value.tagKind());
   }
   const at::Tensor t = value.toTensor();
-  if (t.dim() != 0 || !t.is_floating_point()) {
+  if (t.numel() != 1 || !t.is_floating_point()) {  // a [1] loss backpropagates as a scalar
     return fmt::format(
         "it returns a Tensor {}; Caravan expects one floating-point number (a "
         "0-dimensional Tensor: reduce it, e.g. .mean())",
         shapeText(t));
+  }
+  if (!t.requires_grad()) {  // backward would fail: "element 0 of tensors does not require grad"
+    return "its value does not depend on the output (no gradient reaches the model through it)";
   }
   return "";
 }
@@ -165,10 +181,15 @@ std::string neededOutput(const ModelSpec& spec, const DataShape& shape, const at
   const std::string& loss = spec.loss;
   if (loss == "module") return "";
   if (loss == "mse" && !regression) {
+    // Integer targets as numbers: the output must have their shape ([batch] for class ids).
+    const at::Tensor target = sampleTarget(shape, x);
+    if (out.sizes().equals(target.sizes())) return "";
     throw ConfigError(fmt::format(
-        "model.path {}: model.loss = 'mse' needs floating-point targets (regression), but this "
-        "data's targets are {} class ids; use model.loss = 'cross_entropy' or leave it empty",
-        spec.path, c10::toString(shape.targetType)));
+        "model.path {}: model.loss = 'mse' compares the output with this data's {} targets, {} "
+        "on input {}, but the module gives {}; use model.loss = 'cross_entropy' for class ids, "
+        "or give outputs of the targets' shape",
+        spec.path, c10::toString(shape.targetType), shapeText(target), shapeText(x),
+        shapeText(out)));
   }
   if (loss == "cross_entropy" && regression) {
     throw ConfigError(fmt::format(

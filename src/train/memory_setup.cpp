@@ -188,13 +188,13 @@ ConfigError noPartitionFits(const RunOptions& options, int64_t smallest) {
         "stages; that cut needs at least {} ({} bytes): raise the budget, or let "
         "parallel.partition = auto choose a cut",
         options.memory.budgetText, options.pipeline.partition, options.pipeline.stages,
-        formatBytes(smallest), smallest));
+        formatBytesAtLeast(smallest), smallest));
   }
   return ConfigError(fmt::format(
       "memory.budget = {} per worker fits no partition of the model into {} stages; the "
       "smallest budget one fits is {} ({} bytes): raise it, add stages, or lower "
       "parallel.micro_batches' size (data.batch_size)",
-      options.memory.budgetText, options.pipeline.stages, formatBytes(smallest), smallest));
+      options.memory.budgetText, options.pipeline.stages, formatBytesAtLeast(smallest), smallest));
 }
 
 int64_t smallestPlannedBudget(const Plan& plan, int64_t persistent) {
@@ -323,7 +323,7 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
           "activations {} ({}) + weights, gradients and optimizer state {}; the smallest budget "
           "the planner can fit is {} ({} bytes), or lower data.batch_size",
           formatBytes(budget), formatBytes(m.plan->prediction.peakBytes),
-          formatPolicies(m.plan->policies), formatBytes(persistent), formatBytes(smallest),
+          formatPolicies(m.plan->policies), formatBytes(persistent), formatBytesAtLeast(smallest),
           smallest));
     }
     if (automatic) m.policies = m.plan->policies;

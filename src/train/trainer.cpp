@@ -404,8 +404,8 @@ void Trainer::accountMemory() {
         formatBytes(memory.peak(MemoryCategory::kActivations)),
         formatBytes(memory.live(MemoryCategory::kWeights)),
         formatBytes(memory.live(MemoryCategory::kGradients)),
-        formatBytes(memory.live(MemoryCategory::kOptimizerState)), mo.policy, formatBytes(needed),
-        needed,
+        formatBytes(memory.live(MemoryCategory::kOptimizerState)), mo.policy,
+        formatBytesAtLeast(needed), needed,
         // (The run directory is not written before the first step: the plan is not there.)
         mo.automatic()
             ? fmt::format("; the plan's prediction was short{} (caravan plan with the same "
@@ -645,7 +645,7 @@ std::optional<std::string> checkRunDirectory(const std::string& runDir, bool res
       throw CheckpointError(fmt::format(
           "nothing to resume in {}: its run stopped before its first checkpoint (set "
           "checkpoint.every for earlier ones); start it again with another --run-dir, or "
-          "remove {}",
+          "remove {} once no job runs in it",
           runDir, runDir));
     }
     if (!latest) {
@@ -659,7 +659,7 @@ std::optional<std::string> checkRunDirectory(const std::string& runDir, bool res
     throw ConfigError(
         fmt::format("{} already holds a run, which stopped before its first "
                     "checkpoint: there is nothing to --resume; start it again with "
-                    "another --run-dir, or remove {}",
+                    "another --run-dir, or remove {} once no job runs in it",
                     runDir, runDir));
   }
   if (latest) {

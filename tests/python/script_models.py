@@ -15,9 +15,11 @@ torch.jit.script(module).save(OUT_DIR/<name>.pt). Usage: script_models.py OUT_DI
   flatten-first.pt  nn.Sequential(nn.Flatten(), Linear, ReLU, Linear): blocks without
                 parameters first and in the middle; flatten-layers.pt the same as a module's
                 `layers` (model.blocks = "layers"); traced-mlp.pt a torch.jit.trace'd MLP
-  no-params.pt, int-output.pt, loss-vector.pt, loss-one-arg.pt, loss-string.pt  user mistakes
-                (no parameters; a forward returning class ids; a loss method returning a
-                vector, taking one argument, returning a string): refused in one line
+  no-params.pt, int-output.pt, loss-vector.pt, loss-one-arg.pt, loss-string.pt,
+  loss-constant.pt  user mistakes (no parameters; a forward returning class ids; a loss
+                method returning a vector, taking one argument, returning a string, or a
+                constant): refused in one line;
+                loss-default.pt a loss of shape [1] with a defaulted third argument (trains)
 Needs Debian's python3-torch: run with /usr/bin/python3.
 """
 import os
@@ -118,6 +120,21 @@ class LossOneArgument(Cnn):
         return output.sum()
 
 
+class LossWithDefault(Cnn):
+    """A loss of shape [1] with a third argument that has a default: trains."""
+
+    @torch.jit.export
+    def loss(self, output: torch.Tensor, target: torch.Tensor,
+             smoothing: float = 0.1) -> torch.Tensor:
+        return F.cross_entropy(output, target, label_smoothing=smoothing).reshape(1)
+
+
+class LossConstant(Cnn):
+    @torch.jit.export
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.ones([])
+
+
 class LossString(Cnn):
     @torch.jit.export
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> str:
@@ -150,6 +167,8 @@ def main(out_dir):
     torch.jit.script(LossVector()).save(os.path.join(out_dir, "loss-vector.pt"))
     torch.jit.script(LossOneArgument()).save(os.path.join(out_dir, "loss-one-arg.pt"))
     torch.jit.script(LossString()).save(os.path.join(out_dir, "loss-string.pt"))
+    torch.jit.script(LossWithDefault()).save(os.path.join(out_dir, "loss-default.pt"))
+    torch.jit.script(LossConstant()).save(os.path.join(out_dir, "loss-constant.pt"))
 
     def function(x: torch.Tensor) -> torch.Tensor:
         return x * 2
