@@ -365,10 +365,15 @@ TEST_F(Cli, AFifoForADatasetFileOrAConfigIsRefusedAtOnce) {
 // process (it compared with MemAvailable only, so a model of gigabytes allocated for 83 s
 // before the out-of-memory line): 2 at once, naming the limit, nothing written.
 TEST_F(Cli, ARunLargerThanUlimitVIsRefusedBeforeItAllocates) {
+  // The GPT's activations at 2048 tokens (10 GiB: within this machine's MemAvailable, beyond
+  // the limit); its weights are small, so building the model stays well under the limit.
   const auto t0 = std::chrono::steady_clock::now();
   const CommandResult r = runShell(
-      "ulimit -v 3000000; exec " + std::string(CARAVAN_BINARY) + " train -q --config /dev/null " +
-      kSynthetic + "--set model.width=16000 --set train.max_steps=3 --run-dir " + (tmp_ / "big"));
+      "ulimit -v 3000000; exec " + std::string(CARAVAN_BINARY) +
+      " train -q --config /dev/null --set data.dataset=synthetic --set data.synthetic_size=64 "
+      "--set data.synthetic_task=tokens --set model.name=gpt --set data.seq_len=2048 "
+      "--set data.batch_size=32 --set train.threads=1 --set train.max_steps=3 --run-dir " +
+      (tmp_ / "big"));
   expectOneLineError(r, 2, "(ulimit -v) leaves it");
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
   EXPECT_TRUE(!fs::exists(tmp_ / "big") || fs::is_empty(tmp_ / "big"));
