@@ -135,10 +135,16 @@ std::string describeExit(int waitStatus) {
   return fmt::format("ended with wait status {:#x}", waitStatus);
 }
 
-ExitCode launcherExitCode(int waitStatus) {
-  return WIFEXITED(waitStatus) && WEXITSTATUS(waitStatus) == static_cast<int>(ExitCode::kConfig)
-             ? ExitCode::kConfig
-             : ExitCode::kWorkerFailed;
+LauncherExit launcherExit(int cause, int rank0) {
+  if (!WIFEXITED(cause)) return {};
+  const int code = WEXITSTATUS(cause);
+  if (WIFEXITED(rank0) && WEXITSTATUS(rank0) == code && code != 0 &&
+      code != static_cast<int>(ExitCode::kPeer) &&
+      code != static_cast<int>(ExitCode::kInterrupted)) {
+    return {static_cast<ExitCode>(code), true};
+  }
+  return {code == static_cast<int>(ExitCode::kConfig) ? ExitCode::kConfig : ExitCode::kWorkerFailed,
+          false};
 }
 
 std::string workerFailureMessage(int rank, pid_t pid, int waitStatus, int stopped, int worldSize,

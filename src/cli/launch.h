@@ -18,11 +18,8 @@
 namespace caravan {
 
 // A worker process of a local launch failed (non-zero exit or a signal). The message names the
-// rank, its pid, how it ended and where its log is. Exit code: kConfig when the worker refused
-// the config or command (it exited 2: a check only a worker can make, such as a pipeline's
-// partition or a memory budget; a restart would be refused again), else kWorkerFailed.
-// `saidAbove`: rank 0, which shares the supervisor's terminal, refused the config itself and its
-// one line already says why; the supervisor adds no second line.
+// rank, its pid, how it ended and where its log is; the exit code and `saidAbove` are
+// launcherExit's.
 class WorkerError : public Error {
  public:
   explicit WorkerError(const std::string& m, ExitCode code = ExitCode::kWorkerFailed,
@@ -34,8 +31,18 @@ class WorkerError : public Error {
   bool saidAbove_;
 };
 
-// The exit code a launcher reports for a worker that ended with `waitStatus` (WorkerError).
-ExitCode launcherExitCode(int waitStatus);
+// How the supervisor ends when the worker whose wait status is `cause` stopped the job and rank 0
+// (which shares the supervisor's terminal) ended with `rank0`. When rank 0 exited with the
+// cause's own error code (not a lost peer, not an interrupt), its one line already says why:
+// that code, and no second line (`saidAbove`), as one process would end. Otherwise kConfig when
+// the cause refused the config or command (exit 2: a check only a worker makes, such as a
+// pipeline's partition or a memory budget; a restart would be refused again), else
+// kWorkerFailed with the supervisor's line.
+struct LauncherExit {
+  ExitCode code = ExitCode::kWorkerFailed;
+  bool saidAbove = false;
+};
+LauncherExit launcherExit(int cause, int rank0);
 
 constexpr const char* kLocalMasterAddr = "127.0.0.1";
 constexpr const char* kCaravanLauncher = "caravan";  // CARAVAN_LAUNCHER's value for our workers

@@ -229,10 +229,8 @@ class Supervisor {
     removeSegments(token);
     if (!startError_.empty()) throw IoError(startError_);
     if (failure_) {
-      const int rank0 = workers_.empty() ? 0 : workers_.front().status;
-      const bool said = failureCode_ == ExitCode::kConfig && WIFEXITED(rank0) &&
-                        WEXITSTATUS(rank0) == static_cast<int>(ExitCode::kConfig);
-      throw WorkerError(*failure_, failureCode_, said);
+      const LauncherExit e = launcherExit(causeStatus_, workers_.front().status);
+      throw WorkerError(*failure_, e.code, e.saidAbove);
     }
     return interrupted_ ? static_cast<int>(ExitCode::kInterrupted) : 0;
   }
@@ -285,7 +283,7 @@ class Supervisor {
     if (cause == nullptr || stopping()) return;
     failure_ = workerFailureMessage(cause->rank, cause->pid, cause->status, running_, o_.workers,
                                     o_.runDir);
-    failureCode_ = launcherExitCode(cause->status);
+    causeStatus_ = cause->status;
     stop(o_.stopGrace);
   }
 
@@ -294,7 +292,7 @@ class Supervisor {
   int running_ = 0;
   bool interrupted_ = false;
   std::optional<std::string> failure_;
-  ExitCode failureCode_ = ExitCode::kWorkerFailed;
+  int causeStatus_ = 0;  // the failed worker's wait status, with failure_
   std::string startError_;
   std::optional<Clock::time_point> killAt_;   // SIGKILL whoever still runs at this time
   std::optional<Clock::time_point> giveUpAt_; // stop waiting for SIGKILLed workers

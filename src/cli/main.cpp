@@ -188,7 +188,8 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
       if (!latest) {
         throw WorkerError(fmt::format("{}; not restarted: {} has no checkpoint yet (set "
                                       "checkpoint.every to restart from one)",
-                                      e.what(), launch.runDir));
+                                      e.what(), launch.runDir),
+                          e.code());
       }
       std::fprintf(stderr, "caravan: %s\ncaravan: restart %d of %d, from %s\n", e.what(),
                    restart, maxRestarts, latest->c_str());

@@ -108,7 +108,7 @@ int64_t fittingSlot(int size, int64_t wanted, int who) {
   if (fits < 64 * size) {
     throw IoError(fmt::format(
         "rank {}: /dev/shm has {} KiB free, too little for the shared-memory collectives of {} "
-        "ranks; free space there or use dist.backend = gloo",
+        "ranks",
         who, 2 * budget >> 10, size));
   }
   return std::min(wanted, fits);
