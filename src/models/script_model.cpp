@@ -106,6 +106,29 @@ at::Tensor sampleInput(const DataShape& shape, int64_t tokens) {
   return at::randn({2, shape.channels, shape.height, shape.width}, generator);
 }
 
+// The default generator's state (seeded for the run) and `root`'s buffers (batch norm's running
+// statistics), to put back after a probe of the module.
+class ModuleSnapshot {
+ public:
+  explicit ModuleSnapshot(const jit::Module& root)
+      : generator_(at::detail::getDefaultCPUGenerator()), rng_(generator_.get_state()) {
+    for (const auto& b : root.named_buffers(true)) {
+      buffers_.push_back(b.value);
+      saved_.push_back(b.value.clone());
+    }
+  }
+  void restore() {
+    at::NoGradGuard noGrad;
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved_[i]);
+    generator_.set_state(rng_);
+  }
+
+ private:
+  at::Generator generator_;
+  at::Tensor rng_;
+  std::vector<at::Tensor> buffers_, saved_;
+};
+
 // Targets for the batch `x` like the data's: class ids, next tokens or regression values.
 at::Tensor sampleTarget(const DataShape& shape, const at::Tensor& x) {
   auto generator = at::make_generator<at::CPUGeneratorImpl>(20231202);
@@ -136,18 +159,8 @@ std::string whyNotALoss(jit::Module& root, const at::Tensor& output, const at::T
                        arguments.size() < 3 ? "takes" : "needs", n, n == 1 ? "" : "s");
   }
   // As the run left them afterwards: the RNG (seeded for the run) and buffers a loss updates.
-  auto generator = at::detail::getDefaultCPUGenerator();
-  const at::Tensor rng = generator.get_state();
-  std::vector<at::Tensor> buffers, saved;
-  for (const auto& b : root.named_buffers(true)) {
-    buffers.push_back(b.value);
-    saved.push_back(b.value.clone());
-  }
-  const auto restore = onScopeExit([&] {
-    at::NoGradGuard noGrad;
-    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
-    generator.set_state(rng);
-  });
+  ModuleSnapshot snapshot(root);
+  const auto restore = onScopeExit([&] { snapshot.restore(); });
   c10::IValue value;
   const at::Tensor in = output.detach().requires_grad_(true);  // as training calls it
   try {
@@ -244,20 +257,12 @@ std::set<const void*> tensorsOf(const jit::Module& m) {
 // `self.training` branches between the parts, a detach() between them.
 std::string whyNotSequentialInTraining(jit::Module& root, std::vector<Part>& parts,
                                        const at::Tensor& x) {
-  auto generator = at::detail::getDefaultCPUGenerator();
-  const at::Tensor rng = generator.get_state();
-  std::vector<at::Tensor> buffers, saved;
-  for (const auto& b : root.named_buffers(true)) {
-    buffers.push_back(b.value);
-    saved.push_back(b.value.clone());
-  }
+  ModuleSnapshot snapshot(root);
   std::vector<at::Tensor> params;
   for (const auto& p : root.named_parameters(true)) params.push_back(p.value);
   auto restore = [&] {
-    at::NoGradGuard noGrad;
-    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+    snapshot.restore();
     for (auto& p : params) p.mutable_grad() = at::Tensor();
-    generator.set_state(rng);
   };
   auto pass = [&](const std::function<at::Tensor(const at::Tensor&)>& forward) {
     restore();
