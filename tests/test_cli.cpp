@@ -13,8 +13,10 @@
 #include <tuple>
 
 #include <fmt/format.h>
+#include <torch/version.h>
 #include <nlohmann/json.hpp>
 
+#include "caravan_version.h"
 #include "core/directory_lock.h"
 #include "data/sources.h"
 #include "models/precision.h"
@@ -102,6 +104,15 @@ TEST_F(Cli, HelpListsSubcommandsAndKeys) {
   for (const char* s : {"--config", "--set", "--run-dir", "--resume", "optim.lr", "seed.data"}) {
     EXPECT_NE(r.out.find(s), std::string::npos) << s;
   }
+}
+
+// --version names Caravan's version and the LibTorch the binary runs on (the torch a model must
+// be saved with, or an older one), as the headers it was built with say.
+TEST_F(Cli, VersionNamesCaravanAndItsLibTorch) {
+  const CommandResult r = runCaravan("--version");
+  EXPECT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_EQ(r.out, fmt::format("caravan {} (LibTorch {}.{}.{})\n", CARAVAN_VERSION,
+                               TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH));
 }
 
 TEST_F(Cli, UnknownCommandIsNamedWithTheCommandsThereAre) {

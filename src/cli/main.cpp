@@ -11,10 +11,12 @@
 #include <iostream>
 #include <new>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/torch.h>
+#include <torch/version.h>
+#include <CLI/CLI.hpp>
 
+#include "caravan_version.h"
 #include "cli/launch.h"
 #include "cli/launcher.h"
 #include "cli/simulate.h"
@@ -331,6 +333,10 @@ int main(int argc, char** argv) {
       "usage or config, 3 dataset, 4 checkpoint, 5 file system, 6 non-finite loss, 7 lost peer, "
       "8 a worker process failed, 9 out of memory, 130 interrupted."};
   app.require_subcommand(1);
+  // The LibTorch this binary runs on: a model saved by a newer torch may not load on it.
+  app.set_version_flag("--version",
+                       fmt::format("caravan {} (LibTorch {}.{}.{})", CARAVAN_VERSION,
+                                   TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH));
 
   std::string configPath, runDir, resumeDir, checkpoint;
   std::vector<std::string> overrides;
@@ -495,6 +501,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "caravan: error: %s (see caravan --help)\n", e.what());
