@@ -8,6 +8,7 @@
 #include <map>
 
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include "core/config.h"
 #include "core/errors.h"
@@ -256,6 +257,11 @@ TEST(ScriptModel, BadModelsAreOneLineAndWriteNothing) {
        "loss-string.pt cannot be the training loss: it returns String; Caravan expects one "
        "number"},
       {"--set model.path=" + m + "/double.pt", "is Double; Caravan trains float32"},
+      // A model from a newer torch (nn.RMSNorm, F.scaled_dot_product_attention on 1.13): the
+      // operator and this LibTorch's version (the reason used to print as "()").
+      {"--set model.path=" + m + "/newer-op.pt",
+       "newer-op.pt calls the operator aten::an_op_of_a_newer_torch, which this LibTorch (" +
+           std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR)},
       {"--set model.path=" + m + "/cnn.pt --set model.blocks=nothere", "names no submodule"},
       {"--set model.path=" + m + "/cnn.pt --set model.blocks=features",
        "cannot be Caravan's blocks"},

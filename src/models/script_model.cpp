@@ -6,12 +6,14 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <regex>
 #include <set>
 #include <utility>
 
 #include <fmt/format.h>
 #include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/script.h>
+#include <torch/version.h>
 
 #include "core/errors.h"
 #include "core/files.h"
@@ -57,6 +59,29 @@ void mirror(torch::nn::Module& into, const jit::Module& from) {
     mirror(*child, c.value);
     into.register_module(c.name, child);
   }
+}
+
+// Why jit::load refused `path`, in one line: an operator this LibTorch does not have (a model
+// saved by a newer torch: F.scaled_dot_product_attention, nn.RMSNorm on 1.13), or what the
+// error says first (its what() starts with a line break: the reason used to print as "()").
+std::string whyNotLoadable(const std::string& path, const std::exception& e) {
+  const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+  const std::string text = c10 != nullptr ? c10->what_without_backtrace() : e.what();
+  static const std::regex unknownOp(
+      R"(Unknown builtin op: ([A-Za-z_][A-Za-z0-9_:.]*[A-Za-z0-9_]))");
+  std::smatch op;
+  if (std::regex_search(text, op, unknownOp)) {
+    return fmt::format(
+        "model.path {} calls the operator {}, which this LibTorch ({}.{}.{}) does not have: it "
+        "was saved by a newer torch; save it with torch {}.{} or older, or without that operator",
+        path, op[1].str(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH,
+        TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
+  }
+  const size_t start = text.find_first_not_of(" \n");
+  return fmt::format(
+      "model.path {} is not a TorchScript module ({}); save one in Python with "
+      "torch.jit.script(model).save(path)",
+      path, start == std::string::npos ? std::string() : firstLine(text.substr(start)));
 }
 
 // One block: a scripted module run with graph optimizations off (script_model.h).
@@ -351,10 +376,7 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
   try {
     root = jit::load(spec.path);
   } catch (const std::exception& e) {
-    throw ConfigError(
-        fmt::format("model.path {} is not a TorchScript module ({}); save one in "
-                    "Python with torch.jit.script(model).save(path)",
-                    spec.path, firstLine(e.what())));
+    throw ConfigError(whyNotLoadable(spec.path, e));
   }
   if (!root.find_method("forward")) {
     throw ConfigError(

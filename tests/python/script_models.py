@@ -20,10 +20,13 @@ torch.jit.script(module).save(OUT_DIR/<name>.pt). Usage: script_models.py OUT_DI
                 method returning a vector, taking one argument, returning a string, or a
                 constant): refused in one line;
                 loss-default.pt a loss of shape [1] with a defaulted third argument (trains)
+  newer-op.pt   relu-head.pt (a Flatten, a Linear, torch.relu) calling an operator no torch
+                has instead, as a file from a newer torch would: refused, naming the operator
 Needs Debian's python3-torch: run with /usr/bin/python3.
 """
 import os
 import sys
+import zipfile
 
 import torch
 import torch.nn as nn
@@ -141,6 +144,29 @@ class LossString(Cnn):
         return "low"
 
 
+def with_an_operator_of_a_newer_torch(scripted_path, out_path):
+    """The scripted file with torch.relu( renamed in its code to an operator no torch has, as a
+    file saved by a newer torch calls one this torch lacks (aten::rms_norm on 1.13)."""
+    with zipfile.ZipFile(scripted_path) as src, \
+            zipfile.ZipFile(out_path, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith("code/__torch__.py"):
+                assert b"torch.relu(" in data, data
+                data = data.replace(b"torch.relu(", b"torch.an_op_of_a_newer_torch(")
+            dst.writestr(info, data)
+
+
+class ReluHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flat = nn.Flatten()
+        self.head = nn.Linear(784, 10)
+
+    def forward(self, x):
+        return torch.relu(self.head(self.flat(x)))
+
+
 def main(out_dir):
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
@@ -169,6 +195,10 @@ def main(out_dir):
     torch.jit.script(LossString()).save(os.path.join(out_dir, "loss-string.pt"))
     torch.jit.script(LossWithDefault()).save(os.path.join(out_dir, "loss-default.pt"))
     torch.jit.script(LossConstant()).save(os.path.join(out_dir, "loss-constant.pt"))
+
+    torch.jit.script(ReluHead()).save(os.path.join(out_dir, "relu-head.pt"))
+    with_an_operator_of_a_newer_torch(os.path.join(out_dir, "relu-head.pt"),
+                                      os.path.join(out_dir, "newer-op.pt"))
 
     def function(x: torch.Tensor) -> torch.Tensor:
         return x * 2
