@@ -288,17 +288,18 @@ TEST(LauncherUnits, RestartArgumentsResumeTheRunDirectory) {
 // config refusal and 8 for any other failure, with the supervisor's line.
 TEST(LauncherUnits, ExitCodeAndLineFollowWhatRankZeroSaid) {
   const auto exited = [](int code) { return W_EXITCODE(code, 0); };
-  const auto e = [](int cause, int rank0) {
-    const LauncherExit x = launcherExit(cause, rank0);
+  const auto e = [](int causeRank, int cause, int rank0) {
+    const LauncherExit x = launcherExit(causeRank, cause, rank0);
     return std::make_pair(static_cast<int>(x.code), x.saidAbove);
   };
-  EXPECT_EQ(e(exited(2), exited(2)), std::make_pair(2, true));
-  EXPECT_EQ(e(exited(5), exited(5)), std::make_pair(5, true));     // /dev/shm, a missing swap dir
-  EXPECT_EQ(e(exited(6), exited(6)), std::make_pair(6, true));     // non-finite on every rank
-  EXPECT_EQ(e(exited(2), exited(130)), std::make_pair(2, false));  // rank 0 was stopped
-  EXPECT_EQ(e(exited(5), exited(7)), std::make_pair(8, false));    // rank 0 lost its peer
-  EXPECT_EQ(e(exited(7), exited(7)), std::make_pair(8, false));    // lost peers say little
-  EXPECT_EQ(e(W_EXITCODE(0, SIGKILL), exited(7)), std::make_pair(8, false));  // killed
+  EXPECT_EQ(e(1, exited(2), exited(2)), std::make_pair(2, true));     // one config everywhere
+  EXPECT_EQ(e(0, exited(5), exited(5)), std::make_pair(5, true));     // /dev/shm, a swap dir
+  EXPECT_EQ(e(1, exited(5), exited(5)), std::make_pair(5, false));    // rank 1's log may differ
+  EXPECT_EQ(e(0, exited(6), exited(6)), std::make_pair(6, true));     // non-finite on rank 0
+  EXPECT_EQ(e(1, exited(2), exited(130)), std::make_pair(2, false));  // rank 0 was stopped
+  EXPECT_EQ(e(1, exited(5), exited(7)), std::make_pair(8, false));    // rank 0 lost its peer
+  EXPECT_EQ(e(1, exited(7), exited(7)), std::make_pair(8, false));    // lost peers say little
+  EXPECT_EQ(e(1, W_EXITCODE(0, SIGKILL), exited(7)), std::make_pair(8, false));  // killed
 }
 
 TEST(LauncherUnits, FailureLine) {

@@ -199,6 +199,7 @@ TEST(TrainingMemoryEstimate, ARunTooLargeForTheMachineIsRefusedBeforeItAllocates
 TEST(MemoryAccounting, ASuggestedSizeReadsBackAsAtLeastItsBytes) {
   EXPECT_EQ(formatBytesAtLeast(3284143), "3.2 MiB");
   EXPECT_EQ(formatBytes(3284143), "3.1 MiB");
+  EXPECT_EQ(formatBytesAtLeast(1048570), "1.0 MiB");  // not "1024.0 KiB"
   for (int64_t b : {int64_t{1}, int64_t{1023}, int64_t{1025}, int64_t{3284143}, int64_t{1} << 20,
                     (int64_t{5} << 30) + 1, int64_t{123456789012}}) {
     std::string text = formatBytesAtLeast(b);

@@ -135,13 +135,14 @@ std::string describeExit(int waitStatus) {
   return fmt::format("ended with wait status {:#x}", waitStatus);
 }
 
-LauncherExit launcherExit(int cause, int rank0) {
+LauncherExit launcherExit(int causeRank, int cause, int rank0) {
   if (!WIFEXITED(cause)) return {};
   const int code = WEXITSTATUS(cause);
   if (WIFEXITED(rank0) && WEXITSTATUS(rank0) == code && code != 0 &&
       code != static_cast<int>(ExitCode::kPeer) &&
       code != static_cast<int>(ExitCode::kInterrupted)) {
-    return {static_cast<ExitCode>(code), true};
+    return {static_cast<ExitCode>(code),
+            causeRank == 0 || code == static_cast<int>(ExitCode::kConfig)};
   }
   return {code == static_cast<int>(ExitCode::kConfig) ? ExitCode::kConfig : ExitCode::kWorkerFailed,
           false};

@@ -31,18 +31,19 @@ class WorkerError : public Error {
   bool saidAbove_;
 };
 
-// How the supervisor ends when the worker whose wait status is `cause` stopped the job and rank 0
-// (which shares the supervisor's terminal) ended with `rank0`. When rank 0 exited with the
-// cause's own error code (not a lost peer, not an interrupt), its one line already says why:
-// that code, and no second line (`saidAbove`), as one process would end. Otherwise kConfig when
-// the cause refused the config or command (exit 2: a check only a worker makes, such as a
-// pipeline's partition or a memory budget; a restart would be refused again), else
-// kWorkerFailed with the supervisor's line.
+// How the supervisor ends when the worker `causeRank`, whose wait status is `cause`, stopped the
+// job and rank 0 (which shares the supervisor's terminal) ended with `rank0`. When rank 0 exited
+// with the cause's own error code (not a lost peer, not an interrupt), the job ends with that
+// code, as one process would; and rank 0's line is the only one (`saidAbove`) when rank 0 is
+// the cause or the code is a config refusal (every rank checks the same config), while a cause
+// elsewhere keeps the supervisor's line pointing at its log. Otherwise kConfig when the cause
+// refused the config or command (exit 2: a check only a worker makes, such as a pipeline's
+// partition or a memory budget; a restart would be refused again), else kWorkerFailed.
 struct LauncherExit {
   ExitCode code = ExitCode::kWorkerFailed;
   bool saidAbove = false;
 };
-LauncherExit launcherExit(int cause, int rank0);
+LauncherExit launcherExit(int causeRank, int cause, int rank0);
 
 constexpr const char* kLocalMasterAddr = "127.0.0.1";
 constexpr const char* kCaravanLauncher = "caravan";  // CARAVAN_LAUNCHER's value for our workers

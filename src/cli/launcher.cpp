@@ -229,7 +229,7 @@ class Supervisor {
     removeSegments(token);
     if (!startError_.empty()) throw IoError(startError_);
     if (failure_) {
-      const LauncherExit e = launcherExit(causeStatus_, workers_.front().status);
+      const LauncherExit e = launcherExit(causeRank_, causeStatus_, workers_.front().status);
       throw WorkerError(*failure_, e.code, e.saidAbove);
     }
     return interrupted_ ? static_cast<int>(ExitCode::kInterrupted) : 0;
@@ -284,6 +284,7 @@ class Supervisor {
     failure_ = workerFailureMessage(cause->rank, cause->pid, cause->status, running_, o_.workers,
                                     o_.runDir);
     causeStatus_ = cause->status;
+    causeRank_ = cause->rank;
     stop(o_.stopGrace);
   }
 
@@ -292,7 +293,8 @@ class Supervisor {
   int running_ = 0;
   bool interrupted_ = false;
   std::optional<std::string> failure_;
-  int causeStatus_ = 0;  // the failed worker's wait status, with failure_
+  int causeStatus_ = 0;  // the failed worker's wait status and rank, with failure_
+  int causeRank_ = 0;
   std::string startError_;
   std::optional<Clock::time_point> killAt_;   // SIGKILL whoever still runs at this time
   std::optional<Clock::time_point> giveUpAt_; // stop waiting for SIGKILLed workers

@@ -581,7 +581,8 @@ Config Config::fromString(const std::string& text, const std::string& source,
   for (const auto& item : overrides) {
     auto eq = item.find('=');
     if (eq == std::string::npos || eq == 0) {
-      throw ConfigError(fmt::format("--set {}: expected key=value, e.g. --set optim.lr=0.1", item));
+      throw ConfigError(
+          fmt::format("--set {}: expected key=value, e.g. --set optim.lr=0.1", oneLine(item)));
     }
     std::string key = item.substr(0, eq);
     std::string raw = item.substr(eq + 1);
@@ -596,7 +597,7 @@ Config Config::fromString(const std::string& text, const std::string& source,
       std::string hint = isSection(section)
                              ? fmt::format("known keys in [{}]: {}", section, knownKeysOf(section))
                              : fmt::format("known sections: {}", knownSections());
-      throw ConfigError(fmt::format("{}: unknown key '{}' ({})", at, key, hint));
+      throw ConfigError(fmt::format("{}: unknown key '{}' ({})", at, oneLine(key), hint));
     }
     toml::table parsed;
     bool ok = true;

@@ -85,7 +85,7 @@ void checkFile(const std::string& option, const fs::path& path,
                     "elsewhere",
                     option, path.string(), parent.string()));
   }
-  if (::access(parent.c_str(), W_OK) != 0) {
+  if (::access(parent.c_str(), W_OK | X_OK) != 0) {
     throw IoError(fmt::format("{} {}: cannot write in {} ({}); write elsewhere", option,
                               path.string(), parent.string(), std::strerror(errno)));
   }

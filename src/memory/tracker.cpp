@@ -44,11 +44,11 @@ std::string formatBytes(int64_t bytes) {
 std::string formatBytesAtLeast(int64_t bytes) {
   const double b = static_cast<double>(bytes);
   const auto up = [](double v, double places) { return std::ceil(v * places) / places; };
-  if (b >= 1024.0 * 1024 * 1024) {
-    return fmt::format("{:.2f} GiB", up(b / (1024.0 * 1024 * 1024), 100));
-  }
-  if (b >= 1024.0 * 1024) return fmt::format("{:.1f} MiB", up(b / (1024.0 * 1024), 10));
-  if (b >= 1024.0) return fmt::format("{:.1f} KiB", up(b / 1024.0, 10));
+  constexpr double kKiB = 1024.0, kMiB = kKiB * 1024, kGiB = kMiB * 1024;
+  // Rounded up past a unit's 1024 (1023.95 KiB): the next unit's 1.0.
+  if (b >= kGiB || up(b / kMiB, 10) >= 1024.0) return fmt::format("{:.2f} GiB", up(b / kGiB, 100));
+  if (b >= kMiB || up(b / kKiB, 10) >= 1024.0) return fmt::format("{:.1f} MiB", up(b / kMiB, 10));
+  if (b >= kKiB) return fmt::format("{:.1f} KiB", up(b / kKiB, 10));
   return fmt::format("{} B", bytes);
 }
 

@@ -71,10 +71,18 @@ std::string whyNotLoadable(const std::string& path, const std::exception& e) {
       R"(Unknown builtin op: ([A-Za-z_][A-Za-z0-9_:.]*[A-Za-z0-9_]))");
   std::smatch op;
   if (std::regex_search(text, op, unknownOp)) {
+    const std::string name = op[1].str();
+    const std::string space = name.substr(0, name.find("::"));
+    if (space != "aten" && space != "prim" && space != "quantized") {  // torchvision::nms, ...
+      return fmt::format(
+          "model.path {} calls the operator {} of a library Caravan does not load ({}); export "
+          "the model without it",
+          path, name, space);
+    }
     return fmt::format(
         "model.path {} calls the operator {}, which this LibTorch ({}.{}.{}) does not have: it "
         "was saved by a newer torch; save it with torch {}.{} or older, or without that operator",
-        path, op[1].str(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH,
+        path, name, TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH,
         TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
   }
   const size_t start = text.find_first_not_of(" \n");
@@ -187,9 +195,11 @@ std::string whyNotALoss(jit::Module& root, const at::Tensor& output, const at::T
   ModuleSnapshot snapshot(root);
   const auto restore = onScopeExit([&] { snapshot.restore(); });
   c10::IValue value;
-  const at::Tensor in = output.detach().requires_grad_(true);  // as training calls it
+  // As training calls it: an output that is not a leaf (a loss may change it in place).
+  const at::Tensor in = output.detach().requires_grad_(true).clone();
   try {
     jit::GraphOptimizerEnabledGuard plain(false);
+    at::AutoGradMode enable(true);
     value = root.run_method("loss", in, target);
   } catch (const std::exception& e) {
     return fmt::format("loss(output, target) fails on output {} and target {} ({})",
