@@ -397,75 +397,54 @@ class NoParams(nn.Module):
         return x.flatten(1)[:, :10]
 
 
-class Int64Out(nn.Module):
+class OneLinear(nn.Module):
+    """One Linear of a flattened image; the mistakes below change only its forward."""
+
     def __init__(self):
         super().__init__()
         self.l = nn.Linear(784, 10)
 
+    def forward(self, x):
+        return self.l(x.flatten(1))
+
+
+class Int64Out(OneLinear):
     def forward(self, x):
         return self.l(x.flatten(1)).long()
 
 
-class Float64Out(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(784, 10)
-
+class Float64Out(OneLinear):
     def forward(self, x):
         return self.l(x.flatten(1)).double()
 
 
-class TupleOut(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(784, 10)
-
+class TupleOut(OneLinear):
     def forward(self, x) -> Tuple[torch.Tensor, torch.Tensor]:
         y = self.l(x.flatten(1))
         return y, y
 
 
-class DictOut(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(784, 10)
-
+class DictOut(OneLinear):
     def forward(self, x) -> Dict[str, torch.Tensor]:
         return {"logits": self.l(x.flatten(1))}
 
 
-class ListOut(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(784, 10)
-
+class ListOut(OneLinear):
     def forward(self, x) -> List[torch.Tensor]:
         return [self.l(x.flatten(1))]
 
 
-class ScalarOut(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(784, 10)
-
+class ScalarOut(OneLinear):
     def forward(self, x):
         return self.l(x.flatten(1)).sum()
 
 
-class NanOut(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(784, 10)
-
+class NanOut(OneLinear):
     def forward(self, x):
         return self.l(x.flatten(1)) * float("nan")
 
 
-class Raises(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(784, 10)
-
+class Raises(OneLinear):
     def forward(self, x):
         y = self.l(x.flatten(1))
         if bool(y.numel() > 0):
@@ -473,11 +452,7 @@ class Raises(nn.Module):
         return y
 
 
-class TwoInputs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(784, 10)
-
+class TwoInputs(OneLinear):
     def forward(self, x, y):
         return self.l(x.flatten(1)) + self.l(y.flatten(1))
 
