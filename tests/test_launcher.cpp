@@ -176,6 +176,20 @@ class LauncherProcess : public ::testing::Test {
   }
 
   // Waits until the supervisor has `n` workers that exec'd (RANK in their environment).
+  // Starts `args` (a two-worker job with --max-restarts), waits for its workers and its first
+  // checkpoint, and SIGKILLs rank 1 (`victim`). A fatal failure when one of them does not happen.
+  void killRankOneAfterTheFirstCheckpoint(const std::string& args, pid_t* victim) {
+    run_ = tmp_ / "run";
+    start(args + " --run-dir " + run_);
+    ASSERT_TRUE(waitForWorkers(2, seconds(30))) << readFile(tmp_ / "err");
+    ASSERT_TRUE(waitUntil(
+        [&] { return fs::exists(run_ + "/checkpoints") && !fs::is_empty(run_ + "/checkpoints"); },
+        seconds(60)))
+        << readFile(tmp_ / "err");
+    *victim = workers_.at(1);
+    ASSERT_EQ(::kill(*victim, SIGKILL), 0);
+  }
+
   bool waitForWorkers(int n, milliseconds timeout) {
     return waitUntil(
         [&] {
@@ -397,15 +411,10 @@ TEST_F(LauncherProcess, MaxRestartsContinuesFromTheLastCheckpointAfterAKilledWor
       test::runCaravan("train --config c.toml " + job + " --run-dir ref --workers 2", tmp_.path());
   ASSERT_EQ(ref.exitCode, 0) << ref.err;
 
-  run_ = tmp_ / "run";
-  start("train --config c.toml " + job + " --run-dir " + run_ + " --workers 2 --max-restarts 1");
-  ASSERT_TRUE(waitForWorkers(2, seconds(30))) << readFile(tmp_ / "err");
-  ASSERT_TRUE(waitUntil(
-      [&] { return fs::exists(run_ + "/checkpoints") && !fs::is_empty(run_ + "/checkpoints"); },
-      seconds(60)))
-      << readFile(tmp_ / "err");
-  const pid_t victim = workers_.at(1);
-  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  pid_t victim = 0;
+  killRankOneAfterTheFirstCheckpoint(
+      "train --config c.toml " + job + " --workers 2 --max-restarts 1", &victim);
+  ASSERT_FALSE(HasFatalFailure());
   const auto status = waitExit(seconds(120));
   ASSERT_TRUE(status.has_value()) << "the restarted job did not finish within 120 s";
   const std::string err = readFile(tmp_ / "err");
@@ -435,14 +444,10 @@ TEST_F(LauncherProcess, RestartsAndNewJobsReuseAnExplicitStoreFile) {
                           " --set train.max_steps=2000 --set checkpoint.every=50 "
                           "--set train.log_every=1 --set dist.store=file --set dist.store_path=" +
                           store;
-  run_ = tmp_ / "run";
-  start("train --config /dev/null " + job + " --run-dir " + run_ + " --workers 2 --max-restarts 1");
-  ASSERT_TRUE(waitForWorkers(2, seconds(30))) << readFile(tmp_ / "err");
-  ASSERT_TRUE(waitUntil(
-      [&] { return fs::exists(run_ + "/checkpoints") && !fs::is_empty(run_ + "/checkpoints"); },
-      seconds(60)))
-      << readFile(tmp_ / "err");
-  ASSERT_EQ(::kill(workers_.at(1), SIGKILL), 0);
+  pid_t victim = 0;
+  killRankOneAfterTheFirstCheckpoint(
+      "train --config /dev/null " + job + " --workers 2 --max-restarts 1", &victim);
+  ASSERT_FALSE(HasFatalFailure());
   const auto status = waitExit(seconds(120));
   ASSERT_TRUE(status.has_value()) << "the restarted job did not finish within 120 s";
   const std::string err = readFile(tmp_ / "err");
