@@ -130,7 +130,8 @@ c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOpt
 void claimRank(c10d::Store& store, int rank, int size) {
   const std::string key = fmt::format("claim/{}", rank);
   // Who claimed it: this host's identity and the claimant's pid.
-  const std::string me = fmt::format("{}\n{}", hostIdentity(), static_cast<long>(::getpid()));
+  const std::string host = hostIdentity();  // reads /proc: once
+  const std::string me = fmt::format("{}\n{}", host, static_cast<long>(::getpid()));
   if (store.add(key, 1) == 1) {
     store.set(key + "/by", std::vector<uint8_t>(me.begin(), me.end()));
     return;
@@ -146,7 +147,7 @@ void claimRank(c10d::Store& store, int rank, int size) {
   }
   const size_t newline = by.rfind('\n');
   const long pid = newline == std::string::npos ? 0 : std::atol(by.c_str() + newline + 1);
-  if (newline != std::string::npos && by.substr(0, newline) == hostIdentity() && pid > 0 &&
+  if (newline != std::string::npos && by.substr(0, newline) == host && pid > 0 &&
       comm::processExited(pid)) {
     throw ConfigError(fmt::format(
         "rank {} of {}: the rendezvous store holds an earlier job's keys (rank {} was claimed by "
