@@ -17,16 +17,24 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace caravan {
 
 struct OutputPath {
+  OutputPath(std::string option, std::string path, bool directory = false,
+             std::vector<std::string> files = {})
+      : option(std::move(option)),
+        path(std::move(path)),
+        directory(directory),
+        files(std::move(files)) {}
+
   std::string option;  // how the command names it in messages: "-o", "--png", "--out"
   std::string path;
   // A directory the command writes `files` into (they are checked as files too), rather than
   // one file.
-  bool directory = false;
+  bool directory;
   std::vector<std::string> files;
 };
 
