@@ -117,7 +117,7 @@ std::shared_ptr<::gloo::rendezvous::Context> glooContext(c10::intrusive_ptr<c10d
                                                          int size,
                                                          std::chrono::milliseconds timeout) {
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, std::move(store));
-  GlooStoreAdapter adapter(prefixed);
+  auto adapter = std::make_shared<GlooStoreAdapter>(prefixed);
   ::gloo::transport::tcp::attr attr;
   attr.hostname = hostname;
   auto device = ::gloo::transport::tcp::CreateDevice(attr);

@@ -162,13 +162,13 @@ def beside(results_path):
 
 def command(script, args, skip=("replot",), repeated=()):
     """The command line that gives `script` these parsed arguments (a dict such as vars(args)
-    or the "args" a results file stores): "/usr/bin/python3 SCRIPT --key value ...", or None
+    or the "args" a results file stores): ".venv/bin/python SCRIPT --key value ...", or None
     when `args` is None (a results file from before they were stored). Flags that are False,
     None or empty are left out; a list is one flag with several values (nargs="+"), or for the
     keys in `repeated` the flag once per value (action="append")."""
     if args is None:
         return None
-    parts = ["/usr/bin/python3", script]
+    parts = [".venv/bin/python", script]
     for k, v in args.items():
         if k in skip or v is None or v is False or v == [] or v == "":
             continue

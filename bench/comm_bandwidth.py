@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """All-reduce bus bandwidth: Caravan's shared-memory, Gloo and MPI communicators against raw Gloo
 and raw MPI,
 measured in the same process with the implementations interleaved (build/caravan_bench_comm, see
@@ -8,10 +8,10 @@ coll_tuned_use_dynamic_rules 1 + coll_tuned_allreduce_algorithm 4; and that plus
 coll_libnbc_iallreduce_algorithm 1, the ring for MPI_Iallreduce, which Caravan's MPI backend
 uses) and prints one markdown table per run.
 
-    /usr/bin/python3 bench/comm_bandwidth.py [--ranks 2 4] [--rules default ring ring+nbc]
+    .venv/bin/python bench/comm_bandwidth.py [--ranks 2 4] [--rules default ring ring+nbc]
         [--repeats 10] [--min-bytes 1024] [--max-bytes 67108864] [--factor 4] [--json OUT]
-    /usr/bin/python3 bench/comm_bandwidth.py --op pingpong [--ranks 2] ...
-    /usr/bin/python3 bench/comm_bandwidth.py --replot OUT
+    .venv/bin/python bench/comm_bandwidth.py --op pingpong [--ranks 2] ...
+    .venv/bin/python bench/comm_bandwidth.py --replot OUT
 
 --op pingpong measures send/recv instead (pairs of ranks, a message and its reply): the table's
 GB/s is bytes / one-way time, the times are one way, and "shm / gloo" and "shm / raw mpi" compare

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """All-reduce between hosts: hierarchical (dist.backend = auto) against flat Gloo, and striping
 (dist.connections) against one connection, on network-namespace hosts joined by rate-limited
 links (scripts/netns_hosts.sh: veth pairs to a bridge, tc tbf on both ends of each host's link).
@@ -17,7 +17,7 @@ per all-reduce at the least (a ring over the hosts: size x 2(h-1)/h) over time a
 The hierarchical all-reduce sends exactly that; a flat ring over every rank sends more over each
 host's link (its ring crosses each host boundary with a full rank's share: size x 2(n-1)/n).
 
-    sudo /usr/bin/python3 bench/comm_hosts.py [--hosts 2] [--ranks-per-host 2]
+    sudo .venv/bin/python bench/comm_hosts.py [--hosts 2] [--ranks-per-host 2]
         [--rates 1gbit 300mbit] [--connections 2] [--min-bytes 1048576]
         [--max-bytes 67108864] [--repeats 3] [--out DIR]
 

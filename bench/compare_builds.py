@@ -1,10 +1,10 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Two builds of Caravan against each other and against the same PyTorch peer: runs
 bench/train_throughput.py and bench/ddp_step.py with the old build's caravan_bench and the new
 one's, alternating (old, new, old, new, ...), and prints per row the Caravan/PyTorch ratio of
 each invocation and the medians, so a refactor can show its ratios unchanged within noise.
 
-    /usr/bin/python3 bench/compare_builds.py OLD_BUILD NEW_BUILD [--rounds 2] [--out DIR]
+    .venv/bin/python bench/compare_builds.py OLD_BUILD NEW_BUILD [--rounds 2] [--out DIR]
         [--throughput-args "..."] [--ddp-args "..."]
 
 Each script's own arguments (defaults below keep one round to a few minutes on 2 cores) pass
@@ -23,7 +23,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 
 
 def run(script, bench, extra, out):
-    cmd = ["/usr/bin/python3", os.path.join(ROOT, "bench", script), "--bench", bench,
+    cmd = [sys.executable, os.path.join(ROOT, "bench", script), "--bench", bench,
            "--json", out] + shlex.split(extra)
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Data-parallel step time: Caravan (build/caravan_bench train, W worker processes) against
 PyTorch DDP over Gloo (bench/peer_ddp.py) with the same model, per-worker batch, optimizer,
 clipping, threads per worker and gradient bucket sizes, measured in the same invocation with
@@ -6,12 +6,12 @@ the runs interleaved (A B A B ...). Reports the median step time of each (per st
 rank's, median over steps, then median over repeats), the ratio Caravan/PyTorch (<= 1.0: Caravan
 at least as fast) and the fraction of Caravan's gradient communication hidden behind backward.
 
-    /usr/bin/python3 bench/ddp_step.py [--repeats 3] [--workers 2 4] [--threads 1]
+    .venv/bin/python bench/ddp_step.py [--repeats 3] [--workers 2 4] [--threads 1]
                                        [--configs ...] [--json OUT] [--bench PATH]
     variants: --caravan-args "--no-agree | --set key=value | --trace PATH",
               --caravan-env KEY=VALUE (Caravan's workers only),
               --bucket-mb M / --first-bucket-mb M (both engines)
-    /usr/bin/python3 bench/ddp_step.py --replot OUT
+    .venv/bin/python bench/ddp_step.py --replot OUT
 
 With --json OUT, every measurement goes to OUT and charts.json (for `caravan report`,
 docs/report.md: step time of both engines, their ratio, Caravan's communication hidden and
@@ -111,7 +111,7 @@ def run_caravan(bench, config, workers, steps, warmup, threads, environ, extra):
 
 
 def run_pytorch(config, workers, steps, warmup, threads, environ, extra):
-    cmd = ["/usr/bin/python3", PEER, "--config", config, "--workers", str(workers),
+    cmd = [sys.executable, PEER, "--config", config, "--workers", str(workers),
            "--steps", str(steps), "--warmup", str(warmup), "--threads", str(threads),
            "--port", str(free_port())] + extra
     # Its own process group, so that the spawned workers go with it on a timeout or interrupt.

@@ -1,14 +1,14 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Training beyond the memory budget (issue 5): brown-gpt sized so that keep-everything needs
 several times the smallest budget; for a sweep of budgets, forward+backward time per step with
 the planner (memory.policy = auto), all-recompute, all-swap and all-swap-input, against
 keep-everything without a budget; predicted vs measured; one table from one invocation.
 
-    /usr/bin/python3 bench/memory_sweep.py [--depth 12] [--context 128] [--heads 4] [--batch 32]
+    .venv/bin/python bench/memory_sweep.py [--depth 12] [--context 128] [--heads 4] [--batch 32]
         [--tier-mbps 50] [--tier-dtype float32|bf16|both]
         [--fractions 0.5 0.33 0.25 0.2]
         [--steps 6] [--repeats 2] [--overhead-mib 512] [--out bench/results/memory]
-    /usr/bin/python3 bench/memory_sweep.py --replot [--out bench/results/memory]
+    .venv/bin/python bench/memory_sweep.py --replot [--out bench/results/memory]
 
 Runs are interleaved (keep, then every mode at each budget, then the next repeat) and each
 number is the median over repeats of a run's median forward+backward time (its first step

@@ -1,8 +1,8 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Training under mpirun on a host with as many ranks as cores: each transport's wall time for the
 same job, interleaved (A B C D A B C D ...), medians and ratios to Gloo (issue 19).
 
-    /usr/bin/python3 bench/mpi_busy_host.py [--ranks 2] [--steps 100] [--repeats 3]
+    .venv/bin/python bench/mpi_busy_host.py [--ranks 2] [--steps 100] [--repeats 3]
         [--config configs/fmnist-cnn.toml] [--out DIR]
 
 Transports, every one started by the same `mpirun -np N` (Open MPI's vader for MPI itself):

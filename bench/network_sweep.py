@@ -1,13 +1,13 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Synchronization models on constrained links: W workers (+ S servers) as separate hosts in
 network namespaces (scripts/netns_hosts.sh: veth pairs to a bridge, each host's link limited
 to RATE in both directions with tc tbf), one table from one invocation.
 
-    /usr/bin/python3 bench/network_sweep.py [--rates 1gbit 500mbit 300mbit 100mbit]
+    .venv/bin/python bench/network_sweep.py [--rates 1gbit 500mbit 300mbit 100mbit]
         [--repeats 2] [--steps 40] [--epochs 2] [--accuracy-rate 500mbit ...]
         [--modes allreduce osp-auto diloco streaming-diloco-int4 ...] [--diloco-period 32]
         [--out bench/results/network]
-    /usr/bin/python3 bench/network_sweep.py --replot [--out bench/results/network]
+    .venv/bin/python bench/network_sweep.py --replot [--out bench/results/network]
 
 Two parts, each interleaving its runs (mode A, B, ... at one rate, then the next rate, then the
 next repeat):

@@ -1,10 +1,10 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Every synchronization mode on one host, `caravan train --workers N` (the embedded default),
 with the shared-memory transport (dist.backend = auto: collectives and send/recv through shared
 memory) against Gloo over TCP loopback (dist.backend = gloo), interleaved in one invocation
 (auto gloo auto gloo ... per mode); medians and ratios (issue 19).
 
-    /usr/bin/python3 bench/one_host_modes.py [--workers 2] [--servers 1] [--steps 200]
+    .venv/bin/python bench/one_host_modes.py [--workers 2] [--servers 1] [--steps 200]
         [--repeats 3] [--modes ps-bsp osp gossip local-sgd allreduce pipeline]
         [--config configs/fmnist-cnn.toml] [--out DIR]
 

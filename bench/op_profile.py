@@ -1,10 +1,10 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Where a training step's time goes, per op kind: runs `caravan_bench train --trace` (LibTorch's
 autograd profiler over the timed steps) and sums each op's *self* time (its own time less the
 ops it called), per step, sorted; the rest of the step (Python-free glue, waits) is the
 difference to the step's wall time.
 
-    /usr/bin/python3 bench/op_profile.py --config configs/brown-gpt.toml [--threads 1]
+    .venv/bin/python bench/op_profile.py --config configs/brown-gpt.toml [--threads 1]
         [--steps 10] [--set KEY=VALUE ...] [--top 25] [--json OUT]
         [--peer pytorch-t|pytorch|autocast-t]
 

@@ -1,13 +1,13 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch DDP peer for bench/ddp_step.py: times data-parallel training steps of the same model,
 per-worker batch, optimizer, clipping, thread count and gradient bucket caps as a Caravan config,
-in Python PyTorch (Debian's python3-torch 1.13) with DistributedDataParallel over Gloo.
+in Python PyTorch (the project's .venv, torch 2.13) with DistributedDataParallel over Gloo.
 
-    /usr/bin/python3 bench/peer_ddp.py --config configs/fmnist-cnn.toml --workers 2 \
+    .venv/bin/python bench/peer_ddp.py --config configs/fmnist-cnn.toml --workers 2 \
         --steps 40 --warmup 5 --threads 1 [--port P] [--bucket-mb M] [--first-bucket-mb M]
 
-Workers are started with torch.multiprocessing.spawn (Debian's torchrun does not run on
-Python 3.11) and rendezvous on 127.0.0.1. Model, data and optimizer come from
+Workers are started with torch.multiprocessing.spawn (Debian's torchrun, torch 1.13, did not
+run on Python 3.11) and rendezvous on 127.0.0.1. Model, data and optimizer come from
 bench/peer_train.py (the single-worker peer). DDP settings: bucket_cap_mb = sync.bucket_mb and
 the first bucket cap (dist._DEFAULT_FIRST_BUCKET_BYTES) = sync.first_bucket_mb: Caravan's
 defaults, 25 and 1 MiB, which are also DDP's own. (The caps are the same; DDP closes a bucket

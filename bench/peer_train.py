@@ -1,6 +1,6 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch peer for bench/train_throughput.py: times training steps of the same model, batch,
-optimizer and thread count as a Caravan config, in Python PyTorch (Debian's python3-torch).
+optimizer and thread count as a Caravan config, in Python PyTorch (the project's .venv torch).
 Prints one JSON object. Data: Fashion-MNIST images preloaded as one tensor (fmnist configs) or
 random token ids of the Brown vocabulary size (brown configs); batches are drawn by indexing
 preloaded tensors, the cheapest input path Python has.
@@ -145,6 +145,9 @@ def main():
     p.add_argument("--blas-threads", type=int,
                    help="OpenBLAS's threads (default --threads); 1 for bf16 autocast, whose "
                         "products run on oneDNN, as Caravan's bf16 runs (core/openmp_env.h)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (inductor, CPU), as PyTorch 2.x advises for "
+                        "speed; the warmup steps include the compilation")
     p.add_argument("--channels-last", action="store_true",
                    help="convolutions in channels-last layout (PyTorch's CPU advice for CNNs): "
                         "the model's weights and each batch; nothing changes for other models")
@@ -163,7 +166,8 @@ def main():
     if a.channels_last and xs.dim() == 4:
         model = model.to(memory_format=torch.channels_last)
         layout = channels_last
-    step = make_step(model, opt, xs, ys, batch, clip, autocast=a.autocast, layout=layout)
+    compiled = torch.compile(model) if a.compile else model
+    step = make_step(compiled, opt, xs, ys, batch, clip, autocast=a.autocast, layout=layout)
 
     for _ in range(a.warmup):
         step()
@@ -177,7 +181,8 @@ def main():
     if a.trace:
         profiler.export_chrome_trace(a.trace)
     print(json.dumps({"bench": "peer", "config": a.config, "threads": a.threads,
-                      "autocast": a.autocast, "channels_last": layout is not None,
+                      "autocast": a.autocast, "compile": a.compile,
+                      "channels_last": layout is not None,
                       "blas_threads": a.blas_threads or a.threads,
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                       "batch_size": batch,

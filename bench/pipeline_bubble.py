@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Pipeline bubbles: the idle fraction each schedule leaves on its stages, measured by
 `caravan train`, against the schedule's theory.
 
@@ -12,7 +12,7 @@ after the warm-up; the report gives the median over repeats next to the theory:
 (K-1)/(M+K-1) for gpipe and 1f1b, (K-1)/(3M+K-1) for zb-h1 (F = B = W, M >= K) — and the
 step time (ms) of each schedule, which is what a user gains or loses.
 
-    /usr/bin/python3 bench/pipeline_bubble.py [--stages 2 4] [--micro 4 8 16] [--repeats 2]
+    .venv/bin/python bench/pipeline_bubble.py [--stages 2 4] [--micro 4 8 16] [--repeats 2]
         [--steps 30] [--warmup 10] [--out DIR]
 
 Model: a GPT (width 128, depth 6: 8 blocks, 4 heads, context 128, batch 32 per pipeline) on

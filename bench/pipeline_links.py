@@ -1,9 +1,9 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Pipeline against data parallelism on slow links: a GPT of width 512 and depth 16, every
 worker a separate host in a network namespace (scripts/netns_hosts.sh: each host's link limited
 to RATE in both directions with tc tbf), the same global batch on every side.
 
-    /usr/bin/python3 bench/pipeline_links.py [--rates 1gbit 100mbit] [--repeats 1] [--steps 6]
+    .venv/bin/python bench/pipeline_links.py [--rates 1gbit 100mbit] [--repeats 1] [--steps 6]
         [--out bench/results/pipeline-links]
 
 Sides (global batch 32, AdamW, one thread per process):

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Memory balance of pipeline partitions: the time + memory partition (parallel.partition =
 auto under a memory.budget) against a time-only and a parameter-count partition, for a GPT
 whose embedding and head are heavy.
@@ -20,7 +20,7 @@ whose embedding and head are heavy.
 Reports per partition: the blocks per stage, the largest and smallest stage peak measured (and
 predicted), max/min, whether the largest fits the budget, and the median step time.
 
-    /usr/bin/python3 bench/pipeline_memory.py [--stages 4] [--micro 8] [--repeats 2] [--steps 12]
+    .venv/bin/python bench/pipeline_memory.py [--stages 4] [--micro 8] [--repeats 2] [--steps 12]
         [--out DIR]
 
 Model: GPT width 128, depth 6 (8 blocks), 4 heads, vocabulary 8192 (synthetic tokens), context

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Memory reach of a pipeline: a model that needs 4x one worker's budget trains on K = 4 stages;
 its throughput against data parallelism with out-of-core weights on 4 workers at the same
 per-worker budget and the same global batch.
@@ -19,7 +19,7 @@ per-worker budget and the same global batch.
    Each run's samples/s (median over logged windows after the first), every rank's tracked
    memory peak (metrics.jsonl rank_mem_tracked_peak) and rank 0's resident set.
 
-    /usr/bin/python3 bench/pipeline_reach.py [--repeats 2] [--steps 12] [--fraction 0.25]
+    .venv/bin/python bench/pipeline_reach.py [--repeats 2] [--steps 12] [--fraction 0.25]
         [--out DIR]
 
 Model: GPT width 512, depth 8 (10 blocks), 8 heads, vocabulary 8192 (synthetic tokens), context

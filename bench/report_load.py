@@ -6,7 +6,7 @@ writes one report of all of them, and opens it REPEATS times in Debian's Chromiu
 report/browser_check.mjs, which also checks that every chart drew. Prints the median and
 every time; writes OUT/results.json and OUT/charts.json (render: caravan report OUT).
 
-    /usr/bin/python3 bench/report_load.py [--runs 10] [--steps 10000] [--repeats 5]
+    .venv/bin/python bench/report_load.py [--runs 10] [--steps 10000] [--repeats 5]
         [--runs-dir /tmp/caravan-report-load] [--out bench/results/report]
 
 Runs already complete in --runs-dir are reused. The issue's bar: 10 runs of 10,000 steps
@@ -84,7 +84,7 @@ def main():
           f"opens in {med:.0f} ms (median of {a.repeats}; min {min(load)}, max {max(load)})")
     results = {"runs": a.runs, "steps": a.steps, "page_bytes": size, "report_s": build_s,
                "opens": opens, "median_load_ms": med,
-               "command": "/usr/bin/python3 bench/report_load.py " + " ".join(sys.argv[1:])}
+               "command": ".venv/bin/python bench/report_load.py " + " ".join(sys.argv[1:])}
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     write_charts(a.out, results)

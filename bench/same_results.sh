@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 old=${1:?usage: same_results.sh OLD_BUILD_DIR NEW_BUILD_DIR [OUT_DIR]}
 new=${2:?usage: same_results.sh OLD_BUILD_DIR NEW_BUILD_DIR [OUT_DIR]}
 out=${3:-$(mktemp -d /tmp/caravan-same-XXXXXX)}
-python=/usr/bin/python3  # Debian's, with torch (reads model.pt)
+python=${CARAVAN_PYTHON:-.venv/bin/python}  # the project's Python, with torch (reads model.pt)
 for b in "$old" "$new"; do
   [ -x "$b/caravan" ] || { echo "same_results: $b/caravan is not an executable; build it first" >&2; exit 2; }
 done

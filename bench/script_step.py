@@ -1,11 +1,11 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Training throughput of a scripted model against the built-in one and PyTorch eager.
 For each config and thread count the runs are interleaved in one invocation
 (A B C C' A B C C' ...):
 
   A  caravan   Caravan trains its built-in model (model.name = cnn, gpt, ...).
   B  script    Caravan trains the scripted twin of that model: model.name = torchscript,
-               model.path = a file this script writes with /usr/bin/python3:
+               model.path = a file this script writes with .venv/bin/python:
                torch.jit.script(reference_models.build(...)).save(...). Same blocks, parameter
                names and sizes (tests/python/reference_models.py, the module
                tests/python/script_models.py scripts gpt.pt from).
@@ -19,10 +19,10 @@ Every arm: the config's batch, optimizer and clipping, the same thread count (tr
 torch.set_num_threads), warm-up steps excluded. Reports the median samples/s of each arm over
 the repeats and B/A (target >= 0.95), B/C (target >= 1.0) and B/C'.
 
-    /usr/bin/python3 bench/script_step.py [--repeats 3] [--threads 1 2]
+    .venv/bin/python bench/script_step.py [--repeats 3] [--threads 1 2]
         [--cases fmnist-cnn brown-gpt [tokens-gpt | PATH.toml ...]] [--steps N] [--warmup N]
         [--engine auto|bench|train] [--out DIR] [--keep-work]
-    /usr/bin/python3 bench/script_step.py --replot DIR/results.json
+    .venv/bin/python bench/script_step.py --replot DIR/results.json
 
 Cases: fmnist-cnn (configs/fmnist-cnn.toml, 300 timed steps), brown-gpt (configs/brown-gpt.toml,
 60), tokens-gpt (brown-gpt's model and optimizer on random byte-level token files this script
@@ -68,7 +68,7 @@ import charts  # charts.json for caravan report
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 BENCH = os.path.join(ROOT, "build", "caravan_bench")
 CARAVAN = os.path.join(ROOT, "build", "caravan")
-PYTHON = "/usr/bin/python3"  # Debian's python3-torch; the python3 first on PATH may lack torch
+PYTHON = sys.executable  # the Python running this (.venv/bin/python), with the project's torch
 SELF = os.path.abspath(__file__)
 TUNABLES = "glibc.malloc.trim_threshold=268435456:glibc.malloc.mmap_threshold=33554432"
 BROWN_VOCAB = 86  # what Caravan's Brown loader reports (85 characters + unknown)
@@ -229,7 +229,7 @@ def first_error_line(text):
     return lines[-1] if lines else "(no message)"
 
 
-# ---- the model's Python definition (run under /usr/bin/python3 with torch) --------------------
+# ---- the model's Python definition (run under .venv/bin/python with torch) --------------------
 
 def twin(cfg):
     """The nn.Module Caravan builds for this config (tests/python/reference_models.py), from the

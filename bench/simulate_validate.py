@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """caravan simulate against real runs (issue 21).
 
-    /usr/bin/python3 bench/simulate_validate.py \\
+    .venv/bin/python bench/simulate_validate.py \\
         --measured bench/results/sim-measured-cnn bench/results/sim-measured-gpt \\
         --calibrate fmnist-cnn:1gbit fmnist-cnn:100mbit --out bench/results/simulate
 

@@ -1,10 +1,10 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Soak (issue 6): a long OSP job of 4 workers and 1 parameter server, every process's resident
 memory sampled, to show that nothing deadlocks and nothing grows.
 
-    /usr/bin/python3 bench/soak.py [--minutes 20] [--warmup-minutes 3] [--sample-s 10]
+    .venv/bin/python bench/soak.py [--minutes 20] [--warmup-minutes 3] [--sample-s 10]
         [--out bench/results/soak]
-    /usr/bin/python3 bench/soak.py --replot [--warmup-minutes 3] [--out bench/results/soak]
+    .venv/bin/python bench/soak.py --replot [--warmup-minutes 3] [--out bench/results/soak]
 
 The job is `caravan train --workers 4` (the local launcher) on Fashion-MNIST with the CNN,
 sync.mode = osp (sync.servers = 1, half the chunks in stage 2, LGP), train.max_minutes =

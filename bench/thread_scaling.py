@@ -1,9 +1,9 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Two compute threads against one, per precision: build/caravan_bench train at each thread
 count and train.precision, the arms interleaved (one run of each per round), medians of
 samples/s and the ratio of the medians, plus each round's ratio.
 
-    /usr/bin/python3 bench/thread_scaling.py [--config configs/brown-gpt.toml] [--rounds 4]
+    .venv/bin/python bench/thread_scaling.py [--config configs/brown-gpt.toml] [--rounds 4]
         [--steps 40] [--precisions bf16 float32] [--threads 1 2] [--json OUT]
 
 The measured processes get bench/train_throughput.py's environment: OPENBLAS_CORETYPE and

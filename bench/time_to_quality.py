@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Time to quality: validation loss against training time of finished runs, side by side (the
 bf16 run of configs/brown-gpt.toml against its float32 twin, issue 20). Reads each run's
 metrics.jsonl (eval records: time_s, step, loss on train.eval_batches batches) and, when
@@ -9,7 +9,7 @@ given, the full-validation result of `caravan eval --run-dir RUN` (its JSON line
     build/caravan train --config configs/brown-gpt.toml --set train.precision=float32 \\
         --run-dir runs/ttq-f32
     build/caravan eval --run-dir runs/ttq-bf16 > runs/ttq-bf16/eval.json   (and the same for f32)
-    /usr/bin/python3 bench/time_to_quality.py --runs bf16=runs/ttq-bf16 float32=runs/ttq-f32 \\
+    .venv/bin/python bench/time_to_quality.py --runs bf16=runs/ttq-bf16 float32=runs/ttq-f32 \\
         --out bench/results/speed/ttq
 
 Writes OUT/results.json and OUT/charts.json (for `caravan report`).

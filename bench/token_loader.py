@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Token-file loader against what the GPT consumes, one thread (target: 50x or more).
 The loader should deliver at least 50x the samples/s the GPT trains on. Interleaved in one
 invocation (L P G L P G ...):
@@ -17,9 +17,9 @@ invocation (L P G L P G ...):
 
 Reports medians of samples/s (and tokens/s) and P/G (and L/G); P/G >= 50 shows the target met.
 
-    /usr/bin/python3 bench/token_loader.py [--repeats 3] [--tokens 8000000] [--out DIR]
+    .venv/bin/python bench/token_loader.py [--repeats 3] [--tokens 8000000] [--out DIR]
         [--proxy-steps 10000] [--gpt-steps 30] [--keep-work]
-    /usr/bin/python3 bench/token_loader.py --replot DIR/results.json
+    .venv/bin/python bench/token_loader.py --replot DIR/results.json
 
 The token files are random uint16 ids below 256 (byte-level, as examples/brown_to_tokens.py
 writes), data.seq_len 128, batch 32, in DIR/work/tokens (removed at the end unless

@@ -12,11 +12,12 @@ cd "$(dirname "$0")/.."
 rounds=${1:-2}
 steps=${2:-300}
 caravan=${CARAVAN:-build/caravan}
+python=${CARAVAN_PYTHON:-.venv/bin/python}  # the project's Python (NumPy)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 unset OPENBLAS_CORETYPE
 echo "token_rss: OPENBLAS_CORETYPE unset for these runs"
-/usr/bin/python3 - "$work" <<'PY'
+"$python" - "$work" <<'PY'
 import os, sys
 import numpy as np
 work = sys.argv[1]

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Single-worker training throughput: Caravan (build/caravan_bench) against the same model,
 batch, optimizer and thread count in Python PyTorch (bench/peer_train.py), measured in the
 same invocation with the runs interleaved (A B C D E A B C D E ...); reports medians and
@@ -7,19 +7,20 @@ ratios, plus achieved GFLOP/s against the machine's measured float32 and bf16 ma
 The arms, per config and thread count:
   caravan       train.precision = float32
   caravan-bf16  train.precision = bf16 (per-block timed choice, train/precision.h)
-  pytorch-t     PyTorch float32 with Caravan's allocator settings (GLIBC_TUNABLES, below),
-                OMP_WAIT_POLICY=PASSIVE and, for convolutional models, the channels-last
-                layout Caravan's convolutions use (peer_train.py --channels-last): its
-                strongest configuration here
-  pytorch       PyTorch float32 as shipped (neither variable, the default layout)
-  autocast-t    PyTorch with torch.autocast("cpu", bfloat16), tuned as pytorch-t except for
-                threads, which it runs as Caravan's bf16 runs do (core/openmp_env.h): OpenBLAS
-                at one thread (its products run on oneDNN) and OpenMP's default wait policy,
-                measured 1.3-1.4x faster at two threads than PASSIVE with two OpenBLAS threads
+  pytorch-t     PyTorch (the .venv's torch, 2.13) eager float32 with Caravan's allocator
+                settings (GLIBC_TUNABLES, below), OMP_WAIT_POLICY=PASSIVE and, for
+                convolutional models, the channels-last layout Caravan's convolutions use
+                (peer_train.py --channels-last): its strongest float32 configuration here
+  autocast-t    PyTorch eager with torch.autocast("cpu", bfloat16), tuned as pytorch-t except
+                for threads, which it runs as Caravan's bf16 runs do (core/openmp_env.h):
+                OpenMP's default wait policy (with 1.13's OpenBLAS also held to one thread,
+                1.3-1.4x faster at two threads than PASSIVE)
+  compile-t     autocast-t with the model under torch.compile (inductor, CPU): PyTorch 2.x's
+                own advice for speed; its compilation runs in the warmup steps, not timed
 
-    /usr/bin/python3 bench/train_throughput.py [--repeats 3] [--threads 1 2] [--json OUT]
+    .venv/bin/python bench/train_throughput.py [--repeats 3] [--threads 1 2] [--json OUT]
                                                [--bench PATH] [--configs ...]
-    /usr/bin/python3 bench/train_throughput.py --replot OUT
+    .venv/bin/python bench/train_throughput.py --replot OUT
 
 With --json OUT, every measurement goes to OUT and charts.json (for `caravan report`,
 docs/report.md) to the same directory. --replot OUT runs nothing: it rebuilds that charts.json
@@ -44,7 +45,7 @@ CASES = [("configs/fmnist-cnn.toml", 300), ("configs/brown-gpt.toml", 60)]
 TUNED = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=268435456:"
                            "glibc.malloc.mmap_threshold=33554432",
          "OMP_WAIT_POLICY": "PASSIVE"}
-ARMS = ["caravan", "caravan-bf16", "pytorch-t", "pytorch", "autocast-t"]
+ARMS = ["caravan", "caravan-bf16", "pytorch-t", "autocast-t", "compile-t"]
 
 
 def env():
@@ -57,18 +58,24 @@ def env():
 
 
 def peer_command(arm, args, environ):
-    """(command, environment) of the PyTorch arm `arm` (pytorch-t, pytorch or autocast-t, see
-    the top) with peer_train.py's arguments `args`, from environ (env()'s)."""
-    cmd = ["/usr/bin/python3", PEER] + args
+    """(command, environment) of the PyTorch arm `arm` (pytorch-t, autocast-t or compile-t,
+    see the top) with peer_train.py's arguments `args`, from environ (env()'s)."""
+    cmd = [sys.executable, PEER] + args
     tuned = dict(environ, **TUNED)
+    spin = {k: v for k, v in tuned.items() if k != "OMP_WAIT_POLICY"}
     if arm == "autocast-t":
-        spin = {k: v for k, v in tuned.items() if k != "OMP_WAIT_POLICY"}
         return cmd + ["--autocast", "--channels-last", "--blas-threads", "1"], spin
+    if arm == "compile-t":
+        return cmd + ["--autocast", "--compile", "--channels-last", "--blas-threads", "1"], spin
     if arm == "pytorch-t":
         return cmd + ["--channels-last"], tuned
-    if arm == "pytorch":
-        return cmd, environ
     raise ValueError(f"no PyTorch arm {arm}")
+
+
+def peer_version():
+    """The peer's torch version (this Python's)."""
+    import torch
+    return torch.__version__
 
 
 def run_json(cmd, environ):
@@ -109,8 +116,8 @@ def write_charts(data, path):
             "counts 3x the analytic forward FLOPs per example; mm peak is the best of 3 "
             "1024x1024 matmuls at the same thread count. -t: PyTorch with "
             f"{' '.join(k + '=' + v for k, v in TUNED.items())} and, for convolutional models, "
-            "the channels-last layout; autocast-t with OpenMP's default wait policy and one OpenBLAS "
-            "thread, as Caravan's bf16 runs. Removed from the environment: "
+            "the channels-last layout; autocast-t and compile-t (torch.compile) with OpenMP's "
+            "default wait policy, as Caravan's bf16 runs. Removed from the environment: "
             f"{', '.join(removed) or 'nothing (not set)'}.")
     return charts.write(
         charts.beside(path), "train-throughput",
@@ -121,10 +128,9 @@ def write_charts(data, path):
 
 
 # ratio name -> (numerator arm, denominator arm)
-RATIOS = {"f32/pytorch-t": ("caravan", "pytorch-t"), "f32/pytorch": ("caravan", "pytorch"),
-          "bf16/pytorch-t": ("caravan-bf16", "pytorch-t"),
-          "bf16/pytorch": ("caravan-bf16", "pytorch"),
-          "bf16/autocast-t": ("caravan-bf16", "autocast-t")}
+RATIOS = {"f32/pytorch-t": ("caravan", "pytorch-t"),
+          "bf16/autocast-t": ("caravan-bf16", "autocast-t"),
+          "bf16/compile-t": ("caravan-bf16", "compile-t")}
 HEADER = (["config", "threads"] + [f"{a}/s" for a in ARMS] + list(RATIOS)
           + ["bf16 GFLOP/s", "of bf16 peak"])
 
@@ -201,7 +207,8 @@ def main():
     print(f"single-worker training throughput, samples/s, median of {a.repeats} interleaved "
           f"runs each; removed from the environment: {', '.join(removed) or 'nothing (not set)'}"
           f"; -t = PyTorch with {' '.join(k + '=' + v for k, v in TUNED.items())} and "
-          "--channels-last (autocast-t: OpenMP's default wait policy and one OpenBLAS thread)")
+          "--channels-last (autocast-t, compile-t: OpenMP's default wait policy); torch "
+          f"{peer_version()}")
     widths = [22, 8] + [15] * len(ARMS) + [16] * len(RATIOS) + [13, 13]
     print("".join(f"{h:>{w}}" for h, w in zip(HEADER, widths)))
     for r in rows:

@@ -1,14 +1,14 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Out-of-core weights and optimizer state with 2 data-parallel workers (issue 5): brown-gpt
 sized so that weights, gradients and AdamW state alone need more than the budgets; for a sweep
 of per-worker budgets, the step time of 2 workers (BSP all-reduce) with memory.weights =
 offload and memory.policy = auto, against the in-core data-parallel run without a budget; one
 table from one invocation.
 
-    /usr/bin/python3 bench/weights_sweep.py [--width 512] [--depth 8] [--heads 8]
+    .venv/bin/python bench/weights_sweep.py [--width 512] [--depth 8] [--heads 8]
         [--context 64] [--batch 16] [--fractions 0.6 0.45 0.35]
         [--steps 6] [--repeats 2] [--overhead-mib 512] [--out bench/results/weights]
-    /usr/bin/python3 bench/weights_sweep.py --replot [--out bench/results/weights]
+    .venv/bin/python bench/weights_sweep.py --replot [--out bench/results/weights]
 
 Runs (each `caravan train --workers 2`):
   core-keep      in core, everything kept, no budget: the data-parallel baseline

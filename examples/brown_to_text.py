@@ -1,9 +1,9 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Plain text from the Brown corpus that scripts/setup.sh installs, for `caravan data tokenize`:
 the part-of-speech tags stripped ("The/at jury/nn" -> "The jury"), one paragraph per line, the
 documents in order (tokenize holds out the last 10% of the text for validation).
 
-    /usr/bin/python3 examples/brown_to_text.py OUT_FILE [CORPUS_DIR]
+    .venv/bin/python examples/brown_to_text.py OUT_FILE [CORPUS_DIR]
 """
 import glob
 import os

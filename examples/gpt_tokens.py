@@ -1,11 +1,12 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """A GPT written in plain PyTorch, scripted for Caravan (model.name = "torchscript").
 
-    /usr/bin/python3 examples/gpt_tokens.py OUT.pt [VOCAB] [CONTEXT]   (default 256, 128)
+    .venv/bin/python examples/gpt_tokens.py OUT.pt [VOCAB] [CONTEXT]   (default 256, 128)
 
 Its forward is its `layers` (an nn.Sequential) applied in order, so examples/gpt_tokens.toml
 names them in model.blocks and each transformer block is a Caravan block (memory policies,
-out-of-core weights). Needs Debian's python3-torch (apt-get install python3-torch).
+out-of-core weights). Needs the project's Python, .venv/bin/python (torch 2.13, made by
+scripts/setup.sh).
 """
 import math
 import sys

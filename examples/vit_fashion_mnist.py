@@ -1,8 +1,8 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """A small vision transformer written in plain PyTorch, scripted for Caravan (model.name =
 "torchscript"), for Fashion-MNIST.
 
-    /usr/bin/python3 examples/vit_fashion_mnist.py OUT.pt
+    .venv/bin/python examples/vit_fashion_mnist.py OUT.pt
 
 Input [B, 1, 28, 28] (Caravan's loader normalizes the pixels), output [B, 10] logits. A small
 convolutional stem (two 3x3 stride-2 convolutions, "early convolutions" in place of ViT's
@@ -13,8 +13,8 @@ averages the tokens and classifies.
 
 Its forward is its `layers` (an nn.Sequential) applied in order, so
 examples/vit_fashion_mnist.toml names them in model.blocks and each transformer block is a
-Caravan block (memory policies, out-of-core weights). Needs Debian's python3-torch
-(apt-get install python3-torch).
+Caravan block (memory policies, out-of-core weights). Needs the project's Python,
+.venv/bin/python (torch 2.13, made by scripts/setup.sh).
 """
 import math
 import sys

@@ -3,8 +3,9 @@
 unlucky user could type, each in its own temporary directory under a hard timeout, and reports
 how each one ended.
 
-    python3 scripts/hostile_probe.py [--caravan build/caravan] [--only CLASS[,CLASS]] [--list]
-                                     [--case ID_OR_PREFIX] [--strict] [--keep] [--json FILE]
+    .venv/bin/python scripts/hostile_probe.py [--caravan build/caravan] [--only CLASS[,CLASS]]
+                                              [--list] [--case ID_OR_PREFIX] [--strict] [--keep]
+                                              [--json FILE]
 
 For every case it records the exit code; whether it timed out (hang: the whole process tree is
 killed), was killed by a signal (crash), printed "internal error", whether a failure's stderr is
@@ -19,8 +20,9 @@ restarts, duplicate ranks), data (data tokenize / data inspect / hostile data fi
 
 It is a probe, not a test gate: it exits 0 however the cases end (1 with --strict when any case
 lost data, hung, crashed or printed an internal error; 3 when the runner itself broke).
-Python standard library only; models are written by Debian's /usr/bin/python3 (torch 1.13,
-scripts/setup.sh installs it). Every process runs with OMP_NUM_THREADS=1 and train.threads = 1.
+The probe uses Python's standard library only; the Python running it also writes the models,
+so run it with the project's .venv/bin/python (torch 2.13, made by scripts/setup.sh). Every
+process runs with OMP_NUM_THREADS=1 and train.threads = 1.
 
 Adding a case: write a function `def fn(ctx)` that prepares files with ctx's helpers, registers
 what must be preserved (ctx.preserve) and extra message checks (ctx.check), and returns the argv
@@ -46,7 +48,7 @@ import time
 import zlib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCH_PYTHON = "/usr/bin/python3"
+TORCH_PYTHON = sys.executable  # writes the models: run the probe with .venv/bin/python
 DEFAULT_TIMEOUT = 60.0
 SETUP_FAILED_RC = 199  # a namespace wrapper's mount failed: the case could not be set up
 

@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# Sets up Caravan on Debian 12: installs the Debian and npm packages it needs (idempotent),
-# prepares the datasets and builds the `caravan` binary into build/.
+# Sets up Caravan on Debian 12 or 13: installs the Debian and npm packages it needs, makes the
+# project's Python environment .venv with the pinned torch (its LibTorch is what Caravan builds
+# against; its Python runs the oracles, peers and examples), prepares the datasets and builds
+# the `caravan` binary into build/. Idempotent.
 #   bash scripts/setup.sh            # everything
 #   CARAVAN_SKIP_BUILD=1 bash scripts/setup.sh   # packages and data only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Debian 12 (bookworm) has clang 14, Debian 13 (trixie) clang 19: libFuzzer's runtime is
+# packaged per clang version.
+case "$(cut -d. -f1 /etc/debian_version 2>/dev/null)" in
+  13*|trixie*) clang=19 ;;
+  *) clang=14 ;;
+esac
+
 packages=(
   build-essential cmake ninja-build ccache pkg-config
-  libtorch-dev libopenblas-dev libgloo-dev          # LibTorch 1.13 (CPU), fast BLAS, c10d headers
+  python3-venv                                        # .venv (LibTorch comes from its torch wheel)
   libtomlplusplus-dev libcli11-dev nlohmann-json3-dev libspdlog-dev libfmt-dev zlib1g-dev
   libssl-dev                                          # HMAC-SHA256 for job-token proofs
   libsentencepiece-dev                                # caravan data tokenize (SentencePiece)
   libgtest-dev libgmock-dev
   libopenmpi-dev openmpi-bin                          # the mpi communicator backend (optional)
   dataset-fashion-mnist                               # /usr/share/datasets/fashion-mnist
-  python3-torch                                       # reference oracle and benchmark peer only
   sentencepiece                                       # spm_encode: the tokenizer test's oracle
   iproute2                                            # multi-host tests in network namespaces
-  clang libclang-rt-14-dev                            # libFuzzer targets (scripts/fuzz.sh)
+  clang "libclang-rt-$clang-dev"                      # libFuzzer targets (scripts/fuzz.sh)
   clang-format                                        # scripts/format_check.sh (CI)
   chromium fonts-liberation                           # caravan report --png, the report's browser test
 )
@@ -37,6 +45,20 @@ if ((${#missing[@]})); then
 else
   echo "setup: all Debian packages present"
 fi
+
+# The project's Python: .venv, from Python 3.11 where the machine has it (the pinned CPU wheel
+# on these machines is for 3.11), else python3. Only the versions in requirements.txt, never a
+# bare `pip install torch` (PyPI's default torch is a CUDA build of several GB).
+if [ ! -x .venv/bin/python ]; then
+  python=$(command -v python3.11 || command -v python3)
+  echo "setup: making .venv with $python ($("$python" --version 2>&1))"
+  "$python" -m venv .venv
+fi
+if ! .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt; then
+  echo "setup: pip could not install requirements.txt into .venv; check that PyPI is reachable" >&2
+  exit 1
+fi
+echo "setup: .venv has $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
 
 bash scripts/prepare_data.sh
 

@@ -641,7 +641,7 @@ TEST(TokenFiles, BadFilesAreRefusedAtLoad) {
 // [0, 1]; integer targets are classes, float targets regression.
 TEST(NpyArrays, ExamplesHoldWhatNumPySaved) {
   const std::string fx = test::npyFixturesDir();
-  ASSERT_FALSE(fx.empty()) << "/usr/bin/python3 with NumPy is needed";
+  ASSERT_FALSE(fx.empty()) << test::kPython << " with NumPy is needed";
   const DatasetSplits good = loadNpyArrays(fx + "/good");
   EXPECT_EQ(good.train->size(), 7);
   EXPECT_EQ(good.test->size(), 4);
@@ -666,7 +666,7 @@ TEST(NpyArrays, ExamplesHoldWhatNumPySaved) {
 // Each kind of bad array: one line naming the file and what to do, at load.
 TEST(NpyArrays, BadFilesAreRefusedWithOneLine) {
   const std::string fx = test::npyFixturesDir();
-  ASSERT_FALSE(fx.empty()) << "/usr/bin/python3 with NumPy is needed";
+  ASSERT_FALSE(fx.empty()) << test::kPython << " with NumPy is needed";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"object", "holds Python objects"},
       {"fortran", "Fortran order"},

@@ -1070,7 +1070,8 @@ INSTANTIATE_TEST_SUITE_P(Schedules, DistPipelineSchedules,
 // stages trains as one worker accumulating the same micro-batches.
 TEST(DistPipeline, ScriptedModelStagesEqualOneWorker) {
   const std::string dir = test::scriptedModelsDir();
-  ASSERT_FALSE(dir.empty()) << "tests/python/script_models.py failed (python3-torch?)";
+  ASSERT_FALSE(dir.empty())
+      << "tests/python/script_models.py failed (.venv: bash scripts/setup.sh)";
   const auto scripted = with(
       kBase, {"data.synthetic_task=tokens", "data.seq_len=24", "data.batch_size=8",
               "optim.name=adamw", "optim.lr=0.003", "optim.grad_clip=0.5", "model.name=torchscript",

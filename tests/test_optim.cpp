@@ -69,6 +69,24 @@ UlpDiff ulpDiff(const at::Tensor& a, const at::Tensor& b) {
   return d;
 }
 
+// |a - b| in units of the float32 spacing at the largest of |b|, |before| and the update
+// |b - before| (before: the value the step started from; undefined: |b| alone), the largest
+// over the elements. The bound the tests put on it, kRoundingSpacings = 4: the update is about
+// five float32 operations (AdamW: a multiply-add for each moment, a square root, a division, a
+// multiply), each rounded by half a spacing, in each of the two implementations, plus the final
+// add. LibTorch 2.13 on this machine runs AVX-512 kernels that order AdamW's operations
+// otherwise than LibTorch 1.13's AVX2 ones (bitwise equal to the fused loop): measured up to 3
+// of these spacings, which counted in the result's own ulps read up to 4096 where the parameter
+// and its update nearly cancel (elements of about 1e-4).
+constexpr double kRoundingSpacings = 4.0;
+
+double spacingsApart(const at::Tensor& a, const at::Tensor& b, const at::Tensor& before) {
+  at::Tensor scale = b.abs();
+  if (before.defined()) scale = at::maximum(at::maximum(scale, before.abs()), (b - before).abs());
+  const at::Tensor spacing = at::nextafter(scale, at::full_like(scale, INFINITY)) - scale;
+  return ((a - b).abs() / spacing).max().item<double>();
+}
+
 // LibTorch's kernels were measured bitwise equal on AVX2 (this machine's capability); on
 // another, an element may round differently once a step (fused.h).
 bool expectBitwise() {
@@ -91,6 +109,13 @@ void compareSteps(torch::optim::Optimizer& reference, torch::optim::Optimizer& f
       for (auto& g : o->param_groups()) g.options().set_lr(lr);
     }
     setSameGradients(refParams, fusedParams);
+    std::vector<std::vector<at::Tensor>> before;  // each parameter and its state, before the step
+    for (const at::Tensor& p : refParams) {
+      std::vector<at::Tensor> b = stateOf(reference, p);
+      b.insert(b.begin(), p);
+      for (at::Tensor& t : b) t = t.detach().clone();
+      before.push_back(std::move(b));
+    }
     reference.step();
     fused.step();
     torch::NoGradGuard noGrad;
@@ -104,7 +129,10 @@ void compareSteps(torch::optim::Optimizer& reference, torch::optim::Optimizer& f
         const UlpDiff d = ulpDiff(got[k], want[k]);
         differing += d.differing;
         maxUlps = std::max(maxUlps, d.maxUlps);
-        EXPECT_LE(d.maxUlps, 1) << "step " << s << " parameter " << i << " tensor " << k;
+        const at::Tensor was = k < before[i].size() ? before[i][k] : at::Tensor();
+        EXPECT_LE(spacingsApart(got[k], want[k], was), kRoundingSpacings)
+            << "step " << s << " parameter " << i << " tensor " << k << " (" << d.maxUlps
+            << " ulps of the result)";
         got[k].copy_(want[k]);
       }
     }
@@ -117,7 +145,9 @@ void compareSteps(torch::optim::Optimizer& reference, torch::optim::Optimizer& f
 }
 
 std::vector<at::Tensor> adamState(torch::optim::Optimizer& o, const at::Tensor& p) {
-  auto& s = static_cast<torch::optim::AdamWParamState&>(*o.state().at(optimizerStateKey(p)));
+  auto it = o.state().find(optimizerStateKey(p));
+  if (it == o.state().end()) return {};
+  auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
   return {s.exp_avg(), s.exp_avg_sq()};
 }
 
@@ -129,7 +159,7 @@ std::vector<at::Tensor> sgdState(torch::optim::Optimizer& o, const at::Tensor& p
 
 }  // namespace
 
-TEST(FusedOptim, AdamWStaysWithinOneUlpOfTorchOptimEachStep) {
+TEST(FusedOptim, AdamWStaysWithinRoundingOfTorchOptimEachStep) {
   for (double weightDecay : {0.0, 0.01}) {
     torch::manual_seed(1);
     std::vector<at::Tensor> ref = makeParams(), mine = copies(ref);
@@ -141,7 +171,7 @@ TEST(FusedOptim, AdamWStaysWithinOneUlpOfTorchOptimEachStep) {
   }
 }
 
-TEST(FusedOptim, SgdStaysWithinOneUlpOfTorchOptimEachStep) {
+TEST(FusedOptim, SgdStaysWithinRoundingOfTorchOptimEachStep) {
   struct Case {
     double momentum, dampening, weightDecay;
     bool nesterov;

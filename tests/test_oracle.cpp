@@ -1,23 +1,26 @@
-// Oracle: Caravan's training step against Python PyTorch (Debian's python3-torch) from the same
+// Oracle: Caravan's training step against Python PyTorch (the project's .venv torch) from the same
 // initial weights and batches. 20 SGD steps and 20 AdamW steps of the CNN must give losses that
-// agree to 1e-4 relative (tests/python/oracle_train.py is the PyTorch side).
+// agree to 1e-4 relative (tests/python/oracle_train.py is the PyTorch side). TodaysPyTorch: models
+// written with today's PyTorch, scripted for Caravan, against the same classes in eager PyTorch.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 
-#include <nlohmann/json.hpp>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include "core/config.h"
 #include "data/loader.h"
 #include "data/sources.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
+#include "test_util.h"
+#include "train/checkpoint.h"
 #include "train/schedule.h"
 #include "train/setup.h"
 #include "train/step.h"
 #include "train/trainer.h"
-#include "test_util.h"
 
 using namespace caravan;
 using caravan::test::TempDir;
@@ -25,15 +28,26 @@ using caravan::test::TempDir;
 namespace {
 
 constexpr int kSteps = 20;
-constexpr const char* kPython = "/usr/bin/python3";
+using caravan::test::kPython;
 
 c10::Dict<c10::IValue, c10::IValue> readDict(const std::string& path) {
   std::string bytes = test::readFile(path);
   return torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
 }
 
-// `tolerance`: the largest relative loss difference allowed at any step.
-void compareWithPyTorch(const std::vector<std::string>& overrides, double tolerance = 1e-4) {
+// A model written in Python (tests/python/todays_models.py): Caravan trains its scripted file,
+// the oracle trains the Python class itself in eager PyTorch.
+struct EagerOracle {
+  std::string pythonClass;  // "module.Class" of tests/python, built without arguments
+  // The forward draws random numbers (dropout): also show that the losses depend on the draws,
+  // so that matching them proves the oracle drew what Caravan drew.
+  bool randomForward = false;
+};
+
+// `tolerance`: the largest relative loss difference allowed at any step. Before each step's
+// forward the oracle starts from the CPU generator state Caravan's forward started from.
+void compareWithPyTorch(const std::vector<std::string>& overrides, double tolerance = 1e-4,
+                        const EagerOracle& eager = {}) {
   std::vector<std::string> o = {"data.batch_size=32", "train.threads=1",
                                 "schedule.kind=cosine", "schedule.warmup_steps=5"};
   if (!std::filesystem::exists(kDefaultFashionMnistDir)) {
@@ -90,10 +104,9 @@ void compareWithPyTorch(const std::vector<std::string>& overrides, double tolera
                         {"channels", shape.channels},
                         {"height", shape.height},
                         {"image_width", shape.width},
-                        {"classes", shape.numClasses}};
-  std::vector<char> bytes = torch::pickle_save(c10::IValue(dump));
-  test::writeFile(tmp / "dump.pt", std::string(bytes.begin(), bytes.end()));
-  test::writeFile(tmp / "config.json", cfg.dump());
+                        {"classes", shape.numClasses},
+                        {"eager_class", eager.pythonClass},
+                        {"check_rng_matters", eager.randomForward}};
 
   // Caravan, with the saved-tensor hooks accounting the first step's activations.
   installSavedTensorEngine();
@@ -105,6 +118,7 @@ void compareWithPyTorch(const std::vector<std::string>& overrides, double tolera
     SavedTensorScope scope(memory, model->parameters());
     for (int i = 0; i < kSteps; ++i) {
       setLearningRate(*optimizer, lrs[i]);
+      dump.insert("rng" + std::to_string(i), at::detail::getDefaultCPUGenerator().get_state());
       ours.push_back(trainStep(model, *optimizer, batches[i], config.f64("optim.grad_clip")).loss);
       if (i == 0) {
         firstStepSaved = memory.peak(MemoryCategory::kActivations);
@@ -114,12 +128,15 @@ void compareWithPyTorch(const std::vector<std::string>& overrides, double tolera
     }
   }
 
-  // PyTorch.
+  // PyTorch, from the dump: now with the generator states each step started from.
+  std::vector<char> bytes = pickleForTorchLoad(c10::IValue(dump));
+  test::writeFile(tmp / "dump.pt", std::string(bytes.begin(), bytes.end()));
+  test::writeFile(tmp / "config.json", cfg.dump());
   std::string cmd = std::string(kPython) + " " + CARAVAN_SOURCE_DIR +
                     "/tests/python/oracle_train.py " + (tmp / "dump.pt") + " " + (tmp / "config.json") +
                     " " + (tmp / "out.pt");
   ASSERT_EQ(std::system(cmd.c_str()), 0)
-      << "the PyTorch oracle failed; it needs Debian's python3-torch (bash scripts/setup.sh)";
+      << "the PyTorch oracle failed; it needs the project's .venv (bash scripts/setup.sh)";
   c10::Dict<c10::IValue, c10::IValue> theirs = readDict(tmp / "out.pt");
   // The bytes saved for backward: what our hooks saw equals what PyTorch's hooks saw.
   const int64_t theirSaved = theirs.at("saved_bytes").toTensor()[0].item<int64_t>();
@@ -139,6 +156,19 @@ void compareWithPyTorch(const std::vector<std::string>& overrides, double tolera
   std::cout << "max relative loss difference over " << kSteps << " steps: " << worst
             << " (first loss " << ours.front() << ", last " << ours.back() << ")\n";
   EXPECT_LT(ours.back(), ours.front()) << "the model did not learn";
+  if (eager.randomForward) {
+    // The same run from other generator states: its losses must differ from ours by well over
+    // the tolerance (10 times), or agreeing within it would not show the draws were the same.
+    at::Tensor other = theirs.at("losses_other_rng").toTensor();
+    ASSERT_EQ(other.numel(), kSteps);
+    double apart = 0.0;
+    for (int i = 0; i < kSteps; ++i) {
+      const double t = other[i].item<double>();
+      apart = std::max(apart, std::abs(ours[i] - t) / std::abs(t));
+    }
+    std::cout << "max relative loss difference from other generator states: " << apart << "\n";
+    EXPECT_GT(apart, 10 * tolerance) << "the losses do not depend on the random draws";
+  }
   for (const auto& p : model->named_parameters()) {
     at::Tensor t = theirs.at("state." + model->exportName(p.key())).toTensor();
     EXPECT_TRUE(at::allclose(p.value(), t, /*rtol=*/1e-3, /*atol=*/1e-5))
@@ -152,7 +182,8 @@ void compareWithPyTorch(const std::vector<std::string>& overrides, double tolera
 // Python PyTorch from the same weights and batches: the same losses within 1e-5 relative.
 TEST(Oracle, ScriptedCnnMatchesPyTorchTrainingTheSameModule) {
   const std::string dir = test::scriptedModelsDir();
-  ASSERT_FALSE(dir.empty()) << "tests/python/script_models.py failed (python3-torch?)";
+  ASSERT_FALSE(dir.empty())
+      << "tests/python/script_models.py failed (.venv: bash scripts/setup.sh)";
   compareWithPyTorch({"model.name=torchscript", "model.path=" + dir + "/cnn.pt", "optim.name=sgd",
                       "optim.lr=0.05", "optim.momentum=0.9", "optim.weight_decay=0.0005"},
                      1e-5);
@@ -184,4 +215,64 @@ TEST(Oracle, ExportedModelLoadsInPyTorch) {
                     "sd = torch.load('" + (tmp / "run/model.pt") + "'); "
                     "m = r.build('resnet-mini', width=4); m.load_state_dict(sd, strict=True)\"";
   EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+}
+
+// Models written with today's PyTorch (tests/python/todays_models.py: an image as 28 rows of 28
+// features, Linear(28, 32), one pre-norm residual block around the construct, the mean over the
+// rows, Linear(32, 10)): Caravan trains the scripted file, and the oracle trains the same Python
+// class in eager PyTorch 2.13 from the same weights, batches and generator states. 20 steps (AdamW
+// unless said): the same losses within 1e-5 relative, the same bytes saved for backward, the same
+// parameters.
+namespace {
+
+const std::vector<std::string> kAdamW = {"optim.name=adamw", "optim.lr=0.001",
+                                         "optim.weight_decay=0.01"};
+
+void trainsAsInEagerPyTorch(const std::string& file, const std::string& pythonClass,
+                            bool randomForward = false,
+                            const std::vector<std::string>& optimizer = kAdamW) {
+  const std::string dir = test::pythonWrittenDir("todays_models.py");
+  ASSERT_FALSE(dir.empty())
+      << "tests/python/todays_models.py failed (.venv: bash scripts/setup.sh)";
+  std::vector<std::string> overrides = {"model.name=torchscript",
+                                        "model.path=" + dir + "/" + file + ".pt"};
+  overrides.insert(overrides.end(), optimizer.begin(), optimizer.end());
+  compareWithPyTorch(overrides, 1e-5, {"todays_models." + pythonClass, randomForward});
+}
+
+}  // namespace
+
+// F.scaled_dot_product_attention(q, k, v, is_causal=True), no dropout.
+TEST(TodaysPyTorch, CausalSdpaTrainsAsInEagerPyTorch) {
+  trainsAsInEagerPyTorch("causal-sdpa", "CausalSdpa");
+}
+
+// The same with dropout_p=0.1 in training: Caravan's draws are PyTorch's from the same states.
+TEST(TodaysPyTorch, CausalSdpaWithDropoutTrainsAsInEagerPyTorch) {
+  trainsAsInEagerPyTorch("causal-sdpa-dropout", "CausalSdpaDropout", /*randomForward=*/true);
+}
+
+TEST(TodaysPyTorch, RmsNormTrainsAsInEagerPyTorch) {
+  trainsAsInEagerPyTorch("rmsnorm", "RmsNormMlp");
+}
+
+// w2(silu(w1 x) * w3 x), bias=False.
+TEST(TodaysPyTorch, SwiGluTrainsAsInEagerPyTorch) { trainsAsInEagerPyTorch("swiglu", "SwiGluMlp"); }
+
+// Llama's rotary position embeddings (rotate_half, cos and sin computed in forward).
+TEST(TodaysPyTorch, RotaryEmbeddingsTrainAsInEagerPyTorch) {
+  trainsAsInEagerPyTorch("rotary", "RotaryAttention");
+}
+
+// nn.MultiheadAttention(batch_first=True) with a boolean causal mask. With SGD: its key bias's
+// gradient is rounding noise (softmax ignores it), which AdamW would turn into steps as large as
+// a real gradient's, so eager PyTorch one ulp apart ends ~1e-4 apart there (todays_models.py).
+TEST(TodaysPyTorch, MultiheadAttentionTrainsAsInEagerPyTorch) {
+  trainsAsInEagerPyTorch(
+      "mha", "TorchMha", false,
+      {"optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9", "optim.weight_decay=0.0005"});
+}
+
+TEST(TodaysPyTorch, GeluTanhTrainsAsInEagerPyTorch) {
+  trainsAsInEagerPyTorch("gelu-tanh", "GeluTanhMlp");
 }

@@ -29,7 +29,8 @@ namespace {
 
 std::string models() {
   const std::string dir = test::scriptedModelsDir();
-  EXPECT_FALSE(dir.empty()) << "tests/python/script_models.py failed (python3-torch?)";
+  EXPECT_FALSE(dir.empty())
+      << "tests/python/script_models.py failed (.venv: bash scripts/setup.sh)";
   return dir;
 }
 
@@ -214,7 +215,7 @@ TEST(ScriptModel, ModelPtLoadsIntoTheUsersClassAndAModuleLossIsUsed) {
                             "/cnn.pt').state_dict(); "
                             "assert any(not torch.equal(v, m.state_dict()[k]) for k, v in "
                             "s.items() if v.is_floating_point())";
-  EXPECT_EQ(std::system(("/usr/bin/python3 -c \"" + check + "\"").c_str()), 0);
+  EXPECT_EQ(std::system((std::string(test::kPython) + " -c \"" + check + "\"").c_str()), 0);
 
   const auto ce =
       trainAndExport(scriptedCnn({"model.path=" + models() + "/cnn-loss.pt"}), tmp / "ce");

@@ -156,6 +156,34 @@ void expectExactResume(const Config& config) {
 
 }  // namespace
 
+// A run stopped at step 4 by Caravan built on LibTorch 1.13 (tests/fixtures/run-1.13-*, see
+// its README) resumes on this build: its optimizer state (momentum; AdamW's moments and step)
+// is paired with the parameters although 1.13 wrote the keys as "0x..." text, which LibTorch
+// 2.x's own reader turned into one key (the process aborted). The oracle is the 1.13 build's
+// own uninterrupted run: steps 5..8 within 1e-5 relative (the two LibTorch builds' kernels may
+// differ in the last bits). A lost state would not pass: step 5's update already uses it, and
+// step 6's loss moves by far more than 1e-5 without it.
+TEST(Resume, ACheckpointOfTheLibTorch113BuildResumes) {
+  for (const std::string opt : {"sgd", "adamw"}) {
+    SCOPED_TRACE(opt);
+    TempDir tmp;
+    const std::string run = tmp / "run";
+    std::filesystem::copy(std::string(CARAVAN_SOURCE_DIR) + "/tests/fixtures/run-1.13-" + opt, run,
+                          std::filesystem::copy_options::recursive);
+    const test::CommandResult r = test::runCaravan("train --resume '" + run + "' --quiet");
+    ASSERT_EQ(r.exitCode, 0) << r.err;
+    const auto expected = nlohmann::json::parse(test::readFile(run + "/losses-uninterrupted.json"));
+    const std::vector<double> theirs = expected.at("losses").get<std::vector<double>>();
+    const std::vector<double> ours = test::trainLosses(run);
+    ASSERT_EQ(ours.size(), 8u);
+    ASSERT_EQ(theirs.size(), 8u);
+    for (size_t i = 0; i < 4; ++i) EXPECT_EQ(ours[i], theirs[i]) << "step " << i + 1;  // the file's
+    for (size_t i = 4; i < 8; ++i) {
+      EXPECT_NEAR(ours[i], theirs[i], 1e-5 * std::abs(theirs[i])) << "step " << i + 1;
+    }
+  }
+}
+
 TEST(Resume, CnnSgdMomentumIsExact) {
   expectExactResume(syntheticConfig({"model.name=cnn", "model.width=4", "optim.name=sgd",
                                      "schedule.kind=cosine", "schedule.warmup_steps=3"}));

@@ -85,11 +85,12 @@ inline int countLines(const std::string& text) {
   return n;
 }
 
-// The TorchScript modules tests/python/script_models.py writes (cnn.pt, cnn-loss.pt, gpt.pt,
-// not-sequential.pt), written once per test process with Debian's python3-torch; "" when that
-// failed (the caller fails the test).
-// A directory that tests/python/SCRIPT (run with Debian's /usr/bin/python3) filled, made once
-// per test process; "" when the script failed (Python, torch or NumPy missing).
+// The project's Python (.venv, scripts/setup.sh): the torch whose LibTorch Caravan runs on,
+// and NumPy. Oracles, fixtures and TorchScript files come from it.
+inline constexpr const char* kPython = CARAVAN_PYTHON;
+
+// A directory that tests/python/SCRIPT (run with kPython) filled, made once per test process;
+// "" when the script failed (Python, torch or NumPy missing: the caller fails the test).
 inline std::string pythonWrittenDir(const std::string& script) {
   struct Written {
     TempDir dir;
@@ -99,7 +100,7 @@ inline std::string pythonWrittenDir(const std::string& script) {
   auto& w = made[script];
   if (!w) {
     w = std::make_unique<Written>();
-    const std::string command = "/usr/bin/python3 " + std::string(CARAVAN_SOURCE_DIR) +
+    const std::string command = std::string(kPython) + " " + std::string(CARAVAN_SOURCE_DIR) +
                                 "/tests/python/" + script + " " + w->dir.path() + " >/dev/null";
     w->ok = std::system(command.c_str()) == 0;
   }

@@ -50,6 +50,12 @@ class TcpStore : public c10d::Store {
  public:
   explicit TcpStore(const TcpStoreOptions& options);
   ~TcpStore() override;
+  // c10d::Store::clone() (pure since LibTorch 2.x) asks for a second connection for another
+  // thread. Nothing Caravan calls (ProcessGroupGloo included) uses it; a store shared across
+  // threads here is one connection under a lock.
+  c10::intrusive_ptr<c10d::Store> clone() override {
+    TORCH_CHECK(false, "caravan::TcpStore has no clone(): share the one store");
+  }
 
   // The port actually listened on / connected to.
   int port() const { return port_; }

@@ -3,6 +3,10 @@
 // place such declarations live.
 #pragma once
 
+namespace c10 {
+struct IValue;
+}  // namespace c10
+
 namespace torch {
 namespace nn {
 class Module;

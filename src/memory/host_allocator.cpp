@@ -36,7 +36,7 @@ void HostAllocator::install(int64_t cacheLimit) {
 
 bool HostAllocator::installed() { return gInstalled.load(); }
 
-c10::DataPtr HostAllocator::allocate(size_t bytes) const {
+c10::DataPtr HostAllocator::allocate(size_t bytes) {
   if (bytes < kMappedBytes) {
     void* p = c10::alloc_cpu(bytes);
     return {p, p, &c10::free_cpu, c10::Device(c10::DeviceType::CPU)};

@@ -32,7 +32,10 @@ class HostAllocator final : public c10::Allocator {
   static void install(int64_t cacheLimit);
   static bool installed();
 
-  c10::DataPtr allocate(size_t bytes) const override;
+  c10::DataPtr allocate(size_t bytes) override;
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
   c10::DeleterFnPtr raw_deleter() const override { return &HostAllocator::release; }
   // Page-aligned and mapped whatever the size (direct I/O buffers); cached like the others.
   c10::DataPtr allocatePages(size_t bytes) const;

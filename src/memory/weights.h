@@ -205,7 +205,7 @@ class OutOfCoreWeights final : public BlockRunner {
   bool gathering_ = false;  // withAllResident() is reading blocks in: not counted
   std::exception_ptr error_;
   WeightStats stats_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> postKeys_;
   std::thread updater_;
 };

@@ -17,17 +17,17 @@ bool cpuHasBf16Instructions() {
 }
 
 Bf16Autocast::Bf16Autocast()
-    : enabled_(at::autocast::is_cpu_enabled()),
+    : enabled_(at::autocast::is_autocast_enabled(at::kCPU)),
       cache_(at::autocast::is_autocast_cache_enabled()),
-      dtype_(static_cast<int>(at::autocast::get_autocast_cpu_dtype())) {
-  at::autocast::set_cpu_enabled(true);
-  at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+      dtype_(static_cast<int>(at::autocast::get_autocast_dtype(at::kCPU))) {
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
   at::autocast::set_autocast_cache_enabled(false);
 }
 
 Bf16Autocast::~Bf16Autocast() {
-  at::autocast::set_cpu_enabled(enabled_);
-  at::autocast::set_autocast_cpu_dtype(static_cast<at::ScalarType>(dtype_));
+  at::autocast::set_autocast_enabled(at::kCPU, enabled_);
+  at::autocast::set_autocast_dtype(at::kCPU, static_cast<at::ScalarType>(dtype_));
   at::autocast::set_autocast_cache_enabled(cache_);
 }
 

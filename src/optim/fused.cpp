@@ -103,7 +103,7 @@ CARAVAN_CLONES void sgdLoop(float* __restrict p, const float* __restrict g, int6
 template <typename Original, typename Options, typename State>
 void stepWithOriginal(const at::Tensor& p, const Options& options, State& state) {
   Original one({p}, options);
-  const std::string key = optimizerStateKey(p);
+  const auto key = optimizerStateKey(p);
   auto it = state.find(key);
   if (it != state.end()) one.state()[key] = std::move(it->second);
   one.step();
@@ -139,7 +139,7 @@ torch::Tensor stepParameters(Groups& groups, State& state,
 template <typename States>
 bool fusedAdamW(const at::Tensor& p, const torch::optim::AdamWOptions& options, States& states) {
   if (options.amsgrad() || !fusable(p)) return false;
-  const std::string key = optimizerStateKey(p);
+  const auto key = optimizerStateKey(p);
   auto it = states.find(key);
   if (it == states.end()) {
     auto s = std::make_unique<torch::optim::AdamWParamState>();
@@ -194,7 +194,7 @@ bool fusedSgd(const at::Tensor& p, const torch::optim::SGDOptions& options, Stat
     forChunks(p.numel(), [&](int64_t begin, int64_t end) { sgdLoop(pp, gp, begin, end, s); });
     return true;
   }
-  const std::string key = optimizerStateKey(p);
+  const auto key = optimizerStateKey(p);
   auto it = states.find(key);
   const bool first = it == states.end();
   if (first) {

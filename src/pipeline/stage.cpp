@@ -94,7 +94,7 @@ class CaptureGradients : public torch::autograd::FunctionPreHook {
 // One engine call per such node keeps a call from walking down P into earlier layers.
 struct PipelineStage::WeightPass {
   struct Group {
-    std::shared_ptr<Node> node;
+    c10::intrusive_ptr<Node> node;
     std::shared_ptr<variable_list> captured;
     std::vector<Edge> weights;  // the weights' gradient edges (their accumulators)
   };
@@ -105,7 +105,7 @@ struct PipelineStage::WeightPass {
   static WeightPass plan(const at::Tensor& output, const at::Tensor& input,
                          const std::vector<at::Tensor>& weights) {
     WeightPass pass;
-    const std::shared_ptr<Node> root = output.grad_fn();
+    const c10::intrusive_ptr<Node> root = output.grad_fn();
     if (!root || !input.requires_grad()) return pass;
     const Node* inputNode = torch::autograd::impl::gradient_edge(input).function.get();
     std::unordered_map<const Node*, Edge> weightEdges;
@@ -114,7 +114,7 @@ struct PipelineStage::WeightPass {
       if (e.function) weightEdges.emplace(e.function.get(), e);
     }
     // Every node below the root, in discovery order, and whether the input is below it.
-    std::vector<std::shared_ptr<Node>> order;
+    std::vector<c10::intrusive_ptr<Node>> order;
     std::unordered_map<const Node*, bool> reaches;
     std::vector<std::pair<Node*, size_t>> stack{{root.get(), 0}};
     reaches[root.get()] = false;
@@ -123,7 +123,7 @@ struct PipelineStage::WeightPass {
       auto& [node, next] = stack.back();
       const auto& edges = node->next_edges();
       if (next < edges.size()) {
-        const std::shared_ptr<Node>& child = edges[next++].function;
+        const c10::intrusive_ptr<Node>& child = edges[next++].function;
         if (child && reaches.emplace(child.get(), false).second) {
           order.push_back(child);
           stack.push_back({child.get(), 0});
@@ -136,7 +136,7 @@ struct PipelineStage::WeightPass {
       stack.pop_back();
     }
     if (!reaches.at(root.get())) return pass;
-    for (const std::shared_ptr<Node>& node : order) {
+    for (const c10::intrusive_ptr<Node>& node : order) {
       if (!reaches.at(node.get())) continue;
       Group g;
       std::unordered_set<const Node*> seen;

@@ -114,7 +114,7 @@ class AllReduceStrategy : public Strategy {
   bool cancelled_ = false;
   std::vector<std::vector<at::Tensor>> groups_;  // empty: buckets by size
   std::vector<int64_t> groupBucket_;             // -1: a group without parameters
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;
   std::atomic<bool> enabled_{true};
   std::unique_ptr<CommThread> commThread_;  // fp16/bf16: runs the 16-bit rings

@@ -9,8 +9,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <stdexcept>
 
+#include <caffe2/serialize/inline_container.h>
 #include <fmt/format.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/torch.h>
 
 #include "core/errors.h"
@@ -98,6 +103,87 @@ class CrcFileBuf final : public std::streambuf {
   uint64_t size_ = 0;
   std::string error_;  // the first failed write's message
 };
+
+// Optimizer state as LibTorch's Optimizer::load reads it, except that each parameter's state
+// key is read as a 1.13 build wrote it. LibTorch keys a parameter's state by its TensorImpl's
+// address written as text (torch/optim/serialize.h: state/<key>, and param_groups/<i>/params/<j>
+// naming the same key in parameter order). 1.13 wrote the address as "0x55d0..."; 2.x writes
+// and reads decimal, and its std::stoull read every 1.13 key as 0: all states under one key,
+// and glibc aborted ("free(): invalid size"). The keys only pair states with parameters, so the
+// pairing is by the text itself here, the values unchanged.
+template <typename State, typename Options>
+void loadOptimizerOf113(torch::serialize::InputArchive& archive,
+                        torch::optim::Optimizer& optimizer) {
+  c10::IValue version;
+  archive.read("pytorch_version", version);
+  torch::serialize::InputArchive stateArchive;
+  archive.read("state", stateArchive);
+  std::map<std::string, std::unique_ptr<State>> saved;
+  for (const std::string& key : stateArchive.keys()) {
+    torch::serialize::InputArchive one;
+    stateArchive.read(key, one);
+    auto state = std::make_unique<State>();
+    state->serialize(one);
+    saved[key] = std::move(state);
+  }
+  torch::serialize::InputArchive groupsArchive;
+  archive.read("param_groups", groupsArchive);
+  at::Tensor groups;
+  groupsArchive.read("param_groups/size", groups);
+  auto& ours = optimizer.param_groups();
+  if (groups.item<int64_t>() != static_cast<int64_t>(ours.size())) {
+    throw std::runtime_error("its optimizer has another number of parameter groups");
+  }
+  for (size_t i = 0; i < ours.size(); ++i) {
+    torch::serialize::InputArchive group;
+    groupsArchive.read("param_groups/" + std::to_string(i), group);
+    at::Tensor size;
+    group.read("params/size", size);
+    const std::vector<at::Tensor>& params = ours[i].params();
+    if (size.item<int64_t>() != static_cast<int64_t>(params.size())) {
+      throw std::runtime_error("its optimizer has another number of parameters");
+    }
+    for (size_t j = 0; j < params.size(); ++j) {
+      c10::IValue key;
+      group.read("params/" + std::to_string(j), key);
+      auto it = saved.find(key.toStringRef());
+      if (it != saved.end())
+        optimizer.state()[params[j].unsafeGetTensorImpl()] = std::move(it->second);
+    }
+    torch::serialize::InputArchive optionsArchive;
+    group.read("options", optionsArchive);
+    Options options(0);
+    options.serialize(optionsArchive);
+    static_cast<Options&>(ours[i].options()) = options;
+  }
+}
+
+// True when the optimizer archive was written by a 1.13 build (its keys are "0x..." text).
+bool writtenBy113(torch::serialize::InputArchive& archive) {
+  torch::serialize::InputArchive groupsArchive;
+  archive.read("param_groups", groupsArchive);
+  torch::serialize::InputArchive first;
+  if (!groupsArchive.try_read("param_groups/0", first)) return false;
+  c10::IValue key;
+  return first.try_read("params/0", key) && key.isString() && key.toStringRef().rfind("0x", 0) == 0;
+}
+
+void loadOptimizer(torch::serialize::InputArchive& archive, torch::optim::Optimizer& optimizer) {
+  if (!writtenBy113(archive)) {
+    optimizer.load(archive);
+    return;
+  }
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) {
+    loadOptimizerOf113<torch::optim::AdamWParamState, torch::optim::AdamWOptions>(archive,
+                                                                                  optimizer);
+  } else if (dynamic_cast<torch::optim::SGD*>(&optimizer)) {
+    loadOptimizerOf113<torch::optim::SGDParamState, torch::optim::SGDOptions>(archive, optimizer);
+  } else {
+    throw std::runtime_error(
+        "its optimizer state was written by LibTorch 1.13 for an optimizer this build reads "
+        "only from LibTorch 2.x checkpoints");
+  }
+}
 
 }  // namespace
 
@@ -286,7 +372,7 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
     model.load(modelArchive);
     torch::serialize::InputArchive optimArchive;
     archive.read("optimizer", optimArchive);
-    optimizer.load(optimArchive);
+    loadOptimizer(optimArchive, optimizer);
     c10::IValue v;
     archive.read("step", v);
     state.step = v.toInt();
@@ -396,13 +482,34 @@ std::string CheckpointDir::save(torch::nn::Module& model, torch::optim::Optimize
   return path;
 }
 
+std::vector<char> pickleForTorchLoad(const c10::IValue& value) {
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler(
+      [&](const char* bytes, size_t n) { pickled.insert(pickled.end(), bytes, bytes + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+  std::vector<char> file;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) {
+    const char* bytes = static_cast<const char*>(data);
+    file.insert(file.end(), bytes, bytes + n);
+    return n;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(),
+                                     writer);
+  writer.writeEndOfFile();
+  return file;
+}
+
 void exportStateDict(const std::string& path, torch::nn::Module& model,
                      const std::function<std::string(const std::string&)>& rename) {
   c10::Dict<std::string, at::Tensor> dict;
   auto name = [&](const std::string& n) { return rename ? rename(n) : n; };
   for (const auto& p : model.named_parameters()) dict.insert(name(p.key()), p.value().detach());
   for (const auto& b : model.named_buffers()) dict.insert(name(b.key()), b.value().detach());
-  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
+  const std::vector<char> bytes = pickleForTorchLoad(c10::IValue(dict));
   writeFileAtomic(path, [&](int fd, const std::string& tmp) {
     writeAll(fd, bytes.data(), bytes.size(), tmp);
   });

@@ -79,9 +79,14 @@ class CheckpointDir {
   int64_t keep_;
 };
 
+// `value` in the file format of torch.save, as torch.load reads it by default (weights_only,
+// since torch 2.6): torch::pickle_save's, minus the type tags it puts on dicts and lists
+// (their global, torch.jit._pickle.restore_type_tag, is one weights_only refuses).
+std::vector<char> pickleForTorchLoad(const c10::IValue& value);
+
 // Exports parameters and buffers as a dict {name: tensor} that Python loads with
-// `torch.load(path)` (written with torch::pickle_save, atomically); `rename` gives each the
-// name the user knows it by (BlockModel::exportName), when set.
+// `torch.load(path)` (pickleForTorchLoad, written atomically); `rename` gives each the name
+// the user knows it by (BlockModel::exportName), when set.
 void exportStateDict(const std::string& path, torch::nn::Module& model,
                      const std::function<std::string(const std::string&)>& rename = {});
 

@@ -53,8 +53,9 @@ void setBlasThreads(int threads) {
 }
 
 int blasThreads() {
-  auto fn = blasFunction<int (*)()>("openblas_get_num_threads");
-  return fn ? fn() : 0;
+  if (auto fn = blasFunction<int (*)()>("openblas_get_num_threads")) return fn();
+  if (auto fn = blasFunction<int (*)()>("mkl_get_max_threads")) return fn();
+  return 0;
 }
 
 MatrixProducts matrixProductsFor(const std::string& precision) {

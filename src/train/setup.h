@@ -31,7 +31,9 @@ MatrixProducts matrixProductsFor(const std::string& precision);
 void applyRuntimeOptions(const RuntimeOptions& options);
 // OpenBLAS's threads, when it is loaded and runs its own (pthreads) pool.
 void setBlasThreads(int threads);
-// OpenBLAS's thread count now (0 without OpenBLAS), for summary.json.
+// The BLAS's thread count now, for summary.json: OpenBLAS's pool when it is loaded, else
+// MKL's (the torch wheel's BLAS; it runs on OpenMP's pool, whose size at::set_num_threads
+// sets), else 0.
 int blasThreads();
 
 // The dataset's train and test splits (`dataSeed`: the synthetic data's seed).

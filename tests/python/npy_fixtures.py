@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Writes .npy fixtures with NumPy's own writer (the oracle for Caravan's reader) into OUT:
 
   good/     classification: train_inputs [7,2,3] float32 = arange/8, train_targets [7] int64 = i%3,

@@ -1,14 +1,23 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Trains a model in Python PyTorch from a dump written by tests/test_oracle.cpp and prints the
 per-step losses and final parameters, so the C++ test can compare Caravan against PyTorch.
 
 The dump (torch.load-able dict) holds: "state.<name>" initial parameters/buffers, "x<i>"/"y<i>"
-the batches and "lr" the learning rate of each step; CONFIG is a JSON file with the model spec
-and the optimizer settings. Usage: oracle_train.py DUMP CONFIG OUT. Output: a torch.save'd dict {"losses": tensor, "saved_bytes": the bytes autograd
-saved for backward in step 1's forward (storages once, parameters excluded), "state.<name>":
-tensor}.
-Needs Debian's python3-torch: run with /usr/bin/python3.
+the batches, "lr" the learning rate of each step and "rng<i>" the CPU generator's state Caravan
+stepped from (set before each step's forward, so dropout draws what Caravan drew); CONFIG is a
+JSON file with the model spec and the optimizer settings. Usage: oracle_train.py DUMP CONFIG
+OUT. Output: a torch.save'd dict {"losses": tensor, "saved_bytes": the bytes autograd saved for
+backward in step 1's forward (storages once, parameters excluded), "state.<name>": tensor}.
+
+The model: CONFIG's "eager_class" ("module.Class" of this directory, e.g.
+"todays_models.CausalSdpa", built without arguments) runs that Python class in eager PyTorch;
+else model "torchscript" loads the scripted file "path"; else reference_models builds the
+built-in model's twin. With "check_rng_matters" the run is repeated from the same weights with
+the generator's states not Caravan's (seeded 12345 once), its losses as "losses_other_rng": a
+test can show that its losses depend on the draws (so matching them proves the draws match).
+Needs the project's Python: run with .venv/bin/python (torch 2.13, made by scripts/setup.sh).
 """
+import importlib
 import json
 import os
 import sys
@@ -19,12 +28,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reference_models  # noqa: E402
 
 
-def main(dump_path, config_path, out_path):
-    torch.set_num_threads(1)
-    dump = torch.load(dump_path)
-    with open(config_path) as f:
-        cfg = json.load(f)
-    if cfg["model"] == "torchscript":
+def build_model(cfg, dump):
+    """The model of CONFIG `cfg`, with the dump's initial state loaded strictly, in train mode."""
+    if cfg.get("eager_class"):
+        # The Python class itself, in eager PyTorch: not its TorchScript file.
+        module_name, class_name = cfg["eager_class"].rsplit(".", 1)
+        model = getattr(importlib.import_module(module_name), class_name)()
+    elif cfg["model"] == "torchscript":
         # The user's scripted module itself, run as Caravan runs it: TorchScript's graph
         # optimizations off, so every op records ordinary autograd (models/script_model.h).
         model = torch.jit.load(cfg["path"])
@@ -38,6 +48,13 @@ def main(dump_path, config_path, out_path):
     state = {k[len("state."):]: v for k, v in dump.items() if k.startswith("state.")}
     model.load_state_dict(state, strict=True)
     model.train()
+    return model
+
+
+def train(cfg, dump, caravans_rng=True):
+    """Trains a fresh model over the dump's steps: (model, losses, saved_bytes). With
+    `caravans_rng` each step's forward starts from the generator state Caravan's did."""
+    model = build_model(cfg, dump)
     if cfg["optim"] == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
                               nesterov=cfg["nesterov"], weight_decay=cfg["weight_decay"])
@@ -48,13 +65,13 @@ def main(dump_path, config_path, out_path):
     lrs = dump["lr"].tolist()
     # Bytes autograd saves for backward in the first step's forward: storages counted once,
     # the parameters' own storages not (they are weights), as Caravan's MemoryTracker counts.
-    param_storages = {p.storage().data_ptr() for p in model.parameters()}
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     held = {}
 
     def pack(t):
-        key = t.storage().data_ptr()
+        key = t.untyped_storage().data_ptr()
         if key not in param_storages:
-            held[key] = t.storage().nbytes()
+            held[key] = t.untyped_storage().nbytes()
         return t
 
     saved_bytes = None
@@ -63,6 +80,8 @@ def main(dump_path, config_path, out_path):
             g["lr"] = lr
         x, y = dump[f"x{i}"], dump[f"y{i}"]
         opt.zero_grad()
+        if caravans_rng and f"rng{i}" in dump:
+            torch.set_rng_state(dump[f"rng{i}"])
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(x)
             if out.dim() == 3:
@@ -77,10 +96,23 @@ def main(dump_path, config_path, out_path):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         opt.step()
         losses.append(loss.item())
+    return model, losses, saved_bytes
+
+
+def main(dump_path, config_path, out_path):
+    torch.set_num_threads(1)
+    dump = torch.load(dump_path)
+    with open(config_path) as f:
+        cfg = json.load(f)
+    model, losses, saved_bytes = train(cfg, dump)
     result = {"losses": torch.tensor(losses, dtype=torch.float64),
               "saved_bytes": torch.tensor([saved_bytes], dtype=torch.int64)}
     for k, v in model.state_dict().items():
         result["state." + k] = v
+    if cfg.get("check_rng_matters"):
+        torch.manual_seed(12345)
+        result["losses_other_rng"] = torch.tensor(train(cfg, dump, caravans_rng=False)[1],
+                                                  dtype=torch.float64)
     torch.save(result, out_path)
     return 0
 

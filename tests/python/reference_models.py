@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch twins of Caravan's models (src/models/): same blocks, same parameter names.
 
 Two uses:
@@ -7,8 +7,9 @@ Two uses:
     here, loads the state strictly (so parameter names must match), and compares.
   * a benchmark can `build(...)` the same model in Python PyTorch.
 
-Needs Debian's python3-torch (run with /usr/bin/python3). Written independently of the C++
-code from the model descriptions, so a mismatch points at a bug on one side.
+Needs the project's Python: run with .venv/bin/python (torch 2.13, made by scripts/setup.sh).
+Written independently of the C++ code from the model descriptions, so a mismatch points at a
+bug on one side.
 """
 import argparse
 import math

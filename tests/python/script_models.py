@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Writes TorchScript modules for the scripted-model tests (tests/test_script_model.cpp):
 torch.jit.script(module).save(OUT_DIR/<name>.pt). Usage: script_models.py OUT_DIR.
 
@@ -22,7 +22,7 @@ torch.jit.script(module).save(OUT_DIR/<name>.pt). Usage: script_models.py OUT_DI
                 loss-default.pt a loss of shape [1] with a defaulted third argument (trains)
   newer-op.pt   relu-head.pt (a Flatten, a Linear, torch.relu) calling an operator no torch
                 has instead, as a file from a newer torch would: refused, naming the operator
-Needs Debian's python3-torch: run with /usr/bin/python3.
+Needs the project's Python: run with .venv/bin/python (torch 2.13, made by scripts/setup.sh).
 """
 import os
 import sys
