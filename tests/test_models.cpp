@@ -404,6 +404,36 @@ TEST(ModelGpt, LogitsDoNotDependOnLaterTokens) {
   }
 }
 
+// model.attention = "sdpa" is the same function as the explicit kernel: from the same weights
+// and tokens, the same logits and gradients up to float32 rounding (the two sum the scores in
+// other orders), and just as causal; the parameters are the same, so checkpoints and exports
+// do not depend on the kernel.
+TEST(ModelGpt, SdpaAttentionComputesWhatTheExplicitKernelDoes) {
+  ModelSpec sdpaSpec = spec("gpt", 32, 2, 4);
+  sdpaSpec.attention = AttentionKernel::kSdpa;
+  torch::manual_seed(9);
+  auto explicitModel = buildModel(spec("gpt", 32, 2, 4), lmShape(13, 24));
+  torch::manual_seed(9);
+  auto sdpaModel = buildModel(sdpaSpec, lmShape(13, 24));
+  auto tokens = torch::randint(13, {3, 24}, torch::kLong);
+  auto a = explicitModel->forward(tokens), b = sdpaModel->forward(tokens);
+  EXPECT_TRUE(torch::allclose(a, b, /*rtol=*/1e-5, /*atol=*/1e-6))
+      << (a - b).abs().max().item<double>();
+  a.square().sum().backward();
+  b.square().sum().backward();
+  auto pa = explicitModel->named_parameters(), pb = sdpaModel->named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& p : pa) {
+    const at::Tensor ga = p.value().grad(), gb = pb[p.key()].grad();
+    EXPECT_TRUE(torch::allclose(ga, gb, /*rtol=*/1e-4, /*atol=*/1e-6))
+        << p.key() << " " << (ga - gb).abs().max().item<double>();
+  }
+  torch::NoGradGuard noGrad;
+  auto changed = tokens.clone();
+  changed.select(1, 10).add_(1).remainder_(13);
+  EXPECT_TRUE(torch::equal(b.narrow(1, 0, 10), sdpaModel->forward(changed).narrow(1, 0, 10)));
+}
+
 TEST(ModelGpt, InitializationFollowsGpt2) {
   torch::manual_seed(9);
   const int64_t layers = 8;
@@ -479,6 +509,12 @@ TEST(ModelConfig, BadSpecsThrowConfigErrorNamingTheKey) {
   expectConfigError(spec("cnn", 0, 3), imageShape(), {"model.depth"});
   expectConfigError(spec("resnet-mini", 0, 0, 0, 0.2), imageShape(), {"model.dropout"});
   expectConfigError(spec("cnn"), imageShape(1, 3), {"model.name = 'cnn'", "3x3"});
+}
+
+TEST(ModelGpt, AttentionKernelIsRefusedWhereThereIsNoAttention) {
+  ModelSpec s = spec("cnn");
+  s.attention = AttentionKernel::kSdpa;
+  expectConfigError(s, imageShape(), {"model.attention = 'sdpa'", "model.name = 'cnn'"});
 }
 
 // ---- PyTorch reference -----------------------------------------------------------------------

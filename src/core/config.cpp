@@ -100,6 +100,10 @@ std::vector<ConfigOption> buildSchema() {
              "0 = model default; mlp: hidden layers, resnet-mini: blocks per stage, gpt: layers"),
       intOpt("model.heads", 0, 0, 1024, "gpt: attention heads (0 = default)"),
       floatOpt("model.dropout", 0.0, 0.0, 0.99, "dropout probability (mlp, gpt)"),
+      strOpt("model.attention", "explicit",
+             "gpt: attention kernel: explicit (q k^T, softmax, times v; the faster at 128 "
+             "tokens) or sdpa (scaled_dot_product_attention: keeps no [T, T] scores)",
+             {"explicit", "sdpa"}),
 
       strOpt("optim.name", "sgd", "optimizer", {"sgd", "adamw"}),
       floatOpt("optim.lr", 0.01, 0.0, 1e6, "peak learning rate", true),

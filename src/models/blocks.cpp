@@ -163,7 +163,8 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptOptions& options)
       cProj_(register_module("c_proj", nn::Linear(options.width, options.width))),
       context_(options.context),
       heads_(options.heads),
-      dropout_(options.dropout) {
+      dropout_(options.dropout),
+      attention_(options.attention) {
   CARAVAN_CHECK(options.heads > 0 && options.width % options.heads == 0,
                 "heads {} must divide width {}", options.heads, options.width);
   gptInit(cAttn_, kGptInitStd);
@@ -175,6 +176,18 @@ torch::Tensor CausalSelfAttentionImpl::forward(torch::Tensor x) {
   const int64_t headDim = width / heads_;
   CARAVAN_CHECK_LE(steps, context_, "the sequence length exceeds the context");
 
+  if (attention_ == AttentionKernel::kSdpa) {
+    // Views of q, k and v as [B, H, T, hd] (strided: the kernel reads them in place); the fused
+    // kernel applies the causal mask, the scale 1/sqrt(hd) and the dropout on the probabilities.
+    auto qkv = applyLinear(cAttn_, x)                         // [B, T, 3d]
+                   .view({batch, steps, 3, heads_, headDim})  // [B, T, 3, H, hd]
+                   .permute({2, 0, 3, 1, 4});                 // [3, B, H, T, hd]
+    auto y = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], /*attn_mask=*/{},
+                                              is_training() ? dropout_ : 0.0,
+                                              /*is_causal=*/true);  // [B, H, T, hd]
+    y = y.transpose(1, 2).reshape({batch, steps, width});           // [B, T, d]
+    return maybeDropout(applyLinear(cProj_, y), dropout_, is_training());
+  }
   // One copy puts q, k and v each in contiguous [B*H, T, hd] layout for bmm.
   auto qkv = applyLinear(cAttn_, x)                         // [B, T, 3d]
                  .view({batch, steps, 3, heads_, headDim})  // [B, T, 3, H, hd]

@@ -19,6 +19,8 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include "models/attention.h"
+
 namespace caravan {
 
 // ---- image models ------------------------------------------------------------------------
@@ -128,6 +130,7 @@ struct GptOptions {
   int64_t heads = 1;    // must divide width
   int64_t layers = 1;   // transformer blocks in the model (scales residual-projection init)
   double dropout = 0.0;
+  AttentionKernel attention = AttentionKernel::kExplicit;
 };
 
 // GPT-2 initialization std for Linear and Embedding weights.
@@ -162,6 +165,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   int64_t context_;
   int64_t heads_;
   double dropout_;
+  AttentionKernel attention_;
 };
 TORCH_MODULE(CausalSelfAttention);
 

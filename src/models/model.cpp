@@ -125,6 +125,12 @@ void rejectUnused(const ModelSpec& spec, bool usesDepth, bool usesHeads, bool us
         "remove it",
         spec.heads, spec.name));
   }
+  if (!usesHeads && spec.attention != AttentionKernel::kExplicit) {
+    throw ConfigError(fmt::format(
+        "model.attention = 'sdpa' has no meaning for model.name = '{}' (only gpt has attention); "
+        "remove it",
+        spec.name));
+  }
   if (!usesDropout && spec.dropout != 0.0) {
     throw ConfigError(fmt::format(
         "model.dropout = {} is not supported by model.name = '{}' (only mlp and gpt use "
@@ -217,6 +223,7 @@ BlockModel buildGpt(const ModelSpec& spec, const DataShape& shape) {
   options.layers = orDefault(spec.depth, kGptDepth);
   options.heads = orDefault(spec.heads, kGptHeads);
   options.dropout = spec.dropout;
+  options.attention = spec.attention;
   if (options.width % options.heads != 0) {
     throw ConfigError(fmt::format(
         "model.heads = {}{} does not divide model.width = {}{}; choose heads that divide width",

@@ -17,6 +17,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "data/dataset.h"
+#include "models/attention.h"
 
 namespace caravan {
 
@@ -32,6 +33,8 @@ struct ModelSpec {
   std::string path;          // torchscript: the saved module
   std::string blocks;        // torchscript: the attribute holding the blocks ("" = children)
   std::string loss;          // torchscript: "" (the task's) | cross_entropy | mse | module
+  // gpt: model.attention (models/attention.h).
+  AttentionKernel attention = AttentionKernel::kExplicit;
 };
 
 // Runs one block's forward on behalf of BlockModel::forward: the memory executor

@@ -123,6 +123,8 @@ RunOptions RunOptions::read(const Config& config) {
   r.model.depth = config.i64("model.depth");
   r.model.heads = config.i64("model.heads");
   r.model.dropout = config.f64("model.dropout");
+  r.model.attention =
+      config.str("model.attention") == "sdpa" ? AttentionKernel::kSdpa : AttentionKernel::kExplicit;
   r.model.path = config.str("model.path");
   r.model.blocks = config.str("model.blocks");
   r.model.loss = config.str("model.loss");
