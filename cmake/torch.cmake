@@ -10,31 +10,58 @@ get_filename_component(CARAVAN_ROOT "${CMAKE_CURRENT_LIST_DIR}/.." ABSOLUTE)
 set(CARAVAN_TORCH_VERSION 2.13.0)
 set(CARAVAN_PYTHON "${CARAVAN_ROOT}/.venv/bin/python" CACHE FILEPATH
     "The project's Python, with torch==${CARAVAN_TORCH_VERSION} (its LibTorch is built against)")
-get_filename_component(CARAVAN_PYTHON_ENV "${CARAVAN_PYTHON}" DIRECTORY)  # .venv/bin
-get_filename_component(CARAVAN_PYTHON_ENV "${CARAVAN_PYTHON_ENV}" DIRECTORY)
-file(GLOB CARAVAN_TORCH_DIR LIST_DIRECTORIES true
-  "${CARAVAN_PYTHON_ENV}/lib/python3*/site-packages/torch")
-if(NOT CARAVAN_TORCH_DIR)
-  message(FATAL_ERROR "no torch next to ${CARAVAN_PYTHON}: run `bash scripts/setup.sh` (it makes "
-                      ".venv with torch==${CARAVAN_TORCH_VERSION}), or pass -DCARAVAN_PYTHON=<a "
-                      "python whose environment has it>")
+# The torch that CARAVAN_PYTHON imports, asked of that Python (not globbed: a venv rebuilt for
+# another Python version keeps the old site-packages beside the new).
+execute_process(
+  COMMAND "${CARAVAN_PYTHON}" -c "import os, torch; print(os.path.dirname(torch.__file__))"
+  OUTPUT_VARIABLE CARAVAN_TORCH_DIR RESULT_VARIABLE caravanTorchFound
+  OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+if(NOT caravanTorchFound EQUAL 0 OR NOT IS_DIRECTORY "${CARAVAN_TORCH_DIR}")
+  message(FATAL_ERROR "${CARAVAN_PYTHON} cannot import torch: run `bash scripts/setup.sh` (it "
+                      "makes .venv with torch==${CARAVAN_TORCH_VERSION}), or pass "
+                      "-DCARAVAN_PYTHON=<a python whose environment has it>")
 endif()
-list(GET CARAVAN_TORCH_DIR 0 CARAVAN_TORCH_DIR)
 get_filename_component(CARAVAN_TORCH_DIR "${CARAVAN_TORCH_DIR}" REALPATH)
-# First in the prefix path, so that TorchConfig's libraries come from the wheel, never from a
-# system LibTorch (Debian's libtorch-dev) that find_library would otherwise see first.
+# First in the prefix path, and the package directories forced, so that every library comes from
+# the wheel: never from a system LibTorch (Debian's libtorch-dev) that find_library would see
+# first, nor from a Caffe2_DIR that a build directory configured before kept in its cache.
+unset(ENV{TORCH_INSTALL_PREFIX})
 list(PREPEND CMAKE_PREFIX_PATH "${CARAVAN_TORCH_DIR}")
 set(Torch_DIR "${CARAVAN_TORCH_DIR}/share/cmake/Torch" CACHE PATH "" FORCE)
+set(Caffe2_DIR "${CARAVAN_TORCH_DIR}/share/cmake/Caffe2" CACHE PATH "" FORCE)
+foreach(cached TORCH_LIBRARY c10_LIBRARY kineto_LIBRARY)
+  if(DEFINED CACHE{${cached}})
+    string(FIND "${${cached}}" "${CARAVAN_TORCH_DIR}/" at)
+    if(NOT at EQUAL 0)
+      unset(${cached} CACHE)
+    endif()
+  endif()
+endforeach()
 find_package(Torch REQUIRED)
 if(NOT Torch_VERSION VERSION_EQUAL CARAVAN_TORCH_VERSION)
   message(FATAL_ERROR "found LibTorch ${Torch_VERSION} (${CARAVAN_TORCH_DIR}); Caravan needs "
                       "${CARAVAN_TORCH_VERSION}: run `bash scripts/setup.sh`, which installs "
                       "torch==${CARAVAN_TORCH_VERSION} into .venv")
 endif()
-if(NOT TORCH_LIBRARY MATCHES "^${CARAVAN_TORCH_DIR}/")
-  message(FATAL_ERROR "LibTorch's library resolved to ${TORCH_LIBRARY}, not the wheel's "
-                      "(${CARAVAN_TORCH_DIR}/lib): remove the other LibTorch from the prefix path")
-endif()
+# What is linked: the imported targets' files and the libraries' paths, all inside the wheel.
+set(caravanTorchFiles ${TORCH_LIBRARY})
+foreach(target torch torch_cpu c10)
+  if(TARGET ${target})
+    foreach(property IMPORTED_LOCATION IMPORTED_LOCATION_RELEASE)
+      get_target_property(location ${target} ${property})
+      if(location)
+        list(APPEND caravanTorchFiles ${location})
+      endif()
+    endforeach()
+  endif()
+endforeach()
+foreach(file ${caravanTorchFiles})
+  string(FIND "${file}" "${CARAVAN_TORCH_DIR}/" at)
+  if(NOT at EQUAL 0)
+    message(FATAL_ERROR "LibTorch's library resolved to ${file}, not the wheel's "
+                        "(${CARAVAN_TORCH_DIR}/lib): configure a fresh build directory")
+  endif()
+endforeach()
 # The wheel's include/ carries fmt 12 headers; spdlog and libfmt are Debian's (fmt 9). A
 # directory holding only Debian's fmt/ goes before the wheel's includes.
 set(CARAVAN_FMT_SHIM ${CMAKE_BINARY_DIR}/fmt-include)

@@ -49,6 +49,12 @@ fi
 # The project's Python: .venv, from Python 3.11 where the machine has it (the pinned CPU wheel
 # on these machines is for 3.11), else python3. Only the versions in requirements.txt, never a
 # bare `pip install torch` (PyPI's default torch is a CUDA build of several GB).
+# A .venv whose interpreter no longer runs (its base Python removed) or that lacks pip (an
+# interrupted creation) is made again.
+if [ -e .venv ] && ! .venv/bin/python -c 'import pip' >/dev/null 2>&1; then
+  echo "setup: .venv is broken (no working python with pip); making it again"
+  rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
   python=$(command -v python3.11 || command -v python3)
   echo "setup: making .venv with $python ($("$python" --version 2>&1))"
@@ -58,7 +64,11 @@ if ! .venv/bin/python -m pip install -q --disable-pip-version-check -r requireme
   echo "setup: pip could not install requirements.txt into .venv; check that PyPI is reachable" >&2
   exit 1
 fi
-echo "setup: .venv has $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
+if ! version=$(.venv/bin/python -c 'import torch; print(torch.__version__)'); then
+  echo "setup: .venv cannot import torch after installing requirements.txt" >&2
+  exit 1
+fi
+echo "setup: .venv has torch $version"
 
 bash scripts/prepare_data.sh
 

@@ -403,6 +403,27 @@ class CheckpointFile : public ::testing::Test {
   std::string path_;
 };
 
+// A checkpoint whose optimizer states belong to other parameters (a damaged or crafted file:
+// here the optimizer that wrote it listed the parameters in reverse) is refused in one line at
+// load; it loaded before and the first fused step wrote past a buffer (SIGSEGV).
+TEST_F(CheckpointFile, OptimizerStateOfAnotherShapeIsRefusedAtLoad) {
+  std::vector<at::Tensor> params = model_->parameters();
+  std::vector<at::Tensor> reversed(params.rbegin(), params.rend());
+  torch::optim::AdamW writer(reversed, torch::optim::AdamWOptions(0.01));
+  for (auto& p : params) p.mutable_grad() = torch::ones_like(p);
+  writer.step();
+  saveCheckpoint(path_, *model_, writer, state_);
+  RunSetup fresh(config_);
+  try {
+    loadCheckpoint(path_, *fresh.model, *fresh.optimizer, fresh.identity);
+    FAIL() << "a checkpoint pairing optimizer states with other parameters loaded";
+  } catch (const CheckpointError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("its optimizer state for a parameter of shape"), std::string::npos) << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+}
+
 TEST_F(CheckpointFile, RoundTrip) {
   RunSetup fresh(config_);
   BlockModel& other = fresh.model;

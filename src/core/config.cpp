@@ -102,7 +102,8 @@ std::vector<ConfigOption> buildSchema() {
       floatOpt("model.dropout", 0.0, 0.0, 0.99, "dropout probability (mlp, gpt)"),
       strOpt("model.attention", "explicit",
              "gpt: attention kernel: explicit (q k^T, softmax, times v; the faster at 128 "
-             "tokens) or sdpa (scaled_dot_product_attention: keeps no [T, T] scores)",
+             "tokens) or sdpa (scaled_dot_product_attention: without dropout keeps no [T, T] "
+             "scores)",
              {"explicit", "sdpa"}),
 
       strOpt("optim.name", "sgd", "optimizer", {"sgd", "adamw"}),

@@ -14,6 +14,7 @@
 
 #include <caffe2/serialize/inline_container.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/torch.h>
@@ -147,14 +148,18 @@ void loadOptimizerOf113(torch::serialize::InputArchive& archive,
       c10::IValue key;
       group.read("params/" + std::to_string(j), key);
       auto it = saved.find(key.toStringRef());
-      if (it != saved.end())
-        optimizer.state()[params[j].unsafeGetTensorImpl()] = std::move(it->second);
+      if (it == saved.end()) continue;
+      if (!it->second) throw std::runtime_error("its optimizer names one state for two parameters");
+      optimizer.state()[params[j].unsafeGetTensorImpl()] = std::move(it->second);
     }
     torch::serialize::InputArchive optionsArchive;
     group.read("options", optionsArchive);
     Options options(0);
     options.serialize(optionsArchive);
     static_cast<Options&>(ours[i].options()) = options;
+  }
+  for (const auto& [key, state] : saved) {
+    if (state) throw std::runtime_error("its optimizer has a state for no parameter of the model");
   }
 }
 
@@ -168,9 +173,38 @@ bool writtenBy113(torch::serialize::InputArchive& archive) {
   return first.try_read("params/0", key) && key.isString() && key.toStringRef().rfind("0x", 0) == 0;
 }
 
+// Every state the checkpoint gave a parameter fits it. A damaged or crafted file whose keys name
+// one state twice, or pair a state with a parameter of another shape, loaded and then crashed the
+// first step (a null state, or the fused loops writing past a buffer: SIGSEGV).
+void checkOptimizerState(torch::optim::Optimizer& optimizer) {
+  for (const auto& group : optimizer.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      auto it = optimizer.state().find(p.unsafeGetTensorImpl());
+      if (it == optimizer.state().end()) continue;
+      if (!it->second) throw std::runtime_error("its optimizer names one state for two parameters");
+      std::vector<at::Tensor> tensors;
+      if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
+        tensors = {s->exp_avg(), s->exp_avg_sq()};
+      } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+        tensors = {s->momentum_buffer()};
+      }
+      for (const at::Tensor& t : tensors) {
+        if (!t.defined() || t.sizes() != p.sizes() || t.scalar_type() != p.scalar_type()) {
+          throw std::runtime_error(fmt::format(
+              "its optimizer state for a parameter of shape [{}] is {}", fmt::join(p.sizes(), ", "),
+              t.defined() ? fmt::format("[{}] {}", fmt::join(t.sizes(), ", "),
+                                        c10::toString(t.scalar_type()))
+                          : std::string("empty")));
+        }
+      }
+    }
+  }
+}
+
 void loadOptimizer(torch::serialize::InputArchive& archive, torch::optim::Optimizer& optimizer) {
   if (!writtenBy113(archive)) {
     optimizer.load(archive);
+    checkOptimizerState(optimizer);
     return;
   }
   if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) {
@@ -183,6 +217,7 @@ void loadOptimizer(torch::serialize::InputArchive& archive, torch::optim::Optimi
         "its optimizer state was written by LibTorch 1.13 for an optimizer this build reads "
         "only from LibTorch 2.x checkpoints");
   }
+  checkOptimizerState(optimizer);
 }
 
 }  // namespace
