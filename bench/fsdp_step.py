@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Data parallelism against PyTorch's fully sharded data parallelism: Caravan
+(build/caravan_bench train, W worker processes, as bench/ddp_step.py runs it) and PyTorch
+2.13's FSDP2 over Gloo (bench/peer_fsdp.py: every transformer block fully_shard'ed, then the
+root), without and with its CPUOffloadPolicy, on the same model, per-worker batch, optimizer,
+clipping and threads per worker, measured in the same invocation with the runs interleaved
+(A B B' A B B' ...). Reports each arm's median samples/s and peak RSS per worker, and the ratio
+Caravan / PyTorch in samples/s (>= 1.0: Caravan at least as fast).
+
+    .venv/bin/python bench/fsdp_step.py [--config configs/brown-gpt.toml] [--workers 2]
+        [--repeats 3] [--steps 20] [--warmup 3] [--threads 1] [--caravan-args "..."]
+        [--json OUT] [--bench PATH]
+
+Caravan: ddp_step.run_caravan (caravan_bench train, RANK/WORLD_SIZE per worker, rendezvous on
+127.0.0.1) with train.precision = float32 (the peer trains in float32). Its step time is per
+step the slowest rank's, median over steps, as the peer's. Peak RSS: each caravan_bench worker
+runs under a small wrapper that waits for it and records its ru_maxrss (os.wait4); the peer's
+ranks report their own (getrusage). Both include the process's start-up (libtorch, the data).
+
+Where FSDP2 does not run on the CPU with Gloo, the peer prints {"runs": false, "error": ...}:
+this driver reports that error (its first line, verbatim), stops running that arm, and
+compares the arms that ran. Environment: ddp_step.environment (OMP_NUM_THREADS and
+OPENBLAS_NUM_THREADS = --threads, GLOO_SOCKET_IFNAME=lo, OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE
+removed; the output says whether they were set).
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+
+from ddp_step import environment, free_port, last_json, loadavg, run_caravan
+from pipeline_peer import run_group
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+PEER = os.path.join(ROOT, "bench", "peer_fsdp.py")
+# Runs a caravan_bench worker, waits for it and writes its peak RSS (bytes) to
+# $FSDP_STEP_RSS_DIR/rank$RANK; the worker dies with the wrapper (PR_SET_PDEATHSIG), so
+# ddp_step.run_caravan's kill on a failure or timeout still reaches it.
+WRAPPER = """#!{python}
+import ctypes, os, signal, subprocess, sys
+def die_with_parent():
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+p = subprocess.Popen([{bench!r}] + sys.argv[1:], preexec_fn=die_with_parent)
+_, status, usage = os.wait4(p.pid, 0)
+with open(os.path.join(os.environ["FSDP_STEP_RSS_DIR"], "rank" + os.environ["RANK"]), "w") as f:
+    f.write(str(usage.ru_maxrss * 1024))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def caravan_arm(a, environ, extra, work):
+    """ddp_step.run_caravan under the RSS wrapper: its JSON plus peak_rss_bytes per rank."""
+    rss_dir = tempfile.mkdtemp(dir=work)
+    r = run_caravan(a.wrapper, a.config, a.workers, a.steps, a.warmup, a.threads,
+                    dict(environ, FSDP_STEP_RSS_DIR=rss_dir), extra)
+    rss = []
+    for rank in range(a.workers):
+        with open(os.path.join(rss_dir, f"rank{rank}")) as f:
+            rss.append(float(f.read()))
+    shutil.rmtree(rss_dir)
+    return dict(r, runs=True, peak_rss_bytes=rss)
+
+
+def peer_arm(a, environ, offload):
+    cmd = [sys.executable, PEER, "--config", a.config, "--workers", str(a.workers),
+           "--steps", str(a.steps), "--warmup", str(a.warmup), "--threads", str(a.threads),
+           "--port", str(free_port())] + (["--offload"] if offload else [])
+    rc, out, err = run_group(cmd, environ)
+    if rc != 0:
+        sys.exit(f"fsdp_step: {' '.join(cmd)} failed ({rc}):\n{err.strip()}")
+    return last_json(out, "peer_fsdp.py")
+
+
+def mib(v):
+    return v / (1 << 20)
+
+
+def main():
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs run_caravan's cleanup
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="configs/brown-gpt.toml")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="compute threads per worker")
+    p.add_argument("--bench", default=os.path.join(ROOT, "build", "caravan_bench"),
+                   help="the caravan_bench binary (default: build/caravan_bench)")
+    p.add_argument("--caravan-args", default="",
+                   help="extra caravan_bench train arguments (Caravan only), e.g. "
+                        "'--set memory.weights=offload'")
+    p.add_argument("--json", help="write every measurement here")
+    a = p.parse_args()
+    if not os.path.exists(a.bench):
+        sys.exit(f"fsdp_step: {a.bench} missing; run bash scripts/setup.sh first")
+    environ, removed = environment(a.threads)
+    extra = ["--set", "train.precision=float32"] + a.caravan_args.split()
+    cores = os.cpu_count()
+    print(f"fsdp_step: {cores} cores; load average before: {loadavg()}; removed from the "
+          f"environment: {', '.join(removed) or 'nothing (not set)'}", flush=True)
+
+    work = tempfile.mkdtemp(prefix="fsdp-step-")
+    a.wrapper = os.path.join(work, "caravan_bench_rss")
+    with open(a.wrapper, "w") as f:
+        f.write(WRAPPER.format(python=sys.executable, bench=os.path.abspath(a.bench)))
+    os.chmod(a.wrapper, 0o755)
+    arms = {"caravan": [], "pytorch-fsdp2": [], "pytorch-fsdp2-offload": []}
+    errors = {}
+    try:
+        for rep in range(a.repeats):  # interleaved: caravan, fsdp2, fsdp2 offload, ...
+            line = []
+            c = caravan_arm(a, environ, extra, work)
+            arms["caravan"].append(c)
+            line.append(f"caravan {c['samples_per_s']:.1f}")
+            for name, offload in (("pytorch-fsdp2", False), ("pytorch-fsdp2-offload", True)):
+                if name in errors:
+                    continue
+                q = peer_arm(a, environ, offload)
+                if not q.get("runs", True):
+                    errors[name] = q
+                    line.append(f"{name} does not run ({q['error']})")
+                    continue
+                arms[name].append(q)
+                line.append(f"{name} {q['samples_per_s']:.1f}")
+            print(f"  {a.config} W={a.workers} repeat {rep + 1}: " + ", ".join(line)
+                  + f" samples/s; load {loadavg()}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    rows = {}
+    for name, runs in arms.items():
+        if not runs:
+            continue
+        step = statistics.median(r["step_s_median"] for r in runs)
+        rows[name] = {"samples_per_s": a.workers * runs[0]["batch_size"] / step,
+                      "step_s_median": step,
+                      "peak_rss_bytes_per_rank": [statistics.median(r["peak_rss_bytes"][k]
+                                                                    for r in runs)
+                                                  for k in range(a.workers)],
+                      "runs": runs}
+    for name, row in rows.items():
+        if name != "caravan":
+            row["ratio"] = rows["caravan"]["samples_per_s"] / row["samples_per_s"]
+    print(f"\n{a.config}, {a.workers} workers, {a.threads} thread(s) per worker, {cores} cores; "
+          f"median of {a.repeats} interleaved runs of {a.steps} steps after {a.warmup}")
+    print("| arm | samples/s | step ms | peak RSS per rank (MiB) | ratio caravan/arm |")
+    print("|---|---|---|---|---|")
+    for name, row in rows.items():
+        print(f"| {name} | {row['samples_per_s']:.1f} | {1e3 * row['step_s_median']:.1f} | "
+              + " / ".join(f"{mib(v):.0f}" for v in row["peak_rss_bytes_per_rank"])
+              + (f" | {row['ratio']:.3f} |" if "ratio" in row else " | - |"))
+    for name, e in errors.items():
+        print(f"| {name} | does not run on CPU/Gloo: {e['error']} (rank {e.get('rank')}, "
+              f"{e.get('phase')}) | | | |")
+    print("ratio = Caravan / PyTorch samples/s (>= 1.0: Caravan at least as fast); peak RSS = "
+          "ru_maxrss of each worker process")
+    print(f"load average after: {loadavg()}")
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"bench": "fsdp_step", "args": {k: v for k, v in vars(a).items()
+                                                      if k != "wrapper"},
+                       "cores": cores, "removed_env": removed, "rows": rows,
+                       "errors": errors}, f, indent=1)
+        print("wrote", a.json)
+
+
+if __name__ == "__main__":
+    main()

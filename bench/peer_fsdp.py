@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""PyTorch FSDP2 peer for bench/fsdp_step.py: times data-parallel training steps of the same
+model, per-worker batch, optimizer, clipping and thread count as a Caravan config with
+PyTorch 2.13's fully sharded data parallelism (torch.distributed.fsdp.fully_shard, "FSDP2")
+over Gloo on the CPU, optionally with its CPUOffloadPolicy, and reports each rank's peak
+resident set.
+
+    .venv/bin/python bench/peer_fsdp.py --config configs/brown-gpt.toml --workers 2 \
+        --steps 20 --warmup 3 --threads 1 [--offload] [--port P]
+
+Model, data and optimizer come from bench/peer_train.py (the GPT twin of Caravan's, random token
+ids of Brown's vocabulary, each rank its own batches). Every transformer block is
+fully_shard'ed, then the root (the embedding and head stay in the root's group), on a 1-D
+DeviceMesh over the CPU ranks; reshard_after_forward at its default (True). --offload adds
+CPUOffloadPolicy(pin_memory=False): pinned memory needs an accelerator, and on a CPU-only
+machine parameters and gradients are on the CPU already, so offloading is mostly a no-op (it is
+tried because it is FSDP2's memory option). Clipping: torch.nn.utils.clip_grad_norm_ over the
+sharded (DTensor) gradients, the global norm.
+
+Rank 0 prints one JSON object, the shape of bench/peer_ddp.py's: step time (per step the
+slowest rank's, median over steps), samples/s = workers x batch / that, and every rank's peak
+RSS (getrusage ru_maxrss, bytes). FSDP2 may not run on the CPU with Gloo at all: then the
+script prints {"runs": false, "error": "<the exception's first line>", ...} (with the phase it
+failed in and the rank) and exits 0, since that is the result; the traceback goes to stderr.
+"""
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_ddp  # noqa: E402  (free_port)
+import peer_train  # noqa: E402
+
+
+def first_line(e):
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def train(rank, a, phase):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    peer_train.set_threads(a.threads)
+    phase[0] = "init_process_group"
+    dist.init_process_group("gloo", rank=rank, world_size=a.workers,
+                            timeout=datetime.timedelta(seconds=120))
+    phase[0] = "setup"
+    cfg = peer_train.read_config(a.config)
+    torch.manual_seed(0)  # the same initial model on every rank
+    model, xs, ys, batch, clip = peer_train.build(cfg)
+    model.train()
+    phase[0] = "fully_shard"
+    mesh = init_device_mesh("cpu", (a.workers,))
+    policy = CPUOffloadPolicy(pin_memory=False) if a.offload else OffloadPolicy()
+    blocks = [m for n, m in model.named_children() if "_layer" in n]  # the transformer blocks
+    for block in blocks:
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    opt = peer_train.make_optimizer(cfg, model.parameters())
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
+
+    rows = torch.zeros(a.steps, 1, dtype=torch.float64)
+    loss_sum, t_start = 0.0, None
+    for i in range(-a.warmup, a.steps):
+        if i == 0:
+            dist.barrier()
+            t_start = time.perf_counter()
+        t0 = time.perf_counter()
+        x, y = peer_train.draw_batch(xs, ys, batch, gen)
+        opt.zero_grad()
+        phase[0] = "forward"
+        loss = peer_train.task_loss(model(x), y)
+        phase[0] = "backward"
+        loss.backward()
+        phase[0] = "optimizer"
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        value = loss.item()
+        if i >= 0:
+            loss_sum += value
+            rows[i, 0] = time.perf_counter() - t0
+    wall = time.perf_counter() - t_start
+    phase[0] = "report"
+    maxrss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0],
+                          dtype=torch.float64)
+    gathered = [torch.zeros_like(rows) for _ in range(a.workers)]
+    dist.all_gather(gathered, rows)
+    rss = [torch.zeros_like(maxrss) for _ in range(a.workers)]
+    dist.all_gather(rss, maxrss)
+    if rank == 0:
+        allr = torch.stack(gathered)[:, :, 0]  # [W, steps]
+        step_max = allr.max(dim=0).values.tolist()
+        step_median = statistics.median(step_max)
+        print(json.dumps({
+            "bench": "train_dist", "engine": "pytorch-fsdp2" + ("-offload" if a.offload else ""),
+            "runs": True, "config": a.config, "workers": a.workers, "threads": a.threads,
+            "batch_size": batch, "steps": a.steps, "warmup": a.warmup, "offload": a.offload,
+            "step_s_median": step_median,
+            "step_s_median_rank0": statistics.median(allr[0].tolist()),
+            "step_s_mean": wall / a.steps,
+            "samples_per_s": a.workers * batch / step_median,
+            "peak_rss_bytes": [r.item() for r in rss],
+            "mean_loss": loss_sum / a.steps,
+            "torch": torch.__version__,
+        }), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker(rank, a, port, errors):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    phase = ["start"]
+    try:
+        train(rank, a, phase)
+    except Exception as e:
+        traceback.print_exc()
+        with open(os.path.join(errors, f"rank{rank}"), "w") as f:
+            json.dump({"rank": rank, "phase": phase[0], "error": first_line(e)}, f)
+        sys.stderr.flush()
+        os._exit(1)  # no cleanup that could block on the other ranks
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--offload", action="store_true", help="fully_shard's CPUOffloadPolicy")
+    p.add_argument("--port", type=int, default=0, help="rendezvous port (0: a free one)")
+    a = p.parse_args()
+    port = a.port or peer_ddp.free_port()
+    with tempfile.TemporaryDirectory(prefix="peer-fsdp-") as errors:
+        try:
+            mp.spawn(worker, args=(a, port, errors), nprocs=a.workers, join=True)
+        except Exception as e:  # a rank failed (or was killed): report the first rank's error
+            # The earliest error is the cause; a later one may be a rank seeing its peer go.
+            found = sorted((os.path.join(errors, n) for n in os.listdir(errors)),
+                           key=lambda f: os.stat(f).st_mtime_ns)
+            if found:
+                with open(found[0]) as f:
+                    report = json.load(f)
+            else:
+                report = {"rank": None, "phase": None, "error": first_line(e)}
+            print(json.dumps({"bench": "train_dist",
+                              "engine": "pytorch-fsdp2" + ("-offload" if a.offload else ""),
+                              "runs": False, **report, "config": a.config,
+                              "workers": a.workers, "offload": a.offload,
+                              "torch": torch.__version__}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
