@@ -1,9 +1,9 @@
 // A rank lost mid-run under an external launcher (no Caravan supervisor to notice): three
 // `caravan train` processes started with torchrun-style variables, one killed with SIGKILL or
 // frozen with SIGSTOP while training. The survivors must exit with kPeer (7) within
-// fault.timeout (plus the heartbeat window for a frozen rank, which only a timeout reveals),
-// and their error line must name the lost rank first. Killing rank 0 also takes down the
-// rendezvous store it hosts; that case is named through the store going silent.
+// fault.timeout plus the heartbeat window, and their error line must name the lost rank first.
+// Killing rank 0 also takes down the rendezvous store it hosts; that case is named through the
+// store going silent.
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
@@ -189,9 +189,11 @@ TEST_P(LostRank, SurvivorsExitNamingIt) {
   const pid_t victim = pids_.at(c.victim);
   const auto lostAt = Clock::now();
   ASSERT_EQ(::kill(victim, c.signal), 0);
-  // A killed rank closes its connections, so the survivors notice at once; a stopped one is
-  // only noticed when a collective times out (fault.timeout), then the heartbeat window.
-  const double bound = c.signal == SIGKILL ? kTimeoutS : kTimeoutS + 5.0;
+  // A killed rank closes its connections, and the survivors usually notice at once; a stopped
+  // one is only noticed when a collective times out (fault.timeout), then the heartbeat window.
+  // Gloo 2.13 does not always report the closed connection to a rank blocked on another peer
+  // (1 run in 6 here; CI saw rank 2 wait the full timeout), so a killed rank gets the same bound.
+  const double bound = kTimeoutS + 5.0;
   reapUntil(lostAt + std::chrono::milliseconds(static_cast<int>(bound * 1000)), victim);
   for (int r = 0; r < kWorld; ++r) {
     if (r == c.victim) continue;
