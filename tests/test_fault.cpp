@@ -160,7 +160,9 @@ class Job : public ::testing::Test {
       ASSERT_LT(Clock::now() - started, std::chrono::seconds(60))
           << "the job did not train within 60 s: " << readFile(tmp_ / "err0");
       for (pid_t pid : pids_) {
-        if (exit_.count(pid) == 0) ASSERT_EQ(::waitpid(pid, nullptr, WNOHANG), 0) << "a rank exited";
+        if (exit_.count(pid) == 0) {
+          ASSERT_EQ(::waitpid(pid, nullptr, WNOHANG), 0) << "a rank exited";
+        }
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }

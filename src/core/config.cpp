@@ -1,6 +1,7 @@
 // Config schema, TOML parsing, override handling and validation.
 #include "core/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
