@@ -4,12 +4,14 @@
 2.13's FSDP2 over Gloo (bench/peer_fsdp.py: every transformer block fully_shard'ed, then the
 root), without and with its CPUOffloadPolicy, on the same model, per-worker batch, optimizer,
 clipping and threads per worker, measured in the same invocation with the runs interleaved
-(A B B' A B B' ...). Reports each arm's median samples/s and peak RSS per worker, and the ratio
-Caravan / PyTorch in samples/s (>= 1.0: Caravan at least as fast).
+(A A' B B' A A' B B' ...). Reports each arm's median samples/s and peak RSS per worker, and the
+ratio Caravan / PyTorch in samples/s (>= 1.0: Caravan at least as fast). Caravan runs twice per
+round: as it is, and (caravan-offload, --caravan-offload-args) with its weights, gradients and
+optimizer state out of core (memory.weights = offload), the counterpart of FSDP2's CPU offload.
 
     .venv/bin/python bench/fsdp_step.py [--config configs/brown-gpt.toml] [--workers 2]
         [--repeats 3] [--steps 20] [--warmup 3] [--threads 1] [--caravan-args "..."]
-        [--json OUT] [--bench PATH]
+        [--caravan-offload-args "--set memory.weights=offload"] [--json OUT] [--bench PATH]
 
 Caravan: ddp_step.run_caravan (caravan_bench train, RANK/WORLD_SIZE per worker, rendezvous on
 127.0.0.1) with train.precision = float32 (the peer trains in float32). Its step time is per
@@ -93,6 +95,9 @@ def main():
     p.add_argument("--caravan-args", default="",
                    help="extra caravan_bench train arguments (Caravan only), e.g. "
                         "'--set memory.weights=offload'")
+    p.add_argument("--caravan-offload-args", default="--set memory.weights=offload",
+                   help="a second Caravan arm, caravan-offload, with these arguments (its "
+                        "out-of-core weights, the peer's CPU offload's counterpart); '' = none")
     p.add_argument("--json", help="write every measurement here")
     a = p.parse_args()
     if not os.path.exists(a.bench):
@@ -108,14 +113,19 @@ def main():
     with open(a.wrapper, "w") as f:
         f.write(WRAPPER.format(python=sys.executable, bench=os.path.abspath(a.bench)))
     os.chmod(a.wrapper, 0o755)
-    arms = {"caravan": [], "pytorch-fsdp2": [], "pytorch-fsdp2-offload": []}
+    caravans = {"caravan": extra}
+    if a.caravan_offload_args.strip():
+        caravans["caravan-offload"] = extra + a.caravan_offload_args.split()
+    arms = {name: [] for name in caravans}
+    arms.update({"pytorch-fsdp2": [], "pytorch-fsdp2-offload": []})
     errors = {}
     try:
-        for rep in range(a.repeats):  # interleaved: caravan, fsdp2, fsdp2 offload, ...
+        for rep in range(a.repeats):  # interleaved: caravan(s), fsdp2, fsdp2 offload, ...
             line = []
-            c = caravan_arm(a, environ, extra, work)
-            arms["caravan"].append(c)
-            line.append(f"caravan {c['samples_per_s']:.1f}")
+            for name, args in caravans.items():
+                c = caravan_arm(a, environ, args, work)
+                arms[name].append(c)
+                line.append(f"{name} {c['samples_per_s']:.1f}")
             for name, offload in (("pytorch-fsdp2", False), ("pytorch-fsdp2-offload", True)):
                 if name in errors:
                     continue
@@ -143,21 +153,23 @@ def main():
                                                   for k in range(a.workers)],
                       "runs": runs}
     for name, row in rows.items():
-        if name != "caravan":
-            row["ratio"] = rows["caravan"]["samples_per_s"] / row["samples_per_s"]
+        if name not in caravans:
+            row["ratio"] = {c: rows[c]["samples_per_s"] / row["samples_per_s"] for c in caravans}
     print(f"\n{a.config}, {a.workers} workers, {a.threads} thread(s) per worker, {cores} cores; "
           f"median of {a.repeats} interleaved runs of {a.steps} steps after {a.warmup}")
-    print("| arm | samples/s | step ms | peak RSS per rank (MiB) | ratio caravan/arm |")
-    print("|---|---|---|---|---|")
+    print("| arm | samples/s | step ms | peak RSS per rank (MiB) | "
+          + " | ".join(f"{c} / arm" for c in caravans) + " |")
+    print("|---|---|---|---|" + "---|" * len(caravans))
     for name, row in rows.items():
         print(f"| {name} | {row['samples_per_s']:.1f} | {1e3 * row['step_s_median']:.1f} | "
-              + " / ".join(f"{mib(v):.0f}" for v in row["peak_rss_bytes_per_rank"])
-              + (f" | {row['ratio']:.3f} |" if "ratio" in row else " | - |"))
+              + " / ".join(f"{mib(v):.0f}" for v in row["peak_rss_bytes_per_rank"]) + " | "
+              + " | ".join(f"{row['ratio'][c]:.3f}" if "ratio" in row else "-" for c in caravans)
+              + " |")
     for name, e in errors.items():
         print(f"| {name} | does not run on CPU/Gloo: {e['error']} (rank {e.get('rank')}, "
-              f"{e.get('phase')}) | | | |")
+              f"{e.get('phase')}) |" + " |" * (2 + len(caravans)))
     print("ratio = Caravan / PyTorch samples/s (>= 1.0: Caravan at least as fast); peak RSS = "
-          "ru_maxrss of each worker process")
+          "ru_maxrss of each worker process; caravan-offload: " + (a.caravan_offload_args or "-"))
     print(f"load average after: {loadavg()}")
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
