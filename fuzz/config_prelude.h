@@ -8,6 +8,3 @@
 #pragma once
 #undef NDEBUG
 #define TOML_ASSERT(expr) static_assert(true)
-
-// config.cpp takes <algorithm> (std::find) from the main build's precompiled header.
-#include <algorithm>
