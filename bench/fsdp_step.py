@@ -19,9 +19,10 @@ step the slowest rank's, median over steps, as the peer's. Peak RSS: each carava
 runs under a small wrapper that waits for it and records its ru_maxrss (os.wait4); the peer's
 ranks report their own (getrusage). Both include the process's start-up (libtorch, the data).
 
-Where FSDP2 does not run on the CPU with Gloo, the peer prints {"runs": false, "error": ...}:
-this driver reports that error (its first line, verbatim), stops running that arm, and
-compares the arms that ran. Environment: ddp_step.environment (OMP_NUM_THREADS and
+Where FSDP2 fails, the peer prints {"runs": false, "error": ...}: this driver reports the error
+(its first line, verbatim) and the repeat, runs the arm again in the next repeat (it may have
+crashed once), and takes each arm's median over the runs that succeeded; an arm that failed in
+every repeat is reported as not running on CPU/Gloo. Environment: ddp_step.environment (OMP_NUM_THREADS and
 OPENBLAS_NUM_THREADS = --threads, GLOO_SOCKET_IFNAME=lo, OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE
 removed; the output says whether they were set).
 """
@@ -93,8 +94,8 @@ def main():
     p.add_argument("--bench", default=os.path.join(ROOT, "build", "caravan_bench"),
                    help="the caravan_bench binary (default: build/caravan_bench)")
     p.add_argument("--caravan-args", default="",
-                   help="extra caravan_bench train arguments (Caravan only), e.g. "
-                        "'--set memory.weights=offload'")
+                   help="extra caravan_bench train arguments (both Caravan arms), e.g. "
+                        "'--set sync.bucket_mb=4'")
     p.add_argument("--caravan-offload-args", default="--set memory.weights=offload",
                    help="a second Caravan arm, caravan-offload, with these arguments (its "
                         "out-of-core weights, the peer's CPU offload's counterpart); '' = none")
@@ -118,7 +119,7 @@ def main():
         caravans["caravan-offload"] = extra + a.caravan_offload_args.split()
     arms = {name: [] for name in caravans}
     arms.update({"pytorch-fsdp2": [], "pytorch-fsdp2-offload": []})
-    errors = {}
+    failures = {}  # per PyTorch arm, the repeats where it failed (a crash is run again)
     try:
         for rep in range(a.repeats):  # interleaved: caravan(s), fsdp2, fsdp2 offload, ...
             line = []
@@ -127,12 +128,10 @@ def main():
                 arms[name].append(c)
                 line.append(f"{name} {c['samples_per_s']:.1f}")
             for name, offload in (("pytorch-fsdp2", False), ("pytorch-fsdp2-offload", True)):
-                if name in errors:
-                    continue
                 q = peer_arm(a, environ, offload)
                 if not q.get("runs", True):
-                    errors[name] = q
-                    line.append(f"{name} does not run ({q['error']})")
+                    failures.setdefault(name, []).append(dict(q, repeat=rep + 1))
+                    line.append(f"{name} failed ({q['error']})")
                     continue
                 arms[name].append(q)
                 line.append(f"{name} {q['samples_per_s']:.1f}")
@@ -165,9 +164,15 @@ def main():
               + " / ".join(f"{mib(v):.0f}" for v in row["peak_rss_bytes_per_rank"]) + " | "
               + " | ".join(f"{row['ratio'][c]:.3f}" if "ratio" in row else "-" for c in caravans)
               + " |")
-    for name, e in errors.items():
-        print(f"| {name} | does not run on CPU/Gloo: {e['error']} (rank {e.get('rank')}, "
-              f"{e.get('phase')}) |" + " |" * (2 + len(caravans)))
+    for name, failed in failures.items():
+        if not arms[name]:
+            e = failed[0]
+            print(f"| {name} | does not run on CPU/Gloo: {e['error']} (rank {e.get('rank')}, "
+                  f"{e.get('phase')}) |" + " |" * (2 + len(caravans)))
+    for name, failed in failures.items():
+        print(f"{name}: failed in {len(failed)} of {a.repeats} repeats"
+              + (f" (its median is over the {len(arms[name])} that ran)" if arms[name] else "")
+              + ": " + "; ".join(f"repeat {f['repeat']}: {f['error']}" for f in failed))
     print("ratio = Caravan / PyTorch samples/s (>= 1.0: Caravan at least as fast); peak RSS = "
           "ru_maxrss of each worker process; caravan-offload: " + (a.caravan_offload_args or "-"))
     print(f"load average after: {loadavg()}")
@@ -177,7 +182,7 @@ def main():
             json.dump({"bench": "fsdp_step", "args": {k: v for k, v in vars(a).items()
                                                       if k != "wrapper"},
                        "cores": cores, "removed_env": removed, "rows": rows,
-                       "errors": errors}, f, indent=1)
+                       "failures": failures}, f, indent=1)
         print("wrote", a.json)
 
 
