@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -434,8 +435,12 @@ std::optional<TrainingMemoryEstimate> estimateTrainingMemory(const RunOptions& o
       }
     }
   }
-  // A lower bound: swaps cost no memory in flight at an unbounded bandwidth.
-  const TierBandwidth unbounded{1e18, 1e18};
+  // A lower bound: swaps cost no memory in flight at an infinite bandwidth. Infinite, not just
+  // large: the profile above is not timed (every block takes 0 s), so a write of any finite
+  // length would outlast every forward and count each swapped block's saves as held, keep's
+  // peak (a swap run that needed 117 MiB was refused as needing 522 MiB).
+  const double inf = std::numeric_limits<double>::infinity();
+  const TierBandwidth unbounded{inf, inf};
   const int prefetch = static_cast<int>(options.memory.prefetch);
   int64_t activations = 0;
   if (options.memory.automatic()) {
