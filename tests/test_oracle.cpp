@@ -144,15 +144,23 @@ void compareWithPyTorch(const std::vector<std::string>& overrides, double tolera
   EXPECT_EQ(firstStepSaved, theirSaved);
   std::cout << "activations saved for backward in step 1: caravan " << firstStepSaved
             << " bytes, pytorch " << theirSaved << " bytes\n";
+  // The largest relative difference of our losses from `losses` over the steps.
+  auto maxRelative = [&](const at::Tensor& losses) {
+    double worst = 0.0;
+    for (int i = 0; i < kSteps; ++i) {
+      const double t = losses[i].item<double>();
+      worst = std::max(worst, std::abs(ours[i] - t) / std::abs(t));
+    }
+    return worst;
+  };
   at::Tensor theirLosses = theirs.at("losses").toTensor();
   ASSERT_EQ(theirLosses.numel(), kSteps);
-  double worst = 0.0;
   for (int i = 0; i < kSteps; ++i) {
     const double t = theirLosses[i].item<double>();
-    worst = std::max(worst, std::abs(ours[i] - t) / std::abs(t));
     EXPECT_LE(std::abs(ours[i] - t), tolerance * std::abs(t))
         << "step " << i + 1 << ": caravan " << ours[i] << " pytorch " << t;
   }
+  const double worst = maxRelative(theirLosses);
   std::cout << "max relative loss difference over " << kSteps << " steps: " << worst
             << " (first loss " << ours.front() << ", last " << ours.back() << ")\n";
   EXPECT_LT(ours.back(), ours.front()) << "the model did not learn";
@@ -161,11 +169,7 @@ void compareWithPyTorch(const std::vector<std::string>& overrides, double tolera
     // the tolerance (10 times), or agreeing within it would not show the draws were the same.
     at::Tensor other = theirs.at("losses_other_rng").toTensor();
     ASSERT_EQ(other.numel(), kSteps);
-    double apart = 0.0;
-    for (int i = 0; i < kSteps; ++i) {
-      const double t = other[i].item<double>();
-      apart = std::max(apart, std::abs(ours[i] - t) / std::abs(t));
-    }
+    const double apart = maxRelative(other);
     std::cout << "max relative loss difference from other generator states: " << apart << "\n";
     EXPECT_GT(apart, 10 * tolerance) << "the losses do not depend on the random draws";
   }
