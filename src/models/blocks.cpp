@@ -176,42 +176,33 @@ torch::Tensor CausalSelfAttentionImpl::forward(torch::Tensor x) {
   const int64_t headDim = width / heads_;
   CARAVAN_CHECK_LE(steps, context_, "the sequence length exceeds the context");
 
-  if (attention_ == AttentionKernel::kSdpa) {
-    // Views of q, k and v as [B, H, T, hd] (strided: the kernel reads them in place); the fused
-    // kernel applies the causal mask, the scale 1/sqrt(hd) and the dropout on the probabilities.
-    auto qkv = applyLinear(cAttn_, x)                         // [B, T, 3d]
-                   .view({batch, steps, 3, heads_, headDim})  // [B, T, 3, H, hd]
-                   .permute({2, 0, 3, 1, 4});                 // [3, B, H, T, hd]
-    auto y = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], /*attn_mask=*/{},
-                                              is_training() ? dropout_ : 0.0,
-                                              /*is_causal=*/true);  // [B, H, T, hd]
-    y = y.transpose(1, 2).reshape({batch, steps, width});           // [B, T, d]
-    return maybeDropout(applyLinear(cProj_, y), dropout_, is_training());
-  }
-  // One copy puts q, k and v each in contiguous [B*H, T, hd] layout for bmm.
   auto qkv = applyLinear(cAttn_, x)                         // [B, T, 3d]
                  .view({batch, steps, 3, heads_, headDim})  // [B, T, 3, H, hd]
-                 .permute({2, 0, 3, 1, 4})                  // [3, B, H, T, hd]
-                 .contiguous()
-                 .view({3, batch * heads_, steps, headDim});  // [3, B*H, T, hd]
-  auto q = qkv[0], k = qkv[1], v = qkv[2];                    // [B*H, T, hd]
-
-  const double scale = 1.0 / std::sqrt(static_cast<double>(headDim));
-  // Made for this length, [T, T]: -inf above the diagonal (future positions), 0 elsewhere; one
-  // head's scores, where a [context, context] mask kept per layer grew as context^2 before the
-  // first step (17 GB at a context of 65536). baddbmm adds it and scales q k^T in one pass
-  // (the scores were scaled and masked in two more passes over [B*H, T, T], ~10% of brown-gpt's
-  // step: bench/README.md, "Two threads").
-  const auto future = torch::full({steps, steps}, -std::numeric_limits<double>::infinity(),
-                                  torch::TensorOptions(q.scalar_type()).device(x.device()))
-                          .triu_(1);
-  auto att = torch::baddbmm(future, q, k.transpose(1, 2), /*beta=*/1.0, /*alpha=*/scale);
-  att = maybeDropout(torch::softmax(att, -1), dropout_, is_training());  // [B*H, T, T]
-
-  auto y = torch::bmm(att, v)                         // [B*H, T, hd]
-               .view({batch, heads_, steps, headDim})  // [B, H, T, hd]
-               .transpose(1, 2)                        // [B, T, H, hd]
-               .reshape({batch, steps, width});        // [B, T, d]
+                 .permute({2, 0, 3, 1, 4});                 // [3, B, H, T, hd]
+  torch::Tensor y;                                          // [B, H, T, hd]
+  if (attention_ == AttentionKernel::kSdpa) {
+    // q, k and v as strided views (the kernel reads them in place); the fused kernel applies
+    // the causal mask, the scale 1/sqrt(hd) and the dropout on the probabilities.
+    y = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], /*attn_mask=*/{},
+                                         is_training() ? dropout_ : 0.0, /*is_causal=*/true);
+  } else {
+    // One copy puts q, k and v each in contiguous [B*H, T, hd] layout for bmm.
+    const auto packed = qkv.contiguous().view({3, batch * heads_, steps, headDim});
+    const auto q = packed[0], k = packed[1], v = packed[2];  // [B*H, T, hd]
+    const double scale = 1.0 / std::sqrt(static_cast<double>(headDim));
+    // Made for this length, [T, T]: -inf above the diagonal (future positions), 0 elsewhere;
+    // one head's scores, where a [context, context] mask kept per layer grew as context^2
+    // before the first step (17 GB at a context of 65536). baddbmm adds it and scales q k^T in
+    // one pass (the scores were scaled and masked in two more passes over [B*H, T, T], ~10% of
+    // brown-gpt's step: bench/README.md, "Two threads").
+    const auto future = torch::full({steps, steps}, -std::numeric_limits<double>::infinity(),
+                                    torch::TensorOptions(q.scalar_type()).device(x.device()))
+                            .triu_(1);
+    auto att = torch::baddbmm(future, q, k.transpose(1, 2), /*beta=*/1.0, /*alpha=*/scale);
+    att = maybeDropout(torch::softmax(att, -1), dropout_, is_training());  // [B*H, T, T]
+    y = torch::bmm(att, v).view({batch, heads_, steps, headDim});
+  }
+  y = y.transpose(1, 2).reshape({batch, steps, width});  // [B, T, d]
   return maybeDropout(applyLinear(cProj_, y), dropout_, is_training());
 }
 
