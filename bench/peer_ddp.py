@@ -47,6 +47,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+def gather_steps(rows, world):
+    """Every rank's per-step rows ([steps, C], column 0 the step's seconds) gathered on every
+    rank: returns them stacked ([world, steps, C]), per step the slowest rank's seconds, and
+    their median, the step time each distributed peer reports (as Caravan's drivers do)."""
+    gathered = [torch.zeros_like(rows) for _ in range(world)]
+    dist.all_gather(gathered, rows)
+    allr = torch.stack(gathered)
+    step_max = allr[:, :, STEP].max(dim=0).values.tolist()
+    return allr, step_max, statistics.median(step_max)
+
+
 def worker(rank, a, port):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -111,13 +122,9 @@ def worker(rank, a, port):
                        dtype=torch.float64)
     dist.all_reduce(cpu)
 
-    gathered = [torch.zeros_like(rows) for _ in range(a.workers)]
-    dist.all_gather(gathered, rows)
+    allr, step_max, step_median = gather_steps(rows, a.workers)  # [W, steps, 5]
     if rank == 0:
-        allr = torch.stack(gathered)  # [W, steps, 5]
-        step_max = allr[:, :, STEP].max(dim=0).values.tolist()
         med = lambda c: statistics.median(allr[:, :, c].flatten().tolist())  # noqa: E731
-        step_median = statistics.median(step_max)
         print(json.dumps({
             "bench": "train_dist", "engine": "pytorch-ddp", "config": a.config,
             "workers": a.workers, "threads": a.threads, "batch_size": batch, "steps": a.steps,

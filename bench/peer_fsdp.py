@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import peer_ddp  # noqa: E402  (free_port)
+import peer_ddp  # noqa: E402  (free_port, gather_steps)
 import peer_train  # noqa: E402
 
 
@@ -96,20 +96,16 @@ def train(rank, a, phase):
     phase[0] = "report"
     maxrss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0],
                           dtype=torch.float64)
-    gathered = [torch.zeros_like(rows) for _ in range(a.workers)]
-    dist.all_gather(gathered, rows)
+    allr, _, step_median = peer_ddp.gather_steps(rows, a.workers)  # [W, steps, 1]
     rss = [torch.zeros_like(maxrss) for _ in range(a.workers)]
     dist.all_gather(rss, maxrss)
     if rank == 0:
-        allr = torch.stack(gathered)[:, :, 0]  # [W, steps]
-        step_max = allr.max(dim=0).values.tolist()
-        step_median = statistics.median(step_max)
         print(json.dumps({
             "bench": "train_dist", "engine": "pytorch-fsdp2" + ("-offload" if a.offload else ""),
             "runs": True, "config": a.config, "workers": a.workers, "threads": a.threads,
             "batch_size": batch, "steps": a.steps, "warmup": a.warmup, "offload": a.offload,
             "step_s_median": step_median,
-            "step_s_median_rank0": statistics.median(allr[0].tolist()),
+            "step_s_median_rank0": statistics.median(allr[0, :, 0].tolist()),
             "step_s_mean": wall / a.steps,
             "samples_per_s": a.workers * batch / step_median,
             "peak_rss_bytes": [r.item() for r in rss],

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import peer_ddp  # noqa: E402  (free_port)
+import peer_ddp  # noqa: E402  (free_port, gather_steps)
 import peer_train  # noqa: E402
 
 
@@ -140,12 +140,8 @@ def worker(rank, a, port):
             rows[i, 0], rows[i, 1] = t1 - t0, loss
     wall = time.perf_counter() - t_start
 
-    gathered = [torch.zeros_like(rows) for _ in range(a.stages)]
-    dist.all_gather(gathered, rows)
+    allr, _, step_median = peer_ddp.gather_steps(rows, a.stages)  # [K, steps, 2]
     if rank == 0:
-        allr = torch.stack(gathered)  # [K, steps, 2]
-        step_max = allr[:, :, 0].max(dim=0).values.tolist()
-        step_median = statistics.median(step_max)
         print(json.dumps({
             "bench": "pipeline", "engine": "pytorch-pipelining", "config": a.config,
             "stages": a.stages, "microbatches": a.microbatches, "schedule": a.schedule,
