@@ -11,6 +11,7 @@
 // and every result is compared bit for bit.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <unistd.h>
 #include <algorithm>
 #include <atomic>
@@ -30,6 +31,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "cli/launch.h"
 #include "comm/auth.h"
 #include "comm/comm_util.h"
 #include "comm/communicator.h"
@@ -540,6 +542,49 @@ TEST(CommStore, PortInUseIsAConfigErrorNamingIt) {
     EXPECT_NE(std::string(e.what()).find(std::to_string(first.port())), std::string::npos)
         << e.what();
   }
+}
+
+// Rank 0 serves on the socket its launcher bound (CARAVAN_STORE_FD) and binds nothing itself;
+// a descriptor that is not a socket listening at MASTER_PORT is refused in one line.
+TEST(CommStore, RankZeroServesOnTheSocketItWasHanded) {
+  const LoopbackListener l = listenOnLoopback();
+  WorldInfo w = worldFromEnvironment({{"RANK", "0"},
+                                      {"WORLD_SIZE", "2"},
+                                      {"MASTER_PORT", std::to_string(l.port)},
+                                      {kStoreFdVariable, std::to_string(l.fd)}});
+  ASSERT_EQ(w.storeFd, l.fd);
+  StoreOptions so;
+  so.token = "job-1";
+  auto server = makeStore(w, so);
+  TcpStore client(clientOptions(l.port));
+  client.set("x", bytes("1"));
+  EXPECT_EQ(text(server->get("x")), "1");
+  EXPECT_EQ(::fcntl(l.fd, F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
+  // Rank 1 ignores the variable: only rank 0 serves.
+  EXPECT_EQ(
+      worldFromEnvironment({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {kStoreFdVariable, "3"}}).storeFd,
+      -1);
+
+  int pipeFds[2];
+  ASSERT_EQ(::pipe(pipeFds), 0);
+  const LoopbackListener other = listenOnLoopback();
+  for (const int fd : {pipeFds[0], other.fd}) {
+    TcpStoreOptions o = serverOptions();
+    o.port = l.port;
+    o.listenFd = fd;
+    try {
+      TcpStore wrong(o);
+      ADD_FAILURE() << "served on descriptor " << fd;
+    } catch (const ConfigError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("CARAVAN_STORE_FD"), std::string::npos) << m;
+      EXPECT_NE(m.find(fmt::format("127.0.0.1:{}", l.port)), std::string::npos) << m;
+      EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    }
+  }
+  ::close(pipeFds[0]);
+  ::close(pipeFds[1]);
+  ::close(other.fd);
 }
 
 TEST(CommStore, AnotherJobsTokenIsRefused) {

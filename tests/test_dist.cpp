@@ -54,7 +54,7 @@ std::string rankCommand(int r, int world, int port, int limitS, const std::strin
 // Runs W ranks of `caravan train ARGS` with torchrun-style variables, rank r's output in
 // LOG.rank<r>.log; returns the exit codes.
 std::vector<int> runRanksWith(int world, const std::string& log, const std::string& args) {
-  const int port = pickFreeLoopbackPort();
+  const int port = caravan::test::reservePort();
   std::string script;
   for (int r = 0; r < world; ++r) {
     script += rankCommand(r, world, port, 300,
@@ -191,7 +191,7 @@ TEST(DistTrace, EachRankWritesAChromeTrace) {
   auto o = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
                         "train.max_steps=3", "sync.first_bucket_mb=0.001",
                         "sync.bucket_mb=0.01"});
-  const int port = pickFreeLoopbackPort();
+  const int port = caravan::test::reservePort();
   std::string script;
   for (int r = 0; r < 2; ++r) {
     script += rankCommand(r, 2, port, 120,
@@ -565,7 +565,7 @@ TEST(DistParameterServerFault, KilledServerIsNamed) {
   TempDir tmp;
   auto p = with(kBase, {"model.name=mlp", "model.width=16", "data.batch_size=8",
                         "train.max_steps=10000000", "sync.mode=ps-bsp", "fault.timeout=10"});
-  const int port = pickFreeLoopbackPort();
+  const int port = caravan::test::reservePort();
   std::string script;
   for (int r = 0; r < 3; ++r) {
     script += rankCommand(r, 3, port, 60,
@@ -766,7 +766,7 @@ TEST(DistJob, RanksWithAnotherConfigAreRefusedOnEveryRank) {
   const std::string log = tmp / "log";
   // Rank 0 with `base`, rank 1 with `base` and `more`, each in its own directory (as two hosts).
   auto runPair = [&](const std::vector<std::string>& more) {
-    const int port = pickFreeLoopbackPort();
+    const int port = caravan::test::reservePort();
     std::string script;
     for (int r = 0; r < 2; ++r) {
       const auto o = r == 0 ? base : with(base, more);

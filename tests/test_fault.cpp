@@ -183,7 +183,7 @@ class LostRank : public Job, public ::testing::WithParamInterface<Case> {};
 
 TEST_P(LostRank, SurvivorsExitNamingIt) {
   const Case c = GetParam();
-  const int port = caravan::pickFreeLoopbackPort();
+  const int port = caravan::test::reservePort();
   // A token of its own, so the shared-memory segments checked below are this job's.
   const std::string token = fmt::format("lost-rank-{}-{}", ::getpid(), port);
   for (int r = 0; r < kWorld; ++r) {
@@ -271,7 +271,7 @@ TEST_F(Job, KillHarnessRandomRankAtARandomStep) {
                                          victim, servers && victim == 2 ? "server" : "worker",
                                          after);
     SCOPED_TRACE(what);
-    const int port = caravan::pickFreeLoopbackPort();
+    const int port = caravan::test::reservePort();
     std::vector<pid_t> job;
     for (int r = 0; r < kWorld; ++r) job.push_back(startRank(r, port, sets, kWorld, {}, run));
     waitForMetrics(run, after);
@@ -361,7 +361,7 @@ TEST_F(Job, StrangersAreRefusedAndTheJobCarriesOn) {
   const std::vector<std::string> token = {"CARAVAN_JOB_TOKEN=7f3a9c0e5b1d4a6f8e2c0b9d7a5f3e1c"};
   // The same job undisturbed.
   {
-    const int port = caravan::pickFreeLoopbackPort();
+    const int port = caravan::test::reservePort();
     std::vector<pid_t> job;
     for (int r = 0; r < 2; ++r) job.push_back(startRank(r, port, sets, 2, token, "quiet"));
     reapUntil(Clock::now() + std::chrono::seconds(120), -1);
@@ -371,7 +371,7 @@ TEST_F(Job, StrangersAreRefusedAndTheJobCarriesOn) {
           << readFile(tmp_ / "err0-quiet");
     }
   }
-  const int port = caravan::pickFreeLoopbackPort();
+  const int port = caravan::test::reservePort();
   std::vector<pid_t> job;
   for (int r = 0; r < 2; ++r) job.push_back(startRank(r, port, sets, 2, token, "run"));
   waitForMetrics("run", 5);
@@ -409,7 +409,7 @@ TEST_F(Job, StrangersAreRefusedAndTheJobCarriesOn) {
 // silent inside it); after SIGCONT the job runs to its end, every rank exiting 0.
 TEST_F(Job, StallInspectorNamesTheRankOthersWaitFor) {
   const std::vector<std::string> sets = {"fault.stall_report=2", "train.max_steps=2000"};
-  const int port = caravan::pickFreeLoopbackPort();
+  const int port = caravan::test::reservePort();
   std::vector<pid_t> job;
   for (int r = 0; r < kWorld; ++r) job.push_back(startRank(r, port, sets));
   waitForMetrics("run", 20);
@@ -447,7 +447,7 @@ TEST_F(Job, StallInspectorNamesTheRankOthersWaitFor) {
 // first and last stages (each blocked on it in a send, a receive or a reduction) exit 7 naming
 // it within kSurvivorBoundS, in one line.
 TEST_F(Job, LostPipelineStageIsNamed) {
-  const int port = caravan::pickFreeLoopbackPort();
+  const int port = caravan::test::reservePort();
   const std::vector<std::string> sets = {"parallel.pipeline_stages=3", "parallel.micro_batches=4",
                                          "model.depth=3", "parallel.partition=even"};
   for (int r = 0; r < kWorld; ++r) startRank(r, port, sets);

@@ -331,17 +331,32 @@ TEST(LauncherUnits, FailureLine) {
             "rank 0 (pid 7) exited with code 3; see its output above");
 }
 
-TEST(LauncherUnits, FreeLoopbackPortCanBeBound) {
-  const int port = pickFreeLoopbackPort();
-  ASSERT_GT(port, 0);
-  ASSERT_LE(port, 65535);
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+// The rendezvous port stays taken from the pick until the supervisor closes it: no other
+// socket can bind it (SO_REUSEADDR included, as the store's own bind), a client's connection
+// waits in its queue for rank 0's accept, and once closed the port is free again.
+TEST(LauncherUnits, RendezvousPortIsHeldUntilClosed) {
+  const LoopbackListener l = listenOnLoopback();
+  ASSERT_GE(l.fd, 0);
+  ASSERT_GT(l.port, 0);
+  EXPECT_EQ(::fcntl(l.fd, F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_port = htons(static_cast<uint16_t>(l.port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ::close(fd);
+  auto bindsAgain = [&] {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    ::close(fd);
+    return bound;
+  };
+  EXPECT_FALSE(bindsAgain());
+  const int client = ::socket(AF_INET, SOCK_STREAM, 0);
+  EXPECT_EQ(::connect(client, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::close(client);
+  ::close(l.fd);
+  EXPECT_TRUE(bindsAgain());
 }
 
 TEST_F(LauncherProcess, ThreeWorkersFinish) {
@@ -634,7 +649,7 @@ TEST_F(LauncherProcess, RefusedCombinationsExitBeforeAnyWorkerStartsWithOneLine)
       {"--set sync.mode=ps-diloco --set sync.local_period=2 --set sync.fragments=3",
        "sync.fragments = 3 is more than sync.local_period = 2"},
   };
-  const int port = 20000 + static_cast<int>(::getpid() % 20000);
+  const int port = caravan::test::reservePort();
   for (const auto& [settings, needle] : combinations) {
     SCOPED_TRACE(settings);
     reaped_ = false;
@@ -755,7 +770,7 @@ TEST_F(LauncherProcess, SecondJobOnARunDirectoryInUseIsRefusedNamingItsHolder) {
 // script's mistake) is refused at once, naming the rank, and the job runs on undisturbed. It
 // used to wait about 5x fault.timeout and then blame the network.
 TEST_F(LauncherProcess, ADuplicateRankIsRefusedAtOnceAndTheJobRunsOn) {
-  const int port = caravan::pickFreeLoopbackPort();
+  const int port = caravan::test::reservePort();
   writeFile(tmp_ / "c.toml", "[train]\nmax_steps = 10000000\n");
   const std::string train = std::string(CARAVAN_BINARY) + " train -q --config c.toml " +
                             kSynthetic + " --set fault.timeout=2 --run-dir ";
@@ -798,7 +813,7 @@ TEST_F(LauncherProcess, ADuplicateRankIsRefusedAtOnceAndTheJobRunsOn) {
 }
 
 TEST_F(LauncherProcess, MissingPeersAreReportedWithinTheRendezvousTimeout) {
-  const int port = caravan::pickFreeLoopbackPort();
+  const int port = caravan::test::reservePort();
   const std::vector<std::string> world = {"WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
                                           "MASTER_PORT=" + std::to_string(port)};
   const std::string args = "train --config c.toml " + kSynthetic +

@@ -1,14 +1,23 @@
 // Helpers shared by the tests: temporary directories, running the caravan binary, files.
 #pragma once
 
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 
 namespace caravan::test {
@@ -77,6 +86,45 @@ inline CommandResult runShell(const std::string& command, const std::string& cwd
   r.out = readFile(io / "out");
   r.err = readFile(io / "err");
   return r;
+}
+
+// A TCP port on 127.0.0.1 for a test that starts ranks itself with MASTER_PORT, this test
+// process's alone: drawn below the kernel's ephemeral range (which every bind to port 0, Gloo's
+// listeners and outgoing connections draw from), claimed by a lock on
+// /tmp/caravan-test-ports/PORT that the process holds until it exits, so tests run at the same
+// time never share one (two did, with a port that was only free a moment ago, and both
+// failed), and checked free by a bind. Throws when none of the range is free.
+inline int reservePort() {
+  int low = 32768;
+  if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> low;
+  const int first = 20000, last = std::max(first + 100, low) - 1;
+  const std::string dir = "/tmp/caravan-test-ports";
+  ::mkdir(dir.c_str(), 01777);
+  const int span = last - first + 1;
+  const int offset = static_cast<int>((::getpid() * 7919L + ::time(nullptr)) % span);
+  for (int i = 0; i < span; ++i) {
+    const int port = first + (offset + i) % span;
+    const int lock =
+        ::open((dir + "/" + std::to_string(port)).c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0666);
+    if (lock < 0) continue;
+    if (::flock(lock, LOCK_EX | LOCK_NB) != 0) {
+      ::close(lock);
+      continue;
+    }
+    const int probe = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int one = 1;
+    ::setsockopt(probe, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const bool free = ::bind(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    ::close(probe);
+    if (free) return port;  // `lock` stays open: the claim lasts as long as this process
+    ::close(lock);
+  }
+  throw std::runtime_error("no free TCP port in " + std::to_string(first) + ".." +
+                           std::to_string(last) + " for a test's rendezvous");
 }
 
 inline int countLines(const std::string& text) {

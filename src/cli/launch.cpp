@@ -29,6 +29,7 @@ Environment workerEnvironment(const Environment& base, int rank, int worldSize, 
   env["MASTER_ADDR"] = kLocalMasterAddr;
   env["MASTER_PORT"] = std::to_string(masterPort);
   env["CARAVAN_LAUNCHER"] = kCaravanLauncher;
+  env.erase(kStoreFdVariable);  // the supervisor sets it for rank 0 alone
   if (!threadsConfigured) {
     // emplace keeps a value the user set.
     env.emplace("OMP_NUM_THREADS", "1");
@@ -101,11 +102,11 @@ std::string rankLogPath(const std::string& runDir, int rank) {
   return (std::filesystem::path(runDir) / fmt::format("rank-{}.log", rank)).string();
 }
 
-int pickFreeLoopbackPort() {
+LoopbackListener listenOnLoopback() {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) {
-    throw IoError(
-        fmt::format("cannot create a socket to find a free port: {}", std::strerror(errno)));
+    throw IoError(fmt::format("cannot create a socket for the workers' rendezvous: {}",
+                              std::strerror(errno)));
   }
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -113,14 +114,16 @@ int pickFreeLoopbackPort() {
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof(addr);
   if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(fd, SOMAXCONN) != 0 ||
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     const int err = errno;
     ::close(fd);
-    throw IoError(fmt::format("cannot bind a loopback TCP port for the workers' rendezvous: {}",
-                              std::strerror(err)));
+    throw IoError(
+        fmt::format("cannot listen on a loopback TCP port for the workers' "
+                    "rendezvous: {}",
+                    std::strerror(err)));
   }
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  return {fd, ntohs(addr.sin_port)};
 }
 
 std::string describeExit(int waitStatus) {

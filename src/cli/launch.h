@@ -80,11 +80,17 @@ std::vector<std::string> workerArguments(const std::vector<std::string>& supervi
 // RUN_DIR/rank-<r>.log: where rank r > 0 writes its stdout and stderr.
 std::string rankLogPath(const std::string& runDir, int rank);
 
-// A TCP port on 127.0.0.1 that was free a moment ago: binds port 0, reads the port the kernel
-// chose, closes the socket. Another process may take the port before rank 0 binds it; that
-// race is accepted (rank 0's store then fails to bind with the port in its message, and a rerun
-// picks another port). Throws IoError when no socket can be bound.
-int pickFreeLoopbackPort();
+// The rendezvous port of a local launch, held from the moment it is picked: a TCP socket
+// listening on 127.0.0.1 at a port the kernel chose, close-on-exec. The supervisor keeps it for
+// the whole start and hands it to rank 0 as CARAVAN_STORE_FD, whose store serves on it instead
+// of binding MASTER_PORT: no other process can take the port in between (a port that was only
+// free a moment ago was taken so by a job started at the same time, and both failed). The
+// caller owns `fd`. Throws IoError when no socket can be bound.
+struct LoopbackListener {
+  int fd = -1;
+  int port = 0;
+};
+LoopbackListener listenOnLoopback();
 
 // How a waitpid() status ended: "exited with code 4", "was killed by signal 9 (SIGKILL)".
 std::string describeExit(int waitStatus);

@@ -83,6 +83,7 @@ struct WorkerSpec {
   std::vector<std::string> argv;
   std::vector<std::string> envp;
   int logFd = -1;  // -1: keep the supervisor's stdout/stderr (rank 0)
+  int storeFd = -1;  // rank 0: the rendezvous socket it inherits (CARAVAN_STORE_FD)
 };
 
 std::vector<char*> pointers(std::vector<std::string>& strings) {
@@ -119,6 +120,7 @@ pid_t spawnWorker(WorkerSpec& spec, int nullFd, pid_t supervisor, const sigset_t
     redirect(spec.logFd, STDOUT_FILENO);
     redirect(spec.logFd, STDERR_FILENO);
   }
+  if (spec.storeFd >= 0) ::fcntl(spec.storeFd, F_SETFD, 0);  // kept across exec
   ::sigprocmask(SIG_SETMASK, &childMask, nullptr);
   // /proc/self/exe is this very binary even if the file on disk was replaced meanwhile.
   ::execve("/proc/self/exe", argv.data(), envp.data());
@@ -158,7 +160,8 @@ class Supervisor {
     if (ec) {
       throw IoError(fmt::format("cannot create run directory {}: {}", o_.runDir, ec.message()));
     }
-    const int port = pickFreeLoopbackPort();
+    const LoopbackListener listener = listenOnLoopback();
+    const Fd storeSocket(listener.fd);  // held until this start ends
     const Environment base = processEnvironment();
     // The job's token: the user's (CARAVAN_JOB_TOKEN) or a new one for this start.
     auto given = base.find(kJobTokenVariable);
@@ -172,8 +175,13 @@ class Supervisor {
       WorkerSpec& s = specs[static_cast<size_t>(r)];
       s.argv = workerArguments(o_.args, r, o_.addRunDir ? o_.runDir : "");
       s.argv.insert(s.argv.begin(), o_.program);
-      Environment env = workerEnvironment(base, r, o_.workers, port, o_.threadsConfigured, token);
+      Environment env =
+          workerEnvironment(base, r, o_.workers, listener.port, o_.threadsConfigured, token);
       env[kJobStartVariable] = start;
+      if (r == 0) {
+        env[kStoreFdVariable] = std::to_string(listener.fd);
+        s.storeFd = listener.fd;
+      }
       s.envp = environmentStrings(env);
       if (r > 0) {
         const std::string path = rankLogPath(o_.runDir, r);

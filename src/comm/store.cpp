@@ -80,6 +80,7 @@ c10::intrusive_ptr<c10d::Store> makeStore(const WorldInfo& world, const StoreOpt
     o.host = world.masterAddr;
     o.port = world.masterPort;
     o.isServer = world.rank == 0;
+    o.listenFd = world.storeFd;
     o.timeout = options.timeout;
     o.connectTimeout = options.connectTimeout;
     o.token = options.token;

@@ -335,10 +335,14 @@ class TcpStore::State {
 // ---------------------------------------------------------------------------------------------
 class TcpStore::Server {
  public:
-  Server(std::shared_ptr<State> state, const std::string& host, int port, std::string token,
-         milliseconds timeout)
+  Server(std::shared_ptr<State> state, const std::string& host, int port, int listenFd,
+         std::string token, milliseconds timeout)
       : state_(std::move(state)), token_(std::move(token)), timeout_(timeout) {
-    listen(host, port);
+    if (listenFd >= 0) {
+      adopt(listenFd, host, port);
+    } else {
+      listen(host, port);
+    }
     int pipeFds[2];
     if (::pipe2(pipeFds, O_CLOEXEC | O_NONBLOCK) != 0) {
       ::close(listenFd_);
@@ -419,6 +423,34 @@ class TcpStore::Server {
                                     "check that MASTER_ADDR is an address of this host",
                                     host, port, lastError));
     }
+  }
+
+  // Serves on `fd`, a socket the launcher bound and listens on (it keeps its own copy, so the
+  // port stays taken until the job ends): checked to listen at host:port, made non-blocking and
+  // close-on-exec like a socket of our own.
+  void adopt(int fd, const std::string& host, int port) {
+    int listening = 0;
+    socklen_t size = sizeof(listening);
+    sockaddr_storage bound{};
+    socklen_t len = sizeof(bound);
+    const bool ok = ::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) == 0 &&
+                    listening == 1 &&
+                    ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0 &&
+                    (bound.ss_family == AF_INET || bound.ss_family == AF_INET6);
+    const int boundPort =
+        !ok ? 0
+            : ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                                : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    if (!ok || (port != 0 && boundPort != port)) {
+      throw ConfigError(
+          fmt::format("descriptor {} (CARAVAN_STORE_FD) is not a socket listening on {}:{}; unset "
+                      "CARAVAN_STORE_FD (caravan train --workers sets it for its rank 0 only)",
+                      fd, host, port));
+    }
+    ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+    listenFd_ = fd;
+    port_ = boundPort;
   }
 
   void acceptLoop() {
@@ -723,8 +755,8 @@ TcpStore::TcpStore(const TcpStoreOptions& options)
                 options.timeout.count());
   if (options.isServer) {
     state_ = std::make_shared<State>();
-    server_ = std::make_unique<Server>(state_, options.host, options.port, options.token,
-                                       options.timeout);
+    server_ = std::make_unique<Server>(state_, options.host, options.port, options.listenFd,
+                                       options.token, options.timeout);
     port_ = server_->port();
   } else {
     client_ = std::make_unique<Client>(

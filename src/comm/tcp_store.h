@@ -19,7 +19,8 @@
 //
 // Errors: a master that cannot be reached within the timeout, a lost connection or a timed-out
 // wait for keys -> PeerError naming host:port; a port rank 0 cannot bind, an address that does
-// not resolve, or a refused token -> ConfigError.
+// not resolve, a listenFd that is not a socket listening on host:port, or a refused token ->
+// ConfigError.
 //
 // Threading: every method may be called from any thread; a client serializes its requests on
 // one socket. The server runs one accepting thread plus one thread per connected client, all
@@ -44,6 +45,10 @@ struct TcpStoreOptions {
   // A client's wait for the server to listen; zero: `timeout`.
   std::chrono::milliseconds connectTimeout{0};
   std::string token;  // must match between server and clients; empty is a valid token
+  // Server: a socket already listening on host:port, handed over by the process that picked
+  // the port (`caravan train --workers`, CARAVAN_STORE_FD): the store serves on it and closes
+  // it, and binds nothing itself. -1: bind host:port.
+  int listenFd = -1;
 };
 
 class TcpStore : public c10d::Store {

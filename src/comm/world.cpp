@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <climits>
 
 #include <fmt/format.h>
 
@@ -112,6 +113,9 @@ WorldInfo worldFromEnvironment(const Environment& env) {
   if (!get(env, "MASTER_PORT").empty()) w.masterPort = parseInt(env, "MASTER_PORT", 1, 65535);
   w.token = get(env, kJobTokenVariable);
   w.start = get(env, kJobStartVariable);
+  if (!get(env, kStoreFdVariable).empty() && w.rank == 0) {
+    w.storeFd = parseInt(env, kStoreFdVariable, 0, INT_MAX);
+  }
   return w;
 }
 

@@ -25,7 +25,14 @@ struct WorldInfo {
   // --workers`, restarts included): a file store, which outlives its job, keeps each start's
   // keys apart under it. Empty: none given (other launchers).
   std::string start;
+  // Rank 0's rendezvous socket, already listening on masterAddr:masterPort (CARAVAN_STORE_FD,
+  // which `caravan train --workers` sets for its rank 0, so the port is held from the moment it
+  // is picked). -1: rank 0 binds masterPort itself.
+  int storeFd = -1;
 };
+
+// The variable that carries rank 0's listening socket (WorldInfo::storeFd).
+inline constexpr const char* kStoreFdVariable = "CARAVAN_STORE_FD";
 
 // The variable that carries a start's identity (WorldInfo::start).
 inline constexpr const char* kJobStartVariable = "CARAVAN_JOB_START";
