@@ -232,7 +232,8 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
   std::cout << fmt::format("{} ({} blocks), batch {}\n", setup.model->modelName(),
                            setup.model->numBlocks(), sample.size());
   if (!setup.model->structureNote().empty()) {
-    std::cout << "cannot plan per block: " << setup.model->structureNote() << "\n";
+    std::cout << (setup.model->numBlocks() == 1 ? "cannot plan per block: " : "blocks: ")
+              << setup.model->structureNote() << "\n";
   }
   std::cout << m.report;
   if (!m.plan->fits) {

@@ -74,7 +74,12 @@ at::Tensor BlockModelImpl::loss(const at::Tensor& output, const at::Tensor& targ
 
 std::string BlockModelImpl::exportName(const std::string& name) const {
   const auto it = exportNames_.find(name);
-  return it == exportNames_.end() ? name : it->second;
+  return it == exportNames_.end() ? name : it->second.front();
+}
+
+std::vector<std::string> BlockModelImpl::exportNames(const std::string& name) const {
+  const auto it = exportNames_.find(name);
+  return it == exportNames_.end() ? std::vector<std::string>{name} : it->second;
 }
 
 namespace {

@@ -91,13 +91,28 @@ class BlockModelImpl : public torch::nn::Module {
 
   // The name a parameter or buffer has for the user (model.pt): its own unless set (a scripted
   // module's tensors are registered here as "b<i>_<label>.<path>" and exported by the names
-  // they have in the user's Python module).
+  // they have in the user's Python module). exportNames: every name, the first being
+  // exportName (a tied tensor is one parameter here and both of its names in model.pt).
   std::string exportName(const std::string& name) const;
-  void setExportName(const std::string& name, const std::string& exported) {
-    exportNames_[name] = exported;
+  std::vector<std::string> exportNames(const std::string& name) const;
+  void addExportName(const std::string& name, const std::string& exported) {
+    exportNames_[name].push_back(exported);
   }
 
-  // Why the model is one block where the planner would want several ("" when it is not).
+  // A parameter or buffer that block `user` reads and block `owner` registers (a tied weight,
+  // or a tensor two blocks share): one tensor, one gradient that autograd sums over its uses.
+  // Out-of-core weights and a pipeline that puts the two blocks on two stages do not hold it
+  // on both, and refuse it.
+  struct SharedUse {
+    std::string name;  // the registered name (named_parameters / named_buffers)
+    size_t owner = 0;
+    size_t user = 0;
+  };
+  const std::vector<SharedUse>& sharedUses() const { return sharedUses_; }
+  void addSharedUse(SharedUse use) { sharedUses_.push_back(std::move(use)); }
+
+  // Why the model is one block where the planner would want several, or where a found cut
+  // into blocks was left out (models/graph_cut.h); "" when neither.
   const std::string& structureNote() const { return structureNote_; }
   void setStructureNote(std::string note) { structureNote_ = std::move(note); }
 
@@ -115,7 +130,8 @@ class BlockModelImpl : public torch::nn::Module {
   double forwardFlops_ = 0.0;
   BlockRunner* runner_ = nullptr;
   LossFunction loss_;
-  std::map<std::string, std::string> exportNames_;
+  std::map<std::string, std::vector<std::string>> exportNames_;
+  std::vector<SharedUse> sharedUses_;
   std::string structureNote_;
 };
 TORCH_MODULE(BlockModel);

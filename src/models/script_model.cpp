@@ -18,6 +18,7 @@
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/scope_guard.h"
+#include "models/graph_cut.h"
 
 namespace caravan {
 namespace {
@@ -45,20 +46,6 @@ std::string shapeText(const at::Tensor& t) {
   std::string s = "[";
   for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
   return s + "] " + std::string(c10::toString(t.scalar_type()));
-}
-
-// Registers `from`'s parameters, buffers and (recursively) children on `into` under the same
-// names: the same tensors, so an update through either is seen by both.
-void mirror(torch::nn::Module& into, const jit::Module& from) {
-  for (const auto& p : from.named_parameters(/*recurse=*/false)) {
-    into.register_parameter(p.name, p.value, p.value.requires_grad());
-  }
-  for (const auto& b : from.named_buffers(/*recurse=*/false)) into.register_buffer(b.name, b.value);
-  for (const auto& c : from.named_children()) {
-    auto child = std::make_shared<torch::nn::Module>();
-    mirror(*child, c.value);
-    into.register_module(c.name, child);
-  }
 }
 
 // Why jit::load refused `path`, in one line: an operator this LibTorch does not have (a model
@@ -92,32 +79,63 @@ std::string whyNotLoadable(const std::string& path, const std::exception& e) {
       path, start == std::string::npos ? std::string() : firstLine(text.substr(start)));
 }
 
-// One block: a scripted module run with graph optimizations off (script_model.h).
+// A block candidate: a segment of the module's forward (graph_cut.h), or the whole forward.
+struct Part {
+  std::string label;
+  std::shared_ptr<GraphSegment> segment;  // nullptr: the module's forward
+};
+
+at::Tensor run(jit::Module& module, const at::Tensor& x);
+
+at::Tensor run(jit::Module& root, const Part& part, const at::Tensor& x) {
+  return part.segment ? runSegment(*part.segment, root, x) : run(root, x);
+}
+
+// A parameter or buffer of the module, by its path there.
+struct Slot {
+  std::string path;
+  at::Tensor tensor;
+  bool parameter = true;
+};
+
+// Registers `slot` on `into` under its path ("h.0.attn.c_attn.weight": submodules h, 0, attn,
+// c_attn), the very tensor, so an update through either is seen by both.
+void registerAt(torch::nn::Module& into, const Slot& slot) {
+  torch::nn::Module* m = &into;
+  size_t at = 0;
+  for (size_t dot; (dot = slot.path.find('.', at)) != std::string::npos; at = dot + 1) {
+    const std::string part = slot.path.substr(at, dot - at);
+    auto children = m->named_children();
+    if (!children.contains(part)) m->register_module(part, std::make_shared<torch::nn::Module>());
+    m = m->named_children()[part].get();
+  }
+  const std::string name = slot.path.substr(at);
+  if (slot.parameter) {
+    m->register_parameter(name, slot.tensor, slot.tensor.requires_grad());
+  } else {
+    m->register_buffer(name, slot.tensor);
+  }
+}
+
+// One block: a part of the module run with graph optimizations off (script_model.h). It
+// registers the tensors it owns (its own, and a tied or shared one where it is first used).
 class ScriptBlockImpl : public torch::nn::Module {
  public:
-  explicit ScriptBlockImpl(jit::Module module) : module_(std::move(module)) {
-    mirror(*this, module_);
+  ScriptBlockImpl(jit::Module root, Part part, const std::vector<Slot>& owned)
+      : root_(std::move(root)), part_(std::move(part)) {
+    for (const Slot& s : owned) registerAt(*this, s);
   }
-  torch::Tensor forward(torch::Tensor x) {
-    jit::GraphOptimizerEnabledGuard plain(false);
-    return module_.forward({std::move(x)}).toTensor();
-  }
+  torch::Tensor forward(torch::Tensor x) { return run(root_, part_, x); }
   void train(bool on = true) override {
     torch::nn::Module::train(on);
-    module_.train(on);
+    if (root_.is_training() != on) root_.train(on);
   }
 
  private:
-  jit::Module module_;
+  jit::Module root_;
+  Part part_;
 };
 TORCH_MODULE(ScriptBlock);
-
-// A block candidate: the scripted module, its label and its path in the user's module.
-struct Part {
-  std::string label;
-  std::string path;  // "" for the whole module
-  jit::Module module;
-};
 
 // A batch of two like the data's, from a generator of its own (the default one is seeded for
 // the run and must not move).
@@ -277,11 +295,34 @@ at::Tensor run(jit::Module& module, const at::Tensor& x) {
   return out.toTensor();
 }
 
-// The parameters and buffers of `m`, by identity.
-std::set<const void*> tensorsOf(const jit::Module& m) {
-  std::set<const void*> out;
-  for (const auto& p : m.named_parameters(true)) out.insert(p.value.unsafeGetTensorImpl());
-  for (const auto& b : m.named_buffers(true)) out.insert(b.value.unsafeGetTensorImpl());
+// Every parameter and buffer of `m` under each of its paths (a tied tensor under all its
+// names), parameters first, in the module's order.
+void slotsOf(const jit::Module& m, const std::string& prefix, std::vector<Slot>& out) {
+  for (const auto& p : m.named_parameters(false)) {
+    out.push_back({prefix.empty() ? p.name : prefix + "." + p.name, p.value, true});
+  }
+  for (const auto& b : m.named_buffers(false)) {
+    out.push_back({prefix.empty() ? b.name : prefix + "." + b.name, b.value, false});
+  }
+  for (const auto& c : m.named_children()) {
+    slotsOf(c.value, prefix.empty() ? c.name : prefix + "." + c.name, out);
+  }
+}
+
+// model.blocks as container paths: "" or "auto" finds them; else a path or a comma-separated
+// list of paths.
+std::vector<std::string> blockHolders(const std::string& blocks) {
+  std::vector<std::string> out;
+  if (blocks.empty() || blocks == "auto") return out;
+  size_t at = 0;
+  for (size_t comma; at <= blocks.size(); at = comma + 1) {
+    comma = blocks.find(',', at);
+    if (comma == std::string::npos) comma = blocks.size();
+    std::string path = blocks.substr(at, comma - at);
+    path.erase(0, path.find_first_not_of(' '));
+    path.erase(path.find_last_not_of(' ') + 1);
+    if (!path.empty()) out.push_back(path);
+  }
   return out;
 }
 
@@ -316,7 +357,7 @@ std::string whyNotSequentialInTraining(jit::Module& root, std::vector<Part>& par
     const auto whole = pass([&](const at::Tensor& in) { return run(root, in); });
     const auto split = pass([&](const at::Tensor& in) {
       at::Tensor y = in;
-      for (Part& p : parts) y = run(p.module, y);
+      for (const Part& p : parts) y = run(root, p, y);
       return y;
     });
     auto same = [](const at::Tensor& a, const at::Tensor& b) {
@@ -338,27 +379,17 @@ std::string whyNotSequentialInTraining(jit::Module& root, std::vector<Part>& par
   return why;
 }
 
-// Why `parts` do not make up `root`'s forward on `x` ("" when they do, bitwise): their tensors
-// must be all of root's, each once; in eval mode without gradients their output must be
-// `whole`; then as whyNotSequentialInTraining.
+// Why `parts` do not make up `root`'s forward on `x` ("" when they do, bitwise): in eval mode
+// without gradients their output must be `whole`; then as whyNotSequentialInTraining.
 std::string whyNotSequential(jit::Module& root, std::vector<Part>& parts, const at::Tensor& x,
                              const at::Tensor& whole) {
   if (parts.size() < 2) return "it has fewer than two parts";
-  std::set<const void*> covered;
-  size_t count = 0;
-  for (const Part& p : parts) {
-    const auto t = tensorsOf(p.module);
-    count += t.size();
-    covered.insert(t.begin(), t.end());
-  }
-  if (covered != tensorsOf(root)) return "some of its parameters or buffers are outside them";
-  if (count != covered.size()) return "a parameter or buffer is in more than one of them";
   {
     at::NoGradGuard noGrad;
     root.eval();
     at::Tensor y = x;
     try {
-      for (Part& p : parts) y = run(p.module, y);
+      for (const Part& p : parts) y = run(root, p, y);
     } catch (const std::exception& e) {
       return fmt::format("applying them in order fails ({})", lastLine(e));
     }
@@ -413,23 +444,6 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
     }
   }
 
-  // Tied weights (one tensor under two names) would be two parameters here: stepped twice per
-  // step, counted twice in norms and exchanges.
-  {
-    std::map<const void*, std::string> seen;
-    auto once = [&](const std::string& name, const at::Tensor& t) {
-      const auto [it, fresh] = seen.emplace(t.unsafeGetTensorImpl(), name);
-      if (!fresh) {
-        throw ConfigError(
-            fmt::format("model.path {}: {} is the same tensor as {} (tied "
-                        "weights); Caravan trains each parameter once: untie them "
-                        "(or tie them in forward, not as one parameter)",
-                        spec.path, name, it->second));
-      }
-    };
-    for (const auto& p : root.named_parameters(true)) once(p.name, p.value);
-    for (const auto& b : root.named_buffers(true)) once(b.name, b.value);
-  }
   // The whole forward on a sample, in eval mode (no dropout) and without gradients: sequences
   // of 16 tokens, or of data.seq_len for a module that needs exactly that many.
   at::Tensor x = sampleInput(shape, 16);
@@ -476,56 +490,85 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
                     spec.path, shapeText(x), shapeText(whole), needed));
   }
 
-  // The blocks.
+  // The blocks: the module's forward cut at its block calls (graph_cut.h), checked to be
+  // that forward bitwise; else the module is one block and the note says why.
+  const std::vector<std::string> holders = blockHolders(spec.blocks);
   std::vector<Part> parts;
   std::string note;
-  {
-    if (!spec.blocks.empty()) {
-      if (!root.hasattr(spec.blocks) || !root.attr(spec.blocks).isModule()) {
-        throw ConfigError(
-            fmt::format("model.blocks = '{}' names no submodule of {}; name its "
-                        "nn.Sequential or nn.ModuleList (or leave it empty)",
-                        spec.blocks, spec.path));
-      }
-      for (const auto& c : root.attr(spec.blocks).toModule().named_children()) {
-        parts.push_back({spec.blocks + "_" + c.name, spec.blocks + "." + c.name, c.value});
-      }
-      const std::string whyNot = whyNotSequential(root, parts, x, whole);
-      if (!whyNot.empty()) {
-        throw ConfigError(fmt::format(
-            "model.blocks = '{}': {} cannot be Caravan's blocks: {}; put everything forward "
-            "does in that nn.Sequential, or leave model.blocks empty to train the module as "
-            "one block",
-            spec.blocks, spec.blocks, whyNot));
-      }
-    } else {
-      for (const auto& c : root.named_children()) parts.push_back({c.name, c.name, c.value});
-      const std::string whyNot = whyNotSequential(root, parts, x, whole);
-      if (!whyNot.empty()) {
-        note = fmt::format(
-            "the module's children are not its blocks ({}); it trains as one "
-            "block. To plan per block, make forward an nn.Sequential's items "
-            "in order and name it in model.blocks",
-            whyNot);
-        parts = {{"module", "", root}};
-      }
-    }
-    root.train();
+  GraphCut cut;
+  try {
+    cut = cutForward(root, holders);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("model.path {}: {}", spec.path, e.what()));
   }
+  for (auto& segment : cut.segments) {
+    parts.push_back({segment.label, std::make_shared<GraphSegment>(std::move(segment))});
+  }
+  note = cut.note;
+  if (parts.size() >= 2) {
+    const std::string whyNot = whyNotSequential(root, parts, x, whole);
+    if (!whyNot.empty()) {
+      note = fmt::format("its forward cut at the block calls is not the forward: {}", whyNot);
+      parts.clear();
+    }
+  }
+  if (parts.size() < 2) {
+    if (!holders.empty()) {
+      throw ConfigError(fmt::format(
+          "model.blocks = '{}': the forward of {} cannot be cut at those blocks: {}; name "
+          "another container, or use model.blocks = 'auto' to train it as one block where it "
+          "cannot be cut",
+          spec.blocks, spec.path, note));
+    }
+    if (note.empty()) note = "its forward has no block calls to cut at";
+    note = fmt::format("the module is not cut into blocks ({}); it trains as one block", note);
+    parts = {{"module", nullptr}};
+  }
+  root.train();
 
+  // Each tensor is registered once, by the first part that reads it (a tied or shared tensor
+  // is one parameter: one gradient, one optimizer state); one that no part reads, by part 0.
+  // Under every name it has in the module (a tied pair's both) in model.pt.
+  std::vector<Slot> slots;
+  slotsOf(root, "", slots);
+  std::map<const void*, size_t> owner;
+  std::vector<std::set<const void*>> reads(parts.size());
+  std::map<std::string, const void*> byPath;
+  for (const Slot& s : slots) byPath[s.path] = s.tensor.unsafeGetTensorImpl();
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!parts[i].segment) {
+      for (const Slot& s : slots) reads[i].insert(s.tensor.unsafeGetTensorImpl());
+    } else {
+      for (const std::string& path : parts[i].segment->tensors) reads[i].insert(byPath.at(path));
+    }
+    for (const void* t : reads[i]) owner.emplace(t, i);
+  }
   BlockModel model(std::string(kScriptModelName), shape.task);
-  for (const Part& part : parts) {
-    ScriptBlock block(part.module);
-    const std::string prefix = "b" + std::to_string(model->numBlocks()) + "_" + part.label;
-    for (const auto& p : block->named_parameters(true)) {
-      model->setExportName(prefix + "." + p.key(),
-                           part.path.empty() ? p.key() : part.path + "." + p.key());
+  std::set<const void*> registered;
+  std::map<const void*, std::string> registeredName;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    std::vector<Slot> owned;
+    for (const Slot& s : slots) {
+      const void* t = s.tensor.unsafeGetTensorImpl();
+      const auto o = owner.find(t);
+      if ((o == owner.end() ? 0 : o->second) != i || !registered.insert(t).second) continue;
+      owned.push_back(s);
     }
-    for (const auto& b : block->named_buffers(true)) {
-      model->setExportName(prefix + "." + b.key(),
-                           part.path.empty() ? b.key() : part.path + "." + b.key());
+    std::string label = parts[i].label;
+    std::replace(label.begin(), label.end(), '.', '_');
+    const std::string prefix = "b" + std::to_string(i) + "_" + label;
+    for (const Slot& s : owned) {
+      registeredName[s.tensor.unsafeGetTensorImpl()] = prefix + "." + s.path;
     }
-    model->addBlock(part.label, block);
+    model->addBlock(label, ScriptBlock(root, parts[i], owned));
+  }
+  for (const Slot& s : slots) {
+    model->addExportName(registeredName.at(s.tensor.unsafeGetTensorImpl()), s.path);
+  }
+  for (size_t i = 0; i < parts.size(); ++i) {
+    for (const void* t : reads[i]) {
+      if (owner.at(t) != i) model->addSharedUse({registeredName.at(t), owner.at(t), i});
+    }
   }
   model->setStructureNote(note);
   if (spec.loss == "mse") {

@@ -245,6 +245,21 @@ PipelineStage::PipelineStage(BlockModel model, std::vector<size_t> boundaries, C
   CARAVAN_CHECK(problem.empty(), "{}", problem);
   program_ = std::move(programs[layout.stage]);
   // A weight tied across stages would be trained by two of them apart (and freed by one).
+  auto stageOfBlock = [&](size_t block) {
+    int s = 0;
+    while (boundaries_[static_cast<size_t>(s) + 1] <= block) ++s;
+    return s;
+  };
+  for (const auto& use : model_->sharedUses()) {
+    const int owner = stageOfBlock(use.owner), user = stageOfBlock(use.user);
+    if (owner != user) {
+      throw ConfigError("parameter " + model_->exportName(use.name) +
+                        " is used by blocks on stages " + std::to_string(owner) + " and " +
+                        std::to_string(user) +
+                        ": a pipeline cannot split a tied weight yet; use fewer stages "
+                        "(parallel.pipeline_stages) or put those blocks on one stage");
+    }
+  }
   std::unordered_map<const c10::TensorImpl*, int> stageOf;
   for (int s = 0; s < layout_.stages; ++s) {
     shapes_.emplace_back();

@@ -539,11 +539,17 @@ std::vector<char> pickleForTorchLoad(const c10::IValue& value) {
 }
 
 void exportStateDict(const std::string& path, torch::nn::Module& model,
-                     const std::function<std::string(const std::string&)>& rename) {
+                     const std::function<std::vector<std::string>(const std::string&)>& rename) {
   c10::Dict<std::string, at::Tensor> dict;
-  auto name = [&](const std::string& n) { return rename ? rename(n) : n; };
-  for (const auto& p : model.named_parameters()) dict.insert(name(p.key()), p.value().detach());
-  for (const auto& b : model.named_buffers()) dict.insert(name(b.key()), b.value().detach());
+  auto insert = [&](const std::string& n, const at::Tensor& t) {
+    // A tied tensor under each of its names, one storage (as torch.save writes a tied model).
+    const at::Tensor value = t.detach();
+    for (const std::string& name : rename ? rename(n) : std::vector<std::string>{n}) {
+      dict.insert(name, value);
+    }
+  };
+  for (const auto& p : model.named_parameters()) insert(p.key(), p.value());
+  for (const auto& b : model.named_buffers()) insert(b.key(), b.value());
   const std::vector<char> bytes = pickleForTorchLoad(c10::IValue(dict));
   writeFileAtomic(path, [&](int fd, const std::string& tmp) {
     writeAll(fd, bytes.data(), bytes.size(), tmp);

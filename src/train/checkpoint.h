@@ -86,8 +86,9 @@ std::vector<char> pickleForTorchLoad(const c10::IValue& value);
 
 // Exports parameters and buffers as a dict {name: tensor} that Python loads with
 // `torch.load(path)` (pickleForTorchLoad, written atomically); `rename` gives each the name
-// the user knows it by (BlockModel::exportName), when set.
-void exportStateDict(const std::string& path, torch::nn::Module& model,
-                     const std::function<std::string(const std::string&)>& rename = {});
+// the user knows it by (BlockModel::exportNames: a tied tensor under each), when set.
+void exportStateDict(
+    const std::string& path, torch::nn::Module& model,
+    const std::function<std::vector<std::string>(const std::string&)>& rename = {});
 
 }  // namespace caravan

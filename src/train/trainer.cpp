@@ -497,7 +497,7 @@ void Trainer::evaluateNow(std::optional<double> distance) {
 void Trainer::exportModel() {
   auto save = [&] {
     exportStateDict((fs::path(options_.runDir) / "model.pt").string(), *s_.model,
-                    [this](const std::string& n) { return s_.model->exportName(n); });
+                    [this](const std::string& n) { return s_.model->exportNames(n); });
   };
   if (s_.weights) {
     s_.weights->withAllResident(save);

@@ -10,7 +10,7 @@ torch.jit.script(module).save(OUT_DIR/<name>.pt). Usage: script_models.py OUT_DI
   double.pt     cnn.pt with float64 parameters; function.pt a scripted function (both refused)
   dropout-between.pt, detach-between.pt  children in order by value in eval mode, not in
                 training (dropout between them) or for gradients (a detach): one block
-  tied.pt       one module under two names (tied weights: refused); pair.pt returns a tuple
+  tied.pt       one module under two names (tied weights: one parameter); pair.pt returns a tuple
   linear.pt     nn.Linear(4, 2) with no bias, for regression on arrays
   flatten-first.pt  nn.Sequential(nn.Flatten(), Linear, ReLU, Linear): blocks without
                 parameters first and in the middle; flatten-layers.pt the same as a module's

@@ -15,6 +15,9 @@ sequence, Linear(32, 10). Classes (constructible without arguments, as the oracl
                      computed in forward) on q and k, then causal SDPA
   TorchMha           nn.MultiheadAttention(batch_first=True) with a boolean causal attn_mask
   GeluTanhMlp        an MLP with nn.GELU(approximate="tanh")
+  TiedLayers         not one block but three residual MLP layers in an nn.ModuleList, the
+                     third using the first's Linear (cross-layer tying, as ALBERT does: one
+                     module under two names, both in its state_dict)
 
 A key bias (nn.MultiheadAttention's default in_proj_bias; qkv Linear with bias) adds the same
 q.b to every score of a query, which softmax ignores: its gradient is rounding noise (~1e-10),
@@ -196,6 +199,34 @@ class GeluTanhMlp(PreNormClassifier):
 
 
 # The file each class is written to (OUT_DIR/<name>.pt).
+
+
+class ResidualMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.relu(self.fc(self.norm(h)))
+
+
+class TiedLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rows = ROWS
+        self.embed = nn.Linear(ROWS, WIDTH)
+        self.layers = nn.ModuleList([ResidualMlp() for _ in range(3)])
+        self.layers[2].fc = self.layers[0].fc  # tied
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.view(x.size(0), self.rows, self.rows))
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.mean(1))
+
+
 MODELS = {
     "causal-sdpa": CausalSdpa,
     "causal-sdpa-dropout": CausalSdpaDropout,
@@ -204,6 +235,7 @@ MODELS = {
     "rotary": RotaryAttention,
     "mha": TorchMha,
     "gelu-tanh": GeluTanhMlp,
+    "tied-layers": TiedLayers,
 }
 
 

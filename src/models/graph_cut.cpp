@@ -1,0 +1,356 @@
+// Cutting a TorchScript forward at its block calls (see graph_cut.h).
+#include "models/graph_cut.h"
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <unordered_map>
+
+#include <fmt/format.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/dead_code_elimination.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
+
+#include "core/errors.h"
+
+namespace caravan {
+namespace {
+
+namespace jit = torch::jit;
+using jit::Node;
+using jit::Value;
+
+std::string join(const std::string& a, const std::string& b) { return a.empty() ? b : a + "." + b; }
+
+bool isModuleValue(const Value* v) {
+  const auto cls = v->type()->cast<c10::ClassType>();
+  return cls && cls->is_module();
+}
+
+// The module path a module-typed value holds: a chain of attribute reads from the graph's
+// `self` ("" for self itself), or nothing for a module that came another way.
+std::optional<std::string> modulePath(const Value* v, const Value* self) {
+  if (v == self) return std::string();
+  const Node* n = v->node();
+  if (n->kind() != c10::prim::GetAttr) return std::nullopt;
+  auto parent = modulePath(n->input(0), self);
+  if (!parent) return std::nullopt;
+  return join(*parent, n->s(c10::attr::name));
+}
+
+bool isContainer(const jit::Module& m) {
+  const auto name = m.type()->name();
+  if (!name) return false;
+  const std::string q = name->qualifiedName();
+  const std::string last = name->name();
+  return (last == "ModuleList" || last == "Sequential") &&
+         q.find("torch.nn.modules.container") != std::string::npos;
+}
+
+bool hasChildren(const jit::Module& m) { return m.named_children().size() > 0; }
+
+// A container of repeated layers: two items or more of one class of the user's or a library's
+// (not torch.nn's own: a head Sequential(Linear, ReLU, Linear) is not one), making at least
+// half of its items. Traced copies of a class have mangled type names; the class name is the
+// last atom.
+bool repeats(const jit::Module& m) {
+  std::map<std::string, size_t> count;
+  size_t items = 0, most = 0;
+  for (const auto& c : m.named_children()) {
+    ++items;
+    const auto name = c.value.type()->name();
+    if (!name || name->qualifiedName().rfind("__torch__.torch.nn.", 0) == 0) continue;
+    most = std::max(most, ++count[name->name()]);
+  }
+  return most >= 2 && 2 * most >= items;
+}
+
+std::optional<jit::Module> submodule(const jit::Module& root, const std::string& path) {
+  jit::Module m = root;
+  size_t at = 0;
+  while (at < path.size()) {
+    const size_t dot = path.find('.', at);
+    const std::string part =
+        path.substr(at, dot == std::string::npos ? std::string::npos : dot - at);
+    if (!m.hasattr(part) || !m.attr(part).isModule()) return std::nullopt;
+    m = m.attr(part).toModule();
+    at = dot == std::string::npos ? path.size() : dot + 1;
+  }
+  return m;
+}
+
+// Top-most repeated containers, in attribute order.
+void findContainers(const jit::Module& m, const std::string& prefix,
+                    std::vector<std::string>& out) {
+  for (const auto& c : m.named_children()) {
+    const std::string path = join(prefix, c.name);
+    if (isContainer(c.value) && repeats(c.value)) {
+      out.push_back(path);
+    } else {
+      findContainers(c.value, path, out);
+    }
+  }
+}
+
+// Every path of a parameter or buffer under `m` (a tied tensor under each of its names).
+void tensorPaths(const jit::Module& m, const std::string& prefix, std::vector<std::string>& out) {
+  for (const auto& p : m.named_parameters(false)) out.push_back(join(prefix, p.name));
+  for (const auto& b : m.named_buffers(false)) out.push_back(join(prefix, b.name));
+  for (const auto& c : m.named_children()) tensorPaths(c.value, join(prefix, c.name), out);
+}
+
+// Values every segment can compute again from the module: constants and attribute reads.
+bool recomputable(const Value* v, const Value* self) {
+  if (v == self) return true;
+  const Node* n = v->node();
+  if (n->kind() == c10::prim::Constant) return true;
+  return n->kind() == c10::prim::GetAttr && recomputable(n->input(0), self);
+}
+
+bool trivial(const Node* n) {
+  return n->kind() == c10::prim::Constant || n->kind() == c10::prim::GetAttr;
+}
+
+std::string describe(const Value* v) {
+  return fmt::format("%{} ({})", v->debugName(), v->type()->annotation_str());
+}
+
+}  // namespace
+
+GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& containers) {
+  GraphCut cut;
+  // The block items: the named containers' children, the top-most containers', or the
+  // module's own children.
+  std::vector<std::string> holders = containers;
+  if (holders.empty()) {
+    const auto children = root.named_children();
+    if (isContainer(root)) {
+      holders = {""};
+    } else if (children.size() == 1 && isContainer((*children.begin()).value)) {
+      holders = {(*children.begin()).name};  // a module around one Sequential: its items
+    } else {
+      findContainers(root, "", holders);
+      if (holders.empty()) holders = {""};  // none repeats: the module's children
+    }
+  }
+  std::set<std::string> items;
+  for (const std::string& h : holders) {
+    const auto m = submodule(root, h);
+    if (!m || !hasChildren(*m)) {
+      throw ConfigError(
+          fmt::format("model.blocks names '{}', which is no submodule with children "
+                      "of the module; name an nn.Sequential or nn.ModuleList, or "
+                      "use 'auto'",
+                      h));
+    }
+    for (const auto& c : m->named_children()) items.insert(join(h, c.name));
+  }
+  auto holdsAnItem = [&](const std::string& p) {
+    if (p.empty()) return true;
+    return std::any_of(items.begin(), items.end(), [&](const std::string& item) {
+      return item.size() > p.size() && item.compare(0, p.size() + 1, p + ".") == 0;
+    });
+  };
+
+  const auto& forward = jit::toGraphFunction(root.get_method("forward").function());
+  auto graph = forward.graph()->copy();
+  if (graph->inputs().size() != 2) {
+    cut.note = fmt::format("its forward takes {} inputs; the blocks are cut for one",
+                           graph->inputs().size() - 1);
+    return cut;
+  }
+  Value* self = graph->inputs()[0];
+
+  // Inline down to the block calls.
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (Node* n : graph->nodes()) {
+      if (n->kind() != c10::prim::CallMethod) continue;
+      const auto p = modulePath(n->input(0), self);
+      if (!p || items.count(*p) > 0 || !holdsAnItem(*p)) continue;
+      const auto cls = n->input(0)->type()->expect<c10::ClassType>();
+      auto& callee = jit::toGraphFunction(cls->getMethod(n->s(c10::attr::name)));
+      jit::inlineCallTo(n, &callee);
+      changed = true;
+      break;
+    }
+  }
+
+  // The block calls, at the top level only.
+  const std::vector<Node*> nodes(graph->nodes().begin(), graph->nodes().end());
+  std::unordered_map<const Node*, size_t> index;
+  for (size_t i = 0; i < nodes.size(); ++i) index[nodes[i]] = i;
+  std::vector<size_t> calls;
+  std::vector<std::string> callLabels;
+  for (Node* n : jit::findAllNodes(*graph, c10::prim::CallMethod, /*recurse=*/true)) {
+    const auto p = modulePath(n->input(0), self);
+    if (!p || items.count(*p) == 0) continue;
+    if (n->owningBlock() != graph->block()) {
+      cut.note = fmt::format("{} is called inside a branch or a loop", *p);
+      return cut;
+    }
+    calls.push_back(index.at(n));
+    callLabels.push_back(*p);
+  }
+  if (calls.empty()) {
+    cut.note = "its forward calls none of the blocks' modules";
+    return cut;
+  }
+  std::vector<size_t> order(calls.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return calls[a] < calls[b]; });
+
+  auto topIndex = [&](Node* user) {
+    while (user->owningBlock() != graph->block()) user = user->owningBlock()->owningNode();
+    return user == graph->return_node() ? nodes.size() : index.at(user);
+  };
+  // What crosses a cut before position p.
+  auto crossing = [&](size_t p) {
+    std::vector<Value*> out;
+    auto consider = [&](Value* v) {
+      if (recomputable(v, self)) return;
+      for (const auto& use : v->uses()) {
+        if (topIndex(use.user) >= p) {
+          out.push_back(v);
+          return;
+        }
+      }
+    };
+    consider(graph->inputs()[1]);
+    for (size_t i = 0; i < p; ++i) {
+      for (Value* v : nodes[i]->outputs()) consider(v);
+    }
+    return out;
+  };
+  auto computes = [&](size_t a, size_t b) {
+    for (size_t i = a; i < b; ++i) {
+      if (!trivial(nodes[i])) return true;
+    }
+    return false;
+  };
+
+  // The cuts: before each block call, after the last; those where one Tensor crosses.
+  std::vector<size_t> candidates;
+  for (size_t k : order) candidates.push_back(calls[k]);
+  candidates.push_back(calls[order.back()] + 1);
+  std::vector<size_t> cuts;          // positions
+  std::vector<Value*> carried;       // what crosses each
+  std::vector<std::string> skipped;  // the cuts left out, and why
+  size_t last = 0;
+  for (size_t p : candidates) {
+    if (!computes(last, p) || !computes(p, nodes.size())) continue;  // nothing on one side
+    const auto values = crossing(p);
+    if (values.size() == 1 && values[0]->type()->cast<c10::TensorType>()) {
+      cuts.push_back(p);
+      carried.push_back(values[0]);
+      last = p;
+      continue;
+    }
+    std::string what;
+    for (const Value* v : values) what += (what.empty() ? "" : ", ") + describe(v);
+    const std::string at =
+        p < nodes.size() && std::find(calls.begin(), calls.end(), p) != calls.end()
+            ? "before " + callLabels[static_cast<size_t>(std::find(calls.begin(), calls.end(), p) -
+                                                         calls.begin())]
+            : "after the last block";
+    skipped.push_back(fmt::format("{}: {} value{} cross ({})", at, values.size(),
+                                  values.size() == 1 ? "" : "s", what));
+  }
+  if (!skipped.empty()) {
+    cut.note = fmt::format("not cut {}{}", skipped.front(),
+                           skipped.size() > 1
+                               ? fmt::format(", nor at {} other place{}", skipped.size() - 1,
+                                             skipped.size() > 2 ? "s" : "")
+                               : "");
+  }
+  if (cuts.empty()) return cut;
+
+  // The segments.
+  Value* input = graph->inputs()[1];
+  Value* output = graph->return_node()->input(0);
+  if (graph->outputs().size() != 1) return GraphCut{{}, "its forward returns several values"};
+  std::vector<std::string> everyPath;
+  tensorPaths(root, "", everyPath);
+  for (size_t s = 0; s <= cuts.size(); ++s) {
+    const size_t a = s == 0 ? 0 : cuts[s - 1];
+    const size_t b = s == cuts.size() ? nodes.size() : cuts[s];
+    Value* in = s == 0 ? input : carried[s - 1];
+    Value* out = s == cuts.size() ? output : carried[s];
+
+    auto g = std::make_shared<jit::Graph>();
+    std::unordered_map<Value*, Value*> env;
+    Value* newSelf = g->addInput("self")->setType(self->type());
+    env[self] = newSelf;
+    env[in] = g->addInput("x")->setType(c10::TensorType::get());
+    std::function<Value*(Value*)> lookup = [&](Value* v) -> Value* {
+      const auto it = env.find(v);
+      if (it != env.end()) return it->second;
+      CARAVAN_CHECK(recomputable(v, self), "graph cut: {} crosses a cut unaccounted", describe(v));
+      Node* copy = g->insertNode(g->createClone(v->node(), lookup));
+      for (size_t i = 0; i < copy->outputs().size(); ++i) {
+        env[v->node()->output(i)] = copy->output(i);
+      }
+      return env.at(v);
+    };
+    for (size_t i = a; i < b; ++i) {
+      Node* copy = g->insertNode(g->createClone(nodes[i], lookup));
+      for (size_t o = 0; o < copy->outputs().size(); ++o)
+        env[nodes[i]->output(o)] = copy->output(o);
+    }
+    g->registerOutput(lookup(out));
+    jit::EliminateDeadCode(g);
+
+    // The tensors it reads: attribute reads of tensors, and every tensor of a module it uses
+    // otherwise (a call).
+    std::set<std::string> reads;
+    for (Node* n : jit::findAllNodes(*g, c10::prim::GetAttr, /*recurse=*/true)) {
+      if (!n->output()->type()->cast<c10::TensorType>()) continue;
+      const auto p = modulePath(n->input(0), newSelf);
+      if (p) reads.insert(join(*p, n->s(c10::attr::name)));
+    }
+    std::vector<Node*> all;
+    std::function<void(jit::Block*)> walk = [&](jit::Block* block) {
+      for (Node* n : block->nodes()) {
+        all.push_back(n);
+        for (jit::Block* inner : n->blocks()) walk(inner);
+      }
+    };
+    walk(g->block());
+    for (Node* n : all) {
+      if (n->kind() == c10::prim::GetAttr) continue;
+      for (Value* v : n->inputs()) {
+        if (!isModuleValue(v)) continue;
+        const auto p = modulePath(v, newSelf);
+        if (!p) continue;
+        for (const std::string& t : everyPath) {
+          if (p->empty() || t.compare(0, p->size() + 1, *p + ".") == 0) reads.insert(t);
+        }
+      }
+    }
+    GraphSegment segment;
+    segment.label = "prologue";
+    for (size_t k : order) {
+      if (calls[k] < a) segment.label = "epilogue";
+      if (calls[k] >= a && calls[k] < b) {
+        segment.label = callLabels[k];
+        break;
+      }
+    }
+    segment.tensors.assign(reads.begin(), reads.end());
+    segment.function = std::make_shared<jit::GraphFunction>(
+        c10::QualifiedName(fmt::format("__caravan__.segment{}", s)), g, nullptr);
+    cut.segments.push_back(std::move(segment));
+  }
+  return cut;
+}
+
+at::Tensor runSegment(const GraphSegment& segment, const jit::Module& root, const at::Tensor& x) {
+  jit::GraphOptimizerEnabledGuard plain(false);
+  jit::Stack stack{root._ivalue(), x};
+  segment.function->run(stack);
+  return stack.back().toTensor();
+}
+
+}  // namespace caravan

@@ -1,0 +1,58 @@
+// Cutting a TorchScript module's forward into Caravan's blocks (models/script_model.h), found
+// in the graph rather than declared.
+//
+// The block calls are the calls of the items of the module's repeated containers: the top-most
+// nn.ModuleList and nn.Sequential attributes whose items are, half of them at least and two or
+// more, of one class that is not torch.nn's own (GPT's `h`, ResNet's `layerK`, ViT's
+// `encoder.layer`; not a head Sequential(Linear, ReLU, Linear)), or the ones `containers`
+// names. A module that is itself a Sequential, or whose only child is one, is cut at its items;
+// a module without a repeated container at its children's calls. The forward is
+// inlined down to those calls (every method call of a module that holds a container, never an
+// item's own), and then cut before each block call and after the last one, where exactly one
+// Tensor crosses: a value computed before the cut and used after it. Constants and the
+// module's attributes (parameters, submodules, flags) do not cross: each segment reads them
+// from the module itself. The code before the first block call and after the last becomes a
+// segment of its own ("prologue", "epilogue") when it computes anything.
+//
+// A cut where several values cross (a mask and the hidden state, a shape) is left out, and the
+// note names the values; a block call inside a branch or loop, or a forward with more than one
+// input, leaves the module uncut (one segment is not made: `segments` is empty, the note says
+// why).
+//
+// Each segment is a graph function (self, x) -> Tensor run on the module's own object, so the
+// segments share its parameters: the tensors a segment reads are found in its graph (an
+// attribute read, or a call of a submodule: all of that submodule's), not from module
+// membership, since a tie made by tracing reads the shared weight through its owner's path.
+// Threading: the result is used by one training thread (as the module).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/api/module.h>
+
+namespace caravan {
+
+struct GraphSegment {
+  std::string label;  // the first block call's module path, "prologue" or "epilogue"
+  std::shared_ptr<torch::jit::GraphFunction> function;  // (self, x) -> Tensor
+  std::vector<std::string> tensors;  // paths of the parameters and buffers it reads
+};
+
+struct GraphCut {
+  std::vector<GraphSegment> segments;  // empty: not cut (note says why)
+  std::string note;                    // why not cut, or which cuts were left out
+};
+
+// `containers`: the module paths whose items are the blocks ("" = the module itself); empty
+// finds them (above). Throws ConfigError when a named path is no submodule with children.
+GraphCut cutForward(const torch::jit::Module& root, const std::vector<std::string>& containers);
+
+// Runs a segment on `root`'s object, with TorchScript's graph optimizations off (ordinary
+// autograd per op, as the module's own forward runs in script_model.cpp).
+at::Tensor runSegment(const GraphSegment& segment, const torch::jit::Module& root,
+                      const at::Tensor& x);
+
+}  // namespace caravan
