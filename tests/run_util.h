@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -24,6 +25,19 @@
 #include "train/setup.h"
 
 namespace caravan::test {
+
+// The budget in bytes that a planner's refusal of memory.budget names as the smallest it can fit
+// ("... the smallest budget the planner can fit is 1.9 MiB (1972844 bytes) ..."); fails the
+// test and returns -1 when the message names none.
+inline int64_t smallestBudgetNamed(const std::string& message) {
+  std::smatch m;
+  if (!std::regex_search(message, m,
+                         std::regex("smallest budget the planner can fit is .* \\((\\d+) bytes"))) {
+    ADD_FAILURE() << "no smallest budget named: " << message;
+    return -1;
+  }
+  return std::stoll(m[1]);
+}
 
 // The loss of every train record in RUN_DIR/metrics.jsonl.
 inline std::vector<double> trainLosses(const std::string& runDir) {

@@ -12,9 +12,11 @@
 #include "core/errors.h"
 #include "gloo_ranks.h"
 #include "models/model.h"
+#include "models/script_model.h"
 #include "pipeline/partition.h"
 #include "pipeline/schedule.h"
 #include "pipeline/stage.h"
+#include "test_util.h"
 
 namespace caravan {
 namespace {
@@ -364,6 +366,44 @@ TEST(PipelineExactness, EveryScheduleEqualsOneWorkerAccumulatingTheMicroBatches)
       "every schedule, K = 2, 3, M = 1, 4, GPT and CNN, AdamW and SGD, 20 steps: largest "
       "relative difference to one worker %.3g\n",
       worst);
+}
+
+// A user's module cut into blocks from its graph (models/graph_cut.h), each stage loading its
+// own copy of the file: a scripted CNN (features, flat, head; BatchNorm in its features) and
+// Hugging Face's ViT through caravan export (prologue, its 2 layers, epilogue; without
+// transformers only the CNN). Every schedule, 2 stages, 4 micro-batches: one worker's result.
+TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
+  torch::set_num_threads(1);
+  const std::string scripted = test::scriptedModelsDir();
+  ASSERT_FALSE(scripted.empty()) << "tests/python/script_models.py failed (scripts/setup.sh)";
+  test::TempDir tmp;
+  std::vector<std::string> files = {scripted + "/cnn.pt"};
+  const auto exported =
+      test::runCaravan("export " + std::string(CARAVAN_SOURCE_DIR) +
+                       "/tests/python/stock_models.py:vit -o " + (tmp / "vit.pt"));
+  if (exported.exitCode == 0) {
+    files.push_back(tmp / "vit.pt");
+  } else {
+    std::printf("without the ViT: caravan export failed (%s)\n", exported.err.c_str());
+  }
+  for (const std::string& file : files) {
+    ModelCase s;
+    s.spec.name = kScriptModelName;
+    s.spec.path = file;
+    s.build = [s] { return loadScriptModel(s.spec, s.shape); };
+    ASSERT_GE(s.build()->numBlocks(), 3u) << file;
+    const auto data = batches(s, 10, 8);
+    const auto [expected, expectedLoss] = accumulateOnOneWorker(s, data, 4);
+    for (PipelineSchedule schedule : kAll) {
+      const auto [got, loss] = trainPipeline(s, data, schedule, 2, 4);
+      const double diff = relativeDifference(got, expected);
+      EXPECT_LE(diff, 1e-6) << file << " " << label(schedule, 2, 4);
+      EXPECT_NEAR(loss.back(), expectedLoss.back(), 1e-6 * std::abs(expectedLoss.back()))
+          << file << " " << label(schedule, 2, 4);
+      std::printf("%s %s: relative difference to one worker %.3g\n", file.c_str(),
+                  label(schedule, 2, 4).c_str(), diff);
+    }
+  }
 }
 
 TEST(PipelineExactness, FourStagesOfTheGpt) {

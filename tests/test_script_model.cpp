@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 #include <torch/version.h>
+#include <nlohmann/json.hpp>
 
 #include "core/config.h"
 #include "core/errors.h"
@@ -161,6 +162,71 @@ TEST(ScriptModel, TiedWeightsAreOneParameterUnderBothNames) {
       trainAndExport(scriptedCnn({"model.path=" + models() + "/tied.pt"}), tmp / "tied");
   EXPECT_TRUE(at::equal(tied.at("b.weight"), tied.at("c.weight")));
   EXPECT_TRUE(at::equal(tied.at("b.bias"), tied.at("c.bias")));
+}
+
+// Models cut from their graph, through the machinery per block: a scripted CNN and Hugging
+// Face's ViT and ResNet through caravan export (when transformers is there). Recomputing or
+// swapping every block, and out-of-core weights, give keep's weights bitwise; for the stock
+// models, memory.policy = auto with a budget a third of keep's activations above what persists
+// trains within it (the CNN's convolutions are one block, `features`: no plan fits that; for
+// ResNet, whose stem is one block, the smallest budget the planner names).
+TEST(ScriptModel, CutModelsTrainUnderEveryPolicyOutOfCoreAndABudget) {
+  TempDir tmp;
+  std::vector<std::string> files = {models() + "/cnn.pt"};
+  for (const std::string factory : {"vit", "resnet"}) {
+    const auto r = test::runCaravan("export " + std::string(CARAVAN_SOURCE_DIR) +
+                                    "/tests/python/stock_models.py:" + factory + " -o " +
+                                    (tmp / factory + ".pt"));
+    if (r.exitCode == 0)
+      files.push_back(tmp / factory + ".pt");
+    else
+      std::printf("without %s: caravan export failed (%s)\n", factory.c_str(), r.err.c_str());
+  }
+  for (const std::string& file : files) {
+    SCOPED_TRACE(file);
+    const std::string dir = tmp / std::to_string(std::hash<std::string>{}(file));
+    const auto run = [&](const std::string& name, std::vector<std::string> more) {
+      more.push_back("model.path=" + file);
+      more.push_back("memory.tier=host");
+      return trainAndExport(scriptedCnn(more), dir + "-" + name);
+    };
+    const auto keep = run("keep", {});
+    for (const auto& [name, more] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+             {"recompute", {"memory.policy=recompute"}},
+             {"swap", {"memory.policy=swap"}},
+             {"offload", {"memory.weights=offload"}}}) {
+      SCOPED_TRACE(name);
+      const auto other = run(name, more);
+      ASSERT_EQ(other.size(), keep.size());
+      for (const auto& [key, t] : keep) EXPECT_TRUE(at::equal(t, other.at(key))) << key;
+    }
+    const auto summary = [&](const std::string& name) {
+      return nlohmann::json::parse(test::readFile(dir + "-" + name + "/summary.json"));
+    };
+    const int64_t keepPeak = summary("keep").at("tracked_peak_bytes").get<int64_t>();
+    const int64_t activations = summary("keep").at("activation_peak_bytes").get<int64_t>();
+    ASSERT_GT(activations, 0);
+    if (file == files.front()) continue;  // the scripted CNN
+    // A third of keep's activations; where the blocks are too coarse for that (ResNet's stem is
+    // one block and holds most of them), the smallest budget the planner names, which must fit.
+    int64_t budget = keepPeak - 2 * activations / 3;
+    try {
+      run("auto", {"memory.policy=auto", "memory.budget=" + std::to_string(budget)});
+    } catch (const ConfigError& e) {
+      std::printf("%s: a third does not fit: %s\n", file.c_str(), e.what());
+      budget = test::smallestBudgetNamed(e.what());
+      ASSERT_GT(budget, 0);
+      EXPECT_EQ(file, tmp / "resnet.pt") << "only ResNet's stem is too coarse for a third";
+      run("auto", {"memory.policy=auto", "memory.budget=" + std::to_string(budget)});
+    }
+    const auto s = summary("auto");
+    EXPECT_LE(s.at("tracked_peak_bytes").get<int64_t>(), budget) << s;
+    std::printf("%s: keep's peak %lld bytes (activations %lld); auto at %lld: %lld, policy %s\n",
+                file.c_str(), static_cast<long long>(keepPeak), static_cast<long long>(activations),
+                static_cast<long long>(budget),
+                static_cast<long long>(s.at("tracked_peak_bytes").get<int64_t>()),
+                s.at("memory_policy").get<std::string>().c_str());
+  }
 }
 
 // The scripted twin of the built-in GPT (the same blocks and parameter names, written in Python)

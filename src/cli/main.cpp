@@ -17,6 +17,7 @@
 #include <CLI/CLI.hpp>
 
 #include "caravan_version.h"
+#include "cli/export_model.h"
 #include "cli/launch.h"
 #include "cli/launcher.h"
 #include "cli/simulate.h"
@@ -437,6 +438,18 @@ int main(int argc, char** argv) {
   calibrate->add_option("--swap-dir", calib.swapDir,
                         "where to measure the disk (default /var/tmp)");
 
+  ExportArgs exportArgs;
+  auto* exportCmd = app.add_subcommand(
+      "export",
+      "trace a PyTorch model as it is (FILE.py:FACTORY returning (module, example_input)) into "
+      "a TorchScript file for model.path, and print the blocks found in it (needs .venv)");
+  exportCmd->add_option("factory", exportArgs.factory, "FILE.py:FACTORY")->required();
+  exportCmd->add_option("--output,-o", exportArgs.output, "the TorchScript file to write")
+      ->required();
+  exportCmd->add_option("--blocks", exportArgs.blocks,
+                        "the containers whose items are the blocks: auto, or paths "
+                        "separated by commas");
+
   bool schema = false;
   auto* config = app.add_subcommand("config", "print the resolved config of --config/--set, or "
                                               "the schema with --schema");
@@ -538,6 +551,7 @@ int main(int argc, char** argv) {
     if (*plan) return runPlan(configPath, overrides);
     if (*simulate) return runSimulate(sim);
     if (*calibrate) return runCalibrate(calib);
+    if (*exportCmd) return runExport(exportArgs);
     if (*reportCmd) return runReport(reportSources, reportOutput, reportPng, reportTitle);
     if (*tokenizeCmd) return runTokenizer(tokenizeCmd->remaining());
     if (*inspectCmd) {

@@ -85,12 +85,12 @@ std::vector<ConfigOption> buildSchema() {
              "model from the registry, or torchscript: a module scripted in Python (model.path)",
              {"mlp", "cnn", "resnet-mini", "gpt", "torchscript"}),
       strOpt("model.path", "",
-             "torchscript: the file torch.jit.script(module).save(path) wrote (trusted code, "
-             "as a checkpoint)"),
+             "torchscript: the file torch.jit.script(module).save(path) or caravan export wrote "
+             "(trusted code, as a checkpoint)"),
       strOpt("model.blocks", "",
-             "torchscript: the nn.Sequential or nn.ModuleList attribute whose items are the "
-             "blocks (the module's forward must be them in order); empty: the module's "
-             "children if its forward is them in order, else the module as one block"),
+             "torchscript: the containers (nn.Sequential, nn.ModuleList; paths separated by "
+             "commas) whose items' calls the forward is cut at into blocks; empty or auto: its "
+             "repeated layers, found in the graph (caravan plan says where a cut stopped)"),
       strOpt("model.loss", "",
              "torchscript: empty = the task's (cross-entropy), cross_entropy, mse, or module (the "
              "module's loss(output, target) method)",

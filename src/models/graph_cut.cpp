@@ -154,6 +154,9 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     });
   };
 
+  // Compiled (a loaded file's methods are, at first use) with the graph optimizer off, as they
+  // run here: with it on, the compiler inlines every call, and no block call would be left.
+  jit::GraphOptimizerEnabledGuard plain(false);
   const auto& forward = jit::toGraphFunction(root.get_method("forward").function());
   auto graph = forward.graph()->copy();
   if (graph->inputs().size() != 2) {

@@ -14,6 +14,7 @@
 #include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/script.h>
 #include <torch/version.h>
+#include <nlohmann/json.hpp>
 
 #include "core/errors.h"
 #include "core/files.h"
@@ -401,6 +402,36 @@ std::string whyNotSequential(jit::Module& root, std::vector<Part>& parts, const 
   return whyNotSequentialInTraining(root, parts, x);
 }
 
+// A TorchScript file and what `caravan export` (tools/caravan_export.py) says of it in
+// caravan/export.json: the wrapper's attribute in front of the module's own names, and the
+// blocks asked for at export.
+struct Loaded {
+  jit::Module root;
+  std::string namesPrefix;
+  std::string blocks;
+};
+
+Loaded load(const std::string& path) {
+  Loaded out;
+  try {
+    jit::ExtraFilesMap extra{{"caravan/export.json", ""}};
+    out.root = jit::load(path, std::nullopt, extra);
+    if (!extra["caravan/export.json"].empty()) {
+      const auto meta = nlohmann::json::parse(extra["caravan/export.json"]);
+      out.namesPrefix = meta.value("names_prefix", "");
+      out.blocks = meta.value("blocks", "");
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(
+        fmt::format("model.path {}: its caravan/export.json is not JSON ({}); "
+                    "export the model again with caravan export",
+                    path, e.what()));
+  } catch (const std::exception& e) {
+    throw ConfigError(whyNotLoadable(path, e));
+  }
+  return out;
+}
+
 }  // namespace
 
 BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
@@ -413,12 +444,9 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
   const int fd = openRegularFile(spec.path, &why);
   if (fd < 0) throw ConfigError(fmt::format("model.path {} {}", spec.path, why));
   ::close(fd);
-  jit::Module root;
-  try {
-    root = jit::load(spec.path);
-  } catch (const std::exception& e) {
-    throw ConfigError(whyNotLoadable(spec.path, e));
-  }
+  Loaded loaded = load(spec.path);
+  jit::Module& root = loaded.root;
+  const std::string& namesPrefix = loaded.namesPrefix;
   if (!root.find_method("forward")) {
     throw ConfigError(
         fmt::format("model.path {} has no forward method: script an nn.Module "
@@ -492,7 +520,12 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
 
   // The blocks: the module's forward cut at its block calls (graph_cut.h), checked to be
   // that forward bitwise; else the module is one block and the note says why.
-  const std::vector<std::string> holders = blockHolders(spec.blocks);
+  // model.blocks, else what the export asked for; paths in the user's module (under the
+  // export's wrapper attribute in the file).
+  std::vector<std::string> holders = blockHolders(spec.blocks);
+  if (holders.empty()) {
+    for (const std::string& h : blockHolders(loaded.blocks)) holders.push_back(namesPrefix + h);
+  }
   std::vector<Part> parts;
   std::string note;
   GraphCut cut;
@@ -518,7 +551,7 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
           "model.blocks = '{}': the forward of {} cannot be cut at those blocks: {}; name "
           "another container, or use model.blocks = 'auto' to train it as one block where it "
           "cannot be cut",
-          spec.blocks, spec.path, note));
+          fmt::join(holders, ","), spec.path, note));
     }
     if (note.empty()) note = "its forward has no block calls to cut at";
     note = fmt::format("the module is not cut into blocks ({}); it trains as one block", note);
@@ -563,7 +596,9 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
     model->addBlock(label, ScriptBlock(root, parts[i], owned));
   }
   for (const Slot& s : slots) {
-    model->addExportName(registeredName.at(s.tensor.unsafeGetTensorImpl()), s.path);
+    const bool prefixed = !namesPrefix.empty() && s.path.rfind(namesPrefix, 0) == 0;
+    model->addExportName(registeredName.at(s.tensor.unsafeGetTensorImpl()),
+                         prefixed ? s.path.substr(namesPrefix.size()) : s.path);
   }
   for (size_t i = 0; i < parts.size(); ++i) {
     for (const void* t : reads[i]) {
@@ -599,6 +634,28 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
     });
   }
   return model;
+}
+
+std::string describeScriptBlocks(const std::string& path) {
+  Loaded loaded = load(path);
+  std::vector<std::string> holders;
+  for (const std::string& h : blockHolders(loaded.blocks))
+    holders.push_back(loaded.namesPrefix + h);
+  const GraphCut cut = cutForward(loaded.root, holders);
+  if (cut.segments.size() < 2) {
+    return fmt::format("blocks: 1 (the module is not cut: {})",
+                       cut.note.empty() ? "its forward has no block calls to cut at" : cut.note);
+  }
+  std::string labels;
+  for (const GraphSegment& s : cut.segments) {
+    std::string label = s.label;
+    if (!loaded.namesPrefix.empty() && label.rfind(loaded.namesPrefix, 0) == 0) {
+      label = label.substr(loaded.namesPrefix.size());
+    }
+    labels += (labels.empty() ? "" : ", ") + label;
+  }
+  return fmt::format("blocks: {} ({}){}", cut.segments.size(), labels,
+                     cut.note.empty() ? "" : "; " + cut.note);
 }
 
 }  // namespace caravan

@@ -1,0 +1,68 @@
+// caravan export (see export_model.h).
+#include "cli/export_model.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/errors.h"
+#include "core/output_path.h"
+#include "models/script_model.h"
+
+namespace caravan {
+
+namespace fs = std::filesystem;
+
+int runExport(const ExportArgs& args) {
+  const std::string file = args.factory.substr(0, args.factory.rfind(':'));
+  checkOutputPath({"-o", args.output}, {file});
+  std::error_code ec;
+  const fs::path tree = fs::read_symlink("/proc/self/exe", ec).parent_path().parent_path();
+  const fs::path tool = tree / "tools" / "caravan_export.py";
+  const char* given = std::getenv("CARAVAN_PYTHON");
+  const std::string python =
+      given != nullptr && *given != '\0' ? given : (tree / ".venv" / "bin" / "python").string();
+  if (!fs::is_regular_file(tool, ec)) {
+    throw ConfigError(
+        fmt::format("caravan export runs {}, which is not there: run caravan from "
+                    "its source tree's build directory",
+                    tool.string()));
+  }
+  if (::access(python.c_str(), X_OK) != 0) {
+    throw ConfigError(
+        fmt::format("caravan export needs the project's Python with torch, {}: "
+                    "run scripts/setup.sh, or set CARAVAN_PYTHON",
+                    python));
+  }
+  std::vector<std::string> argv = {python,      tool.string(), args.factory, "-o",
+                                   args.output, "--blocks",    args.blocks};
+  std::vector<char*> pointers;
+  for (auto& a : argv) pointers.push_back(a.data());
+  pointers.push_back(nullptr);
+  std::cout.flush();
+  const pid_t pid = ::fork();
+  if (pid < 0) throw IoError(fmt::format("cannot start {}: {}", python, std::strerror(errno)));
+  if (pid == 0) {
+    ::execv(python.c_str(), pointers.data());
+    std::fprintf(stderr, "caravan: error: cannot run %s: %s\n", python.c_str(),
+                 std::strerror(errno));
+    ::_exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status)) return static_cast<int>(ExitCode::kInternal);
+  if (WEXITSTATUS(status) != 0) return WEXITSTATUS(status);
+  std::cout << describeScriptBlocks(args.output) << "\n";
+  return 0;
+}
+
+}  // namespace caravan
