@@ -82,6 +82,12 @@ TEST(ScriptModel, ChildrenInOrderAreTheBlocksAndNamesAreTheModules) {
   EXPECT_EQ(setup.identity.at("model.parameters").get<std::string>().rfind("10 tensors", 0), 0u)
       << setup.identity;
 
+  // model.blocks = "none": the same module as one block.
+  RunSetup asOne(Config::fromString("", "<test>", scriptedCnn({"model.blocks=none"})));
+  EXPECT_EQ(asOne.model->numBlocks(), 1u);
+  EXPECT_EQ(asOne.model->structureNote(), "model.blocks = 'none': the module trains as one block");
+  EXPECT_EQ(asOne.model->exportName("b0_module.features.0.weight"), "features.0.weight");
+
   // What the forward does besides calling its children is cut with them: a scale after the
   // last child is a block of its own, a dropout or a detach() between two children stays in
   // the block before (the cut is checked bitwise against the whole forward, in eval and in

@@ -90,7 +90,8 @@ std::vector<ConfigOption> buildSchema() {
       strOpt("model.blocks", "",
              "torchscript: the containers (nn.Sequential, nn.ModuleList; paths separated by "
              "commas) whose items' calls the forward is cut at into blocks; empty or auto: its "
-             "repeated layers, found in the graph (caravan plan says where a cut stopped)"),
+             "repeated layers, found in the graph (caravan plan says where a cut stopped); "
+             "none: the module as one block"),
       strOpt("model.loss", "",
              "torchscript: empty = the task's (cross-entropy), cross_entropy, mse, or module (the "
              "module's loss(output, target) method)",

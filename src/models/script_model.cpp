@@ -310,11 +310,11 @@ void slotsOf(const jit::Module& m, const std::string& prefix, std::vector<Slot>&
   }
 }
 
-// model.blocks as container paths: "" or "auto" finds them; else a path or a comma-separated
-// list of paths.
+// model.blocks as container paths: "" or "auto" finds them ("none": not cut at all); else a
+// path or a comma-separated list of paths.
 std::vector<std::string> blockHolders(const std::string& blocks) {
   std::vector<std::string> out;
-  if (blocks.empty() || blocks == "auto") return out;
+  if (blocks.empty() || blocks == "auto" || blocks == "none") return out;
   size_t at = 0;
   for (size_t comma; at <= blocks.size(); at = comma + 1) {
     comma = blocks.find(',', at);
@@ -529,8 +529,9 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
   std::vector<Part> parts;
   std::string note;
   GraphCut cut;
+  const bool asOne = spec.blocks == "none";  // asked to train it as one block
   try {
-    cut = cutForward(root, holders);
+    if (!asOne) cut = cutForward(root, holders);
   } catch (const ConfigError& e) {
     throw ConfigError(fmt::format("model.path {}: {}", spec.path, e.what()));
   }
@@ -546,15 +547,19 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
     }
   }
   if (parts.size() < 2) {
-    if (!holders.empty()) {
+    if (!holders.empty() && !asOne) {
       throw ConfigError(fmt::format(
           "model.blocks = '{}': the forward of {} cannot be cut at those blocks: {}; name "
           "another container, or use model.blocks = 'auto' to train it as one block where it "
           "cannot be cut",
           fmt::join(holders, ","), spec.path, note));
     }
-    if (note.empty()) note = "its forward has no block calls to cut at";
-    note = fmt::format("the module is not cut into blocks ({}); it trains as one block", note);
+    if (asOne) {
+      note = "model.blocks = 'none': the module trains as one block";
+    } else {
+      if (note.empty()) note = "its forward has no block calls to cut at";
+      note = fmt::format("the module is not cut into blocks ({}); it trains as one block", note);
+    }
     parts = {{"module", nullptr}};
   }
   root.train();
