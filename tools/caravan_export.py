@@ -5,7 +5,9 @@
     (or: .venv/bin/python tools/caravan_export.py FILE.py:FACTORY -o OUT.pt ...)
 
 FACTORY is a callable in FILE.py that returns (module, example_input): the model, built as the
-user builds it (no rewrite), and one batch of its input. The module is traced in training mode
+user builds it (no rewrite), and one batch of its input; or (module, (example_input,
+example_targets)) for a module whose forward(x, targets) returns its own loss (nanoGPT's
+(logits, loss)), which Caravan then trains on. The module is traced in training mode
 with torch.jit.trace, not scripted: Hugging Face models and nanoGPT under torch 2.x do not
 script (torch.jit.script compiles every branch of their forward, and torch.fx's symbolic trace
 stops at their data-dependent checks), while a trace records the operations one batch runs.
@@ -14,16 +16,19 @@ BatchNorm or dropout runs as in training, evaluation included). Caravan's loader
 traced forward into blocks at its repeated layers (src/models/graph_cut.h).
 
 The module is called as model(x) and trained on its first output: a Tensor, the first element
-of a tuple, or a Hugging Face output's logits. A Hugging Face model (transformers'
+of a tuple, or a Hugging Face output's logits. Given targets, it is called as model(x, targets)
+and what it returns is kept (its Tensors): Caravan's loader finds the loss among them (the value
+that reads the targets) and the output that loss reads. A Hugging Face model (transformers'
 PreTrainedModel) is called with return_dict=False, and use_cache=False where it takes it. The
 call goes through a one-attribute wrapper ("m"); the file says so (caravan/export.json,
 names_prefix "m."), and Caravan exports the parameters under the module's own names, so its
 model.pt loads into the user's class with load_state_dict(strict=True).
 
-Checks before writing: parameters are float32, the traced forward gives the module's output
-bitwise on the example (training mode, both from the same generator state; the module's buffers
-are put back afterwards, so the file holds the factory's state). Exit codes: 0 written, 2 bad input (one line
-on stderr).
+Checks before writing: parameters are float32, --blocks names submodules with children, the
+traced forward gives the module's outputs bitwise on the example (training mode, both from the
+same generator state; the module's buffers are put back afterwards, so the file holds the
+factory's state). Exit codes: 0 written, 2 refused (one line on stderr; nothing written).
+
 """
 import argparse
 import importlib.util
@@ -71,13 +76,31 @@ def main(argv):
     import torch
     import torch.nn as nn
 
-    made = load_factory(args.factory)()
+    factory = load_factory(args.factory)
+    try:
+        made = factory()
+    except Exception as e:  # the user's code: said in one line
+        fail(f"{args.factory}() fails: {type(e).__name__}: {e}")
     if not isinstance(made, tuple) or len(made) != 2 or not isinstance(made[0], nn.Module):
         fail(f"{args.factory} must return (module, example_input); it returned "
              f"{type(made).__name__}")
     model, example = made
-    if not isinstance(example, torch.Tensor):
-        fail(f"{args.factory}: the example input is {type(example).__name__}; give one Tensor")
+    inputs = example if isinstance(example, tuple) else (example,)
+    if not 1 <= len(inputs) <= 2 or not all(isinstance(t, torch.Tensor) for t in inputs):
+        fail(f"{args.factory}: give the example input as one Tensor, or (input, targets) for a "
+             "forward that returns its own loss")
+    example = inputs[0]
+    for path in args.blocks.split(","):
+        path = path.strip()
+        if path in ("", "auto", "none"):
+            continue
+        try:
+            sub = model.get_submodule(path)
+        except AttributeError:
+            sub = None
+        if sub is None or not list(sub.children()):
+            fail(f"--blocks names '{path}', which is no submodule with children of "
+                 f"{type(model).__name__}; name an nn.Sequential or nn.ModuleList, or use auto")
     for name, p in model.named_parameters():
         if p.dtype != torch.float32:
             fail(f"parameter {name} is {p.dtype}; Caravan trains float32 parameters "
@@ -108,7 +131,20 @@ def main(argv):
                 out = out.logits
             return out
 
-    wrapper = Called(model).train()
+    class CalledWithTargets(nn.Module):
+        """model(x, targets), its Tensors (the logits and the loss)."""
+
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, targets):
+            out = self.m(x, targets, **kwargs)
+            if isinstance(out, torch.Tensor):
+                return out
+            return tuple(t for t in out if isinstance(t, torch.Tensor))
+
+    wrapper = (CalledWithTargets if len(inputs) == 2 else Called)(model).train()
     # Tracing and the check run the forward in training mode: BatchNorm's running statistics
     # move and dropout draws. The file keeps the factory's state, and the generator is left as
     # the factory left it.
@@ -117,27 +153,40 @@ def main(argv):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tracer's notes on Python values it fixes
         try:
-            traced = torch.jit.trace(wrapper, (example,), check_trace=False)
+            traced = torch.jit.trace(wrapper, inputs, check_trace=False)
         except Exception as e:
             fail(f"torch.jit.trace of {args.factory} fails: {type(e).__name__}: "
                  f"{str(e).splitlines()[0] if str(e) else ''}")
-    with torch.no_grad():
+    try:
+        with torch.no_grad():
+            torch.set_rng_state(rng)
+            expected = wrapper(*inputs)
+            torch.set_rng_state(rng)
+            got = traced(*inputs)
+    except Exception as e:
+        fail(f"the traced forward of {args.factory} fails on the example: {type(e).__name__}: "
+             f"{str(e).splitlines()[0] if str(e) else ''}")
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
         torch.set_rng_state(rng)
-        expected = wrapper(example)
-        torch.set_rng_state(rng)
-        got = traced(example)
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
-    torch.set_rng_state(rng)
-    if not isinstance(got, torch.Tensor) or not isinstance(expected, torch.Tensor):
-        fail(f"{args.factory}: the model's first output is not a Tensor")
-    if got.shape != expected.shape or not torch.equal(got, expected):
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = got if isinstance(got, tuple) else (got,)
+    if not expected or not all(isinstance(t, torch.Tensor) for t in expected + got):
+        fail(f"{args.factory}: the model's output is not a Tensor")
+    if len(got) != len(expected) or any(g.shape != e.shape or not torch.equal(g, e)
+                                        for g, e in zip(got, expected)):
         fail(f"the traced forward of {args.factory} differs from the module's on the example "
              "(a branch on the data, or randomness in training mode?)")
     meta = {"names_prefix": "m.", "blocks": args.blocks, "traced_with": "torch.jit.trace",
             "torch": torch.__version__, "factory": args.factory,
-            "example": {"shape": list(example.shape), "dtype": str(example.dtype)}}
-    traced.save(args.output, _extra_files={"caravan/export.json": json.dumps(meta)})
+            "example": {"shape": list(example.shape), "dtype": str(example.dtype)},
+            "own_loss": len(inputs) == 2}
+    try:
+        traced.save(args.output, _extra_files={"caravan/export.json": json.dumps(meta)})
+    except Exception as e:
+        fail(f"cannot write {args.output}: {type(e).__name__}: {e}")
     parameters = sum(p.numel() for p in model.parameters())
     print(f"caravan export: wrote {args.output}: {type(model).__name__}, {parameters} "
           f"parameters, traced on input {list(example.shape)} {example.dtype}")

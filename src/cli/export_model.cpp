@@ -25,7 +25,9 @@ int runExport(const ExportArgs& args) {
   const std::string file = args.factory.substr(0, args.factory.rfind(':'));
   checkOutputPath({"-o", args.output}, {file});
   std::error_code ec;
-  const fs::path tree = fs::read_symlink("/proc/self/exe", ec).parent_path().parent_path();
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) throw IoError(fmt::format("cannot read /proc/self/exe: {}", ec.message()));
+  const fs::path tree = exe.parent_path().parent_path();
   const fs::path tool = tree / "tools" / "caravan_export.py";
   const char* given = std::getenv("CARAVAN_PYTHON");
   const std::string python =
@@ -36,7 +38,8 @@ int runExport(const ExportArgs& args) {
                     "its source tree's build directory",
                     tool.string()));
   }
-  if (::access(python.c_str(), X_OK) != 0) {
+  // A name without a slash is looked up in PATH (execvp); a path must be executable.
+  if (python.find('/') != std::string::npos && ::access(python.c_str(), X_OK) != 0) {
     throw ConfigError(
         fmt::format("caravan export needs the project's Python with torch, {}: "
                     "run scripts/setup.sh, or set CARAVAN_PYTHON",
@@ -47,13 +50,13 @@ int runExport(const ExportArgs& args) {
   std::vector<char*> pointers;
   for (auto& a : argv) pointers.push_back(a.data());
   pointers.push_back(nullptr);
+  const std::string failed = "caravan: error: cannot run " + python + "\n";  // before fork
   std::cout.flush();
   const pid_t pid = ::fork();
   if (pid < 0) throw IoError(fmt::format("cannot start {}: {}", python, std::strerror(errno)));
   if (pid == 0) {
-    ::execv(python.c_str(), pointers.data());
-    std::fprintf(stderr, "caravan: error: cannot run %s: %s\n", python.c_str(),
-                 std::strerror(errno));
+    ::execvp(python.c_str(), pointers.data());
+    [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, failed.data(), failed.size());
     ::_exit(127);
   }
   int status = 0;

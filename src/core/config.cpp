@@ -89,12 +89,13 @@ std::vector<ConfigOption> buildSchema() {
              "(trusted code, as a checkpoint)"),
       strOpt("model.blocks", "",
              "torchscript: the containers (nn.Sequential, nn.ModuleList; paths separated by "
-             "commas) whose items' calls the forward is cut at into blocks; empty or auto: its "
-             "repeated layers, found in the graph (caravan plan says where a cut stopped); "
-             "none: the module as one block"),
+             "commas) whose items' calls the forward is cut at into blocks; empty: what caravan "
+             "export was given (--blocks), else auto; auto: its repeated layers, found in the "
+             "graph (caravan plan says where a cut stopped); none: the module as one block"),
       strOpt("model.loss", "",
-             "torchscript: empty = the task's (cross-entropy), cross_entropy, mse, or module (the "
-             "module's loss(output, target) method)",
+             "torchscript: empty = the loss its forward returns when it takes (x, targets) "
+             "(caravan export), else the task's (cross-entropy); cross_entropy, mse, or module "
+             "(the module's loss(output, target) method)",
              {"", "cross_entropy", "mse", "module"}),
       intOpt("model.width", 0, 0, 1 << 16,
              "0 = model default; mlp: hidden units, cnn/resnet-mini: base channels, gpt: d_model"),

@@ -374,7 +374,8 @@ void Frame::materialize() {
   // The forward must see what it saw the first time: the RNG state (dropout) and the buffers
   // (batch norm's running statistics, which it updates again); both are put back afterwards,
   // also when the forward throws.
-  std::vector<at::Tensor> buffers = block->ptr()->buffers();
+  // A block's own buffers and those it reads of another block's (a shared BatchNorm).
+  std::vector<at::Tensor> buffers = exec->model()->blockBuffers(index);
   std::vector<at::Tensor> saved;
   {
     at::NoGradGuard noGrad;

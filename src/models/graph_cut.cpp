@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
+#include <torch/csrc/jit/passes/lower_tuples.h>
 #include <torch/csrc/jit/runtime/graph_executor.h>
 
 #include "core/errors.h"
@@ -117,10 +118,172 @@ std::string describe(const Value* v) {
   return fmt::format("%{} ({})", v->debugName(), v->type()->annotation_str());
 }
 
+// Every value a node reads, its nested blocks' included.
+void readsOf(Node* n, std::vector<Value*>& out) {
+  for (Value* v : n->inputs()) out.push_back(v);
+  for (jit::Block* b : n->blocks()) {
+    for (Node* inner : b->nodes()) readsOf(inner, out);
+    for (Value* v : b->outputs()) out.push_back(v);
+  }
+}
+
+// A forward(x, targets) that returns its loss, split in two: the model, forward(self, x) ->
+// the one value the loss reads from it (the logits), and the loss, loss(self, output,
+// targets). The loss part is every top-level node that reads the targets, directly or not.
+struct LossSplit {
+  std::shared_ptr<jit::Graph> model, loss;
+  int outputIndex = -1;  // where the output is in the tuple the forward returns (-1: not there)
+  std::string note;      // why not split
+};
+
+// Appends clones of `nodes` to `g`, inputs through `env` (what is not there must be
+// recomputable: constants and attribute reads, cloned on first use).
+void cloneInto(jit::Graph& g, const std::vector<Node*>& nodes, Value* self,
+               std::unordered_map<Value*, Value*>& env) {
+  std::function<Value*(Value*)> lookup = [&](Value* v) -> Value* {
+    const auto it = env.find(v);
+    if (it != env.end()) return it->second;
+    CARAVAN_CHECK(recomputable(v, self), "graph cut: {} crosses a cut unaccounted", describe(v));
+    Node* copy = g.insertNode(g.createClone(v->node(), lookup));
+    for (size_t i = 0; i < copy->outputs().size(); ++i) env[v->node()->output(i)] = copy->output(i);
+    return env.at(v);
+  };
+  for (Node* n : nodes) {
+    Node* copy = g.insertNode(g.createClone(n, lookup));
+    for (size_t o = 0; o < copy->outputs().size(); ++o) env[n->output(o)] = copy->output(o);
+  }
+}
+
+LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
+  LossSplit split;
+  Value* self = graph->inputs()[0];
+  Value* input = graph->inputs()[1];
+  Value* targets = graph->inputs()[2];
+  Node* tuple = graph->outputs()[0]->node()->kind() == c10::prim::TupleConstruct
+                    ? graph->outputs()[0]->node()
+                    : nullptr;
+  const auto returned =
+      tuple != nullptr ? tuple->inputs().vec() : std::vector<Value*>{graph->outputs()[0]};
+  // What reads the targets, directly or not.
+  std::set<const Value*> dependent{targets};
+  for (Node* n : graph->nodes()) {
+    std::vector<Value*> reads;
+    readsOf(n, reads);
+    if (n != tuple && std::any_of(reads.begin(), reads.end(),
+                                  [&](const Value* v) { return dependent.count(v) > 0; })) {
+      for (Value* v : n->outputs()) dependent.insert(v);
+    }
+  }
+  // The loss: the one returned value that reads them; the output: the one returned value that
+  // does not (nanoGPT's logits), else the one value the nodes reading the targets read of the
+  // rest.
+  Value* loss = nullptr;
+  std::vector<Value*> outputs;
+  for (Value* v : returned) {
+    if (dependent.count(v) == 0) {
+      outputs.push_back(v);
+    } else if (loss != nullptr) {
+      split.note = "its forward returns two values that read the targets";
+      return split;
+    } else {
+      loss = v;
+    }
+  }
+  if (loss == nullptr) {
+    split.note = "its forward takes a second input but returns nothing that reads it";
+    return split;
+  }
+  auto topLevel = [&](Node* n) {
+    while (n->owningBlock() != graph->block()) n = n->owningBlock()->owningNode();
+    return n;
+  };
+  std::vector<Value*> crossing;
+  if (outputs.size() == 1 && outputs[0]->type()->cast<c10::TensorType>() && outputs[0] != input) {
+    crossing = outputs;
+  } else {
+    std::set<Value*> read;
+    for (Node* n : graph->nodes()) {
+      if (n == tuple || dependent.count(n->outputs().empty() ? nullptr : n->output(0)) == 0) {
+        continue;
+      }
+      std::vector<Value*> reads;
+      readsOf(n, reads);
+      for (Value* v : reads) {
+        if (dependent.count(v) == 0 && !recomputable(v, self) &&
+            (v == input || topLevel(v->node()) != n)) {
+          read.insert(v);
+        }
+      }
+    }
+    crossing.assign(read.begin(), read.end());
+  }
+  if (crossing.size() != 1 || !crossing[0]->type()->cast<c10::TensorType>() ||
+      crossing[0] == input) {
+    std::string what;
+    for (const Value* v : crossing) what += (what.empty() ? "" : ", ") + describe(v);
+    split.note = fmt::format(
+        "its loss reads {} value{} of the forward ({}); Caravan trains on "
+        "a loss of one output (the logits) and the targets",
+        crossing.size(), crossing.size() == 1 ? "" : "s", what);
+    return split;
+  }
+  Value* output = crossing[0];
+  for (size_t i = 0; i < returned.size(); ++i) {
+    if (returned[i] == output) split.outputIndex = static_cast<int>(i);
+  }
+  // The model: what the output needs; the loss: the rest (what reads the targets, and what only
+  // it uses, such as the output's sizes for a view).
+  std::set<Node*> needed;
+  std::vector<Node*> stack{output->node()};
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    if (n->kind() == c10::prim::Param || n->owningBlock() != graph->block() ||
+        !needed.insert(n).second) {
+      continue;
+    }
+    std::vector<Value*> reads;
+    readsOf(n, reads);
+    for (Value* v : reads) stack.push_back(topLevel(v->node()));
+  }
+  std::vector<Node*> modelNodes, lossNodes;
+  for (Node* n : graph->nodes()) {
+    if (n == tuple) continue;
+    (needed.count(n) > 0 ? modelNodes : lossNodes).push_back(n);
+  }
+
+  split.model = std::make_shared<jit::Graph>();
+  {
+    std::unordered_map<Value*, Value*> env;
+    env[self] = split.model->addInput("self")->setType(self->type());
+    env[input] = split.model->addInput("x")->setType(input->type());
+    cloneInto(*split.model, modelNodes, self, env);
+    split.model->registerOutput(env.at(output));
+    jit::EliminateDeadCode(split.model);
+  }
+  split.loss = std::make_shared<jit::Graph>();
+  {
+    std::unordered_map<Value*, Value*> env;
+    env[self] = split.loss->addInput("self")->setType(self->type());
+    env[output] = split.loss->addInput("output")->setType(c10::TensorType::get());
+    env[targets] = split.loss->addInput("targets")->setType(targets->type());
+    cloneInto(*split.loss, lossNodes, self, env);
+    split.loss->registerOutput(env.at(loss));
+    jit::EliminateDeadCode(split.loss);
+  }
+  return split;
+}
+
 }  // namespace
 
-GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& containers) {
+GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& containers,
+                    const std::string& namesPrefix) {
   GraphCut cut;
+  // A path as the user's module names it (without caravan export's wrapper attribute).
+  auto shown = [&](const std::string& path) {
+    return !namesPrefix.empty() && path.rfind(namesPrefix, 0) == 0 ? path.substr(namesPrefix.size())
+                                                                   : path;
+  };
   // The block items: the named containers' children, the top-most containers', or the
   // module's own children.
   std::vector<std::string> holders = containers;
@@ -132,7 +295,19 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
       holders = {(*children.begin()).name};  // a module around one Sequential: its items
     } else {
       findContainers(root, "", holders);
-      if (holders.empty()) holders = {""};  // none repeats: the module's children
+      if (holders.empty()) {
+        // None repeats: the module's children, below any wrapper of one child (caravan
+        // export's, or the user's own).
+        std::string path;
+        jit::Module m = root;
+        for (auto c = m.named_children(); c.size() == 1; c = m.named_children()) {
+          const auto only = *c.begin();
+          if (!hasChildren(only.value)) break;
+          path = join(path, only.name);
+          m = only.value;
+        }
+        holders = {path};
+      }
     }
   }
   std::set<std::string> items;
@@ -140,10 +315,9 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     const auto m = submodule(root, h);
     if (!m || !hasChildren(*m)) {
       throw ConfigError(
-          fmt::format("model.blocks names '{}', which is no submodule with children "
-                      "of the module; name an nn.Sequential or nn.ModuleList, or "
-                      "use 'auto'",
-                      h));
+          fmt::format("'{}' is no submodule with children of the module; name an "
+                      "nn.Sequential or nn.ModuleList, or use 'auto'",
+                      shown(h)));
     }
     for (const auto& c : m->named_children()) items.insert(join(h, c.name));
   }
@@ -159,9 +333,11 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
   jit::GraphOptimizerEnabledGuard plain(false);
   const auto& forward = jit::toGraphFunction(root.get_method("forward").function());
   auto graph = forward.graph()->copy();
-  if (graph->inputs().size() != 2) {
-    cut.note = fmt::format("its forward takes {} inputs; the blocks are cut for one",
-                           graph->inputs().size() - 1);
+  if (graph->inputs().size() != 2 && graph->inputs().size() != 3) {
+    cut.note = fmt::format(
+        "its forward takes {} inputs; Caravan calls forward(x) or, with a "
+        "loss of its own, forward(x, targets)",
+        graph->inputs().size() - 1);
     return cut;
   }
   Value* self = graph->inputs()[0];
@@ -181,6 +357,28 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     }
   }
 
+  // forward(x, targets) returning its loss: the blocks are cut in what comes before the loss.
+  // A tuple built and taken apart again (a forward returning (logits, loss) to a caller that
+  // unpacks it) is each element itself: otherwise every element would seem to read the targets.
+  if (graph->inputs().size() == 3) {
+    jit::LowerSimpleTuples(graph);
+    jit::EliminateDeadCode(graph);
+    LossSplit split = splitLoss(graph);
+    if (!split.model) {
+      cut.note = split.note;
+      return cut;
+    }
+    cut.loss = std::make_shared<jit::GraphFunction>(c10::QualifiedName("__caravan__.loss"),
+                                                    split.loss, nullptr);
+    cut.outputIndex = split.outputIndex;
+    cut.model = std::make_shared<GraphSegment>();
+    cut.model->label = "module";
+    cut.model->function = std::make_shared<jit::GraphFunction>(
+        c10::QualifiedName("__caravan__.model"), split.model->copy(), nullptr);
+    graph = split.model;
+    self = graph->inputs()[0];
+  }
+
   // The block calls, at the top level only.
   const std::vector<Node*> nodes(graph->nodes().begin(), graph->nodes().end());
   std::unordered_map<const Node*, size_t> index;
@@ -191,11 +389,11 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     const auto p = modulePath(n->input(0), self);
     if (!p || items.count(*p) == 0) continue;
     if (n->owningBlock() != graph->block()) {
-      cut.note = fmt::format("{} is called inside a branch or a loop", *p);
+      cut.note = fmt::format("{} is called inside a branch or a loop", shown(*p));
       return cut;
     }
     calls.push_back(index.at(n));
-    callLabels.push_back(*p);
+    callLabels.push_back(shown(*p));
   }
   if (calls.empty()) {
     cut.note = "its forward calls none of the blocks' modules";
@@ -273,9 +471,9 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
   // The segments.
   Value* input = graph->inputs()[1];
   Value* output = graph->return_node()->input(0);
-  if (graph->outputs().size() != 1) return GraphCut{{}, "its forward returns several values"};
   std::vector<std::string> everyPath;
   tensorPaths(root, "", everyPath);
+  const std::set<std::string> stateful(everyPath.begin(), everyPath.end());
   for (size_t s = 0; s <= cuts.size(); ++s) {
     const size_t a = s == 0 ? 0 : cuts[s - 1];
     const size_t b = s == cuts.size() ? nodes.size() : cuts[s];
@@ -307,11 +505,13 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
 
     // The tensors it reads: attribute reads of tensors, and every tensor of a module it uses
     // otherwise (a call).
+    // Parameters and buffers only: a plain tensor attribute (self.mask = ...) is no state.
     std::set<std::string> reads;
     for (Node* n : jit::findAllNodes(*g, c10::prim::GetAttr, /*recurse=*/true)) {
-      if (!n->output()->type()->cast<c10::TensorType>()) continue;
       const auto p = modulePath(n->input(0), newSelf);
-      if (p) reads.insert(join(*p, n->s(c10::attr::name)));
+      if (!p) continue;
+      const std::string path = join(*p, n->s(c10::attr::name));
+      if (stateful.count(path) > 0) reads.insert(path);
     }
     std::vector<Node*> all;
     std::function<void(jit::Block*)> walk = [&](jit::Block* block) {
@@ -347,6 +547,14 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     cut.segments.push_back(std::move(segment));
   }
   return cut;
+}
+
+at::Tensor runLoss(jit::GraphFunction& loss, const jit::Module& root, const at::Tensor& output,
+                   const at::Tensor& target) {
+  jit::GraphOptimizerEnabledGuard plain(false);
+  jit::Stack stack{root._ivalue(), output, target};
+  loss.run(stack);
+  return stack.back().toTensor();
 }
 
 at::Tensor runSegment(const GraphSegment& segment, const jit::Module& root, const at::Tensor& x) {

@@ -15,9 +15,8 @@
 // segment of its own ("prologue", "epilogue") when it computes anything.
 //
 // A cut where several values cross (a mask and the hidden state, a shape) is left out, and the
-// note names the values; a block call inside a branch or loop, or a forward with more than one
-// input, leaves the module uncut (one segment is not made: `segments` is empty, the note says
-// why).
+// note names the values; a block call inside a branch or loop, or a forward with more inputs
+// than (x) or (x, targets), leaves the module uncut (`segments` is empty, the note says why).
 //
 // Each segment is a graph function (self, x) -> Tensor run on the module's own object, so the
 // segments share its parameters: the tensors a segment reads are found in its graph (an
@@ -44,11 +43,26 @@ struct GraphSegment {
 struct GraphCut {
   std::vector<GraphSegment> segments;  // empty: not cut (note says why)
   std::string note;                    // why not cut, or which cuts were left out
+  // A forward(x, targets) that returns its own loss (nanoGPT's (logits, loss)): the blocks are
+  // cut in the part before the loss, which ends at the one value the loss reads (the output,
+  // the logits); `loss` is the rest, loss(self, output, targets) -> the loss; `model` the part
+  // before it uncut (the one block where it cannot be cut); `outputIndex` where the output is
+  // in the tuple the forward returns (-1: it returns the loss alone). All null without.
+  std::shared_ptr<torch::jit::GraphFunction> loss;
+  std::shared_ptr<GraphSegment> model;
+  int outputIndex = -1;
 };
 
 // `containers`: the module paths whose items are the blocks ("" = the module itself); empty
-// finds them (above). Throws ConfigError when a named path is no submodule with children.
-GraphCut cutForward(const torch::jit::Module& root, const std::vector<std::string>& containers);
+// finds them (above). `namesPrefix`: what paths in `root` have in front of the user's names
+// (caravan export's wrapper, "m."), left out of labels and messages. Throws ConfigError when a
+// named path is no submodule with children.
+GraphCut cutForward(const torch::jit::Module& root, const std::vector<std::string>& containers,
+                    const std::string& namesPrefix = "");
+
+// Runs a GraphCut's loss on `root`'s object (graph optimizations off, as runSegment).
+at::Tensor runLoss(torch::jit::GraphFunction& loss, const torch::jit::Module& root,
+                   const at::Tensor& output, const at::Tensor& target);
 
 // Runs a segment on `root`'s object, with TorchScript's graph optimizations off (ordinary
 // autograd per op, as the module's own forward runs in script_model.cpp).

@@ -77,6 +77,17 @@ std::string BlockModelImpl::exportName(const std::string& name) const {
   return it == exportNames_.end() ? name : it->second.front();
 }
 
+std::vector<at::Tensor> BlockModelImpl::blockBuffers(size_t i) {
+  std::vector<at::Tensor> out = blocks_.at(i).ptr()->buffers();
+  if (sharedUses_.empty()) return out;
+  const auto all = named_buffers();
+  for (const SharedUse& use : sharedUses_) {
+    if (use.user != i) continue;
+    if (const at::Tensor* b = all.find(use.name)) out.push_back(*b);
+  }
+  return out;
+}
+
 std::vector<std::string> BlockModelImpl::exportNames(const std::string& name) const {
   const auto it = exportNames_.find(name);
   return it == exportNames_.end() ? std::vector<std::string>{name} : it->second;

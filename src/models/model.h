@@ -109,6 +109,9 @@ class BlockModelImpl : public torch::nn::Module {
     size_t user = 0;
   };
   const std::vector<SharedUse>& sharedUses() const { return sharedUses_; }
+  // Block i's buffers: its own and those it reads of other blocks (SharedUse), which a
+  // recomputation of block i must put back as it must its own.
+  std::vector<at::Tensor> blockBuffers(size_t i);
   void addSharedUse(SharedUse use) { sharedUses_.push_back(std::move(use)); }
 
   // Why the model is one block where the planner would want several, or where a found cut

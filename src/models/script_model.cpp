@@ -198,18 +198,13 @@ at::Tensor sampleTarget(const DataShape& shape, const at::Tensor& x) {
   return at::randint(std::max<int64_t>(classes, 1), dims, generator, at::TensorOptions(at::kLong));
 }
 
-// Why the module's `loss` method cannot be the training loss ("" when it can): it must take
-// (output, target), more arguments only with defaults, and return one floating-point number.
-std::string whyNotALoss(jit::Module& root, const at::Tensor& output, const at::Tensor& target) {
-  const auto method = root.find_method("loss");
-  const auto& arguments = method->function().getSchema().arguments();  // self included
-  size_t required = 0;
-  for (const auto& a : arguments) required += !a.default_value().has_value();
-  if (required > 3 || arguments.size() < 3) {
-    const size_t n = (arguments.size() < 3 ? arguments.size() : required) - 1;
-    return fmt::format("it {} {} argument{}; Caravan calls loss(output, target)",
-                       arguments.size() < 3 ? "takes" : "needs", n, n == 1 ? "" : "s");
-  }
+// Why `call(output)` (a loss of the output and `target`, `what` in messages) cannot be the
+// training loss ("" when it can): on the sample it must return one floating-point number that
+// depends on the output. The RNG and the module's buffers are as before afterwards.
+std::string whyNotLossOn(jit::Module& root,
+                         const std::function<c10::IValue(const at::Tensor&)>& call,
+                         const at::Tensor& output, const at::Tensor& target,
+                         const std::string& what) {
   // As the run left them afterwards: the RNG (seeded for the run) and buffers a loss updates.
   ModuleSnapshot snapshot(root);
   const auto restore = onScopeExit([&] { snapshot.restore(); });
@@ -219,10 +214,10 @@ std::string whyNotALoss(jit::Module& root, const at::Tensor& output, const at::T
   try {
     jit::GraphOptimizerEnabledGuard plain(false);
     at::AutoGradMode enable(true);
-    value = root.run_method("loss", in, target);
+    value = call(in);
   } catch (const std::exception& e) {
-    return fmt::format("loss(output, target) fails on output {} and target {} ({})",
-                       shapeText(output), shapeText(target), lastLine(e));
+    return fmt::format("{} fails on output {} and target {} ({})", what, shapeText(output),
+                       shapeText(target), lastLine(e));
   }
   if (!value.isTensor()) {
     return fmt::format("it returns {}; Caravan expects one number (a 0-dimensional Tensor)",
@@ -239,6 +234,31 @@ std::string whyNotALoss(jit::Module& root, const at::Tensor& output, const at::T
     return "its value does not depend on the output (no gradient reaches the model through it)";
   }
   return "";
+}
+
+// Why the module's `loss` method cannot be the training loss ("" when it can): it must take
+// (output, target), more arguments only with defaults, and return one floating-point number.
+std::string whyNotALoss(jit::Module& root, const at::Tensor& output, const at::Tensor& target) {
+  const auto method = root.find_method("loss");
+  const auto& arguments = method->function().getSchema().arguments();  // self included
+  size_t required = 0;
+  for (const auto& a : arguments) required += !a.default_value().has_value();
+  if (required > 3 || arguments.size() < 3) {
+    const size_t n = (arguments.size() < 3 ? arguments.size() : required) - 1;
+    return fmt::format("it {} {} argument{}; Caravan calls loss(output, target)",
+                       arguments.size() < 3 ? "takes" : "needs", n, n == 1 ? "" : "s");
+  }
+  return whyNotLossOn(
+      root, [&](const at::Tensor& in) { return root.run_method("loss", in, target); }, output,
+      target, "loss(output, target)");
+}
+
+// Why the loss a forward(x, targets) returns cannot be the training loss ("" when it can).
+std::string whyNotOwnLoss(jit::GraphFunction& loss, jit::Module& root, const at::Tensor& output,
+                          const at::Tensor& target) {
+  return whyNotLossOn(
+      root, [&](const at::Tensor& in) { return c10::IValue(runLoss(loss, root, in, target)); },
+      output, target, "the forward's loss");
 }
 
 // The output shape the loss needs on input `x`, or "" when any fits (the module's own loss).
@@ -327,13 +347,16 @@ std::vector<std::string> blockHolders(const std::string& blocks) {
   return out;
 }
 
-// `root`'s forward and `parts` applied in order on `x`, in training mode with gradients: from
+// `root`'s forward (`forwardWhole`: up to the output) and `parts` applied in order on `x`, in
+// training mode with gradients: from
 // the same RNG state (dropout) and the same buffers (batch norm's running statistics, restored
 // afterwards, as are the RNG and every gradient), outputs and, for a floating-point input, the
 // input's gradient compared bitwise ("" when equal). Catches what eval mode hides: dropout or
 // `self.training` branches between the parts, a detach() between them.
+using Forward = std::function<at::Tensor(const at::Tensor&)>;
+
 std::string whyNotSequentialInTraining(jit::Module& root, std::vector<Part>& parts,
-                                       const at::Tensor& x) {
+                                       const at::Tensor& x, const Forward& forwardWhole) {
   ModuleSnapshot snapshot(root);
   std::vector<at::Tensor> params;
   for (const auto& p : root.named_parameters(true)) params.push_back(p.value);
@@ -355,7 +378,7 @@ std::string whyNotSequentialInTraining(jit::Module& root, std::vector<Part>& par
   root.train();
   std::string why;
   try {
-    const auto whole = pass([&](const at::Tensor& in) { return run(root, in); });
+    const auto whole = pass(forwardWhole);
     const auto split = pass([&](const at::Tensor& in) {
       at::Tensor y = in;
       for (const Part& p : parts) y = run(root, p, y);
@@ -383,7 +406,7 @@ std::string whyNotSequentialInTraining(jit::Module& root, std::vector<Part>& par
 // Why `parts` do not make up `root`'s forward on `x` ("" when they do, bitwise): in eval mode
 // without gradients their output must be `whole`; then as whyNotSequentialInTraining.
 std::string whyNotSequential(jit::Module& root, std::vector<Part>& parts, const at::Tensor& x,
-                             const at::Tensor& whole) {
+                             const at::Tensor& whole, const Forward& forwardWhole) {
   if (parts.size() < 2) return "it has fewer than two parts";
   {
     at::NoGradGuard noGrad;
@@ -399,7 +422,19 @@ std::string whyNotSequential(jit::Module& root, std::vector<Part>& parts, const 
       return "its forward is not them applied in order";
     }
   }
-  return whyNotSequentialInTraining(root, parts, x);
+  return whyNotSequentialInTraining(root, parts, x, forwardWhole);
+}
+
+// A loss computed by the scripted module, run in the model's mode: the module's own mode is not
+// set by the blocks' train(), and a loss may branch on self.training. The model owns the
+// function, so `self` outlives it.
+BlockModelImpl::LossFunction inModelMode(
+    jit::Module root, BlockModelImpl* self,
+    std::function<at::Tensor(jit::Module&, const at::Tensor&, const at::Tensor&)> loss) {
+  return [root, self, loss](const at::Tensor& output, const at::Tensor& target) mutable {
+    if (root.is_training() != self->is_training()) root.train(self->is_training());
+    return loss(root, output, target);
+  };
 }
 
 // A TorchScript file and what `caravan export` (tools/caravan_export.py) says of it in
@@ -472,6 +507,36 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
     }
   }
 
+  // The cut into blocks (graph_cut.h) first: a forward with a loss of its own needs the targets
+  // to run. The containers: model.blocks, else what caravan export was given (--blocks), in the
+  // user's names (under the export's wrapper attribute in the file); "auto" finds them.
+  const std::string& blocksAsked = spec.blocks.empty() ? loaded.blocks : spec.blocks;
+  const std::string blocksSource =
+      spec.blocks.empty() && !loaded.blocks.empty() ? "caravan export --blocks" : "model.blocks";
+  std::vector<std::string> holders;
+  for (const std::string& h : blockHolders(blocksAsked)) holders.push_back(namesPrefix + h);
+  const bool asOne = blocksAsked == "none";  // asked to train it as one block
+  GraphCut cut;
+  try {
+    cut = cutForward(root, holders, namesPrefix);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("model.path {}: {} = '{}': {}", spec.path, blocksSource,
+                                  blocksAsked, e.what()));
+  }
+  if (asOne) cut.segments.clear();
+  // With a loss of its own (forward(x, targets) returning it) and no other asked for.
+  const bool ownLoss = cut.loss != nullptr && spec.loss.empty();
+
+  // The forward up to the output (the whole forward, or up to the output its own loss reads),
+  // as the module runs it.
+  auto forwardWhole = [&](const at::Tensor& in) -> at::Tensor {
+    if (!cut.loss) return run(root, in);
+    if (cut.outputIndex < 0) return runSegment(*cut.model, root, in);
+    jit::GraphOptimizerEnabledGuard plain(false);
+    const c10::IValue out = root.forward({in, sampleTarget(shape, in)});
+    return out.toTupleRef().elements().at(static_cast<size_t>(cut.outputIndex)).toTensor();
+  };
+
   // The whole forward on a sample, in eval mode (no dropout) and without gradients: sequences
   // of 16 tokens, or of data.seq_len for a module that needs exactly that many.
   at::Tensor x = sampleInput(shape, 16);
@@ -481,7 +546,7 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
     root.eval();
     auto forward = [&]() -> std::string {
       try {
-        whole = run(root, x);
+        whole = forwardWhole(x);
         return "";
       } catch (const ConfigError& e) {  // it returned something else than a Tensor
         throw ConfigError(fmt::format("model.path {}: {}", spec.path, e.what()));
@@ -510,7 +575,7 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
                     "predictions)",
                     spec.path, shapeText(x), shapeText(whole)));
   }
-  const std::string needed = neededOutput(spec, shape, x, whole);
+  const std::string needed = ownLoss ? "" : neededOutput(spec, shape, x, whole);
   if (!needed.empty()) {
     throw ConfigError(
         fmt::format("model.path {}: on input {} it gives {}, but the loss on this "
@@ -518,29 +583,16 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
                     spec.path, shapeText(x), shapeText(whole), needed));
   }
 
-  // The blocks: the module's forward cut at its block calls (graph_cut.h), checked to be
-  // that forward bitwise; else the module is one block and the note says why.
-  // model.blocks, else what the export asked for; paths in the user's module (under the
-  // export's wrapper attribute in the file).
-  std::vector<std::string> holders = blockHolders(spec.blocks);
-  if (holders.empty()) {
-    for (const std::string& h : blockHolders(loaded.blocks)) holders.push_back(namesPrefix + h);
-  }
+  // The blocks: the cut, checked to be the forward bitwise; else the module is one block and
+  // the note says why.
   std::vector<Part> parts;
   std::string note;
-  GraphCut cut;
-  const bool asOne = spec.blocks == "none";  // asked to train it as one block
-  try {
-    if (!asOne) cut = cutForward(root, holders);
-  } catch (const ConfigError& e) {
-    throw ConfigError(fmt::format("model.path {}: {}", spec.path, e.what()));
-  }
   for (auto& segment : cut.segments) {
     parts.push_back({segment.label, std::make_shared<GraphSegment>(std::move(segment))});
   }
   note = cut.note;
   if (parts.size() >= 2) {
-    const std::string whyNot = whyNotSequential(root, parts, x, whole);
+    const std::string whyNot = whyNotSequential(root, parts, x, whole, forwardWhole);
     if (!whyNot.empty()) {
       note = fmt::format("its forward cut at the block calls is not the forward: {}", whyNot);
       parts.clear();
@@ -549,10 +601,10 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
   if (parts.size() < 2) {
     if (!holders.empty() && !asOne) {
       throw ConfigError(fmt::format(
-          "model.blocks = '{}': the forward of {} cannot be cut at those blocks: {}; name "
-          "another container, or use model.blocks = 'auto' to train it as one block where it "
-          "cannot be cut",
-          fmt::join(holders, ","), spec.path, note));
+          "{} = '{}': the forward of {} cannot be cut at those blocks: {}; name other "
+          "containers in model.blocks, or set it to 'auto' (found in the graph, one block "
+          "where none is) or 'none'",
+          blocksSource, blocksAsked, spec.path, note));
     }
     if (asOne) {
       note = "model.blocks = 'none': the module trains as one block";
@@ -560,7 +612,7 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
       if (note.empty()) note = "its forward has no block calls to cut at";
       note = fmt::format("the module is not cut into blocks ({}); it trains as one block", note);
     }
-    parts = {{"module", nullptr}};
+    parts = {{"module", cut.model}};  // with its own loss: the forward up to the output
   }
   root.train();
 
@@ -605,13 +657,32 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
     model->addExportName(registeredName.at(s.tensor.unsafeGetTensorImpl()),
                          prefixed ? s.path.substr(namesPrefix.size()) : s.path);
   }
+  // In the module's order of its tensors (each once), so messages name the first.
   for (size_t i = 0; i < parts.size(); ++i) {
-    for (const void* t : reads[i]) {
-      if (owner.at(t) != i) model->addSharedUse({registeredName.at(t), owner.at(t), i});
+    std::set<const void*> seen;
+    for (const Slot& s : slots) {
+      const void* t = s.tensor.unsafeGetTensorImpl();
+      if (reads[i].count(t) == 0 || !seen.insert(t).second || owner.at(t) == i) continue;
+      model->addSharedUse({registeredName.at(t), owner.at(t), i});
     }
   }
   model->setStructureNote(note);
-  if (spec.loss == "mse") {
+  if (ownLoss) {
+    // Its own: what its forward computes from the output and the targets, checked on the
+    // sample as a module's loss method is; run in the model's mode (a loss may branch on it).
+    const std::string whyNot = whyNotOwnLoss(*cut.loss, root, whole, sampleTarget(shape, x));
+    if (!whyNot.empty()) {
+      throw ConfigError(
+          fmt::format("model.path {}: the loss its forward returns cannot be the "
+                      "training loss: {}; set model.loss (cross_entropy, mse)",
+                      spec.path, whyNot));
+    }
+    std::shared_ptr<jit::GraphFunction> loss = cut.loss;
+    model->setLoss(inModelMode(root, model.get(),
+                               [loss](jit::Module& m, const at::Tensor& out, const at::Tensor& y) {
+                                 return runLoss(*loss, m, out, y);
+                               }));
+  } else if (spec.loss == "mse") {
     model->setLoss([](const at::Tensor& output, const at::Tensor& target) {
       return at::mse_loss(output, target.to(output.scalar_type()));
     });
@@ -629,14 +700,11 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
                       "the training loss: {}",
                       spec.path, whyNot));
     }
-    // The loss runs on the whole module, whose own mode the blocks do not set: the model's
-    // (a loss may branch on self.training). The model owns this function, so `self` lives.
-    BlockModelImpl* self = model.get();
-    model->setLoss([root, self](const at::Tensor& output, const at::Tensor& target) mutable {
-      jit::GraphOptimizerEnabledGuard plain(false);
-      if (root.is_training() != self->is_training()) root.train(self->is_training());
-      return root.run_method("loss", output, target).toTensor();
-    });
+    model->setLoss(inModelMode(root, model.get(),
+                               [](jit::Module& m, const at::Tensor& out, const at::Tensor& y) {
+                                 jit::GraphOptimizerEnabledGuard plain(false);
+                                 return m.run_method("loss", out, y).toTensor();
+                               }));
   }
   return model;
 }
@@ -644,23 +712,22 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
 std::string describeScriptBlocks(const std::string& path) {
   Loaded loaded = load(path);
   std::vector<std::string> holders;
-  for (const std::string& h : blockHolders(loaded.blocks))
+  for (const std::string& h : blockHolders(loaded.blocks)) {
     holders.push_back(loaded.namesPrefix + h);
-  const GraphCut cut = cutForward(loaded.root, holders);
-  if (cut.segments.size() < 2) {
-    return fmt::format("blocks: 1 (the module is not cut: {})",
-                       cut.note.empty() ? "its forward has no block calls to cut at" : cut.note);
+  }
+  const GraphCut cut = cutForward(loaded.root, holders, loaded.namesPrefix);
+  const std::string loss = cut.loss ? "; trained on the loss its forward returns" : "";
+  if (cut.segments.size() < 2 || loaded.blocks == "none") {
+    return fmt::format("blocks: 1 (the module is not cut: {}){}",
+                       loaded.blocks == "none" ? "--blocks none"
+                       : cut.note.empty()      ? "its forward has no block calls to cut at"
+                                               : cut.note,
+                       loss);
   }
   std::string labels;
-  for (const GraphSegment& s : cut.segments) {
-    std::string label = s.label;
-    if (!loaded.namesPrefix.empty() && label.rfind(loaded.namesPrefix, 0) == 0) {
-      label = label.substr(loaded.namesPrefix.size());
-    }
-    labels += (labels.empty() ? "" : ", ") + label;
-  }
-  return fmt::format("blocks: {} ({}){}", cut.segments.size(), labels,
-                     cut.note.empty() ? "" : "; " + cut.note);
+  for (const GraphSegment& s : cut.segments) labels += (labels.empty() ? "" : ", ") + s.label;
+  return fmt::format("blocks: {} ({}){}{}", cut.segments.size(), labels,
+                     cut.note.empty() ? "" : "; " + cut.note, loss);
 }
 
 }  // namespace caravan

@@ -167,6 +167,17 @@ class ReluHead(nn.Module):
         return torch.relu(self.head(self.flat(x)))
 
 
+def cnn_factory():
+    """For caravan export (FILE.py:FACTORY): the Cnn and an example batch."""
+    torch.manual_seed(0)
+    return Cnn(), torch.randn(2, 1, 28, 28)
+
+
+def failing_factory():
+    """For caravan export: a factory that raises."""
+    raise RuntimeError("no weights here")
+
+
 def main(out_dir):
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)

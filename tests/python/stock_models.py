@@ -9,9 +9,12 @@ torch.manual_seed(0):
           resnet18 does not import beside the CPU torch 2.13 (torchvision 0.28 needs its own
           operators, 0.29 needs torch 2.14)
 
+  nanogpt a GPT in the form of nanoGPT's model.py (below: tied embedding and head, SDPA,
+          forward(idx, targets) -> (logits, loss)); the example is (idx, targets)
+
 And for the oracle (oracle_train.py's "eager_class"), the same classes whose forward(x) returns
 the logits, so the original module trains in eager PyTorch under its own parameter names:
-  VitLogits, ResNetLogits
+  VitLogits, ResNetLogits, NanoGptLogits
 """
 import torch
 import transformers
@@ -51,3 +54,128 @@ class ResNetLogits(transformers.ResNetForImageClassification):
 
     def forward(self, x):
         return super().forward(pixel_values=x, return_dict=False)[0]
+
+
+# ---- a GPT in the form of nanoGPT's model.py ----------------------------------------------------
+# nanoGPT's model.py itself is not on PyPI (the only source of Python packages here), so this is
+# a model written the way it is, with the traits that matter to Caravan: the token embedding tied
+# to the output head (lm_head.weight is transformer.wte.weight), attention through
+# F.scaled_dot_product_attention with a fallback branch (`self.flash`, which torch.jit.script
+# compiles both sides of), blocks in a ModuleList `h` inside a ModuleDict, and
+# forward(idx, targets=None) returning (logits, loss), the logits of the last position only
+# when no targets are given.
+
+import math  # noqa: E402
+
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+GPT = dict(vocab=64, context=32, layers=4, heads=2, width=32)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width, heads, context):
+        super().__init__()
+        self.c_attn = nn.Linear(width, 3 * width, bias=False)
+        self.c_proj = nn.Linear(width, width, bias=False)
+        self.heads, self.width = heads, width
+        self.flash = hasattr(F, "scaled_dot_product_attention")
+        if not self.flash:
+            self.register_buffer("bias", torch.tril(torch.ones(context, context))
+                                 .view(1, 1, context, context))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.width, dim=2)
+        k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            y = F.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Mlp(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.c_fc = nn.Linear(width, 4 * width, bias=False)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads, context):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width, bias=False)
+        self.attn = CausalSelfAttention(width, heads, context)
+        self.ln_2 = nn.LayerNorm(width, bias=False)
+        self.mlp = Mlp(width)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGptStyle(nn.Module):
+    def __init__(self, vocab=GPT["vocab"], context=GPT["context"], layers=GPT["layers"],
+                 heads=GPT["heads"], width=GPT["width"]):
+        super().__init__()
+        self.context = context
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, width),
+            wpe=nn.Embedding(context, width),
+            h=nn.ModuleList([Block(width, heads, context) for _ in range(layers)]),
+            ln_f=nn.LayerNorm(width, bias=False),
+        ))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied, as nanoGPT ties them
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * layers))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        assert t <= self.context, f"sequence of {t} is longer than the context {self.context}"
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                                   ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])
+            loss = None
+        return logits, loss
+
+
+def nanogpt():
+    torch.manual_seed(0)
+    idx = torch.randint(0, GPT["vocab"], (2, 16))
+    return NanoGptStyle(), (idx, torch.randint(0, GPT["vocab"], (2, 16)))
+
+
+class NanoGptLogits(NanoGptStyle):
+    """For the oracle: the same model, forward(idx) -> the logits of every position (what
+    forward(idx, targets) computes before its loss)."""
+
+    def forward(self, idx):
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
