@@ -118,7 +118,7 @@ TEST_F(Cli, VersionNamesCaravanAndItsLibTorch) {
 TEST_F(Cli, UnknownCommandIsNamedWithTheCommandsThereAre) {
   expectOneLineError(runCaravan("fit --config " + configPath_), 2,
                      "unknown command 'fit'; the commands are train, eval, plan, simulate, "
-                     "calibrate, config, report");
+                     "calibrate, export, config, report");
 }
 
 TEST_F(Cli, SimulateWritesOnePredictionPerWorkerCountAndReusesItsWorkload) {

@@ -114,7 +114,8 @@ TEST(ScriptModel, ChildrenInOrderAreTheBlocksAndNamesAreTheModules) {
 // caravan export of a module that scripts as well (script_models.py's Cnn, through its factory):
 // the blocks are those of the scripted file, below the export's wrapper (features, flat, head).
 // Refused in one line, exit 2, nothing written: --blocks naming no container, a factory that
-// raises, an output the guard refuses.
+// raises, a forward(x, targets) whose loss reads more than the output, an output the guard
+// refuses.
 TEST(ScriptModel, ExportCutsAModuleAsItsScriptedTwinAndRefusesBadInput) {
   TempDir tmp;
   const std::string file = std::string(CARAVAN_SOURCE_DIR) + "/tests/python/script_models.py";
@@ -130,7 +131,10 @@ TEST(ScriptModel, ExportCutsAModuleAsItsScriptedTwinAndRefusesBadInput) {
            {file + ":cnn_factory --blocks nothere",
             "--blocks names 'nothere', which is no submodule with children of Cnn"},
            {file + ":failing_factory", "failing_factory() fails: RuntimeError: no weights here"},
-           {file + ":nothere", "has no callable nothere"}}) {
+           {file + ":nothere", "has no callable nothere"},
+           // A loss of (output, targets) alone: this one reads the input's batch size too.
+           {file + ":loss_of_input_factory",
+            "its loss reads a value of the forward besides the output"}}) {
     SCOPED_TRACE(args);
     const auto bad = test::runCaravan("export " + args + " -o " + (tmp / "bad.pt"));
     EXPECT_EQ(bad.exitCode, 2) << bad.err;
@@ -174,7 +178,8 @@ TEST(ScriptModel, TiedWeightsAreOneParameterUnderBothNames) {
   TempDir tmp;
   const auto keep = trainAndExport(scriptedCnn({path, "memory.tier=host"}), tmp / "keep");
   EXPECT_EQ(keep.size(), 16u);  // 14 parameters, the tied two under their second names too
-  EXPECT_EQ(keep.count("layers.2.fc.weight"), 1u);
+  ASSERT_EQ(keep.count("layers.2.fc.weight"), 1u);
+  EXPECT_TRUE(at::equal(keep.at("layers.0.fc.weight"), keep.at("layers.2.fc.weight")));
   for (const std::string policy : {"recompute", "swap", "keep,recompute,swap,recompute,keep"}) {
     SCOPED_TRACE(policy);
     const auto other = trainAndExport(
@@ -202,8 +207,9 @@ TEST(ScriptModel, TiedWeightsAreOneParameterUnderBothNames) {
   const auto tied =
       trainAndExport(scriptedCnn({"model.path=" + models() + "/tied.pt"}), tmp / "tied");
   for (const char* name : {"b.weight", "b.bias", "c.weight", "c.bias"}) {
-    EXPECT_EQ(tied.count(name), 1u) << name;
+    ASSERT_EQ(tied.count(name), 1u) << name;
   }
+  EXPECT_TRUE(at::equal(tied.at("b.weight"), tied.at("c.weight")));
 }
 
 // Models cut from their graph, through the machinery per block: a scripted CNN and Hugging

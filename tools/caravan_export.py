@@ -18,7 +18,9 @@ traced forward into blocks at its repeated layers (src/models/graph_cut.h).
 The module is called as model(x) and trained on its first output: a Tensor, the first element
 of a tuple, or a Hugging Face output's logits. Given targets, it is called as model(x, targets)
 and what it returns is kept (its Tensors): Caravan's loader finds the loss among them (the value
-that reads the targets) and the output that loss reads. A Hugging Face model (transformers'
+that reads the targets) and the output that loss reads. A Hugging Face model gets them as
+labels=; its causal language models shift labels themselves, so with Caravan's next-token
+targets their loss would be one token off: export those with an input alone. A Hugging Face model (transformers'
 PreTrainedModel) is called with return_dict=False, and use_cache=False where it takes it. The
 call goes through a one-attribute wrapper ("m"); the file says so (caravan/export.json,
 names_prefix "m."), and Caravan exports the parameters under the module's own names, so its
@@ -90,8 +92,10 @@ def main(argv):
         fail(f"{args.factory}: give the example input as one Tensor, or (input, targets) for a "
              "forward that returns its own loss")
     example = inputs[0]
-    for path in args.blocks.split(","):
-        path = path.strip()
+    paths = [p.strip() for p in args.blocks.split(",")]
+    if len(paths) > 1 and any(p in ("", "auto", "none") for p in paths):
+        fail(f"--blocks {args.blocks}: give auto, none, or container paths, not a mix")
+    for path in paths:
         if path in ("", "auto", "none"):
             continue
         try:
@@ -139,7 +143,8 @@ def main(argv):
             self.m = m
 
         def forward(self, x, targets):
-            out = self.m(x, targets, **kwargs)
+            # A Hugging Face model takes them as labels= (its second argument is a mask).
+            out = self.m(x, labels=targets, **kwargs) if kwargs else self.m(x, targets)
             if isinstance(out, torch.Tensor):
                 return out
             return tuple(t for t in out if isinstance(t, torch.Tensor))
@@ -150,6 +155,13 @@ def main(argv):
     # the factory left it.
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     rng = torch.get_rng_state()
+
+    def reset():
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        torch.set_rng_state(rng)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tracer's notes on Python values it fixes
         try:
@@ -159,18 +171,15 @@ def main(argv):
                  f"{str(e).splitlines()[0] if str(e) else ''}")
     try:
         with torch.no_grad():
-            torch.set_rng_state(rng)
+            reset()
             expected = wrapper(*inputs)
-            torch.set_rng_state(rng)
+            reset()
             got = traced(*inputs)
     except Exception as e:
         fail(f"the traced forward of {args.factory} fails on the example: {type(e).__name__}: "
              f"{str(e).splitlines()[0] if str(e) else ''}")
     finally:
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-        torch.set_rng_state(rng)
+        reset()
     expected = expected if isinstance(expected, tuple) else (expected,)
     got = got if isinstance(got, tuple) else (got,)
     if not expected or not all(isinstance(t, torch.Tensor) for t in expected + got):

@@ -64,7 +64,15 @@ int runExport(const ExportArgs& args) {
   }
   if (!WIFEXITED(status)) return static_cast<int>(ExitCode::kInternal);
   if (WEXITSTATUS(status) != 0) return WEXITSTATUS(status);
-  std::cout << describeScriptBlocks(args.output) << "\n";
+  std::string blocks;
+  try {
+    blocks = describeScriptBlocks(args.output);
+  } catch (const ConfigError& e) {
+    // Written by this command a moment ago and not trainable: not left behind.
+    std::filesystem::remove(args.output, ec);
+    throw ConfigError(fmt::format("{}: {} (the file it wrote is removed)", args.factory, e.what()));
+  }
+  std::cout << blocks << "\n";
   return 0;
 }
 

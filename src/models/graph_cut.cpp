@@ -133,6 +133,7 @@ void readsOf(Node* n, std::vector<Value*>& out) {
 struct LossSplit {
   std::shared_ptr<jit::Graph> model, loss;
   int outputIndex = -1;  // where the output is in the tuple the forward returns (-1: not there)
+  int lossIndex = -1;    // where the loss is in it (-1: the forward returns the loss alone)
   std::string note;      // why not split
 };
 
@@ -231,25 +232,62 @@ LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
   for (size_t i = 0; i < returned.size(); ++i) {
     if (returned[i] == output) split.outputIndex = static_cast<int>(i);
   }
-  // The model: what the output needs; the loss: the rest (what reads the targets, and what only
-  // it uses, such as the output's sizes for a view).
-  std::set<Node*> needed;
-  std::vector<Node*> stack{output->node()};
-  while (!stack.empty()) {
-    Node* n = stack.back();
-    stack.pop_back();
-    if (n->kind() == c10::prim::Param || n->owningBlock() != graph->block() ||
-        !needed.insert(n).second) {
-      continue;
+  // The model: what the output needs. The loss: what the loss needs besides (what reads the
+  // targets, and what only it uses, such as the output's sizes for a view); it may read of the
+  // model's part the output alone. What neither needs is left out, unless it has effects.
+  auto slice = [&](Value* from) {
+    std::set<Node*> out;
+    std::vector<Node*> stack{from->node()};
+    while (!stack.empty()) {
+      Node* n = stack.back();
+      stack.pop_back();
+      if (n->kind() == c10::prim::Param || n->owningBlock() != graph->block() ||
+          !out.insert(n).second) {
+        continue;
+      }
+      std::vector<Value*> reads;
+      readsOf(n, reads);
+      for (Value* v : reads) stack.push_back(topLevel(v->node()));
     }
-    std::vector<Value*> reads;
-    readsOf(n, reads);
-    for (Value* v : reads) stack.push_back(topLevel(v->node()));
-  }
+    return out;
+  };
+  const std::set<Node*> needed = slice(output);
+  const std::set<Node*> forLoss = slice(loss);
   std::vector<Node*> modelNodes, lossNodes;
+  std::set<Value*> lossReads;
   for (Node* n : graph->nodes()) {
     if (n == tuple) continue;
-    (needed.count(n) > 0 ? modelNodes : lossNodes).push_back(n);
+    if (needed.count(n) > 0) {
+      modelNodes.push_back(n);
+    } else if (forLoss.count(n) > 0) {
+      lossNodes.push_back(n);
+      std::vector<Value*> reads;
+      readsOf(n, reads);
+      for (Value* v : reads) {
+        if (v == input || (needed.count(topLevel(v->node())) > 0 && !recomputable(v, self))) {
+          lossReads.insert(v);
+        }
+      }
+    } else {
+      const std::string kind = n->kind().toQualString();
+      if (n->hasSideEffects() || n->isNondeterministic() || kind.back() == '_') {
+        split.note = fmt::format("its forward runs {} for neither its output nor its loss", kind);
+        return split;
+      }
+    }
+  }
+  lossReads.erase(output);
+  if (!lossReads.empty()) {
+    std::string what;
+    for (const Value* v : lossReads) what += (what.empty() ? "" : ", ") + describe(v);
+    split.note = fmt::format(
+        "its loss reads {} of the forward besides the output ({}); Caravan trains on a loss of "
+        "one output (the logits) and the targets",
+        lossReads.size() == 1 ? "a value" : "values", what);
+    return split;
+  }
+  for (size_t i = 0; i < returned.size(); ++i) {
+    if (returned[i] == loss) split.lossIndex = static_cast<int>(i);
   }
 
   split.model = std::make_shared<jit::Graph>();
@@ -272,6 +310,41 @@ LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
     jit::EliminateDeadCode(split.loss);
   }
   return split;
+}
+
+// The parameters and buffers (by path; `everyPath` lists them all) a graph on the module's
+// object reads: attribute reads of them, and every one of a module it uses otherwise (a call).
+// A plain tensor attribute (self.mask = ...) is no state and is not counted.
+std::set<std::string> tensorsRead(jit::Graph& g, const std::vector<std::string>& everyPath) {
+  const Value* self = g.inputs()[0];
+  const std::set<std::string> stateful(everyPath.begin(), everyPath.end());
+  std::set<std::string> reads;
+  std::vector<Node*> all;
+  std::function<void(jit::Block*)> walk = [&](jit::Block* block) {
+    for (Node* n : block->nodes()) {
+      all.push_back(n);
+      for (jit::Block* inner : n->blocks()) walk(inner);
+    }
+  };
+  walk(g.block());
+  for (Node* n : all) {
+    if (n->kind() == c10::prim::GetAttr) {
+      const auto p = modulePath(n->input(0), self);
+      if (p && stateful.count(join(*p, n->s(c10::attr::name))) > 0) {
+        reads.insert(join(*p, n->s(c10::attr::name)));
+      }
+      continue;
+    }
+    for (Value* v : n->inputs()) {
+      if (!isModuleValue(v)) continue;
+      const auto p = modulePath(v, self);
+      if (!p) continue;
+      for (const std::string& t : everyPath) {
+        if (p->empty() || t.compare(0, p->size() + 1, *p + ".") == 0) reads.insert(t);
+      }
+    }
+  }
+  return reads;
 }
 
 }  // namespace
@@ -358,6 +431,7 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
   }
 
   // forward(x, targets) returning its loss: the blocks are cut in what comes before the loss.
+  cut.takesTargets = graph->inputs().size() == 3;
   // A tuple built and taken apart again (a forward returning (logits, loss) to a caller that
   // unpacks it) is each element itself: otherwise every element would seem to read the targets.
   if (graph->inputs().size() == 3) {
@@ -371,10 +445,17 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     cut.loss = std::make_shared<jit::GraphFunction>(c10::QualifiedName("__caravan__.loss"),
                                                     split.loss, nullptr);
     cut.outputIndex = split.outputIndex;
+    cut.lossIndex = split.lossIndex;
     cut.model = std::make_shared<GraphSegment>();
     cut.model->label = "module";
     cut.model->function = std::make_shared<jit::GraphFunction>(
         c10::QualifiedName("__caravan__.model"), split.model->copy(), nullptr);
+    std::vector<std::string> everyPath;
+    tensorPaths(root, "", everyPath);
+    const auto modelReads = tensorsRead(*split.model, everyPath);
+    cut.model->tensors.assign(modelReads.begin(), modelReads.end());
+    const auto lossReads = tensorsRead(*split.loss, everyPath);
+    cut.lossTensors.assign(lossReads.begin(), lossReads.end());
     graph = split.model;
     self = graph->inputs()[0];
   }
@@ -473,7 +554,6 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
   Value* output = graph->return_node()->input(0);
   std::vector<std::string> everyPath;
   tensorPaths(root, "", everyPath);
-  const std::set<std::string> stateful(everyPath.begin(), everyPath.end());
   for (size_t s = 0; s <= cuts.size(); ++s) {
     const size_t a = s == 0 ? 0 : cuts[s - 1];
     const size_t b = s == cuts.size() ? nodes.size() : cuts[s];
@@ -503,35 +583,7 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     g->registerOutput(lookup(out));
     jit::EliminateDeadCode(g);
 
-    // The tensors it reads: attribute reads of tensors, and every tensor of a module it uses
-    // otherwise (a call).
-    // Parameters and buffers only: a plain tensor attribute (self.mask = ...) is no state.
-    std::set<std::string> reads;
-    for (Node* n : jit::findAllNodes(*g, c10::prim::GetAttr, /*recurse=*/true)) {
-      const auto p = modulePath(n->input(0), newSelf);
-      if (!p) continue;
-      const std::string path = join(*p, n->s(c10::attr::name));
-      if (stateful.count(path) > 0) reads.insert(path);
-    }
-    std::vector<Node*> all;
-    std::function<void(jit::Block*)> walk = [&](jit::Block* block) {
-      for (Node* n : block->nodes()) {
-        all.push_back(n);
-        for (jit::Block* inner : n->blocks()) walk(inner);
-      }
-    };
-    walk(g->block());
-    for (Node* n : all) {
-      if (n->kind() == c10::prim::GetAttr) continue;
-      for (Value* v : n->inputs()) {
-        if (!isModuleValue(v)) continue;
-        const auto p = modulePath(v, newSelf);
-        if (!p) continue;
-        for (const std::string& t : everyPath) {
-          if (p->empty() || t.compare(0, p->size() + 1, *p + ".") == 0) reads.insert(t);
-        }
-      }
-    }
+    const std::set<std::string> reads = tensorsRead(*g, everyPath);
     GraphSegment segment;
     segment.label = "prologue";
     for (size_t k : order) {

@@ -48,9 +48,14 @@ struct GraphCut {
   // the logits); `loss` is the rest, loss(self, output, targets) -> the loss; `model` the part
   // before it uncut (the one block where it cannot be cut); `outputIndex` where the output is
   // in the tuple the forward returns (-1: it returns the loss alone). All null without.
+  // `lossIndex`: where the loss is (-1: returned alone); `lossTensors`: the parameters and
+  // buffers the loss reads (by path). `takesTargets`: the forward takes them, split or not.
   std::shared_ptr<torch::jit::GraphFunction> loss;
   std::shared_ptr<GraphSegment> model;
   int outputIndex = -1;
+  int lossIndex = -1;
+  std::vector<std::string> lossTensors;
+  bool takesTargets = false;
 };
 
 // `containers`: the module paths whose items are the blocks ("" = the module itself); empty

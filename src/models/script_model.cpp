@@ -425,6 +425,35 @@ std::string whyNotSequential(jit::Module& root, std::vector<Part>& parts, const 
   return whyNotSequentialInTraining(root, parts, x, forwardWhole);
 }
 
+// Why the loss split from a forward(x, targets) is not the loss that forward returns on the
+// sample ("" when it is, bitwise): in eval mode without gradients, from the same RNG state,
+// the forward's own loss against the split loss of the output `output` the forward gave.
+std::string whyNotTheForwardsLoss(jit::GraphFunction& loss, int lossIndex, jit::Module& root,
+                                  const at::Tensor& x, const at::Tensor& target,
+                                  const at::Tensor& output) {
+  ModuleSnapshot snapshot(root);
+  const auto restore = onScopeExit([&] { snapshot.restore(); });
+  at::NoGradGuard noGrad;
+  root.eval();
+  at::Tensor theirs, ours;
+  try {
+    jit::GraphOptimizerEnabledGuard plain(false);
+    const c10::IValue out = root.forward({x, target});
+    theirs = lossIndex < 0
+                 ? out.toTensor()
+                 : out.toTupleRef().elements().at(static_cast<size_t>(lossIndex)).toTensor();
+    snapshot.restore();
+    ours = runLoss(loss, root, output, target);
+  } catch (const std::exception& e) {
+    return fmt::format("the forward or its loss fails on the sample ({})", lastLine(e));
+  }
+  root.train();
+  if (!theirs.sizes().equals(ours.sizes()) || !at::equal(theirs, ours)) {
+    return "the loss split from its forward is not the loss it returns";
+  }
+  return "";
+}
+
 // A loss computed by the scripted module, run in the model's mode: the module's own mode is not
 // set by the blocks' train(), and a loss may branch on self.training. The model owns the
 // function, so `self` outlives it.
@@ -524,6 +553,13 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
                                   blocksAsked, e.what()));
   }
   if (asOne) cut.segments.clear();
+  if (cut.takesTargets && !cut.loss) {
+    throw ConfigError(fmt::format(
+        "model.path {}: its forward takes (x, targets), but Caravan cannot tell its loss from "
+        "its output: {}; export it with an example input alone (caravan export), or return "
+        "(logits, loss)",
+        spec.path, cut.note));
+  }
   // With a loss of its own (forward(x, targets) returning it) and no other asked for.
   const bool ownLoss = cut.loss != nullptr && spec.loss.empty();
 
@@ -607,7 +643,7 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
           blocksSource, blocksAsked, spec.path, note));
     }
     if (asOne) {
-      note = "model.blocks = 'none': the module trains as one block";
+      note = blocksSource + " = 'none': the module trains as one block";
     } else {
       if (note.empty()) note = "its forward has no block calls to cut at";
       note = fmt::format("the module is not cut into blocks ({}); it trains as one block", note);
@@ -630,6 +666,10 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
       for (const Slot& s : slots) reads[i].insert(s.tensor.unsafeGetTensorImpl());
     } else {
       for (const std::string& path : parts[i].segment->tensors) reads[i].insert(byPath.at(path));
+    }
+    // The loss of a forward(x, targets) runs after the last block: what it reads is read there.
+    if (ownLoss && i + 1 == parts.size()) {
+      for (const std::string& path : cut.lossTensors) reads[i].insert(byPath.at(path));
     }
     for (const void* t : reads[i]) owner.emplace(t, i);
   }
@@ -670,7 +710,10 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
   if (ownLoss) {
     // Its own: what its forward computes from the output and the targets, checked on the
     // sample as a module's loss method is; run in the model's mode (a loss may branch on it).
-    const std::string whyNot = whyNotOwnLoss(*cut.loss, root, whole, sampleTarget(shape, x));
+    std::string whyNot = whyNotOwnLoss(*cut.loss, root, whole, sampleTarget(shape, x));
+    if (whyNot.empty())
+      whyNot =
+          whyNotTheForwardsLoss(*cut.loss, cut.lossIndex, root, x, sampleTarget(shape, x), whole);
     if (!whyNot.empty()) {
       throw ConfigError(
           fmt::format("model.path {}: the loss its forward returns cannot be the "
@@ -716,6 +759,12 @@ std::string describeScriptBlocks(const std::string& path) {
     holders.push_back(loaded.namesPrefix + h);
   }
   const GraphCut cut = cutForward(loaded.root, holders, loaded.namesPrefix);
+  if (cut.takesTargets && !cut.loss) {
+    throw ConfigError(
+        fmt::format("its forward takes (x, targets), but its loss cannot be told "
+                    "from its output: {}; export it with an example input alone",
+                    cut.note));
+  }
   const std::string loss = cut.loss ? "; trained on the loss its forward returns" : "";
   if (cut.segments.size() < 2 || loaded.blocks == "none") {
     return fmt::format("blocks: 1 (the module is not cut: {}){}",

@@ -12,7 +12,8 @@ backward in step 1's forward (storages once, parameters excluded), "state.<name>
 The model: CONFIG's "eager_class" ("module.Class" of this directory, e.g.
 "todays_models.CausalSdpa", built without arguments) runs that Python class in eager PyTorch;
 else model "torchscript" loads the scripted file "path"; else reference_models builds the
-built-in model's twin. With "check_rng_matters" the run is repeated from the same weights with
+built-in model's twin. The loss is the task's cross-entropy, or the model's caravan_loss(out, y)
+where it has one (a model trained on its own loss). With "check_rng_matters" the run is repeated from the same weights with
 the generator's states not Caravan's (seeded 12345 once), its losses as "losses_other_rng": a
 test can show that its losses depend on the draws (so matching them proves the draws match).
 Needs the project's Python: run with .venv/bin/python (torch 2.13, made by scripts/setup.sh).
@@ -84,7 +85,9 @@ def train(cfg, dump, caravans_rng=True):
             torch.set_rng_state(dump[f"rng{i}"])
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(x)
-            if out.dim() == 3:
+            if hasattr(model, "caravan_loss"):  # the model's own loss (forward(x, targets)'s)
+                loss = model.caravan_loss(out, y)
+            elif out.dim() == 3:
                 loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)),
                                                          y.reshape(-1))
             else:

@@ -173,6 +173,20 @@ def cnn_factory():
     return Cnn(), torch.randn(2, 1, 28, 28)
 
 
+class LossOfInputSizes(Cnn):
+    """forward(x, targets) -> (logits, loss) whose loss also reads the input (its batch size)."""
+
+    def forward(self, x, targets):
+        logits = self.head(self.flat(self.features(x)))
+        return logits, F.cross_entropy(logits.view(x.size(0), -1), targets)
+
+
+def loss_of_input_factory():
+    """For caravan export: LossOfInputSizes with (input, targets)."""
+    torch.manual_seed(0)
+    return LossOfInputSizes(), (torch.randn(2, 1, 28, 28), torch.randint(0, 10, (2,)))
+
+
 def failing_factory():
     """For caravan export: a factory that raises."""
     raise RuntimeError("no weights here")

@@ -71,6 +71,9 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 GPT = dict(vocab=64, context=32, layers=4, heads=2, width=32)
+# nanoGPT's loss is plain cross-entropy, which Caravan's task loss equals; with smoothing a test
+# tells the model's own loss from the task's.
+LABEL_SMOOTHING = 0.1
 
 
 class CausalSelfAttention(nn.Module):
@@ -156,7 +159,7 @@ class NanoGptStyle(nn.Module):
         if targets is not None:
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
-                                   ignore_index=-1)
+                                   ignore_index=-1, label_smoothing=LABEL_SMOOTHING)
         else:
             logits = self.lm_head(x[:, [-1], :])
             loss = None
@@ -171,7 +174,11 @@ def nanogpt():
 
 class NanoGptLogits(NanoGptStyle):
     """For the oracle: the same model, forward(idx) -> the logits of every position (what
-    forward(idx, targets) computes before its loss)."""
+    forward(idx, targets) computes before its loss), trained on caravan_loss: its own."""
+
+    def caravan_loss(self, logits, targets):
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                               ignore_index=-1, label_smoothing=LABEL_SMOOTHING)
 
     def forward(self, idx):
         pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
