@@ -32,6 +32,7 @@ driver): `peer --model NAME --steps N --warmup W --threads T [--autocast] [--com
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -182,6 +183,7 @@ def main():
                                                          for k, v in skipped.items()},
                    "removed_env": removed, "tunables": TUNABLES, "args": vars(a)}, f, indent=1)
     print("wrote", os.path.join(out, "results.json"))
+    shutil.rmtree(work, ignore_errors=True)  # the exported files and configs
 
 
 if __name__ == "__main__":
