@@ -322,7 +322,7 @@ TEST_P(StockModels, ExportCutsThemAndTheyTrainAsTheOriginalModule) {
   const auto& [factory, blocks, eagerClass] = GetParam();
   // nanoGPT's form trains on the loss its forward returns, on tokens.
   const bool tokens = factory == "nanogpt";
-  if (std::system((std::string(kPython) + " -c 'import transformers' 2>/dev/null").c_str()) != 0) {
+  if (!test::transformersInstalled()) {
     GTEST_SKIP() << "transformers is not in the project's Python (scripts/setup.sh installs it)";
   }
   TempDir tmp;

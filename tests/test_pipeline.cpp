@@ -378,8 +378,7 @@ TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
   ASSERT_FALSE(scripted.empty()) << "tests/python/script_models.py failed (scripts/setup.sh)";
   test::TempDir tmp;
   std::vector<std::string> files = {scripted + "/cnn.pt"};
-  if (std::system((std::string(test::kPython) + " -c 'import transformers' 2>/dev/null").c_str()) ==
-      0) {
+  if (test::transformersInstalled()) {
     const auto exported =
         test::runCaravan("export " + std::string(CARAVAN_SOURCE_DIR) +
                          "/tests/python/stock_models.py:vit -o " + (tmp / "vit.pt"));

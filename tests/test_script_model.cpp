@@ -35,11 +35,6 @@ std::string models() {
   return dir;
 }
 
-bool transformersInstalled() {
-  return std::system(
-             (std::string(test::kPython) + " -c 'import transformers' 2>/dev/null").c_str()) == 0;
-}
-
 std::vector<std::string> scriptedCnn(const std::vector<std::string>& more = {}) {
   std::vector<std::string> o = {
       "data.dataset=synthetic", "data.synthetic_size=96", "data.batch_size=16",
@@ -225,7 +220,7 @@ TEST(ScriptModel, CutModelsTrainUnderEveryPolicyOutOfCoreAndABudget) {
     const auto r = test::runCaravan("export " + std::string(CARAVAN_SOURCE_DIR) +
                                     "/tests/python/stock_models.py:" + factory + " -o " +
                                     (tmp / factory + ".pt"));
-    if (transformersInstalled()) {
+    if (test::transformersInstalled()) {
       ASSERT_EQ(r.exitCode, 0) << r.err;
       files.push_back(tmp / factory + ".pt");
     } else {

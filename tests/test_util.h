@@ -155,6 +155,12 @@ inline std::string pythonWrittenDir(const std::string& script) {
   return w->ok ? w->dir.path() : "";
 }
 
+// Whether the project's Python has Hugging Face's transformers (requirements.txt installs it;
+// the tests of stock models skip, or drop those models, in one line without it).
+inline bool transformersInstalled() {
+  return std::system((std::string(kPython) + " -c 'import transformers' 2>/dev/null").c_str()) == 0;
+}
+
 // The .npy fixtures NumPy itself wrote (tests/python/npy_fixtures.py says what each holds).
 inline std::string npyFixturesDir() { return pythonWrittenDir("npy_fixtures.py"); }
 

@@ -333,6 +333,16 @@ class TcpStore::State {
 };
 
 // ---------------------------------------------------------------------------------------------
+namespace {
+
+// The port of an IPv4 or IPv6 socket address.
+int portOf(const sockaddr_storage& a) {
+  return ntohs(a.ss_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6*>(&a)->sin6_port
+                                       : reinterpret_cast<const sockaddr_in*>(&a)->sin_port);
+}
+
+}  // namespace
+
 class TcpStore::Server {
  public:
   Server(std::shared_ptr<State> state, const std::string& host, int port, int listenFd,
@@ -407,9 +417,7 @@ class TcpStore::Server {
         sockaddr_storage bound{};
         socklen_t len = sizeof(bound);
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-        port_ = ntohs(bound.ss_family == AF_INET6
-                          ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                          : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+        port_ = portOf(bound);
         listenFd_ = fd;
         break;
       }
@@ -437,10 +445,7 @@ class TcpStore::Server {
                     listening == 1 &&
                     ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0 &&
                     (bound.ss_family == AF_INET || bound.ss_family == AF_INET6);
-    const int boundPort =
-        !ok ? 0
-            : ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                                                : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    const int boundPort = ok ? portOf(bound) : 0;
     if (!ok || (port != 0 && boundPort != port)) {
       throw ConfigError(
           fmt::format("descriptor {} (CARAVAN_STORE_FD) is not a socket listening on {}:{}; unset "

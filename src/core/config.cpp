@@ -732,4 +732,17 @@ std::string Config::schemaText() {
   return out;
 }
 
+std::vector<std::string> listItems(const std::string& text) {
+  std::vector<std::string> out;
+  for (size_t at = 0; at <= text.size();) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    std::string item = text.substr(at, comma - at);
+    item.erase(0, std::min(item.find_first_not_of(' '), item.size()));
+    item.erase(item.find_last_not_of(' ') + 1);
+    out.push_back(std::move(item));
+    at = comma + 1;
+  }
+  return out;
+}
+
 }  // namespace caravan

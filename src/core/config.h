@@ -87,4 +87,8 @@ class Config {
   std::vector<DataSource> sources_;
 };
 
+// The items of a comma-separated config value ("3,6,9", "h, layers"), each trimmed of spaces;
+// empty ones are kept (a caller refuses or skips them).
+std::vector<std::string> listItems(const std::string& text);
+
 }  // namespace caravan

@@ -138,9 +138,10 @@ struct LossSplit {
 };
 
 // Appends clones of `nodes` to `g`, inputs through `env` (what is not there must be
-// recomputable: constants and attribute reads, cloned on first use).
+// recomputable: constants and attribute reads, cloned on first use), and makes the clones of
+// `outputs` g's outputs.
 void cloneInto(jit::Graph& g, const std::vector<Node*>& nodes, Value* self,
-               std::unordered_map<Value*, Value*>& env) {
+               std::unordered_map<Value*, Value*>& env, const std::vector<Value*>& outputs) {
   std::function<Value*(Value*)> lookup = [&](Value* v) -> Value* {
     const auto it = env.find(v);
     if (it != env.end()) return it->second;
@@ -153,6 +154,13 @@ void cloneInto(jit::Graph& g, const std::vector<Node*>& nodes, Value* self,
     Node* copy = g.insertNode(g.createClone(n, lookup));
     for (size_t o = 0; o < copy->outputs().size(); ++o) env[n->output(o)] = copy->output(o);
   }
+  for (Value* v : outputs) g.registerOutput(lookup(v));
+}
+
+// The node of the graph's top level that holds `n` (itself, or the branch or loop it is in).
+Node* topLevel(Node* n, const jit::Block* top) {
+  while (n->owningBlock() != top) n = n->owningBlock()->owningNode();
+  return n;
 }
 
 LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
@@ -194,10 +202,6 @@ LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
     split.note = "its forward takes a second input but returns nothing that reads it";
     return split;
   }
-  auto topLevel = [&](Node* n) {
-    while (n->owningBlock() != graph->block()) n = n->owningBlock()->owningNode();
-    return n;
-  };
   std::vector<Value*> crossing;
   if (outputs.size() == 1 && outputs[0]->type()->cast<c10::TensorType>() && outputs[0] != input) {
     crossing = outputs;
@@ -211,7 +215,7 @@ LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
       readsOf(n, reads);
       for (Value* v : reads) {
         if (dependent.count(v) == 0 && !recomputable(v, self) &&
-            (v == input || topLevel(v->node()) != n)) {
+            (v == input || topLevel(v->node(), graph->block()) != n)) {
           read.insert(v);
         }
       }
@@ -247,7 +251,7 @@ LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
       }
       std::vector<Value*> reads;
       readsOf(n, reads);
-      for (Value* v : reads) stack.push_back(topLevel(v->node()));
+      for (Value* v : reads) stack.push_back(topLevel(v->node(), graph->block()));
     }
     return out;
   };
@@ -264,7 +268,8 @@ LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
       std::vector<Value*> reads;
       readsOf(n, reads);
       for (Value* v : reads) {
-        if (v == input || (needed.count(topLevel(v->node())) > 0 && !recomputable(v, self))) {
+        if (v == input ||
+            (needed.count(topLevel(v->node(), graph->block())) > 0 && !recomputable(v, self))) {
           lossReads.insert(v);
         }
       }
@@ -295,8 +300,7 @@ LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
     std::unordered_map<Value*, Value*> env;
     env[self] = split.model->addInput("self")->setType(self->type());
     env[input] = split.model->addInput("x")->setType(input->type());
-    cloneInto(*split.model, modelNodes, self, env);
-    split.model->registerOutput(env.at(output));
+    cloneInto(*split.model, modelNodes, self, env, {output});
     jit::EliminateDeadCode(split.model);
   }
   split.loss = std::make_shared<jit::Graph>();
@@ -305,8 +309,7 @@ LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
     env[self] = split.loss->addInput("self")->setType(self->type());
     env[output] = split.loss->addInput("output")->setType(c10::TensorType::get());
     env[targets] = split.loss->addInput("targets")->setType(targets->type());
-    cloneInto(*split.loss, lossNodes, self, env);
-    split.loss->registerOutput(env.at(loss));
+    cloneInto(*split.loss, lossNodes, self, env, {loss});
     jit::EliminateDeadCode(split.loss);
   }
   return split;
@@ -352,11 +355,7 @@ std::set<std::string> tensorsRead(jit::Graph& g, const std::vector<std::string>&
 GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& containers,
                     const std::string& namesPrefix) {
   GraphCut cut;
-  // A path as the user's module names it (without caravan export's wrapper attribute).
-  auto shown = [&](const std::string& path) {
-    return !namesPrefix.empty() && path.rfind(namesPrefix, 0) == 0 ? path.substr(namesPrefix.size())
-                                                                   : path;
-  };
+  auto shown = [&](const std::string& path) { return withoutPrefix(path, namesPrefix); };
   // The block items: the named containers' children, the top-most containers', or the
   // module's own children.
   std::vector<std::string> holders = containers;
@@ -400,6 +399,9 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
       return item.size() > p.size() && item.compare(0, p.size() + 1, p + ".") == 0;
     });
   };
+
+  std::vector<std::string> everyPath;  // every parameter's and buffer's path
+  tensorPaths(root, "", everyPath);
 
   // Compiled (a loaded file's methods are, at first use) with the graph optimizer off, as they
   // run here: with it on, the compiler inlines every call, and no block call would be left.
@@ -450,8 +452,6 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     cut.model->label = "module";
     cut.model->function = std::make_shared<jit::GraphFunction>(
         c10::QualifiedName("__caravan__.model"), split.model->copy(), nullptr);
-    std::vector<std::string> everyPath;
-    tensorPaths(root, "", everyPath);
     const auto modelReads = tensorsRead(*split.model, everyPath);
     cut.model->tensors.assign(modelReads.begin(), modelReads.end());
     const auto lossReads = tensorsRead(*split.loss, everyPath);
@@ -480,12 +480,8 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     cut.note = "its forward calls none of the blocks' modules";
     return cut;
   }
-  std::vector<size_t> order(calls.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return calls[a] < calls[b]; });
-
   auto topIndex = [&](Node* user) {
-    while (user->owningBlock() != graph->block()) user = user->owningBlock()->owningNode();
+    user = topLevel(user, graph->block());
     return user == graph->return_node() ? nodes.size() : index.at(user);
   };
   // What crosses a cut before position p.
@@ -513,15 +509,17 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     return false;
   };
 
-  // The cuts: before each block call, after the last; those where one Tensor crosses.
-  std::vector<size_t> candidates;
-  for (size_t k : order) candidates.push_back(calls[k]);
-  candidates.push_back(calls[order.back()] + 1);
+  // The cuts: before each block call (in graph order), after the last; those where one Tensor
+  // crosses.
+  std::vector<std::pair<size_t, std::string>> candidates;
+  for (size_t k = 0; k < calls.size(); ++k)
+    candidates.push_back({calls[k], "before " + callLabels[k]});
+  candidates.push_back({calls.back() + 1, "after the last block"});
   std::vector<size_t> cuts;          // positions
   std::vector<Value*> carried;       // what crosses each
   std::vector<std::string> skipped;  // the cuts left out, and why
   size_t last = 0;
-  for (size_t p : candidates) {
+  for (const auto& [p, at] : candidates) {
     if (!computes(last, p) || !computes(p, nodes.size())) continue;  // nothing on one side
     const auto values = crossing(p);
     if (values.size() == 1 && values[0]->type()->cast<c10::TensorType>()) {
@@ -532,11 +530,6 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     }
     std::string what;
     for (const Value* v : values) what += (what.empty() ? "" : ", ") + describe(v);
-    const std::string at =
-        p < nodes.size() && std::find(calls.begin(), calls.end(), p) != calls.end()
-            ? "before " + callLabels[static_cast<size_t>(std::find(calls.begin(), calls.end(), p) -
-                                                         calls.begin())]
-            : "after the last block";
     skipped.push_back(fmt::format("{}: {} value{} cross ({})", at, values.size(),
                                   values.size() == 1 ? "" : "s", what));
   }
@@ -552,8 +545,6 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
   // The segments.
   Value* input = graph->inputs()[1];
   Value* output = graph->return_node()->input(0);
-  std::vector<std::string> everyPath;
-  tensorPaths(root, "", everyPath);
   for (size_t s = 0; s <= cuts.size(); ++s) {
     const size_t a = s == 0 ? 0 : cuts[s - 1];
     const size_t b = s == cuts.size() ? nodes.size() : cuts[s];
@@ -562,31 +553,18 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
 
     auto g = std::make_shared<jit::Graph>();
     std::unordered_map<Value*, Value*> env;
-    Value* newSelf = g->addInput("self")->setType(self->type());
-    env[self] = newSelf;
+    env[self] = g->addInput("self")->setType(self->type());
     env[in] = g->addInput("x")->setType(c10::TensorType::get());
-    std::function<Value*(Value*)> lookup = [&](Value* v) -> Value* {
-      const auto it = env.find(v);
-      if (it != env.end()) return it->second;
-      CARAVAN_CHECK(recomputable(v, self), "graph cut: {} crosses a cut unaccounted", describe(v));
-      Node* copy = g->insertNode(g->createClone(v->node(), lookup));
-      for (size_t i = 0; i < copy->outputs().size(); ++i) {
-        env[v->node()->output(i)] = copy->output(i);
-      }
-      return env.at(v);
-    };
-    for (size_t i = a; i < b; ++i) {
-      Node* copy = g->insertNode(g->createClone(nodes[i], lookup));
-      for (size_t o = 0; o < copy->outputs().size(); ++o)
-        env[nodes[i]->output(o)] = copy->output(o);
-    }
-    g->registerOutput(lookup(out));
+    cloneInto(*g,
+              std::vector<Node*>(nodes.begin() + static_cast<std::ptrdiff_t>(a),
+                                 nodes.begin() + static_cast<std::ptrdiff_t>(b)),
+              self, env, {out});
     jit::EliminateDeadCode(g);
 
     const std::set<std::string> reads = tensorsRead(*g, everyPath);
     GraphSegment segment;
     segment.label = "prologue";
-    for (size_t k : order) {
+    for (size_t k = 0; k < calls.size(); ++k) {
       if (calls[k] < a) segment.label = "epilogue";
       if (calls[k] >= a && calls[k] < b) {
         segment.label = callLabels[k];
@@ -599,6 +577,11 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     cut.segments.push_back(std::move(segment));
   }
   return cut;
+}
+
+std::string withoutPrefix(const std::string& path, const std::string& namesPrefix) {
+  return !namesPrefix.empty() && path.rfind(namesPrefix, 0) == 0 ? path.substr(namesPrefix.size())
+                                                                 : path;
 }
 
 at::Tensor runLoss(jit::GraphFunction& loss, const jit::Module& root, const at::Tensor& output,

@@ -65,6 +65,10 @@ struct GraphCut {
 GraphCut cutForward(const torch::jit::Module& root, const std::vector<std::string>& containers,
                     const std::string& namesPrefix = "");
 
+// `path` as the user's module names it: without `namesPrefix` (caravan export's wrapper
+// attribute, "m."), where it starts with it.
+std::string withoutPrefix(const std::string& path, const std::string& namesPrefix);
+
 // Runs a GraphCut's loss on `root`'s object (graph optimizations off, as runSegment).
 at::Tensor runLoss(torch::jit::GraphFunction& loss, const torch::jit::Module& root,
                    const at::Tensor& output, const at::Tensor& target);

@@ -16,6 +16,7 @@
 #include <torch/version.h>
 #include <nlohmann/json.hpp>
 
+#include "core/config.h"
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/scope_guard.h"
@@ -330,19 +331,14 @@ void slotsOf(const jit::Module& m, const std::string& prefix, std::vector<Slot>&
   }
 }
 
-// model.blocks as container paths: "" or "auto" finds them ("none": not cut at all); else a
-// path or a comma-separated list of paths.
-std::vector<std::string> blockHolders(const std::string& blocks) {
+// model.blocks as container paths in the file, each behind `namesPrefix` (caravan export's
+// wrapper): "" or "auto" finds them ("none": not cut at all); else a path or a comma-separated
+// list of paths.
+std::vector<std::string> blockHolders(const std::string& blocks, const std::string& namesPrefix) {
   std::vector<std::string> out;
   if (blocks.empty() || blocks == "auto" || blocks == "none") return out;
-  size_t at = 0;
-  for (size_t comma; at <= blocks.size(); at = comma + 1) {
-    comma = blocks.find(',', at);
-    if (comma == std::string::npos) comma = blocks.size();
-    std::string path = blocks.substr(at, comma - at);
-    path.erase(0, path.find_first_not_of(' '));
-    path.erase(path.find_last_not_of(' ') + 1);
-    if (!path.empty()) out.push_back(path);
+  for (const std::string& path : listItems(blocks)) {
+    if (!path.empty()) out.push_back(namesPrefix + path);
   }
   return out;
 }
@@ -542,8 +538,7 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
   const std::string& blocksAsked = spec.blocks.empty() ? loaded.blocks : spec.blocks;
   const std::string blocksSource =
       spec.blocks.empty() && !loaded.blocks.empty() ? "caravan export --blocks" : "model.blocks";
-  std::vector<std::string> holders;
-  for (const std::string& h : blockHolders(blocksAsked)) holders.push_back(namesPrefix + h);
+  const std::vector<std::string> holders = blockHolders(blocksAsked, namesPrefix);
   const bool asOne = blocksAsked == "none";  // asked to train it as one block
   GraphCut cut;
   try {
@@ -693,9 +688,8 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
     model->addBlock(label, ScriptBlock(root, parts[i], owned));
   }
   for (const Slot& s : slots) {
-    const bool prefixed = !namesPrefix.empty() && s.path.rfind(namesPrefix, 0) == 0;
     model->addExportName(registeredName.at(s.tensor.unsafeGetTensorImpl()),
-                         prefixed ? s.path.substr(namesPrefix.size()) : s.path);
+                         withoutPrefix(s.path, namesPrefix));
   }
   // In the module's order of its tensors (each once), so messages name the first.
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -754,11 +748,8 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
 
 std::string describeScriptBlocks(const std::string& path) {
   Loaded loaded = load(path);
-  std::vector<std::string> holders;
-  for (const std::string& h : blockHolders(loaded.blocks)) {
-    holders.push_back(loaded.namesPrefix + h);
-  }
-  const GraphCut cut = cutForward(loaded.root, holders, loaded.namesPrefix);
+  const GraphCut cut =
+      cutForward(loaded.root, blockHolders(loaded.blocks, loaded.namesPrefix), loaded.namesPrefix);
   if (cut.takesTargets && !cut.loss) {
     throw ConfigError(
         fmt::format("its forward takes (x, targets), but its loss cannot be told "

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/config.h"
 #include "core/errors.h"
 
 namespace caravan {
@@ -21,18 +22,12 @@ PartitionChoice parsePartition(const std::string& text) {
                             "\": choose auto (time and memory), time, parameters, even, or the "
                             "blocks at which stages 1..K-1 start, such as \"3,6,9\"";
   c.objective = PartitionObjective::kGiven;
-  size_t at = 0;
-  while (at <= text.size()) {  // comma-separated items, each trimmed of spaces
-    const size_t comma = std::min(text.find(',', at), text.size());
-    std::string item = text.substr(at, comma - at);
-    item.erase(0, std::min(item.find_first_not_of(' '), item.size()));
-    item.erase(item.find_last_not_of(' ') + 1);
+  for (const std::string& item : listItems(text)) {
     if (item.empty() || item.size() > 9 ||
         item.find_first_not_of("0123456789") != std::string::npos) {
       throw ConfigError(usage);
     }
     c.splits.push_back(static_cast<size_t>(std::stoul(item)));
-    at = comma + 1;
   }
   return c;
 }
