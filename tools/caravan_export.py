@@ -191,7 +191,11 @@ def main(argv):
     meta = {"names_prefix": "m.", "blocks": args.blocks, "traced_with": "torch.jit.trace",
             "torch": torch.__version__, "factory": args.factory,
             "example": {"shape": list(example.shape), "dtype": str(example.dtype)},
-            "own_loss": len(inputs) == 2}
+            "own_loss": len(inputs) == 2,
+            # Buffers the module keeps out of its state_dict (rotary tables' inv_freq): the
+            # file holds them, model.pt leaves them out, so it loads with strict=True.
+            "non_persistent": sorted(set(n for n, _ in model.named_buffers())
+                                     - set(model.state_dict().keys()))}
     try:
         traced.save(args.output, _extra_files={"caravan/export.json": json.dumps(meta)})
     except Exception as e:

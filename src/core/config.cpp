@@ -73,8 +73,9 @@ std::vector<ConfigOption> buildSchema() {
              "brown, tokens, text, synthetic tokens: tokens (characters) per example"),
       strOpt("data.token_dtype", "uint16", "tokens: the ids' type in train.bin and val.bin",
              {"uint16", "uint32"}),
-      intOpt("data.vocab_size", 0, 0, int64_t{1} << 32,
-             "tokens: the vocabulary size (every id is below it); required"),
+      intOpt(
+          "data.vocab_size", 0, 0, int64_t{1} << 32,
+          "tokens: the vocabulary size (every id is below it); required. synthetic tokens: 0 = 16"),
       floatOpt("data.val_fraction", 0.1, 0.0, 0.9, "brown: fraction of documents held out", true),
       intOpt("data.prefetch", 2, 1, 64, "batches the background loader prepares ahead"),
       strOpt("data.synthetic_task", "image", "synthetic data: image classification or tokens",

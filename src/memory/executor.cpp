@@ -124,6 +124,7 @@ struct ActivationExecutor::Frame {
   std::unique_ptr<TensorMeta> inputMeta;
   bool inputRequiresGrad = false;
   SavedVersion inputVersion;
+  BlockModelImpl::Context context;  // what the block's forward saw (BlockModel::context)
   at::Tensor rng;  // the CPU generator's state before the block ran
   bool materialized = false;
   std::vector<at::Tensor> recomputed;  // by save index (undefined: a parameter, or dropped)
@@ -395,6 +396,7 @@ void Frame::materialize() {
     CapturePlacement capture(this);
     PlacementGuard guard(&capture);
     at::AutoGradMode enable(true);
+    BlockModelImpl::ContextScope scope(*exec->model(), context);
     block->forward(x);
   }
   CARAVAN_CHECK(static_cast<int64_t>(recomputed.size()) == saves,
@@ -468,6 +470,7 @@ torch::Tensor ActivationExecutor::run(size_t index, torch::nn::AnyModule& block,
     frame->inputRequiresGrad = x.requires_grad();
     frame->inputVersion = SavedVersion(x);
     frame->rng = defaultRngState();
+    if (model_->usesContext(index)) frame->context = model_->context();
     if (frame->policy == BlockPolicy::kRecompute) {
       frame->input = x;
       frame->hold(x.storage());

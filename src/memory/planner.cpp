@@ -44,7 +44,10 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
   std::vector<bool> hadGrad;  // gradients the profile creates are removed again
   for (const auto& p : params) hadGrad.push_back(p.grad().defined());
 
-  // Every block's input, from one forward.
+  // Every block's input, from one forward; its context (values crossing besides the
+  // activation) has, at the end, what every block reads of it.
+  BlockModelImpl::Context context(model->contextSlots());
+  BlockModelImpl::ContextScope contextScope(*model, context);
   std::vector<at::Tensor> inputs;
   at::Tensor output;
   {

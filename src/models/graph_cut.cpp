@@ -118,6 +118,22 @@ std::string describe(const Value* v) {
   return fmt::format("%{} ({})", v->debugName(), v->type()->annotation_str());
 }
 
+// Whether values of type `t` can hold a tensor (a gradient).
+bool holdsTensors(const c10::TypePtr& t) {
+  if (t->kind() == c10::TypeKind::TensorType || t->cast<c10::ClassType>()) return true;
+  for (const auto& inner : t->containedTypes()) {
+    if (holdsTensors(inner)) return true;
+  }
+  return false;
+}
+
+// The kinds of value a context slot carries (BlockModel::context), across pipeline stages too.
+bool contextKind(const c10::TypePtr& t) {
+  const auto k = t->kind();
+  return k == c10::TypeKind::TensorType || k == c10::TypeKind::IntType ||
+         k == c10::TypeKind::FloatType || k == c10::TypeKind::BoolType;
+}
+
 // Every value a node reads, its nested blocks' included.
 void readsOf(Node* n, std::vector<Value*>& out) {
   for (Value* v : n->inputs()) out.push_back(v);
@@ -138,14 +154,15 @@ struct LossSplit {
 };
 
 // Appends clones of `nodes` to `g`, inputs through `env` (what is not there must be
-// recomputable: constants and attribute reads, cloned on first use), and makes the clones of
-// `outputs` g's outputs.
-void cloneInto(jit::Graph& g, const std::vector<Node*>& nodes, Value* self,
+// `clonable`: computed again in `g`, from what its node reads, on first use), and makes the
+// clones of `outputs` g's outputs.
+void cloneInto(jit::Graph& g, const std::vector<Node*>& nodes,
+               const std::function<bool(const Value*)>& clonable,
                std::unordered_map<Value*, Value*>& env, const std::vector<Value*>& outputs) {
   std::function<Value*(Value*)> lookup = [&](Value* v) -> Value* {
     const auto it = env.find(v);
     if (it != env.end()) return it->second;
-    CARAVAN_CHECK(recomputable(v, self), "graph cut: {} crosses a cut unaccounted", describe(v));
+    CARAVAN_CHECK(clonable(v), "graph cut: {} crosses a cut unaccounted", describe(v));
     Node* copy = g.insertNode(g.createClone(v->node(), lookup));
     for (size_t i = 0; i < copy->outputs().size(); ++i) env[v->node()->output(i)] = copy->output(i);
     return env.at(v);
@@ -295,12 +312,13 @@ LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
     if (returned[i] == loss) split.lossIndex = static_cast<int>(i);
   }
 
+  const auto onModule = [self](const Value* v) { return recomputable(v, self); };
   split.model = std::make_shared<jit::Graph>();
   {
     std::unordered_map<Value*, Value*> env;
     env[self] = split.model->addInput("self")->setType(self->type());
     env[input] = split.model->addInput("x")->setType(input->type());
-    cloneInto(*split.model, modelNodes, self, env, {output});
+    cloneInto(*split.model, modelNodes, onModule, env, {output});
     jit::EliminateDeadCode(split.model);
   }
   split.loss = std::make_shared<jit::Graph>();
@@ -309,7 +327,7 @@ LossSplit splitLoss(const std::shared_ptr<jit::Graph>& graph) {
     env[self] = split.loss->addInput("self")->setType(self->type());
     env[output] = split.loss->addInput("output")->setType(c10::TensorType::get());
     env[targets] = split.loss->addInput("targets")->setType(targets->type());
-    cloneInto(*split.loss, lossNodes, self, env, {loss});
+    cloneInto(*split.loss, lossNodes, onModule, env, {loss});
     jit::EliminateDeadCode(split.loss);
   }
   return split;
@@ -480,6 +498,37 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     cut.note = "its forward calls none of the blocks' modules";
     return cut;
   }
+  // Values that carry no gradient: the input, what holds no tensor (a length, a flag), and
+  // tensors computed from such values and buffers alone (an attention mask, rotary tables from
+  // a buffer), reading no parameter: through its path, or by a call of a module that has it. They
+  // cross a cut in the model's context (BlockModel::context), beside the one activation.
+  std::set<std::string> parameterPaths;
+  for (const auto& p : root.named_parameters(true)) parameterPaths.insert(p.name);
+  auto readsParameter = [&](const Value* v) {
+    if (v->node()->kind() == c10::prim::Constant) return false;
+    const auto p = modulePath(v, self);
+    if (!p) return true;
+    if (!isModuleValue(v)) return parameterPaths.count(*p) > 0;
+    return std::any_of(parameterPaths.begin(), parameterPaths.end(), [&](const std::string& t) {
+      return p->empty() || t.compare(0, p->size() + 1, *p + ".") == 0;
+    });
+  };
+  std::set<const Value*> gradientFree{graph->inputs()[1]};
+  auto isFree = [&](const Value* v) {
+    return !holdsTensors(v->type()) || gradientFree.count(v) > 0 ||
+           (recomputable(v, self) && !readsParameter(v));
+  };
+  for (Node* n : nodes) {
+    if (trivial(n)) continue;
+    std::vector<Value*> reads;
+    readsOf(n, reads);
+    if (std::all_of(reads.begin(), reads.end(), [&](Value* v) {
+          return isFree(v) || topLevel(v->node(), graph->block()) == n;
+        })) {
+      for (const Value* v : n->outputs()) gradientFree.insert(v);
+    }
+  }
+
   auto topIndex = [&](Node* user) {
     user = topLevel(user, graph->block());
     return user == graph->return_node() ? nodes.size() : index.at(user);
@@ -521,17 +570,31 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
   size_t last = 0;
   for (const auto& [p, at] : candidates) {
     if (!computes(last, p) || !computes(p, nodes.size())) continue;  // nothing on one side
+    // One activation (what carries a gradient; the one value crossing, when it is all) and
+    // what goes in the context (of a kind it carries).
     const auto values = crossing(p);
-    if (values.size() == 1 && values[0]->type()->cast<c10::TensorType>()) {
+    std::vector<Value*> activations, context;
+    for (Value* v : values) (isFree(v) ? context : activations).push_back(v);
+    if (activations.empty() && values.size() == 1) activations.swap(context);
+    const auto badKind = std::find_if(context.begin(), context.end(),
+                                      [](const Value* v) { return !contextKind(v->type()); });
+    if (activations.size() == 1 && activations[0]->type()->cast<c10::TensorType>() &&
+        badKind == context.end()) {
       cuts.push_back(p);
-      carried.push_back(values[0]);
+      carried.push_back(activations[0]);
       last = p;
       continue;
     }
     std::string what;
-    for (const Value* v : values) what += (what.empty() ? "" : ", ") + describe(v);
-    skipped.push_back(fmt::format("{}: {} value{} cross ({})", at, values.size(),
-                                  values.size() == 1 ? "" : "s", what));
+    for (const Value* v : badKind == context.end() ? activations : context) {
+      what += (what.empty() ? "" : ", ") + describe(v);
+    }
+    skipped.push_back(
+        badKind != context.end()
+            ? fmt::format("{}: a value that is no tensor, number or flag crosses ({})", at,
+                          describe(*badKind))
+            : fmt::format("{}: {} values that carry a gradient cross ({})", at, activations.size(),
+                          what));
   }
   if (!skipped.empty()) {
     cut.note = fmt::format("not cut {}{}", skipped.front(),
@@ -542,9 +605,24 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
   }
   if (cuts.empty()) return cut;
 
+  // The context: what crosses each cut besides its activation, a slot each, in the order
+  // they cross.
+  std::vector<std::vector<Value*>> across;  // by cut
+  std::map<const Value*, size_t> slot;
+  for (size_t k = 0; k < cuts.size(); ++k) {
+    across.emplace_back();
+    for (Value* v : crossing(cuts[k])) {
+      if (v == carried[k]) continue;
+      across.back().push_back(v);
+      slot.emplace(v, slot.size());
+    }
+  }
+  cut.contextSlots = slot.size();
+
   // The segments.
   Value* input = graph->inputs()[1];
   Value* output = graph->return_node()->input(0);
+  const auto onModule = [self](const Value* v) { return recomputable(v, self); };
   for (size_t s = 0; s <= cuts.size(); ++s) {
     const size_t a = s == 0 ? 0 : cuts[s - 1];
     const size_t b = s == cuts.size() ? nodes.size() : cuts[s];
@@ -555,14 +633,38 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     std::unordered_map<Value*, Value*> env;
     env[self] = g->addInput("self")->setType(self->type());
     env[in] = g->addInput("x")->setType(c10::TensorType::get());
+    // Reads: what crosses the cut before it and is used in it. Writes: what crosses the cut
+    // after it and not the one before (computed here; the input, in the first).
+    GraphSegment segment;
+    if (s > 0) {
+      for (Value* v : across[s - 1]) {
+        const bool used = std::any_of(v->uses().begin(), v->uses().end(), [&](const jit::Use& u) {
+          const size_t at = topIndex(u.user);
+          return at >= a && (at < b || b == nodes.size());
+        });
+        if (!used) continue;
+        env[v] = g->addInput(fmt::format("context{}", slot.at(v)))->setType(v->type());
+        segment.contextReads.push_back(slot.at(v));
+      }
+    }
+    std::vector<Value*> outputs{out};
+    if (s < cuts.size()) {
+      for (Value* v : across[s]) {
+        if (s > 0 &&
+            std::find(across[s - 1].begin(), across[s - 1].end(), v) != across[s - 1].end()) {
+          continue;
+        }
+        outputs.push_back(v);
+        segment.contextWrites.push_back(slot.at(v));
+      }
+    }
     cloneInto(*g,
               std::vector<Node*>(nodes.begin() + static_cast<std::ptrdiff_t>(a),
                                  nodes.begin() + static_cast<std::ptrdiff_t>(b)),
-              self, env, {out});
+              onModule, env, outputs);
     jit::EliminateDeadCode(g);
 
     const std::set<std::string> reads = tensorsRead(*g, everyPath);
-    GraphSegment segment;
     segment.label = "prologue";
     for (size_t k = 0; k < calls.size(); ++k) {
       if (calls[k] < a) segment.label = "epilogue";
@@ -592,11 +694,25 @@ at::Tensor runLoss(jit::GraphFunction& loss, const jit::Module& root, const at::
   return stack.back().toTensor();
 }
 
-at::Tensor runSegment(const GraphSegment& segment, const jit::Module& root, const at::Tensor& x) {
+at::Tensor runSegment(const GraphSegment& segment, const jit::Module& root, const at::Tensor& x,
+                      std::vector<c10::IValue>& context) {
   jit::GraphOptimizerEnabledGuard plain(false);
   jit::Stack stack{root._ivalue(), x};
+  for (size_t slot : segment.contextReads) {
+    CARAVAN_CHECK(slot < context.size() && !context[slot].isNone(),
+                  "segment {} reads context slot {}, which no block before it wrote", segment.label,
+                  slot);
+    stack.push_back(context[slot]);
+  }
   segment.function->run(stack);
-  return stack.back().toTensor();
+  CARAVAN_CHECK_EQ(stack.size(), 1 + segment.contextWrites.size(), "segment {}'s outputs",
+                   segment.label);
+  for (size_t i = 0; i < segment.contextWrites.size(); ++i) {
+    const size_t slot = segment.contextWrites[i];
+    if (context.size() <= slot) context.resize(slot + 1);
+    context[slot] = std::move(stack[1 + i]);
+  }
+  return stack.front().toTensor();
 }
 
 }  // namespace caravan

@@ -9,17 +9,22 @@
 // a module without a repeated container at its children's calls. The forward is
 // inlined down to those calls (every method call of a module that holds a container, never an
 // item's own), and then cut before each block call and after the last one, where exactly one
-// Tensor crosses: a value computed before the cut and used after it. Constants and the
+// activation crosses: a value computed before the cut and used after it. Constants and the
 // module's attributes (parameters, submodules, flags) do not cross: each segment reads them
 // from the module itself. The code before the first block call and after the last becomes a
 // segment of its own ("prologue", "epilogue") when it computes anything.
 //
-// A cut where several values cross (a mask and the hidden state, a shape) is left out, and the
-// note names the values; a block call inside a branch or loop, or a forward with more inputs
+// Values that carry no gradient do not count: the forward's input, what holds no tensor (a
+// sequence length), and tensors computed from such values and buffers alone, reading no
+// parameter (an attention mask, rotary tables). They cross in the model's context
+// (BlockModel::context: one slot each; the segment that computes one writes it, later ones read
+// it), so a GPT-2's or a Llama's layers are cut with the hidden state as the activation. A cut
+// where several values that carry a gradient cross (a skip connection around it) is left out,
+// and the note names them; a block call inside a branch or loop, or a forward with more inputs
 // than (x) or (x, targets), leaves the module uncut (`segments` is empty, the note says why).
 //
-// Each segment is a graph function (self, x) -> Tensor run on the module's own object, so the
-// segments share its parameters: the tensors a segment reads are found in its graph (an
+// Each segment is a graph function run on the module's own object, so the segments share its
+// parameters: the tensors a segment reads are found in its graph (an
 // attribute read, or a call of a submodule: all of that submodule's), not from module
 // membership, since a tie made by tracing reads the shared weight through its owner's path.
 // Threading: the result is used by one training thread (as the module).
@@ -36,12 +41,17 @@ namespace caravan {
 
 struct GraphSegment {
   std::string label;  // the first block call's module path, "prologue" or "epilogue"
-  std::shared_ptr<torch::jit::GraphFunction> function;  // (self, x) -> Tensor
-  std::vector<std::string> tensors;  // paths of the parameters and buffers it reads
+  // (self, x, the context slots it reads...) -> (its output, the slots it writes...)
+  std::shared_ptr<torch::jit::GraphFunction> function;
+  // The paths of the parameters and buffers it reads; the slots of the model's context it
+  // reads and writes.
+  std::vector<std::string> tensors;
+  std::vector<size_t> contextReads, contextWrites;
 };
 
 struct GraphCut {
   std::vector<GraphSegment> segments;  // empty: not cut (note says why)
+  size_t contextSlots = 0;             // values crossing cuts besides the activations
   std::string note;                    // why not cut, or which cuts were left out
   // A forward(x, targets) that returns its own loss (nanoGPT's (logits, loss)): the blocks are
   // cut in the part before the loss, which ends at the one value the loss reads (the output,
@@ -74,8 +84,9 @@ at::Tensor runLoss(torch::jit::GraphFunction& loss, const torch::jit::Module& ro
                    const at::Tensor& output, const at::Tensor& target);
 
 // Runs a segment on `root`'s object, with TorchScript's graph optimizations off (ordinary
-// autograd per op, as the module's own forward runs in script_model.cpp).
+// autograd per op, as the module's own forward runs in script_model.cpp): `x` its input,
+// `context` the values crossing besides (BlockModel::context), read and written in its slots.
 at::Tensor runSegment(const GraphSegment& segment, const torch::jit::Module& root,
-                      const at::Tensor& x);
+                      const at::Tensor& x, std::vector<c10::IValue>& context);
 
 }  // namespace caravan

@@ -19,12 +19,16 @@ BlockModelImpl::BlockModelImpl(std::string name, TaskKind task)
     : name_(std::move(name)), task_(task) {}
 
 torch::Tensor BlockModelImpl::forward(torch::Tensor x) {
-  return forwardBlocks(std::move(x), 0, blocks_.size());
+  Context context;
+  return forwardBlocks(std::move(x), 0, blocks_.size(), context);
 }
 
-torch::Tensor BlockModelImpl::forwardBlocks(torch::Tensor x, size_t begin, size_t end) {
+torch::Tensor BlockModelImpl::forwardBlocks(torch::Tensor x, size_t begin, size_t end,
+                                            Context& context) {
   CARAVAN_CHECK(begin <= end && end <= blocks_.size(), "blocks [{}, {}) of {}", begin, end,
                 blocks_.size());
+  if (context.size() < contextSlots_) context.resize(contextSlots_);
+  ContextScope scope(*this, context);
   for (size_t i = begin; i < end; ++i) {
     x = runner_ != nullptr ? runner_->run(i, blocks_[i], std::move(x))
                            : blocks_[i].forward(std::move(x));
@@ -74,7 +78,7 @@ at::Tensor BlockModelImpl::loss(const at::Tensor& output, const at::Tensor& targ
 
 std::string BlockModelImpl::exportName(const std::string& name) const {
   const auto it = exportNames_.find(name);
-  return it == exportNames_.end() ? name : it->second.front();
+  return it == exportNames_.end() || it->second.empty() ? name : it->second.front();
 }
 
 std::vector<at::Tensor> BlockModelImpl::blockBuffers(size_t i) {

@@ -9,9 +9,12 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <ATen/core/ivalue.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
@@ -47,6 +50,7 @@ class BlockRunner {
 
 class BlockModelImpl : public torch::nn::Module {
  public:
+  using Context = std::vector<c10::IValue>;
   BlockModelImpl(std::string name, TaskKind task);
 
   // Appends a block; registers it as submodule "b<i>_<label>" (e.g. "b0_conv1"), so parameter
@@ -57,13 +61,48 @@ class BlockModelImpl : public torch::nn::Module {
     blocks_.emplace_back(std::move(block));
     plain_.push_back(blocks_.back());
     labels_.push_back(label);
+    usesContext_.push_back(false);
   }
 
   // Runs all blocks in order, through the runner if one is set. input/output shapes depend on
   // the task (see DataShape).
   torch::Tensor forward(torch::Tensor x);
-  // Runs blocks [begin, end) only (a pipeline stage's), through the runner if one is set.
-  torch::Tensor forwardBlocks(torch::Tensor x, size_t begin, size_t end);
+  // Runs blocks [begin, end) only (a pipeline stage's), through the runner if one is set, on
+  // `x` (block begin's input) and `context` (below: what earlier blocks of this forward put
+  // there; the blocks' own are added to it).
+  torch::Tensor forwardBlocks(torch::Tensor x, size_t begin, size_t end, Context& context);
+
+  // Values that cross a block boundary besides the activation, for the forward that runs now: a
+  // cut model's attention mask, rotary tables, sequence length (models/graph_cut.h), one slot
+  // each (contextSlots()). The block that computes one puts it in its slot and later blocks
+  // read it; they carry no gradient. forward() runs its blocks on a fresh context,
+  // forwardBlocks on the one it is given (a pipeline stage's, received with the activation and
+  // sent on with it); who runs one block alone (the memory executor's recomputation, the
+  // planner's profile) sets the context that block's forward saw with a ContextScope.
+  Context& context() { return *context_; }
+  // What a block that uses the context holds to reach it (the model's, shared; a ContextScope
+  // swaps its contents).
+  std::shared_ptr<Context> contextHolder() const { return context_; }
+  // While it lives, the model's context is `context` (swapped in; swapped back out, with what
+  // the blocks added, when the scope ends).
+  class ContextScope {
+   public:
+    ContextScope(BlockModelImpl& model, Context& context)
+        : holder_(model.context_), context_(context) {
+      std::swap(*holder_, context_);
+    }
+    ~ContextScope() { std::swap(*holder_, context_); }
+    ContextScope(const ContextScope&) = delete;
+    ContextScope& operator=(const ContextScope&) = delete;
+
+   private:
+    std::shared_ptr<Context> holder_;
+    Context& context_;
+  };
+  size_t contextSlots() const { return contextSlots_; }
+  void setContextSlots(size_t n) { contextSlots_ = n; }
+  void setUsesContext(size_t i) { usesContext_.at(i) = true; }
+  bool usesContext(size_t i) const { return usesContext_.at(i); }
   // nullptr = run blocks directly. The runner must outlive its use here.
   void setRunner(BlockRunner* runner) { runner_ = runner; }
   BlockRunner* runner() const { return runner_; }
@@ -98,6 +137,9 @@ class BlockModelImpl : public torch::nn::Module {
   void addExportName(const std::string& name, const std::string& exported) {
     exportNames_[name].push_back(exported);
   }
+  // A buffer the user's module keeps out of its state_dict (persistent=False): no name in
+  // model.pt (exportNames is empty), its own in messages.
+  void keepOutOfExport(const std::string& name) { exportNames_[name].clear(); }
 
   // A parameter or buffer that block `user` reads and block `owner` registers (a tied weight,
   // or a tensor two blocks share): one tensor, one gradient that autograd sums over its uses.
@@ -130,6 +172,9 @@ class BlockModelImpl : public torch::nn::Module {
   std::vector<torch::nn::AnyModule> blocks_;  // what runs: a block or its bf16 wrapper
   std::vector<torch::nn::AnyModule> plain_;   // the blocks as added
   std::vector<std::string> labels_;
+  std::vector<bool> usesContext_;  // by block
+  size_t contextSlots_ = 0;
+  std::shared_ptr<Context> context_ = std::make_shared<Context>();
   double forwardFlops_ = 0.0;
   BlockRunner* runner_ = nullptr;
   LossFunction loss_;

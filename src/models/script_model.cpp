@@ -89,8 +89,10 @@ struct Part {
 
 at::Tensor run(jit::Module& module, const at::Tensor& x);
 
-at::Tensor run(jit::Module& root, const Part& part, const at::Tensor& x) {
-  return part.segment ? runSegment(*part.segment, root, x) : run(root, x);
+// `context`: what crosses the parts besides `x` (BlockModel::context), read and written.
+at::Tensor run(jit::Module& root, const Part& part, const at::Tensor& x,
+               BlockModelImpl::Context& context) {
+  return part.segment ? runSegment(*part.segment, root, x, context) : run(root, x);
 }
 
 // A parameter or buffer of the module, by its path there.
@@ -121,13 +123,15 @@ void registerAt(torch::nn::Module& into, const Slot& slot) {
 
 // One block: a part of the module run with graph optimizations off (script_model.h). It
 // registers the tensors it owns (its own, and a tied or shared one where it is first used).
+// `context`: the model's (BlockModel::contextHolder).
 class ScriptBlockImpl : public torch::nn::Module {
  public:
-  ScriptBlockImpl(jit::Module root, Part part, const std::vector<Slot>& owned)
-      : root_(std::move(root)), part_(std::move(part)) {
+  ScriptBlockImpl(jit::Module root, Part part, const std::vector<Slot>& owned,
+                  std::shared_ptr<BlockModelImpl::Context> context)
+      : root_(std::move(root)), part_(std::move(part)), context_(std::move(context)) {
     for (const Slot& s : owned) registerAt(*this, s);
   }
-  torch::Tensor forward(torch::Tensor x) { return run(root_, part_, x); }
+  torch::Tensor forward(torch::Tensor x) { return run(root_, part_, x, *context_); }
   void train(bool on = true) override {
     torch::nn::Module::train(on);
     if (root_.is_training() != on) root_.train(on);
@@ -136,6 +140,7 @@ class ScriptBlockImpl : public torch::nn::Module {
  private:
   jit::Module root_;
   Part part_;
+  std::shared_ptr<BlockModelImpl::Context> context_;
 };
 TORCH_MODULE(ScriptBlock);
 
@@ -377,7 +382,8 @@ std::string whyNotSequentialInTraining(jit::Module& root, std::vector<Part>& par
     const auto whole = pass(forwardWhole);
     const auto split = pass([&](const at::Tensor& in) {
       at::Tensor y = in;
-      for (const Part& p : parts) y = run(root, p, y);
+      BlockModelImpl::Context context;
+      for (const Part& p : parts) y = run(root, p, y, context);
       return y;
     });
     auto same = [](const at::Tensor& a, const at::Tensor& b) {
@@ -408,8 +414,9 @@ std::string whyNotSequential(jit::Module& root, std::vector<Part>& parts, const 
     at::NoGradGuard noGrad;
     root.eval();
     at::Tensor y = x;
+    BlockModelImpl::Context context;
     try {
-      for (const Part& p : parts) y = run(root, p, y);
+      for (const Part& p : parts) y = run(root, p, y, context);
     } catch (const std::exception& e) {
       return fmt::format("applying them in order fails ({})", lastLine(e));
     }
@@ -469,6 +476,7 @@ struct Loaded {
   jit::Module root;
   std::string namesPrefix;
   std::string blocks;
+  std::set<std::string> nonPersistent;  // buffers the module's state_dict leaves out (its names)
 };
 
 Loaded load(const std::string& path) {
@@ -480,6 +488,7 @@ Loaded load(const std::string& path) {
       const auto meta = nlohmann::json::parse(extra["caravan/export.json"]);
       out.namesPrefix = meta.value("names_prefix", "");
       out.blocks = meta.value("blocks", "");
+      out.nonPersistent = meta.value("non_persistent", std::set<std::string>());
     }
   } catch (const nlohmann::json::exception& e) {
     throw ConfigError(
@@ -507,6 +516,7 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
   Loaded loaded = load(spec.path);
   jit::Module& root = loaded.root;
   const std::string& namesPrefix = loaded.namesPrefix;
+  const std::set<std::string>& nonPersistent = loaded.nonPersistent;
   if (!root.find_method("forward")) {
     throw ConfigError(
         fmt::format("model.path {} has no forward method: script an nn.Module "
@@ -562,7 +572,8 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
   // as the module runs it.
   auto forwardWhole = [&](const at::Tensor& in) -> at::Tensor {
     if (!cut.loss) return run(root, in);
-    if (cut.outputIndex < 0) return runSegment(*cut.model, root, in);
+    BlockModelImpl::Context none;
+    if (cut.outputIndex < 0) return runSegment(*cut.model, root, in, none);
     jit::GraphOptimizerEnabledGuard plain(false);
     const c10::IValue out = root.forward({in, sampleTarget(shape, in)});
     return out.toTupleRef().elements().at(static_cast<size_t>(cut.outputIndex)).toTensor();
@@ -669,6 +680,7 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
     for (const void* t : reads[i]) owner.emplace(t, i);
   }
   BlockModel model(std::string(kScriptModelName), shape.task);
+  if (parts.size() >= 2) model->setContextSlots(cut.contextSlots);
   std::set<const void*> registered;
   std::map<const void*, std::string> registeredName;
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -685,11 +697,19 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
     for (const Slot& s : owned) {
       registeredName[s.tensor.unsafeGetTensorImpl()] = prefix + "." + s.path;
     }
-    model->addBlock(label, ScriptBlock(root, parts[i], owned));
+    model->addBlock(label, ScriptBlock(root, parts[i], owned, model->contextHolder()));
+    const auto& segment = parts[i].segment;
+    if (segment && !(segment->contextReads.empty() && segment->contextWrites.empty())) {
+      model->setUsesContext(i);
+    }
   }
   for (const Slot& s : slots) {
-    model->addExportName(registeredName.at(s.tensor.unsafeGetTensorImpl()),
-                         withoutPrefix(s.path, namesPrefix));
+    const std::string name = withoutPrefix(s.path, namesPrefix);
+    if (nonPersistent.count(name) > 0) {
+      model->keepOutOfExport(registeredName.at(s.tensor.unsafeGetTensorImpl()));
+    } else {
+      model->addExportName(registeredName.at(s.tensor.unsafeGetTensorImpl()), name);
+    }
   }
   // In the module's order of its tensors (each once), so messages name the first.
   for (size_t i = 0; i < parts.size(); ++i) {

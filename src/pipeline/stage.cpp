@@ -1,5 +1,6 @@
 #include "pipeline/stage.h"
 
+#include <cstring>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -25,41 +26,138 @@ using Clock = std::chrono::steady_clock;
 enum Message { kActivationHeader = 0, kActivation = 1, kGradient = 2 };
 int tagOf(int microBatch, Message message) { return 3 * microBatch + message; }
 
-// An activation's header: dtype, rank, up to 6 sizes.
+// An activation's header: dtype, rank, up to 6 sizes; then one entry of kHeaderLength per
+// context slot (BlockModel::context: values crossing besides the activation), so both sides
+// know the length from the model: none, a tensor (dtype, rank, up to 5 sizes), or a scalar
+// (its kind and its 64 bits).
 constexpr int64_t kHeaderLength = 8;
 constexpr int64_t kMaxRank = kHeaderLength - 2;
+enum ContextKind : int64_t { kNone = 0, kTensor = 1, kInt = 2, kDouble = 3, kBool = 4 };
+using Context = BlockModelImpl::Context;
 
-at::Tensor encodeHeader(const at::Tensor& t) {
-  CARAVAN_CHECK(t.dim() <= kMaxRank, "activation of rank {} (at most {})", t.dim(), kMaxRank);
-  at::Tensor h = at::zeros({kHeaderLength}, at::kLong);
-  auto* p = h.data_ptr<int64_t>();
+void encodeMeta(const at::Tensor& t, int64_t* p, int64_t maxRank, const char* what) {
+  CARAVAN_CHECK(t.dim() <= maxRank, "{} of rank {} (at most {})", what, t.dim(), maxRank);
   p[0] = static_cast<int64_t>(t.scalar_type());
   p[1] = t.dim();
   for (int64_t i = 0; i < t.dim(); ++i) p[2 + i] = t.size(i);
-  return h;
 }
 
-at::Tensor emptyFromHeader(const at::Tensor& h) {
-  const auto* p = h.data_ptr<int64_t>();
-  CARAVAN_CHECK(p[1] >= 0 && p[1] <= kMaxRank, "activation header of rank {}", p[1]);
+at::Tensor emptyFromMeta(const int64_t* p, int64_t maxRank, const char* what) {
+  CARAVAN_CHECK(p[1] >= 0 && p[1] <= maxRank, "{} header of rank {}", what, p[1]);
   std::vector<int64_t> sizes(p + 2, p + 2 + p[1]);
   return at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(p[0])));
 }
 
-// An activation to `to` (its header, then its payload; `y` contiguous): both sends' works.
-std::vector<WorkPtr> sendActivation(Communicator& comm, const at::Tensor& y, int to,
-                                    int microBatch) {
-  return {comm.send(encodeHeader(y), to, tagOf(microBatch, kActivationHeader)),
-          comm.send(y, to, tagOf(microBatch, kActivation))};
+at::Tensor encodeHeader(const at::Tensor& y, const Context& context) {
+  at::Tensor h = at::zeros({kHeaderLength * (1 + static_cast<int64_t>(context.size()))}, at::kLong);
+  auto* p = h.data_ptr<int64_t>();
+  encodeMeta(y, p, kMaxRank, "activation");
+  for (size_t i = 0; i < context.size(); ++i) {
+    int64_t* e = p + kHeaderLength * static_cast<int64_t>(i + 1);
+    const c10::IValue& v = context[i];
+    if (v.isTensor()) {
+      e[0] = kTensor;
+      encodeMeta(v.toTensor(), e + 1, kMaxRank - 1, "a value crossing the stages");
+    } else if (v.isInt()) {
+      e[0] = kInt;
+      e[1] = v.toInt();
+    } else if (v.isDouble()) {
+      e[0] = kDouble;
+      const double d = v.toDouble();
+      std::memcpy(&e[1], &d, sizeof d);
+    } else if (v.isBool()) {
+      e[0] = kBool;
+      e[1] = v.toBool();
+    } else {
+      CARAVAN_CHECK(v.isNone(), "a value crossing the stages of type {}", v.tagKind());
+    }
+  }
+  return h;
 }
 
-// The activation `from` sends for `microBatch` (its shape from the header).
-at::Tensor recvActivation(Communicator& comm, int from, int microBatch,
-                          std::chrono::milliseconds timeout) {
-  at::Tensor header = at::empty({kHeaderLength}, at::kLong);
+// The payload: the activation, and the context's tensors after it when it has any (laid end to
+// end as bytes, each at a multiple of 64 bytes).
+constexpr int64_t kAlign = 64;
+int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+std::vector<at::Tensor> contextTensors(const Context& context) {
+  std::vector<at::Tensor> out;
+  for (const auto& v : context) {
+    if (v.isTensor()) out.push_back(v.toTensor());
+  }
+  return out;
+}
+
+at::Tensor packPayload(const at::Tensor& y, const Context& context) {
+  const auto tensors = contextTensors(context);
+  if (tensors.empty()) return y;
+  std::vector<at::Tensor> all{y};
+  all.insert(all.end(), tensors.begin(), tensors.end());
+  int64_t total = 0;
+  for (const auto& t : all) total += aligned(static_cast<int64_t>(t.nbytes()));
+  at::Tensor buffer = at::empty({total}, at::kByte);
+  int64_t at = 0;
+  for (const auto& t : all) {
+    const int64_t n = static_cast<int64_t>(t.nbytes());
+    if (n > 0) buffer.narrow(0, at, n).view(t.scalar_type()).view(t.sizes()).copy_(t);
+    at += aligned(n);
+  }
+  return buffer;
+}
+
+// An activation and the context to `to` (the header, then the payload; `y` contiguous): both
+// sends' works.
+std::vector<WorkPtr> sendActivation(Communicator& comm, const at::Tensor& y, const Context& context,
+                                    int to, int microBatch) {
+  return {comm.send(encodeHeader(y, context), to, tagOf(microBatch, kActivationHeader)),
+          comm.send(packPayload(y, context), to, tagOf(microBatch, kActivation))};
+}
+
+// The activation `from` sends for `microBatch` (its shape from the header), and the context
+// sent with it (`slots` entries: the model's).
+at::Tensor recvActivation(Communicator& comm, int from, int microBatch, size_t slots,
+                          Context& context, std::chrono::milliseconds timeout) {
+  at::Tensor header = at::empty({kHeaderLength * (1 + static_cast<int64_t>(slots))}, at::kLong);
   comm.recv(header, from, tagOf(microBatch, kActivationHeader))->wait(timeout);
-  at::Tensor x = emptyFromHeader(header);
-  comm.recv(x, from, tagOf(microBatch, kActivation))->wait(timeout);
+  const auto* p = header.data_ptr<int64_t>();
+  at::Tensor x = emptyFromMeta(p, kMaxRank, "activation");
+  context.assign(slots, c10::IValue());
+  std::vector<at::Tensor> tensors;
+  for (size_t i = 0; i < slots; ++i) {
+    const int64_t* e = p + kHeaderLength * static_cast<int64_t>(i + 1);
+    switch (e[0]) {
+      case kNone: break;
+      case kTensor:
+        tensors.push_back(emptyFromMeta(e + 1, kMaxRank - 1, "context"));
+        context[i] = tensors.back();
+        break;
+      case kInt: context[i] = e[1]; break;
+      case kDouble: {
+        double d = 0.0;
+        std::memcpy(&d, &e[1], sizeof d);
+        context[i] = d;
+        break;
+      }
+      case kBool: context[i] = e[1] != 0; break;
+      default: CARAVAN_CHECK(false, "context entry of kind {}", e[0]);
+    }
+  }
+  if (tensors.empty()) {
+    comm.recv(x, from, tagOf(microBatch, kActivation))->wait(timeout);
+    return x;
+  }
+  std::vector<at::Tensor> all{x};
+  all.insert(all.end(), tensors.begin(), tensors.end());
+  int64_t total = 0;
+  for (const auto& t : all) total += aligned(static_cast<int64_t>(t.nbytes()));
+  at::Tensor buffer = at::empty({total}, at::kByte);
+  comm.recv(buffer, from, tagOf(microBatch, kActivation))->wait(timeout);
+  int64_t at = 0;
+  for (auto& t : all) {
+    const int64_t n = static_cast<int64_t>(t.nbytes());
+    if (n > 0) t.copy_(buffer.narrow(0, at, n).view(t.scalar_type()).view(t.sizes()));
+    at += aligned(n);
+  }
   return x;
 }
 
@@ -214,6 +312,9 @@ struct PipelineStage::InFlight {
   at::Tensor outputGrad;  // the received gradient of `output` (not on the last stage)
   at::Tensor inputGrad;   // zb-h1's B: the gradient of `input`, until it is sent
   std::shared_ptr<WeightPass> weightPass;  // zb-h1: planned at B, run at W
+  // What crosses the stages besides the activation (BlockModel::context): received with the
+  // input, sent on with the output, with what this stage's blocks added.
+  BlockModelImpl::Context context;
   // The send of `output`: it holds the output's storage until dropped, which happens when the
   // output's gradient came back (the receiver had it by then).
   std::vector<WorkPtr> activationSend;
@@ -410,11 +511,13 @@ at::Tensor PipelineStage::forwardOnly(const at::Tensor& input) {
   // One activation in flight per pair of stages (each send is waited for): tags may wrap.
   const int m = static_cast<int>(forwardOnlyCalls_++ % 10000);
   const auto timeout = comm_ != nullptr ? comm_->timeout() : std::chrono::milliseconds(0);
-  const at::Tensor x =
-      layout_.first() ? input : recvActivation(*comm_, comm_->rank() - 1, m, timeout);
-  const at::Tensor y = model_->forwardBlocks(x, begin_, end_);
+  Context context;
+  const at::Tensor x = layout_.first() ? input
+                                       : recvActivation(*comm_, comm_->rank() - 1, m,
+                                                        model_->contextSlots(), context, timeout);
+  const at::Tensor y = model_->forwardBlocks(x, begin_, end_, context);
   if (layout_.last()) return y;
-  for (const WorkPtr& w : sendActivation(*comm_, y.contiguous(), comm_->rank() + 1, m))
+  for (const WorkPtr& w : sendActivation(*comm_, y.contiguous(), context, comm_->rank() + 1, m))
     w->wait(timeout);
   return at::Tensor();
 }
@@ -478,14 +581,15 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
     switch (a.kind) {
       case ActionKind::kRecvActivation: {
         dropCompleted();
-        at::Tensor x = recvActivation(*comm_, prev, a.microBatch, timeout);
+        at::Tensor x =
+            recvActivation(*comm_, prev, a.microBatch, model_->contextSlots(), f.context, timeout);
         if (x.is_floating_point()) x.requires_grad_(true);
         f.input = x;
         break;
       }
       case ActionKind::kForward: {
         if (layout_.first()) f.input = inputs[a.microBatch];
-        at::Tensor y = model_->forwardBlocks(f.input, begin_, end_);
+        at::Tensor y = model_->forwardBlocks(f.input, begin_, end_, f.context);
         if (layout_.last()) {
           f.output = model_->loss(y, targets[a.microBatch]) / static_cast<double>(m);
           stats.loss += f.output.item<double>();
@@ -496,7 +600,7 @@ StageStepStats PipelineStage::runStep(const Batch& batch) {
       }
       case ActionKind::kSendActivation: {
         f.activationSend =
-            sendActivation(*comm_, f.output.detach().contiguous(), next, a.microBatch);
+            sendActivation(*comm_, f.output.detach().contiguous(), f.context, next, a.microBatch);
         break;
       }
       case ActionKind::kRecvGradient: {

@@ -129,7 +129,8 @@ class PipelineStage {
       std::chrono::steady_clock::time_point stepStart);
   // Evaluation through the pipeline: forwards one batch's `input` (first stage) or the
   // activation received from the previous stage through this stage's blocks without autograd
-  // and sends it on. Returns the model's output on the last stage, an undefined tensor on the
+  // and sends it on. Every stage passes the batch's input (blocks may read it:
+  // BlockModel::input). Returns the model's output on the last stage, an undefined tensor on the
   // others. Every stage of a replica calls it once per evaluation batch, in the same order.
   at::Tensor forwardOnly(const at::Tensor& input);
   const PipelineLayout& layout() const { return layout_; }

@@ -110,6 +110,7 @@ DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed) {
     o.trainSize = options.syntheticSize;
     o.testSize = std::max<int64_t>(1, o.trainSize / 4);
     o.seqLen = options.seqLen;
+    if (options.vocabSize > 0) o.vocabSize = options.vocabSize;
     o.seed = dataSeed + 1234;
     return makeSynthetic(o);
   }

@@ -9,12 +9,19 @@ torch.manual_seed(0):
           resnet18 does not import beside the CPU torch 2.13 (torchvision 0.28 needs its own
           operators, 0.29 needs torch 2.14)
 
+  gpt2    transformers' GPT2LMHeadModel (4 layers, width 32; its head tied to its token
+          embedding), on tokens [2, 16] over a vocabulary of 64
+  llama   transformers' LlamaForCausalLM (4 layers, width 32; rotary embeddings and an attention
+          mask reach every layer besides the hidden state), on the same tokens
   nanogpt a GPT in the form of nanoGPT's model.py (below: tied embedding and head, SDPA,
           forward(idx, targets) -> (logits, loss)); the example is (idx, targets)
 
 And for the oracle (oracle_train.py's "eager_class"), the same classes whose forward(x) returns
 the logits, so the original module trains in eager PyTorch under its own parameter names:
-  VitLogits, ResNetLogits, NanoGptLogits
+  VitLogits, ResNetLogits, Gpt2Logits, LlamaLogits, NanoGptLogits
+
+The language models are exported with an input alone (their own loss with labels= shifts the
+labels, which Caravan's next-token targets already are) and trained on the task's loss.
 """
 import torch
 import transformers
@@ -38,6 +45,42 @@ def vit():
 def resnet():
     torch.manual_seed(0)
     return transformers.ResNetForImageClassification(transformers.ResNetConfig(**RESNET)), example()
+
+
+GPT2 = dict(vocab_size=64, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+
+
+def tokens():
+    return torch.randint(0, 64, (2, 16))
+
+
+def gpt2():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)), tokens()
+
+
+def llama():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)), tokens()
+
+
+class Gpt2Logits(transformers.GPT2LMHeadModel):
+    def __init__(self):
+        super().__init__(transformers.GPT2Config(**GPT2))
+
+    def forward(self, x):
+        return super().forward(input_ids=x, use_cache=False, return_dict=False)[0]
+
+
+class LlamaLogits(transformers.LlamaForCausalLM):
+    def __init__(self):
+        super().__init__(transformers.LlamaConfig(**LLAMA))
+
+    def forward(self, x):
+        return super().forward(input_ids=x, use_cache=False, return_dict=False)[0]
 
 
 class VitLogits(transformers.ViTForImageClassification):
