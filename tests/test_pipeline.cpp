@@ -378,19 +378,28 @@ TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
   ASSERT_FALSE(scripted.empty()) << "tests/python/script_models.py failed (scripts/setup.sh)";
   test::TempDir tmp;
   std::vector<std::string> files = {scripted + "/cnn.pt"};
-  if (test::transformersInstalled()) {
-    const auto exported =
-        test::runCaravan("export " + std::string(CARAVAN_SOURCE_DIR) +
-                         "/tests/python/stock_models.py:vit -o " + (tmp / "vit.pt"));
+  // Hugging Face's ViT, and Llama: its rotary tables, mask and lengths go from stage to stage
+  // in the context, beside the hidden state.
+  for (const std::string factory : {"vit", "llama"}) {
+    if (!test::transformersInstalled()) {
+      std::printf("without %s: transformers is not in the project's Python\n", factory.c_str());
+      continue;
+    }
+    const auto exported = test::runCaravan("export " + std::string(CARAVAN_SOURCE_DIR) +
+                                           "/tests/python/stock_models.py:" + factory + " -o " +
+                                           (tmp / factory + ".pt"));
     ASSERT_EQ(exported.exitCode, 0) << exported.err;
-    files.push_back(tmp / "vit.pt");
-  } else {
-    std::printf("without the ViT: transformers is not in the project's Python\n");
+    files.push_back(tmp / factory + ".pt");
   }
   for (const std::string& file : files) {
     ModelCase s;
     s.spec.name = kScriptModelName;
     s.spec.path = file;
+    if (file == tmp / "llama.pt") {  // stock_models.py's: tokens of a vocabulary of 64
+      s.shape.task = TaskKind::kLanguageModel;
+      s.shape.vocabSize = 64;
+      s.shape.seqLen = 16;
+    }
     s.build = [s] { return loadScriptModel(s.spec, s.shape); };
     ASSERT_GE(s.build()->numBlocks(), 3u) << file;
     const auto data = batches(s, 10, 8);

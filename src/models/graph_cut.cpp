@@ -171,7 +171,14 @@ void cloneInto(jit::Graph& g, const std::vector<Node*>& nodes,
     Node* copy = g.insertNode(g.createClone(n, lookup));
     for (size_t o = 0; o < copy->outputs().size(); ++o) env[n->output(o)] = copy->output(o);
   }
-  for (Value* v : outputs) g.registerOutput(lookup(v));
+  if (outputs.size() == 1) {
+    g.registerOutput(lookup(outputs[0]));
+    return;
+  }
+  // A method returns one value: several go as a tuple.
+  std::vector<Value*> values;
+  for (Value* v : outputs) values.push_back(lookup(v));
+  g.registerOutput(g.insertNode(g.createTuple(values))->output());
 }
 
 // The node of the graph's top level that holds `n` (itself, or the branch or loop it is in).
@@ -705,14 +712,17 @@ at::Tensor runSegment(const GraphSegment& segment, const jit::Module& root, cons
     stack.push_back(context[slot]);
   }
   segment.function->run(stack);
-  CARAVAN_CHECK_EQ(stack.size(), 1 + segment.contextWrites.size(), "segment {}'s outputs",
+  if (segment.contextWrites.empty()) return stack.back().toTensor();
+  const auto tuple = stack.back().toTuple();  // (its output, the slots it writes...)
+  const auto& out = tuple->elements();
+  CARAVAN_CHECK_EQ(out.size(), 1 + segment.contextWrites.size(), "segment {}'s outputs",
                    segment.label);
   for (size_t i = 0; i < segment.contextWrites.size(); ++i) {
     const size_t slot = segment.contextWrites[i];
     if (context.size() <= slot) context.resize(slot + 1);
-    context[slot] = std::move(stack[1 + i]);
+    context[slot] = out[1 + i];
   }
-  return stack.front().toTensor();
+  return out[0].toTensor();
 }
 
 }  // namespace caravan

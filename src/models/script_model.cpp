@@ -428,6 +428,20 @@ std::string whyNotSequential(jit::Module& root, std::vector<Part>& parts, const 
   return whyNotSequentialInTraining(root, parts, x, forwardWhole);
 }
 
+// The forward up to the output (the whole forward, or up to the output its own loss reads),
+// as the module runs it; `targetFor(x)`: targets for a forward(x, targets).
+Forward forwardUpToOutput(jit::Module root, const GraphCut& cut,
+                          std::function<at::Tensor(const at::Tensor&)> targetFor) {
+  return [root, &cut, targetFor](const at::Tensor& in) mutable -> at::Tensor {
+    if (!cut.loss) return run(root, in);
+    BlockModelImpl::Context none;
+    if (cut.outputIndex < 0) return runSegment(*cut.model, root, in, none);
+    jit::GraphOptimizerEnabledGuard plain(false);
+    const c10::IValue out = root.forward({in, targetFor(in)});
+    return out.toTupleRef().elements().at(static_cast<size_t>(cut.outputIndex)).toTensor();
+  };
+}
+
 // Why the loss split from a forward(x, targets) is not the loss that forward returns on the
 // sample ("" when it is, bitwise): in eval mode without gradients, from the same RNG state,
 // the forward's own loss against the split loss of the output `output` the forward gave.
@@ -477,6 +491,8 @@ struct Loaded {
   std::string namesPrefix;
   std::string blocks;
   std::set<std::string> nonPersistent;  // buffers the module's state_dict leaves out (its names)
+  std::vector<int64_t> exampleShape;     // the input it was traced on ([] when not said)
+  std::string exampleDtype;              // "torch.int64", "torch.float32"
 };
 
 Loaded load(const std::string& path) {
@@ -489,6 +505,10 @@ Loaded load(const std::string& path) {
       out.namesPrefix = meta.value("names_prefix", "");
       out.blocks = meta.value("blocks", "");
       out.nonPersistent = meta.value("non_persistent", std::set<std::string>());
+      if (meta.contains("example")) {
+        out.exampleShape = meta["example"].value("shape", std::vector<int64_t>());
+        out.exampleDtype = meta["example"].value("dtype", "");
+      }
     }
   } catch (const nlohmann::json::exception& e) {
     throw ConfigError(
@@ -568,16 +588,8 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
   // With a loss of its own (forward(x, targets) returning it) and no other asked for.
   const bool ownLoss = cut.loss != nullptr && spec.loss.empty();
 
-  // The forward up to the output (the whole forward, or up to the output its own loss reads),
-  // as the module runs it.
-  auto forwardWhole = [&](const at::Tensor& in) -> at::Tensor {
-    if (!cut.loss) return run(root, in);
-    BlockModelImpl::Context none;
-    if (cut.outputIndex < 0) return runSegment(*cut.model, root, in, none);
-    jit::GraphOptimizerEnabledGuard plain(false);
-    const c10::IValue out = root.forward({in, sampleTarget(shape, in)});
-    return out.toTupleRef().elements().at(static_cast<size_t>(cut.outputIndex)).toTensor();
-  };
+  const Forward forwardWhole =
+      forwardUpToOutput(root, cut, [&](const at::Tensor& in) { return sampleTarget(shape, in); });
 
   // The whole forward on a sample, in eval mode (no dropout) and without gradients: sequences
   // of 16 tokens, or of data.seq_len for a module that needs exactly that many.
@@ -777,9 +789,39 @@ std::string describeScriptBlocks(const std::string& path) {
                     cut.note));
   }
   const std::string loss = cut.loss ? "; trained on the loss its forward returns" : "";
-  if (cut.segments.size() < 2 || loaded.blocks == "none") {
+  // The loader checks the cut against the forward on a batch like the data's: here on one like
+  // the example it was traced on (token ids 0 and 1, valid in any vocabulary; or normal floats).
+  std::string whyNot;
+  if (cut.segments.size() >= 2 && loaded.blocks != "none" && !loaded.exampleShape.empty()) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(20231201);
+    const at::Tensor x =
+        loaded.exampleDtype == "torch.int64"
+            ? at::randint(2, loaded.exampleShape, generator, at::TensorOptions(at::kLong))
+            : at::randn(loaded.exampleShape, generator);
+    std::vector<Part> parts;
+    for (const GraphSegment& segment : cut.segments) {
+      parts.push_back({segment.label, std::make_shared<GraphSegment>(segment)});
+    }
+    const Forward forwardWhole = forwardUpToOutput(loaded.root, cut, [](const at::Tensor& in) {
+      return in.is_floating_point() ? at::zeros({in.size(0)}, at::kLong) : in;
+    });
+    at::Tensor whole;
+    try {
+      at::NoGradGuard noGrad;
+      loaded.root.eval();
+      whole = forwardWhole(x);
+      whyNot = whyNotSequential(loaded.root, parts, x, whole, forwardWhole);
+    } catch (const std::exception& e) {
+      whyNot = fmt::format("its forward fails on an input like the example ({})", lastLine(e));
+    }
+    if (!whyNot.empty()) {
+      whyNot = "its forward cut at the block calls is not the forward: " + whyNot;
+    }
+  }
+  if (cut.segments.size() < 2 || loaded.blocks == "none" || !whyNot.empty()) {
     return fmt::format("blocks: 1 (the module is not cut: {}){}",
                        loaded.blocks == "none" ? "--blocks none"
+                       : !whyNot.empty()       ? whyNot
                        : cut.note.empty()      ? "its forward has no block calls to cut at"
                                                : cut.note,
                        loss);
