@@ -101,8 +101,12 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
     std::vector<double> loss;
     for (int r = 0; r <= repeats; ++r) {
       at::Tensor logits = output.detach().requires_grad_(true);
+      MemoryTracker tracker;
+      SavedTensorScope scope(tracker, params);
       const auto t0 = Clock::now();
-      model->loss(logits, batch.target).backward();
+      at::Tensor l = model->loss(logits, batch.target);
+      profile.lossSavedBytes = tracker.live(MemoryCategory::kActivations);
+      l.backward();
       if (r > 0) loss.push_back(secondsSince(t0));
     }
     profile.lossSeconds = median(loss);
@@ -235,6 +239,8 @@ Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& 
       live += blocks[i].savedBytes - residentAt(i, forwardEnd[i]);
     }
     peak = std::max(peak, live);
+    // The loss's forward runs after the last block's: what it saves joins what they hold.
+    if (i + 1 == n) peak = std::max(peak, live + profile.lossSavedBytes);
   }
 
   // Backward: reads queued `prefetchDepth` blocks ahead, compute waits for its read.

@@ -48,6 +48,9 @@ struct BlockProfile {
 struct ModelProfile {
   std::vector<BlockProfile> blocks;
   double lossSeconds = 0.0;  // the loss's forward and backward, outside the blocks
+  // What the loss saves for backward (cross-entropy's log-probabilities): held from its
+  // forward, after the last block's, to its backward, before the last block's.
+  int64_t lossSavedBytes = 0;
   // How swapped activations are stored (memory.tier_dtype): the tier's reads and writes of a
   // swap or swap-input block move its float32 bytes at half as bf16; memory is unchanged.
   TierDtype activationsOnTier = TierDtype::kAsIs;

@@ -93,6 +93,7 @@ struct OutOfCoreWeights::Block {
   std::vector<std::unique_ptr<Piece>> state;
   Update update = Update::kDone;
   bool keep = false;         // block 0: always in memory
+  std::vector<size_t> alsoReads;  // blocks whose weights it reads too (a tied weight's owner)
   bool backwardPin = false;  // the weights, from acquire() until the update
   int64_t gradsPending = 0;  // this step
   int64_t gradBytes = 0;     // counted in the tracker
@@ -219,6 +220,13 @@ OutOfCoreWeights::OutOfCoreWeights(BlockModel model, torch::optim::Optimizer& op
     b->index = i;
     b->params = std::move(groups[i]);
     b->keep = i == 0;
+    for (const auto& use : model_->sharedUses()) {
+      const bool parameter = model_->named_parameters().contains(use.name);
+      if (use.user == i && use.owner != i && parameter &&
+          std::find(b->alsoReads.begin(), b->alsoReads.end(), use.owner) == b->alsoReads.end()) {
+        b->alsoReads.push_back(use.owner);
+      }
+    }
     b->weights.block = b.get();
     b->weights.weights = true;
     if (!b->params.empty()) {
@@ -524,6 +532,10 @@ torch::Tensor OutOfCoreWeights::run(size_t index, torch::nn::AnyModule& block, t
     std::unique_lock<std::mutex> lock(mutex_);
     checkLocked();
     if (index == 0 && training) beginStepLocked();
+    // A tied weight's owner is held while a block that reads it runs.
+    for (size_t owner : blocks_[index]->alsoReads) {
+      stats_.stallSeconds += fetchLocked(blocks_[owner]->weights, lock);
+    }
     stats_.stallSeconds += fetchLocked(blocks_[index]->weights, lock);
     for (int k = 1; k <= options_.prefetch && index + k < n; ++k) startReadLocked(index + k);
   }
@@ -533,10 +545,12 @@ torch::Tensor OutOfCoreWeights::run(size_t index, torch::nn::AnyModule& block, t
   } catch (...) {
     std::lock_guard<std::mutex> lock(mutex_);
     unpinLocked(blocks_[index]->weights);
+    for (size_t owner : blocks_[index]->alsoReads) unpinLocked(blocks_[owner]->weights);
     throw;
   }
   std::lock_guard<std::mutex> lock(mutex_);
   Block& b = *blocks_[index];
+  for (size_t owner : b.alsoReads) unpinLocked(blocks_[owner]->weights);
   if (training && index + 1 == n) {
     // Backward starts here: keep this block, fetch the ones below it.
     if (!b.params.empty()) b.backwardPin = true;

@@ -39,9 +39,13 @@
 // turns the backpressure off until finishStep(), and under all-reduce holds back the exchange
 // (and so the updates) of every block below it, which then wait in memory.
 // Block 0 finishes last and is needed first: it stays in memory, state included (no read at the
-// start of the next forward). With gradient clipping the global norm needs every gradient, so
-// updates wait for finishStep() (no overlap; every gradient is in memory then, and each block's
-// weights are read again for its update).
+// start of the next forward). A parameter several blocks read (a tied embedding and head,
+// BlockModel::sharedUses) is its owner's: the owner's weights are fetched and held while a
+// block that reads it runs, and in that block's backward (the executor rebuilds a saved view of
+// it on the owner's blob; its gradient accumulator's pre-hook fetches the owner); its gradient
+// completes, and the owner's update starts, when its last use's backward is done. With gradient
+// clipping the global norm needs every gradient, so updates wait for finishStep() (no overlap;
+// every gradient is in memory then, and each block's weights are read again for its update).
 //
 // Per-parameter optimizers (SGD, AdamW) give the same result whether one optimizer steps all
 // parameters or one per piece steps each piece's: training is bitwise the in-core run's (tests).

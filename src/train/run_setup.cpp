@@ -204,14 +204,6 @@ void RunSetup::attach(Distributed* dist) {
     takeRankZeroPrecision(*dist->comm);
   }
   const bool offload = options.memory.offloadWeights;
-  if (offload && !model->sharedUses().empty()) {
-    const auto& use = model->sharedUses().front();
-    throw ConfigError(fmt::format(
-        "memory.weights = 'offload' holds block {}'s weights only while it runs, but {} (block "
-        "{}) is also read by block {} (a tied or shared weight); keep the weights in memory "
-        "(memory.weights = 'keep') for this model",
-        use.owner, model->exportName(use.name), use.owner, use.user));
-  }
   if (options.pipeline.active()) {
     // Stages train their own blocks; every rank built the same model from seed.init or loaded
     // the same checkpoint, so there is nothing to broadcast. Replicas of a stage average their
