@@ -356,8 +356,7 @@ TEST_P(StockModels, ExportCutsThemAndTheyTrainAsTheOriginalModule) {
   const auto planned = test::runCaravan(plan);
   ASSERT_EQ(planned.exitCode, 0) << planned.err;
   const std::string count = blocks.substr(0, blocks.find(' ', 8));  // "blocks: 6"
-  EXPECT_NE(planned.out.find("(" + count.substr(8) + " blocks)"), std::string::npos)
-      << planned.out;
+  EXPECT_NE(planned.out.find("(" + count.substr(8) + " blocks)"), std::string::npos) << planned.out;
   const int64_t mask = factory == "gpt2" || factory == "llama" ? 4 * 32 * 16 * 16 * 4 : 0;
   compareWithPyTorch(o, 1e-5,
                      {"stock_models." + eagerClass, false, mask + (factory == "gpt2" ? 3 * 8 : 0)});

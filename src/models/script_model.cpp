@@ -491,8 +491,8 @@ struct Loaded {
   std::string namesPrefix;
   std::string blocks;
   std::set<std::string> nonPersistent;  // buffers the module's state_dict leaves out (its names)
-  std::vector<int64_t> exampleShape;     // the input it was traced on ([] when not said)
-  std::string exampleDtype;              // "torch.int64", "torch.float32"
+  std::vector<int64_t> exampleShape;    // the input it was traced on ([] when not said)
+  std::string exampleDtype;             // "torch.int64", "torch.float32"
 };
 
 Loaded load(const std::string& path) {
