@@ -93,10 +93,11 @@ struct OutOfCoreWeights::Block {
   std::vector<std::unique_ptr<Piece>> state;
   Update update = Update::kDone;
   bool keep = false;         // block 0: always in memory
-  std::vector<size_t> alsoReads;  // blocks whose weights it reads too (a tied weight's owner)
   bool backwardPin = false;  // the weights, from acquire() until the update
   int64_t gradsPending = 0;  // this step
   int64_t gradBytes = 0;     // counted in the tracker
+  // The blocks whose weights it reads too (a tied weight's owner).
+  std::vector<size_t> alsoReads;
 };
 
 namespace {
