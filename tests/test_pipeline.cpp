@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -296,6 +297,7 @@ std::pair<std::vector<at::Tensor>, std::vector<double>> trainPipeline(
   for (int r = 0; r < k; ++r) models.push_back(freshModel(s));
   const auto bounds = evenPartition(models[0]->numBlocks(), k);
   std::vector<std::vector<at::Tensor>> stageParams(k);
+  std::vector<std::map<std::string, at::Tensor>> held(k);  // by registered name
   std::vector<double> losses(data.size(), 0.0);
   const auto errors = test::runGlooRanks(
       k, test::loopbackOptions(std::chrono::seconds(60)), [&](std::shared_ptr<Communicator> comm) {
@@ -306,6 +308,7 @@ std::pair<std::vector<at::Tensor>, std::vector<double>> trainPipeline(
         for (size_t i = 0; i < data.size(); ++i) {
           opt->zero_grad();
           const StageStepStats st = stage.runStep(data[i]);
+          stage.sumTiedGradients();
           // zb-h1's W computes only weight gradients on every stage that has an input to
           // differentiate (stage 0 runs a backward to its weights).
           if (schedule == PipelineSchedule::kZeroBubbleH1) {
@@ -318,9 +321,23 @@ std::pair<std::vector<at::Tensor>, std::vector<double>> trainPipeline(
           if (stage.layout().last()) losses[i] = st.loss;
           opt->step();
         }
-        for (const auto& p : stage.parameters()) stageParams[r].push_back(p.detach().clone());
+        // A tied parameter once, from the first of its stages; the others' copies must be it.
+        for (const auto& p : stage.normParameters()) stageParams[r].push_back(p.detach().clone());
+        for (const auto& p : stage.parameters()) {
+          for (const auto& named : models[r]->named_parameters()) {
+            if (named.value().is_same(p)) held[r][named.key()] = p.detach().clone();
+          }
+        }
       });
   for (const auto& e : errors) EXPECT_EQ(e, "");
+  // Every stage that holds a tied parameter holds the same bits (updated from the same sum).
+  for (int r = 1; r < k; ++r) {
+    for (const auto& [name, t] : held[r]) {
+      for (int q = 0; q < r; ++q) {
+        if (held[q].count(name) > 0) EXPECT_TRUE(at::equal(held[q].at(name), t)) << name;
+      }
+    }
+  }
   std::vector<at::Tensor> params;
   for (const auto& sp : stageParams) params.insert(params.end(), sp.begin(), sp.end());
   return {params, losses};
@@ -378,9 +395,9 @@ TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
   ASSERT_FALSE(scripted.empty()) << "tests/python/script_models.py failed (scripts/setup.sh)";
   test::TempDir tmp;
   std::vector<std::string> files = {scripted + "/cnn.pt"};
-  // Hugging Face's ViT, and Llama: its rotary tables, mask and lengths go from stage to stage
-  // in the context, beside the hidden state.
-  for (const std::string factory : {"vit", "llama"}) {
+  // Hugging Face's ViT, Llama (its rotary tables, mask and lengths go from stage to stage in
+  // the context, beside the hidden state), GPT-2, and nanoGPT's form (its own loss).
+  for (const std::string factory : {"vit", "llama", "gpt2", "nanogpt"}) {
     if (!test::transformersInstalled()) {
       std::printf("without %s: transformers is not in the project's Python\n", factory.c_str());
       continue;
@@ -395,7 +412,9 @@ TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
     ModelCase s;
     s.spec.name = kScriptModelName;
     s.spec.path = file;
-    if (file == tmp / "llama.pt") {  // stock_models.py's: tokens of a vocabulary of 64
+    // stock_models.py's language models: tokens of a vocabulary of 64. GPT-2's and nanoGPT's
+    // heads are tied to their embeddings: the tie spans the first and the last stage.
+    if (file == tmp / "llama.pt" || file == tmp / "gpt2.pt" || file == tmp / "nanogpt.pt") {
       s.shape.task = TaskKind::kLanguageModel;
       s.shape.vocabSize = 64;
       s.shape.seqLen = 16;
@@ -407,11 +426,21 @@ TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
     for (PipelineSchedule schedule : kAll) {
       const auto [got, loss] = trainPipeline(s, data, schedule, 2, 4);
       const double diff = relativeDifference(got, expected);
-      EXPECT_LE(diff, 1e-6) << file << " " << label(schedule, 2, 4);
-      EXPECT_NEAR(loss.back(), expectedLoss.back(), 1e-6 * std::abs(expectedLoss.back()))
-          << file << " " << label(schedule, 2, 4);
-      std::printf("%s %s: relative difference to one worker %.3g\n", file.c_str(),
-                  label(schedule, 2, 4).c_str(), diff);
+      double lossDiff = 0.0;
+      for (size_t i = 0; i < loss.size(); ++i) {
+        lossDiff =
+            std::max(lossDiff, std::abs(loss[i] - expectedLoss[i]) / std::abs(expectedLoss[i]));
+      }
+      // A head tied to the embedding across the stages: each stage adds its use's gradients
+      // over the micro-batches and the stages then add the two sums, where one worker adds
+      // both uses per micro-batch; rounded apart, and AdamW's 10 steps make the parameters'
+      // 1e-7 a few 1e-6 (measured: losses 8.5e-8 and 8e-7 apart, parameters 4.9e-6 and
+      // 1.5e-5). Untied models: the same bits.
+      const bool tiedAcross = file == tmp / "gpt2.pt" || file == tmp / "nanogpt.pt";
+      EXPECT_LE(diff, tiedAcross ? 1e-4 : 1e-6) << file << " " << label(schedule, 2, 4);
+      EXPECT_LE(lossDiff, tiedAcross ? 1e-5 : 1e-6) << file << " " << label(schedule, 2, 4);
+      std::printf("%s %s: relative difference to one worker %.3g, losses %.3g\n", file.c_str(),
+                  label(schedule, 2, 4).c_str(), diff, lossDiff);
     }
   }
 }
@@ -503,69 +532,29 @@ TEST(PipelineMemory, AStageHoldsItsOwnParametersAndRankZeroGathersTheWholeModel)
   EXPECT_TRUE(one->forward(data[0].input).equal(pipelineOutput));
 }
 
-TEST(PipelineMemory, AWeightTiedAcrossStagesIsRefused) {
-  BlockModel m("tied", TaskKind::kImageClassification);
-  torch::nn::Linear shared(8, 8);
-  m->addBlock("in", FlattenLinear(16, 8));
-  m->addBlock("a", shared);
-  m->addBlock("b", torch::nn::Linear(8, 8));
-  m->addBlock("again", shared);
-  const auto bounds = evenPartition(m->numBlocks(), 2);  // {0,2}, {2,4}: 'shared' on both
-  std::vector<std::string> refusals(2);
-  const auto errors = test::runGlooRanks(
-      2, test::loopbackOptions(std::chrono::seconds(30)), [&](std::shared_ptr<Communicator> comm) {
-        try {
-          PipelineStage stage(m, bounds, comm.get(), PipelineLayout::of(comm->rank(), 2, 2),
-                              PipelineSchedule::kOneFOneB, 2);
-        } catch (const ConfigError& e) {
-          refusals[comm->rank()] = e.what();
-        }
-      });
-  for (const auto& e : errors) EXPECT_EQ(e, "");
-  for (const auto& r : refusals) {
-    EXPECT_NE(r.find("parameter b1_a.weight is used by blocks on stages 0 and 1"),
-              std::string::npos)
-        << r;
-  }
-  // On one stage the same model is accepted.
-  EXPECT_NO_THROW(PipelineStage(m, evenPartition(m->numBlocks(), 1), nullptr,
-                                PipelineLayout::of(0, 1, 1), PipelineSchedule::kOneFOneB, 2));
-
-  // A scripted module whose third layer uses its first's Linear (todays_models.py's TiedLayers,
-  // cut into prologue, 3 layers, epilogue): one parameter read by blocks 1 and 3, which two
-  // stages split. Refused naming it by the module's own name; kept on one stage, accepted.
+// A weight that blocks of two stages read is held by both, which train it on the sum of their
+// gradients (PipelineStage::sumTiedGradients): one worker's training, and the same bits on both
+// stages. A scripted module whose third layer uses its first's Linear (todays_models.py's
+// TiedLayers: prologue, 3 layers, epilogue; blocks 1 and 3 on stages 0 and 1). The stock language
+// models whose head is tied to the embedding are in ModelsCutFromTheirGraphEqualOneWorker.
+TEST(PipelineExactness, AWeightTiedAcrossStagesEqualsOneWorker) {
+  torch::set_num_threads(1);
   const std::string dir = test::pythonWrittenDir("todays_models.py");
   ASSERT_FALSE(dir.empty()) << "tests/python/todays_models.py failed (scripts/setup.sh)";
-  ModelSpec spec;
-  spec.name = kScriptModelName;
-  spec.path = dir + "/tied-layers.pt";
-  for (const auto& [cut, refused] :
-       std::vector<std::pair<std::vector<size_t>, bool>>{{{0, 2, 5}, true}, {{0, 4, 5}, false}}) {
-    std::vector<BlockModel> scripted = {loadScriptModel(spec, DataShape{}),
-                                        loadScriptModel(spec, DataShape{})};
-    ASSERT_EQ(scripted[0]->numBlocks(), 5u);
-    std::vector<std::string> said(2);
-    const auto ranks =
-        test::runGlooRanks(2, test::loopbackOptions(std::chrono::seconds(30)),
-                           [&](std::shared_ptr<Communicator> comm) {
-                             try {
-                               PipelineStage stage(scripted[comm->rank()], cut, comm.get(),
-                                                   PipelineLayout::of(comm->rank(), 2, 2),
-                                                   PipelineSchedule::kOneFOneB, 2);
-                             } catch (const ConfigError& e) {
-                               said[comm->rank()] = e.what();
-                             }
-                           });
-    for (const auto& e : ranks) EXPECT_EQ(e, "");
-    for (const auto& r : said) {
-      if (refused) {
-        EXPECT_NE(r.find("parameter layers.0.fc.weight is used by blocks on stages 0 and 1"),
-                  std::string::npos)
-            << r;
-      } else {
-        EXPECT_EQ(r, "");
-      }
-    }
+  ModelCase layers;
+  layers.spec.name = kScriptModelName;
+  layers.spec.path = dir + "/tied-layers.pt";
+  layers.build = [layers] { return loadScriptModel(layers.spec, layers.shape); };
+  ASSERT_EQ(layers.build()->sharedUses().size(), 2u);
+  const auto data = batches(layers, 10, 8);
+  const auto [expected, expectedLoss] = accumulateOnOneWorker(layers, data, 4);
+  for (PipelineSchedule schedule : kAll) {
+    const auto [got, loss] = trainPipeline(layers, data, schedule, 2, 4);
+    const double diff = relativeDifference(got, expected);
+    EXPECT_LE(diff, 1e-6) << label(schedule, 2, 4);
+    EXPECT_NEAR(loss.back(), expectedLoss.back(), 1e-6 * std::abs(expectedLoss.back()));
+    std::printf("TiedLayers %s: relative difference to one worker %.3g\n",
+                label(schedule, 2, 4).c_str(), diff);
   }
 }
 

@@ -1,6 +1,8 @@
 #include "pipeline/stage.h"
 
+#include <algorithm>
 #include <cstring>
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -345,43 +347,104 @@ PipelineStage::PipelineStage(BlockModel model, std::vector<size_t> boundaries, C
   const std::string problem = checkSchedule(programs, microBatches);
   CARAVAN_CHECK(problem.empty(), "{}", problem);
   program_ = std::move(programs[layout.stage]);
-  // A weight tied across stages would be trained by two of them apart (and freed by one).
+  // A parameter read by blocks of several stages (a tied embedding and head) is held by each
+  // of them (Megatron's word embeddings): every one trains it, after sumTiedGradients gave them
+  // the same gradient.
   auto stageOfBlock = [&](size_t block) {
     int s = 0;
     while (boundaries_[static_cast<size_t>(s) + 1] <= block) ++s;
     return s;
   };
+  // Read through a shared use (its owner's block registers it), or a module that is the block
+  // of two stages.
+  tiedIn_.resize(static_cast<size_t>(layout_.stages));
+  const auto named = model_->named_parameters();
   for (const auto& use : model_->sharedUses()) {
     const int owner = stageOfBlock(use.owner), user = stageOfBlock(use.user);
-    if (owner != user) {
-      throw ConfigError("parameter " + model_->exportName(use.name) +
-                        " is used by blocks on stages " + std::to_string(owner) + " and " +
-                        std::to_string(user) +
-                        ": a pipeline cannot split a tied weight yet; use fewer stages "
-                        "(parallel.pipeline_stages) or put those blocks on one stage");
+    if (owner == user || !named.contains(use.name)) continue;  // a buffer: read, not trained
+    auto& in = tiedIn_[static_cast<size_t>(user)];
+    const at::Tensor p = named[use.name];
+    if (std::none_of(in.begin(), in.end(), [&](const at::Tensor& q) { return q.is_same(p); })) {
+      in.push_back(p);
     }
   }
-  std::unordered_map<const c10::TensorImpl*, int> stageOf;
+  std::map<const c10::TensorImpl*, size_t> tiedIndex;
   for (int s = 0; s < layout_.stages; ++s) {
     shapes_.emplace_back();
     for (const auto& p : stageParameters(s)) {
       shapes_.back().push_back(p.sizes().vec());
-      const auto [it, added] = stageOf.emplace(p.unsafeGetTensorImpl(), s);
-      if (!added && it->second != s) {
-        std::string name = "?";
-        for (const auto& named : model_->named_parameters()) {
-          if (named.value().unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) {
-            name = model_->exportName(named.key());
-            break;
-          }
-        }
-        throw ConfigError("parameter " + name + " is used by blocks on stages " +
-                          std::to_string(it->second) + " and " + std::to_string(s) +
-                          ": a pipeline cannot split a tied weight; use fewer stages "
-                          "(parallel.pipeline_stages) or untie the weight in the model");
+      const c10::TensorImpl* key = p.unsafeGetTensorImpl();
+      auto it = tiedIndex.find(key);
+      if (it == tiedIndex.end()) {
+        tiedIndex.emplace(key, tied_.size());
+        tied_.push_back({p, {s}});
+      } else if (tied_[it->second].stages.back() != s) {
+        tied_[it->second].stages.push_back(s);
       }
     }
   }
+  tied_.erase(
+      std::remove_if(tied_.begin(), tied_.end(), [](const Tied& t) { return t.stages.size() < 2; }),
+      tied_.end());
+}
+
+void PipelineStage::sumTiedGradients() {
+  if (comm_ == nullptr) return;
+  const int me = layout_.stage;
+  const int base = layout_.replica * layout_.stages;  // rank of this replica's stage 0
+  // Per other stage: the tied parameters both hold, their gradients end to end, one message
+  // each way; then each parameter's gradient is the sum over its stages in stage order, the
+  // same bits on every one of them.
+  std::map<int, std::vector<const Tied*>> with;
+  for (const Tied& t : tied_) {
+    if (std::find(t.stages.begin(), t.stages.end(), me) == t.stages.end()) continue;
+    for (int s : t.stages) {
+      if (s != me) with[s].push_back(&t);
+    }
+  }
+  if (with.empty()) return;
+  auto gradOf = [](const at::Tensor& p) {
+    return p.grad().defined() ? p.grad() : at::zeros_like(p);
+  };
+  std::vector<WorkPtr> works;
+  std::map<int, at::Tensor> inbox;
+  for (const auto& [s, tied] : with) {
+    std::vector<at::Tensor> mine;
+    for (const Tied* t : tied) mine.push_back(gradOf(t->param));
+    at::Tensor out = flatten(mine);
+    inbox[s] = at::empty_like(out);
+    works.push_back(comm_->send(out, base + s, postStepTag(2, me)));
+    works.push_back(comm_->recv(inbox[s], base + s, postStepTag(2, s)));
+  }
+  for (auto& w : works) w->wait(comm_->timeout());
+  std::map<const Tied*, std::map<int, at::Tensor>> parts;  // by stage
+  for (const auto& [s, tied] : with) {
+    int64_t at = 0;
+    for (const Tied* t : tied) {
+      const int64_t n = t->param.numel();
+      parts[t][s] = inbox.at(s).narrow(0, at, n).view(t->param.sizes());
+      at += n;
+    }
+  }
+  torch::NoGradGuard noGrad;
+  for (auto& [t, byStage] : parts) {
+    byStage[me] = gradOf(t->param);
+    at::Tensor sum;
+    for (int s : t->stages) sum = sum.defined() ? sum + byStage.at(s) : byStage.at(s).clone();
+    t->param.mutable_grad() = sum;
+  }
+}
+
+std::vector<at::Tensor> PipelineStage::normParameters() {
+  std::vector<at::Tensor> out;
+  for (const auto& p : parameters()) {
+    const bool elsewhere = std::any_of(tied_.begin(), tied_.end(), [&](const Tied& t) {
+      return t.param.unsafeGetTensorImpl() == p.unsafeGetTensorImpl() &&
+             t.stages.front() != layout_.stage;
+    });
+    if (!elsewhere) out.push_back(p);
+  }
+  return out;
 }
 
 std::vector<at::Tensor> PipelineStage::parameters() { return stageParameters(layout_.stage); }
@@ -447,15 +510,26 @@ std::vector<at::Tensor> PipelineStage::stageParameters(int stage) {
   for (size_t i = boundaries_[stage]; i < boundaries_[stage + 1]; ++i) {
     for (const auto& p : model_->block(i).ptr()->parameters()) out.push_back(p);
   }
+  const auto& tied = tiedIn_.at(static_cast<size_t>(stage));
+  out.insert(out.end(), tied.begin(), tied.end());
   return out;
 }
 
 void PipelineStage::holdOwnStageOnly(torch::optim::Optimizer& optimizer) {
   torch::NoGradGuard noGrad;
+  std::unordered_set<const c10::TensorImpl*> own;
+  for (const auto& p : parameters()) own.insert(p.unsafeGetTensorImpl());
+  auto others = [&](std::vector<at::Tensor> params) {
+    params.erase(
+        std::remove_if(params.begin(), params.end(),
+                       [&](const at::Tensor& p) { return own.count(p.unsafeGetTensorImpl()) > 0; }),
+        params.end());
+    return params;
+  };
   for (int s = 0; s < layout_.stages; ++s) {
     if (s == layout_.stage) continue;
-    scatterOptimizerState(optimizer, trainedParameters(s), {});
-    for (auto& p : stageParameters(s)) p.set_data(at::empty({0}, p.options()));
+    scatterOptimizerState(optimizer, others(trainedParameters(s)), {});
+    for (auto& p : others(stageParameters(s))) p.set_data(at::empty({0}, p.options()));
   }
 }
 

@@ -19,9 +19,11 @@
 // stage's parameters, so a stage holds its own blocks' weights, gradients and optimizer state
 // and its micro-batches' activations. Rank 0 brings the whole model back for a file only.
 //
+// Tied weights: a parameter that blocks of several stages read is held by each (see
+// sumTiedGradients).
+//
 // Errors: a lost or silent neighbour raises PeerError from the wait (the communicator's
-// timeout); a parameter used by blocks of two stages is refused at construction (ConfigError: a
-// tied weight cannot be split); a schedule that fails checkSchedule is refused at construction
+// timeout); a schedule that fails checkSchedule is refused at construction
 // (InternalError).
 // Threading: one thread (the trainer's) per stage; the communicator is used by nothing else
 // while runStep runs.
@@ -85,8 +87,20 @@ class PipelineStage {
   // zeroes them first).
   StageStepStats runStep(const Batch& batch);
 
-  // This stage's parameters (its blocks'), the ones it computes gradients for and updates.
+  // This stage's parameters (its blocks', and a tied one its blocks read: sumTiedGradients),
+  // the ones it computes gradients for and updates.
   std::vector<at::Tensor> parameters();
+
+  // A parameter that blocks of several stages read (a tied embedding and head; BlockModel::
+  // sharedUses) is held, trained and updated by each of them, as Megatron keeps word
+  // embeddings on the first and last stage: after runStep each gets the sum of their
+  // gradients, added in stage order (the same bits on each, so their updates stay equal).
+  // One message each way per pair of stages sharing some; nothing without ties across stages.
+  // Every rank calls it, before averageGradients.
+  void sumTiedGradients();
+  // This stage's parameters as the global gradient norm counts them: a tied one on the first
+  // of its stages only.
+  std::vector<at::Tensor> normParameters();
 
   // Data-parallel pipelines (D > 1): averages this stage's gradients over its replicas (one
   // all-reduce of them laid end to end, on `replicas`), after runStep. Nothing when D = 1.
@@ -162,6 +176,14 @@ class PipelineStage {
   // Every parameter's shape, per stage (stageParameters' order): other stages' are released.
   std::vector<std::vector<std::vector<int64_t>>> shapes_;
   int64_t forwardOnlyCalls_ = 0;  // forwardOnly's messages' tags
+  // Parameters read by blocks of several stages: the stages (sorted; the first holds it in
+  // its blocks, the others in tiedIn_).
+  struct Tied {
+    at::Tensor param;
+    std::vector<int> stages;
+  };
+  std::vector<Tied> tied_;
+  std::vector<std::vector<at::Tensor>> tiedIn_;  // by stage: tied parameters of others' blocks
 };
 
 }  // namespace caravan

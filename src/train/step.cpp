@@ -65,6 +65,7 @@ StepResult pipelineTrainStep(PipelineStage& stage, torch::optim::Optimizer& opti
   StepResult result;
   StageStepStats stats = stage.runStep(batch);
   result.forwardEnd = result.backwardEnd = std::chrono::steady_clock::now();
+  stage.sumTiedGradients();
   stage.averageGradients();
   result.pipelined = true;
   result.stageComputeSeconds = stats.computeSeconds;
@@ -72,7 +73,7 @@ StepResult pipelineTrainStep(PipelineStage& stage, torch::optim::Optimizer& opti
   result.stageSpans = std::move(stats.spans);
   const std::vector<at::Tensor> params = stage.parameters();
   double normSquared = 0.0;
-  for (const auto& p : params) {
+  for (const auto& p : stage.normParameters()) {
     if (p.grad().defined()) normSquared += p.grad().norm().pow(2).item<double>();
   }
   const PipelineStage::Totals totals = stage.reduce(normSquared, stats.loss);
