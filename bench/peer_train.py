@@ -114,24 +114,27 @@ def channels_last(x):
     return x.as_strided(x.shape, (x.size(2) * x.size(3), 1, x.size(3), 1))
 
 
-def make_step(model, opt, xs, ys, batch, clip, autocast=False, layout=None):
+def make_step(model, opt, xs, ys, batch, clip, autocast=False, layout=None, loss=None):
     """One training step (draw, forward, loss, backward, clip, update) as a function of nothing;
     returns the loss. Shared with bench/script_step.py's peer. `autocast`: forward and loss
     under PyTorch's CPU autocast to bf16 (torch.autocast("cpu", dtype=torch.bfloat16)), the
     way PyTorch's documentation trains in mixed precision on a CPU. `layout`: applied to each
-    batch's inputs (channels_last for a convolutional model in channels-last layout)."""
+    batch's inputs (channels_last for a convolutional model in channels-last layout). `loss`:
+    the model's own loss(output, y) in place of the task's."""
+    objective = loss if loss is not None else task_loss
+
     def step():
         x, y = draw_batch(xs, ys, batch)
         if layout is not None:
             x = layout(x)
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = task_loss(model(x), y)
-        loss.backward()
+            value = objective(model(x), y)
+        value.backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
-        return loss.item()
+        return value.item()
     return step
 
 

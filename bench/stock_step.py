@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Training throughput of stock models as their users build them (tests/python/stock_models.py:
-Hugging Face's ViT and ResNet from small configs), exported unchanged by `caravan export` and
+Hugging Face's ViT, ResNet, GPT-2 and Llama from small configs, and nanoGPT's form), exported
+unchanged by `caravan export` and
 trained by Caravan cut into blocks, against the same file as one block and against PyTorch 2.13
 eager training the original class. Per model and thread count the arms are interleaved in one
 invocation (A A1 C Cc Ab Cb A A1 ...):
@@ -8,7 +9,8 @@ invocation (A A1 C Cc Ab Cb A A1 ...):
   A   caravan        Caravan, the exported file cut into blocks (model.blocks = auto), float32
   A1  caravan-whole  the same file as one block (model.blocks = none): the cut must cost
                      nothing (target A/A1 >= 0.98)
-  C   pytorch        eager PyTorch, the original class (stock_models.VitLogits / ResNetLogits)
+  C   pytorch        eager PyTorch, the original class (stock_models.VitLogits, ResNetLogits,
+                     Gpt2Logits, LlamaLogits, NanoGptLogits)
   Cc  pytorch-compile  the same under torch.compile (inductor); warm-up steps include the
                      compilation; where it fails, the output says so and the arm is left out
   Ab  caravan-bf16   A with train.precision = bf16 (products in bfloat16 where timed faster)
@@ -16,14 +18,18 @@ invocation (A A1 C Cc Ab Cb A A1 ...):
 
 Targets: A/C >= 1.0 and Ab/Cb >= 1.0 (and against Cc where it runs). Where bf16 is slower than
 float32 on this CPU, Caravan's bf16 keeps float32 in those blocks while autocast does not, so
-Ab/Cb flatters Caravan: the table also gives Ab and A against the best PyTorch arm. Every arm: Fashion-MNIST
-batches of 64, SGD (lr 0.05, momentum 0.9), the same thread count (train.threads /
+Ab/Cb flatters Caravan: the table also gives Ab and A against the best PyTorch arm. Every arm:
+batches of 64 (Fashion-MNIST images; for the language models sequences of 16 tokens of 64,
+Caravan's synthetic tokens and the peer's uniformly drawn ones: the step's work does not depend
+on the ids; nanoGPT's form trained on its own loss, as Caravan trains it), SGD (lr 0.05,
+momentum 0.9), the same thread count (train.threads /
 torch.set_num_threads and OpenBLAS's), warm-up steps excluded; the PyTorch arms with the
 allocator setting Caravan's runs use (GLIBC_TUNABLES, bench/script_step.py). OPENBLAS_CORETYPE
 and the other variables bench/script_step.py names are removed from every measured process's
 environment; the output says which were set. Reports medians and ratios.
 
-    .venv/bin/python bench/stock_step.py [--models vit resnet] [--threads 1] [--repeats 3]
+    .venv/bin/python bench/stock_step.py [--models vit resnet gpt2 llama nanogpt] [--threads 1]
+        [--repeats 3]
         [--steps 60] [--warmup 10] [--out DIR]
 
 Writes DIR/results.json (default bench/results/stock). Internal subcommand (run by the
@@ -44,6 +50,8 @@ from script_step import CARAVAN, PYTHON, ROOT, TUNABLES
 SELF = os.path.abspath(__file__)
 FMNIST = "/usr/share/datasets/fashion-mnist"
 BATCH = 64
+TOKENS = ("gpt2", "llama", "nanogpt")  # stock_models.py's language models
+VOCAB, SEQ = 64, 16
 ARMS = ["caravan", "caravan-whole", "pytorch", "pytorch-compile", "caravan-bf16", "pytorch-bf16"]
 
 
@@ -62,12 +70,19 @@ def cmd_peer(argv):
     a = p.parse_args(argv)
     peer_train.set_threads(a.threads)
     torch.manual_seed(0)
-    model = {"vit": stock_models.VitLogits, "resnet": stock_models.ResNetLogits}[a.model]()
+    model = {"vit": stock_models.VitLogits, "resnet": stock_models.ResNetLogits,
+             "gpt2": stock_models.Gpt2Logits, "llama": stock_models.LlamaLogits,
+             "nanogpt": stock_models.NanoGptLogits}[a.model]()
     model.train()
-    xs, ys = peer_train.load_fmnist(FMNIST)
+    if a.model in TOKENS:
+        ids = torch.randint(0, VOCAB, (4096, SEQ + 1))
+        xs, ys = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    else:
+        xs, ys = peer_train.load_fmnist(FMNIST)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     run = torch.compile(model) if a.compile else model
-    step = peer_train.make_step(run, opt, xs, ys, BATCH, 0.0, autocast=a.autocast)
+    loss = getattr(model, "caravan_loss", None)  # nanoGPT's own
+    step = peer_train.make_step(run, opt, xs, ys, BATCH, 0.0, autocast=a.autocast, loss=loss)
     for _ in range(a.warmup):
         step()
     times = []
@@ -81,8 +96,12 @@ def cmd_peer(argv):
                       "step_s_median": statistics.median(times), "torch": torch.__version__}))
 
 
-def caravan_config(pt, blocks, precision, threads, warmup, steps):
-    cfg = {"data": {"dataset": "fashion-mnist", "path": FMNIST, "batch_size": BATCH},
+def caravan_config(model, pt, blocks, precision, threads, warmup, steps):
+    data = {"dataset": "fashion-mnist", "path": FMNIST, "batch_size": BATCH}
+    if model in TOKENS:
+        data = {"dataset": "synthetic", "synthetic_task": "tokens", "seq_len": SEQ,
+                "vocab_size": VOCAB, "synthetic_size": 4096, "batch_size": BATCH}
+    cfg = {"data": data,
            "model": {"name": "torchscript", "path": pt, "blocks": blocks},
            "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
            "schedule": {"kind": "constant"}}
@@ -95,7 +114,7 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "peer":
         return cmd_peer(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=["vit", "resnet"])
+    p.add_argument("--models", nargs="+", default=["vit", "resnet", "gpt2", "llama", "nanogpt"])
     p.add_argument("--threads", type=int, nargs="+", default=[1])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
@@ -126,7 +145,7 @@ def main():
                                            ("caravan-whole", "none", "float32"),
                                            ("caravan-bf16", "auto", "bf16")):
                 configs[arm] = script_step.write_toml(
-                    caravan_config(pt, blocks, precision, t, a.warmup, a.steps),
+                    caravan_config(model, pt, blocks, precision, t, a.warmup, a.steps),
                     os.path.join(work, f"{model}-{arm}-t{t}.toml"))
             for rep in range(a.repeats):
                 for arm in ARMS:
