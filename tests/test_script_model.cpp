@@ -137,6 +137,16 @@ TEST(ScriptModel, ExportCutsAModuleAsItsScriptedTwinAndRefusesBadInput) {
     EXPECT_NE(bad.err.find(says), std::string::npos) << bad.err;
     EXPECT_FALSE(std::filesystem::exists(tmp / "bad.pt"));
   }
+  // A tensor of no parameter written through a view with one that has a gradient is no
+  // context value: it crosses every cut as a second activation, and the module is one block.
+  const auto skip =
+      test::runCaravan("export " + file + ":written_skip_factory -o " + (tmp / "skip.pt"));
+  ASSERT_EQ(skip.exitCode, 0) << skip.err;
+  EXPECT_NE(skip.out.find("blocks: 1 (the module is not cut: not cut before layers.0: 2 values "
+                          "that carry a gradient cross"),
+            std::string::npos)
+      << skip.out;
+
   const auto guard = test::runCaravan("export " + file + ":cnn_factory -o " + tmp.path());
   EXPECT_EQ(guard.exitCode, 2) << guard.err;
   EXPECT_NE(guard.err.find("is not a regular file (a directory)"), std::string::npos) << guard.err;
@@ -190,11 +200,17 @@ TEST(ScriptModel, TiedWeightsAreOneParameterUnderBothNames) {
   EXPECT_EQ(std::system(load.c_str()), 0) << load;
 
   // Out-of-core weights: block 1's weights are fetched and held while block 3 runs and in its
-  // backward (block 2 between them lets them go): keep's weights, bitwise.
-  const auto offload = trainAndExport(
-      scriptedCnn({path, "memory.tier=host", "memory.weights=offload"}), tmp / "offload");
-  ASSERT_EQ(offload.size(), keep.size());
-  for (const auto& [name, t] : keep) EXPECT_TRUE(at::equal(t, offload.at(name))) << name;
+  // backward (block 2 between them lets them go), also where block 3 is recomputed there:
+  // keep's weights, bitwise.
+  for (const std::string policy : {"keep", "keep,keep,keep,recompute,keep", "swap-input"}) {
+    SCOPED_TRACE(policy);
+    const auto offload =
+        trainAndExport(scriptedCnn({path, "memory.tier=host", "memory.weights=offload",
+                                    "memory.policy=" + policy}),
+                       tmp / ("offload-" + std::to_string(policy.size())));
+    ASSERT_EQ(offload.size(), keep.size());
+    for (const auto& [name, t] : keep) EXPECT_TRUE(at::equal(t, offload.at(name))) << name;
+  }
 
   const auto tied =
       trainAndExport(scriptedCnn({"model.path=" + models() + "/tied.pt"}), tmp / "tied");

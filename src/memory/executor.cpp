@@ -170,7 +170,11 @@ struct ActivationExecutor::Frame {
   // otherwise queue behind the lower blocks'), then the blocks below.
   void touch() {
     if (touched.exchange(true)) return;
-    if (OutOfCoreWeights* w = exec->weights()) w->acquire(index);  // and prefetches below
+    if (OutOfCoreWeights* w = exec->weights()) {
+      w->acquire(index);  // and prefetches below
+      // A recomputation reads a tied weight's owner too: held from here to the owner's update.
+      for (size_t owner : w->alsoReads(index)) w->acquire(owner);
+    }
     prefetch();
     exec->reached(index);
   }

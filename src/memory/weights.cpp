@@ -486,6 +486,10 @@ void OutOfCoreWeights::prefetch(size_t i) {
   startReadLocked(i);
 }
 
+const std::vector<size_t>& OutOfCoreWeights::alsoReads(size_t block) const {
+  return blocks_.at(block)->alsoReads;
+}
+
 at::Storage OutOfCoreWeights::acquire(size_t i) {
   std::unique_lock<std::mutex> lock(mutex_);
   Block& b = *blocks_.at(i);
@@ -534,10 +538,18 @@ torch::Tensor OutOfCoreWeights::run(size_t index, torch::nn::AnyModule& block, t
     checkLocked();
     if (index == 0 && training) beginStepLocked();
     // A tied weight's owner is held while a block that reads it runs.
-    for (size_t owner : blocks_[index]->alsoReads) {
-      stats_.stallSeconds += fetchLocked(blocks_[owner]->weights, lock);
+    size_t pinned = 0;
+    try {
+      for (size_t owner : blocks_[index]->alsoReads) {
+        stats_.stallSeconds += fetchLocked(blocks_[owner]->weights, lock);
+        ++pinned;
+      }
+      stats_.stallSeconds += fetchLocked(blocks_[index]->weights, lock);
+    } catch (...) {
+      for (size_t k = 0; k < pinned; ++k)
+        unpinLocked(blocks_[blocks_[index]->alsoReads[k]]->weights);
+      throw;
     }
-    stats_.stallSeconds += fetchLocked(blocks_[index]->weights, lock);
     for (int k = 1; k <= options_.prefetch && index + k < n; ++k) startReadLocked(index + k);
   }
   torch::Tensor y;

@@ -147,6 +147,9 @@ class OutOfCoreWeights final : public BlockRunner {
   // Backward needs block i: fetched (waiting), kept in memory until its update; returns the
   // blob. Queues the prefetch of the blocks below.
   at::Storage acquire(size_t block);
+  // The blocks whose weights block `block` reads besides its own (a tied weight's owner):
+  // acquired with it in backward, where a recomputation runs its forward again.
+  const std::vector<size_t>& alsoReads(size_t block) const;
   void prefetch(size_t block);
   // In place of optimizer.step(): updates what the gradients did not trigger, waits for every
   // update. Throws what an update or I/O threw.

@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include <fmt/format.h>
+#include <torch/csrc/jit/ir/alias_analysis.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/passes/dead_code_elimination.h>
 #include <torch/csrc/jit/passes/lower_tuples.h>
@@ -507,8 +508,10 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
   }
   // Values that carry no gradient: the input, what holds no tensor (a length, a flag), and
   // tensors computed from such values and buffers alone (an attention mask, rotary tables from
-  // a buffer), reading no parameter: through its path, or by a call of a module that has it. They
-  // cross a cut in the model's context (BlockModel::context), beside the one activation.
+  // a buffer), reading no parameter: through its path, or by a call of a module that has it,
+  // and written by nothing after (an in-place write through a view, skip[:] = h, could give it
+  // a gradient). They cross a cut in the model's context (BlockModel::context), beside the one
+  // activation.
   std::set<std::string> parameterPaths;
   for (const auto& p : root.named_parameters(true)) parameterPaths.insert(p.name);
   auto readsParameter = [&](const Value* v) {
@@ -521,6 +524,22 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     });
   };
   std::set<const Value*> gradientFree{graph->inputs()[1]};
+  // What the forward's own operators write in place (not the block calls': the alias analysis
+  // takes any tensor handed to a call as possibly written, the hidden state and a mask alike).
+  const jit::AliasDb aliases(graph);
+  std::vector<const Value*> written;
+  for (const Node* n : nodes) {
+    const c10::FunctionSchema* schema = n->maybeSchema();
+    if (schema == nullptr) continue;
+    for (size_t i = 0; i < schema->arguments().size() && i < n->inputs().size(); ++i) {
+      const auto* alias = schema->arguments()[i].alias_info();
+      if (alias != nullptr && alias->isWrite()) written.push_back(n->input(i));
+    }
+  }
+  auto hasWriters = [&](const Value* v) {
+    return std::any_of(written.begin(), written.end(),
+                       [&](const Value* w) { return aliases.mayAlias(v, w); });
+  };
   auto isFree = [&](const Value* v) {
     return !holdsTensors(v->type()) || gradientFree.count(v) > 0 ||
            (recomputable(v, self) && !readsParameter(v));
@@ -532,7 +551,9 @@ GraphCut cutForward(const jit::Module& root, const std::vector<std::string>& con
     if (std::all_of(reads.begin(), reads.end(), [&](Value* v) {
           return isFree(v) || topLevel(v->node(), graph->block()) == n;
         })) {
-      for (const Value* v : n->outputs()) gradientFree.insert(v);
+      for (const Value* v : n->outputs()) {
+        if (!holdsTensors(v->type()) || !hasWriters(v)) gradientFree.insert(v);
+      }
     }
   }
 

@@ -58,6 +58,9 @@ at::Tensor encodeHeader(const at::Tensor& y, const Context& context) {
     int64_t* e = p + kHeaderLength * static_cast<int64_t>(i + 1);
     const c10::IValue& v = context[i];
     if (v.isTensor()) {
+      // The context carries no gradient (graph_cut.h): one that did would be cut off here.
+      CARAVAN_CHECK(!v.toTensor().requires_grad(),
+                    "context slot {} carries a gradient across the stages", i);
       e[0] = kTensor;
       encodeMeta(v.toTensor(), e + 1, kMaxRank - 1, "a value crossing the stages");
     } else if (v.isInt()) {
@@ -361,7 +364,13 @@ PipelineStage::PipelineStage(BlockModel model, std::vector<size_t> boundaries, C
   const auto named = model_->named_parameters();
   for (const auto& use : model_->sharedUses()) {
     const int owner = stageOfBlock(use.owner), user = stageOfBlock(use.user);
-    if (owner == user || !named.contains(use.name)) continue;  // a buffer: read, not trained
+    if (owner == user) continue;
+    if (!named.contains(use.name)) {  // a buffer: each stage would change its own copy
+      throw ConfigError("buffer " + model_->exportName(use.name) + " is read by blocks on stages " +
+                        std::to_string(owner) + " and " + std::to_string(user) +
+                        ": a pipeline cannot split a shared buffer; put those blocks on one "
+                        "stage (parallel.partition) or use fewer stages");
+    }
     auto& in = tiedIn_[static_cast<size_t>(user)];
     const at::Tensor p = named[use.name];
     if (std::none_of(in.begin(), in.end(), [&](const at::Tensor& q) { return q.is_same(p); })) {
@@ -413,8 +422,9 @@ void PipelineStage::sumTiedGradients() {
     for (const Tied* t : tied) mine.push_back(gradOf(t->param));
     at::Tensor out = flatten(mine);
     inbox[s] = at::empty_like(out);
-    works.push_back(comm_->send(out, base + s, postStepTag(2, me)));
-    works.push_back(comm_->recv(inbox[s], base + s, postStepTag(2, s)));
+    // Slot 1's tags: gatherParameters' and the timeline's, which run between steps.
+    works.push_back(comm_->send(out, base + s, postStepTag(1, me)));
+    works.push_back(comm_->recv(inbox[s], base + s, postStepTag(1, s)));
   }
   for (auto& w : works) w->wait(comm_->timeout());
   std::map<const Tied*, std::map<int, at::Tensor>> parts;  // by stage

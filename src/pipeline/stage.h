@@ -96,7 +96,7 @@ class PipelineStage {
   // embeddings on the first and last stage: after runStep each gets the sum of their
   // gradients, added in stage order (the same bits on each, so their updates stay equal).
   // One message each way per pair of stages sharing some; nothing without ties across stages.
-  // Every rank calls it, before averageGradients.
+  // Every rank calls it, after averageGradients (so the sum is the last arithmetic on it).
   void sumTiedGradients();
   // This stage's parameters as the global gradient norm counts them: a tied one on the first
   // of its stages only.
@@ -143,8 +143,8 @@ class PipelineStage {
       std::chrono::steady_clock::time_point stepStart);
   // Evaluation through the pipeline: forwards one batch's `input` (first stage) or the
   // activation received from the previous stage through this stage's blocks without autograd
-  // and sends it on. Every stage passes the batch's input (blocks may read it:
-  // BlockModel::input). Returns the model's output on the last stage, an undefined tensor on the
+  // and sends it on, with the context (BlockModel::context). Every stage passes the batch's
+  // input. Returns the model's output on the last stage, an undefined tensor on the
   // others. Every stage of a replica calls it once per evaluation batch, in the same order.
   at::Tensor forwardOnly(const at::Tensor& input);
   const PipelineLayout& layout() const { return layout_; }

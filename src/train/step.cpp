@@ -65,8 +65,8 @@ StepResult pipelineTrainStep(PipelineStage& stage, torch::optim::Optimizer& opti
   StepResult result;
   StageStepStats stats = stage.runStep(batch);
   result.forwardEnd = result.backwardEnd = std::chrono::steady_clock::now();
-  stage.sumTiedGradients();
   stage.averageGradients();
+  stage.sumTiedGradients();
   result.pipelined = true;
   result.stageComputeSeconds = stats.computeSeconds;
   result.stageWaitSeconds = stats.waitSeconds;

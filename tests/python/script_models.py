@@ -187,6 +187,39 @@ def loss_of_input_factory():
     return LossOfInputSizes(), (torch.randn(2, 1, 28, 28), torch.randint(0, 10, (2,)))
 
 
+class SkipLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(h))
+
+
+class WrittenSkip(nn.Module):
+    """A tensor made from no parameter, then written through a view with the embedding's
+    output (skip[:] = h): it carries h's gradient, so it is no context value (graph_cut.h)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(28, 32)
+        self.layers = nn.ModuleList([SkipLayer() for _ in range(4)])
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = self.embed(x.view(x.size(0), 28, 28))
+        skip = torch.zeros(x.size(0), 28, 32)
+        skip[:, :, :] = h
+        for layer in self.layers:
+            h = layer(h) + 0.5 * skip
+        return self.head(h.mean(1))
+
+
+def written_skip_factory():
+    torch.manual_seed(0)
+    return WrittenSkip(), torch.randn(2, 1, 28, 28)
+
+
 def failing_factory():
     """For caravan export: a factory that raises."""
     raise RuntimeError("no weights here")
