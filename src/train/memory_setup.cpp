@@ -159,9 +159,17 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
   const ModelProfile profile =
       profileModel(model, one, static_cast<int>(options.memory.profileRepeats));
   const int64_t factor = 2 + weightOptions(options).stateFactor;
+  // A tied parameter counts with every block that reads it: a stage holds it (its gradient
+  // and optimizer state too) wherever one of them runs (PipelineStage::sumTiedGradients). Two
+  // of them on one stage count it twice: the partition errs on the safe side.
+  const auto named = model->named_parameters();
+  std::vector<int64_t> alsoRead(n, 0);
+  for (const auto& use : model->sharedUses()) {
+    if (named.contains(use.name)) alsoRead.at(use.user) += tensorBytes({named[use.name]});
+  }
   for (size_t i = 0; i < n; ++i) {
     const BlockProfile& b = profile.blocks[i];
-    const int64_t weights = tensorBytes(model->block(i).ptr()->parameters());
+    const int64_t weights = tensorBytes(model->block(i).ptr()->parameters()) + alsoRead[i];
     plan.blocks.push_back({b.label, b.forwardSeconds, b.backwardSeconds, b.savedBytes,
                            factor * weights, weights, b.inputBytes});
   }
