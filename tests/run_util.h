@@ -26,17 +26,19 @@
 
 namespace caravan::test {
 
-// The budget in bytes that a planner's refusal of memory.budget names as the smallest it can fit
-// ("... the smallest budget the planner can fit is 1.9 MiB (1972844 bytes) ..."); fails the
-// test and returns -1 when the message names none.
+// The budget in bytes that a refusal of memory.budget names as the smallest that fits: the
+// planner's ("... the smallest budget the planner can fit is 1.9 MiB (1972844 bytes) ...") or a
+// run's measured step ("... the smallest budget that works for this model, batch and ... is
+// 1.4 MiB (1421700 bytes) ..."); fails the test and returns -1 when the message names none.
 inline int64_t smallestBudgetNamed(const std::string& message) {
   std::smatch m;
   if (!std::regex_search(message, m,
-                         std::regex("smallest budget the planner can fit is .* \\((\\d+) bytes"))) {
+                         std::regex("smallest budget (the planner can fit|that works for [^;]*) "
+                                    "is [^(]* \\((\\d+) bytes"))) {
     ADD_FAILURE() << "no smallest budget named: " << message;
     return -1;
   }
-  return std::stoll(m[1]);
+  return std::stoll(m[m.size() - 1]);
 }
 
 // The loss of every train record in RUN_DIR/metrics.jsonl.

@@ -346,6 +346,8 @@ TEST_P(StockModels, ExportCutsThemAndTheyTrainAsTheOriginalModule) {
   // turn into full steps (todays_models.py says why no final-parameter check then holds).
   std::vector<std::string> o = {"model.name=torchscript", "model.path=" + (tmp / "model.pt"),
                                 "optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9"};
+  // MobileNetV2's batch-normed depthwise layers diverge at SGD's 0.05 in 20 steps.
+  if (factory == "mobilenet") o.push_back("optim.lr=0.005");
   if (tokens) {
     o.insert(o.end(), {"data.dataset=synthetic", "data.synthetic_task=tokens", "data.seq_len=16",
                        "data.vocab_size=64"});
@@ -359,7 +361,8 @@ TEST_P(StockModels, ExportCutsThemAndTheyTrainAsTheOriginalModule) {
   EXPECT_NE(planned.out.find("(" + count.substr(8) + " blocks)"), std::string::npos) << planned.out;
   const int64_t mask = factory == "gpt2" || factory == "llama" ? 4 * 32 * 16 * 16 * 4 : 0;
   compareWithPyTorch(o, 1e-5,
-                     {"stock_models." + eagerClass, false, mask + (factory == "gpt2" ? 3 * 8 : 0)});
+                     {"stock_models." + eagerClass, factory == "mobilenet",
+                      mask + (factory == "gpt2" ? 3 * 8 : 0)});
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -373,6 +376,11 @@ INSTANTIATE_TEST_SUITE_P(
                         "blocks: 6 (prologue, resnet.encoder.stages.0, resnet.encoder.stages.1, "
                         "resnet.encoder.stages.2, resnet.encoder.stages.3, epilogue)",
                         "ResNetLogits"),
+        // Its classifier's dropout draws what eager PyTorch draws from the same states.
+        std::make_tuple("mobilenet",
+                        "blocks: 18 (prologue, mobilenet_v2.layer.0, mobilenet_v2.layer.1, "
+                        "mobilenet_v2.layer.2",
+                        "MobileNetLogits"),
         // The head tied to the embedding; a causal mask and two lengths cross every cut
         // beside the hidden state, in the context.
         std::make_tuple("gpt2",

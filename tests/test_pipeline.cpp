@@ -397,7 +397,7 @@ TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
   std::vector<std::string> files = {scripted + "/cnn.pt"};
   // Hugging Face's ViT, Llama (its rotary tables, mask and lengths go from stage to stage in
   // the context, beside the hidden state), GPT-2, and nanoGPT's form (its own loss).
-  for (const std::string factory : {"vit", "llama", "gpt2", "nanogpt"}) {
+  for (const std::string factory : {"vit", "resnet", "mobilenet", "llama", "gpt2", "nanogpt"}) {
     if (!test::transformersInstalled()) {
       std::printf("without %s: transformers is not in the project's Python\n", factory.c_str());
       continue;

@@ -406,16 +406,22 @@ std::string whyNotSequentialInTraining(jit::Module& root, std::vector<Part>& par
 }
 
 // Why `parts` do not make up `root`'s forward on `x` ("" when they do, bitwise): in eval mode
-// without gradients their output must be `whole`; then as whyNotSequentialInTraining.
+// without gradients their output must be the forward's; then as whyNotSequentialInTraining.
 std::string whyNotSequential(jit::Module& root, std::vector<Part>& parts, const at::Tensor& x,
-                             const at::Tensor& whole, const Forward& forwardWhole) {
+                             const Forward& forwardWhole) {
   if (parts.size() < 2) return "it has fewer than two parts";
   {
+    // Both from the same RNG state and buffers: a traced forward keeps its dropout (the
+    // training flag is fixed at trace) and its batch norm updates statistics.
+    ModuleSnapshot snapshot(root);
+    const auto restore = onScopeExit([&] { snapshot.restore(); });
     at::NoGradGuard noGrad;
     root.eval();
-    at::Tensor y = x;
+    at::Tensor whole, y = x;
     BlockModelImpl::Context context;
     try {
+      whole = forwardWhole(x);
+      snapshot.restore();
       for (const Part& p : parts) y = run(root, p, y, context);
     } catch (const std::exception& e) {
       return fmt::format("applying them in order fails ({})", lastLine(e));
@@ -646,7 +652,7 @@ BlockModel loadScriptModel(const ModelSpec& spec, const DataShape& shape) {
   }
   note = cut.note;
   if (parts.size() >= 2) {
-    const std::string whyNot = whyNotSequential(root, parts, x, whole, forwardWhole);
+    const std::string whyNot = whyNotSequential(root, parts, x, forwardWhole);
     if (!whyNot.empty()) {
       note = fmt::format("its forward cut at the block calls is not the forward: {}", whyNot);
       parts.clear();
@@ -805,12 +811,8 @@ std::string describeScriptBlocks(const std::string& path) {
     const Forward forwardWhole = forwardUpToOutput(loaded.root, cut, [](const at::Tensor& in) {
       return in.is_floating_point() ? at::zeros({in.size(0)}, at::kLong) : in;
     });
-    at::Tensor whole;
     try {
-      at::NoGradGuard noGrad;
-      loaded.root.eval();
-      whole = forwardWhole(x);
-      whyNot = whyNotSequential(loaded.root, parts, x, whole, forwardWhole);
+      whyNot = whyNotSequential(loaded.root, parts, x, forwardWhole);
     } catch (const std::exception& e) {
       whyNot = fmt::format("its forward fails on an input like the example ({})", lastLine(e));
     }

@@ -8,6 +8,9 @@ torch.manual_seed(0):
   resnet  transformers' ResNetForImageClassification (basic layers, 4 stages); torchvision's
           resnet18 does not import beside the CPU torch 2.13 (torchvision 0.28 needs its own
           operators, 0.29 needs torch 2.14)
+  mobilenet transformers' MobileNetV2ForImageClassification (16 inverted residual layers,
+          depth multiplier 0.25; its classifier's dropout, 0.1, draws in training), for
+          torchvision's mobilenet_v2
 
   gpt2    transformers' GPT2LMHeadModel (4 layers, width 32; its head tied to its token
           embedding), on tokens [2, 16] over a vocabulary of 64
@@ -18,7 +21,7 @@ torch.manual_seed(0):
 
 And for the oracle (oracle_train.py's "eager_class"), the same classes whose forward(x) returns
 the logits, so the original module trains in eager PyTorch under its own parameter names:
-  VitLogits, ResNetLogits, Gpt2Logits, LlamaLogits, NanoGptLogits
+  VitLogits, ResNetLogits, MobileNetLogits, Gpt2Logits, LlamaLogits, NanoGptLogits
 
 The language models are exported with an input alone (their own loss with labels= shifts the
 labels, which Caravan's next-token targets already are) and trained on the task's loss.
@@ -45,6 +48,24 @@ def vit():
 def resnet():
     torch.manual_seed(0)
     return transformers.ResNetForImageClassification(transformers.ResNetConfig(**RESNET)), example()
+
+
+MOBILENET = dict(num_channels=1, image_size=28, depth_multiplier=0.25, num_labels=10,
+                 classifier_dropout_prob=0.1)
+
+
+def mobilenet():
+    torch.manual_seed(0)
+    return (transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(
+        **MOBILENET)), example())
+
+
+class MobileNetLogits(transformers.MobileNetV2ForImageClassification):
+    def __init__(self):
+        super().__init__(transformers.MobileNetV2Config(**MOBILENET))
+
+    def forward(self, x):
+        return super().forward(pixel_values=x, return_dict=False)[0]
 
 
 GPT2 = dict(vocab_size=64, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0,
