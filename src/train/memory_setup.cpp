@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <thread>
@@ -406,17 +407,23 @@ std::optional<ModelProfile> profileAt(BlockModel& model, const Batch& sample, in
     at[tokens] = profileModel(model, slice(sample, rows, tokens), 0);
   }
   ModelProfile out = at[64];
+  // The size at seqLen from those at 16, 32 and 64 tokens, checked at 48; nullopt: not quadratic.
+  auto fit = [&](const std::function<int64_t(const ModelProfile&)>& of) -> std::optional<int64_t> {
+    const double a = static_cast<double>(of(at[16])), b = static_cast<double>(of(at[32]));
+    const double c = static_cast<double>(of(at[64])), check = static_cast<double>(of(at[48]));
+    if (std::abs(quadratic(a, b, c, 48) - check) > 0.5) return std::nullopt;
+    return std::llround(std::max(0.0, quadratic(a, b, c, static_cast<double>(seqLen))));
+  };
   for (size_t i = 0; i < out.blocks.size(); ++i) {
     for (int64_t BlockProfile::*field : {&BlockProfile::inputBytes, &BlockProfile::savedBytes}) {
-      const double a = static_cast<double>(at[16].blocks[i].*field);
-      const double b = static_cast<double>(at[32].blocks[i].*field);
-      const double c = static_cast<double>(at[64].blocks[i].*field);
-      const double check = static_cast<double>(at[48].blocks[i].*field);
-      if (std::abs(quadratic(a, b, c, 48) - check) > 0.5) return std::nullopt;
-      out.blocks[i].*field =
-          std::llround(std::max(0.0, quadratic(a, b, c, static_cast<double>(seqLen))));
+      const auto v = fit([&](const ModelProfile& p) { return p.blocks[i].*field; });
+      if (!v) return std::nullopt;
+      out.blocks[i].*field = *v;
     }
   }
+  const auto loss = fit([](const ModelProfile& p) { return p.lossSavedBytes; });
+  if (!loss) return std::nullopt;
+  out.lossSavedBytes = *loss;
   return out;
 }
 
@@ -434,14 +441,16 @@ std::optional<TrainingMemoryEstimate> estimateTrainingMemory(const RunOptions& o
   if (batch > 4) {
     const std::optional<ModelProfile> two = profileAt(model, sample, 2, seqLen);
     if (!two) return std::nullopt;
+    auto extrapolate = [&](int64_t at2, int64_t at4) {
+      const double a = static_cast<double>(at2), b = static_cast<double>(at4);
+      return std::llround(std::max(0.0, a + (b - a) / 2.0 * static_cast<double>(batch - 2)));
+    };
     for (size_t i = 0; i < full->blocks.size(); ++i) {
       for (int64_t BlockProfile::*field : {&BlockProfile::inputBytes, &BlockProfile::savedBytes}) {
-        const double at2 = static_cast<double>(two->blocks[i].*field);
-        const double at4 = static_cast<double>(full->blocks[i].*field);
-        full->blocks[i].*field =
-            std::llround(std::max(0.0, at2 + (at4 - at2) / 2.0 * static_cast<double>(batch - 2)));
+        full->blocks[i].*field = extrapolate(two->blocks[i].*field, full->blocks[i].*field);
       }
     }
+    full->lossSavedBytes = extrapolate(two->lossSavedBytes, full->lossSavedBytes);
   }
   // A lower bound: swaps cost no memory in flight at an infinite bandwidth. Infinite, not just
   // large: the profile above is not timed (every block takes 0 s), so a write of any finite
