@@ -359,6 +359,8 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
       const ModelProfile sizes = m.profile ? *m.profile : profileModel(model, sample, 0);
       std::vector<int64_t> saved;
       for (const auto& b : sizes.blocks) saved.push_back(b.savedBytes);
+      // The loss's saves join the last block's (its forward follows straight after).
+      if (!saved.empty()) saved.back() += sizes.lossSavedBytes;
       // A planned run drains at the budget its plan was fitted to (the plan's margin below the
       // room, as its prediction assumed); a fixed policy at the whole room.
       const double room = static_cast<double>(budget - m.persistent);
