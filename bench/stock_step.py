@@ -1,16 +1,15 @@
 #!/usr/bin/env python3
 """Training throughput of stock models as their users build them (tests/python/stock_models.py:
-Hugging Face's ViT, ResNet, GPT-2 and Llama from small configs, and nanoGPT's form), exported
-unchanged by `caravan export` and
-trained by Caravan cut into blocks, against the same file as one block and against PyTorch 2.13
-eager training the original class. Per model and thread count the arms are interleaved in one
+Hugging Face's ViT, ResNet, MobileNetV2, GPT-2 and Llama from small configs, and nanoGPT's
+form), exported unchanged by `caravan export` and trained by Caravan cut into blocks, against
+the same file as one block and against PyTorch 2.13 eager training the original class. Per model and thread count the arms are interleaved in one
 invocation (A A1 C Cc Ab Cb A A1 ...):
 
   A   caravan        Caravan, the exported file cut into blocks (model.blocks = auto), float32
   A1  caravan-whole  the same file as one block (model.blocks = none): the cut must cost
                      nothing (target A/A1 >= 0.98)
   C   pytorch        eager PyTorch, the original class (stock_models.VitLogits, ResNetLogits,
-                     Gpt2Logits, LlamaLogits, NanoGptLogits)
+                     MobileNetLogits, Gpt2Logits, LlamaLogits, NanoGptLogits)
   Cc  pytorch-compile  the same under torch.compile (inductor); warm-up steps include the
                      compilation; where it fails, the output says so and the arm is left out
   Ab  caravan-bf16   A with train.precision = bf16 (products in bfloat16 where timed faster)
@@ -28,7 +27,8 @@ allocator setting Caravan's runs use (GLIBC_TUNABLES, bench/script_step.py). OPE
 and the other variables bench/script_step.py names are removed from every measured process's
 environment; the output says which were set. Reports medians and ratios.
 
-    .venv/bin/python bench/stock_step.py [--models vit resnet gpt2 llama nanogpt] [--threads 1]
+    .venv/bin/python bench/stock_step.py [--models vit resnet mobilenet gpt2 llama nanogpt]
+        [--threads 1]
         [--repeats 3]
         [--steps 60] [--warmup 10] [--out DIR]
 
@@ -71,6 +71,7 @@ def cmd_peer(argv):
     peer_train.set_threads(a.threads)
     torch.manual_seed(0)
     model = {"vit": stock_models.VitLogits, "resnet": stock_models.ResNetLogits,
+             "mobilenet": stock_models.MobileNetLogits,
              "gpt2": stock_models.Gpt2Logits, "llama": stock_models.LlamaLogits,
              "nanogpt": stock_models.NanoGptLogits}[a.model]()
     model.train()
@@ -114,7 +115,8 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "peer":
         return cmd_peer(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=["vit", "resnet", "gpt2", "llama", "nanogpt"])
+    p.add_argument("--models", nargs="+",
+                   default=["vit", "resnet", "mobilenet", "gpt2", "llama", "nanogpt"])
     p.add_argument("--threads", type=int, nargs="+", default=[1])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
