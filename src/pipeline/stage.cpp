@@ -93,19 +93,33 @@ std::vector<at::Tensor> contextTensors(const Context& context) {
   return out;
 }
 
+// The payload's layout: `all` end to end in one byte buffer of `bytes`, each at offsets[i].
+struct Packing {
+  std::vector<int64_t> offsets;
+  int64_t bytes = 0;
+  explicit Packing(const std::vector<at::Tensor>& all) {
+    for (const auto& t : all) {
+      offsets.push_back(bytes);
+      bytes += aligned(static_cast<int64_t>(t.nbytes()));
+    }
+  }
+  // Tensor i's place in `buffer`, as tensor `like` (its type and shape).
+  static at::Tensor place(const at::Tensor& buffer, int64_t offset, const at::Tensor& like) {
+    return buffer.narrow(0, offset, static_cast<int64_t>(like.nbytes()))
+        .view(like.scalar_type())
+        .view(like.sizes());
+  }
+};
+
 at::Tensor packPayload(const at::Tensor& y, const Context& context) {
   const auto tensors = contextTensors(context);
   if (tensors.empty()) return y;
   std::vector<at::Tensor> all{y};
   all.insert(all.end(), tensors.begin(), tensors.end());
-  int64_t total = 0;
-  for (const auto& t : all) total += aligned(static_cast<int64_t>(t.nbytes()));
-  at::Tensor buffer = at::empty({total}, at::kByte);
-  int64_t at = 0;
-  for (const auto& t : all) {
-    const int64_t n = static_cast<int64_t>(t.nbytes());
-    if (n > 0) buffer.narrow(0, at, n).view(t.scalar_type()).view(t.sizes()).copy_(t);
-    at += aligned(n);
+  const Packing packing(all);
+  at::Tensor buffer = at::empty({packing.bytes}, at::kByte);
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i].nbytes() > 0) Packing::place(buffer, packing.offsets[i], all[i]).copy_(all[i]);
   }
   return buffer;
 }
@@ -153,15 +167,11 @@ at::Tensor recvActivation(Communicator& comm, int from, int microBatch, size_t s
   }
   std::vector<at::Tensor> all{x};
   all.insert(all.end(), tensors.begin(), tensors.end());
-  int64_t total = 0;
-  for (const auto& t : all) total += aligned(static_cast<int64_t>(t.nbytes()));
-  at::Tensor buffer = at::empty({total}, at::kByte);
+  const Packing packing(all);
+  at::Tensor buffer = at::empty({packing.bytes}, at::kByte);
   comm.recv(buffer, from, tagOf(microBatch, kActivation))->wait(timeout);
-  int64_t at = 0;
-  for (auto& t : all) {
-    const int64_t n = static_cast<int64_t>(t.nbytes());
-    if (n > 0) t.copy_(buffer.narrow(0, at, n).view(t.scalar_type()).view(t.sizes()));
-    at += aligned(n);
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i].nbytes() > 0) all[i].copy_(Packing::place(buffer, packing.offsets[i], all[i]));
   }
   return x;
 }
