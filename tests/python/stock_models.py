@@ -34,90 +34,68 @@ VIT = dict(image_size=28, patch_size=7, num_channels=1, hidden_size=32, num_hidd
            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 RESNET = dict(num_channels=1, embedding_size=8, hidden_sizes=[8, 8, 16, 16], depths=[1, 1, 1, 1],
               layer_type="basic", num_labels=10)
-
-
-def example():
-    return torch.randn(2, 1, 28, 28)
-
-
-def vit():
-    torch.manual_seed(0)
-    return transformers.ViTForImageClassification(transformers.ViTConfig(**VIT)), example()
-
-
-def resnet():
-    torch.manual_seed(0)
-    return transformers.ResNetForImageClassification(transformers.ResNetConfig(**RESNET)), example()
-
-
 MOBILENET = dict(num_channels=1, image_size=28, depth_multiplier=0.25, num_labels=10,
                  classifier_dropout_prob=0.1)
-
-
-def mobilenet():
-    torch.manual_seed(0)
-    return (transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(
-        **MOBILENET)), example())
-
-
-class MobileNetLogits(transformers.MobileNetV2ForImageClassification):
-    def __init__(self):
-        super().__init__(transformers.MobileNetV2Config(**MOBILENET))
-
-    def forward(self, x):
-        return super().forward(pixel_values=x, return_dict=False)[0]
-
-
 GPT2 = dict(vocab_size=64, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
 
 
+def example():
+    return torch.randn(2, 1, 28, 28)
+
+
 def tokens():
     return torch.randint(0, 64, (2, 16))
 
 
-def gpt2():
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)), tokens()
+# Per Hugging Face model: its class, its config's class and values, its example input, and how
+# its forward takes that input (the language models without a cache).
+HF = {
+    "vit": (transformers.ViTForImageClassification, transformers.ViTConfig, VIT, example,
+            dict(pixel_values=None)),
+    "resnet": (transformers.ResNetForImageClassification, transformers.ResNetConfig, RESNET,
+               example, dict(pixel_values=None)),
+    "mobilenet": (transformers.MobileNetV2ForImageClassification, transformers.MobileNetV2Config,
+                  MOBILENET, example, dict(pixel_values=None)),
+    "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config, GPT2, tokens,
+             dict(input_ids=None, use_cache=False)),
+    "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, LLAMA, tokens,
+              dict(input_ids=None, use_cache=False)),
+}
 
 
-def llama():
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)), tokens()
+def hf_factory(name):
+    """FILE.py:FACTORY's callable: the model from torch.manual_seed(0), and its example."""
+    cls, config, values, make_example, _ = HF[name]
+
+    def factory():
+        torch.manual_seed(0)
+        return cls(config(**values)), make_example()
+    return factory
 
 
-class Gpt2Logits(transformers.GPT2LMHeadModel):
-    def __init__(self):
-        super().__init__(transformers.GPT2Config(**GPT2))
+def hf_logits(name):
+    """The same class, built without arguments, whose forward(x) returns the logits."""
+    cls, config, values, _, call = HF[name]
+    input_name = next(k for k, v in call.items() if v is None)
+    options = {k: v for k, v in call.items() if v is not None}
 
-    def forward(self, x):
-        return super().forward(input_ids=x, use_cache=False, return_dict=False)[0]
+    class Logits(cls):
+        def __init__(self):
+            super().__init__(config(**values))
 
-
-class LlamaLogits(transformers.LlamaForCausalLM):
-    def __init__(self):
-        super().__init__(transformers.LlamaConfig(**LLAMA))
-
-    def forward(self, x):
-        return super().forward(input_ids=x, use_cache=False, return_dict=False)[0]
-
-
-class VitLogits(transformers.ViTForImageClassification):
-    def __init__(self):
-        super().__init__(transformers.ViTConfig(**VIT))
-
-    def forward(self, x):
-        return super().forward(pixel_values=x, return_dict=False)[0]
+        def forward(self, x):
+            return super().forward(**{input_name: x}, **options, return_dict=False)[0]
+    Logits.__name__ = Logits.__qualname__ = cls.__name__ + "Logits"
+    return Logits
 
 
-class ResNetLogits(transformers.ResNetForImageClassification):
-    def __init__(self):
-        super().__init__(transformers.ResNetConfig(**RESNET))
-
-    def forward(self, x):
-        return super().forward(pixel_values=x, return_dict=False)[0]
+vit, resnet, mobilenet, gpt2, llama = (hf_factory(n) for n in
+                                       ("vit", "resnet", "mobilenet", "gpt2", "llama"))
+VitLogits, ResNetLogits, MobileNetLogits, Gpt2Logits, LlamaLogits = (
+    hf_logits(n) for n in ("vit", "resnet", "mobilenet", "gpt2", "llama"))
 
 
 # ---- a GPT in the form of nanoGPT's model.py ----------------------------------------------------
