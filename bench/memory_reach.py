@@ -38,21 +38,9 @@ def run(config, run_dir, warmup, environ):
                          timeout=script_step.RUN_TIMEOUT)
     if out.returncode != 0:
         return None, out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed"
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        summary = json.load(f)
-    samples = seconds = 0.0
-    prev = 0
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("kind") != "train":
-                continue
-            n, prev = r["step"] - prev, r["step"]
-            if r["step"] <= warmup:
-                continue
-            samples += n * stock_step.BATCH
-            seconds += n * stock_step.BATCH / r["samples_per_s"]
+    records, summary = script_step.read_train_run(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
+    samples, seconds, _, _, _ = script_step.timed_samples(records, warmup, stock_step.BATCH)
     return summary, samples / seconds
 
 

@@ -166,17 +166,8 @@ def timed_run_config(cfg, threads, warmup, steps, log_every=1):
     return cfg
 
 
-def run_caravan_train(config_path, run_dir, warmup, batch, environ, caravan=CARAVAN):
-    """Runs `caravan train -q` and reads metrics.jsonl: the rate of the train records after the
-    warm-up (timed samples over the sum of their windows), the median record's rate, the median
-    compute_s, and the number of blocks (summary.json's memory_policy). Removes run_dir."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [caravan, "train", "-q", "--config", config_path, "--run-dir", run_dir]
-    out = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True,
-                         timeout=RUN_TIMEOUT)
-    if out.returncode != 0:
-        sys.exit(f"{os.path.basename(sys.argv[0])}: {' '.join(cmd)} failed "
-                 f"(exit {out.returncode}):\n{out.stderr}")
+def read_train_run(run_dir):
+    """(the train records of RUN_DIR/metrics.jsonl, RUN_DIR/summary.json)."""
     records = []
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
@@ -184,8 +175,12 @@ def run_caravan_train(config_path, run_dir, warmup, batch, environ, caravan=CARA
             if j.get("kind") == "train":
                 records.append(j)
     with open(os.path.join(run_dir, "summary.json")) as f:
-        summary = json.load(f)
-    shutil.rmtree(run_dir, ignore_errors=True)
+        return records, json.load(f)
+
+
+def timed_samples(records, warmup, batch):
+    """Over the train records after step `warmup`: (samples, seconds, each record's rate, each
+    record's compute_s, steps)."""
     samples = seconds = 0.0
     rates, compute, prev, timed_steps = [], [], 0, 0
     for r in records:
@@ -199,6 +194,23 @@ def run_caravan_train(config_path, run_dir, warmup, batch, environ, caravan=CARA
         rates.append(r["samples_per_s"])
         compute.append(r["compute_s"])
         timed_steps += n
+    return samples, seconds, rates, compute, timed_steps
+
+
+def run_caravan_train(config_path, run_dir, warmup, batch, environ, caravan=CARAVAN):
+    """Runs `caravan train -q` and reads metrics.jsonl: the rate of the train records after the
+    warm-up (timed samples over the sum of their windows), the median record's rate, the median
+    compute_s, and the number of blocks (summary.json's memory_policy). Removes run_dir."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [caravan, "train", "-q", "--config", config_path, "--run-dir", run_dir]
+    out = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT)
+    if out.returncode != 0:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: {' '.join(cmd)} failed "
+                 f"(exit {out.returncode}):\n{out.stderr}")
+    records, summary = read_train_run(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    samples, seconds, rates, compute, timed_steps = timed_samples(records, warmup, batch)
     if seconds <= 0:
         sys.exit(f"{os.path.basename(sys.argv[0])}: {run_dir}: no train record after "
                  f"step {warmup}")
