@@ -11,9 +11,9 @@
 // With a multi-rank world in the environment (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or any
 // launcher worldFromEnvironment reads), `train` runs data-parallel exactly as `caravan train`
 // does: Distributed (rendezvous, communicator, AllReduceStrategy), the rank's shard of the data,
-// trainStep with the strategy and the per-step agreement all-reduce. Rank 0 prints one JSON
-// object with the step time (per step the slowest rank's, median over steps), a per-phase
-// breakdown and the fraction of gradient communication hidden behind backward.
+// the step engine (DataParallelStep) with the strategy and the per-step agreement all-reduce. Rank
+// 0 prints one JSON object with the step time (per step the slowest rank's, median over steps), a
+// per-phase breakdown and the fraction of gradient communication hidden behind backward.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -45,6 +45,7 @@
 #include "train/run_setup.h"
 #include "train/setup.h"
 #include "train/step.h"
+#include "train/step_engine.h"
 #include "train/timeline.h"
 
 using namespace caravan;
@@ -107,19 +108,14 @@ int benchTrain(char** argv, const std::string& configPath, std::vector<std::stri
   // The same run as `caravan train` builds in one process.
   RunSetup setup(config);
   setup.prepareTraining(std::nullopt);
-  setup.attach(nullptr);
+  const std::unique_ptr<StepEngine> engine = setup.attach(nullptr);
   BlockModel& model = setup.model;
-  auto& optimizer = setup.optimizer;
   const SamplerOptions& so = setup.sampler;
   Loader& loader = *setup.loader;
   model->train();
-  const double clip = setup.options.optim.gradClip;
   double lossSum = 0.0;
   // memory.weights = offload: the step updates through the out-of-core store, as in train().
-  OutOfCoreWeights* weights = setup.weights.get();
-  for (int64_t i = 0; i < warmup; ++i) {
-    trainStep(model, *optimizer, loader.next().batch, clip, nullptr, i, weights);
-  }
+  for (int64_t i = 0; i < warmup; ++i) engine->step(loader.next().batch, i);
   std::vector<double> forward, backward;
   // --profile: LibTorch's autograd profiler over the timed steps (Chrome trace of every op).
   std::unique_ptr<torch::autograd::profiler::RecordProfile> profile;
@@ -132,7 +128,7 @@ int benchTrain(char** argv, const std::string& configPath, std::vector<std::stri
   for (int64_t i = 0; i < steps; ++i) {
     Batch batch = loader.next().batch;
     const auto t0 = Clock::now();
-    StepResult r = trainStep(model, *optimizer, batch, clip, nullptr, warmup + i, weights);
+    StepResult r = engine->step(batch, warmup + i);
     lossSum += r.loss;
     forward.push_back(seconds(t0, r.forwardEnd));
     backward.push_back(seconds(r.forwardEnd, r.backwardEnd));
@@ -344,7 +340,7 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
     throw ConfigError(
         fmt::format("caravan_bench train times worker-only sync modes (allreduce, "
                     "local-sgd, gossip); sync.mode = {} needs parameter servers",
-                    options.sync.mode));
+                    syncModeName(options.sync.mode)));
   }
   refusePipelines(options);
   // The same order as train(): rendezvous, then the run (data, model, optimizer, sampler
@@ -354,17 +350,14 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
   setup.prepareTraining(std::nullopt);
   auto probe = std::make_shared<ProbedCommunicator>(dist.comm);
   dist.comm = probe;  // attach() hands dist.comm to the strategy
-  setup.attach(&dist);
-  Strategy* strategy = setup.strategy;
+  const std::unique_ptr<StepEngine> engine = setup.attach(&dist);
   BlockModel& model = setup.model;
-  auto& optimizer = setup.optimizer;
   const SamplerOptions& so = setup.sampler;
   Loader& loader = *setup.loader;
   Timeline timeline(tracePath.empty() ? "" : tracePath + ".rank" + std::to_string(world.rank) +
                                                  ".json",
                     world.rank);
   model->train();
-  const double clip = options.optim.gradClip;
 
   std::vector<std::array<double, kColumns>> rows(static_cast<size_t>(steps));
   for (auto& row : rows) row.fill(0.0);
@@ -384,8 +377,7 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
     LoadedBatch lb = loader.next();
     const auto loaded = Clock::now();
     if (i >= 0) probe->probe(i);
-    StepResult r =
-        trainStep(model, *optimizer, lb.batch, clip, strategy, i + warmup, setup.weights.get());
+    StepResult r = engine->step(lb.batch, i + warmup);
     probe->probe(-1);
     const auto stepped = Clock::now();
     double loss = r.loss;

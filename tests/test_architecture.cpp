@@ -83,3 +83,64 @@ TEST(Architecture, LibraryCodeWritesMessagesOnlyThroughTheLogSink) {
     }
   }
 }
+
+namespace {
+
+// The lines of src/`path`.
+std::vector<std::string> sourceLines(const std::string& path) {
+  std::ifstream in(fs::path(CARAVAN_SOURCE_DIR) / "src" / path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+}  // namespace
+
+// The training loop drives a step engine (train/step_engine.h) and never asks which: a data-
+// parallel step, a pipeline stage and, later, a sharded step are engines, not branches of the
+// loop. Neither the word "pipeline" nor any engine's or strategy's type appears in it.
+TEST(Architecture, TheTrainingLoopDoesNotBranchOnTheKindOfStep) {
+  const std::regex word("pipeline", std::regex::icase);
+  const std::regex type(
+      R"(PipelineStep|DataParallelStep|\bStrategy\b|strategy_|SyncMode|dynamic_cast)");
+  int lines = 0;
+  for (const std::string file : {"train/trainer.cpp", "train/trainer.h", "train/metrics_window.cpp",
+                                 "train/metrics_window.h"}) {
+    int lineNo = 0;
+    for (const std::string& line : sourceLines(file)) {
+      ++lineNo;
+      ++lines;
+      EXPECT_FALSE(std::regex_search(line, word) || std::regex_search(line, type))
+          << file << ":" << lineNo << ": " << line;
+    }
+  }
+  EXPECT_GT(lines, 500) << "train/trainer.cpp moved: point this test at the training loop";
+}
+
+// Functions in train/ stay short enough to read at once: none is over 80 lines. A function is
+// a definition at column 0 whose body closes at column 0 (the house style, clang-format's).
+TEST(Architecture, NoFunctionInTrainIsOver80Lines) {
+  const fs::path train = fs::path(CARAVAN_SOURCE_DIR) / "src" / "train";
+  const std::regex definition(R"(^[A-Za-z~][^;]*\()");
+  const std::regex notAFunction(R"(^(namespace|struct|class|enum|using|template|typedef)\b)");
+  int functions = 0;
+  for (const auto& entry : fs::directory_iterator(train)) {
+    const std::string file = "train/" + entry.path().filename().string();
+    const std::vector<std::string> lines = sourceLines(file);
+    for (size_t i = 0; i < lines.size(); ++i) {
+      if (!std::regex_search(lines[i], definition) || std::regex_search(lines[i], notAFunction))
+        continue;
+      size_t open = i;  // the signature's last line ends with the body's brace
+      while (open < lines.size() && open < i + 8 && lines[open].back() != '{' &&
+             lines[open].back() != ';')
+        ++open;
+      if (open >= lines.size() || lines[open].empty() || lines[open].back() != '{') continue;
+      size_t close = open + 1;
+      while (close < lines.size() && lines[close].rfind('}', 0) != 0) ++close;
+      ++functions;
+      EXPECT_LE(close - i + 1, 80u) << file << ":" << i + 1 << ": " << lines[i];
+      i = close;
+    }
+  }
+  EXPECT_GT(functions, 100);
+}

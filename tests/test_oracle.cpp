@@ -17,6 +17,7 @@
 #include "memory/tracker.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
+#include "train/data_parallel_step.h"
 #include "train/schedule.h"
 #include "train/setup.h"
 #include "train/step.h"
@@ -122,10 +123,11 @@ void compareWithPyTorch(const std::vector<std::string>& overrides, double tolera
   model->train();
   {
     SavedTensorScope scope(memory, model->parameters());
+    DataParallelStep engine(model, *optimizer, {config.f64("optim.grad_clip")});
     for (int i = 0; i < kSteps; ++i) {
-      setLearningRate(*optimizer, lrs[i]);
+      engine.setLearningRate(lrs[i]);
       dump.insert("rng" + std::to_string(i), at::detail::getDefaultCPUGenerator().get_state());
-      ours.push_back(trainStep(model, *optimizer, batches[i], config.f64("optim.grad_clip")).loss);
+      ours.push_back(engine.step(batches[i], i).loss);
       if (i == 0) {
         firstStepSaved = memory.peak(MemoryCategory::kActivations);
         // Backward released every saved tensor.

@@ -424,7 +424,7 @@ TEST_P(ServersApplyOnce, EveryGradientExactlyOnce) {
   // `variant`: OSP's split policy, or a parameter server's compression.
   const auto [mode, variant, servers] = GetParam();
   const std::string policy = mode == "osp" ? variant : "magnitude";
-  PsOptions ps = psOptions(mode == "osp" ? "ps-bsp" : mode, 1);
+  PsOptions ps = psOptions(parseSyncMode(mode == "osp" ? "ps-bsp" : mode), 1);
   if (mode != "osp" && !variant.empty()) {
     ps.compression = parseCompression(variant);
     ps.topkRatio = 1.0;
@@ -504,7 +504,7 @@ TEST_P(PsStaleness, WorkersReadWithinTheBound) {
   const std::string mode = GetParam();
   constexpr int kWorkers = 3, kSteps = 10;
   constexpr int64_t kBound = 2;
-  const PsOptions options = psOptions(mode, kBound);
+  const PsOptions options = psOptions(parseSyncMode(mode), kBound);
   auto sgd = [](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
     return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(1.0));
   };

@@ -14,6 +14,7 @@
 #include "run_util.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
+#include "train/data_parallel_step.h"
 #include "train/metrics.h"
 #include "train/precision.h"
 #include "train/run_options.h"
@@ -533,8 +534,9 @@ TEST(NonFinite, ASkippedStepLeavesTheModelAsIfTheBatchNeverCame) {
     torch::manual_seed(7);
     BlockModel model = buildModel(spec, shape);
     torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    DataParallelStep engine(model, sgd, {/*gradClip=*/0.0, /*skipNonFinite=*/true});
     for (const Batch& b : batches) {
-      StepResult r = trainStep(model, sgd, b, 0.0, nullptr, 0, nullptr, /*skipNonFinite=*/true);
+      StepResult r = engine.step(b, 0);
       skipped->push_back(r.skipped);
     }
     std::vector<at::Tensor> out;

@@ -20,12 +20,13 @@
 #include "memory/tracker.h"
 #include "memory/weights.h"
 #include "models/model.h"
+#include "run_util.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
+#include "train/data_parallel_step.h"
 #include "train/setup.h"
 #include "train/step.h"
 #include "train/trainer.h"
-#include "run_util.h"
-#include "test_util.h"
 
 using namespace caravan;
 using caravan::test::TempDir;
@@ -137,10 +138,11 @@ Outcome run(const Case& c, Tier* tier, const std::string& policies, double clip,
       tracker.resetPeaks();
     }
     torch::manual_seed(11);  // dropout draws
+    DataParallelStep engine(model, *optimizer, {clip}, {nullptr, nullptr, weights.get()});
     for (int step = 0; step < 4; ++step) {
       const Batch batch = test::randomBatch(c.shape, 4, 100 + step);
       for (auto& g : optimizer->param_groups()) g.options().set_lr(0.05 / (1 + step));
-      StepResult r = trainStep(model, *optimizer, batch, clip, nullptr, step, weights.get());
+      StepResult r = engine.step(batch, step);
       out.losses.push_back(r.loss);
       if (weights && step == 1) {
         tier->drainWrites();  // the last writes land; then only block 0 stays

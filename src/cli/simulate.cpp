@@ -121,8 +121,8 @@ std::vector<int> workerCounts(const SimulateArgs& args, const sim::ClusterSpec& 
 
 // The run's options with a candidate's way of synchronising, for validate().
 RunOptions withSync(RunOptions o, const SyncSpec& s) {
-  o.sync.mode = s.mode;
-  o.sync.servers = usesServers(s.mode) ? s.servers : 0;
+  o.sync.mode = parseSyncMode(s.mode);
+  o.sync.servers = usesServers(o.sync.mode) ? s.servers : 0;
   o.sync.compressionName = s.compression;
   o.sync.allreduce.compression = parseCompression(s.compression);
   o.sync.ps.compression = o.sync.allreduce.compression;

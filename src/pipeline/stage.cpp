@@ -336,16 +336,8 @@ struct PipelineStage::InFlight {
 };
 
 PipelineStage::PipelineStage(BlockModel model, std::vector<size_t> boundaries, Communicator* comm,
-                             PipelineLayout layout, PipelineSchedule schedule, int microBatches,
-                             Communicator* replicas)
-    : model_(std::move(model)),
-      comm_(comm),
-      replicas_(replicas),
-      layout_(layout),
-      microBatches_(microBatches) {
-  CARAVAN_CHECK((replicas == nullptr ? 1 : replicas->size()) == layout.replicas,
-                "{} replicas of each stage, a replica group of {}", layout.replicas,
-                replicas == nullptr ? 1 : replicas->size());
+                             PipelineLayout layout, PipelineSchedule schedule, int microBatches)
+    : model_(std::move(model)), comm_(comm), layout_(layout), microBatches_(microBatches) {
   CARAVAN_CHECK_EQ(boundaries.size(), static_cast<size_t>(layout.stages) + 1,
                    "boundaries of {} stages", layout.stages);
   CARAVAN_CHECK((comm == nullptr ? 1 : comm->size()) == layout.stages * layout.replicas,
@@ -477,18 +469,6 @@ std::vector<at::Tensor> PipelineStage::stageTensors(int stage) {
     }
   }
   return out;
-}
-
-void PipelineStage::averageGradients() {
-  if (replicas_ == nullptr) return;
-  std::vector<at::Tensor> grads;
-  for (const auto& p : parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
-  if (grads.empty()) return;
-  at::Tensor all = flatten(grads);
-  replicas_->allreduce(all, ReduceOp::kAvg)->wait(replicas_->timeout());
-  unflattenInto(all, grads);
 }
 
 PipelineStage::Totals PipelineStage::reduce(double localGradNormSquared, double localLoss) {

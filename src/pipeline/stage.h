@@ -76,11 +76,10 @@ class PipelineStage {
  public:
   // `boundaries`: K + 1 block indices (stage s runs blocks [boundaries[s], boundaries[s+1])).
   // `comm` must outlive the stage; its world is layout.stages x layout.replicas. It may be null
-  // for one stage in one process (gradient accumulation). `replicas`: this stage and its
-  // replicas in the other pipelines (layout.replicas ranks; null when there is one).
+  // for one stage in one process (gradient accumulation). Replicas of a stage (D > 1) average
+  // their gradients outside it (train/pipeline_step.h).
   PipelineStage(BlockModel model, std::vector<size_t> boundaries, Communicator* comm,
-                PipelineLayout layout, PipelineSchedule schedule, int microBatches,
-                Communicator* replicas = nullptr);
+                PipelineLayout layout, PipelineSchedule schedule, int microBatches);
 
   // Runs this stage's program for one step on `batch` (batch.size() must be a multiple of the
   // micro-batch count; ConfigError otherwise). Parameter gradients are added to (the caller
@@ -96,15 +95,12 @@ class PipelineStage {
   // embeddings on the first and last stage: after runStep each gets the sum of their
   // gradients, added in stage order (the same bits on each, so their updates stay equal).
   // One message each way per pair of stages sharing some; nothing without ties across stages.
-  // Every rank calls it, after averageGradients (so the sum is the last arithmetic on it).
+  // Every rank calls it, after its replicas averaged their gradients (so the sum is the last
+  // arithmetic on it).
   void sumTiedGradients();
   // This stage's parameters as the global gradient norm counts them: a tied one on the first
   // of its stages only.
   std::vector<at::Tensor> normParameters();
-
-  // Data-parallel pipelines (D > 1): averages this stage's gradients over its replicas (one
-  // all-reduce of them laid end to end, on `replicas`), after runStep. Nothing when D = 1.
-  void averageGradients();
 
   // The reductions of a step over the stages: the sum of the stages' squared gradient norms
   // and the last stages' mean loss, so every rank logs the same loss and clips with the global
@@ -148,6 +144,7 @@ class PipelineStage {
   // others. Every stage of a replica calls it once per evaluation batch, in the same order.
   at::Tensor forwardOnly(const at::Tensor& input);
   const PipelineLayout& layout() const { return layout_; }
+  BlockModel& model() { return model_; }
   size_t firstBlock() const { return begin_; }
   size_t endBlock() const { return end_; }
   int microBatches() const { return microBatches_; }
@@ -167,7 +164,6 @@ class PipelineStage {
   int postStepTag(int slot, int stage) const;
   BlockModel model_;
   Communicator* comm_;
-  Communicator* replicas_;
   PipelineLayout layout_;
   size_t begin_, end_;
   int microBatches_;

@@ -185,7 +185,7 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
 
 SyncSpec syncSpecFrom(const RunOptions& options) {
   SyncSpec s;
-  s.mode = options.sync.mode;
+  s.mode = syncModeName(options.sync.mode);
   s.servers = options.sync.servers;
   s.staleness = options.sync.ps.staleness;
   s.localPeriod = options.sync.localSgd.period;
@@ -200,7 +200,7 @@ SyncSpec syncSpecFrom(const RunOptions& options) {
   s.bucketBytes = options.sync.allreduce.bucketBytes;
   s.pipelineStages = options.pipeline.stages;
   s.microBatches = options.pipeline.microBatches;
-  s.schedule = options.pipeline.schedule;
+  s.schedule = pipelineScheduleName(options.pipeline.schedule);
   s.partition = options.pipeline.partition;
   return s;
 }

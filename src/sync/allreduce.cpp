@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "core/errors.h"
+#include "sync/buckets.h"
 #include "sync/replicas.h"
 
 namespace caravan {
@@ -58,6 +59,28 @@ void AllReduceStrategy::attachModel(torch::nn::Module& model) {
     if (p.requires_grad()) params.push_back(p);
   }
   broadcastModel(*comm_, model);  // rank 0's initial parameters (and buffers) everywhere
+  layBuckets(params);
+  // A post hook on each parameter's gradient accumulator fires once its .grad is final for
+  // this backward pass.
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(slots_[i].param);
+    auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs,
+                  const torch::autograd::variable_list&) {
+          onGradReady(i);
+          return outputs;
+        }));
+    accumulators_.push_back(acc);
+    hookKeys_.push_back(key);
+  }
+}
+
+void AllReduceStrategy::attachGradients(const std::vector<at::Tensor>& params) {
+  CARAVAN_CHECK(slots_.empty(), "attachGradients on an attached all-reduce");
+  layBuckets(params);
+}
+
+void AllReduceStrategy::layBuckets(const std::vector<at::Tensor>& params) {
   // Buckets in reverse registration order: backward produces the last block's gradients first.
   cancelled_ = false;
   slots_.clear();
@@ -90,16 +113,19 @@ void AllReduceStrategy::attachModel(torch::nn::Module& model) {
     }
     CARAVAN_CHECK_EQ(counted, params.size(), "parameter groups must hold every parameter once");
   } else {
-    int64_t bucketBytes = 0;
+    std::vector<int64_t> bytes;  // in bucket order: the last parameter first
     for (auto it = params.rbegin(); it != params.rend(); ++it) {
-      const int64_t bytes = it->numel() * static_cast<int64_t>(it->element_size());
-      const int64_t cap = buckets_.size() <= 1 ? options_.firstBucketBytes : options_.bucketBytes;
-      if (buckets_.empty() || (bucketBytes > 0 && bucketBytes + bytes > cap)) {
+      bytes.push_back(it->numel() * static_cast<int64_t>(it->element_size()));
+    }
+    const std::vector<size_t> starts =
+        bucketStarts(bytes, options_.firstBucketBytes, options_.bucketBytes);
+    size_t next = 0;  // the next bucket's first parameter
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      if (next < starts.size() && starts[next] == i) {
         buckets_.emplace_back();
-        bucketBytes = 0;
+        ++next;
       }
-      addSlot(*it);
-      bucketBytes += bytes;
+      addSlot(params[params.size() - 1 - i]);
     }
   }
   for (auto& b : buckets_) {
@@ -122,19 +148,6 @@ void AllReduceStrategy::attachModel(torch::nn::Module& model) {
       part.copy_(mine.narrow(0, at, part.numel()));
     });
     restoredResidual_ = at::Tensor();
-  }
-  // A post hook on each parameter's gradient accumulator fires once its .grad is final for
-  // this backward pass.
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(slots_[i].param);
-    auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, i](const torch::autograd::variable_list& outputs,
-                  const torch::autograd::variable_list&) {
-          onGradReady(i);
-          return outputs;
-        }));
-    accumulators_.push_back(acc);
-    hookKeys_.push_back(key);
   }
 }
 

@@ -68,6 +68,12 @@ class AllReduceStrategy : public Strategy {
   void restoreState(const std::map<std::string, at::Tensor>& state,
                     int64_t savedWorkers) override;
 
+  // Buckets over `params` without a strategy's attach: no broadcast and no gradient hooks, so
+  // finishGradients() launches every bucket (gradients accumulated over several backward
+  // passes, as a pipeline stage's micro-batches; pipeline_step.h). Call once, in place of
+  // attach(); every replica passes the same shapes in the same order.
+  void attachGradients(const std::vector<at::Tensor>& params);
+
   // Disabled, the gradient hooks do nothing and finishGradients() leaves the local gradients
   // (local SGD's local phase). Set before a step's forward, on every rank alike.
   void setEnabled(bool enabled) { enabled_ = enabled; }
@@ -93,6 +99,8 @@ class AllReduceStrategy : public Strategy {
     std::exception_ptr error;  // what finishing it threw
   };
 
+  // Slots and buckets over `params` (bucketStarts, or one per parameter group).
+  void layBuckets(const std::vector<at::Tensor>& params);
   void onGradReady(size_t slot);
   void launchReadyInOrder();  // requires mutex_
   WorkPtr launch(size_t index);

@@ -32,17 +32,20 @@ int64_t PsOptions::bound() const {
   return std::numeric_limits<int64_t>::max();
 }
 
-PsOptions psOptions(const std::string& mode, int64_t staleness) {
+PsOptions psOptions(SyncMode mode, int64_t staleness) {
   PsOptions o;
   o.staleness = staleness;
-  if (mode == "ps-bsp") {
-    o.consistency = PsConsistency::kBsp;
-  } else if (mode == "ps-asp") {
-    o.consistency = PsConsistency::kAsp;
-  } else if (mode == "ps-ssp") {
-    o.consistency = PsConsistency::kSsp;
-  } else {
-    CARAVAN_CHECK(false, "not a parameter-server mode: {}", mode);
+  switch (mode) {
+    case SyncMode::kPsBsp: o.consistency = PsConsistency::kBsp; break;
+    case SyncMode::kPsAsp: o.consistency = PsConsistency::kAsp; break;
+    case SyncMode::kPsSsp: o.consistency = PsConsistency::kSsp; break;
+    case SyncMode::kAllReduce:
+    case SyncMode::kLocalSgd:
+    case SyncMode::kDiloco:
+    case SyncMode::kGossip:
+    case SyncMode::kPsDiloco:
+    case SyncMode::kOsp:
+      CARAVAN_CHECK(false, "not a parameter-server mode: {}", syncModeName(mode));
   }
   return o;
 }

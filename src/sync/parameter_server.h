@@ -69,6 +69,7 @@
 #include "sync/optimizer_state.h"
 #include "sync/ps_message.h"
 #include "sync/strategy.h"
+#include "sync/sync_mode.h"
 
 namespace caravan {
 
@@ -86,8 +87,8 @@ struct PsOptions {
   // The largest clock gap a reply may leave at (BSP: 0; ASP: unbounded).
   int64_t bound() const;
 };
-// "ps-bsp" / "ps-asp" / "ps-ssp" (with sync.staleness).
-PsOptions psOptions(const std::string& mode, int64_t staleness);
+// The options of SyncMode::kPsBsp / kPsAsp / kPsSsp (with sync.staleness).
+PsOptions psOptions(SyncMode mode, int64_t staleness);
 
 // Which elements of the flat parameter vector server s owns: [begin(s), end(s)).
 struct ShardLayout {

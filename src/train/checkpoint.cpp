@@ -309,9 +309,11 @@ void saveCheckpoint(const std::string& path, torch::nn::Module& model,
   });
 }
 
-TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
-                             torch::optim::Optimizer& optimizer,
-                             const nlohmann::json& expectedMeta) {
+namespace {
+
+// Opens checkpoint `path` and checks its header and CRC; returns the payload's size. Reads the
+// payload in 1 MiB pieces: no copy of it is ever in memory.
+uint64_t checkCheckpointFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw CheckpointError(fmt::format("cannot read checkpoint {}: file not found", path));
   // The header first: its length is checked against the file before anything that size is
@@ -363,6 +365,50 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
                     "checkpoints/ to resume from the previous checkpoint",
                     path));
   }
+  return size;
+}
+
+// The training state's own entries of a checkpoint's archive (the step, the data position, the
+// RNG, the strategy's tensors...), into `state`.
+void readTrainingState(const std::string& path, torch::serialize::InputArchive& archive,
+                       TrainingState& state) {
+  c10::IValue v;
+  archive.read("step", v);
+  state.step = v.toInt();
+  archive.read("epoch", v);
+  state.position.epoch = v.toInt();
+  archive.read("batch_in_epoch", v);
+  state.position.batchInEpoch = v.toInt();
+  archive.read("rng", state.rngState, /*is_buffer=*/true);
+  archive.read("elapsed_s", v);
+  state.elapsedSeconds = v.toDouble();
+  // Checkpoints from before these were stored: 0, the resuming job's own.
+  if (archive.try_read("workers", v)) state.workers = v.toInt();
+  if (archive.try_read("batch_size", v)) state.batchSize = v.toInt();
+  if (archive.try_read("bf16_blocks", v)) state.bf16Blocks = v.toStringRef();
+  if (state.workers < 0 || state.workers > (1 << 20) || state.batchSize < 0 ||
+      state.batchSize > (int64_t{1} << 30)) {
+    throw CheckpointError(
+        fmt::format("checkpoint {} says it was written by {} workers with "
+                    "batch size {}; it is damaged",
+                    path, state.workers, state.batchSize));
+  }
+  torch::serialize::InputArchive strategyArchive;
+  if (archive.try_read("strategy", strategyArchive)) {
+    for (const auto& name : strategyArchive.keys()) {
+      at::Tensor t;
+      strategyArchive.read(name, t);
+      state.strategy[name] = t;
+    }
+  }
+}
+
+}  // namespace
+
+TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
+                             torch::optim::Optimizer& optimizer,
+                             const nlohmann::json& expectedMeta) {
+  const uint64_t size = checkCheckpointFile(path);
   TrainingState state;
   try {
     torch::serialize::InputArchive archive;
@@ -408,34 +454,7 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
     torch::serialize::InputArchive optimArchive;
     archive.read("optimizer", optimArchive);
     loadOptimizer(optimArchive, optimizer);
-    c10::IValue v;
-    archive.read("step", v);
-    state.step = v.toInt();
-    archive.read("epoch", v);
-    state.position.epoch = v.toInt();
-    archive.read("batch_in_epoch", v);
-    state.position.batchInEpoch = v.toInt();
-    archive.read("rng", state.rngState, /*is_buffer=*/true);
-    archive.read("elapsed_s", v);
-    state.elapsedSeconds = v.toDouble();
-    // Checkpoints from before these were stored: 0, the resuming job's own.
-    if (archive.try_read("workers", v)) state.workers = v.toInt();
-    if (archive.try_read("batch_size", v)) state.batchSize = v.toInt();
-    if (archive.try_read("bf16_blocks", v)) state.bf16Blocks = v.toStringRef();
-    if (state.workers < 0 || state.workers > (1 << 20) || state.batchSize < 0 ||
-        state.batchSize > (int64_t{1} << 30)) {
-      throw CheckpointError(fmt::format("checkpoint {} says it was written by {} workers with "
-                                        "batch size {}; it is damaged",
-                                        path, state.workers, state.batchSize));
-    }
-    torch::serialize::InputArchive strategyArchive;
-    if (archive.try_read("strategy", strategyArchive)) {
-      for (const auto& name : strategyArchive.keys()) {
-        at::Tensor t;
-        strategyArchive.read(name, t);
-        state.strategy[name] = t;
-      }
-    }
+    readTrainingState(path, archive, state);
   } catch (const CheckpointError&) {
     throw;
   } catch (const std::exception& e) {

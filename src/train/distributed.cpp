@@ -156,13 +156,24 @@ void Distributed::serve() {
     return makeOptimizer(options_.optim, std::move(params));
   };
   auto onStep = [this](int64_t step) { stepDone(step); };
-  if (options_.sync.mode == "osp") {
-    runOspServer(*world, workers_, options_.sync.osp, optimizer, onStep);
-  } else if (options_.sync.mode == "ps-diloco") {
-    runDilocoServer(*world, workers_, options_.sync.diloco, onStep);
-  } else {
-    runParameterServer(*world, workers_, options_.sync.ps, optimizer, onStep);
+  switch (options_.sync.mode) {
+    case SyncMode::kOsp:
+      runOspServer(*world, workers_, options_.sync.osp, optimizer, onStep);
+      return;
+    case SyncMode::kPsDiloco:
+      runDilocoServer(*world, workers_, options_.sync.diloco, onStep);
+      return;
+    case SyncMode::kPsBsp:
+    case SyncMode::kPsAsp:
+    case SyncMode::kPsSsp:
+      runParameterServer(*world, workers_, options_.sync.ps, optimizer, onStep);
+      return;
+    case SyncMode::kAllReduce:
+    case SyncMode::kLocalSgd:
+    case SyncMode::kDiloco:
+    case SyncMode::kGossip: break;
   }
+  CARAVAN_CHECK(false, "sync.mode {} runs no server", syncModeName(options_.sync.mode));
 }
 
 std::shared_ptr<Communicator> Distributed::counted(std::shared_ptr<Communicator> inner) {
@@ -197,23 +208,26 @@ Distributed::~Distributed() = default;
 
 Strategy* Distributed::attach(torch::nn::Module& model, AttachContext context) {
   const SyncOptions& sync = options_.sync;
-  const std::string& mode = sync.mode;
-  if (isConsistencyMode(mode)) {  // ps-bsp, ps-asp, ps-ssp
-    strategy_ = std::make_unique<PsWorkerStrategy>(world, comm, servers_, sync.ps);
-  } else if (mode == "ps-diloco") {
-    strategy_ = std::make_unique<DilocoStrategy>(comm, sync.diloco, world, servers_);
-  } else if (mode == "osp") {
-    strategy_ = std::make_unique<OspWorkerStrategy>(world, comm, servers_, sync.osp);
-  } else if (mode == "allreduce") {
-    strategy_ = std::make_unique<AllReduceStrategy>(comm, sync.allreduce);
-  } else if (mode == "local-sgd") {
-    strategy_ = std::make_unique<LocalSgdStrategy>(comm, sync.localSgd);
-  } else if (mode == "diloco") {
-    strategy_ = std::make_unique<DilocoStrategy>(comm, sync.diloco);
-  } else if (mode == "gossip") {
-    strategy_ = std::make_unique<GossipStrategy>(comm, sync.gossip);
-  } else {
-    CARAVAN_CHECK(false, "sync.mode \"{}\" is not built", mode);
+  switch (sync.mode) {
+    case SyncMode::kPsBsp:
+    case SyncMode::kPsAsp:
+    case SyncMode::kPsSsp:
+      strategy_ = std::make_unique<PsWorkerStrategy>(world, comm, servers_, sync.ps);
+      break;
+    case SyncMode::kPsDiloco:
+      strategy_ = std::make_unique<DilocoStrategy>(comm, sync.diloco, world, servers_);
+      break;
+    case SyncMode::kOsp:
+      strategy_ = std::make_unique<OspWorkerStrategy>(world, comm, servers_, sync.osp);
+      break;
+    case SyncMode::kAllReduce:
+      strategy_ = std::make_unique<AllReduceStrategy>(comm, sync.allreduce);
+      break;
+    case SyncMode::kLocalSgd:
+      strategy_ = std::make_unique<LocalSgdStrategy>(comm, sync.localSgd);
+      break;
+    case SyncMode::kDiloco: strategy_ = std::make_unique<DilocoStrategy>(comm, sync.diloco); break;
+    case SyncMode::kGossip: strategy_ = std::make_unique<GossipStrategy>(comm, sync.gossip); break;
   }
   context.sink = [observer = observer_](const std::string& name,
                                         std::chrono::steady_clock::time_point start,

@@ -178,14 +178,14 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
   // not recomputed with the block).
   plan.blocks.back().backwardSeconds += profile.lossSeconds;
   // memory.policy = auto: stages may recompute blocks (not zb-h1's: its W reads them again).
-  const PipelineSchedule schedule = parsePipelineSchedule(o.schedule);
+  const PipelineSchedule schedule = o.schedule;
   plan.partition = partitionBlocks(
       plan.blocks, o.stages, o.microBatches, schedule, options.memory.budget, objective,
       options.memory.automatic() && schedule != PipelineSchedule::kZeroBubbleH1, fixed);
   plan.report = fmt::format(
       "pipeline: {} stages, {} micro-batches of {} examples, {} (parallel.partition = {}); per "
       "block profiled on one micro-batch\n",
-      o.stages, o.microBatches, micro, o.schedule, o.partition);
+      o.stages, o.microBatches, micro, pipelineScheduleName(o.schedule), o.partition);
   plan.report += formatPartition(plan.blocks, plan.partition, options.memory.budget);
   return plan;
 }

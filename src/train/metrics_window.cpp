@@ -6,7 +6,6 @@
 #include "memory/host_allocator.h"
 #include "memory/tracker.h"
 #include "memory/weights.h"
-#include "sync/strategy.h"
 
 namespace caravan {
 namespace {
@@ -20,14 +19,9 @@ double seconds(MetricsWindow::Clock::time_point a, MetricsWindow::Clock::time_po
 MetricsWindow::MetricsWindow(Distributed* dist)
     : dist_(dist), bytes_(dist != nullptr ? dist->bytes() : ByteCount{}), start_(Clock::now()) {}
 
-void MetricsWindow::addStep(Clock::time_point stepStart, const StepResult& r, int64_t samples) {
-  if (r.pipelined) {  // a stage: its own forwards and backwards; waits for its neighbours
-    compute_ += r.stageComputeSeconds + seconds(r.syncEnd, r.optimizerEnd);
-    sync_ += r.stageWaitSeconds + seconds(r.backwardEnd, r.syncEnd);
-  } else {
-    compute_ += seconds(stepStart, r.backwardEnd) + seconds(r.syncEnd, r.optimizerEnd);
-    sync_ += seconds(r.backwardEnd, r.syncEnd) + seconds(r.optimizerEnd, r.stepEnd);
-  }
+void MetricsWindow::addStep(const StepResult& r, int64_t samples) {
+  compute_ += r.computeSeconds;
+  sync_ += r.syncWaitSeconds;
   ++steps_;
   samples_ += static_cast<double>(samples);
 }
@@ -43,7 +37,7 @@ double MetricsWindow::samplesPerSecond() const {
 
 nlohmann::json MetricsWindow::close(nlohmann::json rec, MemoryTracker& memory,
                                     ActivationExecutor* executor, OutOfCoreWeights* weights,
-                                    Strategy* strategy) {
+                                    const std::map<std::string, double>& engineMetrics) {
   const double steps = static_cast<double>(steps_);
   rec["compute_s"] = compute_ / steps;
   rec["sync_wait_s"] = sync_ / steps;
@@ -77,14 +71,12 @@ nlohmann::json MetricsWindow::close(nlohmann::json rec, MemoryTracker& memory,
     rec["weights_stall_s"] = w.stallSeconds / steps;
   }
   if (dist_ != nullptr) {
-    // This rank's bytes per step over the window, and the strategy's own numbers.
+    // This rank's bytes per step over the window, and the engine's own numbers.
     const ByteCount b = dist_->bytes();
     rec["sent_bytes"] = static_cast<double>(b.sent - bytes_.sent) / steps;
     rec["recv_bytes"] = static_cast<double>(b.received - bytes_.received) / steps;
     bytes_ = b;
-    if (strategy != nullptr) {
-      for (const auto& [key, value] : strategy->takeMetrics()) rec[key] = value;
-    }
+    for (const auto& [key, value] : engineMetrics) rec[key] = value;
     // Time with an exchange outstanding per step (hidden behind compute or not).
     if (const auto outstanding = dist_->takeOutstandingSeconds()) {
       rec["comm_outstanding_s"] = *outstanding / steps;

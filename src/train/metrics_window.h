@@ -1,7 +1,7 @@
 // The window of a train record: what the steps since the last record took (per-step means of
 // compute and synchronization wait, samples per second without evaluations and checkpoints,
 // bytes on the wire, every worker's numbers), and the record itself with the memory, the
-// executor's, the out-of-core store's and the strategy's numbers.
+// executor's, the out-of-core store's and the step engine's numbers.
 //
 // Threading: the trainer thread only.
 #pragma once
@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -28,10 +30,9 @@ class MetricsWindow {
   using Clock = std::chrono::steady_clock;
   explicit MetricsWindow(Distributed* dist);
 
-  // One step that began at `stepStart` and trained `samples` examples over all workers: its
-  // compute (forward, backward, optimizer) and its wait on synchronization (the exchange after
-  // backward, the strategy's afterStep).
-  void addStep(Clock::time_point stepStart, const StepResult& r, int64_t samples);
+  // One step that trained `samples` examples over all workers: its compute and its wait on
+  // synchronization (StepResult's split).
+  void addStep(const StepResult& r, int64_t samples);
   // The tracked memory a step of the window needed at its peak (activations on top of weights,
   // gradients and optimizer state); the window keeps the largest.
   void addMemoryPeak(int64_t bytes) { memoryPeak_ = std::max(memoryPeak_, bytes); }
@@ -44,9 +45,11 @@ class MetricsWindow {
   void exclude(Clock::duration pause) { start_ += pause; }
 
   // The train record of the window's last step; starts a new window. `memory`'s peaks restart
-  // too; `executor` and `weights` may be null.
+  // too; `executor` and `weights` may be null; `engineMetrics`: the step engine's numbers
+  // (StepEngine::takeMetrics, e.g. a strategy's staleness).
   nlohmann::json close(nlohmann::json record, MemoryTracker& memory, ActivationExecutor* executor,
-                       OutOfCoreWeights* weights, Strategy* strategy);
+                       OutOfCoreWeights* weights,
+                       const std::map<std::string, double>& engineMetrics);
 
  private:
   Distributed* dist_;

@@ -10,18 +10,10 @@
 
 namespace caravan {
 
-bool usesServers(const std::string& mode) { return mode.rfind("ps-", 0) == 0 || mode == "osp"; }
-
-bool isConsistencyMode(const std::string& mode) {
-  return mode == "ps-bsp" || mode == "ps-asp" || mode == "ps-ssp";
-}
-
-bool stepsOnServers(const std::string& mode) { return isConsistencyMode(mode) || mode == "osp"; }
-
-bool isDiloco(const std::string& mode) { return mode == "diloco" || mode == "ps-diloco"; }
-
 int serverCount(const Config& config) {
-  return usesServers(config.str("sync.mode")) ? static_cast<int>(config.i64("sync.servers")) : 0;
+  return usesServers(parseSyncMode(config.str("sync.mode")))
+             ? static_cast<int>(config.i64("sync.servers"))
+             : 0;
 }
 
 namespace {
@@ -32,7 +24,7 @@ std::chrono::milliseconds milliseconds(double seconds) {
 
 SyncOptions readSync(const Config& config) {
   SyncOptions s;
-  s.mode = config.str("sync.mode");
+  s.mode = parseSyncMode(config.str("sync.mode"));
   s.servers = serverCount(config);
   s.backend = config.str("dist.backend");
   s.connections = static_cast<int>(config.i64("dist.connections"));
@@ -74,15 +66,8 @@ SyncOptions readSync(const Config& config) {
   return s;
 }
 
-}  // namespace
-
-RunOptions RunOptions::read(const Config& config) {
-  RunOptions r;
-  r.seed.init = static_cast<uint64_t>(config.i64("seed.init"));
-  r.seed.data = static_cast<uint64_t>(config.i64("seed.data"));
-  r.seed.dropout = static_cast<uint64_t>(config.i64("seed.dropout"));
-
-  DataOptions& d = r.data;
+DataOptions readData(const Config& config) {
+  DataOptions d;
   d.dataset = config.str("data.dataset");
   d.path = config.str("data.path");
   d.batchSize = config.i64("data.batch_size");
@@ -99,37 +84,48 @@ RunOptions RunOptions::read(const Config& config) {
     throw ConfigError(
         "[[data.sources]] name each source's path and format; remove data.dataset and data.path");
   }
+  return d;
+}
 
-  PipelineOptions& p = r.pipeline;
+// `batchSize`: data.batch_size, which the default micro-batch count divides.
+PipelineOptions readPipeline(const Config& config, int64_t batchSize) {
+  PipelineOptions p;
   p.stages = static_cast<int>(config.i64("parallel.pipeline_stages"));
-  p.schedule = config.str("parallel.schedule");
+  p.schedule = parsePipelineSchedule(config.str("parallel.schedule"));
   p.partition = config.str("parallel.partition");
   parsePartition(p.partition);  // a name or split points (their count is checked with the model)
   p.microBatches = static_cast<int>(config.i64("parallel.micro_batches"));
   if (p.microBatches == 0) {  // the default: the largest count <= 4K dividing the batch
     p.microBatches = 1;
     if (p.stages > 1) {
-      for (int64_t m = std::min<int64_t>(4 * p.stages, d.batchSize); m >= 1; --m) {
-        if (d.batchSize % m == 0) {
+      for (int64_t m = std::min<int64_t>(4 * p.stages, batchSize); m >= 1; --m) {
+        if (batchSize % m == 0) {
           p.microBatches = static_cast<int>(m);
           break;
         }
       }
     }
   }
+  return p;
+}
 
-  r.model.name = config.str("model.name");
-  r.model.width = config.i64("model.width");
-  r.model.depth = config.i64("model.depth");
-  r.model.heads = config.i64("model.heads");
-  r.model.dropout = config.f64("model.dropout");
-  r.model.attention =
+ModelSpec readModel(const Config& config) {
+  ModelSpec m;
+  m.name = config.str("model.name");
+  m.width = config.i64("model.width");
+  m.depth = config.i64("model.depth");
+  m.heads = config.i64("model.heads");
+  m.dropout = config.f64("model.dropout");
+  m.attention =
       config.str("model.attention") == "sdpa" ? AttentionKernel::kSdpa : AttentionKernel::kExplicit;
-  r.model.path = config.str("model.path");
-  r.model.blocks = config.str("model.blocks");
-  r.model.loss = config.str("model.loss");
+  m.path = config.str("model.path");
+  m.blocks = config.str("model.blocks");
+  m.loss = config.str("model.loss");
+  return m;
+}
 
-  OptimizerOptions& o = r.optim;
+OptimizerOptions readOptimizer(const Config& config) {
+  OptimizerOptions o;
   o.name = config.str("optim.name");
   o.lr = config.f64("optim.lr");
   o.momentum = config.f64("optim.momentum");
@@ -139,18 +135,24 @@ RunOptions RunOptions::read(const Config& config) {
   o.beta2 = config.f64("optim.beta2");
   o.eps = config.f64("optim.eps");
   o.gradClip = config.f64("optim.grad_clip");
+  return o;
+}
 
-  ScheduleOptions& s = r.schedule;
+ScheduleOptions readSchedule(const Config& config, double peakLr) {
+  ScheduleOptions s;
   s.kind = config.str("schedule.kind");
-  s.peakLr = o.lr;
+  s.peakLr = peakLr;
   s.warmupSteps = config.i64("schedule.warmup_steps");
   s.stepSize = config.i64("schedule.step_size");
   s.gamma = config.f64("schedule.gamma");
   s.minLr = config.f64("schedule.min_lr");
   s.horizon = config.str("schedule.horizon");
   s.budgetSeconds = config.f64("train.max_minutes") * 60.0;
+  return s;
+}
 
-  LoopOptions& l = r.loop;
+LoopOptions readLoop(const Config& config) {
+  LoopOptions l;
   l.epochs = config.i64("train.epochs");
   l.maxSteps = config.i64("train.max_steps");
   l.maxSeconds = config.f64("train.max_minutes") * 60.0;
@@ -160,17 +162,24 @@ RunOptions RunOptions::read(const Config& config) {
   l.nonfiniteSkips = config.i64("train.nonfinite_skips");
   l.checkpointEvery = config.i64("checkpoint.every");
   l.checkpointKeep = config.i64("checkpoint.keep");
+  return l;
+}
 
-  r.runtime.keepFreedMemory = config.flag("train.keep_freed_memory");
+RuntimeOptions readRuntime(const Config& config) {
+  RuntimeOptions rt;
+  rt.keepFreedMemory = config.flag("train.keep_freed_memory");
   // Read only when used: a run without the cache does not care what its size says.
-  if (r.runtime.keepFreedMemory) {
-    r.runtime.freedMemoryCache =
+  if (rt.keepFreedMemory) {
+    rt.freedMemoryCache =
         parseBytes(config.str("train.freed_memory_cache"), "train.freed_memory_cache");
   }
-  r.runtime.threads = config.i64("train.threads");
-  r.runtime.precision = config.str("train.precision");
+  rt.threads = config.i64("train.threads");
+  rt.precision = config.str("train.precision");
+  return rt;
+}
 
-  MemoryOptions& m = r.memory;
+MemoryOptions readMemory(const Config& config) {
+  MemoryOptions m;
   m.policy = config.str("memory.policy");
   m.offloadWeights = config.str("memory.weights") == "offload";
   m.tier = config.str("memory.tier");
@@ -180,7 +189,24 @@ RunOptions RunOptions::read(const Config& config) {
   m.profileRepeats = config.i64("memory.profile_repeats");
   m.budgetText = config.str("memory.budget");
   m.budget = parseBytes(m.budgetText, "memory.budget");
+  return m;
+}
 
+}  // namespace
+
+RunOptions RunOptions::read(const Config& config) {
+  RunOptions r;
+  r.seed.init = static_cast<uint64_t>(config.i64("seed.init"));
+  r.seed.data = static_cast<uint64_t>(config.i64("seed.data"));
+  r.seed.dropout = static_cast<uint64_t>(config.i64("seed.dropout"));
+  r.data = readData(config);
+  r.pipeline = readPipeline(config, r.data.batchSize);
+  r.model = readModel(config);
+  r.optim = readOptimizer(config);
+  r.schedule = readSchedule(config, r.optim.lr);
+  r.loop = readLoop(config);
+  r.runtime = readRuntime(config);
+  r.memory = readMemory(config);
   r.sync = readSync(config);
   return r;
 }
@@ -232,9 +258,9 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
                                ? fmt::format("parallel.pipeline_stages = {}", pipeline.stages)
                                : fmt::format("parallel.micro_batches = {}", pipeline.microBatches);
   // First: with parameter servers the world counts them, which the counts below would not.
-  if (options.sync.mode != "allreduce" && worldSize > 1) {
+  if (options.sync.mode != SyncMode::kAllReduce && worldSize > 1) {
     throw ConfigError(fmt::format("{} runs without sync.mode = {}: leave sync.mode at allreduce",
-                                  what, options.sync.mode));
+                                  what, syncModeName(options.sync.mode)));
   }
   if (pipeline.stages > 1 && worldSize % pipeline.stages != 0) {
     throw ConfigError(fmt::format(
@@ -267,7 +293,7 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
   // saved tensors a second time, which recompute and swap hand out once (with auto its stages
   // keep).
   if (options.memory.policy != "keep" && !options.memory.automatic() &&
-      pipeline.schedule == "zb-h1") {
+      pipeline.schedule == PipelineSchedule::kZeroBubbleH1) {
     throw ConfigError(fmt::format(
         "parallel.schedule = zb-h1 keeps every activation (its W reads them again): set "
         "memory.policy = keep or parallel.schedule = 1f1b (not memory.policy = {})",
@@ -275,96 +301,102 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
   }
 }
 
+// The sync.* and dist.* keys of a job of several processes (part of validate).
+void validateJob(const RunOptions& options) {
+  const SyncOptions& sync = options.sync;
+  const SyncMode mode = sync.mode;
+  const char* modeName = syncModeName(mode);
+  // Waits are counted in milliseconds: less than one would be no wait at all.
+  for (const auto& [key, value] : {std::pair{"fault.timeout", sync.timeout},
+                                   std::pair{"fault.rendezvous_timeout", sync.rendezvousTimeout}}) {
+    if (value.count() < 1) {
+      throw ConfigError(
+          fmt::format("{} is below a millisecond; give it in seconds, at least "
+                      "0.001",
+                      key));
+    }
+  }
+  const bool psMode = isConsistencyMode(mode);
+  const Compression compression = sync.allreduce.compression;
+  const bool compressed = compression != Compression::kNone;
+  const bool quantized = isQuantized(compression);
+  const bool rare = isDiloco(mode) || mode == SyncMode::kLocalSgd;  // parameter changes travel
+  if (quantized && !rare) {
+    throw ConfigError(fmt::format(
+        "sync.compression = {} is for parameter changes (sync.mode = diloco, ps-diloco or "
+        "local-sgd); "
+        "for {} use none, fp16, bf16 or topk",
+        sync.compressionName, modeName));
+  }
+  if (compressed && !quantized && mode != SyncMode::kAllReduce && !psMode) {
+    throw ConfigError(fmt::format(
+        "sync.compression = {} works with sync.mode = allreduce, ps-bsp, ps-asp and ps-ssp; "
+        "for {} use none{}",
+        sync.compressionName, modeName, rare ? ", int8 or int4" : ""));
+  }
+  if (mode == SyncMode::kLocalSgd && sync.diloco.fragments > 1) {
+    throw ConfigError(fmt::format(
+        "sync.fragments = {} streams diloco's fragments; local-sgd averages the whole model "
+        "at once: use sync.mode = diloco (sync.outer_lr = 1, sync.outer_momentum = 0 for "
+        "local SGD's averaging) or sync.fragments = 1",
+        sync.diloco.fragments));
+  }
+  if (isDiloco(mode) && sync.localSgd.postLocalAfter > 0) {
+    throw ConfigError(
+        fmt::format("sync.post_local_steps is local-sgd's BSP phase; {} has none: set "
+                    "sync.post_local_steps = 0",
+                    modeName));
+  }
+  if (isDiloco(mode) && sync.diloco.fragments > sync.diloco.period) {
+    throw ConfigError(fmt::format(
+        "sync.fragments = {} is more than sync.local_period = {}: each fragment syncs once "
+        "every sync.local_period steps, one at a time; use at most {} fragments",
+        sync.diloco.fragments, sync.diloco.period, sync.diloco.period));
+  }
+  if (stepsOnServers(mode) && options.optim.gradClip > 0.0) {
+    throw ConfigError(
+        fmt::format("optim.grad_clip is not supported with sync.mode = {} yet (its servers run the "
+                    "optimizer and the global norm spans their shards); set optim.grad_clip = 0",
+                    modeName));
+  }
+  if (options.memory.offloadWeights) {
+    // Only the all-reduce exchanges gradients per block (Strategy::supportsParameterGroups).
+    if (mode != SyncMode::kAllReduce) {
+      throw ConfigError(fmt::format(
+          "memory.weights = offload works with sync.mode = allreduce (or one process), not "
+          "{}; set memory.weights = core or sync.mode = allreduce",
+          modeName));
+    }
+    if (compressed) {
+      throw ConfigError(
+          "memory.weights = offload exchanges uncompressed per-block buckets; "
+          "set sync.compression = none");
+    }
+  }
+}
+
 }  // namespace
 
 void validate(const RunOptions& options, int worldSize) {
   const SyncOptions& sync = options.sync;
-  const std::string& mode = sync.mode;
+  const SyncMode mode = sync.mode;
+  const char* modeName = syncModeName(mode);
   const bool distributed = worldSize > 1;
   if (distributed && sync.servers > 0) {
     if (worldSize - sync.servers < 1) {
       throw ConfigError(
           fmt::format("sync.mode {} with sync.servers = {} leaves no worker in a "
                       "world of {}; start more processes or use fewer servers",
-                      mode, sync.servers, worldSize));
+                      modeName, sync.servers, worldSize));
     }
     if (sync.backend == "mpi") {
       throw ConfigError(fmt::format(
-          "sync.mode {} does not run on dist.backend = mpi yet; use auto, shm or gloo", mode));
+          "sync.mode {} does not run on dist.backend = mpi yet; use auto, shm or gloo", modeName));
     }
   }
   validate(options.optim);
   validate(options.schedule);
-  if (distributed) {
-    // Waits are counted in milliseconds: less than one would be no wait at all.
-    for (const auto& [key, value] :
-         {std::pair{"fault.timeout", sync.timeout},
-          std::pair{"fault.rendezvous_timeout", sync.rendezvousTimeout}}) {
-      if (value.count() < 1) {
-        throw ConfigError(
-            fmt::format("{} is below a millisecond; give it in seconds, at least "
-                        "0.001",
-                        key));
-      }
-    }
-    const bool psMode = isConsistencyMode(mode);
-    const Compression compression = sync.allreduce.compression;
-    const bool compressed = compression != Compression::kNone;
-    const bool quantized = isQuantized(compression);
-    const bool rare = isDiloco(mode) || mode == "local-sgd";  // parameter changes travel
-    if (quantized && !rare) {
-      throw ConfigError(fmt::format(
-          "sync.compression = {} is for parameter changes (sync.mode = diloco, ps-diloco or "
-          "local-sgd); "
-          "for {} use none, fp16, bf16 or topk",
-          sync.compressionName, mode));
-    }
-    if (compressed && !quantized && mode != "allreduce" && !psMode) {
-      throw ConfigError(fmt::format(
-          "sync.compression = {} works with sync.mode = allreduce, ps-bsp, ps-asp and ps-ssp; "
-          "for {} use none{}",
-          sync.compressionName, mode, rare ? ", int8 or int4" : ""));
-    }
-    if (mode == "local-sgd" && sync.diloco.fragments > 1) {
-      throw ConfigError(fmt::format(
-          "sync.fragments = {} streams diloco's fragments; local-sgd averages the whole model "
-          "at once: use sync.mode = diloco (sync.outer_lr = 1, sync.outer_momentum = 0 for "
-          "local SGD's averaging) or sync.fragments = 1",
-          sync.diloco.fragments));
-    }
-    if (isDiloco(mode) && sync.localSgd.postLocalAfter > 0) {
-      throw ConfigError(
-          fmt::format("sync.post_local_steps is local-sgd's BSP phase; {} has none: set "
-                      "sync.post_local_steps = 0",
-                      mode));
-    }
-    if (isDiloco(mode) && sync.diloco.fragments > sync.diloco.period) {
-      throw ConfigError(fmt::format(
-          "sync.fragments = {} is more than sync.local_period = {}: each fragment syncs once "
-          "every sync.local_period steps, one at a time; use at most {} fragments",
-          sync.diloco.fragments, sync.diloco.period, sync.diloco.period));
-    }
-    if (stepsOnServers(mode) && options.optim.gradClip > 0.0) {
-      throw ConfigError(fmt::format(
-          "optim.grad_clip is not supported with sync.mode = {} yet (its servers run the "
-          "optimizer and the global norm spans their shards); set optim.grad_clip = 0",
-          mode));
-    }
-    if (options.memory.offloadWeights) {
-      // Only the all-reduce exchanges gradients per block (Strategy::supportsParameterGroups).
-      if (mode != "allreduce") {
-        throw ConfigError(fmt::format(
-            "memory.weights = offload works with sync.mode = allreduce (or one process), not "
-            "{}; set memory.weights = core or sync.mode = allreduce",
-            mode));
-      }
-      if (compressed) {
-        throw ConfigError(
-            "memory.weights = offload exchanges uncompressed per-block buckets; "
-            "set sync.compression = none");
-      }
-    }
-  }
+  if (distributed) validateJob(options);
   validate(options.pipeline, options, worldSize);
   // train.nonfinite_skips: the update must come after the gradients can be checked.
   const bool updatesBeforeCheck =
@@ -373,7 +405,8 @@ void validate(const RunOptions& options, int worldSize) {
     throw ConfigError(fmt::format(
         "train.nonfinite_skips needs the update after backward; {} updates before it can be "
         "checked: set train.nonfinite_skips = 0",
-        options.memory.offloadWeights ? "memory.weights = offload" : "sync.mode = " + mode));
+        options.memory.offloadWeights ? "memory.weights = offload"
+                                      : "sync.mode = " + std::string(modeName)));
   }
 }
 

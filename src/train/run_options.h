@@ -15,12 +15,14 @@
 #include "data/loader.h"
 #include "memory/weights.h"
 #include "models/model.h"
+#include "pipeline/schedule.h"
 #include "sync/allreduce.h"
 #include "sync/diloco.h"
 #include "sync/gossip.h"
 #include "sync/local_sgd.h"
 #include "sync/osp.h"
 #include "sync/parameter_server.h"
+#include "sync/sync_mode.h"
 #include "train/schedule.h"
 
 namespace caravan {
@@ -91,7 +93,7 @@ struct MemoryOptions {
 };
 
 struct SyncOptions {
-  std::string mode = "allreduce";
+  SyncMode mode = SyncMode::kAllReduce;
   int servers = 0;  // processes serving parameters: sync.servers in ps-* and osp, else 0
   std::string backend = "auto";
   int connections = 1;  // dist.connections: TCP connections per pair of ranks (Gloo striping)
@@ -115,7 +117,7 @@ struct SyncOptions {
 struct PipelineOptions {
   int stages = 1;        // K
   int microBatches = 1;  // M (resolved: never 0)
-  std::string schedule = "1f1b";
+  PipelineSchedule schedule = PipelineSchedule::kOneFOneB;
   std::string partition = "auto";  // parallel.partition
   // Whether the step runs through a PipelineStage: K > 1, or M > 1 (gradient accumulation).
   bool active() const { return stages > 1 || microBatches > 1; }
@@ -138,16 +140,6 @@ struct RunOptions {
   static RunOptions read(const Config& config);
 };
 
-// Whether sync.mode `mode` runs parameter servers beside the workers (ps-*, osp).
-bool usesServers(const std::string& mode);
-// ps-bsp, ps-asp, ps-ssp: servers apply the workers' gradients with the run's optimizer under
-// a consistency model (parameter_server.h).
-bool isConsistencyMode(const std::string& mode);
-// Whether the run's optimizer steps on the servers (ps-bsp/asp/ssp, osp), so the workers
-// never see the update before it is applied; ps-diloco's servers run only the outer step.
-bool stepsOnServers(const std::string& mode);
-// diloco, ps-diloco: inner steps of the run's optimizer, outer steps every sync.local_period.
-bool isDiloco(const std::string& mode);
 // How many of the world's processes are servers: sync.servers in those modes, else 0.
 int serverCount(const Config& config);
 

@@ -11,7 +11,9 @@
 #include "core/errors.h"
 #include "memory/accounting.h"
 #include "pipeline/stage.h"
+#include "train/data_parallel_step.h"
 #include "train/distributed.h"
+#include "train/pipeline_step.h"
 #include "train/setup.h"
 
 namespace caravan {
@@ -22,6 +24,14 @@ int64_t countParameters(BlockModel& model) {
   int64_t n = 0;
   for (const auto& p : model->parameters()) n += p.numel();
   return n;
+}
+
+// What every engine's step does besides the gradients.
+StepOptions stepOptions(const RunOptions& options) {
+  StepOptions o;
+  o.gradClip = options.optim.gradClip;
+  o.skipNonFinite = options.loop.nonfiniteSkips > 0;
+  return o;
 }
 
 // One process reads its own options: validated as train() validates them.
@@ -60,6 +70,10 @@ RunSetup::RunSetup(const Config& cfg, RunOptions opts, int rankInWorkers, int wo
   schedule = options.schedule;
   schedule.totalSteps = totalSteps;
 }
+
+RunSetup::RunSetup(const Config& cfg, RunOptions opts, Distributed* dist)
+    : RunSetup(cfg, opts, dist != nullptr ? dist->comm->rank() / opts.pipeline.stages : 0,
+               dist != nullptr ? dist->comm->size() / opts.pipeline.stages : 1) {}
 
 RunSetup::~RunSetup() = default;
 
@@ -154,8 +168,8 @@ RunSetup::PipelineCut RunSetup::pipelineCut(Communicator* comm) {
   std::exception_ptr failure;  // rank 0's planning error: the others learn of it, then it throws
   if (comm == nullptr || comm->rank() == 0) {
     try {
-      pipelinePlan = planPipeline(options, model, sampleBatch());
-      const Partition& p = pipelinePlan->partition;
+      pipelinePlan_ = planPipeline(options, model, sampleBatch());
+      const Partition& p = pipelinePlan_->partition;
       for (int i = 0; i <= k; ++i) message[i] = static_cast<int64_t>(p.boundaries[i]);
       if (!p.fits) message[k + 1] = p.smallestBudget;
       message.narrow(0, k + 2, n).zero_();
@@ -195,7 +209,7 @@ void RunSetup::takeRankZeroPrecision(Communicator& comm) {
   state.bf16Blocks = precision.blocksText();
 }
 
-void RunSetup::attach(Distributed* dist) {
+std::unique_ptr<StepEngine> RunSetup::attach(Distributed* dist) {
   CARAVAN_CHECK(loader != nullptr, "RunSetup::attach before prepareTraining");
   // Before the pipeline's cut, which rank 0 plans with its own blocks' precision.
   // (The config decides whether to exchange, so every worker takes part even where a host's
@@ -203,67 +217,94 @@ void RunSetup::attach(Distributed* dist) {
   if (dist != nullptr && options.runtime.precision != "float32") {
     takeRankZeroPrecision(*dist->comm);
   }
-  const bool offload = options.memory.offloadWeights;
-  if (options.pipeline.active()) {
-    // Stages train their own blocks; every rank built the same model from seed.init or loaded
-    // the same checkpoint, so there is nothing to broadcast. Replicas of a stage average their
-    // gradients themselves (PipelineStage::averageGradients): no strategy.
-    Communicator* comm = dist != nullptr ? dist->comm.get() : nullptr;
-    const int worldSize = comm != nullptr ? comm->size() : 1;
-    const PipelineLayout layout =
-        PipelineLayout::of(comm != nullptr ? comm->rank() : 0, worldSize, options.pipeline.stages);
-    const PipelineCut cut = pipelineCut(comm);
-    pipeline = std::make_unique<PipelineStage>(
-        model, cut.boundaries, comm, layout, parsePipelineSchedule(options.pipeline.schedule),
-        options.pipeline.microBatches, dist != nullptr ? dist->stageReplicas.get() : nullptr);
-    pipeline->holdOwnStageOnly(*optimizer);  // a checkpoint holds every stage's
-    if (options.memory.automatic()) {        // the partition chose each block's policy
-      std::vector<BlockPolicy> policies;
-      for (bool r : cut.recompute)
-        policies.push_back(r ? BlockPolicy::kRecompute : BlockPolicy::kKeep);
-      setStagePolicies(activations, model, std::move(policies),
-                       static_cast<int>(options.memory.prefetch));
-    }
-    if (activations.executor) activations.executor->refreshParameters();
-    // Dropout: stages draw from their own streams (one stream on every rank would give
-    // equally shaped blocks on different stages the same masks). Stage 0 keeps seed.dropout's
-    // (or the checkpoint's); stage s > 0 starts from seed.dropout, s and the step, so a resumed
-    // run's later stages draw other masks than the uninterrupted run's (docs/pipeline.md).
-    if (layout.stage > 0) {
-      torch::manual_seed(options.seed.dropout + 0x9E3779B97F4A7C15ULL * layout.stage +
-                         static_cast<uint64_t>(state.step));
-    }
-  } else if (dist != nullptr) {
+  std::vector<at::Tensor> held = model->parameters();
+  std::unique_ptr<StepEngine> engine =
+      options.pipeline.active() ? attachPipeline(dist, held) : attachDataParallel(dist);
+  if (!weights) {
+    memory.set(MemoryCategory::kWeights, tensorBytes(held));
+    memory.set(MemoryCategory::kGradients, gradientBytes(held));
+    memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
+  }
+  memory.resetPeaks();
+  return engine;
+}
+
+std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist,
+                                                     std::vector<at::Tensor>& held) {
+  // Stages train their own blocks; every rank built the same model from seed.init or loaded
+  // the same checkpoint, so there is nothing to broadcast. Replicas of a stage average their
+  // gradients in the engine (PipelineStep): no strategy.
+  Communicator* comm = dist != nullptr ? dist->comm.get() : nullptr;
+  const int worldSize = comm != nullptr ? comm->size() : 1;
+  const PipelineLayout layout =
+      PipelineLayout::of(comm != nullptr ? comm->rank() : 0, worldSize, options.pipeline.stages);
+  const PipelineCut cut = pipelineCut(comm);
+  auto stage =
+      std::make_unique<PipelineStage>(model, cut.boundaries, comm, layout,
+                                      options.pipeline.schedule, options.pipeline.microBatches);
+  stage->holdOwnStageOnly(*optimizer);  // a checkpoint holds every stage's
+  if (options.memory.automatic()) {     // the partition chose each block's policy
+    std::vector<BlockPolicy> policies;
+    for (bool r : cut.recompute)
+      policies.push_back(r ? BlockPolicy::kRecompute : BlockPolicy::kKeep);
+    setStagePolicies(activations, model, std::move(policies),
+                     static_cast<int>(options.memory.prefetch));
+  }
+  if (activations.executor) activations.executor->refreshParameters();
+  // Dropout: stages draw from their own streams (one stream on every rank would give
+  // equally shaped blocks on different stages the same masks). Stage 0 keeps seed.dropout's
+  // (or the checkpoint's); stage s > 0 starts from seed.dropout, s and the step, so a resumed
+  // run's later stages draw other masks than the uninterrupted run's (docs/pipeline.md).
+  if (layout.stage > 0) {
+    torch::manual_seed(options.seed.dropout + 0x9E3779B97F4A7C15ULL * layout.stage +
+                       static_cast<uint64_t>(state.step));
+  }
+  held = stage->parameters();
+  PipelineStep::Parts parts;
+  parts.comm = comm;
+  parts.replicas = dist != nullptr ? dist->stageReplicas : nullptr;
+  parts.schedule = options.pipeline.schedule;
+  parts.timelineStep = std::min(state.step + 3, totalSteps);
+  return std::make_unique<PipelineStep>(std::move(stage), *optimizer, stepOptions(options),
+                                        std::move(parts));
+}
+
+std::unique_ptr<StepEngine> RunSetup::attachDataParallel(Distributed* dist) {
+  DataParallelStep::Parts parts;
+  if (dist != nullptr) {
     AttachContext context;
     context.optimizer = optimizer.get();
     context.startStep = state.step;
     // Out-of-core weights exchange and update gradients per block: the strategy's groups.
-    if (offload) context.parameterGroups = blockParameters(model);
+    if (options.memory.offloadWeights) context.parameterGroups = blockParameters(model);
     if (resumedFrom) {
       context.restoredState = &state.strategy;
       context.savedWorkers = state.workers;
     }
-    strategy = dist->attach(*model, std::move(context));
+    parts.strategy = dist->attach(*model, std::move(context));
+    parts.workers = dist->comm.get();
     state.strategy.clear();  // handed to the strategy
   }
   // Out-of-core weights (memory.weights = offload): after the strategy attached (it broadcast
   // rank 0's parameters), the blocks move to the tier; the store counts what is in memory.
-  if (offload) {
+  if (options.memory.offloadWeights) {
     const OptimizerOptions optim = options.optim;
     weights = std::make_unique<OutOfCoreWeights>(
         model, *optimizer,
         [optim](std::vector<at::Tensor> ps) { return makeOptimizer(optim, std::move(ps)); },
-        *activations.tier, &memory, strategy, activations.weights);
+        *activations.tier, &memory, parts.strategy, activations.weights);
     activations.executor->setWeights(weights.get());
-  } else {
-    // A pipeline stage holds its own blocks' parameters only.
-    const std::vector<at::Tensor> parameters =
-        pipeline ? pipeline->parameters() : model->parameters();
-    memory.set(MemoryCategory::kWeights, tensorBytes(parameters));
-    memory.set(MemoryCategory::kGradients, gradientBytes(parameters));
-    memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
+    parts.weights = weights.get();
   }
-  memory.resetPeaks();
+  return std::make_unique<DataParallelStep>(model, *optimizer, stepOptions(options), parts);
+}
+
+std::vector<std::pair<std::string, std::string>> RunSetup::planFiles() const {
+  std::vector<std::pair<std::string, std::string>> files;
+  if (activations.plan) files.emplace_back("memory_plan.txt", activations.report);
+  // Rank 0 planned the stages: the cut every rank runs.
+  if (pipelinePlan_) files.emplace_back("pipeline_plan.txt", pipelinePlan_->report);
+  return files;
 }
 
 }  // namespace caravan

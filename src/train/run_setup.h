@@ -10,7 +10,8 @@
 //
 //   RunSetup setup(config, options, rank, workers);  // data, model, optimizer, sampler, steps
 //   setup.prepareTraining(resumeFrom);               // loader, resume state, activation memory
-//   setup.attach(dist);                              // strategy, out-of-core weights
+//   auto engine = setup.attach(dist);                // the step engine: strategy or stage,
+//                                                    // out-of-core weights
 //
 // Threading: built and used by one thread (the trainer's).
 #pragma once
@@ -35,12 +36,13 @@
 #include "train/precision.h"
 #include "train/run_options.h"
 #include "train/schedule.h"
+#include "train/step_engine.h"
 
 namespace caravan {
 
 class Distributed;
-class PipelineStage;
 class Communicator;
+class StepEngine;
 
 class RunSetup {
  public:
@@ -48,6 +50,9 @@ class RunSetup {
   // worker `rank` of `workers` (parameter servers not counted) with the run's step count.
   // `options` is RunOptions::read(config), read once by the caller (which validated it).
   RunSetup(const Config& config, RunOptions options, int rank = 0, int workers = 1);
+  // This process's share of a job (`dist`; null: one process): the stages of one pipeline
+  // draw the same batches, so the data is sharded over the data-parallel replicas.
+  RunSetup(const Config& config, RunOptions options, Distributed* dist);
   // One process: reads and validates the options itself.
   explicit RunSetup(const Config& config);
 
@@ -69,9 +74,16 @@ class RunSetup {
   // `localProcesses`: the processes training on this host (their memory adds up; checked
   // against the machine's before anything large is allocated, checkTrainingFitsMachine).
   void prepareTraining(const std::optional<std::string>& resumeFrom, int localProcesses = 1);
-  // After prepareTraining: the strategy of `dist` (null in one process) with the run's
-  // optimizer, parameter groups and restored strategy state, then out-of-core weights.
-  void attach(Distributed* dist);
+  // After prepareTraining: the run's step engine (train/step_engine.h). A pipeline
+  // (parallel.pipeline_stages > 1 or parallel.micro_batches > 1) gets this rank's stage, cut
+  // where rank 0 planned; otherwise the strategy of `dist` (null in one process) attaches with
+  // the run's optimizer, parameter groups and restored strategy state, then out-of-core
+  // weights. The engine refers to this setup, which must outlive it.
+  std::unique_ptr<StepEngine> attach(Distributed* dist);
+
+  // The plans rank 0 writes into the run directory with its first step: {file name, text}
+  // (memory_plan.txt under memory.policy = auto, pipeline_plan.txt when rank 0 cut stages).
+  std::vector<std::pair<std::string, std::string>> planFiles() const;
 
   // The number of the model's parameters (counted when it was built: out-of-core weights
   // empty the parameters they moved to the tier).
@@ -100,13 +112,8 @@ class RunSetup {
   ActivationMemory activations;
 
   // attach:
-  Strategy* strategy = nullptr;  // owned by the Distributed
-  MemoryTracker memory;          // tracked bytes by category (the out-of-core store's too)
+  MemoryTracker memory;  // tracked bytes by category (the out-of-core store's too)
   std::unique_ptr<OutOfCoreWeights> weights;  // memory.weights = offload
-  // parallel.pipeline_stages > 1 or parallel.micro_batches > 1: this rank's stage, which runs
-  // the step (pipelineTrainStep) in place of a strategy.
-  std::unique_ptr<PipelineStage> pipeline;
-  std::optional<PipelinePlan> pipelinePlan;  // rank 0's (the others take its boundaries)
 
  private:
   // What every use needs: the datasets, the model (seeded with seed.init), the identity.
@@ -124,6 +131,12 @@ class RunSetup {
   // Every worker of `comm` takes rank 0's bf16 blocks (train.precision = bf16 is timed, and
   // ranks timing at once would disagree): one broadcast, then state.bf16Blocks records it.
   void takeRankZeroPrecision(Communicator& comm);
+  // attach's two kinds of engine.
+  // attach's two kinds of engine; the parameters this rank trains (the weights' and gradients'
+  // memory accounting) come back in `held`.
+  std::unique_ptr<StepEngine> attachPipeline(Distributed* dist, std::vector<at::Tensor>& held);
+  std::unique_ptr<StepEngine> attachDataParallel(Distributed* dist);
+  std::optional<PipelinePlan> pipelinePlan_;  // rank 0's (the others take its boundaries)
 };
 
 }  // namespace caravan

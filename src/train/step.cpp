@@ -1,4 +1,4 @@
-// Training step and evaluation (see step.h).
+// Evaluation (see step.h).
 #include "train/step.h"
 
 #include <cmath>
@@ -16,86 +16,6 @@
 #include "sync/strategy.h"
 
 namespace caravan {
-
-StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
-                     double gradClip, Strategy* strategy, int64_t step,
-                     OutOfCoreWeights* weights, bool skipNonFinite) {
-  optimizer.zero_grad();
-  if (strategy != nullptr) strategy->beforeForward(step);
-  StepResult result;
-  at::Tensor output = model->forward(batch.input);
-  at::Tensor loss = model->loss(output, batch.target);
-  result.forwardEnd = std::chrono::steady_clock::now();
-  loss.backward();
-  result.backwardEnd = std::chrono::steady_clock::now();
-  if (strategy != nullptr) strategy->finishGradients();
-  result.syncEnd = std::chrono::steady_clock::now();
-  if (skipNonFinite) {
-    // With a strategy the decision rests on the exchanged gradients alone (equal on every rank
-    // of an all-reduce; a rank's own loss is not), so replicas stay equal.
-    bool finite = strategy != nullptr || std::isfinite(loss.item<double>());
-    for (const auto& p : model->parameters()) {
-      if (finite && p.grad().defined()) finite = at::isfinite(p.grad()).all().item<bool>();
-    }
-    if (!finite) {
-      for (auto p : model->parameters()) p.mutable_grad() = at::Tensor();
-      result.skipped = true;
-    }
-  }
-  if (!result.skipped && gradClip > 0.0) {
-    result.gradNorm = torch::nn::utils::clip_grad_norm_(model->parameters(), gradClip);
-  }
-  if (!result.skipped && (strategy == nullptr || !strategy->updatesParameters())) {
-    if (weights != nullptr) {
-      weights->finishStep();
-    } else {
-      optimizer.step();
-    }
-  }
-  result.optimizerEnd = std::chrono::steady_clock::now();
-  if (strategy != nullptr) strategy->afterStep(step);
-  result.loss = loss.item<double>();
-  result.stepEnd = std::chrono::steady_clock::now();
-  return result;
-}
-
-StepResult pipelineTrainStep(PipelineStage& stage, torch::optim::Optimizer& optimizer,
-                             const Batch& batch, double gradClip, bool skipNonFinite) {
-  optimizer.zero_grad();
-  StepResult result;
-  StageStepStats stats = stage.runStep(batch);
-  result.forwardEnd = result.backwardEnd = std::chrono::steady_clock::now();
-  stage.averageGradients();
-  stage.sumTiedGradients();
-  result.pipelined = true;
-  result.stageComputeSeconds = stats.computeSeconds;
-  result.stageWaitSeconds = stats.waitSeconds;
-  result.stageSpans = std::move(stats.spans);
-  const std::vector<at::Tensor> params = stage.parameters();
-  double normSquared = 0.0;
-  for (const auto& p : stage.normParameters()) {
-    if (p.grad().defined()) normSquared += p.grad().norm().pow(2).item<double>();
-  }
-  const PipelineStage::Totals totals = stage.reduce(normSquared, stats.loss);
-  result.syncEnd = std::chrono::steady_clock::now();
-  result.loss = totals.loss;
-  result.gradNorm = std::sqrt(totals.gradNormSquared);
-  if (skipNonFinite && !(std::isfinite(result.loss) && std::isfinite(result.gradNorm))) {
-    for (auto p : params) p.mutable_grad() = at::Tensor();
-    result.skipped = true;
-  }
-  if (!result.skipped) {
-    if (gradClip > 0.0) {  // as clip_grad_norm_ does, with the norm over every stage
-      const double coef = std::min(1.0, gradClip / (result.gradNorm + 1e-6));
-      for (auto& p : params) {
-        if (p.grad().defined()) p.grad().mul_(coef);
-      }
-    }
-    optimizer.step();
-  }
-  result.optimizerEnd = result.stepEnd = std::chrono::steady_clock::now();
-  return result;
-}
 
 EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize,
                     int64_t maxBatches, Communicator* comm, PipelineStage* pipeline) {

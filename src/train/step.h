@@ -1,5 +1,6 @@
-// One training step and evaluation, shared by the trainer, the benchmarks and the oracle
-// tests, so that what is measured and tested is what `caravan train` runs.
+// What a training step returns (StepResult; the step engines of step_engine.h make it), and
+// evaluation, shared by the engines, the benchmarks and the oracle tests, so that what is
+// measured and tested is what `caravan train` runs.
 #pragma once
 
 #include <chrono>
@@ -22,38 +23,12 @@ struct StepResult {
   // When each phase ended, for the timeline and the compute/synchronization split: forward,
   // backward, gradient synchronization, the optimizer, the strategy's afterStep.
   std::chrono::steady_clock::time_point forwardEnd, backwardEnd, syncEnd, optimizerEnd, stepEnd;
-  // Pipeline steps (pipelined): this stage's forward and backward actions, and its waits for
-  // its neighbours (bubbles and transfers) within the program.
-  bool pipelined = false;
-  double stageComputeSeconds = 0.0, stageWaitSeconds = 0.0;
+  // The step's time computing (forward, backward, the optimizer; a pipeline stage: its own
+  // actions) and blocked on synchronization (the exchanges; a stage: also its waits for its
+  // neighbours, bubbles and transfers), for the metrics' compute/synchronization split.
+  double computeSeconds = 0.0, syncWaitSeconds = 0.0;
   std::vector<StageStepStats::Span> stageSpans;  // each compute action and receive, in order
 };
-
-class Strategy;
-class OutOfCoreWeights;
-
-// zero_grad, forward, loss, backward, the strategy's gradient synchronization (if any),
-// optional clipping (gradClip > 0), optimizer step, the strategy's afterStep. The learning
-// rate must already be set. With out-of-core weights the blocks' own optimizers update (some
-// during backward) and `weights->finishStep()` stands in for optimizer.step().
-// `skipNonFinite`: when any gradient (after the strategy's exchange, so every rank of an
-// all-reduce decides alike) or, in one process, the loss is not finite, the gradients are
-// dropped and the optimizer does not run (result.skipped); the strategy's afterStep still runs.
-StepResult trainStep(BlockModel& model, torch::optim::Optimizer& optimizer, const Batch& batch,
-                     double gradClip, Strategy* strategy = nullptr, int64_t step = 0,
-                     OutOfCoreWeights* weights = nullptr, bool skipNonFinite = false);
-
-class PipelineStage;
-
-// The step of one pipeline stage (pipeline/stage.h; also one worker accumulating M
-// micro-batches): zero_grad, the stage's program over the batch's micro-batches, one reduction
-// over the stages (the loss and the global gradient norm, so every stage clips alike and logs
-// the same loss), clipping, the optimizer on this stage's parameters. skipNonFinite: when the
-// loss or the global norm is not finite, no stage updates (result.skipped). forwardEnd and
-// backwardEnd both mark the end of the program (its forwards and backwards interleave);
-// stageComputeSeconds / stageWaitSeconds say how the program's time went.
-StepResult pipelineTrainStep(PipelineStage& stage, torch::optim::Optimizer& optimizer,
-                             const Batch& batch, double gradClip, bool skipNonFinite = false);
 
 struct EvalResult {
   double loss = 0.0;      // mean per example (per token for language models)

@@ -23,7 +23,6 @@
 #include "memory/tracker.h"
 #include "memory/weights.h"
 #include "models/model.h"
-#include "pipeline/stage.h"
 #include "train/checkpoint.h"
 #include "train/distributed.h"
 #include "train/metrics.h"
@@ -31,6 +30,7 @@
 #include "train/run_setup.h"
 #include "train/setup.h"
 #include "train/step.h"
+#include "train/step_engine.h"
 #include "train/timeline.h"
 
 namespace caravan {
@@ -68,14 +68,14 @@ class StopState {
   // loss to report (the workers' mean in a job). On steps that write a record, this rank's
   // `window` goes along and every worker's comes back into window.ranks().
   double afterStep(int64_t step, double loss, double trainSeconds, Distributed* dist,
-                   Strategy* strategy, MetricsWindow& window) {
+                   const StepEngine& engine, MetricsWindow& window) {
     scheduleSeconds_ = trainSeconds;
     bool interrupted = (options_.stopAtStep > 0 && step + 1 >= options_.stopAtStep) ||
                        (options_.stopRequested != nullptr && options_.stopRequested->load());
     bool timeUp = loop_.maxSeconds > 0 && trainSeconds >= loop_.maxSeconds;
     if (dist != nullptr) {
       const bool logNow = writesRecord(step + 1);
-      if (strategy == nullptr || strategy->lockstep() || logNow) {  // pipelines: lockstep
+      if (engine.lockstep() || logNow) {
         // On the steps that write a train record, every worker's window comes along.
         const RankWindow own = window.own();
         const Agreement a = dist->agree(loss, interrupted, timeUp, trainSeconds,
@@ -115,14 +115,14 @@ class StopState {
 // One run's training loop on this rank, from a prepared and attached RunSetup.
 class Trainer {
  public:
-  Trainer(RunSetup& setup, const TrainerOptions& options, CheckpointDir& checkpoints,
-          Distributed* dist)
+  Trainer(RunSetup& setup, StepEngine& engine, const TrainerOptions& options,
+          CheckpointDir& checkpoints, Distributed* dist)
       : s_(setup),
+        engine_(engine),
         loop_(setup.options.loop),
         options_(options),
         checkpoints_(checkpoints),
         dist_(dist),
-        strategy_(setup.strategy),
         isRoot_(options.world.rank == 0),
         progress_(options.terminal, options.tty, options.quiet || !isRoot_, setup.totalSteps,
                   loop_.logEvery),
@@ -131,40 +131,32 @@ class Trainer {
         window_(dist),
         sourceSamples_(setup.data.train->sourceLabels().size(), 0) {}
   ~Trainer() {
-    if (dist_ != nullptr) dist_->setTimeline(nullptr);  // the strategy outlives the timeline
+    if (dist_ != nullptr) dist_->setTimeline(nullptr);  // the exchanges outlive the timeline
   }
 
   TrainSummary run();
 
  private:
   void begin();
-  std::string pipelineBanner() const;
   void commitRunDirectory();
   void trainOneStep();
   void accountMemory();
   void checkNonFinite(const StepResult& r);
   void writeTrainRecord(double lr, double samplesPerS);
-  void writeStrategyEvents();
   void evaluateNow(std::optional<double> distance = std::nullopt);
   void checkpointNow(std::map<std::string, at::Tensor>* collected = nullptr,
                      bool alsoExportModel = false);
   void exportModel();
-  void writePipelineTimeline(const std::vector<StageStepStats::Span>& spans,
-                             Clock::time_point stepStart);
   void finish();
   void writeSummary(double measuredFwdBwd);
-  // Strategies that let replicas drift (local SGD, gossip) average them first, so evaluation
-  // and checkpoints see one model; returns the spread they had.
-  double consolidate() { return strategy_ != nullptr ? strategy_->consolidate() : 0.0; }
   double trainSeconds() const { return elapsedBefore_ + secondsSince(start_); }
-  Communicator* comm() const { return dist_ != nullptr ? dist_->comm.get() : nullptr; }
 
   RunSetup& s_;
+  StepEngine& engine_;
   const LoopOptions& loop_;
   const TrainerOptions& options_;
   CheckpointDir& checkpoints_;
   Distributed* dist_;
-  Strategy* strategy_;
   const bool isRoot_;
   Progress progress_;
   Timeline timeline_;
@@ -178,9 +170,6 @@ class Trainer {
   TrainSummary summary_;
   int64_t epoch_ = 1;  // 1-based epoch of the latest step
   int64_t lastEvalStep_ = -1;
-  // Pipelines: the step whose per-stage timeline goes to metrics.jsonl (the third of this run,
-  // or its last): every rank picks the same.
-  int64_t timelineStep_ = -1;
   int64_t skippedSteps_ = 0;  // train.nonfinite_skips used so far in this process
   std::vector<int64_t> sourceSamples_;  // data.sources: samples of each since the last record
   double lastLoss_ = std::nan("");
@@ -227,38 +216,16 @@ void Trainer::trainOneStep() {
     for (int64_t i : lb.indices) ++sourceSamples_[s_.data.train->sourceOf(i)];
   }
   const double lr = learningRate(s_.schedule, state.step, stop_.scheduleSeconds());
-  setLearningRate(*s_.optimizer, lr);
-  if (strategy_ != nullptr) strategy_->setLearningRate(lr);
+  engine_.setLearningRate(lr);
   const auto stepStart = Clock::now();
-  StepResult r =
-      s_.pipeline
-          ? pipelineTrainStep(*s_.pipeline, *s_.optimizer, lb.batch, s_.options.optim.gradClip,
-                              /*skipNonFinite=*/loop_.nonfiniteSkips > 0)
-          : trainStep(s_.model, *s_.optimizer, lb.batch, s_.options.optim.gradClip, strategy_,
-                      state.step, s_.weights.get(),
-                      /*skipNonFinite=*/loop_.nonfiniteSkips > 0);
+  StepResult r = engine_.step(lb.batch, state.step);
   accountMemory();
   if (state.step > 0 || s_.resumedFrom) {  // the first step allocates; it is not typical
     forwardBackward_.push_back(std::chrono::duration<double>(r.backwardEnd - stepStart).count());
   }
-  if (s_.pipeline) {
-    if (timeline_.enabled()) {  // each action of this stage's program: receives on track 1
-      for (const auto& span : r.stageSpans) {
-        timeline_.complete(fmt::format("{} {}", actionName(span.kind), span.microBatch), span.start,
-                           span.end, isReceive(span.kind) ? 1 : 0);
-      }
-    }
-    timeline_.complete("pipeline program", stepStart, r.backwardEnd);
-    timeline_.complete("stage reduction", r.backwardEnd, r.syncEnd);
-  } else {
-    timeline_.complete("forward", stepStart, r.forwardEnd);
-    timeline_.complete("backward", r.forwardEnd, r.backwardEnd);
-  }
-  if (strategy_ != nullptr) timeline_.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
-  timeline_.complete("optimizer", r.syncEnd, r.optimizerEnd);
-  if (strategy_ != nullptr) timeline_.complete("after-step sync", r.optimizerEnd, r.stepEnd);
-  window_.addStep(stepStart, r, lb.batch.size() * s_.workers);
-  r.loss = stop_.afterStep(state.step, r.loss, trainSeconds(), dist_, strategy_, window_);
+  engine_.addSpans(timeline_, r, stepStart);
+  window_.addStep(r, lb.batch.size() * s_.workers);
+  r.loss = stop_.afterStep(state.step, r.loss, trainSeconds(), dist_, engine_, window_);
   checkNonFinite(r);
   if (!committed_) commitRunDirectory();
   ++state.step;
@@ -270,54 +237,10 @@ void Trainer::trainOneStep() {
                    loop_.maxSeconds > 0 ? loop_.maxSeconds - trainSeconds()
                                         : std::numeric_limits<double>::infinity());
   if (stop_.writesRecord(state.step)) writeTrainRecord(lr, samplesPerS);
-  writeStrategyEvents();
-  if (s_.pipeline && state.step == timelineStep_) writePipelineTimeline(r.stageSpans, stepStart);
-}
-
-// The strategy's records (e.g. "osp_fraction"), as they come (docs/metrics.md).
-void Trainer::writeStrategyEvents() {
-  if (strategy_ == nullptr) return;
-  for (StrategyEvent& e : strategy_->takeEvents()) {
-    if (!metrics_) continue;
-    nlohmann::json rec = {{"kind", e.kind}, {"step", e.step}, {"time_s", trainSeconds()}};
-    for (const auto& [key, value] : e.numbers) rec[key] = value;
-    for (const auto& [key, value] : e.words) rec[key] = value;
-    metrics_->write(rec);
+  // The engine's own records (a strategy's events, the stages' timeline; docs/metrics.md).
+  for (nlohmann::json& rec : engine_.takeRecords(state.step, r, stepStart, trainSeconds())) {
+    if (metrics_) metrics_->write(rec);
   }
-}
-
-// One step of every stage of pipeline 0, for caravan report's timeline (docs/metrics.md).
-void Trainer::writePipelineTimeline(const std::vector<StageStepStats::Span>& spans,
-                                    Clock::time_point stepStart) {
-  const auto stages = s_.pipeline->gatherTimeline(spans, stepStart);
-  if (!metrics_) return;
-  nlohmann::json rec = {{"kind", "pipeline_timeline"},
-                        {"step", s_.state.step},
-                        {"schedule", s_.options.pipeline.schedule},
-                        {"micro_batches", s_.pipeline->microBatches()},
-                        {"stages", nlohmann::json::array()}};
-  for (const auto& stage : stages) {
-    nlohmann::json row = nlohmann::json::array();
-    for (const auto& span : stage) {
-      row.push_back({actionName(span.kind), span.microBatch, span.start, span.end});
-    }
-    rec["stages"].push_back(std::move(row));
-  }
-  metrics_->write(rec);
-}
-
-// " per pipeline of 2 stages (blocks 0-2 on this one) x 1 pipeline, 1f1b in 8 micro-batches
-// (gloo)"
-std::string Trainer::pipelineBanner() const {
-  const PipelineLayout& l = s_.pipeline->layout();
-  const PipelineOptions& o = s_.options.pipeline;
-  if (l.stages == 1)
-    return fmt::format(" in {} micro-batches (gradient accumulation)", o.microBatches);
-  return fmt::format(
-      " per pipeline of {} stages (blocks {}-{} on this one) x {} pipeline{}, {} in {} "
-      "micro-batches ({})",
-      l.stages, s_.pipeline->firstBlock(), s_.pipeline->endBlock() - 1, l.replicas,
-      l.replicas > 1 ? "s" : "", o.schedule, o.microBatches, comm()->backend());
 }
 
 // Everything between an attached setup and the first step: the banner, memory accounting's
@@ -330,11 +253,7 @@ void Trainer::begin() {
       "{} steps of batch {}{}{}",
       s_.model->modelName(), s_.model->numBlocks(), static_cast<double>(s_.parameterCount()) / 1e6,
       s_.data.train->name(), s_.data.train->size(), s_.data.test->size(), s_.totalSteps,
-      s_.sampler.batchSize,
-      s_.pipeline ? pipelineBanner()
-      : dist_     ? fmt::format(" per worker x {} workers ({}, {})", s_.workers, comm()->backend(),
-                                s_.options.sync.mode)
-                  : "",
+      s_.sampler.batchSize, engine_.describe(),
       s_.resumedFrom ? fmt::format(", resuming at step {} from {}", state.step, *s_.resumedFrom)
                      : ""));
   if (!s_.reshardNote.empty()) progress_.line(s_.reshardNote);
@@ -354,7 +273,6 @@ void Trainer::begin() {
   elapsedBefore_ = state.elapsedSeconds;
   stop_.setScheduleSeconds(state.elapsedSeconds);  // a resumed schedule goes on from there
   start_ = Clock::now();
-  timelineStep_ = std::min(state.step + 3, s_.totalSteps);
   s_.model->train();
   window_ = MetricsWindow(dist_);
 }
@@ -372,12 +290,7 @@ void Trainer::commitRunDirectory() {
   metrics_ = std::make_unique<MetricsSink>((dir / "metrics.jsonl").string(),
                                            s_.resumedFrom ? s_.state.step : -1);
   writeFileAtomic((dir / "config.toml").string(), s_.config.toToml());
-  if (s_.activations.plan) {
-    writeFileAtomic((dir / "memory_plan.txt").string(), s_.activations.report);
-  }
-  if (s_.pipelinePlan) {  // rank 0 planned the stages: the cut every rank runs
-    writeFileAtomic((dir / "pipeline_plan.txt").string(), s_.pipelinePlan->report);
-  }
+  for (const auto& [name, text] : s_.planFiles()) writeFileAtomic((dir / name).string(), text);
 }
 
 // Memory accounting after a step: what persists measured, and memory.budget checked against
@@ -471,20 +384,20 @@ void Trainer::writeTrainRecord(double lr, double samplesPerS) {
     std::fill(sourceSamples_.begin(), sourceSamples_.end(), 0);
   }
   rec = window_.close(std::move(rec), s_.memory, s_.activations.executor.get(), s_.weights.get(),
-                      strategy_);
+                      engine_.takeMetrics());
   if (metrics_) metrics_->write(rec);
 }
 
 // `distance`: the consensus distance when the caller consolidated already.
 void Trainer::evaluateNow(std::optional<double> distance) {
-  const double consensus = distance ? *distance : consolidate();
-  const EvalResult r = evaluate(s_.model, *s_.data.test, s_.options.data.evalBatchSize,
-                                loop_.evalBatches, comm(), s_.pipeline.get());
+  const double consensus = distance ? *distance : engine_.consolidate();
+  const EvalResult r =
+      engine_.evaluate(*s_.data.test, s_.options.data.evalBatchSize, loop_.evalBatches);
   nlohmann::json rec = {{"kind", "eval"},          {"step", s_.state.step},
                         {"epoch", epoch_},         {"loss", r.loss},
                         {"accuracy", r.accuracy},  {"examples", r.examples},
                         {"time_s", trainSeconds()}};
-  if (strategy_ != nullptr) rec["consensus_distance"] = consensus;
+  if (engine_.reportsConsensus()) rec["consensus_distance"] = consensus;
   if (metrics_) metrics_->write(rec);
   progress_.line(fmt::format("eval  step {} epoch {}: loss {:.4f}{}", s_.state.step, epoch_, r.loss,
                              accuracyText(r.accuracy)));
@@ -493,17 +406,11 @@ void Trainer::evaluateNow(std::optional<double> distance) {
   lastEvalStep_ = s_.state.step;
 }
 
-// Rank 0: the model's parameters as model.pt (every stage's: after a pipeline's gather).
+// Rank 0: the model's parameters as model.pt (within withWholeModel: every stage's, every
+// block's in memory).
 void Trainer::exportModel() {
-  auto save = [&] {
-    exportStateDict((fs::path(options_.runDir) / "model.pt").string(), *s_.model,
-                    [this](const std::string& n) { return s_.model->exportNames(n); });
-  };
-  if (s_.weights) {
-    s_.weights->withAllResident(save);
-  } else {
-    save();
-  }
+  exportStateDict((fs::path(options_.runDir) / "model.pt").string(), *s_.model,
+                  [this](const std::string& n) { return s_.model->exportNames(n); });
 }
 
 // `collected`: the strategy's state when the caller consolidated and collected it already.
@@ -513,38 +420,19 @@ void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected, bool a
   if (collected != nullptr) {
     state.strategy = std::move(*collected);
   } else {
-    consolidate();
-    if (strategy_ != nullptr) state.strategy = strategy_->saveState();
-  }
-  if (s_.pipeline) {  // rank 0 writes every stage's parameters and optimizer state
-    s_.pipeline->gatherParameters();
-    s_.pipeline->collectOptimizerState(*s_.optimizer);
+    engine_.consolidate();
+    state.strategy = engine_.strategyState();
   }
   state.workers = s_.workers;
   state.batchSize = s_.sampler.batchSize;
   state.rngState = defaultRngState();
   state.elapsedSeconds = trainSeconds();
-  if (isRoot_) {
-    auto save = [&] {
-      summary_.lastCheckpoint = checkpoints_.save(*s_.model, *s_.optimizer, state);
-    };
-    if (s_.weights) {
-      s_.weights->withAllResident(save);  // the in-core format (weights.h)
-    } else {
-      save();
-    }
-  } else {
-    summary_.lastCheckpoint = checkpoints_.pathFor(state.step);
-  }
+  summary_.lastCheckpoint = checkpoints_.pathFor(state.step);
+  engine_.withWholeModel([&] {
+    summary_.lastCheckpoint = checkpoints_.save(*s_.model, *s_.optimizer, state);
+    if (alsoExportModel) exportModel();
+  });
   state.strategy.clear();
-  if (alsoExportModel && isRoot_) exportModel();
-  // The other stages' parameters and optimizer state came to rank 0 for the file only.
-  if (s_.pipeline) {
-    s_.pipeline->holdOwnStageOnly(*s_.optimizer);
-    if (isRoot_) releaseFreeHeap();
-  }
-  // The servers' optimizer state came into this optimizer for the file only.
-  if (strategy_ != nullptr && strategy_->updatesParameters()) s_.optimizer->state().clear();
 }
 
 // The end of the run: one model, the final evaluation and checkpoint, and on rank 0 model.pt
@@ -554,12 +442,9 @@ void Trainer::finish() {
   progress_.finish();
   // The final checkpoint's strategy state is collected while the servers still serve:
   // finish() says goodbye to them.
-  const double finalDistance = consolidate();
-  std::map<std::string, at::Tensor> finalStrategyState;
-  if (strategy_ != nullptr) {
-    finalStrategyState = strategy_->saveState();
-    strategy_->finish();
-  }
+  const double finalDistance = engine_.consolidate();
+  std::map<std::string, at::Tensor> finalStrategyState = engine_.strategyState();
+  engine_.finish();
   double measuredFwdBwd = 0.0;
   if (!forwardBackward_.empty()) {
     std::vector<double> sorted = forwardBackward_;
@@ -575,7 +460,7 @@ void Trainer::finish() {
         formatBytes(runActivationPeak_), formatBytes(p.peakBytes)));
   }
   if (!summary_.stoppedEarly && lastEvalStep_ != s_.state.step) evaluateNow(finalDistance);
-  // model.pt with the final checkpoint (unless stopped early): a pipeline gathers once.
+  // model.pt with the final checkpoint (unless stopped early): the whole model comes once.
   checkpointNow(&finalStrategyState, /*alsoExportModel=*/!summary_.stoppedEarly);
   summary_.steps = s_.state.step;
   summary_.epochs = epoch_;
@@ -621,101 +506,6 @@ void Trainer::writeSummary(double measuredFwdBwd) {
 
 }  // namespace
 
-std::optional<std::string> checkRunDirectory(const std::string& runDir, bool resume) {
-  const CheckpointDir checkpoints(runDir, 1);
-  const std::optional<std::string> latest = checkpoints.latest();
-  // A run that stopped before its first checkpoint can be neither continued nor overwritten:
-  // both messages say so, and the same way out.
-  const bool startedWithoutCheckpoint = !latest && fs::exists(fs::path(runDir) / "metrics.jsonl");
-  // A run that another process is running (it holds the directory's lock; not this process,
-  // nor its launcher) is never to be removed: say that a job runs there. A rank of a job
-  // that holds no lock of its own (rank > 0) meets this when it joins a live run.
-  if (resume ? startedWithoutCheckpoint : (startedWithoutCheckpoint || latest)) {
-    const std::optional<pid_t> holder = directoryLockHolder(runDir);
-    if (holder && *holder != ::getpid() && *holder != ::getppid()) {
-      throw ConfigError(fmt::format(
-          "{} is in use by process {}: a job is running in it (if this process was to join "
-          "it, its rank is taken: give each process its own rank); wait for it to end, or "
-          "choose another --run-dir",
-          runDir, *holder));
-    }
-  }
-  if (resume) {
-    if (startedWithoutCheckpoint) {
-      throw CheckpointError(fmt::format(
-          "nothing to resume in {}: its run stopped before its first checkpoint (set "
-          "checkpoint.every for earlier ones); start it again with another --run-dir, or "
-          "remove {} once no job runs in it",
-          runDir, runDir));
-    }
-    if (!latest) {
-      throw CheckpointError(fmt::format("nothing to resume in {}: it has no checkpoints/ "
-                                        "(start a new run with another --run-dir)",
-                                        runDir));
-    }
-    return latest;
-  }
-  if (startedWithoutCheckpoint) {
-    throw ConfigError(
-        fmt::format("{} already holds a run, which stopped before its first "
-                    "checkpoint: there is nothing to --resume; start it again with "
-                    "another --run-dir, or remove {} once no job runs in it",
-                    runDir, runDir));
-  }
-  if (latest) {
-    throw ConfigError(fmt::format("{} already holds a run; continue it with --resume {} or "
-                                  "choose another --run-dir",
-                                  runDir, runDir));
-  }
-  // A new run writes config.toml, model.pt, ... into its directory: one that holds anything
-  // else is someone's (a symbolic link to /, a directory of the user's files), not a run's.
-  // What a refused start leaves (workers' logs, the file store) does not count.
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(runDir, ec)) {
-    const std::string name = entry.path().filename().string();
-    const bool leftByARefusedStart =
-        name == "rendezvous" || (name.rfind("rank-", 0) == 0 && entry.path().extension() == ".log");
-    if (!leftByARefusedStart) {
-      throw ConfigError(
-          fmt::format("{} is not empty ({} and maybe more) and holds no run; a new "
-                      "run needs a new or empty --run-dir",
-                      runDir, name));
-    }
-  }
-  return std::nullopt;
-}
-
-std::unique_ptr<DirectoryLock> lockRunDirectory(const std::string& runDir,
-                                                std::optional<pid_t> launcher) {
-  auto lock = std::make_unique<DirectoryLock>(runDir);
-  if (!lock->held() && launcher && lock->holder() == launcher) return nullptr;  // it holds it
-  if (!lock->held()) {
-    const std::string who =
-        lock->holder() ? fmt::format("process {}", *lock->holder()) : "another process";
-    throw ConfigError(
-        fmt::format("{} is in use by {} (a caravan train on it is still running); "
-                    "wait for it to end or stop it, or choose another --run-dir",
-                    runDir, who));
-  }
-  return lock;
-}
-
-RunDirectoryClaim claimRunDirectory(const std::string& runDir, bool resume, bool lock,
-                                    std::optional<pid_t> launcher) {
-  RunDirectoryClaim claim;
-  if (!resume || fs::is_directory(runDir)) {
-    std::error_code ec;
-    fs::create_directories(runDir, ec);
-    if (ec) throw IoError(fmt::format("cannot create run directory {}: {}", runDir, ec.message()));
-    if (lock) {
-      claim.lock = lockRunDirectory(runDir, launcher);
-      if (claim.lock) CheckpointDir(runDir, 1).removeStaleTemporaries();
-    }
-  }
-  claim.resumeFrom = checkRunDirectory(runDir, resume);
-  return claim;
-}
-
 TrainSummary train(const Config& config, const TrainerOptions& options) {
   const RunOptions runOptions = RunOptions::read(config);
   validate(runOptions, options.world.worldSize);
@@ -731,13 +521,10 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   applyRuntimeOptions(runOptions.runtime);
   installSavedTensorEngine();
   auto trainHere = [&](Distributed* dist) {
-    // Pipeline stages of one replica draw the same batches: the data is sharded over replicas.
-    const int stages = runOptions.pipeline.stages;
-    RunSetup setup(config, runOptions, dist ? dist->comm->rank() / stages : 0,
-                   dist ? dist->comm->size() / stages : 1);
+    RunSetup setup(config, runOptions, dist);
     setup.prepareTraining(resumeFrom, options.world.localWorldSize);
-    setup.attach(dist);
-    return Trainer(setup, options, checkpoints, dist).run();
+    const std::unique_ptr<StepEngine> engine = setup.attach(dist);
+    return Trainer(setup, *engine, options, checkpoints, dist).run();
   };
   // Rendezvous after the checks above and before rank 0 writes anything, so every rank has
   // seen the run directory as it was.

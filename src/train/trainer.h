@@ -1,17 +1,17 @@
 // `caravan train` on this process: validates the config for the job, rendezvouses (a job),
-// builds the run through RunSetup (run_setup.h) and runs the training loop: data -> model
-// blocks -> loss -> backward -> strategy -> optimizer, with evaluation, metrics, progress,
-// checkpoints and exact resume. The loop's pieces (trainer.cpp): StopState (signals, the time
-// limit, the per-step agreement between ranks), MetricsWindow (metrics_window.h) and the end
+// builds the run through RunSetup (run_setup.h) and runs the training loop: data -> the step
+// engine RunSetup::attach returns (train/step_engine.h: forward, backward, the exchange between
+// ranks, the update) -> metrics, with evaluation, progress, checkpoints and exact resume. The
+// loop never asks which engine it drives. The loop's pieces (trainer.cpp): StopState (signals, the
+// time limit, the per-step agreement between ranks), MetricsWindow (metrics_window.h) and the end
 // of the run (final evaluation, checkpoint, model.pt, summary.json).
 //
-// Data-parallel runs (world size > 1): every rank runs this loop on its shard of each epoch;
-// the strategy (sync.mode) averages gradients; rank 0 alone writes the run directory and the
-// terminal. Ranks agree every step on the reported loss and on stopping (signal, time limit),
-// so they always leave the loop at the same step.
-// A run directory holds: config.toml (the resolved config), metrics.jsonl, checkpoints/,
-// model.pt (final weights for Python's torch.load) and summary.json.
-// Threading: run() is called once, from one thread; the loader uses one background thread.
+// Jobs (world size > 1): every rank runs this loop on its shard of each epoch (the engine keeps
+// the replicas together); rank 0 alone writes the run directory and the terminal. Ranks agree every
+// step on the reported loss and on stopping (signal, time limit), so they always leave the loop at
+// the same step. A run directory holds: config.toml (the resolved config), metrics.jsonl,
+// checkpoints/, model.pt (final weights for Python's torch.load) and summary.json. Threading: run()
+// is called once, from one thread; the loader uses one background thread.
 #pragma once
 
 #include <atomic>
@@ -23,7 +23,7 @@
 
 #include "comm/world.h"
 #include "core/config.h"
-#include "core/directory_lock.h"
+#include "train/run_directory.h"
 
 namespace caravan {
 
@@ -54,32 +54,5 @@ struct TrainSummary {
 
 // Runs training. Throws Error subclasses for user-facing problems (exit codes in errors.h).
 TrainSummary train(const Config& config, const TrainerOptions& options);
-
-// The checkpoint to continue from (`resume`: the newest, CheckpointError when there is none),
-// or nothing for a new run (ConfigError when the directory already holds a run). The
-// launcher checks before it starts workers; train() checks again.
-std::optional<std::string> checkRunDirectory(const std::string& runDir, bool resume);
-
-// Claims the existing directory `runDir` for this process's job: locks the directory itself
-// (core/directory_lock.h; nothing is written into it) or throws ConfigError naming the process
-// that holds it. Whoever starts the job holds it for the run's life: the `--workers`
-// launcher, else rank 0 (train() does it for every launcher but caravan's own). A killed
-// holder releases it.
-// `launcher`: a process whose hold counts as ours (Caravan's launcher, for its workers; then
-// nullptr is returned).
-std::unique_ptr<DirectoryLock> lockRunDirectory(const std::string& runDir,
-                                                std::optional<pid_t> launcher = std::nullopt);
-
-// `runDir` claimed for a job, in the one order the launcher and train() both need: a new run's
-// directory is created (a --resume's must exist), locked when `lock` (by whoever starts the
-// job), cleared of checkpoint temporaries a killed writer left (every writer holds the lock,
-// so with it held they are stale), then checked (checkRunDirectory). Hold `lock` for the
-// run's life.
-struct RunDirectoryClaim {
-  std::unique_ptr<DirectoryLock> lock;
-  std::optional<std::string> resumeFrom;  // the checkpoint to continue from (--resume)
-};
-RunDirectoryClaim claimRunDirectory(const std::string& runDir, bool resume, bool lock,
-                                    std::optional<pid_t> launcher = std::nullopt);
 
 }  // namespace caravan

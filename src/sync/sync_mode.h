@@ -1,0 +1,46 @@
+// sync.mode as a type: how data-parallel workers keep their replicas together. Parsed once
+// (parseSyncMode, in RunOptions::read and the simulator's workload reader); every later decision
+// is a switch over SyncMode, which the compiler checks for completeness, and the name comes back
+// only in messages (syncModeName).
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace caravan {
+
+enum class SyncMode {
+  kAllReduce,  // allreduce: bucketed gradient all-reduce after every step (DDP)
+  kLocalSgd,   // local-sgd: local steps, parameters averaged every sync.local_period
+  kDiloco,     // diloco: inner steps, an outer step on the averaged change every period
+  kGossip,     // gossip: each step averages with one neighbour
+  kPsBsp,      // ps-bsp: parameter servers, every worker's gradient in each step
+  kPsAsp,      // ps-asp: parameter servers, each worker's gradient applied as it comes
+  kPsSsp,      // ps-ssp: parameter servers, workers at most sync.staleness steps apart
+  kPsDiloco,   // ps-diloco: diloco's outer step on parameter servers
+  kOsp,        // osp: servers; a fraction synchronised at once, the rest overlapped (OSP)
+};
+
+// Every mode, in the order of the schema's list.
+inline constexpr SyncMode kSyncModes[] = {
+    SyncMode::kAllReduce, SyncMode::kLocalSgd, SyncMode::kDiloco,
+    SyncMode::kGossip,    SyncMode::kPsBsp,    SyncMode::kPsAsp,
+    SyncMode::kPsSsp,     SyncMode::kPsDiloco, SyncMode::kOsp};
+
+// The config's name of `mode` ("allreduce", "ps-bsp", ...).
+const char* syncModeName(SyncMode mode);
+// The mode named `name`; ConfigError naming the modes when there is none.
+SyncMode parseSyncMode(std::string_view name);
+
+// Whether `mode` runs parameter servers beside the workers (ps-*, osp).
+bool usesServers(SyncMode mode);
+// ps-bsp, ps-asp, ps-ssp: servers apply the workers' gradients with the run's optimizer under
+// a consistency model (parameter_server.h).
+bool isConsistencyMode(SyncMode mode);
+// Whether the run's optimizer steps on the servers (ps-bsp/asp/ssp, osp), so the workers
+// never see the update before it is applied; ps-diloco's servers run only the outer step.
+bool stepsOnServers(SyncMode mode);
+// diloco, ps-diloco: inner steps of the run's optimizer, outer steps every sync.local_period.
+bool isDiloco(SyncMode mode);
+
+}  // namespace caravan

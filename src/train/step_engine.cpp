@@ -1,0 +1,38 @@
+// The step every engine runs (see step_engine.h).
+#include "train/step_engine.h"
+
+#include <torch/torch.h>
+
+#include "train/setup.h"
+
+namespace caravan {
+
+void StepEngine::setLearningRate(double lr) {
+  caravan::setLearningRate(optimizer_, lr);
+  strategyLearningRate(lr);
+}
+
+StepResult StepEngine::step(const Batch& batch, int64_t step) {
+  optimizer_.zero_grad();
+  StepResult r;
+  computeGradients(batch, step, r);
+  if (options_.skipNonFinite && !gradientsFinite(r)) {
+    for (auto p : trainedParameters()) p.mutable_grad() = at::Tensor();
+    r.skipped = true;
+  }
+  if (!r.skipped) {
+    if (options_.gradClip > 0.0) r.gradNorm = clipGradients(options_.gradClip, r);
+    update();
+  }
+  r.optimizerEnd = Clock::now();
+  afterUpdate(step, r);
+  r.stepEnd = Clock::now();
+  auto seconds = [](Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  };
+  r.computeSeconds += seconds(r.syncEnd, r.optimizerEnd);
+  r.syncWaitSeconds += seconds(r.backwardEnd, r.syncEnd) + seconds(r.optimizerEnd, r.stepEnd);
+  return r;
+}
+
+}  // namespace caravan
