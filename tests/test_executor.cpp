@@ -332,7 +332,7 @@ TEST(MemorySetup, AFixedSwapPolicyUnderABudgetGetsTheWriteBackpressure) {
   const Batch batch = test::randomBatch(lmShape(), 4, 3);
   const RunOptions options = RunOptions::read(Config::fromString(
       "", "<test>", {"memory.policy=swap", "memory.tier=host", "memory.budget=64MiB"}));
-  const ActivationMemory m = makeActivationMemory(options, model, batch, /*plan=*/false);
+  const ActivationMemory m = makeActivationMemory(options, model, batch, /*alwaysPlan=*/false);
   ASSERT_NE(m.executor, nullptr);
   ASSERT_GT(m.persistent, 0);
   EXPECT_EQ(m.executor->activationLimit(), (int64_t{64} << 20) - m.persistent);
@@ -351,13 +351,13 @@ TEST(MemorySetup, APlannedRunDrainsAtItsPlansBudget) {
   // A budget with room for half of what keeping every block holds: the plan cannot keep all.
   const ActivationMemory unbounded = makeActivationMemory(
       RunOptions::read(Config::fromString("", "<test>", {"memory.profile_repeats=1"})), model,
-      batch, /*plan=*/true);
+      batch, /*alwaysPlan=*/true);
   const int64_t budget = unbounded.persistent + unbounded.plan->prediction.peakBytes / 2;
   const RunOptions options = RunOptions::read(
       Config::fromString("", "<test>",
                          {"memory.policy=auto", "memory.tier=host",
                           "memory.budget=" + std::to_string(budget), "memory.profile_repeats=1"}));
-  const ActivationMemory m = makeActivationMemory(options, model, batch, /*plan=*/false);
+  const ActivationMemory m = makeActivationMemory(options, model, batch, /*alwaysPlan=*/false);
   ASSERT_TRUE(m.plan.has_value() && m.plan->fits);
   ASSERT_NE(m.executor, nullptr) << "a plan under half of keep's peak keeps every block";
   const int64_t room = budget - m.persistent;
@@ -714,4 +714,212 @@ TEST(Planner, PicksTheFastestPlanThatFits) {
   Plan none = planPolicies(profile, bw, 50, 1);
   EXPECT_FALSE(none.fits);
   EXPECT_GE(none.prediction.peakBytes, 100);
+}
+
+// StepPredictor's phases alone (predict runs them in order), each against a closed form.
+namespace {
+
+// Three blocks whose times and sizes are small powers of two, so every sum below is exact:
+// forward 0.5, 1, 0.25 s; backward 1, 2, 0.5 s; inputs 8, 16, 32 bytes; saves 64, 128, 256
+// bytes; the loss 0.125 s, saving 4 bytes.
+ModelProfile phaseProfile() {
+  ModelProfile p;
+  const double forward[] = {0.5, 1.0, 0.25}, backward[] = {1.0, 2.0, 0.5};
+  const int64_t input[] = {8, 16, 32}, saved[] = {64, 128, 256};
+  for (size_t i = 0; i < 3; ++i) {
+    BlockProfile b;
+    b.label = "b" + std::to_string(i);
+    b.forwardSeconds = forward[i];
+    b.backwardSeconds = backward[i];
+    b.inputBytes = input[i];
+    b.savedBytes = saved[i];
+    p.blocks.push_back(b);
+  }
+  p.lossSeconds = 0.125;
+  p.lossSavedBytes = 4;
+  return p;
+}
+
+constexpr double kForwardSeconds = 0.5 + 1.0 + 0.25;
+constexpr double kBackwardSeconds = 1.0 + 2.0 + 0.5;
+const TierBandwidth kNoTier{0.0, 0.0};
+
+// Weights every block keeps in memory (nothing to move), updated for 0.25, 0.75 and 0.5 s.
+WeightTraffic keptWeights(bool overlap, bool updaterSharesCore) {
+  WeightTraffic w;
+  w.weightBytes = {0, 0, 0};
+  w.statePieces = {{}, {}, {}};
+  w.updateSeconds = {0.25, 0.75, 0.5};
+  w.overlap = overlap;
+  w.updateBacklog = 2;  // backward never waits for an update
+  w.updaterSharesCore = updaterSharesCore;
+  return w;
+}
+
+// phaseProfile's model with every block keeping and `weights`, run through backward (which
+// ends at kForwardSeconds + the loss + kBackwardSeconds: nothing waits).
+StepPredictor afterBackward(const ModelProfile& profile, const WeightTraffic& weights) {
+  StepPredictor model(profile, std::vector<BlockPolicy>(3, BlockPolicy::kKeep), kNoTier, 1,
+                      &weights);
+  model.runForward();
+  model.runBackward();
+  return model;
+}
+
+}  // namespace
+
+TEST(PlannerPhases, ForwardNeverWaitsForTheTierWithoutAnActivationLimit) {
+  const ModelProfile profile = phaseProfile();
+  const std::vector<BlockPolicy> swap(3, BlockPolicy::kSwap);
+  StepPredictor model(profile, swap, TierBandwidth{1.0, 1.0}, 1);  // 1 B/s: far behind
+  EXPECT_EQ(model.runForward(), kForwardSeconds);
+  EXPECT_EQ(model.forwardEnd(0), 0.5);
+  EXPECT_EQ(model.forwardEnd(1), 0.5 + 1.0);
+  EXPECT_EQ(model.forwardEnd(2), kForwardSeconds);
+  EXPECT_GT(model.writeEnd(2), kForwardSeconds);  // the writes trail forward
+}
+
+TEST(PlannerPhases, EachWriteStartsWhenItsBytesExistAndTheWriterIsFree) {
+  const ModelProfile profile = phaseProfile();
+  using P = BlockPolicy;
+  const std::vector<P> policies = {P::kSwapInput, P::kSwap, P::kSwap};
+  StepPredictor model(profile, policies, TierBandwidth{64.0, 64.0}, 1);
+  model.runForward();
+  // Swap-input: block 0's input, from its start; swap: block 1's saves, from its end; block
+  // 2's saves, from its end (1.75), queue behind block 1's write.
+  EXPECT_EQ(model.writeStart(0), 0.0);
+  EXPECT_EQ(model.writeEnd(0), 8.0 / 64);
+  EXPECT_EQ(model.writeStart(1), 0.5 + 1.0);
+  EXPECT_EQ(model.writeEnd(1), 0.5 + 1.0 + 128.0 / 64);
+  EXPECT_EQ(model.writeStart(2), model.writeEnd(1));
+  EXPECT_EQ(model.writeEnd(2), 0.5 + 1.0 + 128.0 / 64 + 256.0 / 64);
+}
+
+// 200 bytes: block 1 starts at 0.5 with block 0's 64 bytes unwritten (64 + 128 fit); block 2
+// starts at 1.5 with block 1's 128 unwritten (128 + 256 do not): it waits for block 1's write.
+TEST(PlannerPhases, AnActivationLimitHoldsForwardUntilTheQueuedWritesEnd) {
+  const ModelProfile profile = phaseProfile();
+  const std::vector<BlockPolicy> swap(3, BlockPolicy::kSwap);
+  StepPredictor model(profile, swap, TierBandwidth{64.0, 64.0}, 1, nullptr, 200);
+  const double blockOneWritten = 0.5 + 1.0 + 128.0 / 64;
+  EXPECT_EQ(model.runForward(), blockOneWritten + 0.25);
+  EXPECT_EQ(model.forwardEnd(1), 0.5 + 1.0);  // block 1 did not wait
+  EXPECT_EQ(model.writeStart(2), blockOneWritten + 0.25);
+}
+
+TEST(PlannerPhases, KeepingEverythingPeaksAtTheSumOfSavedBytesPlusTheLoss) {
+  const ModelProfile profile = phaseProfile();
+  const std::vector<BlockPolicy> keep(3, BlockPolicy::kKeep);
+  StepPredictor model(profile, keep, kNoTier, 1);
+  model.runForward();
+  EXPECT_EQ(model.forwardPeakBytes(), 64 + 128 + 256 + 4);
+}
+
+TEST(PlannerPhases, RecomputeAddsTheBlockForwardToBackward) {
+  const ModelProfile profile = phaseProfile();
+  using P = BlockPolicy;
+  StepPredictor keep(profile, {P::kKeep, P::kKeep, P::kKeep}, kNoTier, 1);
+  keep.runForward();
+  EXPECT_EQ(keep.runBackward(), kForwardSeconds + 0.125 + kBackwardSeconds);
+  StepPredictor recompute(profile, {P::kKeep, P::kRecompute, P::kKeep}, kNoTier, 1);
+  recompute.runForward();
+  EXPECT_EQ(recompute.runBackward(), kForwardSeconds + 0.125 + kBackwardSeconds + 1.0);
+}
+
+TEST(PlannerPhases, SwapWithInfiniteBandwidthCostsNothing) {
+  const ModelProfile profile = phaseProfile();
+  const double inf = std::numeric_limits<double>::infinity();
+  StepPredictor model(profile, std::vector<BlockPolicy>(3, BlockPolicy::kSwap),
+                      TierBandwidth{inf, inf}, 1);
+  EXPECT_EQ(model.runForward(), kForwardSeconds);
+  EXPECT_EQ(model.runBackward(), kForwardSeconds + 0.125 + kBackwardSeconds);
+}
+
+// Block 0 swapped (written at once), read at 16 B/s: its read is queued when block 1's backward
+// starts (after the loss and block 2's) and takes 64 / 16 = 4 s, longer than block 1's 2 s.
+TEST(PlannerPhases, ABlockWhoseReadOutlastsTheBlockAboveStartsWhenTheReadEnds) {
+  const ModelProfile profile = phaseProfile();
+  using P = BlockPolicy;
+  const double inf = std::numeric_limits<double>::infinity();
+  StepPredictor model(profile, {P::kSwap, P::kKeep, P::kKeep}, TierBandwidth{inf, 16.0}, 1);
+  model.runForward();
+  const double end = model.runBackward();
+  const double readQueued = kForwardSeconds + 0.125 + 0.5;
+  EXPECT_EQ(model.readEnd(0), readQueued + 64.0 / 16);
+  EXPECT_EQ(end, readQueued + 64.0 / 16 + 1.0);
+}
+
+// Writes at 1 B/s: when backward queues the reads of blocks 2 (at the end of forward) and 1
+// (when block 2 starts), their writes have not started: both are cancelled and cost nothing.
+// Block 0's write (0.5..64.5) had started when block 1 queued its read: read 64.5..128.5.
+TEST(PlannerPhases, AReadQueuedBeforeItsWriteStartedIsCancelledAndCostsNothing) {
+  const ModelProfile profile = phaseProfile();
+  StepPredictor model(profile, std::vector<BlockPolicy>(3, BlockPolicy::kSwap),
+                      TierBandwidth{1.0, 1.0}, 1);
+  model.runForward();
+  const double end = model.runBackward();
+  EXPECT_TRUE(model.readCancelled(2));
+  EXPECT_TRUE(model.readCancelled(1));
+  EXPECT_EQ(model.readEnd(2), kForwardSeconds);
+  EXPECT_FALSE(model.readCancelled(0));
+  EXPECT_EQ(model.readEnd(0), 0.5 + 64.0 + 64.0);
+  EXPECT_EQ(end, 0.5 + 64.0 + 64.0 + 1.0);
+}
+
+TEST(PlannerPhases, BackwardHoldsItsRematerializedSavesAndWhatTheBlocksBelowHold) {
+  const ModelProfile profile = phaseProfile();
+  using P = BlockPolicy;
+  StepPredictor model(profile, {P::kKeep, P::kRecompute, P::kRecompute}, kNoTier, 1);
+  model.runForward();
+  const double start = kForwardSeconds + 0.125;
+  // Block 2 recomputes: its saves and input; below it block 0's saves and block 1's input.
+  EXPECT_EQ(model.backwardLiveBytes(2, start), 256 + 32 + 64 + 16);
+  EXPECT_EQ(model.backwardLiveBytes(1, start), 128 + 16 + 64);
+  EXPECT_EQ(model.backwardLiveBytes(0, start), 64);
+  // A swapped block below, written and not read back, holds nothing.
+  const double inf = std::numeric_limits<double>::infinity();
+  StepPredictor swapped(profile, {P::kSwap, P::kKeep, P::kKeep}, TierBandwidth{inf, inf}, 1);
+  swapped.runForward();
+  EXPECT_EQ(swapped.backwardLiveBytes(2, start), 256 + 128);
+}
+
+// One block, its optimizer state in pieces of 2 and 6 bytes (read at 1 B/s), stepped for 1 s
+// shared out by bytes: piece 1's read starts when piece 0's step does, so the last step
+// starts when both reads are done, back to back from `ready`.
+TEST(PlannerPhases, AnUpdateEndsWhenItsPiecesAreReadBackToBackAndTheLastIsStepped) {
+  ModelProfile profile = phaseProfile();
+  profile.blocks.resize(1);
+  WeightTraffic w;
+  w.weightBytes = {4};
+  w.statePieces = {{2, 6}};
+  w.updateSeconds = {1.0};
+  StepPredictor model(profile, {BlockPolicy::kKeep}, TierBandwidth{1.0, 1.0}, 1, &w);
+  const double ready = 10.0;
+  EXPECT_EQ(model.runUpdate(0, ready), ready + (2.0 + 6.0) / 1.0 + 1.0 * 6 / 8);
+  EXPECT_EQ(model.updateEnd(0), ready + 8.0 + 0.75);
+}
+
+// Updates overlapped with backward (2.375..4.375 block 1, 4.375..5.375 block 0): block 2's
+// (0.5 s) runs during block 1's backward, block 1's (0.75 s) during block 0's, block 0's after.
+TEST(PlannerPhases, AnUpdaterWithoutACoreOfItsOwnAddsItsOverlapWithBackwardToTheStep) {
+  const ModelProfile profile = phaseProfile();
+  const WeightTraffic shares = keptWeights(/*overlap=*/true, /*updaterSharesCore=*/true);
+  StepPredictor model = afterBackward(profile, shares);
+  EXPECT_EQ(model.updaterSharedSeconds(), 0.5 + 0.75);
+  EXPECT_EQ(model.finish().stepSeconds, kForwardSeconds + 0.125 + kBackwardSeconds + 0.5 + 0.75);
+  // With a core of its own it takes nothing.
+  const WeightTraffic own = keptWeights(/*overlap=*/true, /*updaterSharesCore=*/false);
+  EXPECT_EQ(afterBackward(profile, own).updaterSharedSeconds(), 0.0);
+}
+
+TEST(PlannerPhases, WithClippingTheUpdatesRunAfterBackwardTopBlockFirst) {
+  const ModelProfile profile = phaseProfile();
+  const WeightTraffic clipping = keptWeights(/*overlap=*/false, /*updaterSharesCore=*/false);
+  StepPredictor model = afterBackward(profile, clipping);
+  EXPECT_EQ(model.updateEnd(2), -std::numeric_limits<double>::infinity());  // none yet
+  model.runUpdatesAfterBackward();
+  const double end = kForwardSeconds + 0.125 + kBackwardSeconds;
+  EXPECT_EQ(model.updateEnd(2), end + 0.5);
+  EXPECT_EQ(model.updateEnd(1), end + 0.5 + 0.75);
+  EXPECT_EQ(model.updateEnd(0), end + 0.5 + 0.75 + 0.25);
 }

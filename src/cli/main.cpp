@@ -229,7 +229,7 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
     return 0;
   }
   checkTrainingFitsMachine(options, setup.model, sample, setup.data.train->shape().seqLen, 1);
-  ActivationMemory m = makeActivationMemory(options, setup.model, sample, /*plan=*/true);
+  ActivationMemory m = makeActivationMemory(options, setup.model, sample, /*alwaysPlan=*/true);
   std::cout << fmt::format("{} ({} blocks), batch {}\n", setup.model->modelName(),
                            setup.model->numBlocks(), sample.size());
   if (!setup.model->structureNote().empty()) {

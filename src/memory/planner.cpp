@@ -129,259 +129,314 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
   return profile;
 }
 
+namespace {
+
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+}  // namespace
+
 Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& policies,
                    const TierBandwidth& bandwidth, int prefetchDepth, const WeightTraffic* weights,
                    int64_t activationLimit) {
-  const auto& blocks = profile.blocks;
-  const size_t n = blocks.size();
-  CARAVAN_CHECK(policies.size() == n, "one policy per block");
-  const double inf = std::numeric_limits<double>::infinity();
-  auto offloaded = [&](size_t i) -> int64_t {  // bytes block i sends to the tier
-    switch (policies[i]) {
-      case BlockPolicy::kSwap: return blocks[i].savedBytes;
-      case BlockPolicy::kSwapInput: return blocks[i].inputBytes;
-      default: return 0;
-    }
-  };
-  // What the tier stores of them (memory.tier_dtype = bf16: float32 storages at half).
-  auto stored = [&](size_t i) -> int64_t {
-    const int64_t bytes = offloaded(i);
-    if (profile.activationsOnTier != TierDtype::kBf16 || bytes == 0) return bytes;
-    const int64_t float32 = policies[i] == BlockPolicy::kSwap ? blocks[i].savedFloat32Bytes
-                                                              : blocks[i].inputFloat32Bytes;
-    return bytes - float32 / 2;
-  };
-  auto heldInMemory = [&](size_t i) -> int64_t {  // bytes block i holds until its backward
-    switch (policies[i]) {
-      case BlockPolicy::kKeep: return blocks[i].savedBytes;
-      case BlockPolicy::kRecompute: return blocks[i].inputBytes;
-      default: return 0;
-    }
-  };
-  const double wbw = bandwidth.writeBytesPerSecond > 0 ? bandwidth.writeBytesPerSecond : 1e-9;
-  const double rbw = bandwidth.readBytesPerSecond > 0 ? bandwidth.readBytesPerSecond : 1e-9;
+  StepPredictor model(profile, policies, bandwidth, prefetchDepth, weights, activationLimit);
+  model.runForward();
+  model.runBackward();
+  return model.finish();
+}
 
-  // Out-of-core weights: block i's weights read (once in forward, once in backward), queued on
-  // the reader; -inf: in memory.
-  const bool offload = weights != nullptr;
-  if (offload) {
-    CARAVAN_CHECK(weights->weightBytes.size() == n && weights->statePieces.size() == n &&
-                      weights->updateSeconds.size() == n,
+StepPredictor::StepPredictor(const ModelProfile& profile, const std::vector<BlockPolicy>& policies,
+                             const TierBandwidth& bandwidth, int prefetchDepth,
+                             const WeightTraffic* weights, int64_t activationLimit)
+    : profile_(profile),
+      policies_(policies),
+      weights_(weights),
+      blockCount_(profile.blocks.size()),
+      prefetchDepth_(prefetchDepth),
+      activationLimit_(activationLimit),
+      writeBytesPerSecond_(bandwidth.writeBytesPerSecond > 0 ? bandwidth.writeBytesPerSecond
+                                                             : 1e-9),
+      readBytesPerSecond_(bandwidth.readBytesPerSecond > 0 ? bandwidth.readBytesPerSecond : 1e-9),
+      weightPrefetch_(weights != nullptr ? std::max(weights->prefetch, 0) : 0),
+      overlap_(weights != nullptr && weights->overlap),
+      weightsRead_(blockCount_, -kInfinity),
+      weightsIssued_(blockCount_, false),
+      forwardEnd_(blockCount_, 0.0),
+      writeStart_(blockCount_, kInfinity),
+      writeEnd_(blockCount_, -kInfinity),
+      readEnd_(blockCount_, -kInfinity),
+      issued_(blockCount_, false),
+      cancelled_(blockCount_, false),
+      updateEnd_(blockCount_, -kInfinity) {
+  CARAVAN_CHECK(policies.size() == blockCount_, "one policy per block");
+  if (weights != nullptr) {
+    CARAVAN_CHECK(weights->weightBytes.size() == blockCount_ &&
+                      weights->statePieces.size() == blockCount_ &&
+                      weights->updateSeconds.size() == blockCount_,
                   "one weight traffic entry per block");
   }
-  // The reader serves reads in the order they are issued; the model books them in the order
-  // it reaches them, which for the updater's next state pieces is later than reads backward
-  // issues meanwhile. So a read takes the first gap on the reader after its issue time that
-  // holds it (busy: the booked intervals, in time order).
-  std::vector<std::pair<double, double>> readerBusy;
-  auto bookRead = [&](double issue, int64_t bytes) {
-    const double length = static_cast<double>(bytes) / rbw;
-    double start = issue;
-    auto it = readerBusy.begin();
-    for (; it != readerBusy.end(); ++it) {
-      if (it->second <= start) continue;
-      if (it->first >= start + length) break;
-      start = it->second;
-    }
-    readerBusy.insert(it, {start, start + length});
-    return start + length;
-  };
-  std::vector<double> weightsRead(n, -inf);
-  std::vector<bool> weightsIssued(n, false);
-  auto readWeights = [&](size_t j, double when) {
-    if (!offload || j >= n || weightsIssued[j]) return;
-    weightsIssued[j] = true;
-    if (weights->weightBytes[j] == 0) return;
-    weightsRead[j] = bookRead(when, weights->weightBytes[j]);
-  };
-  const int weightPrefetch = offload ? std::max(weights->prefetch, 0) : 0;
+}
 
-  // Forward: compute and the write queue.
-  std::vector<double> writeStart(n, inf), writeEnd(n, -inf);
-  std::vector<double> forwardEnd(n, 0.0);
-  double t = 0.0, writerFree = 0.0;
-  // What block j holds at `when` once its forward ran (offloaded bytes until their write ends).
-  auto residentAt = [&](size_t j, double when) -> int64_t {
-    if (offloaded(j) > 0) return writeEnd[j] > when ? offloaded(j) : 0;
-    return heldInMemory(j);
-  };
-  for (size_t i = 0; i < n; ++i) {
+int64_t StepPredictor::offloaded(size_t i) const {
+  switch (policies_[i]) {
+    case BlockPolicy::kSwap: return profile_.blocks[i].savedBytes;
+    case BlockPolicy::kSwapInput: return profile_.blocks[i].inputBytes;
+    default: return 0;
+  }
+}
+
+// memory.tier_dtype = bf16: float32 storages at half.
+int64_t StepPredictor::stored(size_t i) const {
+  const int64_t bytes = offloaded(i);
+  if (profile_.activationsOnTier != TierDtype::kBf16 || bytes == 0) return bytes;
+  const BlockProfile& b = profile_.blocks[i];
+  const int64_t float32 =
+      policies_[i] == BlockPolicy::kSwap ? b.savedFloat32Bytes : b.inputFloat32Bytes;
+  return bytes - float32 / 2;
+}
+
+int64_t StepPredictor::heldInMemory(size_t i) const {  // until its backward
+  switch (policies_[i]) {
+    case BlockPolicy::kKeep: return profile_.blocks[i].savedBytes;
+    case BlockPolicy::kRecompute: return profile_.blocks[i].inputBytes;
+    default: return 0;
+  }
+}
+
+bool StepPredictor::recomputes(size_t i) const {
+  return policies_[i] == BlockPolicy::kRecompute || policies_[i] == BlockPolicy::kSwapInput;
+}
+
+// What block j holds at `when` once its forward ran (offloaded bytes until their write ends).
+int64_t StepPredictor::residentAt(size_t j, double when) const {
+  if (offloaded(j) > 0) return writeEnd_[j] > when ? offloaded(j) : 0;
+  return heldInMemory(j);
+}
+
+// The reader serves reads in the order they are issued; the model books them in the order it
+// reaches them, which for the updater's next state pieces is later than reads backward issues
+// meanwhile. So a read takes the first gap on the reader after its issue time that holds it.
+// Returns when it ends.
+double StepPredictor::bookRead(double issue, int64_t bytes) {
+  const double length = static_cast<double>(bytes) / readBytesPerSecond_;
+  double start = issue;
+  auto it = readerBusy_.begin();
+  for (; it != readerBusy_.end(); ++it) {
+    if (it->second <= start) continue;
+    if (it->first >= start + length) break;
+    start = it->second;
+  }
+  readerBusy_.insert(it, {start, start + length});
+  return start + length;
+}
+
+// Out-of-core weights: block j's weights read at `when` (once in forward, once in backward);
+// a block kept in memory (0 bytes) reads nothing (weightsRead_ stays -inf).
+void StepPredictor::readWeights(size_t j, double when) {
+  if (weights_ == nullptr || j >= blockCount_ || weightsIssued_[j]) return;
+  weightsIssued_[j] = true;
+  if (weights_->weightBytes[j] == 0) return;
+  weightsRead_[j] = bookRead(when, weights_->weightBytes[j]);
+}
+
+double StepPredictor::runForward() {
+  double t = 0.0;
+  for (size_t i = 0; i < blockCount_; ++i) {
     readWeights(i, t);
-    for (int k = 1; k <= weightPrefetch; ++k) readWeights(i + static_cast<size_t>(k), t);
-    t = std::max(t, weightsRead[i]);
-    if (activationLimit > 0) {  // the executor's backpressure: drain the writes
+    for (int k = 1; k <= weightPrefetch_; ++k) readWeights(i + static_cast<size_t>(k), t);
+    t = std::max(t, weightsRead_[i]);
+    if (activationLimit_ > 0) {  // the executor's backpressure: drain the writes
       int64_t held = 0;
       for (size_t j = 0; j < i; ++j) held += residentAt(j, t);
-      if (held + blocks[i].savedBytes > activationLimit) t = std::max(t, writerFree);
+      if (held + profile_.blocks[i].savedBytes > activationLimit_) t = std::max(t, writerFree_);
     }
     const double start = t;
-    t += blocks[i].forwardSeconds;
-    forwardEnd[i] = t;
-    const int64_t bytes = stored(i);
-    if (bytes > 0) {
-      const double issue = policies[i] == BlockPolicy::kSwapInput ? start : t;
-      writeStart[i] = std::max(issue, writerFree);
-      writeEnd[i] = writeStart[i] + static_cast<double>(bytes) / wbw;
-      writerFree = writeEnd[i];
-    }
+    t += profile_.blocks[i].forwardSeconds;
+    forwardEnd_[i] = t;
+    queueWrite(i, start, t);
   }
-  const double forwardSeconds = t;
-  t += profile.lossSeconds;
+  forwardSeconds_ = t;
+  return t;
+}
 
-  // Memory during forward: after block i's forward, what blocks <= i hold (offloaded bytes
-  // until their write ends).
+// Block i's write, its forward having run from `start` to `end`: FIFO on the writer.
+void StepPredictor::queueWrite(size_t i, double start, double end) {
+  const int64_t bytes = stored(i);
+  if (bytes <= 0) return;
+  const double issue = policies_[i] == BlockPolicy::kSwapInput ? start : end;
+  writeStart_[i] = std::max(issue, writerFree_);
+  writeEnd_[i] = writeStart_[i] + static_cast<double>(bytes) / writeBytesPerSecond_;
+  writerFree_ = writeEnd_[i];
+}
+
+int64_t StepPredictor::forwardPeakBytes() const {
   int64_t peak = 0;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < blockCount_; ++i) {
     int64_t live = 0;
-    for (size_t j = 0; j <= i; ++j) live += residentAt(j, forwardEnd[i]);
+    for (size_t j = 0; j <= i; ++j) live += residentAt(j, forwardEnd_[i]);
     // A swap block's saves exist in memory while it computes, whatever the writer does.
-    if (policies[i] == BlockPolicy::kSwap) {
-      live += blocks[i].savedBytes - residentAt(i, forwardEnd[i]);
+    if (policies_[i] == BlockPolicy::kSwap) {
+      live += profile_.blocks[i].savedBytes - residentAt(i, forwardEnd_[i]);
     }
     peak = std::max(peak, live);
     // The loss's forward runs after the last block's: what it saves joins what they hold.
-    if (i + 1 == n) peak = std::max(peak, live + profile.lossSavedBytes);
+    if (i + 1 == blockCount_) peak = std::max(peak, live + profile_.lossSavedBytes);
   }
+  return peak;
+}
 
-  // Backward: reads queued `prefetchDepth` blocks ahead, compute waits for its read.
-  std::vector<double> readEnd(n, -inf);
-  std::vector<bool> issued(n, false), cancelled(n, false);
-  // The weights are read again in backward (the last block's stay); the update of block i
-  // starts when its backward ended and the previous update did.
-  if (offload) {
-    std::fill(weightsIssued.begin(), weightsIssued.end(), false);
-    std::fill(weightsRead.begin(), weightsRead.end(), -inf);
-    weightsIssued[n - 1] = true;
-    for (int k = 1; k <= weightPrefetch && static_cast<size_t>(k) < n; ++k) {
-      readWeights(n - 1 - static_cast<size_t>(k), forwardSeconds);
-    }
+// The weights are read again in backward (the last block's stay), the blocks below the last
+// prefetched from the end of forward.
+void StepPredictor::prefetchWeightsForBackward() {
+  std::fill(weightsIssued_.begin(), weightsIssued_.end(), false);
+  std::fill(weightsRead_.begin(), weightsRead_.end(), -kInfinity);
+  weightsIssued_[blockCount_ - 1] = true;
+  for (int k = 1; k <= weightPrefetch_ && static_cast<size_t>(k) < blockCount_; ++k) {
+    readWeights(blockCount_ - 1 - static_cast<size_t>(k), forwardSeconds_);
   }
-  std::vector<double> updateEnd(n, -inf);
-  double updaterFree = 0.0;
-  std::vector<double> pieceWrites;  // end times of the pieces written, in order
-  std::vector<std::pair<double, double>> steps, computing;  // optimizer; training thread
-  const bool overlap = offload && weights->overlap;
-  // Block i's update, its gradients in at `ready` (weights.cpp's update()): the first state
-  // piece read from `ready` (overlapped) or when the update begins, each next one when the
-  // previous is stepped; each piece written after its step, the updater waiting while
-  // writesInFlight pieces are in flight; the block is done when its last piece's write is
-  // queued, and the updater moves on once the weights' write is. A kept block (block 0) reads
-  // and writes nothing. Returns when the block is done.
-  auto runUpdate = [&](size_t i, double ready) {
-    const bool kept = weights->weightBytes[i] == 0;
-    double begin = std::max(ready, updaterFree);
-    if (!overlap && !kept) {  // the weights left after backward: read again
-      begin = bookRead(begin, weights->weightBytes[i]);
+}
+
+// Backward reached block `above` at `when`: the reads of the `prefetchDepth` blocks below it.
+void StepPredictor::issueReads(size_t above, double when) {
+  for (size_t k = 1; k <= static_cast<size_t>(prefetchDepth_) && k <= above; ++k) {
+    const size_t j = above - k;
+    if (issued_[j] || offloaded(j) == 0) continue;
+    issued_[j] = true;
+    if (when < writeStart_[j]) {  // queued before its write started: cancelled
+      cancelled_[j] = true;
+      readEnd_[j] = when;
+      continue;
     }
-    auto write = [&](int64_t bytes, double when) {  // returns when the updater may go on
-      const size_t slots = static_cast<size_t>(std::max(weights->writesInFlight, 1));
-      const double submit = pieceWrites.size() >= slots
-                                ? std::max(when, pieceWrites[pieceWrites.size() - slots])
-                                : when;
-      const double start = std::max(submit, writerFree);
-      writerFree = start + static_cast<double>(bytes) / wbw;
-      pieceWrites.push_back(writerFree);
-      return submit;
-    };
-    const std::vector<int64_t>& pieces = weights->statePieces[i];
-    int64_t total = 0;
-    for (int64_t b : pieces) total += b;
-    double at = begin;
-    if (pieces.empty() || kept) {
-      steps.emplace_back(at, at + weights->updateSeconds[i]);
-      at += weights->updateSeconds[i];
-    } else {
-      double readEnd = bookRead(overlap ? ready : begin, pieces[0]);
-      for (size_t k = 0; k < pieces.size(); ++k) {
-        const double stepStart = std::max(at, readEnd);
-        if (k + 1 < pieces.size()) readEnd = bookRead(stepStart, pieces[k + 1]);
-        const double share = total > 0 ? static_cast<double>(pieces[k]) / total : 1.0;
-        const double stepEnd = stepStart + weights->updateSeconds[i] * share;
-        steps.emplace_back(stepStart, stepEnd);
-        at = write(pieces[k], stepEnd);
-      }
-    }
-    updateEnd[i] = at;
-    updaterFree = kept ? at : write(weights->weightBytes[i], at);
-  };
-  auto issueReads = [&](size_t above, double when) {  // backward reached block `above`
-    for (size_t k = 1; k <= static_cast<size_t>(prefetchDepth) && k <= above; ++k) {
-      const size_t j = above - k;
-      if (issued[j] || offloaded(j) == 0) continue;
-      issued[j] = true;
-      if (when < writeStart[j]) {  // queued before its write started: cancelled
-        cancelled[j] = true;
-        readEnd[j] = when;
-        continue;
-      }
-      readEnd[j] = bookRead(std::max(when, writeEnd[j]), stored(j));
-    }
-  };
-  issueReads(n, forwardSeconds);
-  for (size_t step = 0; step < n; ++step) {
-    const size_t i = n - 1 - step;
-    double start = t;
-    if (offload) {
-      // Backpressure: the updates of the blocks above i + updateBacklog have ended; then the
-      // weights (read now, unless prefetched).
-      const size_t above = i + 1 + static_cast<size_t>(std::max(weights->updateBacklog, 0));
-      if (overlap && above < n) start = std::max(start, updateEnd[above]);
-      readWeights(i, start);
-      start = std::max(start, weightsRead[i]);
-    }
-    if (offloaded(i) > 0) {
-      if (!issued[i]) issueReads(i + 1, t);
-      start = std::max(start, readEnd[i]);
-    }
-    issueReads(i, start);
-    // Memory while block i runs backward: what blocks below hold (offloaded bytes resident
-    // again once their read was queued, or never written), plus its own saves rematerialized
-    // (recompute also holds its input while rerunning).
-    int64_t live = blocks[i].savedBytes;
-    if (policies[i] == BlockPolicy::kRecompute || policies[i] == BlockPolicy::kSwapInput) {
-      live += blocks[i].inputBytes;
-    }
-    for (size_t j = 0; j < i; ++j) {
-      if (offloaded(j) > 0) {
-        live += (issued[j] || cancelled[j] || writeEnd[j] > start) ? offloaded(j) : 0;
-      } else {
-        live += heldInMemory(j);
-      }
-    }
-    peak = std::max(peak, live);
-    const bool recomputes =
-        policies[i] == BlockPolicy::kRecompute || policies[i] == BlockPolicy::kSwapInput;
-    if (offload) {
-      for (int k = 1; k <= weightPrefetch && static_cast<size_t>(k) <= i; ++k) {
+    readEnd_[j] = bookRead(std::max(when, writeEnd_[j]), stored(j));
+  }
+}
+
+double StepPredictor::runBackward() {
+  double t = forwardSeconds_ + profile_.lossSeconds;
+  if (weights_ != nullptr) prefetchWeightsForBackward();
+  issueReads(blockCount_, forwardSeconds_);
+  for (size_t step = 0; step < blockCount_; ++step) {
+    const size_t i = blockCount_ - 1 - step;
+    const double start = startBackward(i, t);
+    backwardPeak_ = std::max(backwardPeak_, backwardLiveBytes(i, start));
+    if (weights_ != nullptr) {
+      for (int k = 1; k <= weightPrefetch_ && static_cast<size_t>(k) <= i; ++k) {
         readWeights(i - static_cast<size_t>(k), start);
       }
     }
-    t = start + blocks[i].backwardSeconds + (recomputes ? blocks[i].forwardSeconds : 0.0);
-    computing.emplace_back(start, t);
-    if (overlap) runUpdate(i, t);
+    const BlockProfile& b = profile_.blocks[i];
+    t = start + b.backwardSeconds + (recomputes(i) ? b.forwardSeconds : 0.0);
+    computing_.emplace_back(start, t);
+    if (overlap_) runUpdate(i, t);
   }
-  double updatesEnd = 0.0;
-  if (offload) {
-    // With clipping every update waits for the end of backward (finishStep, top block first).
-    if (!overlap) {
-      for (size_t k = n; k-- > 0;) runUpdate(k, t);
+  backwardEnd_ = t;
+  return t;
+}
+
+double StepPredictor::startBackward(size_t i, double previousEnd) {
+  double start = previousEnd;
+  if (weights_ != nullptr) {
+    // Backpressure: the updates of the blocks above i + updateBacklog have ended; then the
+    // weights (read now, unless prefetched).
+    const size_t above = i + 1 + static_cast<size_t>(std::max(weights_->updateBacklog, 0));
+    if (overlap_ && above < blockCount_) start = std::max(start, updateEnd_[above]);
+    readWeights(i, start);
+    start = std::max(start, weightsRead_[i]);
+  }
+  if (offloaded(i) > 0) {
+    if (!issued_[i]) issueReads(i + 1, previousEnd);
+    start = std::max(start, readEnd_[i]);
+  }
+  issueReads(i, start);
+  return start;
+}
+
+int64_t StepPredictor::backwardLiveBytes(size_t i, double start) const {
+  int64_t live = profile_.blocks[i].savedBytes;
+  if (recomputes(i)) live += profile_.blocks[i].inputBytes;
+  for (size_t j = 0; j < i; ++j) {
+    if (offloaded(j) > 0) {
+      live += (issued_[j] || cancelled_[j] || writeEnd_[j] > start) ? offloaded(j) : 0;
+    } else {
+      live += heldInMemory(j);
     }
-    for (double e : updateEnd) updatesEnd = std::max(updatesEnd, e);
   }
-  // An updater without a core of its own takes the seconds its steps overlap the training
-  // thread's backward compute from it.
+  return live;
+}
+
+// A piece's write queued at `when` (weights.cpp's update()): the updater waits while
+// writesInFlight pieces are in flight. Returns when the updater may go on.
+double StepPredictor::writePiece(int64_t bytes, double when) {
+  const size_t slots = static_cast<size_t>(std::max(weights_->writesInFlight, 1));
+  const double submit = pieceWrites_.size() >= slots
+                            ? std::max(when, pieceWrites_[pieceWrites_.size() - slots])
+                            : when;
+  const double start = std::max(submit, writerFree_);
+  writerFree_ = start + static_cast<double>(bytes) / writeBytesPerSecond_;
+  pieceWrites_.push_back(writerFree_);
+  return submit;
+}
+
+// The first state piece read from `ready` (overlapped) or when the update begins, each next
+// one when the previous is stepped; each piece written after its step. A kept block (block 0)
+// reads and writes nothing.
+double StepPredictor::runUpdate(size_t i, double ready) {
+  const bool kept = weights_->weightBytes[i] == 0;
+  double begin = std::max(ready, updaterFree_);
+  if (!overlap_ && !kept) {  // the weights left after backward: read again
+    begin = bookRead(begin, weights_->weightBytes[i]);
+  }
+  const std::vector<int64_t>& pieces = weights_->statePieces[i];
+  const double seconds = weights_->updateSeconds[i];
+  int64_t total = 0;
+  for (int64_t b : pieces) total += b;
+  double at = begin;
+  if (pieces.empty() || kept) {
+    steps_.emplace_back(at, at + seconds);
+    at += seconds;
+  } else {
+    double pieceRead = bookRead(overlap_ ? ready : begin, pieces[0]);  // when it is in
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const double stepStart = std::max(at, pieceRead);
+      if (k + 1 < pieces.size()) pieceRead = bookRead(stepStart, pieces[k + 1]);
+      const double share = total > 0 ? static_cast<double>(pieces[k]) / total : 1.0;
+      const double stepEnd = stepStart + seconds * share;
+      steps_.emplace_back(stepStart, stepEnd);
+      at = writePiece(pieces[k], stepEnd);
+    }
+  }
+  updateEnd_[i] = at;
+  updaterFree_ = kept ? at : writePiece(weights_->weightBytes[i], at);
+  return at;
+}
+
+void StepPredictor::runUpdatesAfterBackward() {
+  for (size_t k = blockCount_; k-- > 0;) runUpdate(k, backwardEnd_);
+}
+
+double StepPredictor::updaterSharedSeconds() const {
   double shared = 0.0;
-  if (offload && weights->updaterSharesCore) {
-    for (const auto& [s0, s1] : steps) {
-      for (const auto& [c0, c1] : computing)
-        shared += std::max(0.0, std::min(s1, c1) - std::max(s0, c0));
+  if (weights_ == nullptr || !weights_->updaterSharesCore) return shared;
+  for (const auto& [s0, s1] : steps_) {
+    for (const auto& [c0, c1] : computing_) {
+      shared += std::max(0.0, std::min(s1, c1) - std::max(s0, c0));
     }
   }
+  return shared;
+}
+
+Prediction StepPredictor::finish() {
+  double updatesEnd = 0.0;
+  if (weights_ != nullptr) {
+    // With clipping every update waits for the end of backward (finishStep, top block first).
+    if (!overlap_) runUpdatesAfterBackward();
+    for (double e : updateEnd_) updatesEnd = std::max(updatesEnd, e);
+  }
+  const double shared = updaterSharedSeconds();
   Prediction p;
-  p.stepSeconds = t + shared;
-  p.forwardSeconds = forwardSeconds;
-  if (offload) p.updatesEndSeconds = std::max(updatesEnd + shared, p.stepSeconds);
-  p.peakBytes = peak;
+  p.stepSeconds = backwardEnd_ + shared;
+  p.forwardSeconds = forwardSeconds_;
+  if (weights_ != nullptr) p.updatesEndSeconds = std::max(updatesEnd + shared, p.stepSeconds);
+  p.peakBytes = std::max(forwardPeakBytes(), backwardPeak_);
   return p;
 }
 

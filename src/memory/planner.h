@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "data/dataset.h"
@@ -100,6 +101,105 @@ struct Prediction {
 Prediction predict(const ModelProfile& profile, const std::vector<BlockPolicy>& policies,
                    const TierBandwidth& bandwidth, int prefetchDepth,
                    const WeightTraffic* weights = nullptr, int64_t activationLimit = 0);
+
+// predict's model, in its phases (each testable alone). Times are seconds from the step's
+// start, sizes bytes. predict runs runForward, runBackward and finish, once each and in that
+// order; each phase reads the timeline the earlier ones left (the tier's writer and reader are
+// shared, so their bookings must come in this order). The profile and weights must outlive it.
+class StepPredictor {
+ public:
+  StepPredictor(const ModelProfile& profile, const std::vector<BlockPolicy>& policies,
+                const TierBandwidth& bandwidth, int prefetchDepth,
+                const WeightTraffic* weights = nullptr, int64_t activationLimit = 0);
+
+  // Forward, block 0 first: block i waits for its weights (read `weights->prefetch` blocks
+  // ahead) and, over the activation limit, for every queued write; computes F_i; queues its
+  // write (swap: A_i as stored, when it ends; swap-input: X_i, when it starts). Returns when
+  // the last block's forward ends.
+  double runForward();
+  // The activation peak during forward (after runForward): after each block's forward, what
+  // it and the blocks before it hold (offloaded bytes until their write ends; a swap block its
+  // whole saves), and after the last block's, the loss's saves as well.
+  int64_t forwardPeakBytes() const;
+  // Backward, last block first (after runForward), starting after the loss: each block starts
+  // (startBackward), its live bytes join the backward peak (backwardLiveBytes), it computes B_i
+  // (plus F_i if it recomputes or swaps its input), then, out-of-core with overlap, its update
+  // runs (runUpdate). Returns when block 0's backward ends.
+  double runBackward();
+  // When block i's backward starts, its previous block's having ended at `previousEnd`: after
+  // the updates above i + updateBacklog (overlapped), its weights' read and its activations'
+  // read (queued now if not prefetched); then the reads of the `prefetchDepth` blocks below
+  // are queued (one queued before its write started is cancelled: the bytes never left).
+  double startBackward(size_t block, double previousEnd);
+  // What is live while block i runs backward from `start`: its saves rematerialized (and its
+  // input while it recomputes), what keep and recompute blocks below hold, and the offloaded
+  // bytes below that are in memory again (read queued, cancelled) or not yet written.
+  int64_t backwardLiveBytes(size_t block, double start) const;
+  int64_t backwardPeakBytes() const { return backwardPeak_; }  // the largest of those so far
+  // Out-of-core weights: block i's update, its gradients in at `ready` (see WeightTraffic).
+  // Returns when the block's update is done (its last piece's write queued); the updater
+  // moves on once the weights' write is queued too.
+  double runUpdate(size_t block, double ready);
+  // The updates that wait for the end of backward (no overlap: clipping), top block first.
+  void runUpdatesAfterBackward();
+  // The seconds the updater's steps overlap backward's compute: what it takes from the
+  // training thread when it has no core of its own (updaterSharesCore), else 0.
+  double updaterSharedSeconds() const;
+  // The prediction (after runBackward): the updates left run, the shared seconds added.
+  Prediction finish();
+
+  // The timeline so far. A block without a write: writeStart +inf, writeEnd -inf; readEnd
+  // -inf until its read is queued (a cancelled read: when it was queued); updateEnd -inf
+  // until its update ran.
+  double forwardEnd(size_t block) const { return forwardEnd_[block]; }
+  double writeStart(size_t block) const { return writeStart_[block]; }
+  double writeEnd(size_t block) const { return writeEnd_[block]; }
+  double readEnd(size_t block) const { return readEnd_[block]; }
+  bool readCancelled(size_t block) const { return cancelled_[block]; }
+  double updateEnd(size_t block) const { return updateEnd_[block]; }
+
+ private:
+  int64_t offloaded(size_t block) const;     // bytes the block sends to the tier
+  int64_t stored(size_t block) const;        // what the tier stores of them
+  int64_t heldInMemory(size_t block) const;  // bytes a keep or recompute block holds
+  bool recomputes(size_t block) const;       // recompute and swap-input rerun the forward
+  int64_t residentAt(size_t block, double when) const;
+  void queueWrite(size_t block, double start, double end);
+  double bookRead(double issue, int64_t bytes);
+  void readWeights(size_t block, double when);
+  void prefetchWeightsForBackward();
+  void issueReads(size_t above, double when);
+  double writePiece(int64_t bytes, double when);
+
+  const ModelProfile& profile_;
+  const std::vector<BlockPolicy> policies_;
+  const WeightTraffic* weights_;  // nullptr: the weights stay in memory
+  const size_t blockCount_;
+  const int prefetchDepth_;
+  const int64_t activationLimit_;
+  const double writeBytesPerSecond_;  // without a measured bandwidth 1e-9: a transfer never ends
+  const double readBytesPerSecond_;
+  const int weightPrefetch_;
+  const bool overlap_;  // updates run during backward
+
+  // The reader's booked intervals, in time order (bookRead).
+  std::vector<std::pair<double, double>> readerBusy_;
+  double writerFree_ = 0.0;  // when the writer has written everything queued
+  std::vector<double> weightsRead_;
+  std::vector<bool> weightsIssued_;
+  std::vector<double> forwardEnd_, writeStart_, writeEnd_;
+  double forwardSeconds_ = 0.0;
+  std::vector<double> readEnd_;
+  std::vector<bool> issued_, cancelled_;
+  int64_t backwardPeak_ = 0;
+  double backwardEnd_ = 0.0;
+  std::vector<double> updateEnd_;
+  double updaterFree_ = 0.0;
+  // The end times of the state pieces and weights written, in order.
+  std::vector<double> pieceWrites_;
+  // The optimizer's steps and backward's compute, as intervals (updaterSharedSeconds).
+  std::vector<std::pair<double, double>> steps_, computing_;
+};
 
 struct Plan {
   std::vector<BlockPolicy> policies;

@@ -43,7 +43,7 @@ Workload measureWorkload(const Config& config) {
   w.epochExamples = setup.data.train->size();
   w.threads = static_cast<int>(runtime.threads);
   // The run's memory plan (its profile is the one the planner measured).
-  ActivationMemory m = makeActivationMemory(options, setup.model, sample, /*plan=*/true);
+  ActivationMemory m = makeActivationMemory(options, setup.model, sample, /*alwaysPlan=*/true);
   CARAVAN_CHECK(m.profile.has_value(), "a plan without a profile");
   const ModelProfile& profile = *m.profile;
   for (size_t i = 0; i < profile.blocks.size(); ++i) {

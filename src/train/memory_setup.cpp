@@ -225,25 +225,16 @@ void setStagePolicies(ActivationMemory& m, BlockModel& model, std::vector<BlockP
   m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
 }
 
-ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,
-                                      const Batch& sample, bool plan, int localProcesses) {
-  const MemoryOptions& o = options.memory;
-  const TierDtype tierDtype = parseTierDtype(o.tierDtype, "memory.tier_dtype");
-  ActivationMemory m;
-  // A pipeline's partition plans its stages (setStagePolicies); until then every block keeps.
-  const std::string policy =
-      o.automatic() && options.pipeline.active() && !plan ? std::string("keep") : o.policy;
-  const bool automatic = policy == "auto";
-  const int prefetch = static_cast<int>(o.prefetch);
-  const size_t n = model->numBlocks();
-  if (!automatic) m.policies = parsePolicies(policy, n, "memory.policy");
-  const bool planning = automatic || plan;
-  const bool offload = o.offloadWeights;
-  if (needsTier(m.policies) || offload) {
+namespace {
+
+// The tier: when a policy swaps or the weights are out of core, or, when planning, if one can
+// be made (the planner may swap; without one it plans keep and recompute only). Only the
+// planner uses the bandwidths: fixed policies skip the probe.
+void openTier(ActivationMemory& m, const MemoryOptions& o, TierDtype tierDtype, bool planning) {
+  if (needsTier(m.policies) || o.offloadWeights) {
     m.tier = makeTier(o.tier, o.swapDir);
     if (!planning) m.report += fmt::format("memory tier: {}\n", m.tier->describe());
   } else if (planning) {
-    // The planner may swap if there is a tier; without one it plans keep and recompute only.
     try {
       m.tier = makeTier(o.tier, o.swapDir);
     } catch (const Error& e) {
@@ -251,7 +242,6 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
     }
   }
   if (planning && m.tier) {
-    // Only the planner uses the bandwidths: fixed policies skip the probe.
     // memory.tier_dtype = bf16: measured through the conversions, in bytes as stored.
     m.bandwidth = m.tier->measure(kBandwidthProbeBytes, tierDtype);
     m.report += fmt::format(
@@ -260,116 +250,157 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
         tierDtype == TierDtype::kBf16 ? " (of bf16 bytes, conversions included: memory.tier_dtype)"
                                       : "");
   }
+}
+
+// memory.policy = auto or a budget: the plan (m.plan) of the fastest window that fits.
+// Out-of-core weights under a budget: every window is planned, and the one whose fitting plan
+// is predicted fastest (to the end of the last update) wins; a smaller one leaves the
+// activations more room and waits more for the tier. None fitting: the smallest window's plan
+// (the refusal names its budget).
+void planWindows(ActivationMemory& m, const RunOptions& options, BlockModel& model, double perByte,
+                 int localProcesses) {
+  const MemoryOptions& o = options.memory;
+  const int64_t budget = o.budget;
+  const bool offload = o.offloadWeights;
+  const std::vector<WeightOptions> windows =
+      offload && budget > 0 ? weightWindows(options) : std::vector<WeightOptions>{m.weights};
+  auto cost = [](const Plan& p) {
+    return std::max(p.prediction.stepSeconds, p.prediction.updatesEndSeconds);
+  };
+  std::optional<WeightTraffic> traffic;
+  std::string considered;
+  for (size_t k = 0; k < windows.size(); ++k) {
+    const WeightOptions& window = windows[k];
+    const int64_t persistent = persistentBytes(options, model, window);
+    // The plan aims at 95% of what the budget leaves for activations: the model does not see
+    // threads scheduled late on a busy machine (a swap write that lands after the next block's
+    // saves; measured: up to 2% over a plan's peak with the tests running two at a time).
+    const double room = kPlanMargin * static_cast<double>(budget - persistent);
+    const int64_t activationBudget =
+        budget > 0 ? std::max<int64_t>(static_cast<int64_t>(room), 1) : 0;
+    if (offload) traffic = weightTraffic(model, window, perByte, localProcesses);
+    // Predicted with the write backpressure the executor applies (attachExecutor): a planned
+    // run's executor drains at the plan's budget, so the margin holds while the writes lag too.
+    Plan plan =
+        planPolicies(*m.profile, m.bandwidth, activationBudget, static_cast<int>(o.prefetch),
+                     traffic ? &*traffic : nullptr, activationBudget);
+    if (windows.size() > 1) {
+      considered += fmt::format(
+          "  window {}: {} ({}): {}\n", k + 1, formatBytes(persistent), describeWindow(window),
+          plan.fits ? fmt::format("predicted step {:.1f} ms", cost(plan) * 1e3)
+                    : std::string("no activation plan fits"));
+    }
+    const bool better = !m.plan || (plan.fits && (!m.plan->fits || cost(plan) < cost(*m.plan)));
+    if (better || (!m.plan->fits && k + 1 == windows.size())) {
+      m.weights = window;
+      m.persistent = persistent;
+      m.plan = std::move(plan);
+    }
+  }
+  if (!considered.empty()) {
+    m.report +=
+        "out-of-core windows under memory.budget (the fastest that fits is taken):\n" + considered;
+  }
+}
+
+// Profiles the model and plans (planWindows) or, for caravan plan of a given policy without a
+// budget, predicts it; reports the plan. See makeActivationMemory for `alwaysPlan`.
+void planActivations(ActivationMemory& m, const RunOptions& options, BlockModel& model,
+                     const Batch& sample, TierDtype tierDtype, bool automatic, bool alwaysPlan,
+                     int localProcesses) {
+  const MemoryOptions& o = options.memory;
+  const int64_t budget = o.budget;
+  const bool offload = o.offloadWeights;
+  m.profile = profileModel(model, sample, static_cast<int>(o.profileRepeats));
+  m.profile->activationsOnTier = tierDtype;
+  const double perByte = offload ? updateSecondsPerByte(options, model) : 0.0;
+  if (automatic || budget > 0) {
+    planWindows(m, options, model, perByte, localProcesses);
+  } else {
+    // caravan plan of a given policy: predict it.
+    std::optional<WeightTraffic> traffic;
+    if (offload) traffic = weightTraffic(model, m.weights, perByte, localProcesses);
+    Plan p;
+    p.policies = m.policies;
+    p.prediction = predict(*m.profile, m.policies, m.bandwidth, static_cast<int>(o.prefetch),
+                           traffic ? &*traffic : nullptr);
+    p.fits = true;
+    m.plan = p;
+  }
+  const int64_t persistent = m.persistent;
+  m.report += formatPlan(*m.profile, *m.plan, m.bandwidth, static_cast<int>(o.prefetch));
+  m.report +=
+      fmt::format("weights, gradients and optimizer state: {}; memory.budget: {}\n",
+                  formatBytes(persistent), budget > 0 ? formatBytes(budget) : std::string("none"));
+  if (automatic && !alwaysPlan && !m.plan->fits) {
+    const int64_t smallest = smallestPlannedBudget(*m.plan, persistent);
+    throw ConfigError(fmt::format(
+        "memory.budget = {} is below what this model and batch need with the best plan: "
+        "activations {} ({}) + weights, gradients and optimizer state {}; the smallest budget "
+        "the planner can fit is {} ({} bytes), or lower data.batch_size",
+        formatBytes(budget), formatBytes(m.plan->prediction.peakBytes),
+        formatPolicies(m.plan->policies), formatBytes(persistent), formatBytesAtLeast(smallest),
+        smallest));
+  }
+  if (automatic) m.policies = m.plan->policies;
+}
+
+// The executor, when a block does not keep or the weights are out of core (it turns saved views
+// of weights into descriptions, so they do not hold the blobs in memory), with the write
+// backpressure under a budget.
+void attachExecutor(ActivationMemory& m, const MemoryOptions& o, BlockModel& model,
+                    const Batch& sample, TierDtype tierDtype, bool automatic) {
+  bool allKeep = true;
+  for (BlockPolicy p : m.policies) allKeep = allKeep && p == BlockPolicy::kKeep;
+  if (allKeep && !o.offloadWeights) return;
+  if (needsTier(m.policies) && !m.tier) {
+    m.tier = makeTier(o.tier, o.swapDir);
+  }
+  m.executor = std::make_unique<ActivationExecutor>(model, m.policies, m.tier.get(),
+                                                    static_cast<int>(o.prefetch), tierDtype);
+  const int64_t budget = o.budget;
+  if (budget > 0 && (m.profile || needsTier(m.policies))) {
+    // Fixed swap policies too (one that writes nothing has nothing to wait for, and skips the
+    // profiling pass): without a limit, writes slower than forward pile up in memory (all-swap
+    // at 50 MB/s grew past its cgroup during its first step, before the budget check after it
+    // could refuse the run). Not planned, they are profiled for sizes only (one untimed pass),
+    // so the check can look ahead at what each block will save and the peak stays within the
+    // limit rather than one block over it.
+    const ModelProfile sizes = m.profile ? *m.profile : profileModel(model, sample, 0);
+    std::vector<int64_t> saved;
+    for (const auto& b : sizes.blocks) saved.push_back(b.savedBytes);
+    // The loss's saves join the last block's (its forward follows straight after).
+    if (!saved.empty()) saved.back() += sizes.lossSavedBytes;
+    // A planned run drains at the budget its plan was fitted to (the plan's margin below the
+    // room, as its prediction assumed); a fixed policy at the whole room.
+    const double room = static_cast<double>(budget - m.persistent);
+    const int64_t limit = static_cast<int64_t>(automatic ? kPlanMargin * room : room);
+    m.executor->setActivationLimit(std::max<int64_t>(limit, 1), std::move(saved));
+  }
+  m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
+}
+
+}  // namespace
+
+ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,
+                                      const Batch& sample, bool alwaysPlan, int localProcesses) {
+  const MemoryOptions& o = options.memory;
+  const TierDtype tierDtype = parseTierDtype(o.tierDtype, "memory.tier_dtype");
+  ActivationMemory m;
+  // A pipeline's partition plans its stages (setStagePolicies); until then every block keeps.
+  const std::string policy =
+      o.automatic() && options.pipeline.active() && !alwaysPlan ? std::string("keep") : o.policy;
+  const bool automatic = policy == "auto";
+  if (!automatic) m.policies = parsePolicies(policy, model->numBlocks(), "memory.policy");
+  const bool planning = automatic || alwaysPlan;
+  openTier(m, o, tierDtype, planning);
   m.weights = weightOptions(options);
   m.persistent = persistentBytes(options, model, m.weights);
   if (planning) {
-    const int64_t budget = o.budget;
-    m.profile = profileModel(model, sample, static_cast<int>(o.profileRepeats));
-    m.profile->activationsOnTier = tierDtype;
-    const double perByte = offload ? updateSecondsPerByte(options, model) : 0.0;
-    std::optional<WeightTraffic> traffic;
-    if (automatic || budget > 0) {
-      // Out-of-core weights under a budget: every window is planned, and the one whose
-      // fitting plan is predicted fastest (to the end of the last update) wins; a smaller one
-      // leaves the activations more room and waits more for the tier. None fitting: the
-      // smallest window's plan (the refusal names its budget).
-      const std::vector<WeightOptions> windows =
-          offload && budget > 0 ? weightWindows(options) : std::vector<WeightOptions>{m.weights};
-      auto cost = [](const Plan& p) {
-        return std::max(p.prediction.stepSeconds, p.prediction.updatesEndSeconds);
-      };
-      std::string considered;
-      for (size_t k = 0; k < windows.size(); ++k) {
-        const WeightOptions& window = windows[k];
-        const int64_t persistent = persistentBytes(options, model, window);
-        // The plan aims at 95% of what the budget leaves for activations: the model does not
-        // see threads scheduled late on a busy machine (a swap write that lands after the next
-        // block's saves; measured: up to 2% over a plan's peak with the tests running two at a
-        // time).
-        const double room = kPlanMargin * static_cast<double>(budget - persistent);
-        const int64_t activationBudget =
-            budget > 0 ? std::max<int64_t>(static_cast<int64_t>(room), 1) : 0;
-        if (offload) traffic = weightTraffic(model, window, perByte, localProcesses);
-        // Predicted with the write backpressure the executor applies (below): a planned run's
-        // executor drains at the plan's budget, so the margin holds while the writes lag too.
-        Plan plan = planPolicies(*m.profile, m.bandwidth, activationBudget, prefetch,
-                                 traffic ? &*traffic : nullptr, activationBudget);
-        if (windows.size() > 1) {
-          considered += fmt::format(
-              "  window {}: {} ({}): {}\n", k + 1, formatBytes(persistent), describeWindow(window),
-              plan.fits ? fmt::format("predicted step {:.1f} ms", cost(plan) * 1e3)
-                        : std::string("no activation plan fits"));
-        }
-        const bool better = !m.plan || (plan.fits && (!m.plan->fits || cost(plan) < cost(*m.plan)));
-        if (better || (!m.plan->fits && k + 1 == windows.size())) {
-          m.weights = window;
-          m.persistent = persistent;
-          m.plan = std::move(plan);
-        }
-      }
-      if (!considered.empty()) {
-        m.report += "out-of-core windows under memory.budget (the fastest that fits is taken):\n" +
-                    considered;
-      }
-    } else {
-      // caravan plan of a given policy: predict it.
-      if (offload) traffic = weightTraffic(model, m.weights, perByte, localProcesses);
-      Plan p;
-      p.policies = m.policies;
-      p.prediction =
-          predict(*m.profile, m.policies, m.bandwidth, prefetch, traffic ? &*traffic : nullptr);
-      p.fits = true;
-      m.plan = p;
-    }
-    const int64_t persistent = m.persistent;
-    m.report += formatPlan(*m.profile, *m.plan, m.bandwidth, prefetch);
-    m.report += fmt::format("weights, gradients and optimizer state: {}; memory.budget: {}\n",
-                            formatBytes(persistent),
-                            budget > 0 ? formatBytes(budget) : std::string("none"));
-    if (automatic && !plan && !m.plan->fits) {
-      const int64_t smallest = smallestPlannedBudget(*m.plan, persistent);
-      throw ConfigError(fmt::format(
-          "memory.budget = {} is below what this model and batch need with the best plan: "
-          "activations {} ({}) + weights, gradients and optimizer state {}; the smallest budget "
-          "the planner can fit is {} ({} bytes), or lower data.batch_size",
-          formatBytes(budget), formatBytes(m.plan->prediction.peakBytes),
-          formatPolicies(m.plan->policies), formatBytes(persistent), formatBytesAtLeast(smallest),
-          smallest));
-    }
-    if (automatic) m.policies = m.plan->policies;
+    planActivations(m, options, model, sample, tierDtype, automatic, alwaysPlan, localProcesses);
   }
-  bool allKeep = true;
-  for (BlockPolicy p : m.policies) allKeep = allKeep && p == BlockPolicy::kKeep;
-  // Out-of-core weights need the executor even when every block keeps: it turns saved views of
-  // weights into descriptions, so they do not hold the blobs in memory.
-  if (!allKeep || offload) {
-    if (needsTier(m.policies) && !m.tier) {
-      m.tier = makeTier(o.tier, o.swapDir);
-    }
-    m.executor =
-        std::make_unique<ActivationExecutor>(model, m.policies, m.tier.get(), prefetch, tierDtype);
-    const int64_t budget = o.budget;
-    if (budget > 0 && (m.profile || needsTier(m.policies))) {
-      // Fixed swap policies too (one that writes nothing has nothing to wait for, and skips the
-      // profiling pass): without a limit, writes slower than forward pile up in memory
-      // (all-swap at 50 MB/s grew past its cgroup during its first step, before the budget
-      // check after it could refuse the run). Not planned, they are profiled for sizes only
-      // (one untimed pass), so the check can look ahead at what each block will save and the
-      // peak stays within the limit rather than one block over it.
-      const ModelProfile sizes = m.profile ? *m.profile : profileModel(model, sample, 0);
-      std::vector<int64_t> saved;
-      for (const auto& b : sizes.blocks) saved.push_back(b.savedBytes);
-      // The loss's saves join the last block's (its forward follows straight after).
-      if (!saved.empty()) saved.back() += sizes.lossSavedBytes;
-      // A planned run drains at the budget its plan was fitted to (the plan's margin below the
-      // room, as its prediction assumed); a fixed policy at the whole room.
-      const double room = static_cast<double>(budget - m.persistent);
-      const int64_t limit = static_cast<int64_t>(automatic ? kPlanMargin * room : room);
-      m.executor->setActivationLimit(std::max<int64_t>(limit, 1), std::move(saved));
-    }
-    m.report += fmt::format("memory policies: {}\n", formatPolicies(m.policies));
-  }
-  if (offload) {
+  attachExecutor(m, o, model, sample, tierDtype, automatic);
+  if (o.offloadWeights) {
     const WeightWindow w = OutOfCoreWeights::window(model, m.weights);
     m.report += fmt::format(
         "weights, gradients and optimizer state: out of core on the tier, at most {} in memory "

@@ -83,11 +83,6 @@ std::optional<TrainingMemoryEstimate> estimateTrainingMemory(const RunOptions& o
 void checkTrainingFitsMachine(const RunOptions& options, BlockModel& model, const Batch& sample,
                               int64_t seqLen, int localProcesses);
 
-// `plan`: profile and plan even if memory.policy is not auto, and return a plan that does not
-// fit instead of throwing (caravan plan). `sample`: a batch like the run's (for profiling).
-// Throws ConfigError when memory.policy = auto and no plan fits memory.budget, naming the
-// smallest budget the planner can fit. Pipelines with memory.policy = auto start with every
-// block keeping: the partition chooses the stages' policies (setStagePolicies).
 // The smallest memory.budget under which the planner accepts `plan` (it aims at a margin
 // below what a budget leaves for activations).
 int64_t smallestPlannedBudget(const Plan& plan, int64_t persistent);
@@ -95,9 +90,14 @@ int64_t smallestPlannedBudget(const Plan& plan, int64_t persistent);
 // block does not keep (recompute only: stages do not swap).
 void setStagePolicies(ActivationMemory& m, BlockModel& model, std::vector<BlockPolicy> policies,
                       int prefetch);
-// `localProcesses`: the processes training on this host (whether the weights' updater has a
-// core of its own, for the prediction).
+// `alwaysPlan`: profile and plan even if memory.policy is not auto, and return a plan that does
+// not fit instead of throwing (caravan plan, the simulator). `sample`: a batch like the run's
+// (for profiling). Throws ConfigError when memory.policy = auto and no plan fits memory.budget,
+// naming the smallest budget the planner can fit. Pipelines with memory.policy = auto start
+// with every block keeping (unless `alwaysPlan`): the partition chooses the stages' policies
+// (setStagePolicies). `localProcesses`: the processes training on this host (whether the
+// weights' updater has a core of its own, for the prediction).
 ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& model,
-                                      const Batch& sample, bool plan, int localProcesses = 1);
+                                      const Batch& sample, bool alwaysPlan, int localProcesses = 1);
 
 }  // namespace caravan

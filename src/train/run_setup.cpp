@@ -148,7 +148,7 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
           at::get_num_threads()));
     }
   }
-  activations = makeActivationMemory(options, model, sample, /*plan=*/false, localProcesses);
+  activations = makeActivationMemory(options, model, sample, /*alwaysPlan=*/false, localProcesses);
 }
 
 RunSetup::PipelineCut RunSetup::pipelineCut(Communicator* comm) {
