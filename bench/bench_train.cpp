@@ -346,10 +346,13 @@ int benchTrainDistributed(const WorldInfo& world, const std::string& configPath,
   // The same order as train(): rendezvous, then the run (data, model, optimizer, sampler
   // shard, loader, seed.dropout), then the strategy.
   Distributed dist(options, world, runDir);
-  RunSetup setup(config, options, dist.comm->rank(), dist.comm->size());
+  RunSetup setup(config, options, &dist);
   setup.prepareTraining(std::nullopt);
-  auto probe = std::make_shared<ProbedCommunicator>(dist.comm);
-  dist.comm = probe;  // attach() hands dist.comm to the strategy
+  std::shared_ptr<ProbedCommunicator> probe;
+  dist.wrapWorkers([&probe](std::shared_ptr<Communicator> workers) {
+    probe = std::make_shared<ProbedCommunicator>(std::move(workers));
+    return probe;  // attach() hands it to the strategy
+  });
   const std::unique_ptr<StepEngine> engine = setup.attach(&dist);
   BlockModel& model = setup.model;
   const SamplerOptions& so = setup.sampler;

@@ -184,8 +184,13 @@ void AllReduceStrategy::finishGroup(size_t group) {
 void AllReduceStrategy::onGradReady(size_t i) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!enabled_) return;
+  if (slots_[i].ready) return;  // a second backward in one step would double count: ignore
+  fillSlot(i);
+  launchReadyInOrder();
+}
+
+void AllReduceStrategy::fillSlot(size_t i) {
   Slot& s = slots_[i];
-  if (s.ready) return;  // a second backward in one step would double count: ignore
   Bucket& b = buckets_[slotBucket_[i]];
   if (!b.buffer.defined()) b.buffer = at::empty({b.numel}, at::kFloat);
   at::Tensor grad = s.param.grad();
@@ -193,13 +198,12 @@ void AllReduceStrategy::onGradReady(size_t i) {
   if (grad.defined()) {
     dst.copy_(grad.reshape({-1}));
   } else {
-    dst.zero_();
+    dst.zero_();  // no gradient this step: zeros
   }
   // Grouped: the bucket holds the gradient until finishBucket() hands the average back.
   if (!groups_.empty()) s.param.mutable_grad() = at::Tensor();
   s.ready = true;
   --b.pending;
-  launchReadyInOrder();
 }
 
 void AllReduceStrategy::launchReadyInOrder() {
@@ -297,15 +301,10 @@ void AllReduceStrategy::finishGradients() {
   if (!enabled_) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    // Parameters without a gradient this step contribute zeros.
+    // Parameters whose hook did not fire: what .grad holds (zeros without one); every
+    // parameter without hooks (attachGradients).
     for (size_t i = 0; i < slots_.size(); ++i) {
-      if (slots_[i].ready) continue;
-      Bucket& b = buckets_[slotBucket_[i]];
-      if (!b.buffer.defined()) b.buffer = at::empty({b.numel}, at::kFloat);
-      b.buffer.narrow(0, slots_[i].offset, slots_[i].numel).zero_();
-      if (!groups_.empty()) slots_[i].param.mutable_grad() = at::Tensor();
-      slots_[i].ready = true;
-      --b.pending;
+      if (!slots_[i].ready) fillSlot(i);
     }
     launchReadyInOrder();
   }

@@ -102,6 +102,9 @@ class AllReduceStrategy : public Strategy {
   // Slots and buckets over `params` (bucketStarts, or one per parameter group).
   void layBuckets(const std::vector<at::Tensor>& params);
   void onGradReady(size_t slot);
+  // Copies slot `slot`'s gradient (zeros without one) into its bucket and counts it ready
+  // (requires mutex_).
+  void fillSlot(size_t slot);
   void launchReadyInOrder();  // requires mutex_
   WorkPtr launch(size_t index);
   void finishTransfer(size_t index);  // after the bucket's work: buffer = sum over ranks

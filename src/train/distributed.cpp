@@ -93,12 +93,12 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
   // point-to-point) rendezvous through the store.
   c10::intrusive_ptr<c10d::Store> store;
   if (backend != "mpi") store = makeStore(worldInfo, so);
-  world = counted(makeCommunicator(backend, worldInfo, store, timeout, sync.rendezvousTimeout,
-                                   sync.connections));
+  world_ = counted(makeCommunicator(backend, worldInfo, store, timeout, sync.rendezvousTimeout,
+                                    sync.connections));
   // Gloo's connections carry no credential of their own (comm/auth.h).
   const bool authenticate = backend != "mpi" && !worldInfo.token.empty();
-  if (authenticate) authenticatePeers(*world, worldInfo.token);
-  if (!job.empty()) checkSameJob(*world, job);
+  if (authenticate) authenticatePeers(*world_, worldInfo.token);
+  if (!job.empty()) checkSameJob(*world_, job);
   if (backend != "mpi" && worldInfo.token.empty() && worldInfo.rank == 0 &&
       !isLoopbackAddress(worldInfo.masterAddr)) {
     logLine(fmt::format(
@@ -106,7 +106,7 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
         "job; give every rank the same secret in {}",
         kJobTokenVariable, worldInfo.masterAddr, worldInfo.masterPort, kJobTokenVariable));
   }
-  comm = world;
+  comm_ = world_;
   servers_ = sync.servers;
   workers_ = worldInfo.worldSize - servers_;
   CARAVAN_CHECK(workers_ >= 1 && (servers_ == 0 || backend != "mpi"),
@@ -125,14 +125,14 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
     return c;
   };
   // The workers' own group: evaluation, the per-step agreement, the initial broadcast.
-  if (servers_ > 0 && !isServer()) comm = group("workers", worldInfo.rank, workers_);
+  if (servers_ > 0 && !isServer()) comm_ = group("workers", worldInfo.rank, workers_);
   // The workers' communicator's counter, for the stall inspector below.
   const std::shared_ptr<CountingCommunicator> workersCounter = counters_.back();
   const int stages = options_.pipeline.stages;
   if (stages > 1 && worldInfo.worldSize > stages) {
     // validate() refused this on MPI (it would need MPI_Comm_split).
-    stageReplicas = group("stage-" + std::to_string(worldInfo.rank % stages),
-                          worldInfo.rank / stages, worldInfo.worldSize / stages);
+    stageReplicas_ = group("stage-" + std::to_string(worldInfo.rank % stages),
+                           worldInfo.rank / stages, worldInfo.worldSize / stages);
   }
   if (store) {
     HeartbeatOptions ho;
@@ -158,15 +158,15 @@ void Distributed::serve() {
   auto onStep = [this](int64_t step) { stepDone(step); };
   switch (options_.sync.mode) {
     case SyncMode::kOsp:
-      runOspServer(*world, workers_, options_.sync.osp, optimizer, onStep);
+      runOspServer(*world_, workers_, options_.sync.osp, optimizer, onStep);
       return;
     case SyncMode::kPsDiloco:
-      runDilocoServer(*world, workers_, options_.sync.diloco, onStep);
+      runDilocoServer(*world_, workers_, options_.sync.diloco, onStep);
       return;
     case SyncMode::kPsBsp:
     case SyncMode::kPsAsp:
     case SyncMode::kPsSsp:
-      runParameterServer(*world, workers_, options_.sync.ps, optimizer, onStep);
+      runParameterServer(*world_, workers_, options_.sync.ps, optimizer, onStep);
       return;
     case SyncMode::kAllReduce:
     case SyncMode::kLocalSgd:
@@ -212,22 +212,22 @@ Strategy* Distributed::attach(torch::nn::Module& model, AttachContext context) {
     case SyncMode::kPsBsp:
     case SyncMode::kPsAsp:
     case SyncMode::kPsSsp:
-      strategy_ = std::make_unique<PsWorkerStrategy>(world, comm, servers_, sync.ps);
+      strategy_ = std::make_unique<PsWorkerStrategy>(world_, comm_, servers_, sync.ps);
       break;
     case SyncMode::kPsDiloco:
-      strategy_ = std::make_unique<DilocoStrategy>(comm, sync.diloco, world, servers_);
+      strategy_ = std::make_unique<DilocoStrategy>(comm_, sync.diloco, world_, servers_);
       break;
     case SyncMode::kOsp:
-      strategy_ = std::make_unique<OspWorkerStrategy>(world, comm, servers_, sync.osp);
+      strategy_ = std::make_unique<OspWorkerStrategy>(world_, comm_, servers_, sync.osp);
       break;
     case SyncMode::kAllReduce:
-      strategy_ = std::make_unique<AllReduceStrategy>(comm, sync.allreduce);
+      strategy_ = std::make_unique<AllReduceStrategy>(comm_, sync.allreduce);
       break;
     case SyncMode::kLocalSgd:
-      strategy_ = std::make_unique<LocalSgdStrategy>(comm, sync.localSgd);
+      strategy_ = std::make_unique<LocalSgdStrategy>(comm_, sync.localSgd);
       break;
-    case SyncMode::kDiloco: strategy_ = std::make_unique<DilocoStrategy>(comm, sync.diloco); break;
-    case SyncMode::kGossip: strategy_ = std::make_unique<GossipStrategy>(comm, sync.gossip); break;
+    case SyncMode::kDiloco: strategy_ = std::make_unique<DilocoStrategy>(comm_, sync.diloco); break;
+    case SyncMode::kGossip: strategy_ = std::make_unique<GossipStrategy>(comm_, sync.gossip); break;
   }
   context.sink = [observer = observer_](const std::string& name,
                                         std::chrono::steady_clock::time_point start,
@@ -268,7 +268,7 @@ Agreement Distributed::agree(double loss, bool interrupted, bool timeUp, double 
   // One sum: [loss, interrupted, time up, training seconds] then, with `window`, three slots
   // per worker of which each fills its own.
   constexpr int kShared = 4, kSlots = 3;
-  const int n = comm->size();
+  const int n = comm_->size();
   at::Tensor t = torch::zeros({kShared + (window != nullptr ? kSlots * n : 0)});
   float* v = t.data_ptr<float>();  // filled and read in place: no tensor op per slot
   v[0] = static_cast<float>(loss);
@@ -276,12 +276,12 @@ Agreement Distributed::agree(double loss, bool interrupted, bool timeUp, double 
   v[2] = timeUp ? 1.0f : 0.0f;
   v[3] = static_cast<float>(trainSeconds);
   if (window != nullptr) {
-    float* own = v + kShared + kSlots * comm->rank();
+    float* own = v + kShared + kSlots * comm_->rank();
     own[0] = static_cast<float>(window->computeS);
     own[1] = static_cast<float>(window->syncWaitS);
     own[2] = static_cast<float>(window->trackedPeakBytes);
   }
-  comm->allreduce(t, ReduceOp::kSum)->wait(comm->timeout());
+  comm_->allreduce(t, ReduceOp::kSum)->wait(comm_->timeout());
   Agreement a;
   a.meanLoss = static_cast<double>(v[0]) / n;
   a.interrupted = v[1] > 0;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -87,16 +88,22 @@ class Distributed {
   void leave(const std::string& reason);
 
   // Parameter-server modes: the last sync.servers ranks serve; the others are workers.
-  bool isServer() const { return servers_ > 0 && world->rank() >= workers_; }
+  bool isServer() const { return servers_ > 0 && world_->rank() >= workers_; }
   // A server's whole run (parameter_server.h); returns when every worker said goodbye.
   void serve();
 
-  std::shared_ptr<Communicator> world;  // every rank
-  std::shared_ptr<Communicator> comm;   // the workers (= world without servers)
+  // The workers (the world without servers): the strategy's, evaluation's and the per-step
+  // agreement's communicator.
+  const std::shared_ptr<Communicator>& workers() const { return comm_; }
   // Pipelines of K stages replicated D > 1 times (parallel.pipeline_stages = K, world K x D):
   // this rank's stage and its D - 1 replicas (ranks s, s + K, ...; rank in it = replica).
   // Null otherwise.
-  std::shared_ptr<Communicator> stageReplicas;
+  const std::shared_ptr<Communicator>& stageReplicas() const { return stageReplicas_; }
+  // Before attach: the workers' communicator becomes `wrap`'s (a benchmark's probe around it).
+  void wrapWorkers(
+      const std::function<std::shared_ptr<Communicator>(std::shared_ptr<Communicator>)>& wrap) {
+    comm_ = wrap(comm_);
+  }
 
   // Bytes this rank sent and received so far over both communicators (counting_communicator.h:
   // exact for point to point, a ring estimate for collectives).
@@ -105,6 +112,9 @@ class Distributed {
  private:
   std::shared_ptr<Communicator> counted(std::shared_ptr<Communicator> inner);
 
+  std::shared_ptr<Communicator> world_;          // every rank
+  std::shared_ptr<Communicator> comm_;           // workers()
+  std::shared_ptr<Communicator> stageReplicas_;  // stageReplicas()
   std::vector<std::shared_ptr<CountingCommunicator>> counters_;
   RunOptions options_;
   int servers_ = 0;

@@ -81,7 +81,7 @@ nlohmann::json MetricsWindow::close(nlohmann::json rec, MemoryTracker& memory,
     if (const auto outstanding = dist_->takeOutstandingSeconds()) {
       rec["comm_outstanding_s"] = *outstanding / steps;
     }
-    if (ranks_.size() == static_cast<size_t>(dist_->comm->size())) {
+    if (ranks_.size() == static_cast<size_t>(dist_->workers()->size())) {
       std::vector<double> compute, wait, peak;
       for (const RankWindow& w : ranks_) {
         compute.push_back(w.computeS);

@@ -72,8 +72,8 @@ RunSetup::RunSetup(const Config& cfg, RunOptions opts, int rankInWorkers, int wo
 }
 
 RunSetup::RunSetup(const Config& cfg, RunOptions opts, Distributed* dist)
-    : RunSetup(cfg, opts, dist != nullptr ? dist->comm->rank() / opts.pipeline.stages : 0,
-               dist != nullptr ? dist->comm->size() / opts.pipeline.stages : 1) {}
+    : RunSetup(cfg, opts, dist != nullptr ? dist->workers()->rank() / opts.pipeline.stages : 0,
+               dist != nullptr ? dist->workers()->size() / opts.pipeline.stages : 1) {}
 
 RunSetup::~RunSetup() = default;
 
@@ -215,7 +215,7 @@ std::unique_ptr<StepEngine> RunSetup::attach(Distributed* dist) {
   // (The config decides whether to exchange, so every worker takes part even where a host's
   // CPU lacks bf16: it then runs rank 0's choice emulated.)
   if (dist != nullptr && options.runtime.precision != "float32") {
-    takeRankZeroPrecision(*dist->comm);
+    takeRankZeroPrecision(*dist->workers());
   }
   std::vector<at::Tensor> held = model->parameters();
   std::unique_ptr<StepEngine> engine =
@@ -234,7 +234,7 @@ std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist,
   // Stages train their own blocks; every rank built the same model from seed.init or loaded
   // the same checkpoint, so there is nothing to broadcast. Replicas of a stage average their
   // gradients in the engine (PipelineStep): no strategy.
-  Communicator* comm = dist != nullptr ? dist->comm.get() : nullptr;
+  Communicator* comm = dist != nullptr ? dist->workers().get() : nullptr;
   const int worldSize = comm != nullptr ? comm->size() : 1;
   const PipelineLayout layout =
       PipelineLayout::of(comm != nullptr ? comm->rank() : 0, worldSize, options.pipeline.stages);
@@ -262,7 +262,7 @@ std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist,
   held = stage->parameters();
   PipelineStep::Parts parts;
   parts.comm = comm;
-  parts.replicas = dist != nullptr ? dist->stageReplicas : nullptr;
+  parts.replicas = dist != nullptr ? dist->stageReplicas() : nullptr;
   parts.schedule = options.pipeline.schedule;
   parts.timelineStep = std::min(state.step + 3, totalSteps);
   return std::make_unique<PipelineStep>(std::move(stage), *optimizer, stepOptions(options),
@@ -282,7 +282,7 @@ std::unique_ptr<StepEngine> RunSetup::attachDataParallel(Distributed* dist) {
       context.savedWorkers = state.workers;
     }
     parts.strategy = dist->attach(*model, std::move(context));
-    parts.workers = dist->comm.get();
+    parts.workers = dist->workers().get();
     state.strategy.clear();  // handed to the strategy
   }
   // Out-of-core weights (memory.weights = offload): after the strategy attached (it broadcast
