@@ -24,6 +24,7 @@
 #include "comm/world.h"
 #include "core/config.h"
 #include "core/errors.h"
+#include "core/files.h"
 #include "core/openmp_env.h"
 #include "core/output_path.h"
 #include "data/text.h"

@@ -27,7 +27,6 @@
 #include "core/output_path.h"
 #include "core/scope_guard.h"
 #include "report/assets.h"
-#include "train/checkpoint.h"
 #include "train/metrics.h"
 
 namespace fs = std::filesystem;
