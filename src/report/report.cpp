@@ -27,6 +27,7 @@
 #include "core/files.h"
 #include "core/output_path.h"
 #include "core/scope_guard.h"
+#include "core/subprocess.h"
 #include "report/assets.h"
 #include "train/metrics.h"
 
@@ -187,37 +188,11 @@ struct Captured {
 volatile std::sig_atomic_t gInterrupted = 0;
 extern "C" void onInterrupt(int) { gInterrupted = 1; }
 
-// Catches SIGINT and SIGTERM for its lifetime (Chromium runs in its own process group, so the
-// terminal's Ctrl-C reaches only caravan) and restores the previous handlers.
-class InterruptScope {
- public:
-  InterruptScope() {
-    gInterrupted = 0;
-    struct sigaction sa {};
-    sa.sa_handler = onInterrupt;
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGINT, &sa, &oldInt_);
-    ::sigaction(SIGTERM, &sa, &oldTerm_);
-  }
-  ~InterruptScope() {
-    ::sigaction(SIGINT, &oldInt_, nullptr);
-    ::sigaction(SIGTERM, &oldTerm_, nullptr);
-  }
-  InterruptScope(const InterruptScope&) = delete;
-  InterruptScope& operator=(const InterruptScope&) = delete;
-
- private:
-  struct sigaction oldInt_ {};
-  struct sigaction oldTerm_ {};
-};
-
 // Runs `argv` with stdout captured and stderr into `errPath`, in its own process group, killed
 // (with its children) after `timeout`.
-Captured runCaptured(const std::vector<std::string>& argv, const std::string& errPath,
+Captured runCaptured(std::vector<std::string> argv, const std::string& errPath,
                      std::chrono::seconds timeout) {
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
+  std::vector<char*> args = execArgv(argv);
   int pipeFds[2];
   if (::pipe2(pipeFds, O_CLOEXEC) != 0) throw IoError("cannot create a pipe for Chromium");
   const int errFd = ::open(errPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -599,7 +574,10 @@ std::vector<std::string> writePngs(const std::string& html, const std::string& d
   const std::string errPath = (tmp / "chromium.log").string();
   Captured c;
   {
-    InterruptScope interrupts;
+    // Chromium runs in its own process group, so the terminal's Ctrl-C reaches only caravan:
+    // SIGINT and SIGTERM are caught while it runs, the previous handlers back after.
+    gInterrupted = 0;
+    const ScopedSignalHandler interrupts({SIGINT, SIGTERM}, onInterrupt);
     c = runCaptured(argv, errPath, std::chrono::seconds(300));
   }
   if (c.interrupted) {
