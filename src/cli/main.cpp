@@ -712,8 +712,9 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{
       "caravan: train deep networks on one process, data-parallel across processes and hosts "
-      "(all-reduce, local SGD, gossip, parameter servers, OSP) and beyond memory (per-block "
-      "keep/recompute/swap, out-of-core weights).\nExit codes: 0 ok, 1 internal error, 2 bad "
+      "(all-reduce, local SGD, DiLoCo, gossip, parameter servers, OSP), pipeline-parallel "
+      "across stages (GPipe, 1F1B, ZB-H1) and beyond memory (per-block keep/recompute/swap, "
+      "out-of-core weights).\nExit codes: 0 ok, 1 internal error, 2 bad "
       "usage or config, 3 dataset, 4 checkpoint, 5 file system, 6 non-finite loss, 7 lost peer, "
       "8 a worker process failed, 9 out of memory, 130 interrupted."};
   app.require_subcommand(1);
