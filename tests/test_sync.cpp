@@ -1,7 +1,12 @@
-// The synchronization strategies' parameter operations, with ranks as threads: gossip mixes
-// exactly (complete graph = the average; ring = the mean with both neighbours) and keeps the
-// local update; local SGD averages exactly every H steps and not in between; the consensus
-// distance is the spread of the replicas. Whole training runs of these modes are in
+// The synchronization strategies' parameter operations, with ranks as threads (Gloo over
+// loopback): gossip mixes exactly (complete graph = the average; ring = the mean with both
+// neighbours) and keeps the local update; local SGD averages exactly every H steps and not in
+// between, also with int4 averaging; DiLoCo's outer step (blocking and streamed fragments, and
+// the fragments' schedule); the consensus distance is the spread of the replicas. The
+// compression codecs: block-scaled integers and top-k (error feedback, hostile indices), the
+// 16-bit ring all-reduce. The parameter servers and OSP: every gradient applied exactly once,
+// ps-ssp's staleness bound as the workers read it, crafted messages refused, headers bit-exact.
+// The bytes counted by the counting communicator. Whole training runs of these modes are in
 // test_dist.cpp.
 #include <gtest/gtest.h>
 

@@ -15,6 +15,7 @@
 
 #include "core/errors.h"
 #include "core/output_path.h"
+#include "core/subprocess.h"
 #include "models/script_model.h"
 
 namespace caravan {
@@ -47,9 +48,7 @@ int runExport(const ExportArgs& args) {
   }
   std::vector<std::string> argv = {python,      tool.string(), args.factory, "-o",
                                    args.output, "--blocks",    args.blocks};
-  std::vector<char*> pointers;
-  for (auto& a : argv) pointers.push_back(a.data());
-  pointers.push_back(nullptr);
+  std::vector<char*> pointers = execArgv(argv);
   const std::string failed = "caravan: error: cannot run " + python + "\n";  // before fork
   std::cout.flush();
   const pid_t pid = ::fork();

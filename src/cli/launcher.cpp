@@ -19,6 +19,7 @@
 #include "comm/shm_communicator.h"
 #include "comm/world.h"
 #include "core/errors.h"
+#include "core/subprocess.h"
 
 namespace caravan {
 namespace {
@@ -34,10 +35,6 @@ class SignalBlock {
   SignalBlock() {
     sigemptyset(&set_);
     for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&set_, s);
-    struct sigaction dfl {};
-    dfl.sa_handler = SIG_DFL;
-    sigemptyset(&dfl.sa_mask);
-    ::sigaction(SIGCHLD, &dfl, &oldChld_);
     ::pthread_sigmask(SIG_BLOCK, &set_, &old_);
   }
   ~SignalBlock() {
@@ -47,7 +44,6 @@ class SignalBlock {
     while (::sigtimedwait(&set_, nullptr, &zero) > 0) {
     }
     ::pthread_sigmask(SIG_SETMASK, &old_, nullptr);
-    ::sigaction(SIGCHLD, &oldChld_, nullptr);
   }
   SignalBlock(const SignalBlock&) = delete;
   SignalBlock& operator=(const SignalBlock&) = delete;
@@ -56,9 +52,10 @@ class SignalBlock {
   const sigset_t& previousMask() const { return old_; }
 
  private:
+  // Set before the signals are blocked, restored after they are unblocked.
+  ScopedSignalHandler childDefault_{{SIGCHLD}, SIG_DFL};
   sigset_t set_;
   sigset_t old_;
-  struct sigaction oldChld_ {};
 };
 
 // An fd closed when the object dies.
@@ -86,14 +83,6 @@ struct WorkerSpec {
   int storeFd = -1;  // rank 0: the rendezvous socket it inherits (CARAVAN_STORE_FD)
 };
 
-std::vector<char*> pointers(std::vector<std::string>& strings) {
-  std::vector<char*> out;
-  out.reserve(strings.size() + 1);
-  for (auto& s : strings) out.push_back(s.data());
-  out.push_back(nullptr);
-  return out;
-}
-
 // In the child: makes `from` the descriptor `to`, without close-on-exec.
 void redirect(int from, int to) {
   if (from == to) {
@@ -105,8 +94,8 @@ void redirect(int from, int to) {
 
 // Forks and execs one worker; returns its pid, or -1 with errno set when fork fails.
 pid_t spawnWorker(WorkerSpec& spec, int nullFd, pid_t supervisor, const sigset_t& childMask) {
-  std::vector<char*> argv = pointers(spec.argv);
-  std::vector<char*> envp = pointers(spec.envp);
+  std::vector<char*> argv = execArgv(spec.argv);
+  std::vector<char*> envp = execArgv(spec.envp);
   const pid_t pid = ::fork();
   if (pid != 0) return pid;
 

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <iostream>
 #include <new>
+#include <optional>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -24,6 +25,7 @@
 #include "comm/world.h"
 #include "core/config.h"
 #include "core/errors.h"
+#include "core/files.h"
 #include "core/openmp_env.h"
 #include "core/output_path.h"
 #include "data/text.h"
@@ -58,31 +60,44 @@ std::string defaultRunDir(const std::string& configPath) {
   return (fs::path("runs") / (fs::path(configPath).stem().string() + "-" + stamp)).string();
 }
 
+// The flags of `caravan train`, as parsed.
+struct TrainCommand {
+  std::string configPath;              // --config
+  std::vector<std::string> overrides;  // --set
+  std::string runDir;                  // --run-dir
+  std::string resumeDir;               // --resume
+  int64_t stopAtStep = 0;              // --stop-at-step
+  bool quiet = false;                  // --quiet
+  bool trace = false;                  // --trace
+  int workers = 0;                     // --workers
+  int maxRestarts = 0;                 // --max-restarts
+};
+
 // The config of `caravan train`: --config FILE, or RUN_DIR/config.toml of --resume RUN_DIR.
-Config loadTrainConfig(const std::string& configPath, const std::vector<std::string>& overrides,
-                       const std::string& resumeDir) {
-  if (!resumeDir.empty()) {
-    if (!configPath.empty()) {
+Config loadTrainConfig(const TrainCommand& cmd) {
+  if (!cmd.resumeDir.empty()) {
+    if (!cmd.configPath.empty()) {
       throw ConfigError("--resume takes the config from RUN_DIR/config.toml; drop --config "
                         "(use --set to change a key)");
     }
-    const std::string saved = (fs::path(resumeDir) / "config.toml").string();
+    const std::string saved = (fs::path(cmd.resumeDir) / "config.toml").string();
     if (!fs::exists(saved)) {
-      throw CheckpointError(fmt::format("cannot resume {}: it has no config.toml (is it a "
-                                        "Caravan run directory?)",
-                                        resumeDir));
+      throw CheckpointError(
+          fmt::format("cannot resume {}: it has no config.toml (is it a "
+                      "Caravan run directory?)",
+                      cmd.resumeDir));
     }
-    return Config::fromFile(saved, overrides);
+    return Config::fromFile(saved, cmd.overrides);
   }
-  if (configPath.empty()) throw ConfigError("caravan train needs --config FILE or --resume RUN_DIR");
-  return Config::fromFile(configPath, overrides);
+  if (cmd.configPath.empty()) {
+    throw ConfigError("caravan train needs --config FILE or --resume RUN_DIR");
+  }
+  return Config::fromFile(cmd.configPath, cmd.overrides);
 }
 
-int runTrain(char** argv, const std::string& configPath, const std::vector<std::string>& overrides,
-             std::string runDir, const std::string& resumeDir, int64_t stopAtStep, bool quiet,
-             bool trace) {
+int runTrain(char** argv, const TrainCommand& cmd) {
   TrainerOptions options;
-  const Config config = loadTrainConfig(configPath, overrides, resumeDir);
+  const Config config = loadTrainConfig(cmd);
   // Our rank: from the variables of caravan's own launcher (--workers), torchrun, srun or
   // mpirun; none of them: a world of one.
   options.world = worldFromEnvironment(processEnvironment());
@@ -90,26 +105,26 @@ int runTrain(char** argv, const std::string& configPath, const std::vector<std::
   restartWithPassiveOpenMpWaits(argv, config.i64("train.threads"),
                                 matrixProductsFor(config.str("train.precision")),
                                 options.world.localWorldSize);
-  if (!resumeDir.empty()) {
-    options.runDir = resumeDir;
+  if (!cmd.resumeDir.empty()) {
+    options.runDir = cmd.resumeDir;
     options.resume = true;
   } else {
-    options.runDir = runDir.empty() ? defaultRunDir(configPath) : runDir;
+    options.runDir = cmd.runDir.empty() ? defaultRunDir(cmd.configPath) : cmd.runDir;
   }
-  options.stopAtStep = stopAtStep;
-  if (trace) {
+  options.stopAtStep = cmd.stopAtStep;
+  if (cmd.trace) {
     options.tracePath = (fs::path(options.runDir) /
                          fmt::format("trace-rank{}.json", options.world.rank)).string();
   }
   options.stopRequested = &gStopRequested;
   options.terminal = stderr;
   options.tty = isatty(STDERR_FILENO) != 0;
-  options.quiet = quiet;
+  options.quiet = cmd.quiet;
   // A closed terminal (SIGHUP) stops the run as SIGINT and SIGTERM do: a checkpoint first.
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, onSignal);
 
   TrainSummary s = train(config, options);
-  if (!quiet) {
+  if (!cmd.quiet) {
     std::fprintf(stderr,
                  "%s after %lld steps (%lld epochs) in %.1f s, %.1f samples/s: train loss %.4f, "
                  "eval loss %.4f%s\nrun directory: %s\n",
@@ -119,7 +134,7 @@ int runTrain(char** argv, const std::string& configPath, const std::vector<std::
                  options.runDir.c_str());
   }
   if (s.stoppedEarly) {
-    if (!quiet) {
+    if (!cmd.quiet) {
       const std::string workers = options.world.launcher == "caravan"
                                       ? fmt::format(" --workers {}", options.world.worldSize -
                                                                          serverCount(config))
@@ -133,9 +148,7 @@ int runTrain(char** argv, const std::string& configPath, const std::vector<std::
 }
 
 // `caravan train --workers N`: this process supervises N local workers (cli/launcher.h).
-int launchTrain(int argc, char** argv, int workers, int maxRestarts,
-                const std::string& configPath, const std::vector<std::string>& overrides,
-                const std::string& runDir, const std::string& resumeDir) {
+int launchTrain(int argc, char** argv, const TrainCommand& cmd) {
   const WorldInfo world = worldFromEnvironment(processEnvironment());
   if (world.launcher != "none") {
     const char* vars = world.launcher == "openmpi" ? "OMPI_COMM_WORLD_*"
@@ -148,27 +161,27 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
   }
   // Check the config here, once, rather than in N workers: every key, and every combination
   // of keys for this job's size, before any worker starts.
-  const Config config = loadTrainConfig(configPath, overrides, resumeDir);
+  const Config config = loadTrainConfig(cmd);
   LaunchOptions launch;
   // Parameter-server modes: N workers plus sync.servers server processes.
-  launch.workers = workers + serverCount(config);
+  launch.workers = cmd.workers + serverCount(config);
   const RunOptions options = RunOptions::read(config);
   validate(options, launch.workers);
   launch.program = argv[0];
   launch.args.assign(argv + 1, argv + argc);
-  if (!resumeDir.empty()) {
-    launch.runDir = resumeDir;
-  } else if (!runDir.empty()) {
-    launch.runDir = runDir;
+  if (!cmd.resumeDir.empty()) {
+    launch.runDir = cmd.resumeDir;
+  } else if (!cmd.runDir.empty()) {
+    launch.runDir = cmd.runDir;
   } else {
-    launch.runDir = defaultRunDir(configPath);  // chosen once, so every rank agrees
+    launch.runDir = defaultRunDir(cmd.configPath);  // chosen once, so every rank agrees
     launch.addRunDir = true;
   }
   launch.threadsConfigured = options.runtime.threads > 0;
   // Before any worker starts (and writes its log into the directory): the directory is this
   // job's until the launcher returns, and holds what a new run or --resume expects.
   const RunDirectoryClaim claim =
-      claimRunDirectory(launch.runDir, !resumeDir.empty(), /*lock=*/true);
+      claimRunDirectory(launch.runDir, !cmd.resumeDir.empty(), /*lock=*/true);
   // --max-restarts K: after a failed worker, the job starts again from the run's newest
   // checkpoint (the workers that were stopped wrote one if they could), K times at most.
   for (int restart = 1;; ++restart) {
@@ -186,7 +199,7 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
       const CheckpointDir checkpoints(launch.runDir, options.loop.checkpointKeep);
       checkpoints.removeStaleTemporaries();
       // A refused config or command is refused again: no restart.
-      if (restart > maxRestarts || e.code() == ExitCode::kConfig) throw;
+      if (restart > cmd.maxRestarts || e.code() == ExitCode::kConfig) throw;
       const std::optional<std::string> latest = checkpoints.latest();
       if (!latest) {
         throw WorkerError(fmt::format("{}; not restarted: {} has no checkpoint yet (set "
@@ -194,8 +207,8 @@ int launchTrain(int argc, char** argv, int workers, int maxRestarts,
                                       e.what(), launch.runDir),
                           e.code());
       }
-      std::fprintf(stderr, "caravan: %s\ncaravan: restart %d of %d, from %s\n", e.what(),
-                   restart, maxRestarts, latest->c_str());
+      std::fprintf(stderr, "caravan: %s\ncaravan: restart %d of %d, from %s\n", e.what(), restart,
+                   cmd.maxRestarts, latest->c_str());
       launch.args = restartArguments(launch.args, launch.runDir);
       launch.addRunDir = false;
     }
@@ -319,79 +332,110 @@ int outOfMemory(const char* clearLine, const std::string& detail) {
   return static_cast<int>(ExitCode::kOutOfMemory);
 }
 
-}  // namespace
+// `caravan train`'s flags, and those of them whose presence (not only value) matters.
+struct TrainCli {
+  TrainCommand cmd;
+  CLI::App* app = nullptr;
+  CLI::Option* runDir = nullptr;
+  CLI::Option* stopAtStep = nullptr;
+  CLI::Option* workers = nullptr;
+  CLI::Option* maxRestarts = nullptr;
+};
 
-int main(int argc, char** argv) {
-  // A write past the file-size limit (ulimit -f) fails with EFBIG, which the writers report in
-  // one line and clean up after, rather than killing the process with SIGXFSZ.
-  std::signal(SIGXFSZ, SIG_IGN);
-  // Gloo writes to its sockets with writev: a peer that died would kill this rank with SIGPIPE
-  // (no message, no exit code) instead of the EPIPE that becomes a PeerError naming the peer.
-  std::signal(SIGPIPE, SIG_IGN);
-  CLI::App app{
-      "caravan: train deep networks on one process, data-parallel across processes and hosts "
-      "(all-reduce, local SGD, gossip, parameter servers, OSP) and beyond memory (per-block "
-      "keep/recompute/swap, out-of-core weights).\nExit codes: 0 ok, 1 internal error, 2 bad "
-      "usage or config, 3 dataset, 4 checkpoint, 5 file system, 6 non-finite loss, 7 lost peer, "
-      "8 a worker process failed, 9 out of memory, 130 interrupted."};
-  app.require_subcommand(1);
-  // The LibTorch this binary runs on: a model saved by a newer torch may not load on it.
-  app.set_version_flag("--version",
-                       fmt::format("caravan {} (LibTorch {}.{}.{})", CARAVAN_VERSION,
-                                   TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH));
-
-  std::string configPath, runDir, resumeDir, checkpoint;
-  std::vector<std::string> overrides;
-  int64_t stopAtStep = 0;
-  bool quiet = false;
-  int workers = 0;
-  int maxRestarts = 0;
-
-  auto* train = app.add_subcommand("train", "train a model (config keys: caravan config --schema)");
-  train->add_option("--config,-c", configPath, "TOML config file (see configs/)");
-  train->add_option("--set", overrides, "override a config key: --set optim.lr=0.05 (repeatable)");
-  auto* runDirOption =
-      train->add_option("--run-dir", runDir,
-                        "where config.toml, metrics.jsonl, checkpoints/ and model.pt go "
-                        "(default runs/<config>-<time>)");
-  train->add_option("--resume", resumeDir,
+void addTrainCommand(CLI::App& app, TrainCli& t) {
+  TrainCommand& c = t.cmd;
+  t.app = app.add_subcommand("train", "train a model (config keys: caravan config --schema)");
+  CLI::App* train = t.app;
+  train->add_option("--config,-c", c.configPath, "TOML config file (see configs/)");
+  train->add_option("--set", c.overrides,
+                    "override a config key: --set optim.lr=0.05 (repeatable)");
+  t.runDir = train->add_option("--run-dir", c.runDir,
+                               "where config.toml, metrics.jsonl, checkpoints/ and model.pt go "
+                               "(default runs/<config>-<time>)");
+  train->add_option("--resume", c.resumeDir,
                     "continue the run in RUN_DIR from its newest checkpoint (exactly: same "
                     "losses as an uninterrupted run)");
-  auto* stopOption = train->add_option(
-      "--stop-at-step", stopAtStep,
+  t.stopAtStep = train->add_option(
+      "--stop-at-step", c.stopAtStep,
       "stop after step N with a checkpoint, as if interrupted; --resume continues");
-  train->add_flag("--quiet,-q", quiet, "print nothing to the terminal (metrics are still written)");
-  bool trace = false;
-  train->add_flag("--trace", trace,
+  train->add_flag("--quiet,-q", c.quiet,
+                  "print nothing to the terminal (metrics are still written)");
+  train->add_flag("--trace", c.trace,
                   "write RUN_DIR/trace-rank<r>.json, a Chrome-trace timeline (forward, backward, "
                   "each gradient bucket's communication, waits) for Perfetto or chrome://tracing");
-  auto* workersOption =
-      train->add_option("--workers", workers,
-                        "spawn N local worker processes (data parallel); under "
-                        "torchrun/srun/mpirun the launcher's variables decide instead")
-          ->check(CLI::Range(1, 1024));
-  auto* restartsOption =
-      train->add_option("--max-restarts", maxRestarts,
-                        "with --workers: after a worker fails, restart the job from the run's "
-                        "newest checkpoint, at most K times (each restart is announced)")
+  t.workers = train
+                  ->add_option("--workers", c.workers,
+                               "spawn N local worker processes (data parallel); under "
+                               "torchrun/srun/mpirun the launcher's variables decide instead")
+                  ->check(CLI::Range(1, 1024));
+  t.maxRestarts =
+      train
+          ->add_option("--max-restarts", c.maxRestarts,
+                       "with --workers: after a worker fails, restart the job from the run's "
+                       "newest checkpoint, at most K times (each restart is announced)")
           ->check(CLI::Range(0, 1000));
   train->footer("Config keys (TOML [section] key = value, or --set section.key=value):\n" +
                 Config::schemaText());
+}
 
-  auto* eval = app.add_subcommand("eval", "evaluate a run's checkpoint on the test/validation set; "
-                                          "prints one JSON line");
-  eval->add_option("--run-dir", runDir, "the run directory")->required();
-  eval->add_option("--checkpoint", checkpoint, "checkpoint file (default: the run's newest)");
-  eval->add_option("--set", overrides, "override a config key (e.g. data.path)");
+// `caravan train`: the checks of flags that go together, then one process or a launcher.
+int runTrainCommand(int argc, char** argv, const TrainCli& t) {
+  const TrainCommand& c = t.cmd;
+  if (t.stopAtStep->count() > 0 && c.stopAtStep < 1) {
+    throw ConfigError(fmt::format("--stop-at-step {} must be a step, 1 or more", c.stopAtStep));
+  }
+  if (t.runDir->count() > 0 && !c.resumeDir.empty()) {
+    throw ConfigError("--resume RUN_DIR names the run directory; drop --run-dir");
+  }
+  if (t.runDir->count() > 0 && c.runDir.empty()) {
+    throw ConfigError(
+        "--run-dir is empty; name a directory (or leave --run-dir out for "
+        "runs/<config>-<time>)");
+  }
+  if (t.maxRestarts->count() > 0 && t.workers->count() == 0) {
+    throw ConfigError(
+        "--max-restarts restarts the workers of --workers N; under torchrun, "
+        "srun or mpirun use the launcher's own restart policy");
+  }
+  if (t.workers->count() > 0) return launchTrain(argc, argv, c);
+  return runTrain(argv, c);
+}
 
-  auto* plan = app.add_subcommand(
-      "plan", "profile the model's blocks on one batch and print the per-block memory plan "
-              "(keep/recompute/swap/swap-input) under memory.budget, with predicted peak and "
-              "step time");
-  plan->add_option("--config,-c", configPath, "TOML config file");
-  plan->add_option("--set", overrides, "override a config key (e.g. memory.budget=1GiB)");
+// The flags of `caravan eval`.
+struct EvalCommand {
+  CLI::App* app = nullptr;
+  std::string runDir, checkpoint;
+  std::vector<std::string> overrides;
+};
 
-  SimulateArgs sim;
+void addEvalCommand(CLI::App& app, EvalCommand& e) {
+  e.app = app.add_subcommand("eval",
+                             "evaluate a run's checkpoint on the test/validation set; "
+                             "prints one JSON line");
+  e.app->add_option("--run-dir", e.runDir, "the run directory")->required();
+  e.app->add_option("--checkpoint", e.checkpoint, "checkpoint file (default: the run's newest)");
+  e.app->add_option("--set", e.overrides, "override a config key (e.g. data.path)");
+}
+
+// The flags of `caravan plan` and of `caravan config`: a config and its overrides.
+struct ConfigCommand {
+  CLI::App* app = nullptr;
+  std::string configPath;
+  std::vector<std::string> overrides;
+  bool schema = false;  // caravan config --schema
+};
+
+void addPlanCommand(CLI::App& app, ConfigCommand& p) {
+  p.app = app.add_subcommand(
+      "plan",
+      "profile the model's blocks on one batch and print the per-block memory plan "
+      "(keep/recompute/swap/swap-input) under memory.budget, with predicted peak and "
+      "step time");
+  p.app->add_option("--config,-c", p.configPath, "TOML config file");
+  p.app->add_option("--set", p.overrides, "override a config key (e.g. memory.budget=1GiB)");
+}
+
+CLI::App* addSimulateCommand(CLI::App& app, SimulateArgs& sim) {
   auto* simulate = app.add_subcommand(
       "simulate",
       "predict the config's job on a cluster you describe (--cluster FILE): step "
@@ -422,8 +466,10 @@ int main(int argc, char** argv) {
                        "again (the config's sync keys still apply)");
   simulate->add_flag("--recommend", sim.recommend,
                      "also simulate the other sync modes and rank them, one line of reasons each");
+  return simulate;
+}
 
-  CalibrateArgs calib;
+CLI::App* addCalibrateCommand(CLI::App& app, CalibrateArgs& calib) {
   auto* calibrate =
       app.add_subcommand("calibrate",
                          "measure this host (cores, memory, disk) and write a cluster file for "
@@ -437,8 +483,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1e7));
   calibrate->add_option("--swap-dir", calib.swapDir,
                         "where to measure the disk (default /var/tmp)");
+  return calibrate;
+}
 
-  ExportArgs exportArgs;
+CLI::App* addExportCommand(CLI::App& app, ExportArgs& exportArgs) {
   auto* exportCmd = app.add_subcommand(
       "export",
       "trace a PyTorch model as it is (FILE.py:FACTORY returning (module, example_input)) into "
@@ -449,67 +497,163 @@ int main(int argc, char** argv) {
   exportCmd->add_option("--blocks", exportArgs.blocks,
                         "the containers whose items are the blocks: auto, or paths "
                         "separated by commas");
+  return exportCmd;
+}
 
-  bool schema = false;
-  auto* config = app.add_subcommand("config", "print the resolved config of --config/--set, or "
-                                              "the schema with --schema");
-  config->add_option("--config,-c", configPath, "TOML config file");
-  config->add_option("--set", overrides, "override a config key");
-  config->add_flag("--schema", schema, "print every key as a Markdown table");
+void addConfigCommand(CLI::App& app, ConfigCommand& c) {
+  c.app = app.add_subcommand("config",
+                             "print the resolved config of --config/--set, or "
+                             "the schema with --schema");
+  c.app->add_option("--config,-c", c.configPath, "TOML config file");
+  c.app->add_option("--set", c.overrides, "override a config key");
+  c.app->add_flag("--schema", c.schema, "print every key as a Markdown table");
+}
 
-  std::vector<std::string> reportSources;
-  std::string reportOutput, reportPng, reportTitle;
-  auto* reportCmd = app.add_subcommand(
-      "report", "one self-contained HTML page comparing runs and bench results (loss, accuracy, "
-                "throughput, memory, time split, rank skew, configs); --png for the charts as "
-                "PNG files");
-  reportCmd->add_option("sources", reportSources,
-                        "run directories (caravan train --run-dir) and bench results "
-                        "(charts.json, or a directory with one)")
+// caravan config: the resolved config, or the schema.
+int runConfig(const ConfigCommand& c) {
+  if (c.schema) {
+    std::cout << Config::schemaMarkdown();
+  } else {
+    Config config = c.configPath.empty() ? Config::fromString("", "<defaults>", c.overrides)
+                                         : Config::fromFile(c.configPath, c.overrides);
+    std::cout << config.toToml();
+  }
+  return 0;
+}
+
+// The flags of `caravan report`.
+struct ReportCommand {
+  CLI::App* app = nullptr;
+  std::vector<std::string> sources;
+  std::string output, png, title;
+};
+
+void addReportCommand(CLI::App& app, ReportCommand& r) {
+  r.app = app.add_subcommand(
+      "report",
+      "one self-contained HTML page comparing runs and bench results (loss, accuracy, "
+      "throughput, memory, time split, rank skew, configs); --png for the charts as "
+      "PNG files");
+  r.app
+      ->add_option("sources", r.sources,
+                   "run directories (caravan train --run-dir) and bench results "
+                   "(charts.json, or a directory with one)")
       ->required();
-  reportCmd->add_option("--output,-o", reportOutput,
-                        "the HTML file to write (default report.html; none with only --png)");
-  reportCmd->add_option("--png", reportPng,
-                        "also write every chart as DIR/NAME.png (renders in headless Chromium)");
-  reportCmd->add_option("--title", reportTitle, "the page's title");
+  r.app->add_option("--output,-o", r.output,
+                    "the HTML file to write (default report.html; none with only --png)");
+  r.app->add_option("--png", r.png,
+                    "also write every chart as DIR/NAME.png (renders in headless Chromium)");
+  r.app->add_option("--title", r.title, "the page's title");
+}
 
+// The flags of `caravan data tokenize` and `caravan data inspect`.
+struct DataCommands {
+  CLI::App* tokenize = nullptr;
+  CLI::App* inspect = nullptr;
+  std::string inspectPath, inspectDtype;
+};
+
+void addDataCommands(CLI::App& app, DataCommands& d) {
   auto* data = app.add_subcommand("data",
                                   "prepare and check data: tokenize text into token "
                                   "files, inspect what a file holds");
   data->require_subcommand(1);
-  auto* tokenizeCmd = data->add_subcommand(
+  d.tokenize = data->add_subcommand(
       "tokenize",
       "tokenize UTF-8 text into token files (train.bin, val.bin) for data.dataset = "
       "\"tokens\": trains a SentencePiece model, uses one (--model), or bytes; "
       "caravan data tokenize --help for its options");
   // Its options are caravan-tokenize's (a program of its own: src/data/tokenize.h).
-  tokenizeCmd->prefix_command();
-  tokenizeCmd->set_help_flag();
-  std::string inspectPath, inspectDtype;
-  auto* inspectCmd = data->add_subcommand(
+  d.tokenize->prefix_command();
+  d.tokenize->set_help_flag();
+  d.inspect = data->add_subcommand(
       "inspect",
       "print what a data file or directory holds (format, dtype, shape, count, id "
       "range): .npy, token .bin, IDX, .txt");
-  inspectCmd->add_option("path", inspectPath, "a file or a directory")->required();
-  inspectCmd->add_option("--token-dtype", inspectDtype,
-                         ".bin files: uint16 or uint32 (default: tokens.json's, else uint16)");
+  d.inspect->add_option("path", d.inspectPath, "a file or a directory")->required();
+  d.inspect->add_option("--token-dtype", d.inspectDtype,
+                        ".bin files: uint16 or uint32 (default: tokens.json's, else uint16)");
+}
 
-  // A first word that is no subcommand is named (CLI11 would say only that one is required).
-  if (argc > 1 && argv[1][0] != '-') {
-    std::string names;
-    bool known = false;
-    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
-      known = known || sub->get_name() == argv[1];
-      names += (names.empty() ? "" : ", ") + sub->get_name();
-    }
-    if (!known) {
-      std::fprintf(stderr,
-                   "caravan: error: unknown command '%s'; the commands are %s (see "
-                   "caravan --help)\n",
-                   argv[1], names.c_str());
-      return static_cast<int>(ExitCode::kConfig);
-    }
+// caravan data inspect: what the file or directory holds; DataError when some cannot be read.
+int runInspect(const DataCommands& d) {
+  const InspectResult r = inspectData(d.inspectPath, d.inspectDtype);
+  for (const auto& line : r.lines) std::cout << line << "\n";
+  std::cout.flush();
+  if (r.unreadable > 0) {
+    throw DataError(fmt::format("{} file{} in {} cannot be read (said above)", r.unreadable,
+                                r.unreadable == 1 ? "" : "s", d.inspectPath));
   }
+  return 0;
+}
+
+// Every subcommand's flags, filled in by parsing.
+struct Commands {
+  TrainCli train;
+  EvalCommand eval;
+  ConfigCommand plan;
+  SimulateArgs sim;
+  CLI::App* simulate = nullptr;
+  CalibrateArgs calib;
+  CLI::App* calibrate = nullptr;
+  ExportArgs exportArgs;
+  CLI::App* exportCmd = nullptr;
+  ConfigCommand config;
+  ReportCommand report;
+  DataCommands data;
+};
+
+// The subcommands, in the order --help lists them.
+void addCommands(CLI::App& app, Commands& c) {
+  addTrainCommand(app, c.train);
+  addEvalCommand(app, c.eval);
+  addPlanCommand(app, c.plan);
+  c.simulate = addSimulateCommand(app, c.sim);
+  c.calibrate = addCalibrateCommand(app, c.calib);
+  c.exportCmd = addExportCommand(app, c.exportArgs);
+  addConfigCommand(app, c.config);
+  addReportCommand(app, c.report);
+  addDataCommands(app, c.data);
+}
+
+// Runs the subcommand that was parsed; returns the exit code, throws the errors main reports.
+int runCommand(int argc, char** argv, const Commands& c) {
+  if (*c.train.app) return runTrainCommand(argc, argv, c.train);
+  if (*c.eval.app) return runEval(c.eval.runDir, c.eval.checkpoint, c.eval.overrides);
+  if (*c.plan.app) return runPlan(c.plan.configPath, c.plan.overrides);
+  if (*c.simulate) return runSimulate(c.sim);
+  if (*c.calibrate) return runCalibrate(c.calib);
+  if (*c.exportCmd) return runExport(c.exportArgs);
+  if (*c.report.app) {
+    return runReport(c.report.sources, c.report.output, c.report.png, c.report.title);
+  }
+  if (*c.data.tokenize) return runTokenizer(c.data.tokenize->remaining());
+  if (*c.data.inspect) return runInspect(c.data);
+  if (*c.config.app) return runConfig(c.config);
+  return 0;
+}
+
+// A first word that is no subcommand is named (CLI11 would say only that one is required):
+// the exit code then, nullopt otherwise.
+std::optional<int> rejectUnknownCommand(CLI::App& app, int argc, char** argv) {
+  if (argc <= 1 || argv[1][0] == '-') return std::nullopt;
+  std::string names;
+  bool known = false;
+  for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    known = known || sub->get_name() == argv[1];
+    names += (names.empty() ? "" : ", ") + sub->get_name();
+  }
+  if (known) return std::nullopt;
+  std::fprintf(stderr,
+               "caravan: error: unknown command '%s'; the commands are %s (see "
+               "caravan --help)\n",
+               argv[1], names.c_str());
+  return static_cast<int>(ExitCode::kConfig);
+}
+
+// Parses the command line: nullopt, or the exit code when parsing ends the process (--help,
+// --version, a usage error).
+std::optional<int> parseCommandLine(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -522,58 +666,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "caravan: error: %s (see caravan --help)\n", e.what());
     return static_cast<int>(ExitCode::kConfig);
   }
+  return std::nullopt;
+}
 
-  // A failure is reported on a line of its own, even if a progress bar was being drawn.
-  const char* clearLine = isatty(STDERR_FILENO) ? "\r\x1b[K" : "";
+// The exception being handled, as one line on stderr and an exit code (called in a catch).
+int reportFailure(const char* clearLine) {
   try {
-    if (*train && stopOption->count() > 0 && stopAtStep < 1) {
-      throw ConfigError(fmt::format("--stop-at-step {} must be a step, 1 or more", stopAtStep));
-    }
-    if (*train && runDirOption->count() > 0 && !resumeDir.empty()) {
-      throw ConfigError("--resume RUN_DIR names the run directory; drop --run-dir");
-    }
-    if (*train && runDirOption->count() > 0 && runDir.empty()) {
-      throw ConfigError(
-          "--run-dir is empty; name a directory (or leave --run-dir out for "
-          "runs/<config>-<time>)");
-    }
-    if (*train && restartsOption->count() > 0 && workersOption->count() == 0) {
-      throw ConfigError("--max-restarts restarts the workers of --workers N; under torchrun, "
-                        "srun or mpirun use the launcher's own restart policy");
-    }
-    if (*train && workersOption->count() > 0) {
-      return launchTrain(argc, argv, workers, maxRestarts, configPath, overrides, runDir,
-                         resumeDir);
-    }
-    if (*train)
-      return runTrain(argv, configPath, overrides, runDir, resumeDir, stopAtStep, quiet, trace);
-    if (*eval) return runEval(runDir, checkpoint, overrides);
-    if (*plan) return runPlan(configPath, overrides);
-    if (*simulate) return runSimulate(sim);
-    if (*calibrate) return runCalibrate(calib);
-    if (*exportCmd) return runExport(exportArgs);
-    if (*reportCmd) return runReport(reportSources, reportOutput, reportPng, reportTitle);
-    if (*tokenizeCmd) return runTokenizer(tokenizeCmd->remaining());
-    if (*inspectCmd) {
-      const InspectResult r = inspectData(inspectPath, inspectDtype);
-      for (const auto& line : r.lines) std::cout << line << "\n";
-      std::cout.flush();
-      if (r.unreadable > 0) {
-        throw DataError(fmt::format("{} file{} in {} cannot be read (said above)", r.unreadable,
-                                    r.unreadable == 1 ? "" : "s", inspectPath));
-      }
-      return 0;
-    }
-    if (*config) {
-      if (schema) {
-        std::cout << Config::schemaMarkdown();
-      } else {
-        Config c = configPath.empty() ? Config::fromString("", "<defaults>", overrides)
-                                      : Config::fromFile(configPath, overrides);
-        std::cout << c.toToml();
-      }
-      return 0;
-    }
+    throw;
   } catch (const Error& e) {
     const auto* worker = dynamic_cast<const WorkerError*>(&e);
     if (worker == nullptr || !worker->saidAbove()) {
@@ -600,5 +699,39 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%scaravan: internal error: %s\n", clearLine, e.what());
     return static_cast<int>(ExitCode::kInternal);
   }
-  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // A write past the file-size limit (ulimit -f) fails with EFBIG, which the writers report in
+  // one line and clean up after, rather than killing the process with SIGXFSZ.
+  std::signal(SIGXFSZ, SIG_IGN);
+  // Gloo writes to its sockets with writev: a peer that died would kill this rank with SIGPIPE
+  // (no message, no exit code) instead of the EPIPE that becomes a PeerError naming the peer.
+  std::signal(SIGPIPE, SIG_IGN);
+  CLI::App app{
+      "caravan: train deep networks on one process, data-parallel across processes and hosts "
+      "(all-reduce, local SGD, DiLoCo, gossip, parameter servers, OSP), pipeline-parallel "
+      "across stages (GPipe, 1F1B, ZB-H1) and beyond memory (per-block keep/recompute/swap, "
+      "out-of-core weights).\nExit codes: 0 ok, 1 internal error, 2 bad "
+      "usage or config, 3 dataset, 4 checkpoint, 5 file system, 6 non-finite loss, 7 lost peer, "
+      "8 a worker process failed, 9 out of memory, 130 interrupted."};
+  app.require_subcommand(1);
+  // The LibTorch this binary runs on: a model saved by a newer torch may not load on it.
+  app.set_version_flag("--version",
+                       fmt::format("caravan {} (LibTorch {}.{}.{})", CARAVAN_VERSION,
+                                   TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH));
+  Commands commands;
+  addCommands(app, commands);
+  if (const std::optional<int> code = rejectUnknownCommand(app, argc, argv)) return *code;
+  if (const std::optional<int> code = parseCommandLine(app, argc, argv)) return *code;
+
+  // A failure is reported on a line of its own, even if a progress bar was being drawn.
+  const char* clearLine = isatty(STDERR_FILENO) ? "\r\x1b[K" : "";
+  try {
+    return runCommand(argc, argv, commands);
+  } catch (...) {
+    return reportFailure(clearLine);
+  }
 }

@@ -22,7 +22,6 @@
 #include "sim/simulator.h"
 #include "sim/workload.h"
 #include "sync/compression.h"
-#include "train/checkpoint.h"
 #include "train/run_options.h"
 
 namespace caravan {

@@ -1,16 +1,21 @@
-// Regular files only, opened without blocking (see files.h).
+// Regular files only, opened without blocking; files written atomically (see files.h).
 #include "core/files.h"
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <vector>
 
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "core/errors.h"
 #include "core/scope_guard.h"
 
 namespace caravan {
+
+namespace fs = std::filesystem;
 
 int openRegularFile(const std::string& path, std::string* why, bool allowDevices) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
@@ -72,6 +77,62 @@ bool preadFully(int fd, void* buffer, size_t bytes, int64_t offset) {
     offset += n;
   }
   return true;
+}
+
+void writeAll(int fd, const char* data, size_t size, const std::string& path) {
+  size_t done = 0;
+  while (done < size) {
+    ssize_t n = ::write(fd, data + done, size - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw IoError(fmt::format("cannot write {}: {} (free disk space and retry)", path,
+                                std::strerror(errno)));
+    }
+    done += static_cast<size_t>(n);
+  }
+}
+
+void writeFileAtomic(const std::string& path, const std::string& bytes) {
+  writeFileAtomic(
+      path, [&](int fd, const std::string& tmp) { writeAll(fd, bytes.data(), bytes.size(), tmp); });
+}
+
+void writeFileAtomic(const std::string& path,
+                     const std::function<void(int fd, const std::string& tmp)>& fill) {
+  fs::path target(path);
+  fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  std::string tmpl = (dir / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
+  std::vector<char> name(tmpl.begin(), tmpl.end());
+  name.push_back('\0');
+  int fd = ::mkstemp(name.data());
+  if (fd < 0) {
+    throw IoError(
+        fmt::format("cannot create a file in {}: {} (check the directory exists and "
+                    "is writable)",
+                    dir.string(), std::strerror(errno)));
+  }
+  std::string tmp(name.data());
+  try {
+    fill(fd, tmp);
+    if (::fsync(fd) != 0) {
+      throw IoError(fmt::format("cannot sync {}: {}", tmp, std::strerror(errno)));
+    }
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    throw IoError(fmt::format("cannot rename {} to {}: {}", tmp, path, std::strerror(err)));
+  }
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
 }
 
 }  // namespace caravan

@@ -1,13 +1,18 @@
-// Opening files that come from the user (datasets, configs, checkpoints) without blocking on
+// Reading files that come from the user (datasets, configs, checkpoints) without blocking on
 // what is not a regular file: open(2) of a FIFO waits for a writer forever, a device may never
 // end. openRegularFile opens non-blocking, checks what it opened, and only then hands back a
 // normal (blocking, close-on-exec) descriptor.
+// Writing files atomically (writeFileAtomic: checkpoints, run files, reports): a temporary
+// file in the same directory, fsync, rename, fsync of the directory.
 //
-// Errors are returned, not thrown: each caller says what the file is for in its own error.
+// The readers return errors, not throw them: each caller says what the file is for in its own
+// error. The writers throw IoError.
 // Threading: free functions; any thread.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -41,5 +46,16 @@ class OwnedFd {
 // Reads exactly `bytes` at `offset` (retrying short reads and EINTR); false on an error or
 // the end of the file first.
 bool preadFully(int fd, void* buffer, size_t bytes, int64_t offset);
+
+// Writes all `size` bytes of `data` to `fd` (retrying short writes and EINTR). Throws IoError
+// naming `path` on a failed write.
+void writeAll(int fd, const char* data, size_t size, const std::string& path);
+
+// Writes `bytes` to `path` atomically (tmp + fsync + rename + fsync dir). Throws IoError.
+void writeFileAtomic(const std::string& path, const std::string& bytes);
+// The same, with the bytes written by `fill` into the open temporary file `tmp` (fd); fill
+// throws IoError on a failed write.
+void writeFileAtomic(const std::string& path,
+                     const std::function<void(int fd, const std::string& tmp)>& fill);
 
 }  // namespace caravan

@@ -1,6 +1,11 @@
-// Concrete datasets: Fashion-MNIST (gzipped IDX), the Brown corpus (character level) and
-// synthetic data for tests. Every loader validates its input and throws DataError with a
-// one-line message naming the file and what to do.
+// The datasets Caravan reads (data.dataset), each as DatasetSplits (data/dataset.h): image and
+// label pairs in IDX files (Fashion-MNIST, MNIST, KMNIST, EMNIST), token files (train.bin and
+// val.bin, as nanoGPT writes them, or caravan data tokenize), text at the byte level, NumPy .npy
+// arrays (with Caravan's own header parser), a weighted mixture of several sources
+// (data.sources), the Brown corpus at the character level, and synthetic data for tests and
+// benchmarks. File-backed datasets other than Brown read one example at a time (pread).
+// Every loader validates its input and throws DataError with a one-line message naming the
+// file and what to do.
 #pragma once
 
 #include <string>

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <sstream>
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <torch/nn/modules/container/any.h>
 
@@ -64,18 +63,6 @@ std::string formatPolicies(const std::vector<BlockPolicy>& policies) {
     s += policyName(policies[i]);
   }
   return s;
-}
-
-at::Tensor defaultRngState() {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-void setDefaultRngState(const at::Tensor& state) {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
 }
 
 bool needsTier(const std::vector<BlockPolicy>& policies) {

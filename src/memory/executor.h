@@ -38,6 +38,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "core/rng.h"  // recompute replays a block's draws; the trainer and planner include it here
 #include "memory/tier.h"
 #include "models/model.h"
 
@@ -54,11 +55,6 @@ std::vector<BlockPolicy> parsePolicies(const std::string& text, size_t blocks,
                                        const std::string& key);
 std::string formatPolicies(const std::vector<BlockPolicy>& policies);
 bool needsTier(const std::vector<BlockPolicy>& policies);
-
-// The default CPU generator's state (dropout's draws), read and set under its lock: recompute
-// replays a block's draws, the planner's profile and checkpoints put the state back.
-at::Tensor defaultRngState();
-void setDefaultRngState(const at::Tensor& state);
 
 struct ExecutorStats {
   int64_t bytesOffloaded = 0;     // handed to the tier (writes queued), as it stores them

@@ -19,6 +19,7 @@
 #include "core/config.h"
 #include "core/errors.h"
 #include "core/files.h"
+#include "core/rng.h"
 #include "core/scope_guard.h"
 #include "models/graph_cut.h"
 
@@ -168,8 +169,7 @@ at::Tensor sampleInput(const DataShape& shape, int64_t tokens) {
 // statistics), to put back after a probe of the module.
 class ModuleSnapshot {
  public:
-  explicit ModuleSnapshot(const jit::Module& root)
-      : generator_(at::detail::getDefaultCPUGenerator()), rng_(generator_.get_state()) {
+  explicit ModuleSnapshot(const jit::Module& root) : rng_(defaultRngState()) {
     for (const auto& b : root.named_buffers(true)) {
       buffers_.push_back(b.value);
       saved_.push_back(b.value.clone());
@@ -178,11 +178,10 @@ class ModuleSnapshot {
   void restore() {
     at::NoGradGuard noGrad;
     for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved_[i]);
-    generator_.set_state(rng_);
+    setDefaultRngState(rng_);
   }
 
  private:
-  at::Generator generator_;
   at::Tensor rng_;
   std::vector<at::Tensor> buffers_, saved_;
 };

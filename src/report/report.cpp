@@ -20,14 +20,15 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <openssl/evp.h>
 #include <toml++/toml.h>
 
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/output_path.h"
 #include "core/scope_guard.h"
+#include "core/subprocess.h"
 #include "report/assets.h"
-#include "train/checkpoint.h"
 #include "train/metrics.h"
 
 namespace fs = std::filesystem;
@@ -187,37 +188,11 @@ struct Captured {
 volatile std::sig_atomic_t gInterrupted = 0;
 extern "C" void onInterrupt(int) { gInterrupted = 1; }
 
-// Catches SIGINT and SIGTERM for its lifetime (Chromium runs in its own process group, so the
-// terminal's Ctrl-C reaches only caravan) and restores the previous handlers.
-class InterruptScope {
- public:
-  InterruptScope() {
-    gInterrupted = 0;
-    struct sigaction sa {};
-    sa.sa_handler = onInterrupt;
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGINT, &sa, &oldInt_);
-    ::sigaction(SIGTERM, &sa, &oldTerm_);
-  }
-  ~InterruptScope() {
-    ::sigaction(SIGINT, &oldInt_, nullptr);
-    ::sigaction(SIGTERM, &oldTerm_, nullptr);
-  }
-  InterruptScope(const InterruptScope&) = delete;
-  InterruptScope& operator=(const InterruptScope&) = delete;
-
- private:
-  struct sigaction oldInt_ {};
-  struct sigaction oldTerm_ {};
-};
-
 // Runs `argv` with stdout captured and stderr into `errPath`, in its own process group, killed
 // (with its children) after `timeout`.
-Captured runCaptured(const std::vector<std::string>& argv, const std::string& errPath,
+Captured runCaptured(std::vector<std::string> argv, const std::string& errPath,
                      std::chrono::seconds timeout) {
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
+  std::vector<char*> args = execArgv(argv);
   int pipeFds[2];
   if (::pipe2(pipeFds, O_CLOEXEC) != 0) throw IoError("cannot create a pipe for Chromium");
   const int errFd = ::open(errPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -280,24 +255,19 @@ Captured runCaptured(const std::vector<std::string>& argv, const std::string& er
   return c;
 }
 
+// The bytes of a base64 text (a PNG data URL's, padded as canvas.toDataURL writes it).
 std::string decodeBase64(const std::string& in) {
-  static const std::string chars =
-      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string out;
-  out.reserve(in.size() * 3 / 4);
-  uint32_t bits = 0;
-  int count = 0;
-  for (const char ch : in) {
-    if (ch == '=') break;
-    const size_t v = chars.find(ch);
-    if (v == std::string::npos) throw IoError("Chromium returned a chart that is not base64");
-    bits = (bits << 6) | static_cast<uint32_t>(v);
-    count += 6;
-    if (count >= 8) {
-      count -= 8;
-      out.push_back(static_cast<char>((bits >> count) & 0xff));
-    }
-  }
+  // EVP_DecodeBlock takes whole groups of 4 characters and decodes the padding ('=') to zero
+  // bytes, which are cut off after.
+  const size_t padding = in.size() - (in.find_last_not_of('=') + 1);  // npos + 1 is 0
+  std::string out(in.size() / 4 * 3, '\0');
+  const int n = in.size() % 4 == 0 && padding <= 2
+                    ? EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                                      reinterpret_cast<const unsigned char*>(in.data()),
+                                      static_cast<int>(in.size()))
+                    : -1;
+  if (n < 0) throw IoError("Chromium returned a chart that is not base64");
+  out.resize(static_cast<size_t>(n) - padding);
   return out;
 }
 
@@ -604,7 +574,10 @@ std::vector<std::string> writePngs(const std::string& html, const std::string& d
   const std::string errPath = (tmp / "chromium.log").string();
   Captured c;
   {
-    InterruptScope interrupts;
+    // Chromium runs in its own process group, so the terminal's Ctrl-C reaches only caravan:
+    // SIGINT and SIGTERM are caught while it runs, the previous handlers back after.
+    gInterrupted = 0;
+    const ScopedSignalHandler interrupts({SIGINT, SIGTERM}, onInterrupt);
     c = runCaptured(argv, errPath, std::chrono::seconds(300));
   }
   if (c.interrupted) {

@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include "core/errors.h"
+#include "core/files.h"
 #include "core/scope_guard.h"
 
 namespace caravan {
@@ -36,19 +37,6 @@ uint64_t getLe(const std::string& in, size_t off, int bytes) {
   uint64_t v = 0;
   for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(in[off + i])) << (8 * i);
   return v;
-}
-
-void writeAll(int fd, const char* data, size_t size, const std::string& path) {
-  size_t done = 0;
-  while (done < size) {
-    ssize_t n = ::write(fd, data + done, size - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throw IoError(fmt::format("cannot write {}: {} (free disk space and retry)", path,
-                                std::strerror(errno)));
-    }
-    done += static_cast<size_t>(n);
-  }
 }
 
 // An output stream buffer onto a file descriptor that keeps the CRC-32 and the length of what
@@ -221,49 +209,6 @@ void loadOptimizer(torch::serialize::InputArchive& archive, torch::optim::Optimi
 }
 
 }  // namespace
-
-void writeFileAtomic(const std::string& path, const std::string& bytes) {
-  writeFileAtomic(path, [&](int fd, const std::string& tmp) {
-    writeAll(fd, bytes.data(), bytes.size(), tmp);
-  });
-}
-
-void writeFileAtomic(const std::string& path,
-                     const std::function<void(int fd, const std::string& tmp)>& fill) {
-  fs::path target(path);
-  fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
-  std::string tmpl = (dir / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
-  std::vector<char> name(tmpl.begin(), tmpl.end());
-  name.push_back('\0');
-  int fd = ::mkstemp(name.data());
-  if (fd < 0) {
-    throw IoError(fmt::format("cannot create a file in {}: {} (check the directory exists and "
-                              "is writable)",
-                              dir.string(), std::strerror(errno)));
-  }
-  std::string tmp(name.data());
-  try {
-    fill(fd, tmp);
-    if (::fsync(fd) != 0) {
-      throw IoError(fmt::format("cannot sync {}: {}", tmp, std::strerror(errno)));
-    }
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
-    ::unlink(tmp.c_str());
-    throw IoError(fmt::format("cannot rename {} to {}: {}", tmp, path, std::strerror(err)));
-  }
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-}
 
 void saveCheckpoint(const std::string& path, torch::nn::Module& model,
                     torch::optim::Optimizer& optimizer, const TrainingState& state) {

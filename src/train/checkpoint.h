@@ -22,6 +22,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "core/files.h"  // writeFileAtomic, with which checkpoints are written
 #include "core/torch_fwd.h"
 #include "data/loader.h"
 
@@ -39,13 +40,6 @@ struct TrainingState {
   std::string bf16Blocks;             // train.precision's choice (PrecisionChoice::blocksText)
   nlohmann::json meta;                // identity of the run: model/optimizer/data keys
 };
-
-// Writes `bytes` to `path` atomically (tmp + fsync + rename + fsync dir). Throws IoError.
-void writeFileAtomic(const std::string& path, const std::string& bytes);
-// The same, with the bytes written by `fill` into the open temporary file `tmp` (fd); fill
-// throws IoError on a failed write.
-void writeFileAtomic(const std::string& path,
-                     const std::function<void(int fd, const std::string& tmp)>& fill);
 
 void saveCheckpoint(const std::string& path, torch::nn::Module& model,
                     torch::optim::Optimizer& optimizer, const TrainingState& state);

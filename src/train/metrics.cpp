@@ -12,7 +12,6 @@
 
 #include "core/errors.h"
 #include "core/files.h"
-#include "train/checkpoint.h"
 
 namespace caravan {
 

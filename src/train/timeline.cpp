@@ -3,7 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "train/checkpoint.h"
+#include "core/files.h"
 
 namespace caravan {
 
