@@ -363,8 +363,8 @@ TEST(Simulate, SaysWhatItDoesNotModel) {
 TEST(Buckets, TheFirstCapClosesTheFirstBucketAndTheLaterCapTheRest) {
   // First cap 10, later cap 25: {6, 4} (10 fits the first cap exactly), {8, 8, 8} (24), {9}.
   EXPECT_EQ(bucketStarts({6, 4, 8, 8, 8, 9}, 10, 25), (std::vector<size_t>{0, 2, 5}));
-  // The second bucket is still under the first cap: bucketStarts' rule, AllReduceStrategy's.
-  EXPECT_EQ(bucketStarts({6, 6, 6, 6}, 10, 100), (std::vector<size_t>{0, 1, 2}));
+  // The second bucket takes the later cap from its first tensor on: {6}, {6, 6, 6} (18 > 10).
+  EXPECT_EQ(bucketStarts({6, 6, 6, 6}, 10, 100), (std::vector<size_t>{0, 1}));
 }
 
 TEST(Buckets, ATensorLargerThanTheCapGoesAlone) {
@@ -389,23 +389,23 @@ class OneRankRecorder final : public Communicator {
   std::chrono::milliseconds timeout() const override { return std::chrono::milliseconds(1000); }
   WorkPtr allreduce(at::Tensor tensor, ReduceOp) override {
     numels.push_back(tensor.numel());
-    return std::make_shared<ReadyWork>();
+    return std::make_shared<comm::ReadyWork>();
   }
-  WorkPtr broadcast(at::Tensor, int) override { return std::make_shared<ReadyWork>(); }
+  WorkPtr broadcast(at::Tensor, int) override { return std::make_shared<comm::ReadyWork>(); }
   WorkPtr allgather(at::Tensor, at::Tensor) override { return unexpected("allgather"); }
   WorkPtr reduceScatter(at::Tensor, at::Tensor, ReduceOp) override {
     return unexpected("reduceScatter");
   }
   WorkPtr send(at::Tensor, int, int) override { return unexpected("send"); }
   WorkPtr recv(at::Tensor, int, int) override { return unexpected("recv"); }
-  WorkPtr barrier() override { return std::make_shared<ReadyWork>(); }
+  WorkPtr barrier() override { return std::make_shared<comm::ReadyWork>(); }
 
   std::vector<int64_t> numels;
 
  private:
   static WorkPtr unexpected(const char* op) {
     ADD_FAILURE() << "an uncompressed all-reduce called " << op;
-    return std::make_shared<ReadyWork>();
+    return std::make_shared<comm::ReadyWork>();
   }
 };
 

@@ -4,8 +4,7 @@
 
 #include <fmt/format.h>
 
-#include "core/errors.h"
-#include "memory/accounting.h"
+#include "memory/tracker.h"
 #include "sync/compression.h"
 #include "sync/parameter_server.h"
 
