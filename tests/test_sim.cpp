@@ -1,14 +1,26 @@
 // caravan simulate's model (sim/simulator.h) against closed forms: each mode's step time where
-// the event model's answer can be written down by hand, and the cluster file's parsing.
+// the event model's answer can be written down by hand, and the cluster file's parsing; the
+// all-reduce's buckets (sync/buckets.h) by hand and against AllReduceStrategy's own; the
+// workload file's formats; --recommend's candidates and ranking (sim/recommend.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <numeric>
 #include <string>
 
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include "comm/comm_util.h"
 #include "core/errors.h"
+#include "memory/accounting.h"
+#include "models/model.h"
 #include "sim/cluster.h"
+#include "sim/recommend.h"
 #include "sim/simulator.h"
+#include "sim/workload.h"
+#include "sync/allreduce.h"
+#include "sync/buckets.h"
 
 using namespace caravan;
 using namespace caravan::sim;
@@ -31,6 +43,17 @@ Workload oneBlock() {
   return w;
 }
 
+// oneBlock's totals over blocks of these forward and backward times, parameter and input bytes.
+Workload blocks(std::vector<double> forward, std::vector<double> backward,
+                std::vector<int64_t> parameters, std::vector<int64_t> inputs) {
+  Workload w = oneBlock();
+  w.forwardSeconds = std::move(forward);
+  w.backwardSeconds = std::move(backward);
+  w.parameterBytes = std::move(parameters);
+  w.inputBytes = std::move(inputs);
+  return w;
+}
+
 // Hosts with a core each, 100 Mbit/s links (12.5 MB/s at efficiency 1), 100 us per message.
 ClusterSpec hosts(int n) {
   ClusterSpec c;
@@ -43,12 +66,22 @@ ClusterSpec hosts(int n) {
 
 constexpr double kRel = 1e-12;
 
+// A job synchronising by `mode`, as RunOptions::read makes it: one server where the mode has
+// servers, the mode's consistency for ps-bsp/asp/ssp; every other option the run's default.
+RunOptions job(SyncMode mode) {
+  RunOptions o;
+  o.sync.mode = mode;
+  o.sync.servers = usesServers(mode) ? 1 : 0;
+  if (isConsistencyMode(mode)) o.sync.ps = psOptions(mode, o.sync.ps.staleness);
+  return o;
+}
+
 }  // namespace
 
 TEST(Simulate, AllReduceOfOneBucketIsTheRingAfterBackward) {
   const Workload w = oneBlock();
   const ClusterSpec c = hosts(4);
-  SyncSpec s;  // allreduce; the one block's 8 MB are one bucket
+  RunOptions s = job(SyncMode::kAllReduce);  // the one block's 8 MB are one bucket
   const SimResult r = simulate(w, s, c, {4, 10, 1});
   const double beta = 100e6 / 8;
   const double ring = 2.0 * 3 * (100e-6 + 8e6 / 4 / beta);
@@ -63,14 +96,10 @@ TEST(Simulate, AllReduceOfOneBucketIsTheRingAfterBackward) {
 
 TEST(Simulate, AllReduceBucketsOverlapTheRestOfBackward) {
   // Two blocks of 4 MB: block 1's bucket leaves while block 0's backward runs.
-  Workload w = oneBlock();
-  w.forwardSeconds = {0.015, 0.015};
-  w.backwardSeconds = {0.030, 0.030};
-  w.parameterBytes = {4000000, 4000000};
-  w.inputBytes = {1000000, 1000000};
-  SyncSpec s;
-  s.firstBucketBytes = 1;
-  s.bucketBytes = 1;
+  const Workload w = blocks({0.015, 0.015}, {0.030, 0.030}, {4000000, 4000000}, {1000000, 1000000});
+  RunOptions s = job(SyncMode::kAllReduce);
+  s.sync.allreduce.firstBucketBytes = 1;
+  s.sync.allreduce.bucketBytes = 1;
   const ClusterSpec c = hosts(2);
   const double beta = 100e6 / 8;
   const double ring = 2.0 * (100e-6 + 4e6 / 2 / beta);  // 0.3202 s: longer than a block
@@ -82,9 +111,8 @@ TEST(Simulate, AllReduceBucketsOverlapTheRestOfBackward) {
 
 TEST(Simulate, PsBspOnOneServerQueuesEveryPushAndPullOnItsLink) {
   const Workload w = oneBlock();
-  SyncSpec s;
-  s.mode = "ps-bsp";
-  s.servers = 1;
+  RunOptions s = job(SyncMode::kPsBsp);
+  s.sync.servers = 1;
   const ClusterSpec c = hosts(5);  // 4 workers and the server on hosts of their own
   const SimResult r = simulate(w, s, c, {4, 1, 1});
   const double one = 100e-6 + 8e6 / (100e6 / 8);
@@ -97,11 +125,9 @@ TEST(Simulate, PsBspOnOneServerQueuesEveryPushAndPullOnItsLink) {
 
 TEST(Simulate, OspAtFractionOneIsPsBsp) {
   const Workload w = oneBlock();
-  SyncSpec bsp;
-  bsp.mode = "ps-bsp";
-  SyncSpec osp = bsp;
-  osp.mode = "osp";
-  osp.ospFraction = 1.0;
+  RunOptions bsp = job(SyncMode::kPsBsp);
+  RunOptions osp = job(SyncMode::kOsp);
+  osp.sync.osp.fraction = 1.0;
   ClusterSpec c = hosts(5);
   c.stragglerCv = 0.3;
   const SimResult a = simulate(w, bsp, c, {4, 20, 7});
@@ -117,9 +143,8 @@ TEST(Simulate, OspHidesStageTwoBehindTheNextStepsCompute) {
   Workload w = oneBlock();
   w.forwardSeconds = {0.330};
   w.backwardSeconds = {0.660};
-  SyncSpec s;
-  s.mode = "osp";
-  s.ospFraction = 0.5;
+  RunOptions s = job(SyncMode::kOsp);
+  s.sync.osp.fraction = 0.5;
   const ClusterSpec c = hosts(2);
   const int64_t steps = 5;
   const SimResult r = simulate(w, s, c, {1, steps, 1});
@@ -138,9 +163,8 @@ TEST(Simulate, OspPushesStageOneOnlyAfterThePreviousStageTwoIsBack) {
   // C + 2R; step 1's compute ends at 2C + R but its stage 1 leaves only at C + 2R (osp.cpp
   // drains stage 2 first), back at C + 3R, and its stage 2 at C + 4R.
   const Workload w = oneBlock();
-  SyncSpec s;
-  s.mode = "osp";
-  s.ospFraction = 0.5;
+  RunOptions s = job(SyncMode::kOsp);
+  s.sync.osp.fraction = 0.5;
   const SimResult r = simulate(w, s, hosts(2), {1, 2, 1});
   const double c = 0.100 + 0.0025;
   const double trip = 2 * (100e-6 + 4e6 / (100e6 / 8)) + 0.0025;
@@ -151,14 +175,11 @@ TEST(Simulate, OspPushesStageOneOnlyAfterThePreviousStageTwoIsBack) {
 TEST(Simulate, AllReduceBucketsCloseBeforeTheCapIsPassed) {
   // Three blocks of 10 MB, caps of 25 MB: AllReduceStrategy's buckets are {2, 1} and {0} (a
   // bucket of 30 MB if it closed only once past the cap).
-  Workload w = oneBlock();
-  w.forwardSeconds = {0.010, 0.010, 0.010};
-  w.backwardSeconds = {0.020, 0.020, 0.020};
-  w.parameterBytes = {10000000, 10000000, 10000000};
-  w.inputBytes = {0, 0, 0};
-  SyncSpec s;
-  s.firstBucketBytes = 25000000;
-  s.bucketBytes = 25000000;
+  const Workload w = blocks({0.010, 0.010, 0.010}, {0.020, 0.020, 0.020},
+                            {10000000, 10000000, 10000000}, {0, 0, 0});
+  RunOptions s = job(SyncMode::kAllReduce);
+  s.sync.allreduce.firstBucketBytes = 25000000;
+  s.sync.allreduce.bucketBytes = 25000000;
   auto ring = [](double bytes) { return 2.0 * (100e-6 + bytes / 2 / (100e6 / 8)); };
   // Bucket {2, 1} ready at 0.040 + 0.040, bucket {0} at 0.100 but after the first one.
   const double step = 0.080 + ring(20e6) + ring(10e6) + 0.005;
@@ -167,8 +188,7 @@ TEST(Simulate, AllReduceBucketsCloseBeforeTheCapIsPassed) {
 
 TEST(Simulate, GossipOverlapsTheExchangeWithTheStepsCompute) {
   Workload w = oneBlock();
-  SyncSpec s;
-  s.mode = "gossip";
+  RunOptions s = job(SyncMode::kGossip);
   // Small parameters: the step is its compute (105 ms); the exchange runs beside it.
   w.parameterBytes = {1000};
   EXPECT_NEAR(simulate(w, s, hosts(2), {2, 3, 1}).stepSeconds, 0.105, 1e-12);
@@ -176,7 +196,7 @@ TEST(Simulate, GossipOverlapsTheExchangeWithTheStepsCompute) {
   w.parameterBytes = {8000000};
   const double exchange = 100e-6 + 8e6 / (100e6 / 8);
   EXPECT_NEAR(simulate(w, s, hosts(2), {2, 3, 1}).stepSeconds, exchange, exchange * kRel);
-  s.gossipTopology = "complete";
+  s.sync.gossip.topology = "complete";
   EXPECT_THROW(simulate(w, s, hosts(2), {2, 1, 1}), ConfigError);
 }
 
@@ -184,9 +204,8 @@ TEST(Simulate, EachServerCountsStalenessByItsOwnClocks) {
   // One worker reads nothing stale, whatever the number of servers (each server's slowest
   // clock is that worker's own).
   const Workload w = oneBlock();
-  SyncSpec asp;
-  asp.mode = "ps-asp";
-  asp.servers = 2;
+  RunOptions asp = job(SyncMode::kPsAsp);
+  asp.sync.servers = 2;
   const SimResult r = simulate(w, asp, hosts(3), {1, 20, 1});
   ASSERT_EQ(r.staleness.size(), 1u);
   EXPECT_EQ(r.staleness[0], 20);
@@ -194,15 +213,14 @@ TEST(Simulate, EachServerCountsStalenessByItsOwnClocks) {
 
 TEST(Simulate, OspAutoPicksAFractionNoSlowerThanBspOrHalf) {
   Workload w = oneBlock();
-  SyncSpec s;
-  s.mode = "osp";
-  s.ospAuto = true;
+  RunOptions s = job(SyncMode::kOsp);
+  s.sync.osp.autoFraction = true;
   const ClusterSpec c = hosts(5);
   const SimResult a = simulate(w, s, c, {4, 30, 1});
   for (double f : {1.0, 0.5}) {
-    SyncSpec fixed = s;
-    fixed.ospAuto = false;
-    fixed.ospFraction = f;
+    RunOptions fixed = s;
+    fixed.sync.osp.autoFraction = false;
+    fixed.sync.osp.fraction = f;
     // A smaller fraction is taken only when it is 0.1% faster (ties keep the larger).
     EXPECT_LE(a.stepSeconds, simulate(w, fixed, c, {4, 30, 1}).stepSeconds * 1.001) << f;
   }
@@ -215,11 +233,9 @@ TEST(Simulate, SspReadsStayWithinTheBoundAndAspDoesNot) {
   ClusterSpec c = hosts(9);
   c.linkBitsPerSecond = 10e9;  // compute-bound: the stragglers decide the gaps
   c.stragglerCv = 0.8;
-  SyncSpec ssp;
-  ssp.mode = "ps-ssp";
-  ssp.staleness = 1;
-  SyncSpec asp = ssp;
-  asp.mode = "ps-asp";
+  RunOptions ssp = job(SyncMode::kPsSsp);
+  ssp.sync.ps.staleness = 1;
+  RunOptions asp = job(SyncMode::kPsAsp);
   const SimResult a = simulate(w, ssp, c, {8, 200, 3});
   const SimResult b = simulate(w, asp, c, {8, 200, 3});
   ASSERT_FALSE(a.staleness.empty());
@@ -232,9 +248,8 @@ TEST(Simulate, SspReadsStayWithinTheBoundAndAspDoesNot) {
 
 TEST(Simulate, LocalSgdPaysOneAllReduceOfTheParametersPerPeriod) {
   const Workload w = oneBlock();
-  SyncSpec s;
-  s.mode = "local-sgd";
-  s.localPeriod = 4;
+  RunOptions s = job(SyncMode::kLocalSgd);
+  s.sync.localSgd.period = 4;
   const ClusterSpec c = hosts(4);
   const SimResult r = simulate(w, s, c, {4, 8, 1});
   const double ring = 2.0 * 3 * (100e-6 + 8e6 / 4 / (100e6 / 8));
@@ -249,7 +264,7 @@ TEST(Simulate, ProcessesSharingCoresComputeSlower) {
   c.sharedCores = 2;           // 4 single-threaded workers on 2 cores: twice as long
   c.linkBitsPerSecond = 1e15;  // no communication to speak of
   c.latencySeconds = 0;
-  SyncSpec s;
+  RunOptions s = job(SyncMode::kAllReduce);
   const SimResult r = simulate(w, s, c, {4, 5, 1});
   EXPECT_NEAR(r.stepSeconds, 2 * 0.105, 1e-6);
   EXPECT_DOUBLE_EQ(r.computeScale, 2.0);
@@ -262,15 +277,12 @@ TEST(Simulate, ProcessesSharingCoresComputeSlower) {
 }
 
 TEST(Simulate, GpipeOfTwoStagesAndOneMicroBatchIsTheChainOfItsParts) {
-  Workload w = oneBlock();
-  w.forwardSeconds = {0.010, 0.020};
-  w.backwardSeconds = {0.030, 0.040};
-  w.parameterBytes = {1000, 1000};
-  w.inputBytes = {0, 1250000};  // 0.1 s at 12.5 MB/s
-  SyncSpec s;
-  s.pipelineStages = 2;
-  s.microBatches = 1;
-  s.schedule = "gpipe";
+  // Block 1's input: 0.1 s at 12.5 MB/s.
+  const Workload w = blocks({0.010, 0.020}, {0.030, 0.040}, {1000, 1000}, {0, 1250000});
+  RunOptions s = job(SyncMode::kAllReduce);
+  s.pipeline.stages = 2;
+  s.pipeline.microBatches = 1;
+  s.pipeline.schedule = PipelineSchedule::kGPipe;
   const ClusterSpec c = hosts(2);
   const SimResult r = simulate(w, s, c, {2, 1, 1});
   const double transfer = 100e-6 + 0.1;
@@ -282,11 +294,10 @@ TEST(Simulate, GpipeOfTwoStagesAndOneMicroBatchIsTheChainOfItsParts) {
 
 TEST(Simulate, RefusesWhatItCannotSimulateInOneLine) {
   const Workload w = oneBlock();
-  SyncSpec s;
-  s.mode = "diloco";
+  RunOptions s = job(SyncMode::kDiloco);
   EXPECT_THROW(simulate(w, s, hosts(2), {2, 1, 1}), ConfigError);
-  s.mode = "allreduce";
-  s.pipelineStages = 2;
+  s = job(SyncMode::kAllReduce);
+  s.pipeline.stages = 2;
   EXPECT_THROW(simulate(w, s, hosts(2), {3, 1, 1}), ConfigError);  // 3 is no multiple of 2
 }
 
@@ -338,16 +349,229 @@ TEST(ClusterFile, RefusesUnknownMissingAndOutOfRangeKeys) {
 // What the simulator does not model is said, not simulated as something else: diloco, and the
 // quantized parameter changes of local-sgd (whose bytes the float32 model would overstate 8x).
 TEST(Simulate, SaysWhatItDoesNotModel) {
-  SyncSpec diloco;
-  diloco.mode = "diloco";
-  EXPECT_NE(diloco.unsupported().find("sync.mode = diloco is not simulated"), std::string::npos)
-      << diloco.unsupported();
-  SyncSpec quantized;
-  quantized.mode = "local-sgd";
-  quantized.compression = "int4";
-  EXPECT_NE(quantized.unsupported().find("sync.compression = int4"), std::string::npos)
-      << quantized.unsupported();
-  SyncSpec plain;
-  plain.mode = "local-sgd";
-  EXPECT_EQ(plain.unsupported(), "");
+  const RunOptions diloco = job(SyncMode::kDiloco);
+  EXPECT_NE(unsupported(diloco).find("sync.mode = diloco is not simulated"), std::string::npos)
+      << unsupported(diloco);
+  RunOptions quantized = job(SyncMode::kLocalSgd);
+  quantized.sync.compressionName = "int4";
+  quantized.sync.localSgd.compression = Compression::kInt4;
+  EXPECT_NE(unsupported(quantized).find("sync.compression = int4"), std::string::npos)
+      << unsupported(quantized);
+  EXPECT_EQ(unsupported(job(SyncMode::kLocalSgd)), "");
+}
+
+TEST(Buckets, TheFirstCapClosesTheFirstBucketAndTheLaterCapTheRest) {
+  // First cap 10, later cap 25: {6, 4} (10 fits the first cap exactly), {8, 8, 8} (24), {9}.
+  EXPECT_EQ(bucketStarts({6, 4, 8, 8, 8, 9}, 10, 25), (std::vector<size_t>{0, 2, 5}));
+  // The second bucket takes the later cap from its first tensor on: {6}, {6, 6, 6} (18 > 10).
+  EXPECT_EQ(bucketStarts({6, 6, 6, 6}, 10, 100), (std::vector<size_t>{0, 1}));
+}
+
+TEST(Buckets, ATensorLargerThanTheCapGoesAlone) {
+  EXPECT_EQ(bucketStarts({50, 3, 40, 2}, 10, 10), (std::vector<size_t>{0, 1, 2, 3}));
+  EXPECT_EQ(bucketStarts({3, 50}, 10, 10), (std::vector<size_t>{0, 1}));
+  // Empty tensors join the bucket they come to (it is never past its cap by them).
+  EXPECT_EQ(bucketStarts({0, 10, 0, 1}, 10, 10), (std::vector<size_t>{0, 3}));
+}
+
+TEST(Buckets, NoTensorsNoBuckets) { EXPECT_TRUE(bucketStarts({}, 10, 10).empty()); }
+
+namespace {
+
+// One rank alone, every collective done when issued (over one rank the result is the input),
+// recording the elements of each all-reduce: AllReduceStrategy launches one per bucket, in
+// bucket order.
+class OneRankRecorder final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string backend() const override { return "one-rank recorder"; }
+  std::chrono::milliseconds timeout() const override { return std::chrono::milliseconds(1000); }
+  WorkPtr allreduce(at::Tensor tensor, ReduceOp) override {
+    numels.push_back(tensor.numel());
+    return std::make_shared<comm::ReadyWork>();
+  }
+  WorkPtr broadcast(at::Tensor, int) override { return std::make_shared<comm::ReadyWork>(); }
+  WorkPtr allgather(at::Tensor, at::Tensor) override { return unexpected("allgather"); }
+  WorkPtr reduceScatter(at::Tensor, at::Tensor, ReduceOp) override {
+    return unexpected("reduceScatter");
+  }
+  WorkPtr send(at::Tensor, int, int) override { return unexpected("send"); }
+  WorkPtr recv(at::Tensor, int, int) override { return unexpected("recv"); }
+  WorkPtr barrier() override { return std::make_shared<comm::ReadyWork>(); }
+
+  std::vector<int64_t> numels;
+
+ private:
+  static WorkPtr unexpected(const char* op) {
+    ADD_FAILURE() << "an uncompressed all-reduce called " << op;
+    return std::make_shared<comm::ReadyWork>();
+  }
+};
+
+// The float32 bytes of each bucket AllReduceStrategy launches over `model`, attached as a run
+// attaches it, for one step.
+std::vector<int64_t> enginesBuckets(BlockModel& model, const AllReduceOptions& options) {
+  auto recorder = std::make_shared<OneRankRecorder>();
+  AllReduceStrategy strategy(recorder, options);
+  strategy.attach(*model);
+  strategy.beforeForward(0);
+  strategy.finishGradients();  // no backward: every bucket launched here, in order
+  std::vector<int64_t> bytes;
+  for (int64_t n : recorder->numels) bytes.push_back(4 * n);
+  return bytes;
+}
+
+// The model's workload as measureWorkload records its parameters (no times).
+Workload parametersOf(BlockModel& model) {
+  Workload w;
+  for (size_t i = 0; i < model->numBlocks(); ++i) {
+    w.parameterBytes.push_back(tensorBytes(model->block(i).ptr()->parameters()));
+  }
+  w.gradientBytes = sim::blockGradientBytes(*model);
+  return w;
+}
+
+}  // namespace
+
+// The property sync/buckets.h exists for: the simulator predicts the all-reduce over the
+// buckets the engine lays, for the repository's models and caps from one parameter per bucket
+// to one bucket for everything.
+TEST(Buckets, TheSimulatorFormsTheEnginesBuckets) {
+  DataShape image;
+  DataShape text;
+  text.task = TaskKind::kLanguageModel;
+  text.vocabSize = 20;
+  text.seqLen = 16;
+  ModelSpec mlp, cnn, gpt;
+  mlp.name = "mlp";
+  cnn.name = "cnn";
+  cnn.width = 8;
+  gpt.name = "gpt";
+  gpt.width = 32;
+  gpt.depth = 2;
+  gpt.heads = 2;
+  size_t multiParameterBuckets = 0;
+  for (const auto& [spec, shape] :
+       std::vector<std::pair<ModelSpec, DataShape>>{{mlp, image}, {cnn, image}, {gpt, text}}) {
+    torch::manual_seed(1);
+    BlockModel model = buildModel(spec, shape);
+    const Workload w = parametersOf(model);
+    for (const auto& [first, later] : std::vector<std::pair<int64_t, int64_t>>{
+             {1, 1}, {1 << 10, 1 << 12}, {3000, 20000}, {1 << 14, 1 << 16}, {1 << 20, 25 << 20}}) {
+      AllReduceOptions options;
+      options.firstBucketBytes = first;
+      options.bucketBytes = later;
+      std::vector<int64_t> simulated;
+      size_t tensors = 0;
+      for (const GradientBucket& b : gradientBuckets(w, options)) {
+        simulated.push_back(b.bytes);
+        tensors += b.tensors;
+        multiParameterBuckets += b.tensors > 1;
+      }
+      EXPECT_EQ(simulated, enginesBuckets(model, options))
+          << spec.name << " with caps " << first << ", " << later;
+      EXPECT_EQ(tensors, model->parameters().size()) << spec.name;
+    }
+  }
+  EXPECT_GT(multiParameterBuckets, 5u) << "the caps never grouped parameters";
+}
+
+TEST(Buckets, ABucketIsReadyWhenItsLastParametersBlockEndedBackward) {
+  // Block 0 holds two parameters of 6 MB, block 1 one of 6 MB; caps of 10 MB: the buckets are
+  // {block 1's}, {block 0's second}, {block 0's first}: the last two ready when block 0 ended
+  // its backward. Per block (a caravan-workload-1 file) they would be {block 1}, {block 0}.
+  Workload w = blocks({0.010, 0.010}, {0.020, 0.020}, {12000000, 6000000}, {0, 0});
+  w.gradientBytes = {{6000000, 6000000}, {6000000}};
+  AllReduceOptions caps;
+  caps.firstBucketBytes = caps.bucketBytes = 10000000;
+  const std::vector<GradientBucket> buckets = gradientBuckets(w, caps);
+  ASSERT_EQ(buckets.size(), 3u);
+  EXPECT_EQ(buckets[0].readyBlock, 1u);
+  EXPECT_EQ(buckets[1].readyBlock, 0u);
+  EXPECT_EQ(buckets[2].readyBlock, 0u);
+  RunOptions s = job(SyncMode::kAllReduce);
+  s.sync.allreduce = caps;
+  auto ring = [](double bytes) { return 2.0 * (100e-6 + bytes / 2 / (100e6 / 8)); };
+  // Bucket 0 ready at 0.030 + 0.020, then three rings of 6 MB one after the other.
+  const double step = 0.050 + 3 * ring(6e6) + 0.005;
+  EXPECT_NEAR(simulate(w, s, hosts(2), {2, 1, 1}).stepSeconds, step, step * kRel);
+  w.gradientBytes.clear();
+  EXPECT_EQ(gradientBuckets(w, caps).size(), 2u);
+}
+
+TEST(WorkloadFile, KeepsEachParametersBytesAndReadsTheFormatBefore) {
+  Workload w = oneBlock();
+  w.gradientBytes = {{4000000, 3999000}};
+  const Workload back = workloadFromJson(workloadJson(w), "w.json");
+  EXPECT_EQ(back.gradientBytes, w.gradientBytes);
+  EXPECT_EQ(back.parameterBytes, w.parameterBytes);
+  // caravan-workload-1: no gradient_bytes; each block one tensor.
+  nlohmann::json old = nlohmann::json::parse(workloadJson(w));
+  old["format"] = "caravan-workload-1";
+  old.erase("gradient_bytes");
+  const Workload one = workloadFromJson(old.dump(), "old.json");
+  EXPECT_TRUE(one.gradientBytes.empty());
+  EXPECT_EQ(gradientBuckets(one, AllReduceOptions{}).size(), 1u);
+  // A block's gradients past its parameters are refused.
+  nlohmann::json bad = nlohmann::json::parse(workloadJson(w));
+  bad["gradient_bytes"] = {{9000000}};
+  EXPECT_THROW(workloadFromJson(bad.dump(), "bad.json"), ConfigError);
+}
+
+TEST(Recommend, ComparesTheUsualWaysEachOnceWithTheOwnFirst) {
+  RunOptions own = job(SyncMode::kPsSsp);
+  own.sync.servers = 2;
+  const std::vector<RunOptions> even = candidates(own, 4);
+  std::vector<std::string> labels;
+  for (const RunOptions& c : even) labels.push_back(label(c));
+  EXPECT_EQ(labels, (std::vector<std::string>{"ps-ssp(3)", "allreduce", "allreduce+fp16", "ps-bsp",
+                                              "ps-asp", "osp(auto)", "local-sgd(H=4)", "gossip",
+                                              "allreduce+pipeline(2x4)"}));
+  for (const RunOptions& c : even) {
+    EXPECT_EQ(c.sync.servers, usesServers(c.sync.mode) ? 2 : 0) << label(c);
+    EXPECT_EQ(unsupported(c), "") << label(c);
+  }
+  EXPECT_EQ(even[2].sync.allreduce.compression, Compression::kFp16);
+  EXPECT_EQ(even[4].sync.ps.consistency, PsConsistency::kAsp);
+  // An odd number of workers has no two-stage pipeline.
+  EXPECT_EQ(candidates(own, 3).size(), even.size() - 1);
+}
+
+TEST(Recommend, RanksFastestFirstAndSaysWhatBoundsAndWhatDoesNotFit) {
+  auto result = [](const RunOptions& j, double samples, double computing, int64_t memory) {
+    SimResult r;
+    r.mode = label(j);
+    r.samplesPerSecond = samples;
+    r.computeUtilisation = computing;
+    r.linkUtilisation = 0.5;
+    r.memoryPeakBytes = memory;
+    return std::pair{j, r};
+  };
+  ClusterSpec c = hosts(2);
+  c.memoryBytesPerHost = 2e9;  // 4 workers on 2 hosts: 1 GB each
+  RunOptions fp16 = job(SyncMode::kAllReduce);
+  fp16.sync.compressionName = "fp16";
+  fp16.sync.allreduce.compression = Compression::kFp16;
+  const std::vector<Recommendation> ranked =
+      recommend({result(job(SyncMode::kAllReduce), 100, 0.9, 500000000),
+                 result(job(SyncMode::kPsBsp), 300, 0.5, 1500000000), result(fp16, 100, 0.85, 0),
+                 result(job(SyncMode::kGossip), 200, 0.2, 10)},
+                c, 4, 60000);
+  std::vector<std::string> order;
+  for (const auto& r : ranked) order.push_back(r.mode);
+  EXPECT_EQ(order, (std::vector<std::string>{"ps-bsp", "gossip", "allreduce", "allreduce+fp16"}));
+  EXPECT_FALSE(ranked[0].fits);
+  EXPECT_NE(ranked[0].text().find("does NOT fit memory"), std::string::npos) << ranked[0].text();
+  EXPECT_FALSE(ranked[0].computeBound);
+  EXPECT_TRUE(ranked[2].computeBound);
+  EXPECT_TRUE(ranked[2].fits);
+  EXPECT_DOUBLE_EQ(ranked[2].epochMinutes, 60000 / 100.0 / 60.0);
+  EXPECT_EQ(ranked[2].text(),
+            "allreduce: 100 samples/s, 10.0 min/epoch; compute-bound (90% computing); exact "
+            "(every step synchronous)");
+  EXPECT_NE(ranked[3].text().find("gradients rounded to 16 bits; memory not predicted"),
+            std::string::npos)
+      << ranked[3].text();
+  EXPECT_NE(ranked[1].consistency.find("ring neighbours"), std::string::npos);
 }

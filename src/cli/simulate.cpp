@@ -19,9 +19,9 @@
 #include "memory/tier.h"
 #include "memory/tracker.h"
 #include "sim/cluster.h"
+#include "sim/recommend.h"
 #include "sim/simulator.h"
 #include "sim/workload.h"
-#include "sync/compression.h"
 #include "train/run_options.h"
 
 namespace caravan {
@@ -29,7 +29,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using sim::SimResult;
-using sim::SyncSpec;
 
 nlohmann::json toJson(const SimResult& r, const sim::Workload& w) {
   nlohmann::json j = {{"workers", r.workers},
@@ -52,61 +51,6 @@ nlohmann::json toJson(const SimResult& r, const sim::Workload& w) {
   return j;
 }
 
-// The ways to run the job `recommend` compares: the config's own and the usual alternatives.
-std::vector<SyncSpec> candidates(const SyncSpec& own, int workers) {
-  std::vector<SyncSpec> out{own};
-  auto add = [&](const std::string& mode, auto&& change) {
-    SyncSpec s = own;
-    s.mode = mode;
-    s.compression = "none";
-    s.pipelineStages = 1;
-    s.microBatches = 1;
-    s.servers = std::max(1, own.servers);
-    s.postLocalSteps = 0;
-    s.gossipTopology = "ring";
-    change(s);
-    if (s.label() != own.label()) out.push_back(s);
-  };
-  auto none = [](SyncSpec&) {};
-  add("allreduce", none);
-  add("allreduce", [](SyncSpec& s) { s.compression = "fp16"; });
-  add("ps-bsp", none);
-  add("ps-asp", none);
-  add("ps-ssp", none);
-  add("osp", [](SyncSpec& s) { s.ospAuto = true; });
-  add("local-sgd", none);
-  add("gossip", none);
-  if (workers % 2 == 0) {
-    add("allreduce", [](SyncSpec& s) {
-      s.pipelineStages = 2;
-      s.microBatches = 4;
-    });
-  }
-  return out;
-}
-
-// What a mode gives up against single-process training, in words.
-std::string consistency(const SyncSpec& s, const SimResult& r) {
-  std::string c;
-  if (s.mode == "allreduce" || s.mode == "ps-bsp") c = "exact (every step synchronous)";
-  if (s.mode == "ps-asp")
-    c = fmt::format("stale reads (mean gap {:.2f} steps)", sim::meanStaleness(r.staleness));
-  if (s.mode == "ps-ssp") {
-    c = fmt::format("reads at most {} steps stale (mean gap {:.2f})", s.staleness,
-                    sim::meanStaleness(r.staleness));
-  }
-  if (s.mode == "osp") {
-    c = fmt::format("{:.0f}% of each step synchronous, the rest a step late with LGP",
-                    100.0 * r.ospFraction);
-  }
-  if (s.mode == "local-sgd") c = fmt::format("replicas averaged every {} steps", s.localPeriod);
-  if (s.mode == "gossip") c = "replicas mixed with their ring neighbours only";
-  if (s.compression == "fp16" || s.compression == "bf16") c += ", gradients rounded to 16 bits";
-  if (s.compression == "topk")
-    c += fmt::format(", top {:g}% of each gradient", 100.0 * s.topkRatio);
-  return c;
-}
-
 // --workers, or 1, 2, 4, ... up to the cluster's hosts (pipelines: multiples of the stages).
 std::vector<int> workerCounts(const SimulateArgs& args, const sim::ClusterSpec& cluster,
                               int stages) {
@@ -116,19 +60,6 @@ std::vector<int> workerCounts(const SimulateArgs& args, const sim::ClusterSpec& 
   for (int n = stages; n <= most; n *= 2) out.push_back(n);
   if (stages == 1 && out.back() != most) out.push_back(most);
   return out;
-}
-
-// The run's options with a candidate's way of synchronising, for validate().
-RunOptions withSync(RunOptions o, const SyncSpec& s) {
-  o.sync.mode = parseSyncMode(s.mode);
-  o.sync.servers = usesServers(o.sync.mode) ? s.servers : 0;
-  o.sync.compressionName = s.compression;
-  o.sync.allreduce.compression = parseCompression(s.compression);
-  o.sync.ps.compression = o.sync.allreduce.compression;
-  o.sync.osp.autoFraction = s.ospAuto;
-  o.pipeline.stages = s.pipelineStages;
-  o.pipeline.microBatches = s.microBatches;
-  return o;
 }
 
 // -o DIR holds what simulate writes (core/output_path.h), and no other bench's results (their
@@ -160,9 +91,9 @@ int runSimulate(const SimulateArgs& args) {
                             ? Config::fromString("", "<defaults>", args.overrides)
                             : Config::fromFile(args.configPath, args.overrides);
   const RunOptions options = RunOptions::read(config);
-  const SyncSpec own = sim::syncSpecFrom(options);
-  if (const std::string why = own.unsupported(); !why.empty()) throw ConfigError(why);
-  const std::vector<int> counts = workerCounts(args, cluster, own.pipelineStages);
+  if (const std::string why = sim::unsupported(options); !why.empty()) throw ConfigError(why);
+  const std::string own = sim::label(options);
+  const std::vector<int> counts = workerCounts(args, cluster, options.pipeline.stages);
   for (int n : counts) {
     if (n < 1) throw ConfigError(fmt::format("--workers {}: a worker count is 1 or more", n));
     // What caravan train would refuse for this many workers, refused here too.
@@ -219,31 +150,32 @@ int runSimulate(const SimulateArgs& args) {
                            "link%");
   for (int n : counts) {
     sim::SimOptions o{n, args.steps, args.seed};
-    std::vector<SyncSpec> specs = args.recommend ? candidates(own, n) : std::vector<SyncSpec>{own};
-    std::vector<std::pair<SimResult, SyncSpec>> results;
-    for (const SyncSpec& s : specs) {
-      if (s.label() != own.label()) {  // a candidate caravan train would refuse is no way to run
-        const RunOptions candidate = withSync(options, s);
+    const std::vector<RunOptions> jobs =
+        args.recommend ? sim::candidates(options, n) : std::vector<RunOptions>{options};
+    std::vector<std::pair<RunOptions, SimResult>> results;
+    for (const RunOptions& job : jobs) {
+      const std::string label = sim::label(job);
+      if (label != own) {  // a candidate caravan train would refuse is no way to run
         try {
-          validate(candidate, n + candidate.sync.servers);
+          validate(job, n + job.sync.servers);
         } catch (const ConfigError& e) {
-          std::cout << fmt::format("{:>8}  {:<22} not a way to run this config: {}\n", n, s.label(),
+          std::cout << fmt::format("{:>8}  {:<22} not a way to run this config: {}\n", n, label,
                                    e.what());
           continue;
         }
       }
       SimResult r;
       try {
-        r = sim::simulate(w, s, cluster, o);
+        r = sim::simulate(w, job, cluster, o);
       } catch (const ConfigError& e) {
-        if (s.label() == own.label()) throw;
-        std::cout << fmt::format("{:>8}  {:<22} not simulated: {}\n", n, s.label(), e.what());
+        if (label == own) throw;
+        std::cout << fmt::format("{:>8}  {:<22} not simulated: {}\n", n, label, e.what());
         continue;
       }
-      results.push_back({r, s});
+      results.push_back({job, r});
       nlohmann::json j = toJson(r, w);
       lines += j.dump() + "\n";
-      if (s.label() == own.label()) {
+      if (label == own) {
         xs.push_back(n);
         ys.push_back(r.samplesPerSecond);
         eff.push_back(r.scalingEfficiency);
@@ -254,32 +186,11 @@ int runSimulate(const SimulateArgs& args) {
           100.0 * r.computeUtilisation, 100.0 * r.linkUtilisation);
     }
     if (!args.recommend) continue;
-    const double perHost = cluster.memoryBytesPerHost;
-    std::stable_sort(results.begin(), results.end(), [](const auto& a, const auto& b) {
-      return a.first.samplesPerSecond > b.first.samplesPerSecond;
-    });
     std::cout << fmt::format("\nrecommended for {} worker{} (fastest first):\n", n,
                              n == 1 ? "" : "s");
     int rank = 0;
-    for (const auto& [r, s] : results) {
-      const double perWorker =
-          perHost > 0.0 ? perHost / std::max(1, (n + cluster.hosts - 1) / cluster.hosts) : 0.0;
-      const bool fits = perWorker <= 0.0 || r.memoryPeakBytes <= perWorker;
-      const std::string memory = r.memoryPeakBytes == 0 ? "; memory not predicted" : "";
-      const std::string bound =
-          r.computeUtilisation >= 0.8
-              ? fmt::format("compute-bound ({:.0f}% computing)", 100.0 * r.computeUtilisation)
-              : fmt::format("communication-bound ({:.0f}% computing, busiest link {:.0f}%)",
-                            100.0 * r.computeUtilisation, 100.0 * r.linkUtilisation);
-      const std::string epoch =
-          w.epochExamples > 0
-              ? fmt::format(", {:.1f} min/epoch", w.epochExamples / r.samplesPerSecond / 60.0)
-              : "";
-      std::cout << fmt::format("  {}. {}: {:.0f} samples/s{}; {}; {}{}{}\n", ++rank, r.mode,
-                               r.samplesPerSecond, epoch, bound, consistency(s, r), memory,
-                               fits ? ""
-                                    : fmt::format("; does NOT fit memory ({} per worker)",
-                                                  formatBytes(r.memoryPeakBytes)));
+    for (const sim::Recommendation& c : sim::recommend(results, cluster, n, w.epochExamples)) {
+      std::cout << fmt::format("  {}. {}\n", ++rank, c.text());
     }
   }
   if (!args.outDir.empty()) {
@@ -290,7 +201,7 @@ int runSimulate(const SimulateArgs& args) {
     nlohmann::json charts = {
         {"format", "caravan-bench-1"},
         {"name", "simulate"},
-        {"title", fmt::format("Predicted scaling: {} ({})", w.model, own.label())},
+        {"title", fmt::format("Predicted scaling: {} ({})", w.model, own)},
         {"note", fmt::format("caravan simulate, cluster {}, {} steps per point", args.clusterPath,
                              args.steps)},
         {"charts",
@@ -301,7 +212,7 @@ int runSimulate(const SimulateArgs& args) {
            {"y_label", "samples/s"},
            {"log_x", true},
            {"log_y", false},
-           {"series", {{{"name", own.label()}, {"x", xs}, {"y", ys}}}}},
+           {"series", {{{"name", own}, {"x", xs}, {"y", ys}}}}},
           {{"id", "efficiency"},
            {"title", "Predicted scaling efficiency"},
            {"type", "line"},
@@ -309,7 +220,7 @@ int runSimulate(const SimulateArgs& args) {
            {"y_label", "samples/s over workers x one alone"},
            {"log_x", true},
            {"log_y", false},
-           {"series", {{{"name", own.label()}, {"x", xs}, {"y", eff}}}}}}}};
+           {"series", {{{"name", own}, {"x", xs}, {"y", eff}}}}}}}};
     writeFileAtomic((fs::path(args.outDir) / "charts.json").string(), charts.dump(1));
     std::cerr << fmt::format("caravan: wrote {}/predictions.jsonl, charts.json and workload.json\n",
                              args.outDir);

@@ -12,6 +12,8 @@
 #include "core/errors.h"
 #include "pipeline/partition.h"
 #include "pipeline/schedule.h"
+#include "sync/buckets.h"
+#include "sync/compression.h"
 
 namespace caravan::sim {
 
@@ -24,40 +26,111 @@ double Workload::computeSeconds() const {
          std::accumulate(backwardSeconds.begin(), backwardSeconds.end(), 0.0);
 }
 
-std::string SyncSpec::label() const {
-  std::string s = mode;
-  if (mode == "ps-ssp") s += fmt::format("({})", staleness);
-  if (mode == "osp") s += ospAuto ? "(auto)" : fmt::format("({:g})", ospFraction);
-  if (mode == "local-sgd") s += fmt::format("(H={})", localPeriod);
-  if (compression != "none") s += "+" + compression;
-  if (pipelineStages > 1) s += fmt::format("+pipeline({}x{})", pipelineStages, microBatches);
+std::vector<GradientBucket> gradientBuckets(const Workload& workload,
+                                            const AllReduceOptions& options) {
+  // Each parameter's bytes and block, in the order backward makes them ready (the last
+  // registered first), as AllReduceStrategy::layBuckets lists them.
+  std::vector<int64_t> bytes;
+  std::vector<size_t> block;
+  for (size_t k = workload.parameterBytes.size(); k-- > 0;) {
+    if (workload.gradientBytes.empty()) {
+      bytes.push_back(workload.parameterBytes[k]);
+      block.push_back(k);
+      continue;
+    }
+    const std::vector<int64_t>& tensors = workload.gradientBytes.at(k);
+    for (auto it = tensors.rbegin(); it != tensors.rend(); ++it) {
+      bytes.push_back(*it);
+      block.push_back(k);
+    }
+  }
+  const std::vector<size_t> starts =
+      bucketStarts(bytes, options.firstBucketBytes, options.bucketBytes);
+  std::vector<GradientBucket> buckets;
+  for (size_t b = 0; b < starts.size(); ++b) {
+    const size_t end = b + 1 < starts.size() ? starts[b + 1] : bytes.size();
+    GradientBucket g;
+    g.tensors = end - starts[b];
+    for (size_t i = starts[b]; i < end; ++i) g.bytes += bytes[i];
+    g.readyBlock = block[end - 1];
+    buckets.push_back(g);
+  }
+  return buckets;
+}
+
+Compression sentCompression(const SyncOptions& sync) {
+  switch (sync.mode) {
+    case SyncMode::kAllReduce: return sync.allreduce.compression;
+    case SyncMode::kPsBsp:
+    case SyncMode::kPsAsp:
+    case SyncMode::kPsSsp:
+    case SyncMode::kOsp: return sync.ps.compression;
+    case SyncMode::kLocalSgd: return sync.localSgd.compression;
+    case SyncMode::kDiloco:
+    case SyncMode::kPsDiloco: return sync.diloco.compression;
+    case SyncMode::kGossip: return Compression::kNone;
+  }
+  return Compression::kNone;
+}
+
+std::string label(const RunOptions& job) {
+  const SyncOptions& sync = job.sync;
+  std::string s = syncModeName(sync.mode);
+  switch (sync.mode) {
+    case SyncMode::kPsSsp: s += fmt::format("({})", sync.ps.staleness); break;
+    case SyncMode::kOsp:
+      s += sync.osp.autoFraction ? "(auto)" : fmt::format("({:g})", sync.osp.fraction);
+      break;
+    case SyncMode::kLocalSgd: s += fmt::format("(H={})", sync.localSgd.period); break;
+    case SyncMode::kAllReduce:
+    case SyncMode::kDiloco:
+    case SyncMode::kGossip:
+    case SyncMode::kPsBsp:
+    case SyncMode::kPsAsp:
+    case SyncMode::kPsDiloco: break;
+  }
+  if (sentCompression(sync) != Compression::kNone) s += "+" + sync.compressionName;
+  if (job.pipeline.stages > 1) {
+    s += fmt::format("+pipeline({}x{})", job.pipeline.stages, job.pipeline.microBatches);
+  }
   return s;
 }
 
-std::string SyncSpec::unsupported() const {
-  static const char* kModes[] = {"allreduce", "ps-bsp",    "ps-asp", "ps-ssp",
-                                 "osp",       "local-sgd", "gossip"};
-  if (std::find(std::begin(kModes), std::end(kModes), mode) == std::end(kModes)) {
-    return fmt::format(
-        "sync.mode = {} is not simulated (allreduce, ps-bsp, ps-asp, ps-ssp, "
-        "osp, local-sgd, gossip are)",
-        mode);
+std::string unsupported(const RunOptions& job) {
+  const SyncOptions& sync = job.sync;
+  const char* mode = syncModeName(sync.mode);
+  switch (sync.mode) {
+    case SyncMode::kAllReduce: break;
+    case SyncMode::kPsBsp:
+    case SyncMode::kPsAsp:
+    case SyncMode::kPsSsp:
+    case SyncMode::kOsp:
+      if (sync.servers < 1) return fmt::format("sync.mode = {} needs sync.servers >= 1", mode);
+      break;
+    case SyncMode::kLocalSgd:
+      if (sync.localSgd.postLocalAfter > 0) {
+        return "sync.post_local_steps > 0 (a BSP phase before local SGD) is not simulated";
+      }
+      break;
+    case SyncMode::kGossip:
+      if (sync.gossip.topology != "ring") {
+        return fmt::format("sync.gossip_topology = {} is not simulated (ring is)",
+                           sync.gossip.topology);
+      }
+      break;
+    case SyncMode::kDiloco:
+    case SyncMode::kPsDiloco:
+      return fmt::format(
+          "sync.mode = {} is not simulated (allreduce, ps-bsp, ps-asp, ps-ssp, "
+          "osp, local-sgd, gossip are)",
+          mode);
   }
-  if (mode == "gossip" && gossipTopology != "ring") {
-    return fmt::format("sync.gossip_topology = {} is not simulated (ring is)", gossipTopology);
-  }
-  if (compression == "int8" || compression == "int4") {
+  if (isQuantized(sentCompression(sync))) {
     return fmt::format("sync.compression = {} (quantized parameter changes) is not simulated",
-                       compression);
+                       sync.compressionName);
   }
-  if (mode == "local-sgd" && postLocalSteps > 0) {
-    return "sync.post_local_steps > 0 (a BSP phase before local SGD) is not simulated";
-  }
-  if (pipelineStages > 1 && mode != "allreduce") {
+  if (job.pipeline.stages > 1 && sync.mode != SyncMode::kAllReduce) {
     return "pipeline stages are simulated with sync.mode = allreduce between replicas only";
-  }
-  if ((mode == "ps-bsp" || mode == "ps-asp" || mode == "ps-ssp" || mode == "osp") && servers < 1) {
-    return fmt::format("sync.mode = {} needs sync.servers >= 1", mode);
   }
   return "";
 }
@@ -156,7 +229,9 @@ class Stragglers {
 
 struct Context {
   const Workload& w;
-  const SyncSpec& sync;
+  const RunOptions& job;
+  const SyncOptions& sync;          // job.sync
+  const PipelineOptions& pipeline;  // job.pipeline
   const ClusterSpec& c;
   const SimOptions& o;
   Placement p;
@@ -184,10 +259,16 @@ double allReduceSentBytes(double bytes, const Placement& p) {
 }
 
 // Wire bytes of a float32 gradient of `bytes` (fp16/bf16 half; top-k an (index, value) pair per
-// kept element).
-double wireBytes(double bytes, const SyncSpec& s) {
-  if (s.compression == "fp16" || s.compression == "bf16") return bytes / 2.0;
-  if (s.compression == "topk") return 2.0 * s.topkRatio * bytes;
+// kept element). int8/int4 are refused before (unsupported).
+double wireBytes(double bytes, Compression compression, double topkRatio) {
+  switch (compression) {
+    case Compression::kFp16:
+    case Compression::kBf16: return bytes / 2.0;
+    case Compression::kTopK: return 2.0 * topkRatio * bytes;
+    case Compression::kNone:
+    case Compression::kInt8:
+    case Compression::kInt4: return bytes;
+  }
   return bytes;
 }
 
@@ -196,8 +277,9 @@ struct Exchange {
   double seconds = 0.0, sent = 0.0;
 };
 Exchange gradientExchange(double bytes, const Context& x) {
-  if (x.sync.compression == "topk") {
-    const double part = wireBytes(bytes, x.sync) * x.p.mostPerHost;
+  const AllReduceOptions& a = x.sync.allreduce;
+  if (a.compression == Compression::kTopK) {
+    const double part = wireBytes(bytes, a.compression, a.topkRatio) * x.p.mostPerHost;
     const int h = x.p.hostsUsed;
     Exchange e;
     if (h > 1) {
@@ -206,7 +288,7 @@ Exchange gradientExchange(double bytes, const Context& x) {
     }
     return e;
   }
-  const double wire = wireBytes(bytes, x.sync);
+  const double wire = wireBytes(bytes, a.compression, a.topkRatio);
   return {allReduceSeconds(wire, x.p, x.c), allReduceSentBytes(wire, x.p)};
 }
 
@@ -221,26 +303,17 @@ Totals simulateAllReduce(const Context& x) {
     double readyOffset;  // seconds from the step's start on a worker with factor 1
     double bytes;
   };
-  std::vector<Bucket> buckets;
   const size_t n = x.w.forwardSeconds.size();
-  const double forward =
+  // When each block's backward ends, from the step's start on a worker with factor 1.
+  std::vector<double> backwardEnd(n);
+  double cum =
       std::accumulate(x.w.forwardSeconds.begin(), x.w.forwardSeconds.end(), 0.0) + x.w.lossSeconds;
-  // As AllReduceStrategy forms them (per parameter there, per block here): in backward order, a
-  // new bucket before one would pass its cap (the first bucket's cap is the small one); a bucket
-  // is ready when its last block's backward ended.
-  double cum = forward, bytes = 0.0;
-  for (size_t k = n; k-- > 0;) {
-    cum += x.w.backwardSeconds[k];
-    const double b = static_cast<double>(x.w.parameterBytes[k]);
-    const double cap =
-        static_cast<double>(buckets.size() <= 1 ? x.sync.firstBucketBytes : x.sync.bucketBytes);
-    if (buckets.empty() || (bytes > 0.0 && bytes + b > cap)) {
-      buckets.push_back({cum, 0.0});
-      bytes = 0.0;
-    }
-    buckets.back().bytes += b;
-    buckets.back().readyOffset = cum;
-    bytes += b;
+  for (size_t k = n; k-- > 0;) backwardEnd[k] = cum += x.w.backwardSeconds[k];
+  // As AllReduceStrategy forms them; a bucket is ready when its last parameter's block ended
+  // its backward.
+  std::vector<Bucket> buckets;
+  for (const GradientBucket& g : gradientBuckets(x.w, x.sync.allreduce)) {
+    buckets.push_back({backwardEnd[g.readyBlock], static_cast<double>(g.bytes)});
   }
   Stragglers noise(x.c.stragglerCv, x.o.seed);
   Totals t;
@@ -279,7 +352,7 @@ Totals simulateLocalSgd(const Context& x) {
       at[wk] += d;
       t.compute += d;
     }
-    if ((step + 1) % x.sync.localPeriod == 0 || step + 1 == x.o.steps) {
+    if ((step + 1) % x.sync.localSgd.period == 0 || step + 1 == x.o.steps) {
       const double barrier = *std::max_element(at.begin(), at.end());
       const double e = allReduceSeconds(params, x.p, x.c);
       std::fill(at.begin(), at.end(), barrier + e);
@@ -358,6 +431,31 @@ Totals simulateGossip(const Context& x) {
 
 // Parameter servers and OSP (sync/parameter_server.cpp, sync/osp.cpp): an event loop over
 // pushes, server updates and pulls.
+// How the servers of a mode treat pushes: osp's two stages; synchronous (a server updates once
+// every worker's push of a step is in: ps-bsp, osp) or on each push, answering a pull while the
+// reader is at most `bound` clocks ahead (ps-ssp: sync.staleness; ps-asp: -1, unbounded).
+struct ServerRule {
+  bool osp = false;
+  bool synchronous = false;
+  int64_t bound = 0;
+};
+ServerRule serverRule(const SyncOptions& sync) {
+  switch (sync.mode) {
+    case SyncMode::kPsBsp: return {false, true, 0};
+    case SyncMode::kPsAsp: return {false, false, -1};
+    case SyncMode::kPsSsp: return {false, false, sync.ps.staleness};
+    case SyncMode::kOsp: return {true, true, 0};
+    case SyncMode::kAllReduce:
+    case SyncMode::kLocalSgd:
+    case SyncMode::kDiloco:
+    case SyncMode::kGossip:
+    case SyncMode::kPsDiloco: break;
+  }
+  CARAVAN_CHECK(false, "sync.mode = {} has no parameter servers to simulate",
+                syncModeName(sync.mode));
+  return {};
+}
+
 class ServerLoop {
  public:
   ServerLoop(const Context& x, double fraction)
@@ -366,16 +464,15 @@ class ServerLoop {
         noise_(x.c.stragglerCv, x.o.seed),
         n_(x.o.workers),
         s_(x.sync.servers),
-        osp_(x.sync.mode == "osp"),
+        rule_(serverRule(x.sync)),
+        osp_(rule_.osp),
         fraction_(osp_ ? fraction : 1.0),
-        bound_(x.sync.mode == "ps-asp"   ? -1
-               : x.sync.mode == "ps-ssp" ? x.sync.staleness
-                                         : 0),
+        bound_(rule_.bound),
         workers_(n_),
         clock_(s_, std::vector<int64_t>(n_, 0)),
         waiting_(s_) {
     const double shard = static_cast<double>(x.w.parameterTotal()) / s_;
-    pushBytes_ = wireBytes(shard, x.sync);
+    pushBytes_ = wireBytes(shard, x.sync.ps.compression, x.sync.ps.topkRatio);
     pullBytes_ = shard;
     shardUpdate_ = x.w.updateSeconds / s_;
     serverFree_.assign(s_, 0.0);
@@ -423,7 +520,7 @@ class ServerLoop {
   void startCompute(int wk, int64_t step, double at) {
     if (step >= x_.o.steps) return;
     double d = noise_.next() * x_.scale[wk] * x_.w.computeSeconds();
-    if (osp_ && x_.sync.ospLgp) {  // the LGP update of the stage-2 part, on the worker
+    if (osp_ && x_.sync.osp.lgp) {  // the LGP update of the stage-2 part, on the worker
       d += x_.scale[wk] * x_.w.updateSeconds * (1.0 - fraction_);
     }
     t_.compute += d;
@@ -459,7 +556,7 @@ class ServerLoop {
       }
       case kPushArrive: {
         const double start = std::max(now_, serverFree_[e.server]);
-        if (x_.sync.mode == "ps-bsp" || osp_) {  // synchronous: update once all N are in
+        if (rule_.synchronous) {  // update once all N are in
           std::vector<int>& arrived = rounds_[{e.server, e.step, e.stage}];
           arrived.push_back(e.worker);
           if (static_cast<int>(arrived.size()) < n_) break;
@@ -534,6 +631,7 @@ class ServerLoop {
   Links links_;
   Stragglers noise_;
   int n_, s_;
+  ServerRule rule_;
   bool osp_;
   double fraction_;
   int64_t bound_;  // 0 bsp, s for ssp, -1 asp
@@ -552,7 +650,7 @@ class ServerLoop {
 
 // Pipelines: K stages cut by profiled time, M micro-batches, then the stages' all-reduce.
 Totals simulatePipeline(const Context& x) {
-  const int k = x.sync.pipelineStages, m = x.sync.microBatches;
+  const int k = x.pipeline.stages, m = x.pipeline.microBatches;
   const size_t n = x.w.forwardSeconds.size();
   // The cut the run makes (pipeline/partition.h, parallel.partition): from the profiled block
   // times (per micro-batch), with no memory budget (memory is not simulated for pipelines).
@@ -564,12 +662,12 @@ Totals simulatePipeline(const Context& x) {
     blocks[b].parameterBytes = x.w.parameterBytes[b];
     blocks[b].inputBytes = x.w.inputBytes[b] / m;
   }
-  const PartitionChoice choice = parsePartition(x.sync.partition);
+  const PartitionChoice choice = parsePartition(x.pipeline.partition);
   const std::vector<size_t> begin =
-      partitionBlocks(
-          blocks, k, m, parsePipelineSchedule(x.sync.schedule), 0, choice.objective, false,
-          choice.objective == PartitionObjective::kGiven ? givenPartition(choice.splits, n, k)
-                                                         : std::vector<size_t>{})
+      partitionBlocks(blocks, k, m, x.pipeline.schedule, 0, choice.objective, false,
+                      choice.objective == PartitionObjective::kGiven
+                          ? givenPartition(choice.splits, n, k)
+                          : std::vector<size_t>{})
           .boundaries;
   const int replicas = x.o.workers / k;
   std::vector<double> stageForward(k, 0.0), stageBackward(k, 0.0), stageParams(k, 0.0);
@@ -595,8 +693,7 @@ Totals simulatePipeline(const Context& x) {
       activationsSent += 2.0 * static_cast<double>(x.w.inputBytes[begin[s + 1]]);
     }
   }
-  const std::vector<StageProgram> programs =
-      buildSchedule(parsePipelineSchedule(x.sync.schedule), k, m);
+  const std::vector<StageProgram> programs = buildSchedule(x.pipeline.schedule, k, m);
   auto run = [&](const std::vector<double>& scale) {
     for (int s = 0; s < k; ++s) {
       costs[s].forward = scale[s] * stageForward[s] / m;
@@ -646,15 +743,30 @@ Totals simulatePipeline(const Context& x) {
   return t;
 }
 
+// Whether the workers run the optimizer's step themselves (and hold its state).
+bool workerUpdates(SyncMode mode) {
+  switch (mode) {
+    case SyncMode::kAllReduce:
+    case SyncMode::kLocalSgd:
+    case SyncMode::kDiloco:
+    case SyncMode::kGossip:
+    case SyncMode::kPsDiloco: return true;
+    case SyncMode::kPsBsp:
+    case SyncMode::kPsAsp:
+    case SyncMode::kPsSsp:
+    case SyncMode::kOsp: return false;
+  }
+  return true;
+}
+
 SimResult finish(const Context& x, const Totals& t, double fraction) {
   SimResult r;
   r.workers = x.o.workers;
-  r.mode = x.sync.label();
+  r.mode = label(x.job);
   r.placement = x.p.text;
   const int64_t steps = x.o.steps;
   r.stepSeconds = t.wall / steps;
-  const int replicas =
-      x.sync.pipelineStages > 1 ? x.o.workers / x.sync.pipelineStages : x.o.workers;
+  const int replicas = x.pipeline.stages > 1 ? x.o.workers / x.pipeline.stages : x.o.workers;
   r.samplesPerSecond = replicas * x.w.batchPerWorker / r.stepSeconds;
   // One worker alone on one host of this cluster.
   const double aloneScale = x.c.sharedCores > 0.0 ? std::max(1.0, x.w.threads / x.c.sharedCores)
@@ -668,48 +780,26 @@ SimResult finish(const Context& x, const Totals& t, double fraction) {
   r.computeScale = *std::max_element(x.scale.begin(), x.scale.end());
   r.ospFraction = fraction;
   r.staleness = t.staleness;
-  const bool workerUpdates =
-      x.sync.mode == "allreduce" || x.sync.mode == "local-sgd" || x.sync.mode == "gossip";
-  if (x.sync.pipelineStages <= 1) {
-    r.memoryPeakBytes = 2 * x.w.parameterTotal() + (workerUpdates ? x.w.optimizerStateBytes : 0) +
+  if (x.pipeline.stages <= 1) {
+    r.memoryPeakBytes = 2 * x.w.parameterTotal() +
+                        (workerUpdates(x.sync.mode) ? x.w.optimizerStateBytes : 0) +
                         x.w.activationPeakBytes;
   }
   return r;
 }
 
-}  // namespace
-
-SimResult simulate(const Workload& workload, const SyncSpec& sync, const ClusterSpec& cluster,
-                   const SimOptions& options) {
-  if (const std::string why = sync.unsupported(); !why.empty()) throw ConfigError(why);
-  if (options.steps < 1) throw ConfigError("simulate needs at least one step");
-  if (options.workers < 1) throw ConfigError("simulate needs at least one worker");
-  if (workload.forwardSeconds.empty()) throw ConfigError("the workload has no blocks");
-  if (sync.pipelineStages > 1 && options.workers % sync.pipelineStages != 0) {
-    throw ConfigError(fmt::format("{} workers are not a multiple of {} pipeline stages",
-                                  options.workers, sync.pipelineStages));
-  }
-  const bool servers = sync.mode.rfind("ps-", 0) == 0 || sync.mode == "osp";
-  Context x{
-      workload, sync, cluster, options, place(options.workers, servers ? sync.servers : 0, cluster),
-      {}};
-  for (int wk = 0; wk < options.workers; ++wk) {
-    x.scale.push_back(contention(x.p, x.p.workerHost[wk], options.workers, workload, cluster));
-  }
-  if (sync.pipelineStages > 1) return finish(x, simulatePipeline(x), -1.0);
-  if (sync.mode == "allreduce") return finish(x, simulateAllReduce(x), -1.0);
-  if (sync.mode == "local-sgd") return finish(x, simulateLocalSgd(x), -1.0);
-  if (sync.mode == "gossip") return finish(x, simulateGossip(x), -1.0);
-  if (sync.mode != "osp") return finish(x, ServerLoop(x, 1.0).run(), -1.0);
-  double fraction = sync.ospFraction;
-  if (sync.ospAuto) {  // the fastest fraction on the search's grid (ties: the larger one)
-    SimOptions probe = options;
-    probe.steps = std::min<int64_t>(options.steps, 30);
+// osp: the configured fraction, or (sync.osp_auto_fraction) the fastest on the search's grid
+// (ties: the larger one).
+SimResult simulateOsp(const Context& x) {
+  double fraction = x.sync.osp.fraction;
+  if (x.sync.osp.autoFraction) {
+    SimOptions probe = x.o;
+    probe.steps = std::min<int64_t>(x.o.steps, 30);
     double best = 0.0;
     for (int g = 20; g >= 1; --g) {
       const double f = g * 0.05;
-      const double wall =
-          ServerLoop(Context{workload, sync, cluster, probe, x.p, x.scale}, f).run().wall;
+      const Context shorter{x.w, x.job, x.sync, x.pipeline, x.c, probe, x.p, x.scale};
+      const double wall = ServerLoop(shorter, f).run().wall;
       if (g == 20 || wall < best * 0.999) {
         best = wall;
         fraction = f;
@@ -717,6 +807,41 @@ SimResult simulate(const Workload& workload, const SyncSpec& sync, const Cluster
     }
   }
   return finish(x, ServerLoop(x, fraction).run(), fraction);
+}
+
+}  // namespace
+
+SimResult simulate(const Workload& workload, const RunOptions& job, const ClusterSpec& cluster,
+                   const SimOptions& options) {
+  if (const std::string why = unsupported(job); !why.empty()) throw ConfigError(why);
+  if (options.steps < 1) throw ConfigError("simulate needs at least one step");
+  if (options.workers < 1) throw ConfigError("simulate needs at least one worker");
+  if (workload.forwardSeconds.empty()) throw ConfigError("the workload has no blocks");
+  const int stages = job.pipeline.stages;
+  if (stages > 1 && options.workers % stages != 0) {
+    throw ConfigError(fmt::format("{} workers are not a multiple of {} pipeline stages",
+                                  options.workers, stages));
+  }
+  const int servers = usesServers(job.sync.mode) ? job.sync.servers : 0;
+  Context x{workload, job, job.sync, job.pipeline, cluster, options, {}, {}};
+  x.p = place(options.workers, servers, cluster);
+  for (int wk = 0; wk < options.workers; ++wk) {
+    x.scale.push_back(contention(x.p, x.p.workerHost[wk], options.workers, workload, cluster));
+  }
+  if (stages > 1) return finish(x, simulatePipeline(x), -1.0);
+  switch (job.sync.mode) {
+    case SyncMode::kAllReduce: return finish(x, simulateAllReduce(x), -1.0);
+    case SyncMode::kLocalSgd: return finish(x, simulateLocalSgd(x), -1.0);
+    case SyncMode::kGossip: return finish(x, simulateGossip(x), -1.0);
+    case SyncMode::kPsBsp:
+    case SyncMode::kPsAsp:
+    case SyncMode::kPsSsp: return finish(x, ServerLoop(x, 1.0).run(), -1.0);
+    case SyncMode::kOsp: return simulateOsp(x);
+    case SyncMode::kDiloco:
+    case SyncMode::kPsDiloco: break;  // refused by unsupported()
+  }
+  CARAVAN_CHECK(false, "sync.mode = {} reached the simulator", syncModeName(job.sync.mode));
+  return {};
 }
 
 }  // namespace caravan::sim

@@ -10,9 +10,9 @@
 //            outgoing and the receiver's incoming link from when both are free, for
 //            latency + bytes / (rate x efficiency), first come first served. Processes of one
 //            host exchange through memory (shm_gbps).
-//   allreduce  gradient buckets as AllReduceStrategy forms them (at block granularity, in
-//            backward order, closed before one would pass its cap) start when the slowest
-//            worker produced them, one after the other; a bucket is a ring all-reduce between
+//   allreduce  gradient buckets as AllReduceStrategy forms them (gradientBuckets: the same
+//            rule over the same parameters, in backward order) start when the slowest worker
+//            produced them, one after the other; a bucket is a ring all-reduce between
 //            hosts (2(H-1) steps of latency + bytes/H) after a reduction inside each host;
 //            fp16/bf16 halve the bytes, top-k is an all-gather of (index, value) pairs. Then
 //            every worker updates.
@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "sim/cluster.h"
+#include "train/run_options.h"
 
 namespace caravan::sim {
 
@@ -51,6 +52,10 @@ struct Workload {
   std::vector<double> forwardSeconds, backwardSeconds;
   std::vector<int64_t> parameterBytes;  // float32 bytes of each block's parameters
   std::vector<int64_t> inputBytes;      // each block's input (what crosses a pipeline cut)
+  // Per block: the bytes of each of its parameters that takes a gradient, in registration
+  // order (what AllReduceStrategy buckets; gradientBuckets). Empty: not profiled (a
+  // caravan-workload-1 file), each block's parameterBytes taken as one tensor.
+  std::vector<std::vector<int64_t>> gradientBytes;
   double lossSeconds = 0.0;
   double updateSeconds = 0.0;       // the optimizer's step over every parameter
   int64_t optimizerStateBytes = 0;  // of the whole model
@@ -61,32 +66,31 @@ struct Workload {
   double computeSeconds() const;  // forward + loss + backward
 };
 
-// How the job synchronises (from the run's config: sim/workload.h syncSpecFrom).
-struct SyncSpec {
-  std::string mode = "allreduce";  // allreduce | ps-bsp | ps-asp | ps-ssp | osp | local-sgd |
-                                   // gossip
-  int servers = 1;                 // ps-* and osp
-  int64_t staleness = 3;           // ps-ssp
-  int64_t localPeriod = 4;         // local-sgd
-  double ospFraction = 0.5;
-  bool ospAuto = false;
-  bool ospLgp = true;          // osp: the worker's LGP update (sync.osp_lgp)
-  int64_t postLocalSteps = 0;  // local-sgd's BSP phase: not simulated (refused)
-  std::string gossipTopology = "ring";
-  std::string compression = "none";  // none | fp16 | bf16 | topk
-  double topkRatio = 0.01;
-  int64_t firstBucketBytes = 1 << 20;
-  int64_t bucketBytes = 25 << 20;
-  int pipelineStages = 1;
-  int microBatches = 1;
-  std::string schedule = "1f1b";
-  std::string partition = "auto";  // parallel.partition
-
-  // A short name: "allreduce", "ps-ssp(3)", "osp(auto)", "local-sgd(H=4)", "allreduce+fp16".
-  std::string label() const;
-  // "" when the mode and keys can be simulated, else why not (one line).
-  std::string unsupported() const;
+// One all-reduce bucket of a workload, as AllReduceStrategy forms it (gradientBuckets).
+struct GradientBucket {
+  size_t tensors = 0;     // parameters in it
+  int64_t bytes = 0;      // float32 bytes
+  size_t readyBlock = 0;  // the block whose backward completes it (its last parameter's)
 };
+
+// The all-reduce's buckets over the workload's gradients, in launch order: bucketStarts
+// (sync/buckets.h, the rule AllReduceStrategy::layBuckets lays its buckets by) over each
+// parameter's bytes, the last registered first, with `options`' caps. Per parameter where the
+// workload has Workload::gradientBytes; else (a caravan-workload-1 file, a hand-made workload)
+// each block's parameterBytes as one tensor. Tests: Buckets.*.
+std::vector<GradientBucket> gradientBuckets(const Workload& workload,
+                                            const AllReduceOptions& options);
+
+// What the simulator reads of a job's options (RunOptions::read, or a --recommend candidate):
+// `sync` and `pipeline` only; every other field is the run's and ignored here.
+// A short name: "allreduce", "ps-ssp(3)", "osp(auto)", "local-sgd(H=4)", "allreduce+fp16".
+std::string label(const RunOptions& job);
+// "" when the job's mode and keys can be simulated, else why not (one line).
+std::string unsupported(const RunOptions& job);
+// The compression the job's mode sends with (each strategy reads its own copy of
+// sync.compression): gradients in allreduce, pushes in the server modes, parameter changes in
+// local-sgd and diloco; none in gossip (it sends parameters as they are).
+Compression sentCompression(const SyncOptions& sync);
 
 struct SimOptions {
   int workers = 1;  // data-parallel workers (pipelines: stages x replicas processes)
@@ -111,9 +115,9 @@ struct SimResult {
   std::string placement;            // "4 workers on 4 hosts, 1 server on its own host"
 };
 
-// ConfigError when the cluster cannot hold the job (no host for a process) or the sync spec is
-// unsupported; steps >= 1.
-SimResult simulate(const Workload& workload, const SyncSpec& sync, const ClusterSpec& cluster,
+// ConfigError when the cluster cannot hold the job (no host for a process) or the job is
+// unsupported; steps >= 1. Reads job.sync and job.pipeline.
+SimResult simulate(const Workload& workload, const RunOptions& job, const ClusterSpec& cluster,
                    const SimOptions& options);
 
 // The mean of gap x count over a staleness histogram (0 when empty).

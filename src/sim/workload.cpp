@@ -53,6 +53,7 @@ Workload measureWorkload(const Config& config) {
     w.inputBytes.push_back(b.inputBytes);
     w.parameterBytes.push_back(tensorBytes(setup.model->block(i).ptr()->parameters()));
   }
+  w.gradientBytes = blockGradientBytes(*setup.model);
   w.lossSeconds = profile.lossSeconds;
   // The run's memory plan: its predicted peak, and its timeline's cost in the step. Blocks that
   // recompute rerun their forward in backward; what the plan predicts beyond that (waits for the
@@ -107,7 +108,10 @@ void checkWorkloadIsTheConfigs(const Workload& w, const Config& config, const st
   for (size_t i = 0; i < setup.model->numBlocks(); ++i) {
     bytes.push_back(tensorBytes(setup.model->block(i).ptr()->parameters()));
   }
-  if (w.model == setup.model->modelName() && w.parameterBytes == bytes) return;
+  if (w.model == setup.model->modelName() && w.parameterBytes == bytes &&
+      (w.gradientBytes.empty() || w.gradientBytes == blockGradientBytes(*setup.model))) {
+    return;
+  }
   const auto total = [](const std::vector<int64_t>& v) {
     return formatBytes(std::accumulate(v.begin(), v.end(), int64_t{0}));
   };
@@ -119,13 +123,14 @@ void checkWorkloadIsTheConfigs(const Workload& w, const Config& config, const st
 }
 
 std::string workloadJson(const Workload& w) {
-  const nlohmann::json j = {{"format", "caravan-workload-1"},
+  const nlohmann::json j = {{"format", "caravan-workload-2"},
                             {"model", w.model},
                             {"batch_per_worker", w.batchPerWorker},
                             {"threads", w.threads},
                             {"forward_s", w.forwardSeconds},
                             {"backward_s", w.backwardSeconds},
                             {"parameter_bytes", w.parameterBytes},
+                            {"gradient_bytes", w.gradientBytes},
                             {"input_bytes", w.inputBytes},
                             {"loss_s", w.lossSeconds},
                             {"update_s", w.updateSeconds},
@@ -139,11 +144,17 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
   Workload w;
   try {
     const nlohmann::json j = nlohmann::json::parse(text);
-    if (j.value("format", "") != "caravan-workload-1") {
+    // caravan-workload-1 (before gradient_bytes) is read with Workload::gradientBytes empty:
+    // the simulator takes each block's parameters as one tensor then (gradientBuckets).
+    const std::string format = j.value("format", "");
+    if (format != "caravan-workload-2" && format != "caravan-workload-1") {
       throw ConfigError(
           fmt::format("{} is not a workload caravan simulate wrote (no format "
-                      "caravan-workload-1)",
+                      "caravan-workload-2 or -1)",
                       source));
+    }
+    if (format == "caravan-workload-2") {
+      w.gradientBytes = j.at("gradient_bytes").get<std::vector<std::vector<int64_t>>>();
     }
     w.model = j.at("model").get<std::string>();
     w.batchPerWorker = j.at("batch_per_worker").get<int64_t>();
@@ -173,8 +184,18 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
   for (const auto* sizes : {&w.parameterBytes, &w.inputBytes}) {
     for (int64_t v : *sizes) finite = finite && v >= 0;
   }
+  // A block's gradients are some of its parameters (those that take one).
+  for (size_t b = 0; b < w.gradientBytes.size() && b < n; ++b) {
+    int64_t sum = 0;
+    for (int64_t v : w.gradientBytes[b]) {
+      finite = finite && v >= 0;
+      sum += v;
+    }
+    finite = finite && sum <= w.parameterBytes[b];
+  }
   if (n == 0 || w.backwardSeconds.size() != n || w.parameterBytes.size() != n ||
-      w.inputBytes.size() != n || w.threads < 1 || w.batchPerWorker < 1 || !finite) {
+      (!w.gradientBytes.empty() && w.gradientBytes.size() != n) || w.inputBytes.size() != n ||
+      w.threads < 1 || w.batchPerWorker < 1 || !finite) {
     throw ConfigError(
         fmt::format("{}: the workload's per-block lists disagree or are empty; "
                     "write it again with caravan simulate -o DIR",
@@ -183,26 +204,15 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
   return w;
 }
 
-SyncSpec syncSpecFrom(const RunOptions& options) {
-  SyncSpec s;
-  s.mode = syncModeName(options.sync.mode);
-  s.servers = options.sync.servers;
-  s.staleness = options.sync.ps.staleness;
-  s.localPeriod = options.sync.localSgd.period;
-  s.ospFraction = options.sync.osp.fraction;
-  s.ospAuto = options.sync.osp.autoFraction;
-  s.ospLgp = options.sync.osp.lgp;
-  s.postLocalSteps = options.sync.localSgd.postLocalAfter;
-  s.gossipTopology = options.sync.gossip.topology;
-  s.compression = options.sync.compressionName;
-  s.topkRatio = options.sync.allreduce.topkRatio;
-  s.firstBucketBytes = options.sync.allreduce.firstBucketBytes;
-  s.bucketBytes = options.sync.allreduce.bucketBytes;
-  s.pipelineStages = options.pipeline.stages;
-  s.microBatches = options.pipeline.microBatches;
-  s.schedule = pipelineScheduleName(options.pipeline.schedule);
-  s.partition = options.pipeline.partition;
-  return s;
+std::vector<std::vector<int64_t>> blockGradientBytes(BlockModelImpl& model) {
+  std::vector<std::vector<int64_t>> out;
+  for (size_t i = 0; i < model.numBlocks(); ++i) {
+    std::vector<int64_t>& bytes = out.emplace_back();
+    for (const auto& p : model.block(i).ptr()->parameters()) {
+      if (p.requires_grad()) bytes.push_back(p.numel() * static_cast<int64_t>(p.element_size()));
+    }
+  }
+  return out;
 }
 
 }  // namespace caravan::sim

@@ -1,6 +1,5 @@
 // What `caravan simulate` measures of a job on this host before it simulates a cluster
-// (sim/simulator.h): one worker's step, block by block, as the memory planner profiles it, and
-// the job's synchronisation read from its config.
+// (sim/simulator.h): one worker's step, block by block, as the memory planner profiles it.
 // Threading: the caller's thread (it runs the model).
 #pragma once
 
@@ -21,8 +20,9 @@ namespace caravan::sim {
 Workload measureWorkload(const Config& config);
 
 // A workload as JSON (`caravan simulate -o DIR` writes DIR/workload.json; --workload reads it
-// back instead of profiling again). fromJson: ConfigError naming `source` for a missing or bad
-// field.
+// back instead of profiling again). Written as caravan-workload-2; read: 2, or 1 (before
+// gradient_bytes: Workload::gradientBytes left empty, each block's parameters one tensor).
+// fromJson: ConfigError naming `source` for a missing or bad field.
 std::string workloadJson(const Workload& w);
 Workload workloadFromJson(const std::string& text, const std::string& source);
 
@@ -30,7 +30,8 @@ Workload workloadFromJson(const std::string& text, const std::string& source);
 // model, or the same one at another size: its blocks' parameter bytes differ). Builds the model.
 void checkWorkloadIsTheConfigs(const Workload& w, const Config& config, const std::string& source);
 
-// The run's sync.*, compression and pipeline keys.
-SyncSpec syncSpecFrom(const RunOptions& options);
+// Per block of `model`: the bytes of each of its parameters that takes a gradient, in
+// registration order (Workload::gradientBytes; the parameters AllReduceStrategy buckets).
+std::vector<std::vector<int64_t>> blockGradientBytes(BlockModelImpl& model);
 
 }  // namespace caravan::sim
