@@ -16,7 +16,8 @@
 # memory.weights = offload (both with dropout, so the RNG order is checked too; every block in
 # bf16: train.precision = bf16 would time the blocks and choose differently from run to run); local SGD,
 # gossip and DiLoCo on 2 workers; a pipeline of 2 stages (1f1b, 4 micro-batches), 2 pipelines
-# of 2 stages (gpipe), gradient accumulation in one process; a run stopped at step 60 and
+# of 2 stages (gpipe), 3 pipelines of 2 stages (a replica average over 3), gradient
+# accumulation in one process; a run stopped at step 60 and
 # resumed. Every process runs one thread (deterministic on any machine). Prints each job's last
 # train and eval loss; exit 0 when every job matches, 1 otherwise.
 set -euo pipefail
@@ -51,6 +52,7 @@ declare -A jobs=(
   [cnn-accumulate-4]="${cnn[*]} --set train.max_steps=100 --set parallel.micro_batches=4 --set optim.grad_clip=1"
   [gpt-pipeline-2]="${gpt[*]} --workers 2 --set parallel.pipeline_stages=2 --set parallel.micro_batches=4"
   [gpt-pipeline-2x2-gpipe]="${gpt[*]} --workers 4 --set parallel.pipeline_stages=2 --set parallel.micro_batches=2 --set parallel.schedule=gpipe"
+  [gpt-pipeline-2x3]="${gpt[*]} --workers 6 --set parallel.pipeline_stages=2 --set parallel.micro_batches=2 --set train.max_steps=20"
   [cnn-resume-2]="${cnn[*]} --set train.max_steps=100 --workers 2 --set checkpoint.every=20 RESUME_AT=60"
 )
 

@@ -18,7 +18,10 @@
 #include <torch/torch.h>
 
 #include "comm/counting_communicator.h"
+#include "core/config.h"
+#include "core/errors.h"
 #include "gloo_ranks.h"
+#include "sync/allreduce.h"
 #include "sync/compression.h"
 #include "sync/diloco.h"
 #include "sync/gossip.h"
@@ -26,6 +29,7 @@
 #include "sync/osp.h"
 #include "sync/parameter_server.h"
 #include "sync/replicas.h"
+#include "sync/sync_mode.h"
 
 using namespace caravan;
 using caravan::test::loopbackOptions;
@@ -675,5 +679,57 @@ TEST(CountingCommunicator, CountsPointToPointExactlyAndRingEstimates) {
     counted.send(out, counted.rank(), 4)->wait(kTimeout);  // to oneself: not on the wire
     counted.recv(in, counted.rank(), 4)->wait(kTimeout);
     EXPECT_EQ(counted.bytes().sent, 440);
+  }));
+}
+
+// sync.mode's names live in two places: the config schema (what `caravan config --schema` and
+// docs/config.md offer) and SyncMode (what the engine parses). They offer the same modes, and
+// each name parses to the mode that prints it.
+TEST(SyncModes, TheSchemaOffersExactlyTheModesTheEngineParses) {
+  std::vector<std::string> schema;
+  for (const ConfigOption& o : Config::schema()) {
+    if (o.key == "sync.mode") schema = o.choices;
+  }
+  std::vector<std::string> engine;
+  for (SyncMode m : kSyncModes) {
+    engine.push_back(syncModeName(m));
+    EXPECT_EQ(parseSyncMode(syncModeName(m)), m) << syncModeName(m);
+  }
+  EXPECT_EQ(schema, engine);
+  EXPECT_THROW(parseSyncMode("all-reduce"), ConfigError);
+}
+
+// A pipeline stage's replica average (AllReduceStrategy::attachGradients): the bucketed
+// all-reduce without hooks gives each gradient what the communicator's ReduceOp::kAvg gives
+// (the stage's one all-reduce before; shm divides, which multiplying by a third would not
+// match), bitwise; a parameter without a gradient keeps none, and one that takes no gradient
+// is left alone.
+TEST(AllReduceGradients, TheReplicaAverageIsTheCommunicatorsAverageAndLeavesMissingOnesMissing) {
+  // Rank r's gradient at `step`: integers, so their sum is exact in any order.
+  auto gradientOf = [](int rank, int step) {
+    return at::arange(7, at::kFloat).mul(2 * rank + step + 1).add(5);
+  };
+  expectNoErrors(runGlooRanks(3, loopbackOptions(kTimeout), [&](auto comm) {
+    const int r = comm->rank();
+    at::Tensor trained = torch::zeros({7}, torch::requires_grad());
+    at::Tensor unused = torch::zeros({3}, torch::requires_grad());
+    at::Tensor frozen = torch::zeros({2});
+    AllReduceOptions tiny;
+    tiny.firstBucketBytes = tiny.bucketBytes = 8;  // several buckets
+    AllReduceStrategy average(comm, tiny);
+    average.attachGradients({trained, unused, frozen});
+    for (int step = 0; step < 2; ++step) {
+      trained.mutable_grad() = gradientOf(r, step);
+      unused.mutable_grad() = at::Tensor();
+      average.beforeForward(step);
+      average.finishGradients();
+      at::Tensor expected = gradientOf(r, step);
+      comm->allreduce(expected, ReduceOp::kAvg)->wait(kTimeout);
+      const at::Tensor sum = gradientOf(0, step) + gradientOf(1, step) + gradientOf(2, step);
+      EXPECT_TRUE(at::allclose(expected, sum / 3, 0, 1e-5));  // the oracle is the mean
+      EXPECT_TRUE(at::equal(trained.grad(), expected)) << "rank " << r << " step " << step;
+      EXPECT_FALSE(unused.grad().defined());
+      EXPECT_FALSE(frozen.grad().defined());
+    }
   }));
 }

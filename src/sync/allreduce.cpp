@@ -77,7 +77,12 @@ void AllReduceStrategy::attachModel(torch::nn::Module& model) {
 
 void AllReduceStrategy::attachGradients(const std::vector<at::Tensor>& params) {
   CARAVAN_CHECK(slots_.empty(), "attachGradients on an attached all-reduce");
-  layBuckets(params);
+  hooked_ = false;
+  std::vector<at::Tensor> trained;
+  for (const auto& p : params) {
+    if (p.requires_grad()) trained.push_back(p);
+  }
+  layBuckets(trained);
 }
 
 void AllReduceStrategy::layBuckets(const std::vector<at::Tensor>& params) {
@@ -195,6 +200,7 @@ void AllReduceStrategy::fillSlot(size_t i) {
   if (!b.buffer.defined()) b.buffer = at::empty({b.numel}, at::kFloat);
   at::Tensor grad = s.param.grad();
   at::Tensor dst = b.buffer.narrow(0, s.offset, s.numel);
+  s.hadGradient = grad.defined();
   if (grad.defined()) {
     dst.copy_(grad.reshape({-1}));
   } else {
@@ -219,8 +225,8 @@ void AllReduceStrategy::launchReadyInOrder() {
 WorkPtr AllReduceStrategy::launch(size_t index) {
   Bucket& b = buckets_[index];
   switch (options_.compression) {
-    case Compression::kNone:
-      return comm_->allreduce(b.buffer, ReduceOp::kSum);
+    case Compression::kNone:  // attachGradients: the communicator's own average
+      return comm_->allreduce(b.buffer, hooked_ ? ReduceOp::kSum : ReduceOp::kAvg);
     case Compression::kFp16:
     case Compression::kBf16: {
       const at::ScalarType wire =
@@ -270,13 +276,14 @@ void AllReduceStrategy::finishBucket(size_t index) {
     work->wait(comm_->timeout());
     if (sink_) sink_("allreduce bucket " + std::to_string(index), b.launchedAt, Clock::now());
     finishTransfer(index);
-    const double scale = 1.0 / static_cast<double>(comm_->size());
     torch::NoGradGuard noGrad;
-    b.buffer.mul_(scale);
+    if (hooked_) b.buffer.mul_(1.0 / static_cast<double>(comm_->size()));  // (else kAvg's)
     for (size_t j : b.slots) {
       Slot& s = slots_[j];
       at::Tensor avg = b.buffer.narrow(0, s.offset, s.numel).view(s.sizes);
-      if (!groups_.empty()) {
+      if (!hooked_ && !s.hadGradient) {
+        continue;  // none on any replica: it keeps none
+      } else if (!groups_.empty()) {
         s.param.mutable_grad() = avg;  // a view: the bucket's buffer lives as long as the grads
       } else if (!s.param.grad().defined()) {
         s.param.mutable_grad() = avg.clone();

@@ -41,6 +41,7 @@
 #include "core/torch_fwd.h"
 #include "sync/compression.h"
 #include "sync/strategy.h"
+#include "sync/sync_mode.h"
 
 namespace caravan {
 
@@ -55,7 +56,7 @@ class AllReduceStrategy : public Strategy {
  public:
   AllReduceStrategy(std::shared_ptr<Communicator> comm, AllReduceOptions options);
   ~AllReduceStrategy() override;
-  std::string name() const override { return "allreduce"; }
+  std::string name() const override { return syncModeName(SyncMode::kAllReduce); }
   void attachModel(torch::nn::Module& model) override;
   void beforeForward(int64_t step) override;
   void finishGradients() override;
@@ -68,10 +69,13 @@ class AllReduceStrategy : public Strategy {
   void restoreState(const std::map<std::string, at::Tensor>& state,
                     int64_t savedWorkers) override;
 
-  // Buckets over `params` without a strategy's attach: no broadcast and no gradient hooks, so
-  // finishGradients() launches every bucket (gradients accumulated over several backward
-  // passes, as a pipeline stage's micro-batches; pipeline_step.h). Call once, in place of
-  // attach(); every replica passes the same shapes in the same order.
+  // Buckets over `params` (those that require a gradient) without a strategy's attach: no
+  // broadcast and no gradient hooks, so finishGradients() launches every bucket (gradients
+  // accumulated over several backward passes, as a pipeline stage's micro-batches;
+  // pipeline_step.h). The buckets travel uncompressed as ReduceOp::kAvg all-reduces (the
+  // communicator's own average, as the stage's average was before), and a parameter without a
+  // gradient keeps none (every replica must agree on which have one).
+  // Call once, in place of attach(); every replica passes the same shapes in the same order.
   void attachGradients(const std::vector<at::Tensor>& params);
 
   // Disabled, the gradient hooks do nothing and finishGradients() leaves the local gradients
@@ -85,6 +89,7 @@ class AllReduceStrategy : public Strategy {
     int64_t offset = 0;          // elements into the bucket buffer
     int64_t numel = 0;
     bool ready = false;
+    bool hadGradient = false;  // this step: .grad was defined when the slot was filled
   };
   struct Bucket {
     std::vector<size_t> slots;  // indices into slots_
@@ -128,6 +133,7 @@ class AllReduceStrategy : public Strategy {
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;
   std::atomic<bool> enabled_{true};
+  bool hooked_ = true;                      // attachModel's hooks; attachGradients has none
   std::unique_ptr<CommThread> commThread_;  // fp16/bf16: runs the 16-bit rings
   at::Tensor restoredResidual_;             // topk: every worker's rows from a checkpoint
 };

@@ -50,6 +50,7 @@
 
 #include "sync/compression.h"
 #include "sync/strategy.h"
+#include "sync/sync_mode.h"
 
 namespace caravan {
 
@@ -91,7 +92,9 @@ class DilocoStrategy : public Strategy {
   DilocoStrategy(std::shared_ptr<Communicator> comm, DilocoOptions options,
                  std::shared_ptr<Communicator> world = nullptr, int servers = 0);
   ~DilocoStrategy() override;
-  std::string name() const override { return servers_ > 0 ? "ps-diloco" : "diloco"; }
+  std::string name() const override {
+    return syncModeName(servers_ > 0 ? SyncMode::kPsDiloco : SyncMode::kDiloco);
+  }
   void finishGradients() override {}  // the inner optimizer applies the local gradient
   void afterStep(int64_t step) override;
   double consolidate() override;

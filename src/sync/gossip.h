@@ -22,6 +22,7 @@
 
 #include "comm/communicator.h"
 #include "sync/strategy.h"
+#include "sync/sync_mode.h"
 
 namespace caravan {
 
@@ -32,7 +33,7 @@ struct GossipOptions {
 class GossipStrategy : public Strategy {
  public:
   GossipStrategy(std::shared_ptr<Communicator> comm, GossipOptions options);
-  std::string name() const override { return "gossip"; }
+  std::string name() const override { return syncModeName(SyncMode::kGossip); }
   void attachModel(torch::nn::Module& model) override;
   void beforeForward(int64_t step) override;
   void finishGradients() override {}  // the local gradient is the update

@@ -20,6 +20,7 @@
 
 #include "sync/allreduce.h"
 #include "sync/diloco.h"
+#include "sync/sync_mode.h"
 
 namespace caravan {
 
@@ -33,7 +34,7 @@ struct LocalSgdOptions {
 class LocalSgdStrategy : public Strategy {
  public:
   LocalSgdStrategy(std::shared_ptr<Communicator> comm, LocalSgdOptions options);
-  std::string name() const override { return "local-sgd"; }
+  std::string name() const override { return syncModeName(SyncMode::kLocalSgd); }
   void attachModel(torch::nn::Module& model) override;
   void beforeForward(int64_t step) override;
   void finishGradients() override;

@@ -50,6 +50,7 @@
 #include "comm/comm_thread.h"
 #include "sync/fraction_search.h"
 #include "sync/parameter_server.h"
+#include "sync/sync_mode.h"
 
 namespace caravan {
 
@@ -80,7 +81,7 @@ class OspWorkerStrategy : public Strategy {
  public:
   OspWorkerStrategy(std::shared_ptr<Communicator> world, std::shared_ptr<Communicator> workers,
                     int numServers, OspOptions options);
-  std::string name() const override { return "osp"; }
+  std::string name() const override { return syncModeName(SyncMode::kOsp); }
   void attachModel(torch::nn::Module& model) override;
   void setLearningRate(double lr) override { lr_ = lr; }
   void beforeForward(int64_t step) override {

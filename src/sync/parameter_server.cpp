@@ -125,9 +125,9 @@ void receiveServerStates(Communicator& world, const ShardLayout& layout, int tag
 
 std::string PsWorkerStrategy::name() const {
   switch (options_.consistency) {
-    case PsConsistency::kBsp: return "ps-bsp";
-    case PsConsistency::kAsp: return "ps-asp";
-    case PsConsistency::kSsp: return "ps-ssp";
+    case PsConsistency::kBsp: return syncModeName(SyncMode::kPsBsp);
+    case PsConsistency::kAsp: return syncModeName(SyncMode::kPsAsp);
+    case PsConsistency::kSsp: return syncModeName(SyncMode::kPsSsp);
   }
   return "ps";
 }

@@ -132,8 +132,9 @@ void DataParallelStep::addSpans(Timeline& timeline, const StepResult& r,
 
 std::string DataParallelStep::describe() const {
   if (parts_.workers == nullptr) return "";
-  return fmt::format(" per worker x {} workers ({}, {})", parts_.workers->size(),
-                     parts_.workers->backend(), parts_.strategy->name());
+  return fmt::format(" per worker x {} workers ({}{})", parts_.workers->size(),
+                     parts_.workers->backend(),
+                     parts_.strategy != nullptr ? ", " + parts_.strategy->name() : "");
 }
 
 }  // namespace caravan

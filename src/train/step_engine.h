@@ -13,7 +13,8 @@
 // result are this class's.
 //
 // Ownership: an engine refers to the setup's model and optimizer (and a strategy, out-of-core
-// weights, communicators), which outlive it; a PipelineStep owns its stage.
+// weights, communicators), which outlive it; a PipelineStep owns its stage and shares its
+// replicas' communicator with the Distributed.
 // Threading: the trainer's thread.
 #pragma once
 
@@ -51,8 +52,9 @@ class StepEngine {
   // elsewhere).
   void setLearningRate(double lr);
   // One training step on `batch`, the run's step `step` (0-based). skipNonFinite: when the
-  // loss or a gradient is not finite the gradients are dropped and nothing updates
-  // (result.skipped); the step's other work (a strategy's afterStep) still runs.
+  // engine finds the step not finite (gradientsFinite: what every rank that updates together
+  // sees alike) the gradients are dropped and nothing updates (result.skipped); the step's
+  // other work (a strategy's afterStep) still runs.
   StepResult step(const Batch& batch, int64_t step);
 
   // Evaluation in eval mode over the first `maxBatches` batches (0 = all) of `dataset`, shared

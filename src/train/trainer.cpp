@@ -425,10 +425,10 @@ void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected, bool a
   }
   state.workers = s_.workers;
   state.batchSize = s_.sampler.batchSize;
-  state.rngState = defaultRngState();
-  state.elapsedSeconds = trainSeconds();
   summary_.lastCheckpoint = checkpoints_.pathFor(state.step);
   engine_.withWholeModel([&] {
+    state.rngState = defaultRngState();
+    state.elapsedSeconds = trainSeconds();  // with the time the whole model took to come
     summary_.lastCheckpoint = checkpoints_.save(*s_.model, *s_.optimizer, state);
     if (alsoExportModel) exportModel();
   });
