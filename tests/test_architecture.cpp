@@ -102,7 +102,7 @@ std::vector<std::string> sourceLines(const std::string& path) {
 TEST(Architecture, TheTrainingLoopDoesNotBranchOnTheKindOfStep) {
   const std::regex word("pipeline", std::regex::icase);
   const std::regex type(
-      R"(PipelineStep|DataParallelStep|\bStrategy\b|strategy_|SyncMode|dynamic_cast)");
+      R"(PipelineStep|DataParallelStep|\bStrategy\b|strategy_|SyncMode|sync\.mode|isDiloco|dynamic_cast)");
   int lines = 0;
   for (const std::string file : {"train/trainer.cpp", "train/trainer.h", "train/metrics_window.cpp",
                                  "train/metrics_window.h"}) {

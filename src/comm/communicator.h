@@ -1,5 +1,6 @@
 // Communicator: the collective and point-to-point operations distributed strategies use,
-// independent of the transport (Gloo through c10d, or MPI).
+// independent of the transport (Gloo through c10d, shared memory on one host, MPI, or the
+// hierarchical pair of them).
 //
 // Every operation is asynchronous and returns a Work; Work::wait(timeout) blocks until the
 // operation finished, rethrows a failure that happened on a communication thread, and throws

@@ -5,9 +5,10 @@
 // accumulates its blocks' parameter gradients of loss / M per micro-batch — what one worker
 // accumulating the same M micro-batches computes.
 //
-// Layout: in a world of K x D ranks, rank r is stage r % K of replica r / K; a stage talks to
-// ranks r - 1 and r + 1 only. Every rank of a replica passes the same batch (the first stage
-// uses its inputs, the last its targets).
+// Layout: in a world of K x D ranks, rank r is stage r % K of replica r / K; a step's
+// activations and gradients go to ranks r - 1 and r + 1 only (the reductions, the tied
+// weights' sum and the gathers for a file reach the other stages). Every rank of a replica passes
+// the same batch (the first stage uses its inputs, the last its targets).
 //
 // Messages (tags per micro-batch m): an activation goes as a header (its dtype and shape, 8
 // int64s: the receiver cannot know the shape a block produces) then its payload; the gradient

@@ -77,7 +77,7 @@ void AllReduceStrategy::attachModel(torch::nn::Module& model) {
 
 void AllReduceStrategy::attachGradients(const std::vector<at::Tensor>& params) {
   CARAVAN_CHECK(slots_.empty(), "attachGradients on an attached all-reduce");
-  hooked_ = false;
+  accumulating_ = true;
   std::vector<at::Tensor> trained;
   for (const auto& p : params) {
     if (p.requires_grad()) trained.push_back(p);
@@ -226,7 +226,7 @@ WorkPtr AllReduceStrategy::launch(size_t index) {
   Bucket& b = buckets_[index];
   switch (options_.compression) {
     case Compression::kNone:  // attachGradients: the communicator's own average
-      return comm_->allreduce(b.buffer, hooked_ ? ReduceOp::kSum : ReduceOp::kAvg);
+      return comm_->allreduce(b.buffer, accumulating_ ? ReduceOp::kAvg : ReduceOp::kSum);
     case Compression::kFp16:
     case Compression::kBf16: {
       const at::ScalarType wire =
@@ -277,11 +277,11 @@ void AllReduceStrategy::finishBucket(size_t index) {
     if (sink_) sink_("allreduce bucket " + std::to_string(index), b.launchedAt, Clock::now());
     finishTransfer(index);
     torch::NoGradGuard noGrad;
-    if (hooked_) b.buffer.mul_(1.0 / static_cast<double>(comm_->size()));  // (else kAvg's)
+    if (!accumulating_) b.buffer.mul_(1.0 / static_cast<double>(comm_->size()));  // kAvg did
     for (size_t j : b.slots) {
       Slot& s = slots_[j];
       at::Tensor avg = b.buffer.narrow(0, s.offset, s.numel).view(s.sizes);
-      if (!hooked_ && !s.hadGradient) {
+      if (accumulating_ && !s.hadGradient) {
         continue;  // none on any replica: it keeps none
       } else if (!groups_.empty()) {
         s.param.mutable_grad() = avg;  // a view: the bucket's buffer lives as long as the grads

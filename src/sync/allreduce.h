@@ -6,7 +6,8 @@
 // With compression (sync.compression), buckets travel as 16-bit values or as top-k entries
 // with error feedback (compression.h); the launch order and the averaging stay the same.
 //
-// Parameters that received no gradient in a step contribute zeros; their buckets are launched
+// Parameters that received no gradient in a step contribute zeros (attachModel; see
+// attachGradients for the accumulating mode a pipeline stage uses); their buckets are launched
 // in finishGradients(). Buckets are always launched in index order on every rank (a bucket
 // whose predecessor is not launched yet waits for it), so collectives match across ranks
 // without any flag or extra round trip. The reduction order is fixed by the bucket layout and
@@ -73,7 +74,7 @@ class AllReduceStrategy : public Strategy {
   // broadcast and no gradient hooks, so finishGradients() launches every bucket (gradients
   // accumulated over several backward passes, as a pipeline stage's micro-batches;
   // pipeline_step.h). The buckets travel uncompressed as ReduceOp::kAvg all-reduces (the
-  // communicator's own average, as the stage's average was before), and a parameter without a
+  // communicator's own average), and a parameter without a
   // gradient keeps none (every replica must agree on which have one).
   // Call once, in place of attach(); every replica passes the same shapes in the same order.
   void attachGradients(const std::vector<at::Tensor>& params);
@@ -133,7 +134,10 @@ class AllReduceStrategy : public Strategy {
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;
   std::atomic<bool> enabled_{true};
-  bool hooked_ = true;                      // attachModel's hooks; attachGradients has none
+  // attachGradients: gradients accumulated over several backward passes and averaged after the
+  // last (no hooks; ReduceOp::kAvg; a missing gradient stays missing). attachModel: per backward
+  // pass, through the hooks (a sum scaled by 1/W; a missing gradient contributes zeros).
+  bool accumulating_ = false;
   std::unique_ptr<CommThread> commThread_;  // fp16/bf16: runs the 16-bit rings
   at::Tensor restoredResidual_;             // topk: every worker's rows from a checkpoint
 };

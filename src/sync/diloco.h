@@ -92,6 +92,8 @@ class DilocoStrategy : public Strategy {
   DilocoStrategy(std::shared_ptr<Communicator> comm, DilocoOptions options,
                  std::shared_ptr<Communicator> world = nullptr, int servers = 0);
   ~DilocoStrategy() override;
+  // The outer step moves the parameters too: its rate is as likely a cause.
+  std::string rateKeys() const override { return "sync.outer_lr or optim.lr"; }
   std::string name() const override {
     return syncModeName(servers_ > 0 ? SyncMode::kPsDiloco : SyncMode::kDiloco);
   }

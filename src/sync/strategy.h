@@ -1,5 +1,6 @@
-// Strategy: how the workers of a data-parallel job keep their replicas in step. The training
-// loop calls the hooks; a strategy knows nothing about memory tiers or the data pipeline.
+// Strategy: how the workers of a data-parallel job keep their replicas in step. The step engine
+// (train/data_parallel_step.h) calls the hooks; a strategy knows nothing about memory tiers or
+// the data pipeline.
 //
 // attach(model, context) once, before the first step: everything a strategy needs from the run
 // (optimizer, per-block parameter groups, a checkpoint's state, the event sink) comes in one
@@ -81,10 +82,12 @@ class Strategy : public GroupExchange {
   // they were (consensus distance, 0 for strategies that keep replicas equal).
   virtual double consolidate() { return 0.0; }
   // True when finishGradients() already installed the updated parameters (the optimizer runs
-  // on servers): the trainer skips its own optimizer step.
+  // on servers): the step engine skips its own optimizer step.
   virtual bool updatesParameters() const { return false; }
   // After the last step on every rank (normal end or a stop): say goodbye to servers.
   virtual void finish() {}
+  // The config keys whose rates move the parameters, for the advice after a non-finite loss.
+  virtual std::string rateKeys() const { return "optim.lr"; }
   // True when the workers advance step by step together, so the trainer's per-step agreement
   // (mean loss, stop flags; one small all-reduce) costs no extra waiting. Asynchronous
   // strategies return false: the trainer then agrees only every train.log_every steps and at

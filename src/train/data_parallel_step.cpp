@@ -130,6 +130,10 @@ void DataParallelStep::addSpans(Timeline& timeline, const StepResult& r,
   if (exchanges) timeline.complete("after-step sync", r.optimizerEnd, r.stepEnd);
 }
 
+std::string DataParallelStep::rateKeys() const {
+  return parts_.strategy != nullptr ? parts_.strategy->rateKeys() : StepEngine::rateKeys();
+}
+
 std::string DataParallelStep::describe() const {
   if (parts_.workers == nullptr) return "";
   return fmt::format(" per worker x {} workers ({}{})", parts_.workers->size(),

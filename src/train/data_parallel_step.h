@@ -45,6 +45,7 @@ class DataParallelStep : public StepEngine {
   void addSpans(Timeline& timeline, const StepResult& r,
                 Clock::time_point stepStart) const override;
   std::string describe() const override;
+  std::string rateKeys() const override;
 
  private:
   void computeGradients(const Batch& batch, int64_t step, StepResult& r) override;

@@ -63,7 +63,8 @@ class Distributed {
   // parameter groups, restored state); the event sink is this object's, which follows the
   // strategy's communication events (each bucket's all-reduce, gossip exchange, parameter
   // averaging: from launch until the trainer took the result) for takeOutstandingSeconds()
-  // and the timeline. Broadcasts rank 0's parameters. Returns the strategy for trainStep.
+  // and the timeline. Broadcasts rank 0's parameters. Returns the strategy for the step engine
+  // (train/data_parallel_step.h).
   Strategy* attach(torch::nn::Module& model, AttachContext context);
   // Records each communication event on the timeline's communication track while `timeline`
   // is set (null: stop; call before the timeline goes).

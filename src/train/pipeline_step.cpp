@@ -22,9 +22,7 @@ PipelineStep::PipelineStep(std::unique_ptr<PipelineStage> stage, torch::optim::O
       "{} replicas of each stage, a replica group of {}", stage_->layout().replicas,
       parts_.replicas == nullptr ? 1 : parts_.replicas->size());
   if (parts_.replicas != nullptr) {
-    // Uncompressed (validate refuses compression with pipelines), in the buckets of
-    // sync.bucket_mb's defaults.
-    replicaAverage_ = std::make_unique<AllReduceStrategy>(parts_.replicas, AllReduceOptions{});
+    replicaAverage_ = std::make_unique<AllReduceStrategy>(parts_.replicas, parts_.buckets);
     replicaAverage_->attachGradients(stage_->parameters());
   }
 }

@@ -14,11 +14,11 @@
 #include <memory>
 
 #include "pipeline/stage.h"
+#include "sync/allreduce.h"
 #include "train/step_engine.h"
 
 namespace caravan {
 
-class AllReduceStrategy;
 class Communicator;
 
 class PipelineStep : public StepEngine {
@@ -28,6 +28,8 @@ class PipelineStep : public StepEngine {
     Communicator* comm = nullptr;            // the stages' world (null: one process)
     std::shared_ptr<Communicator> replicas;  // this stage's replicas in other pipelines, or null
     PipelineSchedule schedule = PipelineSchedule::kOneFOneB;  // the stage's, for records
+    // The replica average's buckets (sync.bucket_mb, sync.first_bucket_mb); uncompressed.
+    AllReduceOptions buckets;
     // The step after which every stage's timeline is gathered into metrics.jsonl (every rank
     // passes the same: the third step this process runs, or the run's last).
     int64_t timelineStep = -1;

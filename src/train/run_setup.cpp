@@ -233,7 +233,8 @@ std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist,
                                                      std::vector<at::Tensor>& held) {
   // Stages train their own blocks; every rank built the same model from seed.init or loaded
   // the same checkpoint, so there is nothing to broadcast. Replicas of a stage average their
-  // gradients in the engine (PipelineStep): no strategy.
+  // gradients in the engine (PipelineStep, through the all-reduce's accumulating mode): no
+  // sync.mode strategy.
   Communicator* comm = dist != nullptr ? dist->workers().get() : nullptr;
   const int worldSize = comm != nullptr ? comm->size() : 1;
   const PipelineLayout layout =
@@ -264,6 +265,7 @@ std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist,
   parts.comm = comm;
   parts.replicas = dist != nullptr ? dist->stageReplicas() : nullptr;
   parts.schedule = options.pipeline.schedule;
+  parts.buckets = options.sync.allreduce;  // uncompressed: validate refuses compression here
   parts.timelineStep = std::min(state.step + 3, totalSteps);
   return std::make_unique<PipelineStep>(std::move(stage), *optimizer, stepOptions(options),
                                         std::move(parts));

@@ -131,7 +131,6 @@ class RunSetup {
   // Every worker of `comm` takes rank 0's bf16 blocks (train.precision = bf16 is timed, and
   // ranks timing at once would disagree): one broadcast, then state.bf16Blocks records it.
   void takeRankZeroPrecision(Communicator& comm);
-  // attach's two kinds of engine.
   // attach's two kinds of engine; the parameters this rank trains (the weights' and gradients'
   // memory accounting) come back in `held`.
   std::unique_ptr<StepEngine> attachPipeline(Distributed* dist, std::vector<at::Tensor>& held);

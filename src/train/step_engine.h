@@ -87,6 +87,9 @@ class StepEngine {
   // optimizer).
   virtual void addSpans(Timeline& timeline, const StepResult& r,
                         Clock::time_point stepStart) const = 0;
+  // The config keys whose rates move the parameters, for the advice after a non-finite loss
+  // ("optim.lr"; DiLoCo's outer step: "sync.outer_lr or optim.lr").
+  virtual std::string rateKeys() const { return "optim.lr"; }
   // How the step runs, for the start banner: " per worker x 2 workers (gloo, allreduce)".
   virtual std::string describe() const = 0;
 

@@ -352,9 +352,7 @@ void Trainer::checkNonFinite(const StepResult& r) {
                     step, r.loss, skippedSteps_, loop_.nonfiniteSkips));
     return;
   }
-  // DiLoCo's outer step moves the parameters too: its rate is as likely a cause.
-  const std::string lower =
-      isDiloco(s_.options.sync.mode) ? "lower sync.outer_lr or optim.lr" : "lower optim.lr";
+  const std::string lower = "lower " + engine_.rateKeys();
   throw NonFiniteError(fmt::format(
       "loss became {} at step {} (epoch {}){}; the last good checkpoint is {}; {} or set "
       "optim.grad_clip",
