@@ -87,7 +87,8 @@ double median(std::vector<double> v) {
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// caravan_bench times trainStep; a pipeline's step is another (pipelineTrainStep).
+// caravan_bench times the data-parallel step engine (DataParallelStep); a pipeline stage's step
+// (PipelineStep) is timed from caravan train's metrics instead.
 void refusePipelines(const RunOptions& options) {
   if (options.pipeline.active()) {
     throw ConfigError(
