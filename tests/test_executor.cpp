@@ -304,7 +304,9 @@ TEST(Executor, AFixedSwapPolicyWaitsForSlowWritesToStayNearItsLimit) {
     saved.push_back(b.savedBytes);
   }
 
-  SlowTier tier(std::chrono::milliseconds(10));
+  // Each write takes 40 ms, far longer than a block's forward even on a loaded machine (with
+  // 10 ms, CI once saw the writes keep up and the precondition below fail).
+  SlowTier tier(std::chrono::milliseconds(40));
   const Outcome keep = train(false, spec, lmShape(), "keep", nullptr);
   const Outcome unlimited = train(false, spec, lmShape(), "swap", &tier);
   const int64_t limit = unlimited.activationPeak / 3;
