@@ -337,7 +337,11 @@ struct PipelineStage::InFlight {
 
 PipelineStage::PipelineStage(BlockModel model, std::vector<size_t> boundaries, Communicator* comm,
                              PipelineLayout layout, PipelineSchedule schedule, int microBatches)
-    : model_(std::move(model)), comm_(comm), layout_(layout), microBatches_(microBatches) {
+    : model_(std::move(model)),
+      comm_(comm),
+      layout_(layout),
+      schedule_(schedule),
+      microBatches_(microBatches) {
   CARAVAN_CHECK_EQ(boundaries.size(), static_cast<size_t>(layout.stages) + 1,
                    "boundaries of {} stages", layout.stages);
   CARAVAN_CHECK((comm == nullptr ? 1 : comm->size()) == layout.stages * layout.replicas,

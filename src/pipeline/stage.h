@@ -149,6 +149,7 @@ class PipelineStage {
   size_t firstBlock() const { return begin_; }
   size_t endBlock() const { return end_; }
   int microBatches() const { return microBatches_; }
+  PipelineSchedule schedule() const { return schedule_; }
   const StageProgram& program() const { return program_; }
 
  private:
@@ -166,6 +167,7 @@ class PipelineStage {
   BlockModel model_;
   Communicator* comm_;
   PipelineLayout layout_;
+  PipelineSchedule schedule_;
   size_t begin_, end_;
   int microBatches_;
   StageProgram program_;

@@ -89,7 +89,7 @@ std::vector<nlohmann::json> PipelineStep::takeRecords(int64_t stepsDone, const S
   if (stages.empty()) return {};  // not rank 0
   nlohmann::json rec = {{"kind", "pipeline_timeline"},
                         {"step", stepsDone},
-                        {"schedule", pipelineScheduleName(parts_.schedule)},
+                        {"schedule", pipelineScheduleName(stage_->schedule())},
                         {"micro_batches", stage_->microBatches()},
                         {"stages", nlohmann::json::array()}};
   for (const auto& stage : stages) {
@@ -126,7 +126,7 @@ std::string PipelineStep::describe() const {
       " per pipeline of {} stages (blocks {}-{} on this one) x {} pipeline{}, {} in {} "
       "micro-batches ({})",
       l.stages, stage_->firstBlock(), stage_->endBlock() - 1, l.replicas, l.replicas > 1 ? "s" : "",
-      pipelineScheduleName(parts_.schedule), stage_->microBatches(), parts_.comm->backend());
+      pipelineScheduleName(stage_->schedule()), stage_->microBatches(), parts_.comm->backend());
 }
 
 }  // namespace caravan

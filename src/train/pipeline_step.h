@@ -27,7 +27,6 @@ class PipelineStep : public StepEngine {
   struct Parts {
     Communicator* comm = nullptr;            // the stages' world (null: one process)
     std::shared_ptr<Communicator> replicas;  // this stage's replicas in other pipelines, or null
-    PipelineSchedule schedule = PipelineSchedule::kOneFOneB;  // the stage's, for records
     // The replica average's buckets (sync.bucket_mb, sync.first_bucket_mb); uncompressed.
     AllReduceOptions buckets;
     // The step after which every stage's timeline is gathered into metrics.jsonl (every rank

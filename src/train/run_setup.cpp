@@ -264,7 +264,6 @@ std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist,
   PipelineStep::Parts parts;
   parts.comm = comm;
   parts.replicas = dist != nullptr ? dist->stageReplicas() : nullptr;
-  parts.schedule = options.pipeline.schedule;
   parts.buckets = options.sync.allreduce;  // uncompressed: validate refuses compression here
   parts.timelineStep = std::min(state.step + 3, totalSteps);
   return std::make_unique<PipelineStep>(std::move(stage), *optimizer, stepOptions(options),
