@@ -294,6 +294,12 @@ std::vector<ConfigOption> buildSchema() {
              "gossip: ring (mix with ranks r-1 and r+1) or complete (mix with every rank: "
              "parameter averaging)",
              {"ring", "complete"}),
+      strOpt("sync.shard", "none",
+             "allreduce: what the workers split among themselves (ZeRO's stages, FSDP): none "
+             "(each holds everything), optimizer (the optimizer state), gradients (and the "
+             "averaged gradients), parameters (and the weights, each block's gathered while it "
+             "runs); docs/sharding.md",
+             {"none", "optimizer", "gradients", "parameters"}),
       floatOpt("sync.bucket_mb", 25.0, 0.0, 1e6, "allreduce: gradient bucket size cap (MiB)", true),
       floatOpt("sync.first_bucket_mb", 1.0, 0.0, 1e6,
                "allreduce: first bucket cap (MiB); small so communication starts early", true),

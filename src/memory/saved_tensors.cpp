@@ -20,8 +20,13 @@ std::unordered_set<const c10::StorageImpl*> storagesOf(const std::vector<at::Ten
 }
 
 SavedTensorAccounting::SavedTensorAccounting(MemoryTracker& tracker,
-                                             const std::vector<at::Tensor>& parameters)
-    : tracker_(&tracker), parameters_(storagesOf(parameters)) {}
+                                             const std::vector<at::Tensor>& parameters,
+                                             const std::vector<at::Tensor>& gatheredLater)
+    : tracker_(&tracker), parameters_(storagesOf(parameters)) {
+  for (const auto& t : gatheredLater) {
+    if (t.defined() && t.has_storage()) parameters_.insert(t.storage().unsafeGetStorageImpl());
+  }
+}
 
 bool SavedTensorAccounting::isParameter(const at::Tensor& t) const {
   return t.defined() && t.has_storage() &&
@@ -148,8 +153,10 @@ PlacementGuard::PlacementGuard(SavedTensorPlacement* placement) : previous_(tPla
 PlacementGuard::~PlacementGuard() { tPlacement = previous_; }
 
 SavedTensorScope::SavedTensorScope(MemoryTracker& tracker,
-                                   const std::vector<at::Tensor>& parameters)
-    : state_(std::make_shared<SavedTensorAccounting>(tracker, parameters)), previous_(tActive) {
+                                   const std::vector<at::Tensor>& parameters,
+                                   const std::vector<at::Tensor>& gatheredLater)
+    : state_(std::make_shared<SavedTensorAccounting>(tracker, parameters, gatheredLater)),
+      previous_(tActive) {
   CARAVAN_CHECK(gInstalled.load(),
                 "SavedTensorScope without installSavedTensorEngine(): saves would bypass it");
   tActive = state_;

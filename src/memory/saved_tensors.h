@@ -39,7 +39,10 @@ std::unordered_set<const c10::StorageImpl*> storagesOf(const std::vector<at::Ten
 
 class SavedTensorAccounting {
  public:
-  SavedTensorAccounting(MemoryTracker& tracker, const std::vector<at::Tensor>& parameters);
+  // `gatheredLater`: model state whose storages may be empty now and hold the weights again
+  // later (sharded parameters, sync/sharding.h); counted as parameters even while empty.
+  SavedTensorAccounting(MemoryTracker& tracker, const std::vector<at::Tensor>& parameters,
+                        const std::vector<at::Tensor>& gatheredLater = {});
   // True if `t` lives on a parameter's storage (a weight, held anyway).
   bool isParameter(const at::Tensor& t) const;
   // A holder of `s` appears / goes away; the storage's bytes count while it has holders.
@@ -115,7 +118,9 @@ class SavedTensorScope {
   // While alive, tensors saved on this thread are accounted in `tracker`; saves on the storage
   // of any tensor in `parameters` are not (pass the model's parameters and buffers: weights and
   // running statistics, held anyway).
-  SavedTensorScope(MemoryTracker& tracker, const std::vector<at::Tensor>& parameters);
+  // `gatheredLater`: as SavedTensorAccounting's.
+  SavedTensorScope(MemoryTracker& tracker, const std::vector<at::Tensor>& parameters,
+                   const std::vector<at::Tensor>& gatheredLater = {});
   ~SavedTensorScope();
   SavedTensorScope(const SavedTensorScope&) = delete;
   SavedTensorScope& operator=(const SavedTensorScope&) = delete;

@@ -66,4 +66,22 @@ bool stepsOnServers(SyncMode mode) { return isConsistencyMode(mode) || mode == S
 
 bool isDiloco(SyncMode mode) { return mode == SyncMode::kDiloco || mode == SyncMode::kPsDiloco; }
 
+const char* shardLevelName(ShardLevel level) {
+  switch (level) {
+    case ShardLevel::kNone: return "none";
+    case ShardLevel::kOptimizer: return "optimizer";
+    case ShardLevel::kGradients: return "gradients";
+    case ShardLevel::kParameters: return "parameters";
+  }
+  return "?";
+}
+
+ShardLevel parseShardLevel(std::string_view name) {
+  for (ShardLevel l : kShardLevels) {
+    if (name == shardLevelName(l)) return l;
+  }
+  throw ConfigError(fmt::format(
+      "sync.shard = \"{}\" is not a level; use none, optimizer, gradients or parameters", name));
+}
+
 }  // namespace caravan

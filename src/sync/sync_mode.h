@@ -32,6 +32,19 @@ const char* syncModeName(SyncMode mode);
 // The mode named `name`; ConfigError naming the modes when there is none.
 SyncMode parseSyncMode(std::string_view name);
 
+// sync.shard: what data-parallel workers split among themselves (ZeRO's stages).
+enum class ShardLevel {
+  kNone,        // none: every worker holds everything (plain data parallelism)
+  kOptimizer,   // optimizer: the optimizer state (ZeRO-1)
+  kGradients,   // gradients: and the averaged gradients (ZeRO-2)
+  kParameters,  // parameters: and the weights, gathered per block as it runs (ZeRO-3, FSDP)
+};
+inline constexpr ShardLevel kShardLevels[] = {ShardLevel::kNone, ShardLevel::kOptimizer,
+                                              ShardLevel::kGradients, ShardLevel::kParameters};
+const char* shardLevelName(ShardLevel level);
+// The level named `name`; ConfigError naming the levels when there is none.
+ShardLevel parseShardLevel(std::string_view name);
+
 // Whether `mode` runs parameter servers beside the workers (ps-*, osp).
 bool usesServers(SyncMode mode);
 // ps-bsp, ps-asp, ps-ssp: servers apply the workers' gradients with the run's optimizer under

@@ -7,6 +7,8 @@
 #include <torch/torch.h>
 
 #include "comm/communicator.h"
+#include "memory/accounting.h"
+#include "memory/tracker.h"
 #include "memory/weights.h"
 #include "sync/strategy.h"
 #include "train/timeline.h"
@@ -95,6 +97,19 @@ void DataParallelStep::withWholeModel(const std::function<void()>& write) {
 
 void DataParallelStep::finish() {
   if (parts_.strategy != nullptr) parts_.strategy->finish();
+}
+
+void DataParallelStep::accountModelState(MemoryTracker& memory) {
+  if (parts_.weights != nullptr) return;  // the store counts what it holds
+  const std::vector<at::Tensor> params = model_->parameters();
+  memory.set(MemoryCategory::kWeights, tensorBytes(params));
+  memory.set(MemoryCategory::kGradients, gradientBytes(params));
+  memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(optimizer_));
+}
+
+// Out-of-core weights move between storages: the executor asks the store.
+std::vector<at::Tensor> DataParallelStep::modelStateTensors() {
+  return parts_.weights != nullptr ? std::vector<at::Tensor>{} : model_->parameters();
 }
 
 bool DataParallelStep::lockstep() const {

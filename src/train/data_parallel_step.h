@@ -38,6 +38,8 @@ class DataParallelStep : public StepEngine {
   std::map<std::string, at::Tensor> strategyState() override;
   void withWholeModel(const std::function<void()>& write) override;
   void finish() override;
+  void accountModelState(MemoryTracker& memory) override;
+  std::vector<at::Tensor> modelStateTensors() override;
   bool lockstep() const override;
   std::map<std::string, double> takeMetrics() override;
   std::vector<nlohmann::json> takeRecords(int64_t stepsDone, const StepResult& r,

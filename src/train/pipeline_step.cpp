@@ -9,6 +9,7 @@
 #include "comm/communicator.h"
 #include "core/errors.h"
 #include "memory/accounting.h"
+#include "memory/tracker.h"
 #include "sync/allreduce.h"
 #include "train/timeline.h"
 
@@ -69,6 +70,15 @@ EvalResult PipelineStep::evaluate(const Dataset& dataset, int64_t batchSize, int
   return caravan::evaluate(stage_->model(), dataset, batchSize, maxBatches, parts_.comm,
                            stage_.get());
 }
+
+void PipelineStep::accountModelState(MemoryTracker& memory) {
+  const std::vector<at::Tensor> params = stage_->parameters();  // this stage's blocks
+  memory.set(MemoryCategory::kWeights, tensorBytes(params));
+  memory.set(MemoryCategory::kGradients, gradientBytes(params));
+  memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(optimizer_));
+}
+
+std::vector<at::Tensor> PipelineStep::modelStateTensors() { return stage_->parameters(); }
 
 void PipelineStep::withWholeModel(const std::function<void()>& write) {
   // Rank 0 writes every stage's parameters and optimizer state.

@@ -42,6 +42,8 @@ class PipelineStep : public StepEngine {
 
   EvalResult evaluate(const Dataset& dataset, int64_t batchSize, int64_t maxBatches) override;
   void withWholeModel(const std::function<void()>& write) override;
+  void accountModelState(MemoryTracker& memory) override;
+  std::vector<at::Tensor> modelStateTensors() override;
   std::vector<nlohmann::json> takeRecords(int64_t stepsDone, const StepResult& r,
                                           Clock::time_point stepStart, double seconds) override;
   void addSpans(Timeline& timeline, const StepResult& r,

@@ -34,6 +34,7 @@ SyncOptions readSync(const Config& config) {
   s.rendezvousTimeout = milliseconds(config.f64("fault.rendezvous_timeout"));
   s.stallReport = milliseconds(config.f64("fault.stall_report"));
   s.compressionName = config.str("sync.compression");
+  s.shard = parseShardLevel(config.str("sync.shard"));
   AllReduceOptions& a = s.allreduce;
   a.bucketBytes = static_cast<int64_t>(config.f64("sync.bucket_mb") * (1 << 20));
   a.firstBucketBytes = static_cast<int64_t>(config.f64("sync.first_bucket_mb") * (1 << 20));
@@ -301,6 +302,43 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
   }
 }
 
+// sync.shard in a job (part of validateJob): sharded data parallelism is its own step engine
+// beside the all-reduce's (train/sharded_step.h).
+void validateShard(const RunOptions& options) {
+  const ShardLevel shard = options.sync.shard;
+  if (shard == ShardLevel::kNone) return;
+  const char* name = shardLevelName(shard);
+  if (options.sync.mode != SyncMode::kAllReduce) {
+    throw ConfigError(fmt::format(
+        "sync.shard = {} splits the model state of workers that average gradients every step; "
+        "set sync.mode = allreduce, or sync.shard = none for sync.mode = {}",
+        name, syncModeName(options.sync.mode)));
+  }
+  if (options.sync.allreduce.compression != Compression::kNone) {
+    throw ConfigError(fmt::format(
+        "sync.shard = {} reduce-scatters float32 gradients; set sync.compression = none", name));
+  }
+  if (options.pipeline.active()) {
+    throw ConfigError(fmt::format(
+        "sync.shard = {} does not run inside pipeline stages or with micro-batches yet; set "
+        "parallel.pipeline_stages = 1 and parallel.micro_batches = 1, or sync.shard = none",
+        name));
+  }
+  if (options.memory.offloadWeights) {
+    throw ConfigError(fmt::format(
+        "sync.shard = {} does not run with memory.weights = offload yet; set memory.weights = "
+        "core (sharding already divides the weights' memory) or sync.shard = none",
+        name));
+  }
+  const std::string& policy = options.memory.policy;
+  if (shard == ShardLevel::kParameters && policy != "keep" && policy != "recompute") {
+    throw ConfigError(fmt::format(
+        "sync.shard = parameters runs with memory.policy = keep or recompute (not {} yet: a "
+        "swapped activation may hold a gathered weight); set one of them",
+        policy));
+  }
+}
+
 // The sync.* and dist.* keys of a job of several processes (part of validate).
 void validateJob(const RunOptions& options) {
   const SyncOptions& sync = options.sync;
@@ -359,6 +397,7 @@ void validateJob(const RunOptions& options) {
                     "optimizer and the global norm spans their shards); set optim.grad_clip = 0",
                     modeName));
   }
+  validateShard(options);
   if (options.memory.offloadWeights) {
     // Only the all-reduce exchanges gradients per block (Strategy::supportsParameterGroups).
     if (mode != SyncMode::kAllReduce) {

@@ -103,6 +103,7 @@ struct SyncOptions {
   std::chrono::milliseconds rendezvousTimeout{30000};  // fault.rendezvous_timeout
   std::chrono::milliseconds stallReport{20000};        // fault.stall_report
   std::string compressionName = "none";
+  ShardLevel shard = ShardLevel::kNone;  // sync.shard (allreduce): ZeRO's stages
   AllReduceOptions allreduce;
   LocalSgdOptions localSgd;
   DilocoOptions diloco;

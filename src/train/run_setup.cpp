@@ -15,6 +15,7 @@
 #include "train/distributed.h"
 #include "train/pipeline_step.h"
 #include "train/setup.h"
+#include "train/sharded_step.h"
 
 namespace caravan {
 
@@ -217,20 +218,15 @@ std::unique_ptr<StepEngine> RunSetup::attach(Distributed* dist) {
   if (dist != nullptr && options.runtime.precision != "float32") {
     takeRankZeroPrecision(*dist->workers());
   }
-  std::vector<at::Tensor> held = model->parameters();
-  std::unique_ptr<StepEngine> engine =
-      options.pipeline.active() ? attachPipeline(dist, held) : attachDataParallel(dist);
-  if (!weights) {
-    memory.set(MemoryCategory::kWeights, tensorBytes(held));
-    memory.set(MemoryCategory::kGradients, gradientBytes(held));
-    memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*optimizer));
-  }
+  std::unique_ptr<StepEngine> engine = options.pipeline.active() ? attachPipeline(dist)
+                                       : sharded(dist)           ? attachSharded(*dist)
+                                                                 : attachDataParallel(dist);
+  engine->accountModelState(memory);
   memory.resetPeaks();
   return engine;
 }
 
-std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist,
-                                                     std::vector<at::Tensor>& held) {
+std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist) {
   // Stages train their own blocks; every rank built the same model from seed.init or loaded
   // the same checkpoint, so there is nothing to broadcast. Replicas of a stage average their
   // gradients in the engine (PipelineStep, through the all-reduce's accumulating mode): no
@@ -260,7 +256,6 @@ std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist,
     torch::manual_seed(options.seed.dropout + 0x9E3779B97F4A7C15ULL * layout.stage +
                        static_cast<uint64_t>(state.step));
   }
-  held = stage->parameters();
   PipelineStep::Parts parts;
   parts.comm = comm;
   parts.replicas = dist != nullptr ? dist->stageReplicas() : nullptr;
@@ -298,6 +293,22 @@ std::unique_ptr<StepEngine> RunSetup::attachDataParallel(Distributed* dist) {
     parts.weights = weights.get();
   }
   return std::make_unique<DataParallelStep>(model, *optimizer, stepOptions(options), parts);
+}
+
+bool RunSetup::sharded(const Distributed* dist) const {
+  return dist != nullptr && options.sync.shard != ShardLevel::kNone;
+}
+
+std::unique_ptr<StepEngine> RunSetup::attachSharded(Distributed& dist) {
+  // Every worker built the same model from seed.init or loaded the same checkpoint; the units
+  // broadcast rank 0's anyway, as the all-reduce does. The slices get an optimizer of their
+  // own (the run's options); the setup's keeps the learning rate and a resumed run's state,
+  // which the engine slices.
+  auto shards =
+      std::make_unique<ShardedParameters>(model, dist.workers(), options.sync.shard, &memory);
+  auto sliced = makeOptimizer(options.optim, shards->shards());
+  return std::make_unique<ShardedStep>(model, *optimizer, stepOptions(options), std::move(shards),
+                                       std::move(sliced));
 }
 
 std::vector<std::pair<std::string, std::string>> RunSetup::planFiles() const {

@@ -131,10 +131,12 @@ class RunSetup {
   // Every worker of `comm` takes rank 0's bf16 blocks (train.precision = bf16 is timed, and
   // ranks timing at once would disagree): one broadcast, then state.bf16Blocks records it.
   void takeRankZeroPrecision(Communicator& comm);
-  // attach's two kinds of engine; the parameters this rank trains (the weights' and gradients'
-  // memory accounting) come back in `held`.
-  std::unique_ptr<StepEngine> attachPipeline(Distributed* dist, std::vector<at::Tensor>& held);
+  // attach's three kinds of engine.
+  std::unique_ptr<StepEngine> attachPipeline(Distributed* dist);
   std::unique_ptr<StepEngine> attachDataParallel(Distributed* dist);
+  std::unique_ptr<StepEngine> attachSharded(Distributed& dist);
+  // Whether the workers shard the model state (sync.shard, in a job).
+  bool sharded(const Distributed* dist) const;
   std::optional<PipelinePlan> pipelinePlan_;  // rank 0's (the others take its boundaries)
 };
 

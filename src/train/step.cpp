@@ -18,7 +18,8 @@
 namespace caravan {
 
 EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize,
-                    int64_t maxBatches, Communicator* comm, PipelineStage* pipeline) {
+                    int64_t maxBatches, Communicator* comm, PipelineStage* pipeline,
+                    const std::function<void()>& idleForward) {
   const bool wasTraining = model->is_training();
   model->eval();
   torch::NoGradGuard noGrad;
@@ -53,6 +54,14 @@ EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize
     if (classes) correct += out.argmax(-1).eq(b.target).sum().item<int64_t>();
     counted += n;
     r.examples += b.size();
+  }
+  if (idleForward && shards > 1) {
+    // index + 1 batches were visited (or maxBatches); rank `shard` ran ceil((total - shard) /
+    // shards) of the ceil(total / shards) rounds.
+    const int64_t total = maxBatches > 0 ? std::min(index + 1, maxBatches) : index + 1;
+    const int64_t rounds = (total + shards - 1) / shards;
+    const int64_t mine = total > shard ? (total - shard + shards - 1) / shards : 0;
+    for (int64_t i = mine; i < rounds; ++i) idleForward();
   }
   if (wasTraining) model->train();
   if (comm != nullptr) {

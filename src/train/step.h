@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 
 #include <ATen/ATen.h>
 
@@ -47,8 +48,12 @@ class Communicator;
 // batches r, r+W, ... and the totals are summed over ranks (every rank gets the result). With
 // a pipeline stage, pipeline d takes batches d, d+D, ... through its stages
 // (PipelineStage::forwardOnly: no rank needs the whole model) and its last stage counts them.
+// `idleForward` (with a communicator): called once for each round of W batches in which this
+// rank has none while a lower rank has one, so every rank makes as many forwards (sharded
+// parameters gather the blocks' weights collectively in each; sync/sharding.h).
 EvalResult evaluate(BlockModel& model, const Dataset& dataset, int64_t batchSize,
                     int64_t maxBatches, Communicator* comm = nullptr,
-                    PipelineStage* pipeline = nullptr);
+                    PipelineStage* pipeline = nullptr,
+                    const std::function<void()>& idleForward = nullptr);
 
 }  // namespace caravan

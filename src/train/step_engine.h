@@ -33,6 +33,7 @@
 
 namespace caravan {
 
+class MemoryTracker;
 class Timeline;
 
 // What every engine's step does besides the gradients.
@@ -73,6 +74,14 @@ class StepEngine {
   virtual void withWholeModel(const std::function<void()>& write) = 0;
   // After the last step on every rank (a normal end or a stop).
   virtual void finish() {}
+  // Sets `memory`'s weights, gradients and optimizer state to what this rank holds now (after
+  // attach, after each step). Out-of-core weights and sharded units count their own as they
+  // come and go.
+  virtual void accountModelState(MemoryTracker& memory) = 0;
+  // The tensors whose storages are this rank's model state: an op that saves one for backward
+  // saves a weight, not an activation. A storage empty now that is gathered into again (sharded
+  // parameters) counts too.
+  virtual std::vector<at::Tensor> modelStateTensors() = 0;
   // Whether the ranks advance step by step together (the trainer's per-step agreement then
   // costs no extra wait); asynchronous strategies agree only on the record steps.
   virtual bool lockstep() const { return true; }

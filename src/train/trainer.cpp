@@ -165,7 +165,6 @@ class Trainer {
   std::unique_ptr<MetricsSink> metrics_;  // rank 0, from commitRunDirectory()
   bool committed_ = false;
   std::unique_ptr<SavedTensorScope> savedTensors_;
-  std::vector<at::Tensor> parameters_;  // the model's, for the gradients' bytes
 
   TrainSummary summary_;
   int64_t epoch_ = 1;  // 1-based epoch of the latest step
@@ -259,10 +258,8 @@ void Trainer::begin() {
   if (!s_.reshardNote.empty()) progress_.line(s_.reshardNote);
   // Weights and buffers (batch norm's running statistics) saved by ops are not activations
   // (out-of-core weights move between storages: the executor asks the store).
-  parameters_ = s_.model->parameters();
-  std::vector<at::Tensor> modelState = s_.weights ? std::vector<at::Tensor>{} : parameters_;
-  for (const auto& b : s_.model->buffers()) modelState.push_back(b);
-  savedTensors_ = std::make_unique<SavedTensorScope>(s_.memory, modelState);
+  savedTensors_ = std::make_unique<SavedTensorScope>(s_.memory, s_.model->buffers(),
+                                                     engine_.modelStateTensors());
   for (const std::string& line : s_.precision.report) progress_.line(line);
   {
     std::istringstream report(s_.activations.report);
@@ -297,10 +294,7 @@ void Trainer::commitRunDirectory() {
 // what every later step needs (the policies are fixed for the run).
 void Trainer::accountMemory() {
   MemoryTracker& memory = s_.memory;
-  if (!s_.weights) {
-    memory.set(MemoryCategory::kGradients, gradientBytes(parameters_));
-    memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*s_.optimizer));
-  }
+  engine_.accountModelState(memory);
   // This step's activation peak on top of everything that persists (weights, gradients and
   // optimizer state exist from the first step on).
   const int64_t needed = std::max(

@@ -1,0 +1,415 @@
+// Sharded data parallelism: flat units, reduce-scatter, all-gather (see sharding.h).
+#include "sync/sharding.h"
+
+#include <ATen/native/Resize.h>
+#include <fmt/format.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <deque>
+#include <set>
+
+#include "core/errors.h"
+#include "memory/weights.h"
+#include "sync/optimizer_state.h"
+#include "sync/replicas.h"
+
+namespace caravan {
+
+ModelStateBytes shardedModelState(ShardLevel level, int64_t parameterBytes, int stateFactor,
+                                  int workers) {
+  const int64_t p = parameterBytes, w = std::max(1, workers);
+  ModelStateBytes b;
+  b.weights = level == ShardLevel::kParameters ? p / w : p;
+  b.gradients = level == ShardLevel::kGradients || level == ShardLevel::kParameters ? p / w : p;
+  b.optimizerState = level == ShardLevel::kNone ? stateFactor * p : stateFactor * p / w;
+  return b;
+}
+
+struct ShardedParameters::Unit {
+  std::vector<size_t> params;    // indices into params_
+  std::vector<int64_t> offsets;  // elements into `full`
+  std::vector<size_t> blocks;    // the blocks that own it (the shared unit: none)
+  int64_t numel = 0, padded = 0, shardNumel = 0;
+  bool resident = true;  // `full` always holds bytes (every level but parameters; shared)
+  at::Tensor full;       // [padded]
+  at::Tensor gradFull;   // [padded] the local gradients (optimizer: kept; else in flight only)
+  at::Tensor gradShard;  // [shardNumel] averaged gradient (optimizer: a view of gradFull)
+  at::Tensor reduced;    // optimizer: the reduce-scatter's output, copied into gradShard
+  WorkPtr reduceWork, gatherWork;
+  bool gathered = true;  // `full` holds the current weights (no gather in flight)
+  int64_t pending = 0;   // gradients not accumulated yet this step
+};
+
+namespace {
+
+constexpr size_t kReduceWindow = 2;  // reduce-scatters in flight before the oldest is waited
+
+int64_t bytesOf(int64_t elements) { return elements * static_cast<int64_t>(sizeof(float)); }
+
+c10::StorageImpl* storageOf(const at::Tensor& t) { return t.storage().unsafeGetStorageImpl(); }
+
+}  // namespace
+
+ShardedParameters::ShardedParameters(BlockModel model, std::shared_ptr<Communicator> comm,
+                                     ShardLevel level, MemoryTracker* tracker)
+    : model_(std::move(model)), comm_(std::move(comm)), level_(level), tracker_(tracker) {
+  CARAVAN_CHECK(comm_ != nullptr, "sharded data parallelism needs a communicator");
+  CARAVAN_CHECK(level_ != ShardLevel::kNone, "ShardedParameters for sync.shard = none");
+  broadcastModel(*comm_, *model_);  // rank 0's initial parameters (and buffers) everywhere
+  layUnits();
+  inner_ = model_->runner();
+  model_->setRunner(this);
+}
+
+ShardedParameters::~ShardedParameters() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hookKeys_[i]);
+  model_->setRunner(inner_);
+}
+
+void ShardedParameters::layUnits() {
+  const int w = comm_->size(), r = comm_->rank();
+  // Parameters that several blocks read: one unit of their own, always gathered.
+  std::set<const c10::TensorImpl*> shared;
+  {
+    auto named = model_->named_parameters();
+    for (const auto& use : model_->sharedUses()) {
+      if (const at::Tensor* p = named.find(use.name)) shared.insert(p->unsafeGetTensorImpl());
+    }
+  }
+  std::map<const c10::TensorImpl*, size_t> index;
+  for (const auto& p : model_->parameters()) {
+    if (!p.requires_grad()) continue;
+    CARAVAN_CHECK(p.scalar_type() == at::kFloat && p.is_contiguous(),
+                  "sharded data parallelism holds float32 parameters");
+    index[p.unsafeGetTensorImpl()] = params_.size();
+    params_.push_back(p);
+  }
+  const std::vector<std::vector<at::Tensor>> perBlock = blockParameters(model_);
+  blockUnit_.assign(perBlock.size(), -1);
+  auto addUnit = [&](const std::vector<at::Tensor>& ps, std::vector<size_t> blocks) {
+    auto u = std::make_unique<Unit>();
+    for (const auto& p : ps) {
+      u->params.push_back(index.at(p.unsafeGetTensorImpl()));
+      u->offsets.push_back(u->numel);
+      u->numel += p.numel();
+    }
+    u->blocks = std::move(blocks);
+    u->padded = (std::max<int64_t>(u->numel, 1) + w - 1) / w * w;
+    u->shardNumel = u->padded / w;
+    u->resident = level_ != ShardLevel::kParameters || u->blocks.empty();
+    for (size_t b : u->blocks) blockUnit_[b] = static_cast<int64_t>(units_.size());
+    units_.push_back(std::move(u));
+  };
+  for (size_t b = perBlock.size(); b-- > 0;) {  // index order: backward's
+    std::vector<at::Tensor> own;
+    for (const auto& p : perBlock[b]) {
+      if (shared.count(p.unsafeGetTensorImpl()) == 0) own.push_back(p);
+    }
+    if (!own.empty()) addUnit(own, {b});
+  }
+  if (!shared.empty()) {
+    std::vector<at::Tensor> ps;
+    for (const auto& p : params_) {
+      if (shared.count(p.unsafeGetTensorImpl()) != 0) ps.push_back(p);
+    }
+    sharedUnit_ = static_cast<int64_t>(units_.size());
+    addUnit(ps, {});
+  }
+  for (size_t i = 0; i < units_.size(); ++i) {
+    Unit& u = *units_[i];
+    u.full = at::zeros({u.padded}, at::kFloat);
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      at::Tensor& p = params_[u.params[k]];
+      at::Tensor view = u.full.narrow(0, u.offsets[k], p.numel());
+      view.copy_(p.detach().reshape({-1}));
+      torch::NoGradGuard noGrad;
+      p.set_data(view.view(p.sizes()));
+    }
+    const at::Tensor mine = u.full.narrow(0, r * u.shardNumel, u.shardNumel);
+    if (u.resident) {
+      shards_.push_back(mine);
+      if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, bytesOf(u.padded));
+    } else {
+      shards_.push_back(mine.clone());
+      if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, bytesOf(u.shardNumel));
+      u.gathered = true;
+      if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, bytesOf(u.padded));
+      release(i);
+    }
+    if (level_ == ShardLevel::kOptimizer) {
+      u.gradFull = at::zeros({u.padded}, at::kFloat);
+      u.gradShard = u.gradFull.narrow(0, r * u.shardNumel, u.shardNumel);
+      if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, bytesOf(u.padded));
+    } else {
+      u.gradShard = at::zeros({u.shardNumel}, at::kFloat);
+      if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, bytesOf(u.shardNumel));
+    }
+    u.pending = static_cast<int64_t>(u.params.size());
+  }
+  // A post hook on each parameter's gradient accumulator: its .grad is final for this step.
+  std::vector<size_t> unitOf(params_.size());
+  for (size_t i = 0; i < units_.size(); ++i) {
+    for (size_t p : units_[i]->params) unitOf[p] = i;
+  }
+  for (size_t p = 0; p < params_.size(); ++p) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[p]);
+    const size_t unit = unitOf[p];
+    auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, unit](const torch::autograd::variable_list& outputs,
+                     const torch::autograd::variable_list&) {
+          onGradReady(unit);
+          return outputs;
+        }));
+    accumulators_.push_back(acc);
+    hookKeys_.push_back(key);
+  }
+}
+
+int64_t ShardedParameters::nextGatheredUnit(size_t block, int direction) const {
+  for (int64_t b = static_cast<int64_t>(block);
+       b >= 0 && b < static_cast<int64_t>(blockUnit_.size()); b += direction) {
+    const int64_t u = blockUnit_[b];
+    if (u >= 0 && !units_[u]->resident) return u;
+  }
+  return -1;
+}
+
+void ShardedParameters::gather(size_t unit) {
+  Unit& u = *units_[unit];
+  if (u.gathered || u.gatherWork) return;
+  CARAVAN_CHECK(!u.resident, "a resident unit is gathered after the update only");
+  at::native::resize_bytes_cpu(storageOf(u.full), static_cast<size_t>(bytesOf(u.padded)));
+  if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, bytesOf(u.padded));
+  u.gatherWork = comm_->allgather(u.full, shards_[unit]);
+}
+
+void ShardedParameters::waitGathered(size_t unit) {
+  Unit& u = *units_[unit];
+  if (!u.gatherWork) return;
+  u.gatherWork->wait(comm_->timeout());
+  u.gatherWork.reset();
+  u.gathered = true;
+}
+
+void ShardedParameters::release(size_t unit) {
+  Unit& u = *units_[unit];
+  if (u.resident || !u.gathered) return;
+  at::native::resize_bytes_cpu(storageOf(u.full), 0);
+  u.gathered = false;
+  if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, -bytesOf(u.padded));
+}
+
+torch::Tensor ShardedParameters::run(size_t index, torch::nn::AnyModule& block, torch::Tensor x) {
+  if (sharedUnit_ >= 0) waitGathered(static_cast<size_t>(sharedUnit_));
+  const int64_t u = blockUnit_[index];
+  if (u >= 0) {
+    gather(static_cast<size_t>(u));  // no-op when prefetched or resident
+    const int64_t next = nextGatheredUnit(index + 1, +1);
+    if (next >= 0) gather(static_cast<size_t>(next));
+    waitGathered(static_cast<size_t>(u));
+  }
+  torch::Tensor y = inner_ != nullptr ? inner_->run(index, block, x) : block.forward(x);
+  if (u >= 0 && !units_[u]->resident) {
+    const bool backward = at::GradMode::is_enabled() && y.requires_grad();
+    if (backward) {
+      y.register_hook([this, index](const at::Tensor&) { beforeBackward(index); });
+    }
+    // The last block's backward comes first: it stays.
+    if (!backward || index + 1 < blockUnit_.size()) release(static_cast<size_t>(u));
+  }
+  return y;
+}
+
+void ShardedParameters::beforeBackward(size_t block) {
+  const int64_t u = blockUnit_[block];
+  gather(static_cast<size_t>(u));
+  if (block > 0) {
+    const int64_t below = nextGatheredUnit(block - 1, -1);
+    if (below >= 0) gather(static_cast<size_t>(below));
+  }
+  waitGathered(static_cast<size_t>(u));
+}
+
+void ShardedParameters::idleForward() {
+  for (size_t b = 0; b < blockUnit_.size(); ++b) {
+    const int64_t u = blockUnit_[b];
+    if (u < 0 || units_[u]->resident) continue;
+    gather(static_cast<size_t>(u));
+    const int64_t next = nextGatheredUnit(b + 1, +1);
+    if (next >= 0) gather(static_cast<size_t>(next));
+    waitGathered(static_cast<size_t>(u));
+    release(static_cast<size_t>(u));
+  }
+}
+
+void ShardedParameters::onGradReady(size_t unit) {
+  Unit& u = *units_[unit];
+  if (--u.pending == 0) launchReadyInOrder();
+}
+
+void ShardedParameters::launchReadyInOrder() {
+  while (nextLaunch_ < units_.size() && units_[nextLaunch_]->pending <= 0) {
+    const size_t i = nextLaunch_++;
+    Unit& u = *units_[i];
+    if (level_ != ShardLevel::kOptimizer) {
+      // At most kReduceWindow units' local gradients exist at once.
+      if (i >= kReduceWindow) {
+        Unit& old = *units_[i - kReduceWindow];
+        if (old.reduceWork) {
+          old.reduceWork->wait(comm_->timeout());
+          old.reduceWork.reset();
+          old.gradFull = at::Tensor();
+          if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, -bytesOf(old.padded));
+        }
+      }
+      u.gradFull = at::empty({u.padded}, at::kFloat);
+      if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, bytesOf(u.padded));
+    }
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      at::Tensor& p = params_[u.params[k]];
+      at::Tensor part = u.gradFull.narrow(0, u.offsets[k], p.numel());
+      if (p.grad().defined()) {
+        part.copy_(p.grad().reshape({-1}));
+        p.mutable_grad() = at::Tensor();
+      } else {
+        part.zero_();
+      }
+    }
+    u.gradFull.narrow(0, u.numel, u.padded - u.numel).zero_();
+    if (level_ == ShardLevel::kOptimizer) {
+      u.reduced = at::empty({u.shardNumel}, at::kFloat);
+      u.reduceWork = comm_->reduceScatter(u.reduced, u.gradFull, ReduceOp::kSum);
+    } else {
+      u.reduceWork = comm_->reduceScatter(u.gradShard, u.gradFull, ReduceOp::kSum);
+    }
+    release(i);  // its backward is done (parameters)
+  }
+}
+
+void ShardedParameters::finishGradients() {
+  for (auto& u : units_) u->pending = 0;  // a missing gradient contributes zeros
+  launchReadyInOrder();
+  const double scale = 1.0 / static_cast<double>(comm_->size());
+  for (size_t i = 0; i < units_.size(); ++i) {
+    Unit& u = *units_[i];
+    if (u.reduceWork) {
+      u.reduceWork->wait(comm_->timeout());
+      u.reduceWork.reset();
+      if (level_ != ShardLevel::kOptimizer) {
+        u.gradFull = at::Tensor();
+        if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, -bytesOf(u.padded));
+      }
+    }
+    if (level_ == ShardLevel::kOptimizer) {
+      u.gradShard.copy_(u.reduced);
+      u.reduced = at::Tensor();
+    }
+    u.gradShard.mul_(scale);
+    shards_[i].mutable_grad() = u.gradShard;
+    u.pending = static_cast<int64_t>(u.params.size());
+  }
+  nextLaunch_ = 0;
+}
+
+double ShardedParameters::globalGradientNormSquared() {
+  double local = 0.0;
+  for (const auto& u : units_) {
+    local += u->gradShard.to(at::kDouble).pow(2).sum().item<double>();
+  }
+  at::Tensor sum = torch::tensor({local}, at::kDouble);
+  comm_->allreduce(sum, ReduceOp::kSum)->wait(comm_->timeout());
+  return sum.item<double>();
+}
+
+void ShardedParameters::afterUpdate() {
+  // Forward order: the first block's unit is gathered first.
+  for (size_t i = units_.size(); i-- > 0;) {
+    Unit& u = *units_[i];
+    if (!u.resident) continue;
+    // The slice's gradient is spent: its buffer carries the updated slice to the others.
+    u.gradShard.copy_(shards_[i]);
+    u.gatherWork = comm_->allgather(u.full, u.gradShard);
+    u.gathered = false;
+  }
+}
+
+void ShardedParameters::settle() {
+  for (size_t i = 0; i < units_.size(); ++i) waitGathered(i);
+}
+
+void ShardedParameters::withFullParameters(const std::function<void()>& fn) {
+  for (size_t i = units_.size(); i-- > 0;) gather(i), waitGathered(i);
+  std::exception_ptr failure;
+  try {
+    fn();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  for (size_t i = 0; i < units_.size(); ++i) release(i);
+  if (failure) std::rethrow_exception(failure);
+}
+
+std::vector<at::Tensor> ShardedParameters::unitParameters(size_t unit) const {
+  std::vector<at::Tensor> ps;
+  for (size_t p : units_[unit]->params) ps.push_back(params_[p]);
+  return ps;
+}
+
+void ShardedParameters::gatherOptimizerState(torch::optim::Optimizer& sliced,
+                                             torch::optim::Optimizer& whole) {
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const Unit& u = *units_[i];
+    const FlatOptimizerState mine = caravan::gatherOptimizerState(sliced, {shards_[i]});
+    FlatOptimizerState all;
+    all.step = mine.step;
+    if (mine.rows() > 0) {
+      all.slots = at::empty({mine.rows(), u.padded}, at::kFloat);
+      for (int64_t row = 0; row < mine.rows(); ++row) {
+        comm_->allgather(all.slots[row], mine.slots[row].contiguous())->wait(comm_->timeout());
+      }
+    }
+    scatterOptimizerState(whole, unitParameters(i), all.narrow(0, u.numel));
+  }
+}
+
+void ShardedParameters::sliceOptimizerState(torch::optim::Optimizer& whole,
+                                            torch::optim::Optimizer& sliced) const {
+  const int r = comm_->rank();
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const Unit& u = *units_[i];
+    const FlatOptimizerState all = caravan::gatherOptimizerState(whole, unitParameters(i));
+    FlatOptimizerState mine;
+    mine.step = all.step;
+    if (all.rows() > 0) {
+      at::Tensor padded = at::zeros({all.rows(), u.padded}, at::kFloat);
+      padded.narrow(1, 0, u.numel).copy_(all.slots);
+      mine.slots = padded.narrow(1, r * u.shardNumel, u.shardNumel).contiguous();
+    }
+    scatterOptimizerState(sliced, {shards_[i]}, mine);
+  }
+}
+
+int64_t ShardedParameters::weightBytes() const {
+  int64_t n = 0;
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const Unit& u = *units_[i];
+    if (!u.resident) n += bytesOf(u.shardNumel);
+    n += static_cast<int64_t>(storageOf(u.full)->nbytes());
+  }
+  return n;
+}
+
+int64_t ShardedParameters::gradientBytes() const {
+  int64_t n = 0;
+  for (const auto& u : units_) {
+    if (u->gradFull.defined()) n += bytesOf(u->padded);
+    if (level_ != ShardLevel::kOptimizer) n += bytesOf(u->shardNumel);  // else a view of gradFull
+  }
+  return n;
+}
+
+}  // namespace caravan

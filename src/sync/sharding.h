@@ -1,0 +1,166 @@
+// Sharded data parallelism (sync.shard; ZeRO stages 1-3, FSDP's flat parameters): the model
+// state each data-parallel worker holds is split over the workers.
+//
+// Layout. The trainable parameters are held flat per *unit*: one unit per block (the block's
+// own parameters, registration order), and one more for the parameters several blocks read (a
+// tied embedding and head, BlockModel::sharedUses: one slice wherever it is used). A unit's
+// flat buffer `full` has its parameters' elements back to back, padded with zeros to a multiple
+// of the W workers; rank r owns the contiguous slice [r S, (r+1) S), S = padded / W. Every
+// model parameter is a view of its unit's `full` (set_data: the parameter keeps its identity,
+// so autograd's accumulators and the optimizer's keys stay).
+//
+// What each rank holds (float32, Psi parameters, AdamW):
+//   optimizer   the whole `full` (4 Psi), the local gradients (4 Psi, autograd's .grad kept
+//               in a flat buffer per unit), the optimizer state of its slices (8 Psi / W);
+//   gradients   `full` (4 Psi), the averaged gradient of its slices (4 Psi / W), the state
+//               (8 Psi / W); a unit's local gradients exist only while its reduce-scatter runs;
+//   parameters  its slices (4 Psi / W), their gradients and state (12 Psi / W); a unit's
+//               `full` holds bytes only while a block that reads it runs forward or backward
+//               (gathered, then freed: its storage is emptied, so autograd's saved views of the
+//               weights free their bytes too, and come back when it is gathered again). The
+//               shared unit stays gathered.
+//
+// Per step:
+//   forward     block i waits for its unit's gather (parameters: issued on demand, the next
+//               block's prefetched), runs, and (parameters) frees the unit again unless it is
+//               the last block's, which backward needs first.
+//   backward    (parameters) a hook on block i's output gathers its unit before autograd
+//               enters the block and prefetches the block below's. When a unit's last
+//               gradient is accumulated (a post hook on each parameter's accumulator), the
+//               gradients are copied into the unit's flat gradient, the parameters' .grad
+//               dropped, and its reduce-scatter launched (a sum; finishGradients() scales it by
+//               1/W, as the all-reduce of sync.shard = none does); (parameters) its `full` is
+//               freed. Units launch in index order on every rank (the order backward completes
+//               them: the last block's first; the shared unit when its last use is done).
+//   update      the run's optimizer steps each slice with its averaged gradient (shards()).
+//   after       (optimizer, gradients, and the shared unit) every updated slice is all-gathered
+//               back into `full`, issued at once and waited for block by block by the next
+//               forward, so the gather overlaps it.
+//
+// Equality with sync.shard = none: every element's gradient is the same sum over ranks scaled
+// by the same 1/W where the backend sums every element in rank order (shm; gloo's ring sums
+// chunk by chunk in ring order, so its rounding follows the layout), and the optimizers are
+// elementwise, so the slices' updates are the whole tensors'. Gradient clipping sums the
+// slices' squares and all-reduces the sum (rounding differs from clip_grad_norm_'s order).
+//
+// Collectives are issued in one order on every rank: gathers in forward order, the hooks'
+// gathers and reduce-scatters in backward order, the after-update gathers in unit order. A
+// forward outside training (evaluation) must run on every rank the same number of times: a
+// rank without a batch calls idleForward() (the gathers a forward would make).
+//
+// Threading: the trainer's thread, and autograd's (the hooks); the communicator's ops are
+// issued from one of them at a time (backward runs on the trainer's thread for CPU tensors).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "comm/communicator.h"
+#include "core/torch_fwd.h"
+#include "memory/tracker.h"
+#include "models/model.h"
+#include "sync/sync_mode.h"
+
+namespace caravan {
+
+// ZeRO's accounting of the model state a worker holds (bytes), from the parameters' bytes
+// (float32), the optimizer's state per weight byte (AdamW 2, SGD with momentum 1) and W.
+// Units' padding and the gathered blocks of `parameters` are not counted.
+struct ModelStateBytes {
+  int64_t weights = 0, gradients = 0, optimizerState = 0;
+  int64_t total() const { return weights + gradients + optimizerState; }
+};
+ModelStateBytes shardedModelState(ShardLevel level, int64_t parameterBytes, int stateFactor,
+                                  int workers);
+
+class ShardedParameters final : public BlockRunner {
+ public:
+  // Flattens `model`'s trainable parameters into units (every rank passes the same model: same
+  // shapes, and the same values, since they are built from seed.init or loaded from one
+  // checkpoint; rank 0's are broadcast). `level` is not kNone. Installs itself as the model's
+  // runner around the current one (the activation executor) until destroyed. `tracker` (may be
+  // null) counts the weights and gradients held as they come and go.
+  ShardedParameters(BlockModel model, std::shared_ptr<Communicator> comm, ShardLevel level,
+                    MemoryTracker* tracker);
+  ~ShardedParameters() override;
+  ShardedParameters(const ShardedParameters&) = delete;
+  ShardedParameters& operator=(const ShardedParameters&) = delete;
+
+  torch::Tensor run(size_t index, torch::nn::AnyModule& block, torch::Tensor x) override;
+
+  // This rank's slice of each unit (float32, contiguous), what the optimizer steps: after
+  // finishGradients() each one's grad() is the slice's gradient averaged over the workers.
+  const std::vector<at::Tensor>& shards() const { return shards_; }
+  // Launches the units whose gradients did not all arrive (a parameter without a gradient
+  // contributes zeros), waits for every reduce-scatter and scales the slices' gradients by 1/W.
+  void finishGradients();
+  // After the optimizer stepped the slices: the resident units' gathers are issued (the next
+  // forward waits for them); a step whose update was skipped calls it too.
+  void afterUpdate();
+  // Forward with no batch (evaluation: this rank ran out while others have one): the gathers
+  // and frees one forward makes, without computing.
+  void idleForward();
+  // Waits for every gather in flight (before anything reads the parameters outside a forward).
+  void settle();
+  // Every unit gathered into the model's parameters while `fn` runs (a checkpoint, model.pt);
+  // freed again afterwards (parameters). Every rank calls it.
+  void withFullParameters(const std::function<void()>& fn);
+  // The optimizer state of the slices (`sliced` steps shards()) as the whole parameters' state
+  // in `whole` (whose parameters are the model's), replacing what `whole` had: a collective;
+  // every rank gets it.
+  void gatherOptimizerState(torch::optim::Optimizer& sliced, torch::optim::Optimizer& whole);
+  // The opposite: this rank's slices of `whole`'s state installed in `sliced` (a resumed run's
+  // state, loaded whole from the checkpoint, on any number of workers).
+  void sliceOptimizerState(torch::optim::Optimizer& whole, torch::optim::Optimizer& sliced) const;
+  // The model's trainable parameters, registration order.
+  const std::vector<at::Tensor>& parameters() const { return params_; }
+
+  // Sum over ranks of the slices' squared gradient norms (a collective): the global norm's
+  // square. Non-finite gradients anywhere make it non-finite everywhere.
+  double globalGradientNormSquared();
+
+  ShardLevel level() const { return level_; }
+  Communicator& comm() const { return *comm_; }
+  // Bytes held now: the weights (slices, gathered units), the gradients (slices' averaged ones,
+  // local flat ones), for the tracker and tests.
+  int64_t weightBytes() const;
+  int64_t gradientBytes() const;
+
+  struct Unit;
+
+ private:
+  void layUnits();
+  void onGradReady(size_t unit);
+  void launchReadyInOrder();
+  void gather(size_t unit);  // issues its all-gather (allocating `full`) unless issued
+  void waitGathered(size_t unit);
+  void release(size_t unit);  // frees `full` (parameters; not the resident units)
+  void beforeBackward(size_t block);
+  std::vector<at::Tensor> unitParameters(size_t unit) const;
+  int64_t unitOfBlock(size_t block) const { return blockUnit_[block]; }
+  // The nearest unit at or after (direction +1) / before (-1) block `block` that is not
+  // resident, -1 if none.
+  int64_t nextGatheredUnit(size_t block, int direction) const;
+
+  BlockModel model_;
+  std::shared_ptr<Communicator> comm_;
+  ShardLevel level_;
+  MemoryTracker* tracker_;
+  BlockRunner* inner_;
+  std::vector<std::unique_ptr<Unit>> units_;  // index order: the last block's first
+  std::vector<int64_t> blockUnit_;            // -1: a block without its own trainable params
+  int64_t sharedUnit_ = -1;
+  std::vector<at::Tensor> params_;  // trainable, registration order
+  std::vector<at::Tensor> shards_;
+  size_t nextLaunch_ = 0;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hookKeys_;
+};
+
+}  // namespace caravan

@@ -1,0 +1,118 @@
+// The step engine of sharded data parallelism (see sharded_step.h).
+#include "train/sharded_step.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "comm/communicator.h"
+#include "memory/accounting.h"
+#include "memory/tracker.h"
+#include "train/setup.h"
+#include "train/timeline.h"
+
+namespace caravan {
+
+ShardedStep::ShardedStep(BlockModel model, torch::optim::Optimizer& optimizer, StepOptions options,
+                         std::unique_ptr<ShardedParameters> shards,
+                         std::unique_ptr<torch::optim::Optimizer> sliced)
+    : StepEngine(optimizer, options),
+      model_(std::move(model)),
+      shards_(std::move(shards)),
+      sliced_(std::move(sliced)) {
+  shards_->sliceOptimizerState(optimizer_, *sliced_);
+  optimizer_.state().clear();
+}
+
+ShardedStep::~ShardedStep() = default;
+
+void ShardedStep::computeGradients(const Batch& batch, int64_t, StepResult& r) {
+  const Clock::time_point start = Clock::now();
+  normSquared_ = -1.0;
+  at::Tensor output = model_->forward(batch.input);
+  loss_ = model_->loss(output, batch.target);
+  r.forwardEnd = Clock::now();
+  loss_.backward();
+  r.backwardEnd = Clock::now();
+  r.computeSeconds = std::chrono::duration<double>(r.backwardEnd - start).count();
+  shards_->finishGradients();
+  r.syncEnd = Clock::now();
+}
+
+double ShardedStep::normSquared() {
+  if (normSquared_ < 0.0 || std::isnan(normSquared_)) {
+    normSquared_ = shards_->globalGradientNormSquared();
+  }
+  return normSquared_;
+}
+
+bool ShardedStep::gradientsFinite(const StepResult&) { return std::isfinite(normSquared()); }
+
+double ShardedStep::clipGradients(double maxNorm, const StepResult&) {
+  // As clip_grad_norm_: the coefficient max_norm / (norm + 1e-6), clamped at 1.
+  const double norm = std::sqrt(normSquared());
+  const double coefficient = std::min(1.0, maxNorm / (norm + 1e-6));
+  for (const auto& s : shards_->shards()) {
+    if (s.grad().defined()) s.grad().mul_(coefficient);
+  }
+  return norm;
+}
+
+std::vector<at::Tensor> ShardedStep::trainedParameters() { return shards_->shards(); }
+
+void ShardedStep::update() { sliced_->step(); }
+
+void ShardedStep::afterUpdate(int64_t, StepResult& r) {
+  shards_->afterUpdate();
+  r.loss = loss_.item<double>();
+  loss_ = at::Tensor();
+}
+
+void ShardedStep::strategyLearningRate(double lr) { caravan::setLearningRate(*sliced_, lr); }
+
+EvalResult ShardedStep::evaluate(const Dataset& dataset, int64_t batchSize, int64_t maxBatches) {
+  shards_->settle();
+  return caravan::evaluate(model_, dataset, batchSize, maxBatches, &shards_->comm(), nullptr,
+                           [this] { shards_->idleForward(); });
+}
+
+void ShardedStep::withWholeModel(const std::function<void()>& write) {
+  shards_->settle();
+  shards_->gatherOptimizerState(*sliced_, optimizer_);
+  shards_->withFullParameters([&] {
+    if (shards_->comm().rank() == 0) write();
+  });
+  optimizer_.state().clear();
+}
+
+void ShardedStep::finish() { shards_->settle(); }
+
+void ShardedStep::accountModelState(MemoryTracker& memory) {
+  // The weights and gradients are counted as they come and go (ShardedParameters).
+  memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*sliced_));
+}
+
+std::vector<at::Tensor> ShardedStep::modelStateTensors() { return shards_->parameters(); }
+
+std::vector<nlohmann::json> ShardedStep::takeRecords(int64_t, const StepResult&, Clock::time_point,
+                                                     double) {
+  return {};
+}
+
+void ShardedStep::addSpans(Timeline& timeline, const StepResult& r,
+                           Clock::time_point stepStart) const {
+  timeline.complete("forward", stepStart, r.forwardEnd);
+  timeline.complete("backward", r.forwardEnd, r.backwardEnd);
+  timeline.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
+  timeline.complete("optimizer", r.syncEnd, r.optimizerEnd);
+  timeline.complete("after-step sync", r.optimizerEnd, r.stepEnd);
+}
+
+std::string ShardedStep::describe() const {
+  const Communicator& c = shards_->comm();
+  return fmt::format(" per worker x {} workers ({}, allreduce, sync.shard = {})", c.size(),
+                     c.backend(), shardLevelName(shards_->level()));
+}
+
+}  // namespace caravan

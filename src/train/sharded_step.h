@@ -1,0 +1,59 @@
+// ShardedStep: the step engine (step_engine.h) of a data-parallel worker under sync.shard
+// (ZeRO stages 1-3; sync/sharding.h holds the flat units and their collectives). Its step:
+// forward (each block waiting for its unit's gather), backward (each unit's gradients
+// reduce-scattered as backward completes it), the slices' averaged gradients checked and
+// clipped with the global norm (one all-reduce of the squared norm), the run's optimizer on
+// this rank's slices only (a second optimizer, same options, over ShardedParameters::shards()),
+// then the updated slices all-gathered (overlapping the next forward).
+//
+// The setup's optimizer keeps the learning rate and, only inside withWholeModel, the whole
+// model's state: a checkpoint and model.pt are the in-core format (rank 0 writes them), so a
+// run resumes on any number of workers, sharded or not, and the resumed state is sliced again.
+#pragma once
+
+#include <memory>
+
+#include "sync/sharding.h"
+#include "train/step_engine.h"
+
+namespace caravan {
+
+class ShardedStep : public StepEngine {
+ public:
+  // `sliced`: the run's optimizer over shards->shards(). The setup's `optimizer` holds a resumed
+  // run's whole state, which moves into `sliced` here.
+  ShardedStep(BlockModel model, torch::optim::Optimizer& optimizer, StepOptions options,
+              std::unique_ptr<ShardedParameters> shards,
+              std::unique_ptr<torch::optim::Optimizer> sliced);
+  ~ShardedStep() override;
+
+  EvalResult evaluate(const Dataset& dataset, int64_t batchSize, int64_t maxBatches) override;
+  void withWholeModel(const std::function<void()>& write) override;
+  void finish() override;
+  void accountModelState(MemoryTracker& memory) override;
+  std::vector<at::Tensor> modelStateTensors() override;
+  std::vector<nlohmann::json> takeRecords(int64_t stepsDone, const StepResult& r,
+                                          Clock::time_point stepStart, double seconds) override;
+  void addSpans(Timeline& timeline, const StepResult& r,
+                Clock::time_point stepStart) const override;
+  std::string describe() const override;
+
+ private:
+  void computeGradients(const Batch& batch, int64_t step, StepResult& r) override;
+  bool gradientsFinite(const StepResult& r) override;
+  double clipGradients(double maxNorm, const StepResult& r) override;
+  std::vector<at::Tensor> trainedParameters() override;
+  void update() override;
+  void afterUpdate(int64_t step, StepResult& r) override;
+  void strategyLearningRate(double lr) override;
+  // The global squared gradient norm of this step (one all-reduce, once per step).
+  double normSquared();
+
+  BlockModel model_;
+  std::unique_ptr<ShardedParameters> shards_;
+  std::unique_ptr<torch::optim::Optimizer> sliced_;
+  at::Tensor loss_;
+  double normSquared_ = -1.0;  // < 0: not computed this step
+};
+
+}  // namespace caravan
