@@ -18,7 +18,8 @@ at the start, not every forward, and neither model here has a buffer that change
 
 Rank 0 prints one JSON object: the step time (per step the slowest rank's, median over steps,
 as caravan_bench does), a per-phase breakdown (DDP's backward includes waiting for its bucket
-all-reduces), CPU seconds and minor page faults per step.
+all-reduces), CPU seconds and minor page faults per step, and every rank's peak RSS (getrusage
+ru_maxrss, bytes, start-up included; bench/fsdp_step.py --peers ddp reads it).
 """
 import argparse
 import json
@@ -58,6 +59,27 @@ def gather_steps(rows, world):
     return allr, step_max, statistics.median(step_max)
 
 
+def gather_rss(world):
+    """Every rank's peak resident set (getrusage ru_maxrss, bytes; start-up included), gathered
+    on every rank: the memory each distributed peer reports per rank."""
+    mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0],
+                        dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    return [r.item() for r in gathered]
+
+
+def wrap(model, bucket_mb, first_bucket_mb, **kwargs):
+    """model in DDP as this peer runs it (bench/peer_zero.py too): the bucket caps (MiB), no
+    per-forward buffer broadcast, non-floating buffers left out; kwargs go to DDP."""
+    dist._DEFAULT_FIRST_BUCKET_BYTES = int(first_bucket_mb * 1024 * 1024)
+    # Like Caravan, leave non-floating buffers (the GPT's bool attention mask) out of the
+    # initial broadcast; Gloo cannot broadcast bool ("Invalid scalar type").
+    DDP._set_params_and_buffers_to_ignore_for_model(
+        model, [n for n, b in model.named_buffers() if not b.is_floating_point()])
+    return DDP(model, bucket_cap_mb=bucket_mb, broadcast_buffers=False, **kwargs)
+
+
 def worker(rank, a, port):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -74,12 +96,7 @@ def worker(rank, a, port):
     if a.channels_last and xs.dim() == 4:  # as peer_train.py --channels-last
         model = model.to(memory_format=torch.channels_last)
         layout = peer_train.channels_last
-    dist._DEFAULT_FIRST_BUCKET_BYTES = int(first_bucket_mb * 1024 * 1024)
-    # Like Caravan, leave non-floating buffers (the GPT's bool attention mask) out of the
-    # initial broadcast; Gloo cannot broadcast bool ("Invalid scalar type").
-    DDP._set_params_and_buffers_to_ignore_for_model(
-        model, [n for n, b in model.named_buffers() if not b.is_floating_point()])
-    ddp = DDP(model, bucket_cap_mb=bucket_mb, broadcast_buffers=False)
+    ddp = wrap(model, bucket_mb, first_bucket_mb)
     opt = peer_train.make_optimizer(cfg, model.parameters())
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
 
@@ -123,6 +140,7 @@ def worker(rank, a, port):
     dist.all_reduce(cpu)
 
     allr, step_max, step_median = gather_steps(rows, a.workers)  # [W, steps, 5]
+    rss = gather_rss(a.workers)
     if rank == 0:
         med = lambda c: statistics.median(allr[:, :, c].flatten().tolist())  # noqa: E731
         print(json.dumps({
@@ -141,6 +159,7 @@ def worker(rank, a, port):
                        "backward_and_sync_s": med(BACKWARD), "optimizer_s": med(OPTIMIZER)},
             "comm": {"backend": "gloo", "bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb},
             "step_s_max_over_ranks": step_max,
+            "peak_rss_bytes": rss,
             "mean_loss": loss_sum / a.steps,
             "torch": torch.__version__,
         }), flush=True)

@@ -6,28 +6,34 @@ over Gloo on the CPU, optionally with its CPUOffloadPolicy, and reports each ran
 resident set.
 
     .venv/bin/python bench/peer_fsdp.py --config configs/brown-gpt.toml --workers 2 \
-        --steps 20 --warmup 3 --threads 1 [--offload] [--port P]
+        --steps 20 --warmup 3 --threads 1 [--offload] [--reshard-after-forward {true,false}] \
+        [--port P]
 
 Model, data and optimizer come from bench/peer_train.py (the GPT twin of Caravan's, random token
 ids of Brown's vocabulary, each rank its own batches). Every transformer block is
 fully_shard'ed, then the root (the embedding and head stay in the root's group), on a 1-D
-DeviceMesh over the CPU ranks; reshard_after_forward at its default (True). --offload adds
-CPUOffloadPolicy(pin_memory=False): pinned memory needs an accelerator, and on a CPU-only
-machine parameters and gradients are on the CPU already, so offloading is mostly a no-op (it is
-tried because it is FSDP2's memory option). Clipping: torch.nn.utils.clip_grad_norm_ over the
-sharded (DTensor) gradients, the global norm.
+DeviceMesh over the CPU ranks. --reshard-after-forward (the same value on the blocks and the
+root): true, FSDP2's default, frees each block's gathered parameters after its forward and
+all-gathers them again in backward (FULL_SHARD, ZeRO-3-like: parameters, gradients and
+optimizer state sharded); false keeps them from forward to backward (FSDP1's SHARD_GRAD_OP,
+ZeRO-2-like: gradients and optimizer state sharded, parameters whole while a step runs; engine
+"pytorch-fsdp2-grad-op"). --offload adds CPUOffloadPolicy(pin_memory=False): pinned memory
+needs an accelerator, and on a CPU-only machine parameters and gradients are on the CPU
+already, so offloading is mostly a no-op (it is tried because it is FSDP2's memory option).
+Clipping: torch.nn.utils.clip_grad_norm_ over the sharded (DTensor) gradients, the global norm.
 
 Rank 0 prints one JSON object, the shape of bench/peer_ddp.py's: step time (per step the
-slowest rank's, median over steps), samples/s = workers x batch / that, and every rank's peak
-RSS (getrusage ru_maxrss, bytes). FSDP2 may not run on the CPU with Gloo at all: then the
-script prints {"runs": false, "error": "<the exception's first line>", ...} (with the phase it
-failed in and the rank) and exits 0, since that is the result; the traceback goes to stderr.
+slowest rank's, median over steps), samples/s = workers x batch / that, every rank's peak RSS
+(getrusage ru_maxrss, bytes) and every rank's bytes of optimizer state (its local shards).
+FSDP2 may not run on the CPU with Gloo at all: then the script prints {"runs": false, "error":
+"<the exception's first line>", ...} (with the phase it failed in and the rank) and exits 0,
+since that is the result; the traceback goes to stderr. spawn() and common_args() are shared
+with bench/peer_zero.py.
 """
 import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -41,6 +47,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer_ddp  # noqa: E402  (free_port, gather_steps)
 import peer_train  # noqa: E402
+
+
+def engine(a):
+    return ("pytorch-fsdp2" + ("" if a.reshard_after_forward else "-grad-op")
+            + ("-offload" if a.offload else ""))
 
 
 def first_line(e):
@@ -65,9 +76,10 @@ def train(rank, a, phase):
     mesh = init_device_mesh("cpu", (a.workers,))
     policy = CPUOffloadPolicy(pin_memory=False) if a.offload else OffloadPolicy()
     blocks = [m for n, m in model.named_children() if "_layer" in n]  # the transformer blocks
+    reshard = a.reshard_after_forward
     for block in blocks:
-        fully_shard(block, mesh=mesh, offload_policy=policy)
-    fully_shard(model, mesh=mesh, offload_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     opt = peer_train.make_optimizer(cfg, model.parameters())
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
 
@@ -94,21 +106,23 @@ def train(rank, a, phase):
             rows[i, 0] = time.perf_counter() - t0
     wall = time.perf_counter() - t_start
     phase[0] = "report"
-    maxrss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0],
-                          dtype=torch.float64)
     allr, _, step_median = peer_ddp.gather_steps(rows, a.workers)  # [W, steps, 1]
-    rss = [torch.zeros_like(maxrss) for _ in range(a.workers)]
-    dist.all_gather(rss, maxrss)
+    rss = peer_ddp.gather_rss(a.workers)
+    state = [torch.zeros(1, dtype=torch.float64) for _ in range(a.workers)]
+    dist.all_gather(state, torch.tensor([float(peer_train.state_bytes(opt))],
+                                        dtype=torch.float64))
     if rank == 0:
         print(json.dumps({
-            "bench": "train_dist", "engine": "pytorch-fsdp2" + ("-offload" if a.offload else ""),
+            "bench": "train_dist", "engine": engine(a),
             "runs": True, "config": a.config, "workers": a.workers, "threads": a.threads,
             "batch_size": batch, "steps": a.steps, "warmup": a.warmup, "offload": a.offload,
+            "reshard_after_forward": a.reshard_after_forward,
             "step_s_median": step_median,
             "step_s_median_rank0": statistics.median(allr[0, :, 0].tolist()),
             "step_s_mean": wall / a.steps,
             "samples_per_s": a.workers * batch / step_median,
-            "peak_rss_bytes": [r.item() for r in rss],
+            "peak_rss_bytes": rss,
+            "optimizer_state_bytes": [s.item() for s in state],
             "mean_loss": loss_sum / a.steps,
             "torch": torch.__version__,
         }), flush=True)
@@ -116,13 +130,13 @@ def train(rank, a, phase):
     dist.destroy_process_group()
 
 
-def worker(rank, a, port, errors):
+def worker(rank, train_fn, a, port, errors):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     phase = ["start"]
     try:
-        train(rank, a, phase)
+        train_fn(rank, a, phase)
     except Exception as e:
         traceback.print_exc()
         with open(os.path.join(errors, f"rank{rank}"), "w") as f:
@@ -131,20 +145,24 @@ def worker(rank, a, port, errors):
         os._exit(1)  # no cleanup that could block on the other ranks
 
 
-def main():
-    p = argparse.ArgumentParser()
+def common_args(p):
+    """The arguments every sharded peer takes (this one and bench/peer_zero.py)."""
     p.add_argument("--config", required=True)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--offload", action="store_true", help="fully_shard's CPUOffloadPolicy")
     p.add_argument("--port", type=int, default=0, help="rendezvous port (0: a free one)")
-    a = p.parse_args()
+
+
+def spawn(train_fn, a, engine_name, fields, prefix):
+    """Runs train_fn(rank, a, phase) on a.workers spawned ranks (phase: a one-item list the rank
+    keeps naming what it is doing). Where a rank fails, prints {"runs": false, "error": ...} with
+    the earliest failing rank's error and phase, plus `fields`, and returns normally."""
     port = a.port or peer_ddp.free_port()
-    with tempfile.TemporaryDirectory(prefix="peer-fsdp-") as errors:
+    with tempfile.TemporaryDirectory(prefix=prefix) as errors:
         try:
-            mp.spawn(worker, args=(a, port, errors), nprocs=a.workers, join=True)
+            mp.spawn(worker, args=(train_fn, a, port, errors), nprocs=a.workers, join=True)
         except Exception as e:  # a rank failed (or was killed): report the first rank's error
             # The earliest error is the cause; a later one may be a rank seeing its peer go.
             found = sorted((os.path.join(errors, n) for n in os.listdir(errors)),
@@ -154,11 +172,23 @@ def main():
                     report = json.load(f)
             else:
                 report = {"rank": None, "phase": None, "error": first_line(e)}
-            print(json.dumps({"bench": "train_dist",
-                              "engine": "pytorch-fsdp2" + ("-offload" if a.offload else ""),
+            print(json.dumps({"bench": "train_dist", "engine": engine_name,
                               "runs": False, **report, "config": a.config,
-                              "workers": a.workers, "offload": a.offload,
+                              "workers": a.workers, **fields,
                               "torch": torch.__version__}), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    common_args(p)
+    p.add_argument("--offload", action="store_true", help="fully_shard's CPUOffloadPolicy")
+    p.add_argument("--reshard-after-forward", choices=("true", "false"), default="true",
+                   help="fully_shard's reshard_after_forward: true = FULL_SHARD (ZeRO-3-like, "
+                        "the default), false = SHARD_GRAD_OP (ZeRO-2-like)")
+    a = p.parse_args()
+    a.reshard_after_forward = a.reshard_after_forward == "true"
+    spawn(train, a, engine(a), {"offload": a.offload,
+                                "reshard_after_forward": a.reshard_after_forward}, "peer-fsdp-")
 
 
 if __name__ == "__main__":

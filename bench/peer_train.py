@@ -81,14 +81,33 @@ def build(cfg):
     return model, xs, ys, batch, clip
 
 
-def make_optimizer(cfg, params):
+def optimizer_spec(cfg):
+    """(optimizer class, its keyword arguments) for a config's [optim]: what make_optimizer
+    builds, for wrappers that take the class (bench/peer_zero.py's ZeroRedundancyOptimizer)."""
     optim = cfg.get("optim", {})
     lr = optim.get("lr", 0.01)
     if optim.get("name", "sgd") == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=optim.get("weight_decay", 0.0))
-    return torch.optim.SGD(params, lr=lr, momentum=optim.get("momentum", 0.9),
-                           nesterov=optim.get("nesterov", False),
-                           weight_decay=optim.get("weight_decay", 0.0))
+        return torch.optim.AdamW, {"lr": lr, "weight_decay": optim.get("weight_decay", 0.0)}
+    return torch.optim.SGD, {"lr": lr, "momentum": optim.get("momentum", 0.9),
+                             "nesterov": optim.get("nesterov", False),
+                             "weight_decay": optim.get("weight_decay", 0.0)}
+
+
+def make_optimizer(cfg, params):
+    cls, kwargs = optimizer_spec(cfg)
+    return cls(params, **kwargs)
+
+
+def state_bytes(opt):
+    """Bytes of the tensors in an optimizer's state held by this process (a DTensor's local
+    shard; a ZeroRedundancyOptimizer's own shard, through its .optim)."""
+    total = 0
+    for state in getattr(opt, "optim", opt).state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                v = getattr(v, "_local_tensor", v)  # DTensor (FSDP2): the local shard
+                total += v.numel() * v.element_size()
+    return total
 
 
 def draw_batch(xs, ys, batch, generator=None):
