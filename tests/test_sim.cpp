@@ -525,15 +525,17 @@ TEST(Recommend, ComparesTheUsualWaysEachOnceWithTheOwnFirst) {
   const std::vector<RunOptions> even = candidates(own, 4);
   std::vector<std::string> labels;
   for (const RunOptions& c : even) labels.push_back(label(c));
-  EXPECT_EQ(labels, (std::vector<std::string>{"ps-ssp(3)", "allreduce", "allreduce+fp16", "ps-bsp",
-                                              "ps-asp", "osp(auto)", "local-sgd(H=4)", "gossip",
-                                              "allreduce+pipeline(2x4)"}));
+  EXPECT_EQ(labels, (std::vector<std::string>{
+                        "ps-ssp(3)", "allreduce", "allreduce+fp16", "allreduce+shard(gradients)",
+                        "allreduce+shard(parameters)", "ps-bsp", "ps-asp", "osp(auto)",
+                        "local-sgd(H=4)", "gossip", "allreduce+pipeline(2x4)"}));
   for (const RunOptions& c : even) {
     EXPECT_EQ(c.sync.servers, usesServers(c.sync.mode) ? 2 : 0) << label(c);
     EXPECT_EQ(unsupported(c), "") << label(c);
   }
   EXPECT_EQ(even[2].sync.allreduce.compression, Compression::kFp16);
-  EXPECT_EQ(even[4].sync.ps.consistency, PsConsistency::kAsp);
+  EXPECT_EQ(even[3].sync.shard, ShardLevel::kGradients);
+  EXPECT_EQ(even[6].sync.ps.consistency, PsConsistency::kAsp);
   // An odd number of workers has no two-stage pipeline.
   EXPECT_EQ(candidates(own, 3).size(), even.size() - 1);
 }
@@ -574,4 +576,52 @@ TEST(Recommend, RanksFastestFirstAndSaysWhatBoundsAndWhatDoesNotFit) {
             std::string::npos)
       << ranked[3].text();
   EXPECT_NE(ranked[1].consistency.find("ring neighbours"), std::string::npos);
+}
+
+// Sharded data parallelism (sync.shard): ZeRO's stages 1 and 2 send what the all-reduce sends
+// (a reduce-scatter and an all-gather are half an all-reduce each); stage 3 gathers each of the
+// n blocks twice but the last, which stays between its forward and backward: (3n - 1) / 2n of
+// the all-reduce's bytes. Memory is ZeRO's accounting.
+TEST(SimulateSharded, StagesOneAndTwoSendAnAllReducesBytesAndStageThreeOneAndAHalf) {
+  const Workload w = blocks({0.015, 0.015}, {0.030, 0.030}, {4000000, 4000000}, {1000000, 1000000});
+  const ClusterSpec c = hosts(4);
+  const SimResult none = simulate(w, job(SyncMode::kAllReduce), c, {4, 5, 1});
+  for (ShardLevel level : kShardLevels) {
+    RunOptions s = job(SyncMode::kAllReduce);
+    s.sync.shard = level;
+    const SimResult r = simulate(w, s, c, {4, 5, 1});
+    const double factor = level == ShardLevel::kParameters ? 5.0 / 4.0 : 1.0;  // n = 2
+    EXPECT_NEAR(r.bytesSentPerStep, factor * none.bytesSentPerStep, 1e-6) << shardLevelName(level);
+    // State factor 1 (8 MB of state for 8 MB of weights); parameters: two gathered blocks.
+    const int64_t state = shardedModelState(level, 8000000, 1, 4).total() +
+                          (level == ShardLevel::kParameters ? 8000000 : 0);
+    EXPECT_EQ(r.memoryPeakBytes, state + 4000000) << shardLevelName(level);
+  }
+}
+
+TEST(SimulateSharded, OneBlockIsForwardBackwardReduceScatterUpdateAndGather) {
+  const Workload w = oneBlock();
+  const ClusterSpec c = hosts(4);
+  const double beta = 100e6 / 8;
+  const double halfRing = 3 * (100e-6 + 8e6 / 4 / beta);  // a reduce-scatter or all-gather
+  for (ShardLevel level : {ShardLevel::kGradients, ShardLevel::kParameters}) {
+    RunOptions s = job(SyncMode::kAllReduce);
+    s.sync.shard = level;
+    const SimResult r = simulate(w, s, c, {4, 1, 1});
+    // gradients: the first step's gather comes before its forward too (the previous update's);
+    // parameters: gathered before the forward, kept for the backward. Then the reduce-scatter
+    // and the update of a quarter.
+    const double step = halfRing + 0.100 + halfRing + 0.005 / 4;
+    EXPECT_NEAR(r.stepSeconds, step, step * kRel) << shardLevelName(level);
+  }
+}
+
+TEST(SimulateSharded, RecommendWeighsShardingAgainstTheOtherModes) {
+  const auto options = candidates(job(SyncMode::kAllReduce), 4);
+  int sharded = 0;
+  for (const auto& o : options) sharded += o.sync.shard != ShardLevel::kNone;
+  EXPECT_EQ(sharded, 2);
+  RunOptions local = job(SyncMode::kLocalSgd);
+  local.sync.shard = ShardLevel::kGradients;
+  EXPECT_THROW(simulate(oneBlock(), local, hosts(2), {2, 1, 1}), ConfigError);
 }

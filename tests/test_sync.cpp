@@ -733,3 +733,20 @@ TEST(AllReduceGradients, TheReplicaAverageIsTheCommunicatorsAverageAndLeavesMiss
     }
   }));
 }
+
+// ZeRO's accounting (Rajbhandari et al., SC20) with AdamW in float32 (state factor 2), Psi
+// parameters, N workers: 16 Psi; 8 Psi + 8 Psi / N; 4 Psi + 12 Psi / N; 16 Psi / N. And the
+// bytes per step: stages 1 and 2 an all-reduce's 2 (N-1)/N of the gradients, stage 3 3 (N-1)/N.
+TEST(SyncModes, ShardLevelsHoldZerosAccountingAndSendItsBytes) {
+  const int64_t psi = 1 << 20, p = 4 * psi;
+  for (int n : {1, 2, 4, 8}) {
+    EXPECT_EQ(shardedModelState(ShardLevel::kNone, p, 2, n).total(), 16 * psi);
+    EXPECT_EQ(shardedModelState(ShardLevel::kOptimizer, p, 2, n).total(), 8 * psi + 8 * psi / n);
+    EXPECT_EQ(shardedModelState(ShardLevel::kGradients, p, 2, n).total(), 4 * psi + 12 * psi / n);
+    EXPECT_EQ(shardedModelState(ShardLevel::kParameters, p, 2, n).total(), 16 * psi / n);
+    EXPECT_EQ(shardedBytesPerStep(ShardLevel::kGradients, p, n), 2 * p * (n - 1) / n);
+    EXPECT_EQ(shardedBytesPerStep(ShardLevel::kParameters, p, n), 3 * (p * (n - 1) / n));
+  }
+  for (ShardLevel level : kShardLevels) EXPECT_EQ(parseShardLevel(shardLevelName(level)), level);
+  EXPECT_THROW(parseShardLevel("zero3"), ConfigError);
+}

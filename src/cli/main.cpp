@@ -250,6 +250,17 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
               << setup.model->structureNote() << "\n";
   }
   std::cout << m.report;
+  {
+    int64_t parameterBytes = 0, largestBlock = 0;
+    for (const auto& block : blockParameters(setup.model)) {
+      int64_t bytes = 0;
+      for (const auto& p : block) bytes += p.numel() * 4;
+      parameterBytes += bytes;
+      largestBlock = std::max(largestBlock, bytes);
+    }
+    std::cout << shardingReport(parameterBytes, weightOptions(options).stateFactor, largestBlock,
+                                {2, 4, 8});
+  }
   if (!m.plan->fits) {
     const int64_t smallest = smallestPlannedBudget(*m.plan, m.persistent);
     throw ConfigError(

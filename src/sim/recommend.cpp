@@ -78,6 +78,7 @@ std::vector<RunOptions> candidates(const RunOptions& own, int workers) {
     }
     s.localSgd.postLocalAfter = 0;
     s.gossip.topology = "ring";
+    s.shard = ShardLevel::kNone;
     c.pipeline.stages = 1;
     c.pipeline.microBatches = 1;
     change(c);
@@ -86,6 +87,8 @@ std::vector<RunOptions> candidates(const RunOptions& own, int workers) {
   auto none = [](RunOptions&) {};
   add(SyncMode::kAllReduce, none);
   add(SyncMode::kAllReduce, [](RunOptions& c) { setCompression(c.sync, "fp16"); });
+  add(SyncMode::kAllReduce, [](RunOptions& c) { c.sync.shard = ShardLevel::kGradients; });
+  add(SyncMode::kAllReduce, [](RunOptions& c) { c.sync.shard = ShardLevel::kParameters; });
   add(SyncMode::kPsBsp, none);
   add(SyncMode::kPsAsp, none);
   add(SyncMode::kPsSsp, none);

@@ -14,7 +14,8 @@
 
 namespace caravan::sim {
 
-// The ways to run `own` that --recommend compares, `own` first: all-reduce (plain and fp16),
+// The ways to run `own` that --recommend compares, `own` first: all-reduce (plain, fp16, and
+// sharded: sync.shard = gradients and parameters),
 // ps-bsp, ps-asp, ps-ssp, osp with its fraction searched, local SGD, gossip on a ring, and for
 // an even number of workers all-reduce over two pipeline stages of four micro-batches. Each is
 // `own` with its sync mode, servers (at least one where the mode has them, else none),

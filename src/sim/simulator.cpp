@@ -90,6 +90,7 @@ std::string label(const RunOptions& job) {
     case SyncMode::kPsDiloco: break;
   }
   if (sentCompression(sync) != Compression::kNone) s += "+" + sync.compressionName;
+  if (sync.shard != ShardLevel::kNone) s += fmt::format("+shard({})", shardLevelName(sync.shard));
   if (job.pipeline.stages > 1) {
     s += fmt::format("+pipeline({}x{})", job.pipeline.stages, job.pipeline.microBatches);
   }
@@ -131,6 +132,14 @@ std::string unsupported(const RunOptions& job) {
   }
   if (job.pipeline.stages > 1 && sync.mode != SyncMode::kAllReduce) {
     return "pipeline stages are simulated with sync.mode = allreduce between replicas only";
+  }
+  if (sync.shard != ShardLevel::kNone &&
+      (sync.mode != SyncMode::kAllReduce || job.pipeline.active() ||
+       sync.allreduce.compression != Compression::kNone)) {
+    return fmt::format(
+        "sync.shard = {} is simulated with sync.mode = allreduce, uncompressed, without "
+        "pipelines (what caravan train runs)",
+        shardLevelName(sync.shard));
   }
   return "";
 }
@@ -297,6 +306,18 @@ struct Totals {
   std::vector<int64_t> staleness;
 };
 
+// One step's straggler factors: adds every worker's compute (forward, backward and its share of
+// the update) to t.compute; returns the slowest worker's factor.
+double drawStep(const Context& x, Stragglers& noise, double updateShare, Totals& t) {
+  double slowest = 0.0;
+  for (int wk = 0; wk < x.o.workers; ++wk) {
+    const double f = noise.next() * x.scale[wk];
+    slowest = std::max(slowest, f);
+    t.compute += f * x.w.computeSeconds() + x.scale[wk] * x.w.updateSeconds * updateShare;
+  }
+  return slowest;
+}
+
 // allreduce: buckets in backward order, each started when the slowest worker produced it.
 Totals simulateAllReduce(const Context& x) {
   struct Bucket {
@@ -319,12 +340,7 @@ Totals simulateAllReduce(const Context& x) {
   Totals t;
   const double maxScale = *std::max_element(x.scale.begin(), x.scale.end());
   for (int64_t step = 0; step < x.o.steps; ++step) {
-    double slowest = 0.0;
-    for (int wk = 0; wk < x.o.workers; ++wk) {
-      const double f = noise.next() * x.scale[wk];
-      slowest = std::max(slowest, f);
-      t.compute += f * x.w.computeSeconds() + x.scale[wk] * x.w.updateSeconds;
-    }
+    const double slowest = drawStep(x, noise, 1.0, t);
     const double start = t.wall;
     double done = start;
     for (const Bucket& b : buckets) {
@@ -335,6 +351,71 @@ Totals simulateAllReduce(const Context& x) {
     }
     done = std::max(done, start + slowest * x.w.computeSeconds());
     t.wall = done + maxScale * x.w.updateSeconds;
+  }
+  return t;
+}
+
+// allreduce with sync.shard (sync/sharding.h): one unit per block. Every worker's collectives go
+// through one queue in issue order: the reduce-scatter of a block as its backward ends; the
+// update of a 1/W slice; then the all-gathers: every block's at once after the update (optimizer,
+// gradients; the next forward waits for each block's) or (parameters) each block's before its
+// forward and again before its backward, the next one issued as a prefetch. A reduce-scatter or
+// an all-gather moves half an all-reduce's bytes.
+Totals simulateSharded(const Context& x) {
+  const size_t n = x.w.forwardSeconds.size();
+  const bool parameters = x.sync.shard == ShardLevel::kParameters;
+  const double workers = static_cast<double>(x.o.workers);
+  auto half = [&](size_t block) {
+    const double bytes = static_cast<double>(x.w.parameterBytes[block]);
+    return Exchange{0.5 * allReduceSeconds(bytes, x.p, x.c), 0.5 * allReduceSentBytes(bytes, x.p)};
+  };
+  Stragglers noise(x.c.stragglerCv, x.o.seed);
+  Totals t;
+  const double maxScale = *std::max_element(x.scale.begin(), x.scale.end());
+  for (int64_t step = 0; step < x.o.steps; ++step) {
+    const double slowest = drawStep(x, noise, 1.0 / workers, t);
+    double queue = t.wall;                  // when the collectives' queue is free
+    std::vector<double> gathered(n, -1.0);  // when block k's weights are in (-1: not issued)
+    auto issue = [&](size_t k, double at) {
+      if (k >= n || gathered[k] >= 0.0) return;
+      if (x.w.parameterBytes[k] == 0) {
+        gathered[k] = at;
+        return;
+      }
+      const Exchange e = half(k);
+      gathered[k] = queue = std::max(queue, at) + e.seconds;
+      t.sent += e.sent * x.p.hostsUsed;
+      t.linkBusy += e.seconds;
+    };
+    double now = t.wall;
+    if (!parameters) {
+      for (size_t k = 0; k < n; ++k) issue(k, now);  // after the previous update
+    }
+    for (size_t k = 0; k < n; ++k) {
+      issue(k, now);
+      if (parameters) issue(k + 1, now);
+      now = std::max(now, gathered[k]) + slowest * x.w.forwardSeconds[k];
+    }
+    now += slowest * x.w.lossSeconds;
+    if (parameters) {
+      const double last = gathered[n - 1];
+      std::fill(gathered.begin(), gathered.end(), -1.0);
+      gathered[n - 1] = last;  // the last block stays for its backward
+    }
+    for (size_t k = n; k-- > 0;) {
+      if (parameters) {
+        issue(k, now);
+        if (k > 0) issue(k - 1, now);
+      }
+      now = std::max(now, gathered[k]) + slowest * x.w.backwardSeconds[k];
+      if (x.w.parameterBytes[k] > 0) {
+        const Exchange e = half(k);  // the block's reduce-scatter
+        queue = std::max(queue, now) + e.seconds;
+        t.sent += e.sent * x.p.hostsUsed;
+        t.linkBusy += e.seconds;
+      }
+    }
+    t.wall = std::max(now, queue) + maxScale * x.w.updateSeconds / workers;
   }
   return t;
 }
@@ -780,7 +861,21 @@ SimResult finish(const Context& x, const Totals& t, double fraction) {
   r.computeScale = *std::max_element(x.scale.begin(), x.scale.end());
   r.ospFraction = fraction;
   r.staleness = t.staleness;
-  if (x.pipeline.stages <= 1) {
+  if (x.pipeline.stages <= 1 && x.sync.shard != ShardLevel::kNone) {
+    // ZeRO's accounting, and (parameters) the two largest blocks gathered at once (one running,
+    // one prefetched).
+    const int64_t p = x.w.parameterTotal();
+    const int stateFactor = p > 0 ? static_cast<int>((x.w.optimizerStateBytes + p / 2) / p) : 0;
+    r.memoryPeakBytes = shardedModelState(x.sync.shard, p, stateFactor, x.o.workers).total() +
+                        x.w.activationPeakBytes;
+    if (x.sync.shard == ShardLevel::kParameters) {
+      std::vector<int64_t> blocks = x.w.parameterBytes;
+      std::sort(blocks.rbegin(), blocks.rend());
+      for (size_t i = 0; i < std::min<size_t>(2, blocks.size()); ++i) {
+        r.memoryPeakBytes += blocks[i];
+      }
+    }
+  } else if (x.pipeline.stages <= 1) {
     r.memoryPeakBytes = 2 * x.w.parameterTotal() +
                         (workerUpdates(x.sync.mode) ? x.w.optimizerStateBytes : 0) +
                         x.w.activationPeakBytes;
@@ -830,7 +925,9 @@ SimResult simulate(const Workload& workload, const RunOptions& job, const Cluste
   }
   if (stages > 1) return finish(x, simulatePipeline(x), -1.0);
   switch (job.sync.mode) {
-    case SyncMode::kAllReduce: return finish(x, simulateAllReduce(x), -1.0);
+    case SyncMode::kAllReduce:
+      return finish(
+          x, job.sync.shard != ShardLevel::kNone ? simulateSharded(x) : simulateAllReduce(x), -1.0);
     case SyncMode::kLocalSgd: return finish(x, simulateLocalSgd(x), -1.0);
     case SyncMode::kGossip: return finish(x, simulateGossip(x), -1.0);
     case SyncMode::kPsBsp:

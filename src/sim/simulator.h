@@ -28,6 +28,11 @@
 //   local-sgd  H local steps (the worker updates), then a ring all-reduce of the parameters.
 //   gossip   a step's parameters go to both ring neighbours as the step starts, overlapped
 //            with its compute; the step ends once the neighbours' parameters are in.
+//   allreduce with sync.shard  one unit per block: a block's reduce-scatter as its backward ends,
+//            the update of a 1/W slice, then all-gathers (every block's after the update, the
+//            next forward waiting for each; parameters: each block's before its forward and its
+//            backward, one ahead), all through one queue of collectives; each moves half an
+//            all-reduce's bytes. Memory: ZeRO's accounting (+ two gathered blocks).
 //   pipeline K stages cut as the run cuts them (parallel.partition), M micro-batches, the
 //            configured schedule (pipeline/schedule.h simulateSchedule), activations between
 //            hosts; then the stage's gradients all-reduced across the data-parallel replicas.

@@ -19,16 +19,6 @@
 
 namespace caravan {
 
-ModelStateBytes shardedModelState(ShardLevel level, int64_t parameterBytes, int stateFactor,
-                                  int workers) {
-  const int64_t p = parameterBytes, w = std::max(1, workers);
-  ModelStateBytes b;
-  b.weights = level == ShardLevel::kParameters ? p / w : p;
-  b.gradients = level == ShardLevel::kGradients || level == ShardLevel::kParameters ? p / w : p;
-  b.optimizerState = level == ShardLevel::kNone ? stateFactor * p : stateFactor * p / w;
-  return b;
-}
-
 struct ShardedParameters::Unit {
   std::vector<size_t> params;    // indices into params_
   std::vector<int64_t> offsets;  // elements into `full`

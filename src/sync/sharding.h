@@ -69,16 +69,6 @@
 
 namespace caravan {
 
-// ZeRO's accounting of the model state a worker holds (bytes), from the parameters' bytes
-// (float32), the optimizer's state per weight byte (AdamW 2, SGD with momentum 1) and W.
-// Units' padding and the gathered blocks of `parameters` are not counted.
-struct ModelStateBytes {
-  int64_t weights = 0, gradients = 0, optimizerState = 0;
-  int64_t total() const { return weights + gradients + optimizerState; }
-};
-ModelStateBytes shardedModelState(ShardLevel level, int64_t parameterBytes, int stateFactor,
-                                  int workers);
-
 class ShardedParameters final : public BlockRunner {
  public:
   // Flattens `model`'s trainable parameters into units (every rank passes the same model: same

@@ -1,9 +1,12 @@
 // sync.mode's names and kinds (see sync_mode.h).
 #include "sync/sync_mode.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "core/errors.h"
+#include "memory/tracker.h"
 
 namespace caravan {
 
@@ -82,6 +85,43 @@ ShardLevel parseShardLevel(std::string_view name) {
   }
   throw ConfigError(fmt::format(
       "sync.shard = \"{}\" is not a level; use none, optimizer, gradients or parameters", name));
+}
+
+ModelStateBytes shardedModelState(ShardLevel level, int64_t parameterBytes, int stateFactor,
+                                  int workers) {
+  const int64_t p = parameterBytes, w = std::max(1, workers);
+  ModelStateBytes b;
+  b.weights = level == ShardLevel::kParameters ? p / w : p;
+  b.gradients = level == ShardLevel::kGradients || level == ShardLevel::kParameters ? p / w : p;
+  b.optimizerState = level == ShardLevel::kNone ? stateFactor * p : stateFactor * p / w;
+  return b;
+}
+
+int64_t shardedBytesPerStep(ShardLevel level, int64_t parameterBytes, int workers) {
+  const int64_t w = std::max(1, workers);
+  const int64_t ring = parameterBytes * (w - 1) / w;  // one reduce-scatter or all-gather
+  return level == ShardLevel::kParameters ? 3 * ring : 2 * ring;
+}
+
+std::string shardingReport(int64_t parameterBytes, int stateFactor, int64_t largestBlockBytes,
+                           const std::vector<int>& workers) {
+  std::string out =
+      "data parallel, per worker (sync.shard; model state by ZeRO's accounting, "
+      "sent per step over a ring):\n";
+  out += fmt::format("  {:<11}", "workers");
+  for (int w : workers) out += fmt::format(" | {:>25}", fmt::format("W = {}", w));
+  out += "\n";
+  for (ShardLevel level : kShardLevels) {
+    out += fmt::format("  {:<11}", shardLevelName(level));
+    for (int w : workers) {
+      int64_t state = shardedModelState(level, parameterBytes, stateFactor, w).total();
+      if (level == ShardLevel::kParameters) state += 2 * largestBlockBytes;
+      out += fmt::format(" | {:>9} sends {:>9}", formatBytes(state),
+                         formatBytes(shardedBytesPerStep(level, parameterBytes, w)));
+    }
+    out += "\n";
+  }
+  return out;
 }
 
 }  // namespace caravan

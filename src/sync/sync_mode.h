@@ -4,8 +4,10 @@
 // only in messages (syncModeName).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace caravan {
 
@@ -44,6 +46,27 @@ inline constexpr ShardLevel kShardLevels[] = {ShardLevel::kNone, ShardLevel::kOp
 const char* shardLevelName(ShardLevel level);
 // The level named `name`; ConfigError naming the levels when there is none.
 ShardLevel parseShardLevel(std::string_view name);
+
+// ZeRO's accounting of the model state a worker holds (bytes), from the parameters' bytes
+// (float32), the optimizer's state per weight byte (AdamW 2, SGD with momentum 1) and W.
+// Units' padding and the gathered blocks of `parameters` are not counted.
+struct ModelStateBytes {
+  int64_t weights = 0, gradients = 0, optimizerState = 0;
+  int64_t total() const { return weights + gradients + optimizerState; }
+};
+ModelStateBytes shardedModelState(ShardLevel level, int64_t parameterBytes, int stateFactor,
+                                  int workers);
+
+// The bytes a data-parallel worker sends per step at `level` over a ring of `workers`, for
+// `parameterBytes` of float32 gradients: an all-reduce 2 (W-1)/W P; a reduce-scatter and an
+// all-gather the same; parameters a second all-gather, 3 (W-1)/W P (the engine keeps the last
+// block between its forward and backward: one block's gather less).
+int64_t shardedBytesPerStep(ShardLevel level, int64_t parameterBytes, int workers);
+// `caravan plan`'s table: each level's model state per worker (ZeRO's accounting, parameters
+// with two gathered blocks of `largestBlockBytes`) and bytes sent per step, for each of
+// `workers`.
+std::string shardingReport(int64_t parameterBytes, int stateFactor, int64_t largestBlockBytes,
+                           const std::vector<int>& workers);
 
 // Whether `mode` runs parameter servers beside the workers (ps-*, osp).
 bool usesServers(SyncMode mode);

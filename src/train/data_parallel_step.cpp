@@ -22,12 +22,7 @@ DataParallelStep::DataParallelStep(BlockModel model, torch::optim::Optimizer& op
 void DataParallelStep::computeGradients(const Batch& batch, int64_t step, StepResult& r) {
   const Clock::time_point start = Clock::now();
   if (parts_.strategy != nullptr) parts_.strategy->beforeForward(step);
-  at::Tensor output = model_->forward(batch.input);
-  loss_ = model_->loss(output, batch.target);
-  r.forwardEnd = Clock::now();
-  loss_.backward();
-  r.backwardEnd = Clock::now();
-  r.computeSeconds = std::chrono::duration<double>(r.backwardEnd - start).count();
+  loss_ = forwardBackward(model_, batch, r, start);
   if (parts_.strategy != nullptr) parts_.strategy->finishGradients();
   r.syncEnd = Clock::now();
 }
@@ -137,12 +132,7 @@ std::vector<nlohmann::json> DataParallelStep::takeRecords(int64_t, const StepRes
 
 void DataParallelStep::addSpans(Timeline& timeline, const StepResult& r,
                                 Clock::time_point stepStart) const {
-  timeline.complete("forward", stepStart, r.forwardEnd);
-  timeline.complete("backward", r.forwardEnd, r.backwardEnd);
-  const bool exchanges = parts_.strategy != nullptr;
-  if (exchanges) timeline.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
-  timeline.complete("optimizer", r.syncEnd, r.optimizerEnd);
-  if (exchanges) timeline.complete("after-step sync", r.optimizerEnd, r.stepEnd);
+  addWholeModelSpans(timeline, r, stepStart, parts_.strategy != nullptr);
 }
 
 std::string DataParallelStep::rateKeys() const {

@@ -28,22 +28,15 @@ ShardedStep::ShardedStep(BlockModel model, torch::optim::Optimizer& optimizer, S
 ShardedStep::~ShardedStep() = default;
 
 void ShardedStep::computeGradients(const Batch& batch, int64_t, StepResult& r) {
-  const Clock::time_point start = Clock::now();
-  normSquared_ = -1.0;
-  at::Tensor output = model_->forward(batch.input);
-  loss_ = model_->loss(output, batch.target);
-  r.forwardEnd = Clock::now();
-  loss_.backward();
-  r.backwardEnd = Clock::now();
-  r.computeSeconds = std::chrono::duration<double>(r.backwardEnd - start).count();
+  normKnown_ = false;
+  loss_ = forwardBackward(model_, batch, r, Clock::now());
   shards_->finishGradients();
   r.syncEnd = Clock::now();
 }
 
 double ShardedStep::normSquared() {
-  if (normSquared_ < 0.0 || std::isnan(normSquared_)) {
-    normSquared_ = shards_->globalGradientNormSquared();
-  }
+  if (!normKnown_) normSquared_ = shards_->globalGradientNormSquared();
+  normKnown_ = true;
   return normSquared_;
 }
 
@@ -102,11 +95,7 @@ std::vector<nlohmann::json> ShardedStep::takeRecords(int64_t, const StepResult&,
 
 void ShardedStep::addSpans(Timeline& timeline, const StepResult& r,
                            Clock::time_point stepStart) const {
-  timeline.complete("forward", stepStart, r.forwardEnd);
-  timeline.complete("backward", r.forwardEnd, r.backwardEnd);
-  timeline.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
-  timeline.complete("optimizer", r.syncEnd, r.optimizerEnd);
-  timeline.complete("after-step sync", r.optimizerEnd, r.stepEnd);
+  addWholeModelSpans(timeline, r, stepStart, true);
 }
 
 std::string ShardedStep::describe() const {

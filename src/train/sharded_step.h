@@ -53,7 +53,8 @@ class ShardedStep : public StepEngine {
   std::unique_ptr<ShardedParameters> shards_;
   std::unique_ptr<torch::optim::Optimizer> sliced_;
   at::Tensor loss_;
-  double normSquared_ = -1.0;  // < 0: not computed this step
+  double normSquared_ = 0.0;
+  bool normKnown_ = false;  // normSquared_ is this step's
 };
 
 }  // namespace caravan

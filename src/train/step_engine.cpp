@@ -4,12 +4,33 @@
 #include <torch/torch.h>
 
 #include "train/setup.h"
+#include "train/timeline.h"
 
 namespace caravan {
 
 void StepEngine::setLearningRate(double lr) {
   caravan::setLearningRate(optimizer_, lr);
   strategyLearningRate(lr);
+}
+
+at::Tensor StepEngine::forwardBackward(BlockModel& model, const Batch& batch, StepResult& r,
+                                       Clock::time_point start) {
+  at::Tensor output = model->forward(batch.input);
+  at::Tensor loss = model->loss(output, batch.target);
+  r.forwardEnd = Clock::now();
+  loss.backward();
+  r.backwardEnd = Clock::now();
+  r.computeSeconds = std::chrono::duration<double>(r.backwardEnd - start).count();
+  return loss;
+}
+
+void StepEngine::addWholeModelSpans(Timeline& timeline, const StepResult& r,
+                                    Clock::time_point stepStart, bool exchanges) {
+  timeline.complete("forward", stepStart, r.forwardEnd);
+  timeline.complete("backward", r.forwardEnd, r.backwardEnd);
+  if (exchanges) timeline.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
+  timeline.complete("optimizer", r.syncEnd, r.optimizerEnd);
+  if (exchanges) timeline.complete("after-step sync", r.optimizerEnd, r.stepEnd);
 }
 
 StepResult StepEngine::step(const Batch& batch, int64_t step) {

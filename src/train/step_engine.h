@@ -29,6 +29,7 @@
 
 #include "core/torch_fwd.h"
 #include "data/dataset.h"
+#include "models/model.h"
 #include "train/step.h"
 
 namespace caravan {
@@ -110,6 +111,15 @@ class StepEngine {
   // computeSeconds and syncWaitSeconds up to backwardEnd (step() adds the exchange's wait and
   // the update's time) and, where it is known by then, its loss and gradNorm.
   virtual void computeGradients(const Batch& batch, int64_t step, StepResult& r) = 0;
+  // Forward, loss and backward of the whole model on `batch` (the engines that hold it, whatever
+  // the exchange around them): sets r's forwardEnd, backwardEnd and computeSeconds from `start`
+  // (which may precede it: a strategy's beforeForward); returns the loss.
+  static at::Tensor forwardBackward(BlockModel& model, const Batch& batch, StepResult& r,
+                                    Clock::time_point start);
+  // The phases of such a step on the timeline: forward, backward, the optimizer and, where the
+  // ranks exchange (`exchanges`), the waits for the gradients and after the update.
+  static void addWholeModelSpans(Timeline& timeline, const StepResult& r,
+                                 Clock::time_point stepStart, bool exchanges);
   // Whether the step may update (skipNonFinite): every rank that updates together decides
   // alike.
   virtual bool gradientsFinite(const StepResult& r) = 0;
