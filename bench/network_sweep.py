@@ -79,6 +79,10 @@ MODES = {
     "ps-bsp-gloo": (["sync.mode=ps-bsp", "dist.backend=gloo"], True),
     "osp-gloo": (["sync.mode=osp", "sync.osp_fraction=0.5", "dist.backend=gloo"], True),
     "allreduce-gloo": (["dist.backend=gloo"], False),
+    # Sharded data parallelism (issue 48): ZeRO's stages over the all-reduce.
+    "shard-optimizer": (["sync.shard=optimizer"], False),
+    "shard-gradients": (["sync.shard=gradients"], False),
+    "shard-parameters": (["sync.shard=parameters"], False),
     # Rare synchronization (issue 22): H = --diloco-period inner steps, outer Nesterov 0.7/0.9.
     "diloco": (["sync.mode=diloco", "sync.local_period={period}"], False),
     "diloco-int4": (["sync.mode=diloco", "sync.local_period={period}", "sync.compression=int4"],

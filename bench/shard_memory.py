@@ -13,7 +13,7 @@ and each level's largest per-worker peak as a fraction of none's. Memory, not sp
 level is the measurement (the counts are deterministic); the machine's load does not move them.
 
     .venv/bin/python bench/shard_memory.py [--workers 2 4] [--width 512] [--depth 16]
-        [--steps 2] [--batch 2] [--seq-len 64] [--json OUT]
+        [--steps 2] [--batch 2] [--seq-len 64] [--levels ...] [--json OUT]
 """
 import argparse
 import json
@@ -72,13 +72,15 @@ def main():
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--levels", nargs="+", default=LEVELS, choices=LEVELS,
+                   help="levels to run (none always runs first: the peaks' base)")
     p.add_argument("--json")
     a = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for w in a.workers:
             none_peak = None
-            for level in LEVELS:
+            for level in ["none"] + [lv for lv in a.levels if lv != "none"]:
                 rec = run(level, a, w, os.path.join(tmp, f"{level}-{w}"))
                 if level == "none":
                     base_psi = rec["mem_weights"]  # none holds every weight: 4 Psi bytes

@@ -1262,8 +1262,10 @@ const char* const kShardLevelNames[] = {"optimizer", "gradients", "parameters"};
 struct ShardDifference {
   double loss = 0.0, params = 0.0;
 };
-std::map<std::string, ShardDifference> shardDifferences(int world,
-                                                        const std::vector<std::string>& o) {
+std::map<std::string, ShardDifference> shardDifferences(
+    int world, const std::vector<std::string>& o,
+    const std::vector<std::string>& levels = {std::begin(kShardLevelNames),
+                                              std::end(kShardLevelNames)}) {
   TempDir tmp;
   std::map<std::string, ShardDifference> out;
   const std::string none = tmp / "none";
@@ -1271,8 +1273,8 @@ std::map<std::string, ShardDifference> shardDifferences(int world,
       << test::readFile(none + ".rank0.log");
   const auto noneLoss = test::trainLosses(none);
   const auto noneParams = finalParams(none, o);
-  for (const char* level : kShardLevelNames) {
-    const auto sharded = with(o, {std::string("sync.shard=") + level});
+  for (const std::string& level : levels) {
+    const auto sharded = with(o, {"sync.shard=" + level});
     const std::string dir = tmp / level;
     const auto codes = runRanks(world, dir, sharded);
     EXPECT_EQ(codes, std::vector<int>(world, 0)) << level << test::readFile(dir + ".rank0.log");
@@ -1285,7 +1287,7 @@ std::map<std::string, ShardDifference> shardDifferences(int world,
     }
     d.params = maxAbsDiff(noneParams, finalParams(dir, o));
     std::printf("W=%d sync.shard = %s: relative loss difference %.3g, parameters %.3g\n", world,
-                level, d.loss, d.params);
+                level.c_str(), d.loss, d.params);
     out[level] = d;
   }
   return out;
@@ -1322,6 +1324,23 @@ TEST(DistShardedRounding, GlooWithClippingAndBf16StayWithinRounding) {
   }
   for (const auto& [level, d] :
        shardDifferences(2, with(kShardGpt, {"dist.backend=shm", "train.precision=bf16-all"}))) {
+    EXPECT_EQ(d.loss, 0.0) << level;
+    EXPECT_EQ(d.params, 0.0) << level;
+  }
+}
+
+// Activation policies: saved weights stay weights (the executor knows the units' storages,
+// empty ones too), so recomputing (every level) and swapping (optimizer, gradients; through
+// the host tier, in bf16 too: weights never travel) train the bits none trains.
+TEST(DistShardedRounding, RecomputeAndSwapPoliciesTrainTheBitsOfNone) {
+  const auto o = with(kShardGpt, {"dist.backend=shm", "memory.tier=host", "train.max_steps=10"});
+  for (const auto& [level, d] : shardDifferences(2, with(o, {"memory.policy=recompute"}))) {
+    EXPECT_EQ(d.loss, 0.0) << level;
+    EXPECT_EQ(d.params, 0.0) << level;
+  }
+  for (const auto& [level, d] :
+       shardDifferences(2, with(o, {"memory.policy=swap", "memory.tier_dtype=bf16"}),
+                        {"optimizer", "gradients"})) {
     EXPECT_EQ(d.loss, 0.0) << level;
     EXPECT_EQ(d.params, 0.0) << level;
   }
@@ -1455,4 +1474,15 @@ TEST(DistShardedRefusals, CombinationsThatCannotRunAreOneLine) {
     EXPECT_EQ(test::countLines(r.err), 1) << r.err;
     EXPECT_FALSE(fs::exists(tmp / "refused/metrics.jsonl")) << more;
   }
+  // A budget below the first step's model state and gathered blocks: refused after it, with
+  // advice that runs under sync.shard = parameters (not memory.policy = auto, which it refuses).
+  const auto s = with(kShardGpt, {"sync.shard=parameters", "memory.budget=100KiB",
+                                  "dist.backend=shm"});
+  const auto r = test::runCaravan("train -q --config /dev/null" + setArgs(s) +
+                                  " --workers 2 --run-dir " + (tmp / "budget"));
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+  EXPECT_NE(r.err.find("is below what step 1 needs"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("train on more workers"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("memory.policy = auto"), std::string::npos) << r.err;
+  EXPECT_EQ(test::countLines(r.err), 1) << r.err;
 }

@@ -497,13 +497,16 @@ void ActivationExecutor::setWeights(OutOfCoreWeights* weights) {
   refreshParameters();
 }
 
-void ActivationExecutor::refreshParameters() {
+void ActivationExecutor::refreshParameters(const std::vector<at::Tensor>& gatheredLater) {
   // Out-of-core parameters move between storages (the store knows its blobs); buffers stay put.
   std::vector<at::Tensor> held = model_->buffers();
   if (weights_ == nullptr) {
     for (const auto& p : model_->parameters()) held.push_back(p);
   }
   parameterStorages_ = storagesOf(held);
+  for (const auto& t : gatheredLater) {
+    if (t.defined() && t.has_storage()) parameterStorages_.insert(t.storage().unsafeGetStorageImpl());
+  }
 }
 
 void ActivationExecutor::reached(size_t block) {

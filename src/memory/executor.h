@@ -106,9 +106,11 @@ class ActivationExecutor final : public BlockRunner {
   // Set before the first forward under it; the store must outlive its use here.
   void setWeights(OutOfCoreWeights* weights);
   OutOfCoreWeights* weights() const { return weights_; }
-  // The model's parameters changed storages (a pipeline stage released the others' blocks):
-  // isParameter looks at the current ones. Not while a forward or backward runs.
-  void refreshParameters();
+  // The model's parameters changed storages (a pipeline stage released the others' blocks,
+  // sharded parameters became views of their units): isParameter looks at the current ones,
+  // and at the storages of `gatheredLater` even while they are empty (sharded units, gathered
+  // into again; sync/sharding.h). Not while a forward or backward runs.
+  void refreshParameters(const std::vector<at::Tensor>& gatheredLater = {});
 
  private:
   BlockModel model_;

@@ -31,12 +31,16 @@ struct ShardedParameters::Unit {
   at::Tensor reduced;    // optimizer: the reduce-scatter's output, copied into gradShard
   WorkPtr reduceWork, gatherWork;
   bool gathered = true;  // `full` holds the current weights (no gather in flight)
-  int64_t pending = 0;   // gradients not accumulated yet this step
+  bool ready = false;     // this step: its gradients are final (launch when its turn comes)
+  bool launched = false;  // this step: its reduce-scatter is issued
 };
 
 namespace {
 
-constexpr size_t kReduceWindow = 2;  // reduce-scatters in flight before the oldest is waited
+// Units whose local gradients may exist at once (their reduce-scatters in flight), by level:
+// gradients 2 (a unit's exchange overlaps the next two blocks' backward); parameters 1 (the
+// exchange has the next block's backward to finish in; the memory is what that level is for).
+size_t reduceWindow(ShardLevel level) { return level == ShardLevel::kParameters ? 1 : 2; }
 
 int64_t bytesOf(int64_t elements) { return elements * static_cast<int64_t>(sizeof(float)); }
 
@@ -72,7 +76,7 @@ void ShardedParameters::layUnits() {
   }
   std::map<const c10::TensorImpl*, size_t> index;
   for (const auto& p : model_->parameters()) {
-    if (!p.requires_grad()) continue;
+    if (!p.requires_grad() || index.count(p.unsafeGetTensorImpl()) != 0) continue;
     CARAVAN_CHECK(p.scalar_type() == at::kFloat && p.is_contiguous(),
                   "sharded data parallelism holds float32 parameters");
     index[p.unsafeGetTensorImpl()] = params_.size();
@@ -80,6 +84,16 @@ void ShardedParameters::layUnits() {
   }
   const std::vector<std::vector<at::Tensor>> perBlock = blockParameters(model_);
   blockUnit_.assign(perBlock.size(), -1);
+  {  // A parameter registered in several blocks is read by each: shared too.
+    std::map<const c10::TensorImpl*, int> blocksOf;
+    for (const auto& block : perBlock) {
+      std::set<const c10::TensorImpl*> here;
+      for (const auto& p : block) here.insert(p.unsafeGetTensorImpl());
+      for (const auto* p : here) {
+        if (++blocksOf[p] > 1) shared.insert(p);
+      }
+    }
+  }
   auto addUnit = [&](const std::vector<at::Tensor>& ps, std::vector<size_t> blocks) {
     auto u = std::make_unique<Unit>();
     for (const auto& p : ps) {
@@ -96,8 +110,10 @@ void ShardedParameters::layUnits() {
   };
   for (size_t b = perBlock.size(); b-- > 0;) {  // index order: backward's
     std::vector<at::Tensor> own;
+    std::set<const c10::TensorImpl*> seen;  // a module registered twice in the block: once
     for (const auto& p : perBlock[b]) {
-      if (shared.count(p.unsafeGetTensorImpl()) == 0) own.push_back(p);
+      const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
+      if (shared.count(impl) == 0 && seen.insert(impl).second) own.push_back(p);
     }
     if (!own.empty()) addUnit(own, {b});
   }
@@ -138,7 +154,13 @@ void ShardedParameters::layUnits() {
       u.gradShard = at::zeros({u.shardNumel}, at::kFloat);
       if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, bytesOf(u.shardNumel));
     }
-    u.pending = static_cast<int64_t>(u.params.size());
+  }
+  // Units of blocks above each block (those final when the block's backward starts).
+  unitsAbove_.assign(perBlock.size(), 0);
+  for (size_t b = 0; b < perBlock.size(); ++b) {
+    for (const auto& u : units_) {
+      if (!u->blocks.empty() && u->blocks.front() > b) ++unitsAbove_[b];
+    }
   }
   // A post hook on each parameter's gradient accumulator: its .grad is final for this step.
   std::vector<size_t> unitOf(params_.size());
@@ -193,29 +215,58 @@ void ShardedParameters::release(size_t unit) {
   if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, -bytesOf(u.padded));
 }
 
-torch::Tensor ShardedParameters::run(size_t index, torch::nn::AnyModule& block, torch::Tensor x) {
+void ShardedParameters::beginForward(size_t block) {
+  if (block == 0) releaseGathered();  // what the last forward kept (its last block)
   if (sharedUnit_ >= 0) waitGathered(static_cast<size_t>(sharedUnit_));
-  const int64_t u = blockUnit_[index];
+  const int64_t u = blockUnit_[block];
   if (u >= 0) {
     gather(static_cast<size_t>(u));  // no-op when prefetched or resident
-    const int64_t next = nextGatheredUnit(index + 1, +1);
+    const int64_t next = nextGatheredUnit(block + 1, +1);
     if (next >= 0) gather(static_cast<size_t>(next));
     waitGathered(static_cast<size_t>(u));
   }
+}
+
+void ShardedParameters::endForward(size_t block) {
+  // The last block's unit stays: backward needs it first, and a model's own loss may read it;
+  // the next forward (or releaseGathered) lets it go.
+  const int64_t u = blockUnit_[block];
+  if (u >= 0 && block + 1 < blockUnit_.size()) release(static_cast<size_t>(u));
+}
+
+torch::Tensor ShardedParameters::run(size_t index, torch::nn::AnyModule& block, torch::Tensor x) {
+  beginForward(index);
   torch::Tensor y = inner_ != nullptr ? inner_->run(index, block, x) : block.forward(x);
-  if (u >= 0 && !units_[u]->resident) {
-    const bool backward = at::GradMode::is_enabled() && y.requires_grad();
-    if (backward) {
-      y.register_hook([this, index](const at::Tensor&) { beforeBackward(index); });
-    }
-    // The last block's backward comes first: it stays.
-    if (!backward || index + 1 < blockUnit_.size()) release(static_cast<size_t>(u));
+  if (at::GradMode::is_enabled() && y.requires_grad()) {
+    y.register_hook([this, index](const at::Tensor&) { beforeBackward(index); });
   }
+  endForward(index);
   return y;
 }
 
+void ShardedParameters::idleForward() {
+  for (size_t b = 0; b < blockUnit_.size(); ++b) {
+    beginForward(b);
+    endForward(b);
+  }
+}
+
+void ShardedParameters::releaseGathered() {
+  for (size_t i = 0; i < units_.size(); ++i) {
+    if (!units_[i]->gatherWork) release(i);
+  }
+}
+
 void ShardedParameters::beforeBackward(size_t block) {
+  // Every block above has finished its backward (autograd runs a later block's nodes, and the
+  // accumulation of their gradients, before an earlier block's): their units are final, with
+  // zeros for a parameter that got no gradient. Launched here, at the same point of every
+  // rank's backward whatever each rank's gradients are.
+  const size_t final = unitsAbove_[block];
+  for (size_t i = nextLaunch_; i < final; ++i) units_[i]->ready = true;
+  launchReadyInOrder();
   const int64_t u = blockUnit_[block];
+  if (u < 0 || units_[u]->resident) return;
   gather(static_cast<size_t>(u));
   if (block > 0) {
     const int64_t below = nextGatheredUnit(block - 1, -1);
@@ -224,31 +275,24 @@ void ShardedParameters::beforeBackward(size_t block) {
   waitGathered(static_cast<size_t>(u));
 }
 
-void ShardedParameters::idleForward() {
-  for (size_t b = 0; b < blockUnit_.size(); ++b) {
-    const int64_t u = blockUnit_[b];
-    if (u < 0 || units_[u]->resident) continue;
-    gather(static_cast<size_t>(u));
-    const int64_t next = nextGatheredUnit(b + 1, +1);
-    if (next >= 0) gather(static_cast<size_t>(next));
-    waitGathered(static_cast<size_t>(u));
-    release(static_cast<size_t>(u));
-  }
-}
-
 void ShardedParameters::onGradReady(size_t unit) {
-  Unit& u = *units_[unit];
-  if (--u.pending == 0) launchReadyInOrder();
+  // A gradient after its unit was exchanged would be lost: the launch points above rest on
+  // blocks being a chain (block i's output is block i+1's only input that carries gradient).
+  CARAVAN_CHECK(!units_[unit]->launched,
+                "a gradient of sharded unit {} arrived after the unit's reduce-scatter: the "
+                "model's blocks are not a chain for autograd",
+                unit);
 }
 
 void ShardedParameters::launchReadyInOrder() {
-  while (nextLaunch_ < units_.size() && units_[nextLaunch_]->pending <= 0) {
+  while (nextLaunch_ < units_.size() && units_[nextLaunch_]->ready) {
     const size_t i = nextLaunch_++;
     Unit& u = *units_[i];
+    u.launched = true;
     if (level_ != ShardLevel::kOptimizer) {
-      // At most kReduceWindow units' local gradients exist at once.
-      if (i >= kReduceWindow) {
-        Unit& old = *units_[i - kReduceWindow];
+      // At most reduceWindow() units' local gradients exist at once.
+      if (i >= reduceWindow(level_)) {
+        Unit& old = *units_[i - reduceWindow(level_)];
         if (old.reduceWork) {
           old.reduceWork->wait(comm_->timeout());
           old.reduceWork.reset();
@@ -281,7 +325,7 @@ void ShardedParameters::launchReadyInOrder() {
 }
 
 void ShardedParameters::finishGradients() {
-  for (auto& u : units_) u->pending = 0;  // a missing gradient contributes zeros
+  for (auto& u : units_) u->ready = true;  // a missing gradient contributes zeros
   launchReadyInOrder();
   const double scale = 1.0 / static_cast<double>(comm_->size());
   for (size_t i = 0; i < units_.size(); ++i) {
@@ -300,7 +344,7 @@ void ShardedParameters::finishGradients() {
     }
     u.gradShard.mul_(scale);
     shards_[i].mutable_grad() = u.gradShard;
-    u.pending = static_cast<int64_t>(u.params.size());
+    u.ready = u.launched = false;
   }
   nextLaunch_ = 0;
 }

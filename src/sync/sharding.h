@@ -13,7 +13,8 @@
 //   optimizer   the whole `full` (4 Psi), the local gradients (4 Psi, autograd's .grad kept
 //               in a flat buffer per unit), the optimizer state of its slices (8 Psi / W);
 //   gradients   `full` (4 Psi), the averaged gradient of its slices (4 Psi / W), the state
-//               (8 Psi / W); a unit's local gradients exist only while its reduce-scatter runs;
+//               (8 Psi / W); a unit's flat local gradients exist from its launch until a later
+//               launch waits for its reduce-scatter (two units' at most; parameters: one's);
 //   parameters  its slices (4 Psi / W), their gradients and state (12 Psi / W); a unit's
 //               `full` holds bytes only while a block that reads it runs forward or backward
 //               (gathered, then freed: its storage is emptied, so autograd's saved views of the
@@ -23,15 +24,18 @@
 // Per step:
 //   forward     block i waits for its unit's gather (parameters: issued on demand, the next
 //               block's prefetched), runs, and (parameters) frees the unit again unless it is
-//               the last block's, which backward needs first.
-//   backward    (parameters) a hook on block i's output gathers its unit before autograd
-//               enters the block and prefetches the block below's. When a unit's last
-//               gradient is accumulated (a post hook on each parameter's accumulator), the
-//               gradients are copied into the unit's flat gradient, the parameters' .grad
-//               dropped, and its reduce-scatter launched (a sum; finishGradients() scales it by
-//               1/W, as the all-reduce of sync.shard = none does); (parameters) its `full` is
-//               freed. Units launch in index order on every rank (the order backward completes
-//               them: the last block's first; the shared unit when its last use is done).
+//               the last block's, which backward (or a model's own loss) needs first; the next
+//               forward, or releaseGathered(), frees that one.
+//   backward    a hook on block i's output runs before autograd enters the block: the units of
+//               the blocks above are final by then (autograd finishes a later block's nodes and
+//               accumulations first), so their reduce-scatters are launched there, in index
+//               order: each unit's gradients copied into a flat buffer (zeros for a parameter
+//               without one), the parameters' .grad dropped, a sum that finishGradients() scales
+//               by 1/W, as the all-reduce of sync.shard = none does; (parameters) the unit's
+//               `full` is freed. Then (parameters) block i's unit is gathered and the block
+//               below's prefetched. What no hook launched (block 0's unit, the shared unit)
+//               launches in finishGradients(). The launch points are the same on every rank
+//               whatever gradients each rank's data gave.
 //   update      the run's optimizer steps each slice with its averaged gradient (shards()).
 //   after       (optimizer, gradients, and the shared unit) every updated slice is all-gathered
 //               back into `full`, issued at once and waited for block by block by the next
@@ -44,7 +48,10 @@
 // slices' squares and all-reduces the sum (rounding differs from clip_grad_norm_'s order).
 //
 // Collectives are issued in one order on every rank: gathers in forward order, the hooks'
-// gathers and reduce-scatters in backward order, the after-update gathers in unit order. A
+// reduce-scatters and gathers in backward order, the after-update gathers in unit order. The
+// blocks must be a chain for autograd (BlockModel's are: block i's output is block i+1's only
+// input that carries a gradient); a gradient that arrives after its unit was launched is an
+// internal error, never a silent loss. A
 // forward outside training (evaluation) must run on every rank the same number of times: a
 // rank without a batch calls idleForward() (the gathers a forward would make).
 //
@@ -98,6 +105,9 @@ class ShardedParameters final : public BlockRunner {
   void idleForward();
   // Waits for every gather in flight (before anything reads the parameters outside a forward).
   void settle();
+  // Frees what a forward kept gathered (its last block's unit) outside training (after an
+  // evaluation). Local: no collective.
+  void releaseGathered();
   // Every unit gathered into the model's parameters while `fn` runs (a checkpoint, model.pt);
   // freed again afterwards (parameters). Every rank calls it.
   void withFullParameters(const std::function<void()>& fn);
@@ -132,6 +142,9 @@ class ShardedParameters final : public BlockRunner {
   void waitGathered(size_t unit);
   void release(size_t unit);  // frees `full` (parameters; not the resident units)
   void beforeBackward(size_t block);
+  // A forward's work around block `block` (and idleForward's without the block).
+  void beginForward(size_t block);
+  void endForward(size_t block);
   std::vector<at::Tensor> unitParameters(size_t unit) const;
   int64_t unitOfBlock(size_t block) const { return blockUnit_[block]; }
   // The nearest unit at or after (direction +1) / before (-1) block `block` that is not
@@ -149,6 +162,7 @@ class ShardedParameters final : public BlockRunner {
   std::vector<at::Tensor> params_;  // trainable, registration order
   std::vector<at::Tensor> shards_;
   size_t nextLaunch_ = 0;
+  std::vector<size_t> unitsAbove_;  // per block: the units of the blocks above it (a prefix)
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;
 };

@@ -139,6 +139,13 @@ std::string DataParallelStep::rateKeys() const {
   return parts_.strategy != nullptr ? parts_.strategy->rateKeys() : StepEngine::rateKeys();
 }
 
+std::string DataParallelStep::memoryAdvice() const {
+  return StepEngine::memoryAdvice() +
+         (parts_.weights != nullptr
+              ? ""
+              : " (memory.weights = offload keeps weights and optimizer state on the tier)");
+}
+
 std::string DataParallelStep::describe() const {
   if (parts_.workers == nullptr) return "";
   return fmt::format(" per worker x {} workers ({}{})", parts_.workers->size(),

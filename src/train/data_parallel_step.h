@@ -48,6 +48,7 @@ class DataParallelStep : public StepEngine {
                 Clock::time_point stepStart) const override;
   std::string describe() const override;
   std::string rateKeys() const override;
+  std::string memoryAdvice() const override;
 
  private:
   void computeGradients(const Batch& batch, int64_t step, StepResult& r) override;

@@ -306,6 +306,9 @@ std::unique_ptr<StepEngine> RunSetup::attachSharded(Distributed& dist) {
   // which the engine slices.
   auto shards =
       std::make_unique<ShardedParameters>(model, dist.workers(), options.sync.shard, &memory);
+  // The parameters are views of the units now (empty ones too, under parameters): saved
+  // weights stay weights under every memory.policy.
+  if (activations.executor) activations.executor->refreshParameters(model->parameters());
   auto sliced = makeOptimizer(options.optim, shards->shards());
   return std::make_unique<ShardedStep>(model, *optimizer, stepOptions(options), std::move(shards),
                                        std::move(sliced));

@@ -66,8 +66,10 @@ void ShardedStep::strategyLearningRate(double lr) { caravan::setLearningRate(*sl
 
 EvalResult ShardedStep::evaluate(const Dataset& dataset, int64_t batchSize, int64_t maxBatches) {
   shards_->settle();
-  return caravan::evaluate(model_, dataset, batchSize, maxBatches, &shards_->comm(), nullptr,
-                           [this] { shards_->idleForward(); });
+  const EvalResult r = caravan::evaluate(model_, dataset, batchSize, maxBatches, &shards_->comm(),
+                                         nullptr, [this] { shards_->idleForward(); });
+  shards_->releaseGathered();
+  return r;
 }
 
 void ShardedStep::withWholeModel(const std::function<void()>& write) {
@@ -86,7 +88,9 @@ void ShardedStep::accountModelState(MemoryTracker& memory) {
   memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*sliced_));
 }
 
-std::vector<at::Tensor> ShardedStep::modelStateTensors() { return shards_->parameters(); }
+// Every parameter, frozen ones too; the sharded ones are views of their units (empty while not
+// gathered), which count as model state throughout.
+std::vector<at::Tensor> ShardedStep::modelStateTensors() { return model_->parameters(); }
 
 std::vector<nlohmann::json> ShardedStep::takeRecords(int64_t, const StepResult&, Clock::time_point,
                                                      double) {
@@ -96,6 +100,14 @@ std::vector<nlohmann::json> ShardedStep::takeRecords(int64_t, const StepResult&,
 void ShardedStep::addSpans(Timeline& timeline, const StepResult& r,
                            Clock::time_point stepStart) const {
   addWholeModelSpans(timeline, r, stepStart, true);
+}
+
+std::string ShardedStep::memoryAdvice() const {
+  return shards_->level() == ShardLevel::kParameters
+             ? "; or set memory.policy = recompute, or train on more workers (each holds 1/W of "
+               "the model state)"
+             : "; or set sync.shard = parameters (each worker then holds 1/W of the weights "
+               "too), memory.policy = recompute, or train on more workers";
 }
 
 std::string ShardedStep::describe() const {

@@ -37,6 +37,7 @@ class ShardedStep : public StepEngine {
   void addSpans(Timeline& timeline, const StepResult& r,
                 Clock::time_point stepStart) const override;
   std::string describe() const override;
+  std::string memoryAdvice() const override;
 
  private:
   void computeGradients(const Batch& batch, int64_t step, StepResult& r) override;

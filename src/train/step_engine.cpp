@@ -33,6 +33,11 @@ void StepEngine::addWholeModelSpans(Timeline& timeline, const StepResult& r,
   if (exchanges) timeline.complete("after-step sync", r.optimizerEnd, r.stepEnd);
 }
 
+std::string StepEngine::memoryAdvice() const {
+  return "; or set memory.policy = auto to recompute or swap blocks within the budget (or "
+         "sync.shard = parameters with several workers: each holds 1/W of the model state)";
+}
+
 StepResult StepEngine::step(const Batch& batch, int64_t step) {
   optimizer_.zero_grad();
   StepResult r;

@@ -97,6 +97,9 @@ class StepEngine {
   // optimizer).
   virtual void addSpans(Timeline& timeline, const StepResult& r,
                         Clock::time_point stepStart) const = 0;
+  // What else lowers this rank's memory, for a refused memory.budget under a fixed
+  // memory.policy ("; or set memory.policy = auto to ...").
+  virtual std::string memoryAdvice() const;
   // The config keys whose rates move the parameters, for the advice after a non-finite loss
   // ("optim.lr"; DiLoCo's outer step: "sync.outer_lr or optim.lr").
   virtual std::string rateKeys() const { return "optim.lr"; }

@@ -306,7 +306,7 @@ void Trainer::accountMemory() {
     throw ConfigError(fmt::format(
         "memory.budget = {} is below what step {} needs: {} tracked (activations {}, weights "
         "{}, gradients {}, optimizer state {}); the smallest budget that works for this "
-        "model, batch and memory.policy = {} is {} ({} bytes){}{}",
+        "model, batch and memory.policy = {} is {} ({} bytes){}",
         formatBytes(mo.budget), s_.state.step + 1, formatBytes(needed),
         formatBytes(memory.peak(MemoryCategory::kActivations)),
         formatBytes(memory.live(MemoryCategory::kWeights)),
@@ -321,11 +321,7 @@ void Trainer::accountMemory() {
                               ? fmt::format(": it predicted {} of activations",
                                             formatBytes(s_.activations.plan->prediction.peakBytes))
                               : "")
-            : std::string(
-                  "; or set memory.policy = auto to recompute or swap blocks within the budget"),
-        mo.offloadWeights
-            ? ""
-            : " (memory.weights = offload keeps weights and optimizer state on the tier)"));
+            : engine_.memoryAdvice()));
   }
   runActivationPeak_ = std::max(runActivationPeak_, memory.peak(MemoryCategory::kActivations));
   runTrackedPeak_ = std::max(runTrackedPeak_, needed);
