@@ -1262,10 +1262,11 @@ const char* const kShardLevelNames[] = {"optimizer", "gradients", "parameters"};
 struct ShardDifference {
   double loss = 0.0, params = 0.0;
 };
-std::map<std::string, ShardDifference> shardDifferences(
-    int world, const std::vector<std::string>& o,
-    const std::vector<std::string>& levels = {std::begin(kShardLevelNames),
-                                              std::end(kShardLevelNames)}) {
+std::map<std::string, ShardDifference> shardDifferences(int world,
+                                                        const std::vector<std::string>& o,
+                                                        const std::vector<std::string>& levels = {
+                                                            std::begin(kShardLevelNames),
+                                                            std::end(kShardLevelNames)}) {
   TempDir tmp;
   std::map<std::string, ShardDifference> out;
   const std::string none = tmp / "none";
@@ -1476,8 +1477,8 @@ TEST(DistShardedRefusals, CombinationsThatCannotRunAreOneLine) {
   }
   // A budget below the first step's model state and gathered blocks: refused after it, with
   // advice that runs under sync.shard = parameters (not memory.policy = auto, which it refuses).
-  const auto s = with(kShardGpt, {"sync.shard=parameters", "memory.budget=100KiB",
-                                  "dist.backend=shm"});
+  const auto s =
+      with(kShardGpt, {"sync.shard=parameters", "memory.budget=100KiB", "dist.backend=shm"});
   const auto r = test::runCaravan("train -q --config /dev/null" + setArgs(s) +
                                   " --workers 2 --run-dir " + (tmp / "budget"));
   EXPECT_EQ(r.exitCode, 2) << r.err;

@@ -440,11 +440,14 @@ WorkPtr GlooCommunicator::reduceScatter(at::Tensor output, at::Tensor input, Red
     if (avg) out.div_(size);
     if (widen) output.view(-1).copy_(out);
   };
-  return impl_->issue(std::move(info), [&] {
-    c10d::ReduceScatterOptions o;
-    o.reduceOp = toGloo(op);
-    return impl_->pg->_reduce_scatter_base(out, in, o);
-  }, std::move(finish));
+  return impl_->issue(
+      std::move(info),
+      [&] {
+        c10d::ReduceScatterOptions o;
+        o.reduceOp = toGloo(op);
+        return impl_->pg->_reduce_scatter_base(out, in, o);
+      },
+      std::move(finish));
 }
 
 WorkPtr GlooCommunicator::send(at::Tensor tensor, int dstRank, int tag) {

@@ -505,7 +505,8 @@ void ActivationExecutor::refreshParameters(const std::vector<at::Tensor>& gather
   }
   parameterStorages_ = storagesOf(held);
   for (const auto& t : gatheredLater) {
-    if (t.defined() && t.has_storage()) parameterStorages_.insert(t.storage().unsafeGetStorageImpl());
+    if (t.defined() && t.has_storage())
+      parameterStorages_.insert(t.storage().unsafeGetStorageImpl());
   }
 }
 

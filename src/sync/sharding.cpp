@@ -30,17 +30,12 @@ struct ShardedParameters::Unit {
   at::Tensor gradShard;  // [shardNumel] averaged gradient (optimizer: a view of gradFull)
   at::Tensor reduced;    // optimizer: the reduce-scatter's output, copied into gradShard
   WorkPtr reduceWork, gatherWork;
-  bool gathered = true;  // `full` holds the current weights (no gather in flight)
+  bool gathered = true;   // `full` holds the current weights (no gather in flight)
   bool ready = false;     // this step: its gradients are final (launch when its turn comes)
   bool launched = false;  // this step: its reduce-scatter is issued
 };
 
 namespace {
-
-// Units whose local gradients may exist at once (their reduce-scatters in flight), by level:
-// gradients 2 (a unit's exchange overlaps the next two blocks' backward); parameters 1 (the
-// exchange has the next block's backward to finish in; the memory is what that level is for).
-size_t reduceWindow(ShardLevel level) { return level == ShardLevel::kParameters ? 1 : 2; }
 
 int64_t bytesOf(int64_t elements) { return elements * static_cast<int64_t>(sizeof(float)); }
 
@@ -49,8 +44,13 @@ c10::StorageImpl* storageOf(const at::Tensor& t) { return t.storage().unsafeGetS
 }  // namespace
 
 ShardedParameters::ShardedParameters(BlockModel model, std::shared_ptr<Communicator> comm,
-                                     ShardLevel level, MemoryTracker* tracker)
-    : model_(std::move(model)), comm_(std::move(comm)), level_(level), tracker_(tracker) {
+                                     ShardLevel level, MemoryTracker* tracker,
+                                     int64_t inFlightBytes)
+    : model_(std::move(model)),
+      comm_(std::move(comm)),
+      level_(level),
+      tracker_(tracker),
+      inFlightCap_(inFlightBytes) {
   CARAVAN_CHECK(comm_ != nullptr, "sharded data parallelism needs a communicator");
   CARAVAN_CHECK(level_ != ShardLevel::kNone, "ShardedParameters for sync.shard = none");
   broadcastModel(*comm_, *model_);  // rank 0's initial parameters (and buffers) everywhere
@@ -155,6 +155,9 @@ void ShardedParameters::layUnits() {
       if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, bytesOf(u.shardNumel));
     }
   }
+  int64_t largest = 0;
+  for (const auto& u : units_) largest = std::max(largest, bytesOf(u->padded));
+  inFlightCap_ = std::max(inFlightCap_, 2 * largest);
   // Units of blocks above each block (those final when the block's backward starts).
   unitsAbove_.assign(perBlock.size(), 0);
   for (size_t b = 0; b < perBlock.size(); ++b) {
@@ -290,16 +293,14 @@ void ShardedParameters::launchReadyInOrder() {
     Unit& u = *units_[i];
     u.launched = true;
     if (level_ != ShardLevel::kOptimizer) {
-      // At most reduceWindow() units' local gradients exist at once.
-      if (i >= reduceWindow(level_)) {
-        Unit& old = *units_[i - reduceWindow(level_)];
-        if (old.reduceWork) {
-          old.reduceWork->wait(comm_->timeout());
-          old.reduceWork.reset();
-          old.gradFull = at::Tensor();
-          if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, -bytesOf(old.padded));
-        }
+      // The local gradients in flight stay within the cap (parameters: one unit's): the oldest
+      // exchanges are waited for first.
+      while (!inFlight_.empty() && (level_ == ShardLevel::kParameters ||
+                                    inFlightBytes_ + bytesOf(u.padded) > inFlightCap_)) {
+        finishReduce(inFlight_.front());
       }
+      inFlight_.push_back(i);
+      inFlightBytes_ += bytesOf(u.padded);
       u.gradFull = at::empty({u.padded}, at::kFloat);
       if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, bytesOf(u.padded));
     }
@@ -324,20 +325,28 @@ void ShardedParameters::launchReadyInOrder() {
   }
 }
 
+void ShardedParameters::finishReduce(size_t unit) {
+  Unit& u = *units_[unit];
+  if (!u.reduceWork) return;
+  u.reduceWork->wait(comm_->timeout());
+  u.reduceWork.reset();
+  if (level_ != ShardLevel::kOptimizer) {
+    u.gradFull = at::Tensor();
+    if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, -bytesOf(u.padded));
+    CARAVAN_CHECK(!inFlight_.empty() && inFlight_.front() == unit,
+                  "sharded unit {}'s exchange finished out of launch order", unit);
+    inFlight_.pop_front();
+    inFlightBytes_ -= bytesOf(u.padded);
+  }
+}
+
 void ShardedParameters::finishGradients() {
   for (auto& u : units_) u->ready = true;  // a missing gradient contributes zeros
   launchReadyInOrder();
   const double scale = 1.0 / static_cast<double>(comm_->size());
   for (size_t i = 0; i < units_.size(); ++i) {
     Unit& u = *units_[i];
-    if (u.reduceWork) {
-      u.reduceWork->wait(comm_->timeout());
-      u.reduceWork.reset();
-      if (level_ != ShardLevel::kOptimizer) {
-        u.gradFull = at::Tensor();
-        if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, -bytesOf(u.padded));
-      }
-    }
+    finishReduce(i);
     if (level_ == ShardLevel::kOptimizer) {
       u.gradShard.copy_(u.reduced);
       u.reduced = at::Tensor();

@@ -14,7 +14,8 @@
 //               in a flat buffer per unit), the optimizer state of its slices (8 Psi / W);
 //   gradients   `full` (4 Psi), the averaged gradient of its slices (4 Psi / W), the state
 //               (8 Psi / W); a unit's flat local gradients exist from its launch until a later
-//               launch waits for its reduce-scatter (two units' at most; parameters: one's);
+//               launch waits for its reduce-scatter (sync.bucket_mb's worth or two units', the
+//               larger; parameters: one unit's);
 //   parameters  its slices (4 Psi / W), their gradients and state (12 Psi / W); a unit's
 //               `full` holds bytes only while a block that reads it runs forward or backward
 //               (gathered, then freed: its storage is emptied, so autograd's saved views of the
@@ -60,6 +61,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -83,8 +85,10 @@ class ShardedParameters final : public BlockRunner {
   // checkpoint; rank 0's are broadcast). `level` is not kNone. Installs itself as the model's
   // runner around the current one (the activation executor) until destroyed. `tracker` (may be
   // null) counts the weights and gradients held as they come and go.
+  // `inFlightBytes` (gradients; sync.bucket_mb): the units' local gradients whose
+  // reduce-scatters may be in flight at once, at least two units'; parameters keeps one unit's.
   ShardedParameters(BlockModel model, std::shared_ptr<Communicator> comm, ShardLevel level,
-                    MemoryTracker* tracker);
+                    MemoryTracker* tracker, int64_t inFlightBytes);
   ~ShardedParameters() override;
   ShardedParameters(const ShardedParameters&) = delete;
   ShardedParameters& operator=(const ShardedParameters&) = delete;
@@ -138,6 +142,8 @@ class ShardedParameters final : public BlockRunner {
   void layUnits();
   void onGradReady(size_t unit);
   void launchReadyInOrder();
+  // Waits for unit `unit`'s reduce-scatter (if in flight) and frees its local gradients.
+  void finishReduce(size_t unit);
   void gather(size_t unit);  // issues its all-gather (allocating `full`) unless issued
   void waitGathered(size_t unit);
   void release(size_t unit);  // frees `full` (parameters; not the resident units)
@@ -162,6 +168,8 @@ class ShardedParameters final : public BlockRunner {
   std::vector<at::Tensor> params_;  // trainable, registration order
   std::vector<at::Tensor> shards_;
   size_t nextLaunch_ = 0;
+  std::deque<size_t> inFlight_;  // launched units whose local gradients exist, oldest first
+  int64_t inFlightBytes_ = 0, inFlightCap_ = 0;
   std::vector<size_t> unitsAbove_;  // per block: the units of the blocks above it (a prefix)
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;

@@ -304,8 +304,8 @@ std::unique_ptr<StepEngine> RunSetup::attachSharded(Distributed& dist) {
   // broadcast rank 0's anyway, as the all-reduce does. The slices get an optimizer of their
   // own (the run's options); the setup's keeps the learning rate and a resumed run's state,
   // which the engine slices.
-  auto shards =
-      std::make_unique<ShardedParameters>(model, dist.workers(), options.sync.shard, &memory);
+  auto shards = std::make_unique<ShardedParameters>(model, dist.workers(), options.sync.shard,
+                                                    &memory, options.sync.allreduce.bucketBytes);
   // The parameters are views of the units now (empty ones too, under parameters): saved
   // weights stay weights under every memory.policy.
   if (activations.executor) activations.executor->refreshParameters(model->parameters());
