@@ -429,25 +429,22 @@ WorkPtr GlooCommunicator::reduceScatter(at::Tensor output, at::Tensor input, Red
   if (auto refused = impl_->failure->refuseIfFailed()) return refused;
   OpInfo info = impl_->collective("reduceScatter", &input);
   if (n == 0) return std::make_shared<ReadyWork>();
-  // c10d's Gloo reduce-scatter (each rank sends and receives (W-1)/W of the input, where an
-  // all-reduce moves twice that), on the reduction type: bfloat16 is reduced in float32 and
-  // rounded once; AVG divides afterwards, as the all-reduce does.
-  const bool widen = reduceType(input) != input.scalar_type();
-  at::Tensor in = widen ? input.to(reduceType(input)).view(-1) : input.view(-1);
-  at::Tensor out = widen ? at::empty({n}, in.options()) : output.view(-1);
-  auto finish = [output, in, out, widen, size = impl_->size,
-                 avg = op == ReduceOp::kAvg]() mutable {  // (holds `in` until done)
-    if (avg) out.div_(size);
-    if (widen) output.view(-1).copy_(out);
+  // c10d's Gloo has no reduce-scatter of its own (LibTorch 2.13's _reduce_scatter_base
+  // all-reduces a clone, and drops the reduction op): allreduce a copy, keep this rank's chunk.
+  // It moves an all-reduce's bytes (CountingCommunicator counts them so).
+  at::Tensor buf = input.to(reduceType(input), /*non_blocking=*/false, /*copy=*/true).view(-1);
+  auto finish = [output, buf, n, rank = impl_->rank, size = impl_->size,
+                 avg = op == ReduceOp::kAvg]() mutable {
+    at::Tensor chunk = buf.narrow(0, rank * n, n);
+    if (avg) chunk.div_(size);
+    output.view(-1).copy_(chunk);
   };
-  return impl_->issue(
-      std::move(info),
-      [&] {
-        c10d::ReduceScatterOptions o;
-        o.reduceOp = toGloo(op);
-        return impl_->pg->_reduce_scatter_base(out, in, o);
-      },
-      std::move(finish));
+  return impl_->issue(std::move(info), [&] {
+    std::vector<at::Tensor> tensors{buf};
+    c10d::AllreduceOptions o;
+    o.reduceOp = toGloo(op);
+    return impl_->pg->allreduce(tensors, o);
+  }, std::move(finish));
 }
 
 WorkPtr GlooCommunicator::send(at::Tensor tensor, int dstRank, int tag) {

@@ -241,6 +241,10 @@ torch::Tensor ShardedParameters::run(size_t index, torch::nn::AnyModule& block, 
   beginForward(index);
   torch::Tensor y = inner_ != nullptr ? inner_->run(index, block, x) : block.forward(x);
   if (at::GradMode::is_enabled() && y.requires_grad()) {
+    // A view's node is replaced if the next block changes it in place, and its hook would
+    // never run: the unit's backward gather rests on it, so the block hands on a copy.
+    const int64_t u = blockUnit_[index];
+    if (y.is_view() && u >= 0 && !units_[u]->resident) y = y.clone();
     y.register_hook([this, index](const at::Tensor&) { beforeBackward(index); });
   }
   endForward(index);
