@@ -440,23 +440,4 @@ void ShardedParameters::sliceOptimizerState(torch::optim::Optimizer& whole,
   }
 }
 
-int64_t ShardedParameters::weightBytes() const {
-  int64_t n = 0;
-  for (size_t i = 0; i < units_.size(); ++i) {
-    const Unit& u = *units_[i];
-    if (!u.resident) n += bytesOf(u.shardNumel);
-    n += static_cast<int64_t>(storageOf(u.full)->nbytes());
-  }
-  return n;
-}
-
-int64_t ShardedParameters::gradientBytes() const {
-  int64_t n = 0;
-  for (const auto& u : units_) {
-    if (u->gradFull.defined()) n += bytesOf(u->padded);
-    if (level_ != ShardLevel::kOptimizer) n += bytesOf(u->shardNumel);  // else a view of gradFull
-  }
-  return n;
-}
-
 }  // namespace caravan

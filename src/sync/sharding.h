@@ -98,8 +98,9 @@ class ShardedParameters final : public BlockRunner {
   // This rank's slice of each unit (float32, contiguous), what the optimizer steps: after
   // finishGradients() each one's grad() is the slice's gradient averaged over the workers.
   const std::vector<at::Tensor>& shards() const { return shards_; }
-  // Launches the units whose gradients did not all arrive (a parameter without a gradient
-  // contributes zeros), waits for every reduce-scatter and scales the slices' gradients by 1/W.
+  // Launches the units no block boundary launched (block 0's, the shared unit; a parameter
+  // without a gradient contributes zeros), waits for every reduce-scatter and scales the
+  // slices' gradients by 1/W.
   void finishGradients();
   // After the optimizer stepped the slices: the resident units' gathers are issued (the next
   // forward waits for them); a step whose update was skipped calls it too.
@@ -131,10 +132,6 @@ class ShardedParameters final : public BlockRunner {
 
   ShardLevel level() const { return level_; }
   Communicator& comm() const { return *comm_; }
-  // Bytes held now: the weights (slices, gathered units), the gradients (slices' averaged ones,
-  // local flat ones), for the tracker and tests.
-  int64_t weightBytes() const;
-  int64_t gradientBytes() const;
 
   struct Unit;
 
