@@ -29,6 +29,7 @@
 #include "core/openmp_env.h"
 #include "core/output_path.h"
 #include "data/text.h"
+#include "memory/accounting.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
 #include "report/report.h"
@@ -253,8 +254,7 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
   {
     int64_t parameterBytes = 0, largestBlock = 0;
     for (const auto& block : blockParameters(setup.model)) {
-      int64_t bytes = 0;
-      for (const auto& p : block) bytes += p.numel() * 4;
+      const int64_t bytes = tensorBytes(block);
       parameterBytes += bytes;
       largestBlock = std::max(largestBlock, bytes);
     }

@@ -15,6 +15,7 @@
 #include <torch/optim/sgd.h>
 
 #include "core/errors.h"
+#include "memory/tracker.h"
 
 namespace caravan {
 
@@ -52,6 +53,13 @@ int64_t optimizerStateBytes(const torch::optim::Optimizer& optimizer) {
   int64_t n = 0;
   for (const auto& [key, state] : optimizer.state()) n += tensorBytes(optimizerStateTensors(*state));
   return n;
+}
+
+void setModelStateBytes(MemoryTracker& memory, const std::vector<at::Tensor>& params,
+                        const torch::optim::Optimizer& optimizer) {
+  memory.set(MemoryCategory::kWeights, tensorBytes(params));
+  memory.set(MemoryCategory::kGradients, gradientBytes(params));
+  memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(optimizer));
 }
 
 int64_t residentBytes() {

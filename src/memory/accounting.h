@@ -14,6 +14,8 @@
 
 namespace caravan {
 
+class MemoryTracker;
+
 // Sum of numel * element size over defined tensors.
 int64_t tensorBytes(const std::vector<at::Tensor>& tensors);
 // Bytes of the .grad tensors of `params` that are defined.
@@ -23,6 +25,10 @@ int64_t gradientBytes(const std::vector<at::Tensor>& params);
 std::vector<at::Tensor> optimizerStateTensors(const torch::optim::OptimizerParamState& state);
 // Bytes of an optimizer's per-parameter state (SGD momentum buffers; Adam/AdamW moments).
 int64_t optimizerStateBytes(const torch::optim::Optimizer& optimizer);
+// Sets `memory`'s weights, gradients and optimizer state to those of `params` held in memory
+// (their bytes, their defined .grad, `optimizer`'s state): a step engine's in-core model state.
+void setModelStateBytes(MemoryTracker& memory, const std::vector<at::Tensor>& params,
+                        const torch::optim::Optimizer& optimizer);
 // This process's resident set size (Linux /proc/self/statm; 0 when unreadable).
 int64_t residentBytes();
 

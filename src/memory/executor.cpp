@@ -504,10 +504,7 @@ void ActivationExecutor::refreshParameters(const std::vector<at::Tensor>& gather
     for (const auto& p : model_->parameters()) held.push_back(p);
   }
   parameterStorages_ = storagesOf(held);
-  for (const auto& t : gatheredLater) {
-    if (t.defined() && t.has_storage())
-      parameterStorages_.insert(t.storage().unsafeGetStorageImpl());
-  }
+  parameterStorages_.merge(storagesOf(gatheredLater, /*withEmpty=*/true));
 }
 
 void ActivationExecutor::reached(size_t block) {

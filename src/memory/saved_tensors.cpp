@@ -10,10 +10,11 @@
 
 namespace caravan {
 
-std::unordered_set<const c10::StorageImpl*> storagesOf(const std::vector<at::Tensor>& tensors) {
+std::unordered_set<const c10::StorageImpl*> storagesOf(const std::vector<at::Tensor>& tensors,
+                                                       bool withEmpty) {
   std::unordered_set<const c10::StorageImpl*> out;
   for (const auto& t : tensors) {
-    if (t.defined() && t.has_storage() && t.storage().nbytes() > 0)
+    if (t.defined() && t.has_storage() && (withEmpty || t.storage().nbytes() > 0))
       out.insert(t.storage().unsafeGetStorageImpl());
   }
   return out;
@@ -23,9 +24,7 @@ SavedTensorAccounting::SavedTensorAccounting(MemoryTracker& tracker,
                                              const std::vector<at::Tensor>& parameters,
                                              const std::vector<at::Tensor>& gatheredLater)
     : tracker_(&tracker), parameters_(storagesOf(parameters)) {
-  for (const auto& t : gatheredLater) {
-    if (t.defined() && t.has_storage()) parameters_.insert(t.storage().unsafeGetStorageImpl());
-  }
+  parameters_.merge(storagesOf(gatheredLater, /*withEmpty=*/true));
 }
 
 bool SavedTensorAccounting::isParameter(const at::Tensor& t) const {

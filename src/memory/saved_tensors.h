@@ -35,7 +35,10 @@ namespace caravan {
 // The storages of `tensors` that hold bytes, to recognise saves on them. An empty tensor's
 // storage is left out: another pipeline stage's released parameter gets a new storage when it
 // is gathered, and the freed StorageImpl's address can come back as an activation's.
-std::unordered_set<const c10::StorageImpl*> storagesOf(const std::vector<at::Tensor>& tensors);
+// `withEmpty`: their storages even while empty (sharded units, gathered into again; the
+// StorageImpl lives as long as the unit).
+std::unordered_set<const c10::StorageImpl*> storagesOf(const std::vector<at::Tensor>& tensors,
+                                                       bool withEmpty = false);
 
 class SavedTensorAccounting {
  public:

@@ -123,8 +123,6 @@ class ShardedParameters final : public BlockRunner {
   // The opposite: this rank's slices of `whole`'s state installed in `sliced` (a resumed run's
   // state, loaded whole from the checkpoint, on any number of workers).
   void sliceOptimizerState(torch::optim::Optimizer& whole, torch::optim::Optimizer& sliced) const;
-  // The model's trainable parameters, registration order.
-  const std::vector<at::Tensor>& parameters() const { return params_; }
 
   // Sum over ranks of the slices' squared gradient norms (a collective): the global norm's
   // square. Non-finite gradients anywhere make it non-finite everywhere.

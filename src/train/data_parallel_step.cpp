@@ -96,10 +96,7 @@ void DataParallelStep::finish() {
 
 void DataParallelStep::accountModelState(MemoryTracker& memory) {
   if (parts_.weights != nullptr) return;  // the store counts what it holds
-  const std::vector<at::Tensor> params = model_->parameters();
-  memory.set(MemoryCategory::kWeights, tensorBytes(params));
-  memory.set(MemoryCategory::kGradients, gradientBytes(params));
-  memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(optimizer_));
+  setModelStateBytes(memory, model_->parameters(), optimizer_);
 }
 
 // Out-of-core weights move between storages: the executor asks the store.

@@ -72,10 +72,7 @@ EvalResult PipelineStep::evaluate(const Dataset& dataset, int64_t batchSize, int
 }
 
 void PipelineStep::accountModelState(MemoryTracker& memory) {
-  const std::vector<at::Tensor> params = stage_->parameters();  // this stage's blocks
-  memory.set(MemoryCategory::kWeights, tensorBytes(params));
-  memory.set(MemoryCategory::kGradients, gradientBytes(params));
-  memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(optimizer_));
+  setModelStateBytes(memory, stage_->parameters(), optimizer_);  // this stage's blocks
 }
 
 std::vector<at::Tensor> PipelineStep::modelStateTensors() { return stage_->parameters(); }
