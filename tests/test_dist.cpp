@@ -1368,6 +1368,33 @@ TEST(DistShardedRounding, TiedWeightsOfAStockModelAreOneSlice) {
   }
 }
 
+// memory.weights = offload with sync.shard = parameters (ZeRO-Infinity): each rank's slices and
+// their AdamW state live on the tier between uses (read back for the gathers and the update,
+// written after it), and it trains the bits of offload alone (itself bitwise the in-core run),
+// through the host tier and the disk tier, W = 2 and 3, evaluations included, and with clipping.
+TEST(DistShardedOffload, SlicesOnTheTierTrainTheBitsOfNone) {
+  for (const char* tier : {"host", "disk"}) {
+    for (int world : {2, 3}) {
+      SCOPED_TRACE(std::string(tier) + " W=" + std::to_string(world));
+      const auto o =
+          with(kShardGpt, {"dist.backend=shm", "memory.weights=offload",
+                           std::string("memory.tier=") + tier, "memory.swap_dir=/var/tmp"});
+      for (const auto& [level, d] : shardDifferences(world, o, {"parameters"})) {
+        EXPECT_EQ(d.loss, 0.0) << level;
+        EXPECT_EQ(d.params, 0.0) << level;
+      }
+    }
+  }
+  // Clipping: the global norm from the gradients' squares taken before they went to the tier,
+  // the coefficient applied when each is read back for its update.
+  const auto clipped = with(kShardGpt, {"dist.backend=shm", "memory.weights=offload",
+                                        "memory.tier=host", "optim.grad_clip=0.05"});
+  for (const auto& [level, d] : shardDifferences(2, clipped, {"parameters"})) {
+    EXPECT_EQ(d.loss, 0.0) << level;
+    EXPECT_EQ(d.params, 0.0) << level;
+  }
+}
+
 // Stopped at step 12 and resumed, each level ends with the uninterrupted run's bits. A
 // checkpoint of 4 sharded workers resumes on 2 (the global batch kept): its losses stay within
 // 1e-6 of the uninterrupted run's (a batch of 8 sums in another order than two of 4; AdamW then
@@ -1465,9 +1492,12 @@ TEST(DistShardedRefusals, CombinationsThatCannotRunAreOneLine) {
            {"sync.mode=local-sgd", "set sync.mode = allreduce"},
            {"sync.compression=bf16", "set sync.compression = none"},
            {"parallel.pipeline_stages=2", "parallel.pipeline_stages = 1"},
-           {"memory.weights=offload", "set memory.weights = core"},
+           {"memory.weights=offload", "set sync.shard = parameters"},
            {"memory.policy=swap", "memory.policy = keep or recompute"}}) {
-    const auto s = with(kShardGpt, {"sync.shard=parameters", more});
+    // Out-of-core slices are parameters' (ZeRO-Infinity): gradients is refused with them.
+    const bool offload = more == "memory.weights=offload";
+    const auto s =
+        with(kShardGpt, {offload ? "sync.shard=gradients" : "sync.shard=parameters", more});
     const auto r = test::runCaravan("train -q --config /dev/null" + setArgs(s) +
                                     " --workers 2 --run-dir " + (tmp / "refused"));
     EXPECT_EQ(r.exitCode, 2) << more << r.err;

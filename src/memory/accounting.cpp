@@ -16,6 +16,7 @@
 
 #include "core/errors.h"
 #include "memory/tracker.h"
+#include "optim/fused.h"
 
 namespace caravan {
 
@@ -47,6 +48,13 @@ std::vector<at::Tensor> optimizerStateTensors(const torch::optim::OptimizerParam
     if (t.defined()) out.push_back(std::move(t));
   }
   return out;
+}
+
+std::vector<at::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer,
+                                              const at::Tensor& p) {
+  auto it = optimizer.state().find(optimizerStateKey(p));
+  if (it == optimizer.state().end()) return {};
+  return optimizerStateTensors(*it->second);
 }
 
 int64_t optimizerStateBytes(const torch::optim::Optimizer& optimizer) {

@@ -23,6 +23,9 @@ int64_t gradientBytes(const std::vector<at::Tensor>& params);
 // The defined tensors of one parameter's optimizer state (SGD's momentum buffer; Adam's and
 // AdamW's moments): shallow handles, so set_data on them moves the optimizer's own tensors.
 std::vector<at::Tensor> optimizerStateTensors(const torch::optim::OptimizerParamState& state);
+// The state tensors of parameter `p` in `optimizer` (none before its first step).
+std::vector<at::Tensor> optimizerStateTensors(torch::optim::Optimizer& optimizer,
+                                              const at::Tensor& p);
 // Bytes of an optimizer's per-parameter state (SGD momentum buffers; Adam/AdamW moments).
 int64_t optimizerStateBytes(const torch::optim::Optimizer& optimizer);
 // Sets `memory`'s weights, gradients and optimizer state to those of `params` held in memory

@@ -28,13 +28,6 @@ constexpr int64_t kAlign = 64;
 
 int64_t alignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// The optimizer state tensors of one parameter (none before its first step).
-std::vector<at::Tensor> stateTensors(torch::optim::Optimizer& opt, const at::Tensor& p) {
-  auto it = opt.state().find(optimizerStateKey(p));
-  if (it == opt.state().end()) return {};
-  return optimizerStateTensors(*it->second);
-}
-
 at::Tensor viewOf(const at::Storage& s, int64_t offsetBytes, at::ScalarType dtype,
                   const std::vector<int64_t>& sizes) {
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
@@ -350,7 +343,7 @@ void OutOfCoreWeights::buildLayout(Piece& p) {
     for (const auto& t : p.block->params) members.push_back(Piece::Member{t, {}, at::kFloat, 0});
   } else {
     for (const auto& param : p.params) {
-      for (const auto& t : stateTensors(*p.optimizer, param)) {
+      for (const auto& t : optimizerStateTensors(*p.optimizer, param)) {
         members.push_back(Piece::Member{t, {}, at::kFloat, 0});
       }
     }
@@ -679,7 +672,8 @@ void OutOfCoreWeights::update(size_t i) {
     std::unique_lock<std::mutex> lock(mutex_);
     // The first step creates the optimizer state: the piece grows to hold it.
     size_t expected = 0;
-    for (const auto& p : piece.params) expected += stateTensors(*piece.optimizer, p).size();
+    for (const auto& p : piece.params)
+      expected += optimizerStateTensors(*piece.optimizer, p).size();
     if (expected != piece.members.size()) buildLayout(piece);
     piece.copy = Piece::Copy::kDirty;
     if (!b.keep) writeLocked(piece, lock);

@@ -13,6 +13,8 @@
 #include <set>
 
 #include "core/errors.h"
+#include "memory/accounting.h"
+#include "memory/tier_piece.h"
 #include "memory/weights.h"
 #include "sync/optimizer_state.h"
 #include "sync/replicas.h"
@@ -30,9 +32,17 @@ struct ShardedParameters::Unit {
   at::Tensor gradShard;  // [shardNumel] averaged gradient (optimizer: a view of gradFull)
   at::Tensor reduced;    // optimizer: the reduce-scatter's output, copied into gradShard
   WorkPtr reduceWork, gatherWork;
-  bool gathered = true;   // `full` holds the current weights (no gather in flight)
-  bool ready = false;     // this step: its gradients are final (launch when its turn comes)
-  bool launched = false;  // this step: its reduce-scatter is issued
+  // Offloaded (ShardedParameters::offloadTo): the slice of the weights (shards_[i]) and its
+  // optimizer state (from the first update on) on the tier while not in use.
+  std::unique_ptr<TierPiece> weights, state;
+  // gradShard too, from its reduce-scatter's end (scaled by 1/W there) to the update.
+  std::unique_ptr<TierPiece> grads;
+  double gradNormSquared = 0.0;  // of the scaled gradShard, taken while it was in memory
+  bool sliceHeld = false;        // `weights` acquired for the gather in flight
+  int64_t stateBytes = 0;        // offloaded, a resident unit's: its state's bytes counted
+  bool gathered = true;          // `full` holds the current weights (no gather in flight)
+  bool ready = false;            // this step: its gradients are final (launch when its turn comes)
+  bool launched = false;         // this step: its reduce-scatter is issued
 };
 
 namespace {
@@ -197,9 +207,17 @@ void ShardedParameters::gather(size_t unit) {
   Unit& u = *units_[unit];
   if (u.gathered || u.gatherWork) return;
   CARAVAN_CHECK(!u.resident, "a resident unit is gathered after the update only");
+  if (u.weights) {
+    u.weights->acquire();  // the slice is the gather's input until it completes
+    u.sliceHeld = true;
+  }
   at::native::resize_bytes_cpu(storageOf(u.full), static_cast<size_t>(bytesOf(u.padded)));
   if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, bytesOf(u.padded));
   u.gatherWork = comm_->allgather(u.full, shards_[unit]);
+}
+
+void ShardedParameters::prefetchSlice(int64_t unit) {
+  if (unit >= 0 && units_[unit]->weights) units_[unit]->weights->prefetch();
 }
 
 void ShardedParameters::waitGathered(size_t unit) {
@@ -208,6 +226,10 @@ void ShardedParameters::waitGathered(size_t unit) {
   u.gatherWork->wait(comm_->timeout());
   u.gatherWork.reset();
   u.gathered = true;
+  if (u.sliceHeld) {
+    u.sliceHeld = false;
+    u.weights->release(/*changed=*/false);
+  }
 }
 
 void ShardedParameters::release(size_t unit) {
@@ -226,6 +248,7 @@ void ShardedParameters::beginForward(size_t block) {
     gather(static_cast<size_t>(u));  // no-op when prefetched or resident
     const int64_t next = nextGatheredUnit(block + 1, +1);
     if (next >= 0) gather(static_cast<size_t>(next));
+    if (offloaded_) prefetchSlice(nextGatheredUnit(block + 2, +1));  // the next gather's slice
     waitGathered(static_cast<size_t>(u));
   }
 }
@@ -278,6 +301,7 @@ void ShardedParameters::beforeBackward(size_t block) {
   if (block > 0) {
     const int64_t below = nextGatheredUnit(block - 1, -1);
     if (below >= 0) gather(static_cast<size_t>(below));
+    if (offloaded_ && block > 1) prefetchSlice(nextGatheredUnit(block - 2, -1));
   }
   waitGathered(static_cast<size_t>(u));
 }
@@ -323,6 +347,7 @@ void ShardedParameters::launchReadyInOrder() {
       u.reduced = at::empty({u.shardNumel}, at::kFloat);
       u.reduceWork = comm_->reduceScatter(u.reduced, u.gradFull, ReduceOp::kSum);
     } else {
+      if (u.grads) u.grads->acquire();  // the reduce-scatter's output
       u.reduceWork = comm_->reduceScatter(u.gradShard, u.gradFull, ReduceOp::kSum);
     }
     release(i);  // its backward is done (parameters)
@@ -342,15 +367,27 @@ void ShardedParameters::finishReduce(size_t unit) {
     inFlight_.pop_front();
     inFlightBytes_ -= bytesOf(u.padded);
   }
+  if (u.grads) {
+    // Offloaded: scaled now, as finishGradients scales the others, and its norm taken, while
+    // it is in memory; then it goes to the tier until the update.
+    u.gradShard.mul_(1.0 / static_cast<double>(comm_->size()));
+    u.gradNormSquared = u.gradShard.to(at::kDouble).pow(2).sum().item<double>();
+    u.grads->release(/*changed=*/true);
+  }
 }
 
 void ShardedParameters::finishGradients() {
   for (auto& u : units_) u->ready = true;  // a missing gradient contributes zeros
   launchReadyInOrder();
   const double scale = 1.0 / static_cast<double>(comm_->size());
+  gradCoefficient_ = 1.0;
   for (size_t i = 0; i < units_.size(); ++i) {
     Unit& u = *units_[i];
     finishReduce(i);
+    if (u.grads) {  // scaled by finishReduce; attached for its update (stepOffloaded)
+      u.ready = u.launched = false;
+      continue;
+    }
     if (level_ == ShardLevel::kOptimizer) {
       u.gradShard.copy_(u.reduced);
       u.reduced = at::Tensor();
@@ -365,7 +402,8 @@ void ShardedParameters::finishGradients() {
 double ShardedParameters::globalGradientNormSquared() {
   double local = 0.0;
   for (const auto& u : units_) {
-    local += u->gradShard.to(at::kDouble).pow(2).sum().item<double>();
+    local +=
+        u->grads ? u->gradNormSquared : u->gradShard.to(at::kDouble).pow(2).sum().item<double>();
   }
   at::Tensor sum = torch::tensor({local}, at::kDouble);
   comm_->allreduce(sum, ReduceOp::kSum)->wait(comm_->timeout());
@@ -438,6 +476,114 @@ void ShardedParameters::sliceOptimizerState(torch::optim::Optimizer& whole,
     }
     scatterOptimizerState(sliced, {shards_[i]}, mine);
   }
+}
+
+}  // namespace caravan
+
+namespace caravan {
+
+void ShardedParameters::offloadTo(Tier& tier, torch::optim::Optimizer& sliced) {
+  CARAVAN_CHECK(level_ == ShardLevel::kParameters, "offloaded slices need sync.shard = parameters");
+  settle();
+  tier_ = &tier;
+  sliced_ = &sliced;
+  offloaded_ = true;
+  for (size_t i = 0; i < units_.size(); ++i) {
+    Unit& u = *units_[i];
+    const std::vector<at::Tensor> state = optimizerStateTensors(sliced, shards_[i]);
+    if (u.resident) {
+      u.stateBytes = tensorBytes(state);
+      if (tracker_ != nullptr) tracker_->add(MemoryCategory::kOptimizerState, u.stateBytes);
+      continue;
+    }
+    // The slice's bytes move into the piece (counted there from now on).
+    if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, -bytesOf(u.shardNumel));
+    u.weights = std::make_unique<TierPiece>(tier, std::vector<at::Tensor>{shards_[i]}, tracker_,
+                                            MemoryCategory::kWeights);
+    if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, -bytesOf(u.shardNumel));
+    u.grads = std::make_unique<TierPiece>(tier, std::vector<at::Tensor>{u.gradShard}, tracker_,
+                                          MemoryCategory::kGradients);
+    if (!state.empty()) {  // a resumed run's
+      u.state = std::make_unique<TierPiece>(tier, state, tracker_, MemoryCategory::kOptimizerState);
+    }
+  }
+}
+
+void ShardedParameters::scaleGradients(double coefficient) {
+  for (size_t i = 0; i < units_.size(); ++i) {
+    if (units_[i]->grads) continue;  // applied by stepOffloaded, in memory
+    if (shards_[i].grad().defined()) shards_[i].grad().mul_(coefficient);
+  }
+  gradCoefficient_ *= coefficient;
+}
+
+void ShardedParameters::stepOffloaded(torch::optim::Optimizer& sliced) {
+  CARAVAN_CHECK(offloaded_ && &sliced == sliced_, "stepOffloaded without offloadTo");
+  // The optimizer steps the parameters that have a gradient: one slice at a time.
+  std::vector<at::Tensor> grads(shards_.size());
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    grads[i] = units_[i]->grads ? units_[i]->gradShard : shards_[i].grad();
+    shards_[i].mutable_grad() = at::Tensor();
+  }
+  auto prefetch = [&](size_t i) {
+    if (i >= units_.size()) return;
+    for (TierPiece* p :
+         {units_[i]->weights.get(), units_[i]->state.get(), units_[i]->grads.get()}) {
+      if (p != nullptr) p->prefetch();
+    }
+  };
+  prefetch(0);
+  for (size_t i = 0; i < units_.size(); ++i) {
+    Unit& u = *units_[i];
+    prefetch(i + 1);
+    if (u.grads) {
+      u.grads->acquire();
+      if (gradCoefficient_ != 1.0) u.gradShard.mul_(gradCoefficient_);  // clipping's
+    } else if (!grads[i].defined()) {
+      continue;
+    }
+    if (u.weights) u.weights->acquire();
+    if (u.state) u.state->acquire();
+    shards_[i].mutable_grad() = grads[i];
+    sliced.step();
+    shards_[i].mutable_grad() = at::Tensor();
+    if (u.resident) {
+      // Kept in memory: its state is counted when the first step makes it.
+      const int64_t now = tensorBytes(optimizerStateTensors(sliced, shards_[i]));
+      if (tracker_ != nullptr) tracker_->add(MemoryCategory::kOptimizerState, now - u.stateBytes);
+      u.stateBytes = now;
+      continue;
+    }
+    u.grads->release(/*changed=*/false);
+    u.weights->release(/*changed=*/true);
+    if (u.state) {
+      u.state->release(/*changed=*/true);
+    } else {  // the first step made it
+      u.state = std::make_unique<TierPiece>(*tier_, optimizerStateTensors(sliced, shards_[i]),
+                                            tracker_, MemoryCategory::kOptimizerState);
+    }
+  }
+  gradCoefficient_ = 1.0;
+  tier_->check();
+}
+
+void ShardedParameters::withSlicesInMemory(const std::function<void()>& fn, bool changes) {
+  if (!offloaded_) return fn();
+  for (auto& u : units_) {
+    if (u->weights) u->weights->acquire();
+    if (u->state) u->state->acquire();
+  }
+  std::exception_ptr failure;
+  try {
+    fn();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  for (auto& u : units_) {
+    if (u->weights) u->weights->release(changes);
+    if (u->state) u->state->release(changes);
+  }
+  if (failure) std::rethrow_exception(failure);
 }
 
 }  // namespace caravan

@@ -72,6 +72,7 @@
 
 #include "comm/communicator.h"
 #include "core/torch_fwd.h"
+#include "memory/tier.h"
 #include "memory/tracker.h"
 #include "models/model.h"
 #include "sync/sync_mode.h"
@@ -124,6 +125,26 @@ class ShardedParameters final : public BlockRunner {
   // state, loaded whole from the checkpoint, on any number of workers).
   void sliceOptimizerState(torch::optim::Optimizer& whole, torch::optim::Optimizer& sliced) const;
 
+  // memory.weights = offload (ZeRO-Infinity; parameters only): from now on each gathered unit's
+  // slice of the weights, its averaged gradient and its optimizer state in `sliced` (which steps
+  // shards()) live on `tier` while not in use (memory/tier_piece.h): a slice is read back for
+  // its unit's gathers (prefetched a unit ahead of the gather's own prefetch) and for its
+  // update; the gradient is written once its reduce-scatter is done (scaled by 1/W and its
+  // squared norm taken first) and read for the update; the state only for the update. The
+  // shared unit's stay in memory. `tier` and `sliced` outlive this object.
+  void offloadTo(Tier& tier, torch::optim::Optimizer& sliced);
+  bool offloaded() const { return offloaded_; }
+  // In place of sliced.step() when offloaded: each unit's slice stepped in turn (the last
+  // block's first, so block 0's is still in memory when the next forward gathers it), with its
+  // weights and state read back (the next unit's prefetched) and written again after its step.
+  void stepOffloaded(torch::optim::Optimizer& sliced);
+  // Multiplies this step's averaged gradients by `coefficient` (clipping): at once, or, for the
+  // offloaded ones, when stepOffloaded has them in memory.
+  void scaleGradients(double coefficient);
+  // Every offloaded slice and its state in memory while `fn` runs (a checkpoint reads or
+  // installs them; `changes`: `fn` writes them).
+  void withSlicesInMemory(const std::function<void()>& fn, bool changes);
+
   // Sum over ranks of the slices' squared gradient norms (a collective): the global norm's
   // square. Non-finite gradients anywhere make it non-finite everywhere.
   double globalGradientNormSquared();
@@ -168,6 +189,12 @@ class ShardedParameters final : public BlockRunner {
   std::vector<size_t> unitsAbove_;  // per block: the units of the blocks above it (a prefix)
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hookKeys_;
+  // Offload (offloadTo): the tier, and the optimizer whose state the units' state pieces hold.
+  Tier* tier_ = nullptr;
+  torch::optim::Optimizer* sliced_ = nullptr;
+  bool offloaded_ = false;
+  double gradCoefficient_ = 1.0;     // scaleGradients' product this step, for offloaded gradients
+  void prefetchSlice(int64_t unit);  // the tier read of a unit's slice (-1: none)
 };
 
 }  // namespace caravan

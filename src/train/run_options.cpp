@@ -324,10 +324,11 @@ void validateShard(const RunOptions& options) {
         "parallel.pipeline_stages = 1 and parallel.micro_batches = 1, or sync.shard = none",
         name));
   }
-  if (options.memory.offloadWeights) {
+  if (options.memory.offloadWeights && shard != ShardLevel::kParameters) {
     throw ConfigError(fmt::format(
-        "sync.shard = {} does not run with memory.weights = offload yet; set memory.weights = "
-        "core (sharding already divides the weights' memory) or sync.shard = none",
+        "sync.shard = {} does not run with memory.weights = offload yet; set sync.shard = "
+        "parameters (each worker's slices then live on memory.tier), memory.weights = core, or "
+        "sync.shard = none",
         name));
   }
   const std::string& policy = options.memory.policy;

@@ -310,8 +310,11 @@ std::unique_ptr<StepEngine> RunSetup::attachSharded(Distributed& dist) {
   // weights stay weights under every memory.policy.
   if (activations.executor) activations.executor->refreshParameters(model->parameters());
   auto sliced = makeOptimizer(options.optim, shards->shards());
+  Tier* tier = options.memory.offloadWeights ? activations.tier.get() : nullptr;
+  CARAVAN_CHECK(!options.memory.offloadWeights || tier != nullptr,
+                "memory.weights = offload without a tier");
   return std::make_unique<ShardedStep>(model, *optimizer, stepOptions(options), std::move(shards),
-                                       std::move(sliced));
+                                       std::move(sliced), tier);
 }
 
 std::vector<std::pair<std::string, std::string>> RunSetup::planFiles() const {

@@ -16,13 +16,14 @@ namespace caravan {
 
 ShardedStep::ShardedStep(BlockModel model, torch::optim::Optimizer& optimizer, StepOptions options,
                          std::unique_ptr<ShardedParameters> shards,
-                         std::unique_ptr<torch::optim::Optimizer> sliced)
+                         std::unique_ptr<torch::optim::Optimizer> sliced, Tier* offloadTier)
     : StepEngine(optimizer, options),
       model_(std::move(model)),
       shards_(std::move(shards)),
       sliced_(std::move(sliced)) {
   shards_->sliceOptimizerState(optimizer_, *sliced_);
   optimizer_.state().clear();
+  if (offloadTier != nullptr) shards_->offloadTo(*offloadTier, *sliced_);
 }
 
 ShardedStep::~ShardedStep() = default;
@@ -46,15 +47,19 @@ double ShardedStep::clipGradients(double maxNorm, const StepResult&) {
   // As clip_grad_norm_: the coefficient max_norm / (norm + 1e-6), clamped at 1.
   const double norm = std::sqrt(normSquared());
   const double coefficient = std::min(1.0, maxNorm / (norm + 1e-6));
-  for (const auto& s : shards_->shards()) {
-    if (s.grad().defined()) s.grad().mul_(coefficient);
-  }
+  shards_->scaleGradients(coefficient);
   return norm;
 }
 
 std::vector<at::Tensor> ShardedStep::trainedParameters() { return shards_->shards(); }
 
-void ShardedStep::update() { sliced_->step(); }
+void ShardedStep::update() {
+  if (shards_->offloaded()) {
+    shards_->stepOffloaded(*sliced_);
+  } else {
+    sliced_->step();
+  }
+}
 
 void ShardedStep::afterUpdate(int64_t, StepResult& r) {
   shards_->afterUpdate();
@@ -74,7 +79,8 @@ EvalResult ShardedStep::evaluate(const Dataset& dataset, int64_t batchSize, int6
 
 void ShardedStep::withWholeModel(const std::function<void()>& write) {
   shards_->settle();
-  shards_->gatherOptimizerState(*sliced_, optimizer_);
+  shards_->withSlicesInMemory([&] { shards_->gatherOptimizerState(*sliced_, optimizer_); },
+                              /*changes=*/false);
   shards_->withFullParameters([&] {
     if (shards_->comm().rank() == 0) write();
   });
@@ -84,8 +90,11 @@ void ShardedStep::withWholeModel(const std::function<void()>& write) {
 void ShardedStep::finish() { shards_->settle(); }
 
 void ShardedStep::accountModelState(MemoryTracker& memory) {
-  // The weights and gradients are counted as they come and go (ShardedParameters).
-  memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*sliced_));
+  // The weights and gradients are counted as they come and go (ShardedParameters), and so is
+  // the optimizer state of offloaded slices.
+  if (!shards_->offloaded()) {
+    memory.set(MemoryCategory::kOptimizerState, optimizerStateBytes(*sliced_));
+  }
 }
 
 // Every parameter, frozen ones too; the sharded ones are views of their units (empty while not
@@ -112,8 +121,9 @@ std::string ShardedStep::memoryAdvice() const {
 
 std::string ShardedStep::describe() const {
   const Communicator& c = shards_->comm();
-  return fmt::format(" per worker x {} workers ({}, allreduce, sync.shard = {})", c.size(),
-                     c.backend(), shardLevelName(shards_->level()));
+  return fmt::format(" per worker x {} workers ({}, allreduce, sync.shard = {}{})", c.size(),
+                     c.backend(), shardLevelName(shards_->level()),
+                     shards_->offloaded() ? ", slices offloaded" : "");
 }
 
 }  // namespace caravan

@@ -4,7 +4,10 @@
 // reduce-scattered as backward completes it), the slices' averaged gradients checked and
 // clipped with the global norm (one all-reduce of the squared norm), the run's optimizer on
 // this rank's slices only (a second optimizer, same options, over ShardedParameters::shards()),
-// then the updated slices all-gathered (overlapping the next forward).
+// then the updated slices all-gathered (overlapping the next forward). Under memory.weights =
+// offload (sync.shard = parameters: ZeRO-Infinity's composition) the slices and their optimizer
+// state live on memory.tier and the update steps one unit's slice at a time, reading it back
+// and writing it again (ShardedParameters::stepOffloaded).
 //
 // The setup's optimizer keeps the learning rate and, only inside withWholeModel, the whole
 // model's state: a checkpoint and model.pt are the in-core format (rank 0 writes them), so a
@@ -21,10 +24,12 @@ namespace caravan {
 class ShardedStep : public StepEngine {
  public:
   // `sliced`: the run's optimizer over shards->shards(). The setup's `optimizer` holds a resumed
-  // run's whole state, which moves into `sliced` here.
+  // run's whole state, which moves into `sliced` here. `offloadTier` (memory.weights = offload;
+  // null: in memory): where the slices and their state live (ShardedParameters::offloadTo); it
+  // outlives the engine.
   ShardedStep(BlockModel model, torch::optim::Optimizer& optimizer, StepOptions options,
               std::unique_ptr<ShardedParameters> shards,
-              std::unique_ptr<torch::optim::Optimizer> sliced);
+              std::unique_ptr<torch::optim::Optimizer> sliced, Tier* offloadTier = nullptr);
   ~ShardedStep() override;
 
   EvalResult evaluate(const Dataset& dataset, int64_t batchSize, int64_t maxBatches) override;
