@@ -1386,13 +1386,22 @@ TEST(DistShardedOffload, SlicesOnTheTierTrainTheBitsOfNone) {
     }
   }
   // Clipping: the global norm from the gradients' squares taken before they went to the tier,
-  // the coefficient applied when each is read back for its update.
-  const auto clipped = with(kShardGpt, {"dist.backend=shm", "memory.weights=offload",
+  // the coefficient applied when each is read back for its update: the bits of the in-memory
+  // slices (whose norm sums in another order than none's: DistShardedRounding).
+  TempDir tmp;
+  const auto clipped = with(kShardGpt, {"dist.backend=shm", "sync.shard=parameters",
                                         "memory.tier=host", "optim.grad_clip=0.05"});
-  for (const auto& [level, d] : shardDifferences(2, clipped, {"parameters"})) {
-    EXPECT_EQ(d.loss, 0.0) << level;
-    EXPECT_EQ(d.params, 0.0) << level;
+  std::map<std::string, std::vector<double>> losses;
+  std::map<std::string, std::map<std::string, at::Tensor>> params;
+  for (const char* weights : {"core", "offload"}) {
+    const auto o = with(clipped, {std::string("memory.weights=") + weights});
+    const std::string dir = tmp / weights;
+    ASSERT_EQ(runRanks(2, dir, o), std::vector<int>(2, 0)) << test::readFile(dir + ".rank0.log");
+    losses[weights] = test::trainLosses(dir);
+    params[weights] = finalParams(dir, o);
   }
+  EXPECT_EQ(losses["core"], losses["offload"]);
+  EXPECT_EQ(maxAbsDiff(params["core"], params["offload"]), 0.0);
 }
 
 // Stopped at step 12 and resumed, each level ends with the uninterrupted run's bits. A
@@ -1516,4 +1525,18 @@ TEST(DistShardedRefusals, CombinationsThatCannotRunAreOneLine) {
   EXPECT_NE(r.err.find("train on more workers"), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("memory.policy = auto"), std::string::npos) << r.err;
   EXPECT_EQ(test::countLines(r.err), 1) << r.err;
+  // Below one gathered block (a block's weights and gradients: 2 x 50816 bytes here), with the
+  // slices out of core or not: refused before the first step.
+  for (const char* weights : {"core", "offload"}) {
+    const auto b =
+        with(kShardGpt, {"sync.shard=parameters", "memory.budget=64KiB", "dist.backend=shm",
+                         "memory.tier=host", std::string("memory.weights=") + weights});
+    const auto refused = test::runCaravan("train -q --config /dev/null" + setArgs(b) +
+                                          " --workers 2 --run-dir " + (tmp / "block"));
+    EXPECT_EQ(refused.exitCode, 2) << refused.err;
+    EXPECT_NE(refused.err.find("is below one gathered block"), std::string::npos) << refused.err;
+    EXPECT_NE(refused.err.find("raise memory.budget"), std::string::npos) << refused.err;
+    EXPECT_EQ(test::countLines(refused.err), 1) << refused.err;
+    EXPECT_FALSE(fs::exists(tmp / "block/metrics.jsonl")) << weights;
+  }
 }

@@ -35,8 +35,8 @@ TierPiece::TierPiece(Tier& tier, std::vector<at::Tensor> members, MemoryTracker*
     bytes_ += alignUp(static_cast<int64_t>(m.nbytes()));
   }
   bytes_ = std::max<int64_t>(bytes_, kAlign);
-  slot_ = tier_.allocate(bytes_);
   at::Storage blob = newBlob(tier_, bytes_);
+  slot_ = tier_.allocate(bytes_);
   for (size_t k = 0; k < members_.size(); ++k) {
     std::memcpy(static_cast<char*>(blob.mutable_data()) + offsets_[k], members_[k].data_ptr(),
                 members_[k].nbytes());
@@ -89,12 +89,13 @@ void TierPiece::startReadLocked() {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     reading_ = false;
-    if (error.empty()) {
+    try {
+      if (!error.empty()) throw IoError(error);
       attach(blob);
       blob_ = blob;
       if (tracker_ != nullptr) tracker_->add(category_, bytes_);
-    } else {
-      tier_.fail(error);
+    } catch (const std::exception& e) {
+      tier_.fail(e.what());
     }
     cv_.notify_all();
   });
@@ -115,11 +116,14 @@ void TierPiece::startWriteLocked() {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     --writes_;
-    if (!error.empty()) {
-      tier_.fail(error);
-    } else if (version == version_) {
-      tierCurrent_ = true;
-      detachIfIdleLocked();
+    try {
+      if (!error.empty()) throw IoError(error);
+      if (version == version_) {
+        tierCurrent_ = true;
+        detachIfIdleLocked();
+      }
+    } catch (const std::exception& e) {
+      tier_.fail(e.what());
     }
     cv_.notify_all();
   });
@@ -127,7 +131,7 @@ void TierPiece::startWriteLocked() {
 
 void TierPiece::prefetch() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!static_cast<bool>(blob_)) prefetched_ = true;
+  prefetched_ = true;  // in memory already (a write pending): kept there
   startReadLocked();
 }
 
@@ -145,16 +149,41 @@ void TierPiece::acquire() {
   }
 }
 
-void TierPiece::release(bool changed) {
+void TierPiece::acquireToOverwrite() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  ++pins_;
+  prefetched_ = false;
+  cv_.wait(lock, [&] { return !reading_; });
+  if (!static_cast<bool>(blob_)) {
+    at::Storage blob = newBlob(tier_, bytes_);
+    attach(blob);
+    blob_ = blob;
+    if (tracker_ != nullptr) tracker_->add(category_, bytes_);
+  }
+  ++version_;  // what the tier holds is not these bytes any more
+  tierCurrent_ = false;
+}
+
+void TierPiece::release(Release how) {
   std::lock_guard<std::mutex> lock(mutex_);
   CARAVAN_CHECK(pins_ > 0 && static_cast<bool>(blob_), "a tier piece released without acquire");
   --pins_;
-  if (changed) {
+  if (how == Release::kChanged) {
     ++version_;
     tierCurrent_ = false;
+  } else if (how == Release::kSpent) {
+    ++version_;  // a write in flight does not make the tier "current" again
+    tierCurrent_ = true;
   }
   if (pins_ == 0 && !tierCurrent_) startWriteLocked();
   detachIfIdleLocked();
+}
+
+void TierPiece::waitWritten() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [&] { return writes_ == 0 || tier_.failed(); });
+  lock.unlock();
+  tier_.check();
 }
 
 }  // namespace caravan

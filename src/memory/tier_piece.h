@@ -4,12 +4,13 @@
 // state keys and the collectives' arguments stay; out of memory each is an empty tensor.
 //
 // Use: acquire() pins the piece in memory (reading it back and waiting if it is on the tier),
-// release(changed) unpins it. An unpinned piece leaves memory as soon as the tier holds its
+// release(how) unpins it. An unpinned piece leaves memory as soon as the tier holds its
 // current bytes: at once when the tier copy is current (a piece read back and only read), after
 // its write when it changed (the write is queued on the tier's writer thread at release; the
 // tensors stay views of the blob until it is done). prefetch() queues the read of a piece on the
-// tier so a later acquire() does not wait (the piece then stays in memory until acquired and
-// released). A piece is created in memory, as changed, and its write is queued at once.
+// tier so a later acquire() does not wait, or keeps a piece still in memory there (either way
+// it stays in memory until acquired and released). A piece is created in memory, as changed, and
+// its write is queued at once.
 //
 // Reads and writes of one piece never overlap: a read is queued only when no write is pending
 // (an acquire during the write takes the bytes still in memory back).
@@ -20,7 +21,8 @@
 // Errors: an I/O error fails the tier (Tier::check) and acquire() throws IoError.
 // Threading: acquire/release/prefetch from any one thread at a time per piece; the tier's I/O
 // threads finish reads and writes. The tier must outlive the piece (the destructor waits for its
-// I/O and frees its slot).
+// I/O and frees its slot) and keep its I/O threads running while the piece exists: jobs are
+// submitted under the piece's lock, and a stopped tier would run them inline, on that lock.
 #pragma once
 
 #include <condition_variable>
@@ -47,9 +49,19 @@ class TierPiece {
   TierPiece& operator=(const TierPiece&) = delete;
 
   void acquire();
-  // `changed`: the members were written while pinned (the tier copy is stale).
-  void release(bool changed);
+  // Pinned in memory for a caller that overwrites every member: no read (fresh bytes when the
+  // piece is on the tier; a read in flight is waited for).
+  void acquireToOverwrite();
+  enum class Release {
+    kUnchanged,  // only read: the tier copy stays current
+    kChanged,    // written: its write is queued when the last pin goes
+    kSpent,      // its bytes are no longer needed (a gradient after its update): no write
+  };
+  void release(Release how);
   void prefetch();
+  // Waits until no write of this piece is queued or running (bounds the writes in flight of a
+  // caller that changes pieces one after the other). Throws the tier's IoError.
+  void waitWritten();
   int64_t bytes() const { return bytes_; }
   const std::vector<at::Tensor>& members() const { return members_; }
 

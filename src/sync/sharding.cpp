@@ -228,7 +228,7 @@ void ShardedParameters::waitGathered(size_t unit) {
   u.gathered = true;
   if (u.sliceHeld) {
     u.sliceHeld = false;
-    u.weights->release(/*changed=*/false);
+    u.weights->release(TierPiece::Release::kUnchanged);
   }
 }
 
@@ -248,7 +248,12 @@ void ShardedParameters::beginForward(size_t block) {
     gather(static_cast<size_t>(u));  // no-op when prefetched or resident
     const int64_t next = nextGatheredUnit(block + 1, +1);
     if (next >= 0) gather(static_cast<size_t>(next));
-    if (offloaded_) prefetchSlice(nextGatheredUnit(block + 2, +1));  // the next gather's slice
+    if (offloaded_) {
+      // The next gather's slice; at the last block, the first one backward gathers below it.
+      prefetchSlice(block + 1 < blockUnit_.size() ? nextGatheredUnit(block + 2, +1)
+                    : block > 0                   ? nextGatheredUnit(block - 1, -1)
+                                                  : -1);
+    }
     waitGathered(static_cast<size_t>(u));
   }
 }
@@ -347,7 +352,7 @@ void ShardedParameters::launchReadyInOrder() {
       u.reduced = at::empty({u.shardNumel}, at::kFloat);
       u.reduceWork = comm_->reduceScatter(u.reduced, u.gradFull, ReduceOp::kSum);
     } else {
-      if (u.grads) u.grads->acquire();  // the reduce-scatter's output
+      if (u.grads) u.grads->acquireToOverwrite();  // the reduce-scatter's output
       u.reduceWork = comm_->reduceScatter(u.gradShard, u.gradFull, ReduceOp::kSum);
     }
     release(i);  // its backward is done (parameters)
@@ -372,7 +377,10 @@ void ShardedParameters::finishReduce(size_t unit) {
     // it is in memory; then it goes to the tier until the update.
     u.gradShard.mul_(1.0 / static_cast<double>(comm_->size()));
     u.gradNormSquared = u.gradShard.to(at::kDouble).pow(2).sum().item<double>();
-    u.grads->release(/*changed=*/true);
+    // One gradient write in flight at a time: the previous unit's is done first.
+    if (lastGradWrite_ >= 0) units_[lastGradWrite_]->grads->waitWritten();
+    u.grads->release(TierPiece::Release::kChanged);
+    lastGradWrite_ = static_cast<int64_t>(unit);
   }
 }
 
@@ -448,7 +456,12 @@ void ShardedParameters::gatherOptimizerState(torch::optim::Optimizer& sliced,
                                              torch::optim::Optimizer& whole) {
   for (size_t i = 0; i < units_.size(); ++i) {
     const Unit& u = *units_[i];
-    const FlatOptimizerState mine = caravan::gatherOptimizerState(sliced, {shards_[i]});
+    // Offloaded: one unit's slice and state in memory at a time.
+    if (u.weights) u.weights->acquire();
+    if (u.state) u.state->acquire();
+    const FlatOptimizerState mine = caravan::gatherOptimizerState(sliced, {shards_[i]});  // a copy
+    if (u.weights) u.weights->release(TierPiece::Release::kUnchanged);
+    if (u.state) u.state->release(TierPiece::Release::kUnchanged);
     FlatOptimizerState all;
     all.step = mine.step;
     if (mine.rows() > 0) {
@@ -533,6 +546,7 @@ void ShardedParameters::stepOffloaded(torch::optim::Optimizer& sliced) {
     }
   };
   prefetch(0);
+  Unit* previous = nullptr;  // the last offloaded unit updated
   for (size_t i = 0; i < units_.size(); ++i) {
     Unit& u = *units_[i];
     prefetch(i + 1);
@@ -554,34 +568,51 @@ void ShardedParameters::stepOffloaded(torch::optim::Optimizer& sliced) {
       u.stateBytes = now;
       continue;
     }
-    u.grads->release(/*changed=*/false);
-    u.weights->release(/*changed=*/true);
+    u.grads->release(TierPiece::Release::kSpent);
+    u.weights->release(TierPiece::Release::kChanged);
     if (u.state) {
-      u.state->release(/*changed=*/true);
-    } else {  // the first step made it
-      u.state = std::make_unique<TierPiece>(*tier_, optimizerStateTensors(sliced, shards_[i]),
-                                            tracker_, MemoryCategory::kOptimizerState);
+      u.state->release(TierPiece::Release::kChanged);
+    } else if (auto state = optimizerStateTensors(sliced, shards_[i]); !state.empty()) {
+      // The first step made it (SGD without momentum has none).
+      u.state = std::make_unique<TierPiece>(*tier_, std::move(state), tracker_,
+                                            MemoryCategory::kOptimizerState);
     }
+    // The writes in flight stay within two units' slices: the previous unit's are done first.
+    if (previous != nullptr) {
+      previous->weights->waitWritten();
+      if (previous->state) previous->state->waitWritten();
+    }
+    previous = &u;
   }
   gradCoefficient_ = 1.0;
+  lastGradWrite_ = -1;
+  // The next forward starts with block 0's and block 1's units (updated last): kept in memory.
+  const int64_t first = nextGatheredUnit(0, +1);
+  prefetchSlice(first);
+  if (first >= 0 && !units_[first]->blocks.empty()) {
+    prefetchSlice(nextGatheredUnit(units_[first]->blocks.front() + 1, +1));
+  }
   tier_->check();
 }
 
 void ShardedParameters::withSlicesInMemory(const std::function<void()>& fn, bool changes) {
   if (!offloaded_) return fn();
-  for (auto& u : units_) {
-    if (u->weights) u->weights->acquire();
-    if (u->state) u->state->acquire();
-  }
+  std::vector<TierPiece*> held;
   std::exception_ptr failure;
   try {
+    for (auto& u : units_) {
+      for (TierPiece* p : {u->weights.get(), u->state.get()}) {
+        if (p == nullptr) continue;
+        p->acquire();
+        held.push_back(p);
+      }
+    }
     fn();
   } catch (...) {
     failure = std::current_exception();
   }
-  for (auto& u : units_) {
-    if (u->weights) u->weights->release(changes);
-    if (u->state) u->state->release(changes);
+  for (TierPiece* p : held) {
+    p->release(changes ? TierPiece::Release::kChanged : TierPiece::Release::kUnchanged);
   }
   if (failure) std::rethrow_exception(failure);
 }

@@ -141,8 +141,8 @@ class ShardedParameters final : public BlockRunner {
   // Multiplies this step's averaged gradients by `coefficient` (clipping): at once, or, for the
   // offloaded ones, when stepOffloaded has them in memory.
   void scaleGradients(double coefficient);
-  // Every offloaded slice and its state in memory while `fn` runs (a checkpoint reads or
-  // installs them; `changes`: `fn` writes them).
+  // Every offloaded slice and its state in memory while `fn` runs (12 Psi / W at once; for a
+  // caller that needs them together; `changes`: `fn` writes them).
   void withSlicesInMemory(const std::function<void()>& fn, bool changes);
 
   // Sum over ranks of the slices' squared gradient norms (a collective): the global norm's
@@ -194,6 +194,7 @@ class ShardedParameters final : public BlockRunner {
   torch::optim::Optimizer* sliced_ = nullptr;
   bool offloaded_ = false;
   double gradCoefficient_ = 1.0;     // scaleGradients' product this step, for offloaded gradients
+  int64_t lastGradWrite_ = -1;       // the unit whose gradient was written last this step
   void prefetchSlice(int64_t unit);  // the tier read of a unit's slice (-1: none)
 };
 

@@ -127,7 +127,66 @@ std::vector<WeightOptions> weightWindows(const RunOptions& options) {
   return out;
 }
 
+namespace {
+
+// The bytes of the largest block's own trainable parameters (a sharded unit) and of those
+// several blocks read (the shared unit).
+struct UnitBytes {
+  int64_t largest = 0, shared = 0;
+};
+UnitBytes unitBytes(BlockModel& model) {
+  UnitBytes u;
+  std::map<const c10::TensorImpl*, int> uses;
+  const auto perBlock = blockParameters(model);
+  for (const auto& block : perBlock) {
+    for (const auto& p : block) ++uses[p.unsafeGetTensorImpl()];
+  }
+  auto named = model->named_parameters();
+  for (const auto& use : model->sharedUses()) {
+    if (const at::Tensor* p = named.find(use.name)) uses[p->unsafeGetTensorImpl()] += 2;
+  }
+  std::map<const c10::TensorImpl*, int64_t> sharedBytes;
+  for (const auto& block : perBlock) {
+    int64_t own = 0;
+    for (const auto& p : block) {
+      const int64_t bytes = tensorBytes({p});
+      if (uses[p.unsafeGetTensorImpl()] > 1) {
+        sharedBytes[p.unsafeGetTensorImpl()] = bytes;
+      } else {
+        own += bytes;
+      }
+    }
+    u.largest = std::max(u.largest, own);
+  }
+  for (const auto& [impl, bytes] : sharedBytes) u.shared += bytes;
+  return u;
+}
+
+// A sharded worker's model state (sync.shard over options.workers): ZeRO's accounting
+// (shardedModelState); under gradients two units' local gradients in flight; under parameters
+// two gathered blocks (the one running, the prefetched one) and one block's local gradients.
+// Out of core (parameters): only those, the slices of two units being read or updated, and the
+// shared unit (gathered throughout, its slices in memory).
+int64_t shardedPersistentBytes(const RunOptions& options, BlockModel& model, int stateFactor) {
+  const int w = std::max(1, options.workers);
+  const ShardLevel level = options.sync.shard;
+  const UnitBytes u = unitBytes(model);
+  if (level == ShardLevel::kParameters && options.memory.offloadWeights) {
+    const int64_t slices = (2 + stateFactor) * (2 * u.largest + u.shared) / w;
+    return 3 * u.largest + u.shared + std::max(u.largest, u.shared) + slices;
+  }
+  const int64_t state =
+      shardedModelState(level, tensorBytes(model->parameters()), stateFactor, w).total();
+  if (level == ShardLevel::kParameters) return state + 3 * u.largest;
+  return state + (level == ShardLevel::kGradients ? 2 * u.largest : 0);
+}
+
+}  // namespace
+
 int64_t persistentBytes(const RunOptions& options, BlockModel& model, const WeightOptions& window) {
+  if (options.sync.shard != ShardLevel::kNone) {
+    return shardedPersistentBytes(options, model, window.stateFactor);
+  }
   if (options.memory.offloadWeights) return OutOfCoreWeights::windowBytes(model, window);
   const int64_t weights = tensorBytes(model->parameters());
   return weights + weights + window.stateFactor * weights;
@@ -396,6 +455,18 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
   openTier(m, o, tierDtype, planning);
   m.weights = weightOptions(options);
   m.persistent = persistentBytes(options, model, m.weights);
+  if (options.sync.shard == ShardLevel::kParameters && o.budget > 0) {
+    // However the state is split, a block runs whole: its weights gathered, then its gradients.
+    const UnitBytes u = unitBytes(model);
+    const int64_t block = 2 * std::max(u.largest, u.shared);
+    if (o.budget < block) {
+      throw ConfigError(fmt::format(
+          "memory.budget = {} is below one gathered block under sync.shard = parameters: the "
+          "largest block's weights and their gradients take {}; raise memory.budget above that "
+          "(activations come on top), or cut the model into smaller blocks",
+          o.budgetText, formatBytesAtLeast(block)));
+    }
+  }
   if (planning) {
     planActivations(m, options, model, sample, tierDtype, automatic, alwaysPlan, localProcesses);
   }

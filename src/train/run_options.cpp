@@ -438,9 +438,11 @@ void validate(const RunOptions& options, int worldSize) {
   validate(options.schedule);
   if (distributed) validateJob(options);
   validate(options.pipeline, options, worldSize);
-  // train.nonfinite_skips: the update must come after the gradients can be checked.
+  // train.nonfinite_skips: the update must come after the gradients can be checked (out-of-core
+  // weights update during backward; sharded ones after it).
+  const bool shardedUpdate = distributed && options.sync.shard != ShardLevel::kNone;
   const bool updatesBeforeCheck =
-      options.memory.offloadWeights || (distributed && stepsOnServers(mode));
+      (options.memory.offloadWeights && !shardedUpdate) || (distributed && stepsOnServers(mode));
   if (options.loop.nonfiniteSkips > 0 && updatesBeforeCheck) {
     throw ConfigError(fmt::format(
         "train.nonfinite_skips needs the update after backward; {} updates before it can be "

@@ -135,6 +135,9 @@ struct RunOptions {
   MemoryOptions memory;
   SyncOptions sync;
   PipelineOptions pipeline;
+  // The data-parallel workers the model state is sharded over (sync.shard): not a key; set by
+  // RunSetup for a job's worker (1 elsewhere: caravan plan prints each level for several).
+  int workers = 1;
 
   // Reads every key once. Throws ConfigError for a value no key's schema catches alone (e.g.
   // a memory.budget that is not a size).

@@ -52,7 +52,13 @@ RunSetup RunSetup::forInspection(const Config& config) {
 
 RunSetup::RunSetup(const Config& cfg, RunOptions opts, int rankInWorkers, int workerCount,
                    ModelOnly)
-    : config(cfg), options(std::move(opts)), rank(rankInWorkers), workers(workerCount) {
+    : config(cfg),
+      options([&] {
+        opts.workers = workerCount;
+        return std::move(opts);
+      }()),
+      rank(rankInWorkers),
+      workers(workerCount) {
   data = makeDatasets(options.data, options.seed.data);
   torch::manual_seed(options.seed.init);
   model = buildModel(options.model, data.train->shape());

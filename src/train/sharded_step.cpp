@@ -79,8 +79,7 @@ EvalResult ShardedStep::evaluate(const Dataset& dataset, int64_t batchSize, int6
 
 void ShardedStep::withWholeModel(const std::function<void()>& write) {
   shards_->settle();
-  shards_->withSlicesInMemory([&] { shards_->gatherOptimizerState(*sliced_, optimizer_); },
-                              /*changes=*/false);
+  shards_->gatherOptimizerState(*sliced_, optimizer_);
   shards_->withFullParameters([&] {
     if (shards_->comm().rank() == 0) write();
   });
