@@ -118,10 +118,8 @@ void TierPiece::startWriteLocked() {
     --writes_;
     try {
       if (!error.empty()) throw IoError(error);
-      if (version == version_) {
-        tierCurrent_ = true;
-        detachIfIdleLocked();
-      }
+      if (version == version_) tierCurrent_ = true;
+      detachIfIdleLocked();  // current, or spent while it was written
     } catch (const std::exception& e) {
       tier_.fail(e.what());
     }
