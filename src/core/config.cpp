@@ -153,8 +153,8 @@ std::vector<ConfigOption> buildSchema() {
              "steps whose loss or gradient is not finite that are skipped (no update: the batch "
              "and the step's learning rate are used up; counted in metrics.jsonl as "
              "skipped_steps) before the run stops at the next one; 0 = stop at the first. Not with "
-             "ps-bsp, ps-asp, ps-ssp, osp or memory.weights = offload (their updates happen "
-             "before the check)"),
+             "ps-bsp, ps-asp, ps-ssp, osp or memory.weights = offload without sync.shard (their "
+             "updates happen before the check)"),
       intOpt("train.threads", 0, 0, 1024,
              "intra-op compute threads (0 = LibTorch's default: all cores)"),
       strOpt("train.precision", "float32",
@@ -176,7 +176,8 @@ std::vector<ConfigOption> buildSchema() {
       strOpt("memory.weights", "core",
              "where weights, gradients and optimizer state live: core (in memory) or offload "
              "(on memory.tier, each block's brought in while it is used and updated as soon as "
-             "its gradients exist; single process or sync.mode = allreduce)",
+             "its gradients exist; single process or sync.mode = allreduce; with sync.shard = "
+             "parameters, each worker's slices live there)",
              {"core", "offload"}),
       strOpt("memory.tier", "disk",
              "where swapped bytes go: disk (a file in memory.swap_dir, direct I/O) or host "
