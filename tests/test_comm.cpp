@@ -12,6 +12,9 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <linux/tcp.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <algorithm>
 #include <atomic>
@@ -35,6 +38,7 @@
 #include "comm/auth.h"
 #include "comm/comm_util.h"
 #include "comm/communicator.h"
+#include "comm/counting_communicator.h"
 #include "comm/factory.h"
 #include "comm/gloo_communicator.h"
 #include "comm/hierarchical_communicator.h"
@@ -327,6 +331,50 @@ TEST(CommGlooFaults, CollectiveTimeoutNamesThePeer) {
   EXPECT_NE(message.find("allreduce #1"), std::string::npos) << message;
   EXPECT_GE(waitedMs, 250);
   EXPECT_LT(waitedMs, 2000);
+}
+
+// A reduce-scatter (a ring of point-to-point messages on a worker thread) that a rank never
+// joins fails like any collective: a wait that runs out says so within its own timeout, and a
+// longer one ends at Gloo's I/O timeout (the ring's own wait for a message); both name the
+// ranks it depends on, and the communicator fails later operations at once.
+TEST(CommGlooFaults, ReduceScatterARankNeverJoinsTimesOutNamingThePeers) {
+  std::atomic<int> done{0};
+  std::vector<std::string> messages(2), later(2);
+  std::vector<int64_t> waitedMs(2, -1);
+  auto errors = runGlooRanks(3, loopbackOptions(milliseconds(1500)), [&](Communicator& c) {
+    if (c.rank() < 2) {
+      at::Tensor in = at::ones({3 * 5}), out = at::empty({5});
+      const auto start = Clock::now();
+      try {
+        c.reduceScatter(out, in, ReduceOp::kSum)->wait(milliseconds(c.rank() == 0 ? 300 : 10000));
+      } catch (const PeerError& e) {
+        messages[c.rank()] = e.what();
+      }
+      waitedMs[c.rank()] = elapsedMs(start);
+      try {
+        c.allreduce(at::ones({2}), ReduceOp::kSum)->wait(kOpTimeout);
+      } catch (const PeerError& e) {
+        later[c.rank()] = e.what();
+      }
+      ++done;
+    } else {
+      while (done < 2) std::this_thread::sleep_for(milliseconds(10));  // never joins
+    }
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  EXPECT_NE(messages[0].find("reduceScatter #1"), std::string::npos) << messages[0];
+  EXPECT_NE(messages[0].find("ranks 1, 2"), std::string::npos) << messages[0];
+  EXPECT_NE(messages[0].find("300 ms"), std::string::npos) << messages[0];
+  EXPECT_GE(waitedMs[0], 250);
+  EXPECT_LT(waitedMs[0], 1400);
+  EXPECT_NE(messages[1].find("reduceScatter #1"), std::string::npos) << messages[1];
+  EXPECT_NE(messages[1].find("ranks 0, 2"), std::string::npos) << messages[1];
+  EXPECT_GE(waitedMs[1], 1400);
+  EXPECT_LT(waitedMs[1], 8000);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(later[r].find("earlier failure"), std::string::npos)
+        << "rank " << r << ": " << later[r];
+  }
 }
 
 TEST(CommGlooFaults, PeerClosingItsConnectionFailsFastNamingIt) {
@@ -1032,6 +1080,189 @@ TEST(CommGloo, StripedCollectivesMatchOneConnection) {
     for (int r = 0; r < 2; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
   }
   for (int r = 0; r < 2; ++r) EXPECT_TRUE(at::equal(one[r], three[r])) << "rank " << r;
+}
+
+// Gloo's reduce-scatter is a ring of point-to-point messages (gloo_communicator.h). On 2..5
+// ranks, with chunks whose size does and does not divide by the rank count, every op's result
+// is the closed form (integers: exact in any order) in float32, bfloat16 (reduced in float32,
+// rounded once) and int64, on one connection and striped over three, and the input is left
+// alone.
+TEST(CommGloo, RingReduceScatterEqualsTheClosedForm) {
+  GlooOptions striped = loopbackOptions();
+  striped.connections = 3;
+  striped.stripeBytes = 256;
+  for (int size : {2, 3, 4, 5}) {
+    for (const GlooOptions& options : {loopbackOptions(), striped}) {
+      const std::string how = options.connections > 1 ? "striped" : "one connection";
+      auto errors = runGlooRanks(size, options, [&](Communicator& c) {
+        const int rank = c.rank();
+        int salt = 0;
+        for (int64_t n : {1, 5, 12, 1001}) {
+          for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+            for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+              ++salt;
+              const std::string where = fmt::format("{} {} x {} on rank {} of {}, {}", opName(op),
+                                                    n, comm::dtypeName(dt), rank, size, how);
+              at::Tensor in = inputFor(rank, size * n, salt).to(dt);
+              at::Tensor out = at::full({n}, -99, dt);
+              c.reduceScatter(out, in, op)->wait(kOpTimeout);
+              expectExact(out, reduceRows(allInputs(size, n, salt, rank * n), op).to(dt), where);
+              expectExact(in, inputFor(rank, size * n, salt).to(dt), "input of " + where);
+            }
+          }
+          at::Tensor in = at::arange(size * n, at::kLong) * (rank + 1);
+          at::Tensor out = at::full({n}, -99, at::kLong);
+          c.reduceScatter(out, in, ReduceOp::kSum)->wait(kOpTimeout);
+          expectExact(out,
+                      at::arange(rank * n, (rank + 1) * n, at::kLong) * (size * (size + 1) / 2),
+                      fmt::format("int64 sum {} on rank {} of {}, {}", n, rank, size, how));
+        }
+      });
+      for (int r = 0; r < size; ++r) EXPECT_EQ(errors[r], "") << size << " ranks, rank " << r;
+    }
+  }
+}
+
+// The ring fixes each element's sum order: chunk c starts at rank c + 1 and takes in ranks
+// c + 2, ..., c in turn, ((x[c+1] + x[c+2]) + ...) + x[c]. Random float32 inputs give that
+// sum bit for bit, on one connection and striped, so runs repeat their results exactly.
+TEST(CommGloo, RingReduceScatterSumsInRingOrderBitwise) {
+  GlooOptions striped = loopbackOptions();
+  striped.connections = 3;
+  striped.stripeBytes = 256;
+  const int64_t n = 1001;
+  for (int size : {3, 5}) {
+    at::manual_seed(size);
+    std::vector<at::Tensor> inputs;
+    for (int r = 0; r < size; ++r) inputs.push_back(at::randn({size * n}));
+    auto chunkOf = [&](int r, int c) { return inputs[r % size].narrow(0, c * n, n); };
+    for (const GlooOptions& options : {loopbackOptions(), striped}) {
+      auto errors = runGlooRanks(size, options, [&](Communicator& c) {
+        const int rank = c.rank();
+        at::Tensor out = at::empty({n});
+        c.reduceScatter(out, inputs[rank], ReduceOp::kSum)->wait(kOpTimeout);
+        at::Tensor expected = chunkOf(rank + 1, rank).clone();
+        for (int k = 2; k <= size; ++k) expected = expected + chunkOf(rank + k, rank);
+        EXPECT_TRUE(at::equal(out, expected))
+            << "rank " << rank << " of " << size << ", " << options.connections
+            << " connection(s): " << (out - expected).abs().max().item<float>() << " off";
+      });
+      for (int r = 0; r < size; ++r) EXPECT_EQ(errors[r], "") << size << " ranks, rank " << r;
+    }
+  }
+}
+
+// Reduce-scatters issued between all-reduces and all-gathers, all in flight at once on two
+// worker threads and two connections, then waited in reverse order: each holds its own
+// result (the ring's messages carry its collective number, as Gloo's own collectives do).
+TEST(CommGloo, ReduceScattersInFlightWithOtherCollectivesKeepTheirOwnResults) {
+  GlooOptions options = loopbackOptions();
+  options.connections = 2;
+  options.stripeBytes = 4096;
+  for (int size : {3, 4}) {
+    auto errors = runGlooRanks(size, options, [&](Communicator& c) {
+      const int rank = c.rank();
+      struct Op {
+        std::string what;
+        at::Tensor result, expected;
+        WorkPtr work;
+      };
+      std::vector<Op> ops;
+      int salt = 100;
+      auto reduceScatter = [&](int64_t n, ReduceOp op) {
+        ++salt;
+        at::Tensor out = at::full({n}, -99.0f);
+        ops.push_back({fmt::format("reduceScatter {} x {}", opName(op), n), out,
+                       reduceRows(allInputs(size, n, salt, rank * n), op),
+                       c.reduceScatter(out, inputFor(rank, size * n, salt), op)});
+      };
+      auto allreduce = [&](int64_t n) {
+        ++salt;
+        at::Tensor t = inputFor(rank, n, salt);
+        ops.push_back({fmt::format("allreduce {}", n), t,
+                       reduceRows(allInputs(size, n, salt), ReduceOp::kSum),
+                       c.allreduce(t, ReduceOp::kSum)});
+      };
+      reduceScatter(3001, ReduceOp::kSum);
+      allreduce(5000);
+      reduceScatter(5, ReduceOp::kMax);
+      {
+        ++salt;
+        at::Tensor out = at::full({size * 700}, -99.0f);
+        ops.push_back({"allgather 700", out, allInputs(size, 700, salt).reshape(-1),
+                       c.allgather(out, inputFor(rank, 700, salt))});
+      }
+      reduceScatter(4096, ReduceOp::kAvg);
+      allreduce(7);
+      reduceScatter(1200, ReduceOp::kSum);
+      for (auto op = ops.rbegin(); op != ops.rend(); ++op) {
+        op->work->wait(kOpTimeout);
+        expectExact(op->result, op->expected,
+                    fmt::format("{} on rank {} of {}", op->what, rank, size));
+      }
+    });
+    for (int r = 0; r < size; ++r) EXPECT_EQ(errors[r], "") << size << " ranks, rank " << r;
+  }
+}
+
+// Bytes this process's TCP sockets have sent (its ranks' connections, when ranks are threads).
+int64_t socketBytesSent() {
+  int64_t sent = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const auto target = std::filesystem::read_symlink(e.path(), ec);
+    if (ec || target.string().rfind("socket:", 0) != 0) continue;
+    tcp_info info{};
+    socklen_t length = sizeof(info);
+    const int fd = std::stoi(e.path().filename().string());
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &length) == 0 &&
+        length >= offsetof(tcp_info, tcpi_bytes_sent) + sizeof(info.tcpi_bytes_sent)) {
+      sent += static_cast<int64_t>(info.tcpi_bytes_sent);
+    }
+  }
+  return sent;
+}
+
+// What CountingCommunicator counts is what goes on the wire: the bytes 4 ranks' sockets sent
+// (TCP_INFO) against the counts, within Gloo's message headers and the barriers around. A
+// reduce-scatter puts (P-1)/P of its input on the wire per rank, half an all-reduce's; an
+// all-gather (P-1) inputs.
+TEST(CommGloo, CollectivesPutOnTheWireWhatIsCounted) {
+  const int size = 4;
+  const int64_t n = 1 << 18;  // 1 MiB of float32 per chunk, 4 MiB of input
+  const std::vector<std::string> ops = {"reduce-scatter", "allreduce", "allgather"};
+  std::vector<std::vector<int64_t>> counted(ops.size(), std::vector<int64_t>(size));
+  std::vector<int64_t> wire(ops.size());
+  auto errors = runGlooRanks(size, loopbackOptions(), [&](Communicator& inner) {
+    CountingCommunicator c(std::shared_ptr<Communicator>(&inner, [](Communicator*) {}));
+    const int rank = c.rank();
+    at::Tensor in = inputFor(rank, size * n, 1), out = at::empty({n});
+    for (size_t k = 0; k < ops.size(); ++k) {
+      inner.barrier()->wait(kOpTimeout);
+      const int64_t before = rank == 0 ? socketBytesSent() : 0;
+      inner.barrier()->wait(kOpTimeout);
+      const int64_t countedBefore = c.bytes().sent;
+      if (k == 0) c.reduceScatter(out, in, ReduceOp::kSum)->wait(kOpTimeout);
+      if (k == 1) c.allreduce(in.clone(), ReduceOp::kSum)->wait(kOpTimeout);
+      if (k == 2) c.allgather(at::empty({size * n}), out)->wait(kOpTimeout);
+      counted[k][rank] = c.bytes().sent - countedBefore;
+      inner.barrier()->wait(kOpTimeout);
+      if (rank == 0) wire[k] = socketBytesSent() - before;
+      inner.barrier()->wait(kOpTimeout);
+    }
+  });
+  for (int r = 0; r < size; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  const int64_t inputBytes = size * n * 4;
+  for (int r = 0; r < size; ++r) {
+    EXPECT_EQ(counted[0][r], inputBytes * (size - 1) / size) << "rank " << r;
+    EXPECT_EQ(counted[1][r], 2 * counted[0][r]) << "rank " << r;
+  }
+  for (size_t k = 0; k < ops.size(); ++k) {
+    int64_t all = 0;
+    for (int r = 0; r < size; ++r) all += counted[k][r];
+    EXPECT_GE(wire[k], all) << ops[k];
+    EXPECT_LE(wire[k], all * 1.02) << ops[k];
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

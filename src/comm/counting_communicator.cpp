@@ -100,8 +100,9 @@ WorkPtr CountingCommunicator::allgather(at::Tensor output, at::Tensor input) {
 }
 
 WorkPtr CountingCommunicator::reduceScatter(at::Tensor output, at::Tensor input, ReduceOp op) {
+  // Every rank's share of the others' chunks: half an all-reduce of the input.
   const double p = size();
-  const double each = 2.0 * (p - 1.0) / p * bytesOf(input);
+  const double each = (p - 1.0) / p * bytesOf(input);
   count(each, each);
   std::string what = describe("reduce-scatter", input);
   return track(inner_->reduceScatter(std::move(output), std::move(input), op), std::move(what));

@@ -3,8 +3,8 @@
 //
 // send/recv count exactly (recv counts when issued; a recv that never completes still counts).
 // Collectives count what a ring algorithm moves per rank, since the transport picks its own
-// algorithm and does not report bytes: allreduce and reduce-scatter 2(P-1)/P of the tensor
-// each way (Gloo's reduce-scatter is an allreduce; shm's moves half, counted as Gloo's),
+// algorithm and does not report bytes: allreduce 2(P-1)/P of the tensor each way,
+// reduce-scatter (P-1)/P of its input each way (Gloo's and shm's rings move that),
 // allgather (P-1) inputs each way,
 // broadcast the tensor received by every rank but the root and sent P-1 times by the root.
 // Operations on oneself and on one-rank communicators count nothing.

@@ -8,7 +8,9 @@
 #include <map>
 #include <mutex>
 
+#include <c10/core/GradMode.h>
 #include <fmt/format.h>
+#include <gloo/types.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -211,6 +213,97 @@ at::ScalarType reduceType(const at::Tensor& t) {
   return t.scalar_type() == at::kBFloat16 ? at::kFloat : t.scalar_type();
 }
 
+// What one ring reduce-scatter works on: elements [begin, begin + length) of every one of the
+// `size` chunks of `input` (n elements each), reduced into output's [begin, begin + length).
+struct RingPiece {
+  at::Tensor input;   // flat, size * n elements, the caller's dtype
+  at::Tensor output;  // flat, n elements
+  int64_t n = 0;
+  int64_t begin = 0;
+  int64_t length = 0;
+  ReduceOp op = ReduceOp::kSum;
+};
+
+// Gloo slots are (prefix << 56) + tag; c10d's send/recv use bare tags (prefix 0) and Gloo's
+// collectives their own prefixes. The tag is the process group's collective number, unique to
+// this operation, so the ring's messages meet no others whatever the prefix; this one is
+// unused by Gloo's collectives anyway.
+constexpr uint8_t kRingSlotPrefix = 0xca;
+
+// The reduce-scatter ring of gloo_communicator.h over one piece, on a ProcessGroupGloo worker
+// thread like c10d's collectives. Its output is written before the work completes.
+class RingReduceScatterWork final : public c10d::ProcessGroupGloo::AsyncWork {
+ public:
+  RingReduceScatterWork(std::shared_ptr<::gloo::Context> context, RingPiece piece, uint32_t tag,
+                        uint64_t seq, milliseconds timeout)
+      : AsyncWork(std::move(context), {{piece.output}}, c10d::OpType::REDUCE_SCATTER, seq, timeout,
+                  "caravan:ring_reduce_scatter"),
+        piece_(std::move(piece)),
+        tag_(tag) {}
+
+  void run() override {
+    const c10::AutoGradMode noGrad(false);
+    const int size = context_->size, rank = context_->rank;
+    const RingPiece& p = piece_;
+    const at::ScalarType type = reduceType(p.input);
+    auto chunk = [&](int c) {
+      c = ((c % size) + size) % size;
+      return p.input.narrow(0, c * p.n + p.begin, p.length).to(type);  // a view unless bfloat16
+    };
+    at::Tensor out = p.output.narrow(0, p.begin, p.length);
+    at::Tensor result = out.scalar_type() == type ? out : at::empty({p.length}, type);
+    at::Tensor received = at::empty({p.length}, type), partial = at::empty({p.length}, type);
+    at::Tensor sending = chunk(rank - 1);
+    const uint64_t slot = ::gloo::Slot::build(kRingSlotPrefix, tag_);
+    const size_t bytes = received.nbytes();
+    if (size == 1) result.copy_(sending);
+    for (int step = 0; step < size - 1; ++step) {
+      // One slot for every step: Gloo matches a pair's messages on a slot in the order sent.
+      auto in = context_->createUnboundBuffer(received.data_ptr(), bytes);
+      auto sent = context_->createUnboundBuffer(sending.data_ptr(), bytes);
+      in->recv((rank + size - 1) % size, slot);
+      sent->send((rank + 1) % size, slot);
+      if (!in->waitRecv(timeout_) || !sent->waitSend(timeout_)) {
+        throw std::runtime_error("ring reduce-scatter aborted");
+      }
+      at::Tensor into = step == size - 2 ? result : partial;
+      const at::Tensor own = chunk(rank - step - 2);
+      switch (p.op) {
+        case ReduceOp::kSum:
+        case ReduceOp::kAvg: at::add_out(into, received, own); break;
+        case ReduceOp::kMax: at::maximum_out(into, received, own); break;
+        case ReduceOp::kMin: at::minimum_out(into, received, own); break;
+      }
+      sending = partial;
+    }
+    if (p.op == ReduceOp::kAvg) result.div_(size);
+    if (!result.is_same(out)) out.copy_(result);
+  }
+
+  const std::vector<at::Tensor> getInputTensors() override { return {piece_.input}; }
+  const std::vector<at::Tensor> getOutputTensors() override { return {piece_.output}; }
+
+ private:
+  RingPiece piece_;
+  uint32_t tag_;
+};
+
+// ProcessGroupGloo with a ring reduce-scatter that runs as one of its own collectives: numbered
+// by its collective counter (so ranks that issue in the same order match, alongside its other
+// collectives in flight), on the context that number picks, queued to its worker threads.
+class RingProcessGroup final : public c10d::ProcessGroupGloo {
+ public:
+  using ProcessGroupGloo::ProcessGroupGloo;
+
+  c10::intrusive_ptr<c10d::Work> reduceScatterRing(RingPiece piece) {
+    const uint32_t tag = nextTag();
+    auto work = c10::make_intrusive<RingReduceScatterWork>(getContext(tag), std::move(piece), tag,
+                                                           ++seq_, options_->timeout);
+    enqueue(work);
+    return work;
+  }
+};
+
 std::shared_ptr<::gloo::transport::Device> makeDevice(const GlooOptions& o) {
   try {
     if (!o.interface.empty()) return c10d::ProcessGroupGloo::createDeviceForInterface(o.interface);
@@ -243,7 +336,7 @@ struct GlooCommunicator::Impl {
   int rank = 0;
   int size = 1;
   GlooOptions options;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  c10::intrusive_ptr<RingProcessGroup> pg;
   std::shared_ptr<FailureLatch> failure = std::make_shared<FailureLatch>();
   std::shared_ptr<Mailbox> mailbox = std::make_shared<Mailbox>();
   uint64_t collectives = 0;  // issued so far; numbers them in messages
@@ -303,16 +396,25 @@ struct GlooCommunicator::Impl {
   // `flat` cut into options.connections contiguous pieces when it has at least
   // options.stripeBytes, else whole: consecutive c10d collectives run on consecutive meshes.
   std::vector<at::Tensor> stripes(const at::Tensor& flat) const {
-    const int64_t n = flat.numel();
-    if (options.connections <= 1 || flat.nbytes() < static_cast<size_t>(options.stripeBytes)) {
-      return {flat};
-    }
     std::vector<at::Tensor> pieces;
-    for (int k = 0; k < options.connections; ++k) {
-      const int64_t begin = n * k / options.connections, end = n * (k + 1) / options.connections;
-      if (end > begin) pieces.push_back(flat.narrow(0, begin, end - begin));
+    for (const auto& [begin, length] : stripeRanges(flat.numel(), flat.nbytes())) {
+      pieces.push_back(flat.narrow(0, begin, length));
     }
     return pieces;
+  }
+
+  // The non-empty [begin, begin + length) ranges of `n` elements that stripes() cuts an
+  // operation moving `bytes` into.
+  std::vector<std::pair<int64_t, int64_t>> stripeRanges(int64_t n, size_t bytes) const {
+    const int k = options.connections <= 1 || bytes < static_cast<size_t>(options.stripeBytes)
+                      ? 1
+                      : options.connections;
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (int i = 0; i < k; ++i) {
+      const int64_t begin = n * i / k, end = n * (i + 1) / k;
+      if (end > begin) ranges.emplace_back(begin, end - begin);
+    }
+    return ranges;
   }
 
   void checkRank(int r, const char* op) const {
@@ -338,7 +440,7 @@ GlooCommunicator::GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, int ra
   for (int k = 0; k < options.connections; ++k) pgOptions->devices.push_back(makeDevice(options));
   pgOptions->threads = std::max({1, options.threads, options.connections});
   try {
-    impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, pgOptions);
+    impl_->pg = c10::make_intrusive<RingProcessGroup>(prefixed, rank, size, pgOptions);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -429,22 +531,19 @@ WorkPtr GlooCommunicator::reduceScatter(at::Tensor output, at::Tensor input, Red
   if (auto refused = impl_->failure->refuseIfFailed()) return refused;
   OpInfo info = impl_->collective("reduceScatter", &input);
   if (n == 0) return std::make_shared<ReadyWork>();
-  // c10d's Gloo has no reduce-scatter of its own (LibTorch 2.13's _reduce_scatter_base
-  // all-reduces a clone, and drops the reduction op): allreduce a copy, keep this rank's chunk.
-  // It moves an all-reduce's bytes (CountingCommunicator counts them so).
-  at::Tensor buf = input.to(reduceType(input), /*non_blocking=*/false, /*copy=*/true).view(-1);
-  auto finish = [output, buf, n, rank = impl_->rank, size = impl_->size,
-                 avg = op == ReduceOp::kAvg]() mutable {
-    at::Tensor chunk = buf.narrow(0, rank * n, n);
-    if (avg) chunk.div_(size);
-    output.view(-1).copy_(chunk);
-  };
-  return impl_->issue(std::move(info), [&] {
-    std::vector<at::Tensor> tensors{buf};
-    c10d::AllreduceOptions o;
-    o.reduceOp = toGloo(op);
-    return impl_->pg->allreduce(tensors, o);
-  }, std::move(finish));
+  // One ring per stripe, each over elements [begin, begin + length) of every chunk; every
+  // element is summed in the ring's order whatever the striping.
+  return impl_->issueWorks(
+      std::move(info),
+      [&] {
+        std::vector<c10::intrusive_ptr<c10d::Work>> works;
+        for (const auto& [begin, length] : impl_->stripeRanges(n, input.nbytes())) {
+          works.push_back(impl_->pg->reduceScatterRing(
+              {input.view(-1), output.view(-1), n, begin, length, op}));
+        }
+        return works;
+      },
+      nullptr);
 }
 
 WorkPtr GlooCommunicator::send(at::Tensor tensor, int dstRank, int tag) {

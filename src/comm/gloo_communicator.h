@@ -1,21 +1,29 @@
 // GlooCommunicator: the Communicator over LibTorch's c10d::ProcessGroupGloo (TCP between any
 // hosts; rendezvous through a c10d::Store).
 //
-// What ProcessGroupGloo in LibTorch 1.13 lacks, and how this class fills it in:
+// What ProcessGroupGloo in LibTorch 2.13 lacks, and how this class fills it in:
 //  - bfloat16: Gloo has no bfloat16 type ("Invalid scalar type"). Reductions run on a float32
 //    copy and are rounded back once at the end (so a bfloat16 sum equals the float32 sum
 //    rounded to bfloat16); broadcast and allgather move bfloat16 viewed as float16, bit for
 //    bit; send/recv are untyped anyway.
 //  - AVG: Gloo refuses ReduceOp::AVG. We reduce with SUM, then divide by size().
-//  - reduce_scatter: ProcessGroupGloo::reduce_scatter throws "does not support". We allreduce
-//    a copy of the input and copy out this rank's chunk: about twice the bytes on the wire of a
-//    real reduce-scatter and one input-sized temporary.
+//  - reduce_scatter: ProcessGroupGloo::reduce_scatter throws "does not support" (and
+//    _reduce_scatter_base all-reduces a clone). Ours is the bandwidth-optimal ring over Gloo's
+//    point-to-point messages, run as one of the process group's collectives (numbered by its
+//    collective counter, on its worker threads), so each rank sends and receives (P-1)/P of the
+//    input, half an all-reduce's bytes. In P-1 steps rank r sends its partial result of chunk
+//    r-s-1 to rank r+1 and adds its own input's chunk r-s-2 to the one rank r-1 sent (indices
+//    mod P). So chunk c starts at rank c+1 and is complete at rank c, every element reduced in
+//    the fixed order ((x[c+1] + x[c+2]) + ...) + x[c] (x[q] rank q's input), whatever the
+//    striping: results repeat bitwise from run to run. Besides the input it needs two
+//    chunk-sized buffers (float32 ones for bfloat16, which it sends as float32 and rounds once).
 //  - allgather into one flat tensor: _allgather_base is missing; we pass per-rank views of the
 //    output to allgather.
 //  - send/recv to oneself: Gloo has no pair to its own rank; a local mailbox serves them.
 //  - zero-element operations complete at issue on every rank (Gloo's allgather hangs on them).
-// Results that need a final step (bfloat16 copy-back, AVG's division, reduce-scatter's chunk)
-// are written into the caller's tensors by Work::wait.
+// Results that need a final step (bfloat16 copy-back, AVG's division) are written into the
+// caller's tensors by Work::wait; the reduce-scatter's ring writes its output on the worker
+// thread before the operation completes.
 //
 // Failures: every wait has a timeout; a timed-out wait, a peer that closed its connection and
 // ranks missing at the rendezvous all become PeerError naming the rank(s). Gloo tears a pair
