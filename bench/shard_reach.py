@@ -11,10 +11,11 @@ planner, over the budget, or killed by the cgroup):
                     tier and a window of blocks in memory);
   pipeline-4        parallel.pipeline_stages = 4 (one pipeline of 4 stages, 4 micro-batches),
                     parallel.partition and memory.policy = auto under the budget;
-  shard             sync.shard = parameters (ZeRO stage 3), memory.policy = recompute;
+  shard             sync.shard = parameters (ZeRO stage 3), memory.policy = auto (which plans
+                    keep and recompute under sharding);
   shard+offload     sync.shard = parameters with memory.weights = offload on the host tier
                     (ZeRO-Infinity's composition: each worker's slices on its tier),
-                    memory.policy = recompute.
+                    memory.policy = auto.
 Then speed, interleaved (A B A B, --repeats): offload and shard+offload on offload's deepest
 model, samples/s (the median of each run's steps after the first), and their ratio.
 
@@ -56,8 +57,8 @@ def mode_sets(mode):
         "offload": host + ["memory.policy=auto"],
         "pipeline-4": ["parallel.pipeline_stages=4", "parallel.micro_batches=4",
                        "parallel.partition=auto", "memory.policy=auto"],
-        "shard": ["sync.shard=parameters", "memory.policy=recompute"],
-        "shard+offload": ["sync.shard=parameters", "memory.policy=recompute"] + host,
+        "shard": ["sync.shard=parameters", "memory.policy=auto"],
+        "shard+offload": ["sync.shard=parameters", "memory.policy=auto"] + host,
     }[mode]
 
 
@@ -141,6 +142,8 @@ def main():
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--speed-depth", type=int, default=0,
+                   help="skip the reach walk: only the speed runs, at this depth")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "shard-2.13", "reach"))
     a = p.parse_args()
     if not cgroups_available():
@@ -150,7 +153,7 @@ def main():
     results = {"args": vars(a), "removed_env": removed, "trials": [], "speed": []}
     reach = {}
     with tempfile.TemporaryDirectory(prefix="caravan-reach-") as tmp:
-        for mode in a.modes:
+        for mode in a.modes if not a.speed_depth else []:
             best = None
             for depth in a.depths:
                 r = run(mode, depth, a, environ, tmp, f"{mode.replace('+', '-')}-{depth}")
@@ -161,7 +164,7 @@ def main():
                 best = r
             reach[mode] = best
         results["reach"] = reach
-        base = reach.get("offload")
+        base = reach.get("offload") or ({"depth": a.speed_depth} if a.speed_depth else None)
         if base and "shard+offload" in a.modes and a.repeats > 0:
             depth = base["depth"]
             for rep in range(a.repeats):
@@ -170,7 +173,8 @@ def main():
                     results["speed"].append(r)
                     print(f"speed {rep} {mode:>14} depth {depth}: {describe(r)}", flush=True)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "results.json"), "w") as f:
+    name = f"speed-{a.speed_depth}.json" if a.speed_depth else "results.json"
+    with open(os.path.join(a.out, name), "w") as f:
         json.dump(results, f, indent=1)
     print("\nreach (deepest that trained):")
     for mode, r in reach.items():

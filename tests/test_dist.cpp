@@ -1502,7 +1502,7 @@ TEST(DistShardedRefusals, CombinationsThatCannotRunAreOneLine) {
            {"sync.compression=bf16", "set sync.compression = none"},
            {"parallel.pipeline_stages=2", "parallel.pipeline_stages = 1"},
            {"memory.weights=offload", "set sync.shard = parameters"},
-           {"memory.policy=swap", "memory.policy = keep or recompute"}}) {
+           {"memory.policy=swap", "memory.policy = keep, recompute or auto"}}) {
     // Out-of-core slices are parameters' (ZeRO-Infinity): gradients is refused with them.
     const bool offload = more == "memory.weights=offload";
     const auto s =

@@ -288,8 +288,11 @@ namespace {
 
 // The tier: when a policy swaps or the weights are out of core, or, when planning, if one can
 // be made (the planner may swap; without one it plans keep and recompute only). Only the
-// planner uses the bandwidths: fixed policies skip the probe.
-void openTier(ActivationMemory& m, const MemoryOptions& o, TierDtype tierDtype, bool planning) {
+// planner uses the bandwidths: fixed policies skip the probe, and so does a run whose planner
+// must not swap (`maySwap` false: sync.shard = parameters, where a swapped activation could
+// hold a gathered weight), which plans keep and recompute.
+void openTier(ActivationMemory& m, const MemoryOptions& o, TierDtype tierDtype, bool planning,
+              bool maySwap) {
   if (needsTier(m.policies) || o.offloadWeights) {
     m.tier = makeTier(o.tier, o.swapDir);
     if (!planning) m.report += fmt::format("memory tier: {}\n", m.tier->describe());
@@ -300,7 +303,7 @@ void openTier(ActivationMemory& m, const MemoryOptions& o, TierDtype tierDtype, 
       m.report += fmt::format("memory tier unavailable, planning without swap: {}\n", e.what());
     }
   }
-  if (planning && m.tier) {
+  if (planning && m.tier && maySwap) {
     // memory.tier_dtype = bf16: measured through the conversions, in bytes as stored.
     m.bandwidth = m.tier->measure(kBandwidthProbeBytes, tierDtype);
     m.report += fmt::format(
@@ -320,7 +323,7 @@ void planWindows(ActivationMemory& m, const RunOptions& options, BlockModel& mod
                  int localProcesses) {
   const MemoryOptions& o = options.memory;
   const int64_t budget = o.budget;
-  const bool offload = o.offloadWeights;
+  const bool offload = o.offloadWeights && options.sync.shard == ShardLevel::kNone;
   const std::vector<WeightOptions> windows =
       offload && budget > 0 ? weightWindows(options) : std::vector<WeightOptions>{m.weights};
   auto cost = [](const Plan& p) {
@@ -369,7 +372,7 @@ void planActivations(ActivationMemory& m, const RunOptions& options, BlockModel&
                      int localProcesses) {
   const MemoryOptions& o = options.memory;
   const int64_t budget = o.budget;
-  const bool offload = o.offloadWeights;
+  const bool offload = o.offloadWeights && options.sync.shard == ShardLevel::kNone;
   m.profile = profileModel(model, sample, static_cast<int>(o.profileRepeats));
   m.profile->activationsOnTier = tierDtype;
   const double perByte = offload ? updateSecondsPerByte(options, model) : 0.0;
@@ -452,7 +455,9 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
   const bool automatic = policy == "auto";
   if (!automatic) m.policies = parsePolicies(policy, model->numBlocks(), "memory.policy");
   const bool planning = automatic || alwaysPlan;
-  openTier(m, o, tierDtype, planning);
+  // Out-of-core weights of OutOfCoreWeights' kind (a sharded run's slices have their own).
+  const bool sharded = options.sync.shard != ShardLevel::kNone;
+  openTier(m, o, tierDtype, planning, options.sync.shard != ShardLevel::kParameters);
   m.weights = weightOptions(options);
   m.persistent = persistentBytes(options, model, m.weights);
   if (options.sync.shard == ShardLevel::kParameters && o.budget > 0) {
@@ -471,7 +476,12 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
     planActivations(m, options, model, sample, tierDtype, automatic, alwaysPlan, localProcesses);
   }
   attachExecutor(m, o, model, sample, tierDtype, automatic);
-  if (o.offloadWeights) {
+  if (o.offloadWeights && sharded) {
+    m.report += fmt::format(
+        "weights, gradients and optimizer state: each worker's slices on the tier, at most {} in "
+        "memory (gathered blocks, slices being read or written)\n",
+        formatBytes(m.persistent));
+  } else if (o.offloadWeights) {
     const WeightWindow w = OutOfCoreWeights::window(model, m.weights);
     m.report += fmt::format(
         "weights, gradients and optimizer state: out of core on the tier, at most {} in memory "
