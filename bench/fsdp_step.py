@@ -41,24 +41,25 @@ zero1-bf16 (autocast + compile). Compilation runs in the warmup steps (the peers
 after them) and each peer reports how many graphs it compiled in the timed steps: a nonzero count
 is printed as a timed recompilation (raise --warmup). --precisions float32 bf16 runs every
 Caravan level in both train.precision = float32 and bf16 (the bf16 arms named ...-bf16), so
-each comparison is like for like: with --shards or --peers, a last table pairs each Caravan arm
-with the fastest peer arm measured at its ZeRO stage (none: ddp; optimizer: zero1*; gradients:
-fsdp2-grad-op*; parameters: fsdp2*, offload excluded) and precision (float32 peers: eager or
-compiled; bf16 peers: autocast, MixedPrecisionPolicy, compiled or not), with the ratios of
-samples/s and of the largest rank's peak RSS. The peers run with Caravan's allocator settings
+each comparison is like for like. The peers run with Caravan's allocator settings
 (GLIBC_TUNABLES = ddp_step.TUNED_MALLOC: freed memory kept for reuse, as Caravan's
 train.keep_freed_memory does) unless --peer-allocator glibc (glibc's defaults, as the runs
 recorded before these arms). All arms are interleaved (the Caravan arms, then the peers, each
-repeat). With either option the table gives every Caravan
-arm's ratio against every arm, the other Caravan arms included (so each level against
-Caravan's none), and a second table the ratio of the largest rank's peak RSS likewise. Without
-them the arms and output are as before: caravan, caravan-offload, pytorch-fsdp2,
+repeat).
+
+With any of --shards, --peers and --precisions the table gives every Caravan arm's ratio against
+every arm, the other Caravan arms included (so each level against Caravan's none), a second
+table the ratio of the largest rank's peak RSS likewise, and a last one pairs each Caravan arm
+with the fastest peer arm measured at its ZeRO stage (none: ddp; optimizer: zero1*; gradients:
+fsdp2-grad-op*; parameters: fsdp2*, offload excluded) and precision (float32 peers: eager or
+compiled; bf16 peers: autocast, MixedPrecisionPolicy, compiled or not), with both ratios.
+Without them the arms and output are as before: caravan, caravan-offload, pytorch-fsdp2,
 pytorch-fsdp2-offload.
 
 Caravan: ddp_step.run_caravan (caravan_bench train, RANK/WORLD_SIZE per worker, rendezvous on
 127.0.0.1) with train.precision = float32 (the eager and compiled peers train in float32), and
-bf16 for the --precisions bf16 arms. Its step time is per
-step the slowest rank's, median over steps, as the peer's. Peak RSS: each caravan_bench worker
+bf16 for the --precisions bf16 arms. Its step time is per step the slowest rank's, median over
+steps, as the peer's. Peak RSS: each caravan_bench worker
 runs under a small wrapper that waits for it and records its ru_maxrss (os.wait4); the peer's
 ranks report their own (getrusage). Both include the process's start-up (libtorch, the data).
 

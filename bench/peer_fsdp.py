@@ -77,6 +77,18 @@ def engine(a):
             + (f"-compile-{a.compile}" if a.compile else ""))
 
 
+def block_names(model):
+    """The names of a reference model's transformer blocks (its children b1_layer0, ...)."""
+    return [n for n, _ in model.named_children() if "_layer" in n]
+
+
+def compile_blocks(model):
+    """Replaces each transformer block of model by its torch.compile'd module, in its place (the
+    children's order is the forward's): what --compile blocks does before wrapping."""
+    for n in block_names(model):
+        setattr(model, n, torch.compile(getattr(model, n)))
+
+
 def compiled_graphs():
     """How many graphs torch.compile (dynamo) has captured in this process so far: taken before
     and after the timed steps, to show that none was compiled while timing."""
@@ -108,11 +120,10 @@ def train(rank, a, phase):
     torch.manual_seed(0)  # the same initial model on every rank
     model, xs, ys, batch, clip = peer_train.build(cfg)
     model.train()
-    names = [n for n, _ in model.named_children() if "_layer" in n]  # the transformer blocks
+    names = block_names(model)
     if a.compile == "blocks":  # each block compiled, then sharded (torchtitan's order)
         phase[0] = "compile"
-        for n in names:
-            setattr(model, n, torch.compile(getattr(model, n)))  # keeps the block's place
+        compile_blocks(model)
     phase[0] = "fully_shard"
     mesh = init_device_mesh("cpu", (a.workers,))
     policy = CPUOffloadPolicy(pin_memory=False) if a.offload else OffloadPolicy()

@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer_ddp  # noqa: E402  (gather_steps, gather_rss, wrap)
-import peer_fsdp  # noqa: E402  (common_args, spawn: the failure report)
+import peer_fsdp  # noqa: E402  (common_args, stronger_args, spawn, compile_blocks, ...)
 import peer_train  # noqa: E402
 
 # Columns of a rank's per-step row (gathered to rank 0).
@@ -104,8 +104,7 @@ def train(rank, a, phase):
     model.train()
     if a.compile == "blocks":
         phase[0] = "compile"
-        for n in [n for n, _ in model.named_children() if "_layer" in n]:
-            setattr(model, n, torch.compile(getattr(model, n)))  # keeps the block's place
+        peer_fsdp.compile_blocks(model)
     phase[0] = "ddp"
     ddp = peer_ddp.wrap(model, bucket_mb, first_bucket_mb,
                         gradient_as_bucket_view=a.gradient_as_bucket_view)
