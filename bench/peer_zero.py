@@ -9,7 +9,7 @@ on every rank.
 
     .venv/bin/python bench/peer_zero.py --config configs/brown-gpt.toml --workers 2 \
         --steps 20 --warmup 3 --threads 1 [--bucket-view] [--gradient-as-bucket-view] \
-        [--overlap-with-ddp] [--port P]
+        [--overlap-with-ddp] [--compile [{model,blocks}]] [--autocast] [--port P]
 
 Model, data and optimizer come from bench/peer_train.py (the GPT twin of Caravan's, random token
 ids of Brown's vocabulary, each rank its own batches); DDP is set up as bench/peer_ddp.py does
@@ -37,14 +37,22 @@ Options beyond peer_fsdp.py's (--config, --workers, --steps, --warmup, --threads
                              before all gradients exist; "clip": false in the output), the loop
                              would not call step(), and the first two steps update nothing (DDP's
                              buckets are not final until the second forward).
+  --compile [model]          torch.compile (inductor, CPU) of the DDP-wrapped model, PyTorch's
+                             documented way to compile DDP (dynamo's DDPOptimizer splits the
+                             graph at the bucket boundaries, so the all-reduces still overlap
+                             backward); --compile blocks compiles each transformer block before
+                             DDP wraps the model. The compilation runs in the warmup steps.
+  --autocast                 forward and loss under torch.autocast("cpu", dtype=torch.bfloat16),
+                             as bench/peer_train.py --autocast: weights, gradients (and their
+                             all-reduce) and optimizer state stay float32.
 
 Rank 0 prints one JSON object, the shape of bench/peer_fsdp.py's: step time (per step the
 slowest rank's, median over steps), samples/s = workers x batch / that, a per-phase breakdown
 (medians over ranks and steps: forward, backward with DDP's all-reduces, optimizer = clipping +
 the shard's step + the parameter broadcast), every rank's peak RSS (getrusage ru_maxrss, bytes,
-start-up included) and bytes of optimizer state. Where it cannot run, it prints {"runs": false,
-"error": "<the exception's first line>", "rank": R, "phase": P, ...} and exits 0 (the traceback
-goes to stderr).
+start-up included), bytes of optimizer state and compiled_graphs (as peer_fsdp.py's). Where
+it cannot run, it prints {"runs": false, "error": "<the exception's first line>", "rank": R,
+"phase": P, ...} and exits 0 (the traceback goes to stderr).
 """
 import argparse
 import datetime
@@ -59,7 +67,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer_ddp  # noqa: E402  (gather_steps, gather_rss, wrap)
-import peer_fsdp  # noqa: E402  (common_args, spawn: the failure report)
+import peer_fsdp  # noqa: E402  (common_args, stronger_args, spawn, compile_blocks, ...)
 import peer_train  # noqa: E402
 
 # Columns of a rank's per-step row (gathered to rank 0).
@@ -69,12 +77,14 @@ STEP, FORWARD, BACKWARD, OPTIMIZER = range(4)
 def engine(a):
     return ("pytorch-zero1" + ("-bucket-view" if a.bucket_view else "")
             + ("-grad-view" if a.gradient_as_bucket_view else "")
-            + ("-overlap" if a.overlap_with_ddp else ""))
+            + ("-overlap" if a.overlap_with_ddp else "") + ("-autocast" if a.autocast else "")
+            + (f"-compile-{a.compile}" if a.compile else ""))
 
 
 def fields(a):
     return {"bucket_view": a.bucket_view, "gradient_as_bucket_view": a.gradient_as_bucket_view,
-            "overlap_with_ddp": a.overlap_with_ddp}
+            "overlap_with_ddp": a.overlap_with_ddp, "compile": a.compile,
+            "autocast": a.autocast}
 
 
 def train(rank, a, phase):
@@ -92,9 +102,13 @@ def train(rank, a, phase):
     torch.manual_seed(0)  # the same initial model on every rank
     model, xs, ys, batch, clip = peer_train.build(cfg)
     model.train()
+    if a.compile == "blocks":
+        phase[0] = "compile"
+        peer_fsdp.compile_blocks(model)
     phase[0] = "ddp"
     ddp = peer_ddp.wrap(model, bucket_mb, first_bucket_mb,
                         gradient_as_bucket_view=a.gradient_as_bucket_view)
+    forward = torch.compile(ddp) if a.compile == "model" else ddp
     phase[0] = "zero_redundancy_optimizer"
     cls, kwargs = peer_train.optimizer_spec(cfg)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls,
@@ -113,11 +127,13 @@ def train(rank, a, phase):
         if i == 0:
             dist.barrier()
             t_start = time.perf_counter()
+            graphs_warmup = peer_fsdp.compiled_graphs()
         t0 = time.perf_counter()
         x, y = peer_train.draw_batch(xs, ys, batch, gen)
         opt.zero_grad()
-        phase[0] = "forward"
-        loss = peer_train.task_loss(ddp(x), y)
+        phase[0] = "forward"  # with --compile, the warmup's first forward compiles
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast):
+            loss = peer_train.task_loss(forward(x), y)
         t1 = time.perf_counter()
         phase[0] = "backward"
         loss.backward()  # with --overlap-with-ddp, the optimizer step runs in here
@@ -133,6 +149,7 @@ def train(rank, a, phase):
             loss_sum += value
             rows[i] = torch.tensor([t3 - t0, t1 - t0, t2 - t1, t3 - t2], dtype=torch.float64)
     wall = time.perf_counter() - t_start
+    graphs_timed = peer_fsdp.compiled_graphs() - graphs_warmup
     phase[0] = "report"
     allr, _, step_median = peer_ddp.gather_steps(rows, a.workers)  # [W, steps, 4]
     rss = peer_ddp.gather_rss(a.workers)
@@ -150,6 +167,7 @@ def train(rank, a, phase):
             "step_s_median_rank0": statistics.median(allr[0, :, STEP].tolist()),
             "step_s_mean": wall / a.steps,
             "samples_per_s": a.workers * batch / step_median,
+            "compiled_graphs": {"warmup": graphs_warmup, "timed": graphs_timed},  # rank 0's
             "phases": {"forward_s": med(FORWARD), "backward_and_sync_s": med(BACKWARD),
                        "optimizer_and_broadcast_s": med(OPTIMIZER)},
             "comm": {"backend": "gloo", "bucket_mb": bucket_mb,
@@ -173,6 +191,7 @@ def main():
     p.add_argument("--overlap-with-ddp", action="store_true",
                    help="ZeroRedundancyOptimizer(overlap_with_ddp=True) + hook_with_zero_step "
                         "(torch 2.13 refuses it on Gloo; reported as the error)")
+    peer_fsdp.stronger_args(p, ("model", "blocks"))
     a = p.parse_args()
     peer_fsdp.spawn(train, a, engine(a), fields(a), "peer-zero-")
 
