@@ -406,6 +406,11 @@ std::vector<at::Tensor> ShardedParameters::unitParameters(size_t unit) const {
   return ps;
 }
 
+ShardedParameters::UnitLayout ShardedParameters::unitLayout(size_t unit) const {
+  const Unit& u = *units_[unit];
+  return {unitParameters(unit), u.offsets, u.numel, u.padded};
+}
+
 void ShardedParameters::gatherOptimizerState(torch::optim::Optimizer& sliced,
                                              torch::optim::Optimizer& whole) {
   for (size_t i = 0; i < units_.size(); ++i) {

@@ -128,6 +128,15 @@ class ShardedParameters final : public BlockRunner {
   // square. Non-finite gradients anywhere make it non-finite everywhere.
   double globalGradientNormSquared();
 
+  // Unit `unit` (shards()[unit]'s) as a sharded checkpoint records it: its parameters (the
+  // model's), where each starts in the flat buffer, its elements and padded size.
+  struct UnitLayout {
+    std::vector<at::Tensor> params;
+    std::vector<int64_t> offsets;
+    int64_t numel = 0, padded = 0;
+  };
+  UnitLayout unitLayout(size_t unit) const;
+
   ShardLevel level() const { return level_; }
   Communicator& comm() const { return *comm_; }
 
