@@ -301,68 +301,47 @@ bool ShardedLayout::sameUnits(const ShardedLayout& other) const {
   return true;
 }
 
-std::string saveShardedCheckpoint(const CheckpointDir& dir, Communicator& comm,
-                                  const ShardedSlices& mine, torch::nn::Module& model,
-                                  const TrainingState& state) {
-  const int rank = comm.rank(), world = comm.size();
-  CARAVAN_CHECK(mine.layout.worldSize == world && mine.weights.size() == mine.layout.units.size(),
-                "a sharded checkpoint's slices do not fit its layout");
-  // 1. This rank's slice file, under a token of its own: a second write of the same step
-  // (a run resumed at its last step) never replaces the files a manifest names.
-  const auto token = static_cast<uint32_t>(std::random_device{}());
-  const std::string name =
-      fmt::format("step-{:08d}.rank{}-of-{}.{:08x}.slice", state.step, rank, world, token);
-  at::Tensor written = at::zeros({4}, at::kLong);  // [ok, size, crc, token]
-  std::exception_ptr failure;
-  try {
-    std::error_code ec;
-    fs::create_directories(dir.dir(), ec);
-    if (ec) throw IoError(fmt::format("cannot create {}: {}", dir.dir(), ec.message()));
-    torch::serialize::OutputArchive archive;
-    archive.write(
-        "slice",
-        c10::IValue(
-            nlohmann::json{{"step", state.step}, {"rank", rank}, {"world_size", world}}.dump()));
-    c10::List<at::Tensor> weights, slots;
-    c10::List<int64_t> steps;
-    for (size_t u = 0; u < mine.weights.size(); ++u) {
-      weights.push_back(ownStorage(mine.weights[u].detach()));
-      const FlatOptimizerState& s = mine.optimizer[u];
-      slots.push_back(s.rows() > 0 ? ownStorage(s.slots) : at::empty({0, 0}, at::kFloat));
-      steps.push_back(s.step);
-    }
-    archive.write("weights", c10::IValue(weights));
-    archive.write("optimizer_slots", c10::IValue(slots));
-    archive.write("optimizer_steps", c10::IValue(steps));
-    const ArchiveSum sum = writeArchiveFile((fs::path(dir.dir()) / name).string(), archive);
-    written[0] = 1;
-    written[1] = static_cast<int64_t>(sum.size);
-    written[2] = static_cast<int64_t>(sum.crc);
-    written[3] = static_cast<int64_t>(token);
-  } catch (...) {
-    failure = std::current_exception();
+namespace {
+
+std::string sliceName(int64_t step, int rank, int world, uint32_t token) {
+  return fmt::format("step-{:08d}.rank{}-of-{}.{:08x}.slice", step, rank, world, token);
+}
+
+// This rank's slice file `name` in `dir`; what its header says.
+ArchiveSum writeSliceFile(const CheckpointDir& dir, const std::string& name, int rank, int world,
+                          const ShardedSlices& mine, int64_t step) {
+  std::error_code ec;
+  fs::create_directories(dir.dir(), ec);
+  if (ec) throw IoError(fmt::format("cannot create {}: {}", dir.dir(), ec.message()));
+  torch::serialize::OutputArchive archive;
+  archive.write(
+      "slice",
+      c10::IValue(nlohmann::json{{"step", step}, {"rank", rank}, {"world_size", world}}.dump()));
+  c10::List<at::Tensor> weights, slots;
+  c10::List<int64_t> steps;
+  for (size_t u = 0; u < mine.weights.size(); ++u) {
+    weights.push_back(ownStorage(mine.weights[u].detach()));
+    const FlatOptimizerState& s = mine.optimizer[u];
+    slots.push_back(s.rows() > 0 ? ownStorage(s.slots) : at::empty({0, 0}, at::kFloat));
+    steps.push_back(s.step);
   }
-  // 2. The barrier: what every rank wrote (a rank that failed takes part, then reports).
-  at::Tensor all = at::zeros({4 * world}, at::kLong);
-  comm.allgather(all, written)->wait(comm.timeout());
-  if (failure) std::rethrow_exception(failure);
-  const auto* w = all.data_ptr<int64_t>();
-  for (int r = 0; r < world; ++r) {
-    if (w[4 * r] != 1) {
-      throw IoError(fmt::format(
-          "rank {} could not write its slice of the checkpoint of step {} (its error is in its "
-          "output); the checkpoint was not written",
-          r, state.step));
-    }
-  }
-  const std::string path = dir.pathFor(state.step);
-  if (rank != 0) return path;
-  // 3. Rank 0: every slice file is there as it sees it; then the manifest, last.
+  archive.write("weights", c10::IValue(weights));
+  archive.write("optimizer_slots", c10::IValue(slots));
+  archive.write("optimizer_steps", c10::IValue(steps));
+  return writeArchiveFile((fs::path(dir.dir()) / name).string(), archive);
+}
+
+// Rank 0, after the barrier: every rank's slice file (`written`: [ok, size, crc, token] per
+// rank) is there as this rank sees it; then the manifest, and retention. Returns its path.
+std::string writeManifest(const CheckpointDir& dir, const at::Tensor& written,
+                          const ShardedLayout& layout, torch::nn::Module& model,
+                          const TrainingState& state) {
+  const auto* w = written.data_ptr<int64_t>();
+  const int world = static_cast<int>(layout.worldSize);
   nlohmann::json slices = nlohmann::json::array();
   std::vector<std::string> names;
   for (int r = 0; r < world; ++r) {
-    const std::string file = fmt::format("step-{:08d}.rank{}-of-{}.{:08x}.slice", state.step, r,
-                                         world, static_cast<uint32_t>(w[4 * r + 3]));
+    const std::string file = sliceName(state.step, r, world, static_cast<uint32_t>(w[4 * r + 3]));
     const std::string full = (fs::path(dir.dir()) / file).string();
     ArchiveSum seen;
     try {
@@ -385,19 +364,56 @@ std::string saveShardedCheckpoint(const CheckpointDir& dir, Communicator& comm,
     names.push_back(file);
   }
   torch::serialize::OutputArchive archive;
-  archive.write("sharded",
-                c10::IValue(nlohmann::json{
-                    {"format", kFormat}, {"layout", mine.layout.toJson()}, {"slices", slices}}
-                                .dump()));
+  archive.write("sharded", c10::IValue(nlohmann::json{
+                               {"format", kFormat}, {"layout", layout.toJson()}, {"slices", slices}}
+                                           .dump()));
   c10::Dict<std::string, at::Tensor> common;
-  for (const auto& [n, t] : commonTensors(model, mine.layout)) {
-    common.insert(n, ownStorage(t.detach()));
-  }
+  for (const auto& [n, t] : commonTensors(model, layout)) common.insert(n, ownStorage(t.detach()));
   archive.write("common", c10::IValue(common));
   writeTrainingState(archive, state);
+  const std::string path = dir.pathFor(state.step);
   writeArchiveFile(path, archive);
   dir.prune(state.step, names);
   return path;
+}
+
+}  // namespace
+
+std::string saveShardedCheckpoint(const CheckpointDir& dir, Communicator& comm,
+                                  const ShardedSlices& mine, torch::nn::Module& model,
+                                  const TrainingState& state) {
+  const int rank = comm.rank(), world = comm.size();
+  CARAVAN_CHECK(mine.layout.worldSize == world && mine.weights.size() == mine.layout.units.size(),
+                "a sharded checkpoint's slices do not fit its layout");
+  // 1. This rank's slice file, under a token of its own: a second write of the same step
+  // (a run resumed at its last step) never replaces the files a manifest names.
+  const auto token = static_cast<uint32_t>(std::random_device{}());
+  at::Tensor written = at::zeros({4}, at::kLong);  // [ok, size, crc, token]
+  std::exception_ptr failure;
+  try {
+    const ArchiveSum sum = writeSliceFile(dir, sliceName(state.step, rank, world, token), rank,
+                                          world, mine, state.step);
+    written[0] = 1;
+    written[1] = static_cast<int64_t>(sum.size);
+    written[2] = static_cast<int64_t>(sum.crc);
+    written[3] = static_cast<int64_t>(token);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  // 2. The barrier: what every rank wrote (a rank that failed takes part, then reports).
+  at::Tensor all = at::zeros({4 * world}, at::kLong);
+  comm.allgather(all, written)->wait(comm.timeout());
+  if (failure) std::rethrow_exception(failure);
+  for (int r = 0; r < world; ++r) {
+    if (all[4 * r].item<int64_t>() != 1) {
+      throw IoError(fmt::format(
+          "rank {} could not write its slice of the checkpoint of step {} (its error is in its "
+          "output); the checkpoint was not written",
+          r, state.step));
+    }
+  }
+  // 3. Rank 0: the manifest, last.
+  return rank == 0 ? writeManifest(dir, all, mine.layout, model, state) : dir.pathFor(state.step);
 }
 
 bool isShardedManifest(torch::serialize::InputArchive& archive) {
