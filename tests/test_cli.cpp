@@ -116,9 +116,10 @@ TEST_F(Cli, VersionNamesCaravanAndItsLibTorch) {
 }
 
 TEST_F(Cli, UnknownCommandIsNamedWithTheCommandsThereAre) {
-  expectOneLineError(runCaravan("fit --config " + configPath_), 2,
-                     "unknown command 'fit'; the commands are train, eval, plan, simulate, "
-                     "calibrate, export, config, report");
+  expectOneLineError(
+      runCaravan("fit --config " + configPath_), 2,
+      "unknown command 'fit'; the commands are train, eval, checkpoint, plan, simulate, "
+      "calibrate, export, config, report");
 }
 
 TEST_F(Cli, SimulateWritesOnePredictionPerWorkerCountAndReusesItsWorkload) {

@@ -11,8 +11,10 @@
 #include <cmath>
 #include <filesystem>
 
-#include <nlohmann/json.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include "cli/launch.h"
 #include "core/config.h"
@@ -1404,15 +1406,46 @@ TEST(DistShardedOffload, SlicesOnTheTierTrainTheBitsOfNone) {
   EXPECT_EQ(maxAbsDiff(params["core"], params["offload"]), 0.0);
 }
 
-// Stopped at step 12 and resumed, each level ends with the uninterrupted run's bits. A
-// checkpoint of 4 sharded workers resumes on 2 (the global batch kept): its losses stay within
-// 1e-6 of the uninterrupted run's (a batch of 8 sums in another order than two of 4; AdamW then
-// moves some elements by whole steps, as in DistShardedRounding), and it is bitwise what
+// The files in RUN_DIR/checkpoints/, by name.
+std::vector<std::string> checkpointFiles(const std::string& runDir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(fs::path(runDir) / "checkpoints")) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// How many of `names` start with `prefix` and end with `suffix`.
+int countNamed(const std::vector<std::string>& names, const std::string& prefix,
+               const std::string& suffix) {
+  return static_cast<int>(std::count_if(names.begin(), names.end(), [&](const std::string& n) {
+    return n.rfind(prefix, 0) == 0 && n.size() >= suffix.size() &&
+           n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
+  }));
+}
+
+// Stopped at step 12 and resumed, each level ends with the uninterrupted run's bits: its
+// checkpoint is a sharded set (a manifest and each rank's slice file), and each rank resumes
+// from its own slices. A level resumed under another level on as many workers (its own slices
+// again: the units are the same), under sync.shard = none (the slices reassembled), and a
+// sharded run resumed from none's in-core checkpoint: the bits of the uninterrupted run too.
+// A checkpoint of 4 sharded workers resumes on 2 and one of 2 on 3 (the global batch kept;
+// every slice file read and the whole tensors sliced anew): their losses stay within 1e-6 of
+// the uninterrupted run's (a batch of 8 sums in another order than two of 4; AdamW then moves
+// some elements by whole steps, as in DistShardedRounding), and they are bitwise what
 // sync.shard = none does on the same stop and resume.
-TEST(DistShardedResume, StopAndResumeIsBitwiseAndFourWorkersResumeOnTwo) {
+TEST(DistShardedResume, StopAndResumeIsBitwiseAndResumesOnOtherWorkersAndLevels) {
   TempDir tmp;
   const auto o = with(kShardGpt, {"dist.backend=shm", "train.max_steps=24", "train.eval_every=0",
                                   "checkpoint.every=0", "data.batch_size=4"});
+  auto stopAt12 = [&](int world, const std::vector<std::string>& s, const std::string& cut) {
+    return runRanksWith(
+        world, cut, "--config /dev/null" + setArgs(s) + " --run-dir " + cut + " --stop-at-step 12");
+  };
+  const std::string noneWhole = tmp / "none-whole";
+  ASSERT_EQ(runRanks(2, noneWhole, with(o, {"sync.shard=none"})), std::vector<int>(2, 0));
+  const auto noneParams = finalParams(noneWhole, o);
   for (const char* level : kShardLevelNames) {
     SCOPED_TRACE(level);
     const auto s = with(o, {std::string("sync.shard=") + level});
@@ -1420,41 +1453,201 @@ TEST(DistShardedResume, StopAndResumeIsBitwiseAndFourWorkersResumeOnTwo) {
     const std::string cut = tmp / (std::string(level) + "-cut");
     ASSERT_EQ(runRanks(2, whole, s), std::vector<int>(2, 0))
         << test::readFile(whole + ".rank0.log");
-    ASSERT_EQ(
-        runRanksWith(
-            2, cut, "--config /dev/null" + setArgs(s) + " --run-dir " + cut + " --stop-at-step 12"),
-        std::vector<int>(2, 0));
+    EXPECT_EQ(maxAbsDiff(finalParams(whole, s), noneParams), 0.0);
+    ASSERT_EQ(stopAt12(2, s, cut), std::vector<int>(2, 0));
+    const auto files = checkpointFiles(cut);
+    EXPECT_EQ(countNamed(files, "step-00000012.rank0-of-2.", ".slice"), 1) << files.size();
+    EXPECT_EQ(countNamed(files, "step-00000012.rank1-of-2.", ".slice"), 1) << files.size();
+    EXPECT_EQ(countNamed(files, "step-00000012", ".ckpt"), 1) << files.size();
+    fs::copy(cut, cut + "-asnone", fs::copy_options::recursive);
     ASSERT_EQ(runRanksWith(2, cut + "-resumed", "--resume " + cut), std::vector<int>(2, 0))
         << test::readFile(cut + "-resumed.rank0.log");
     EXPECT_EQ(maxAbsDiff(finalParams(whole, s), finalParams(cut, s)), 0.0);
-  }
-  // 4 -> 2 workers, global batch 16: parameters against none.
-  std::map<std::string, std::map<std::string, at::Tensor>> resumed;
-  for (const char* level : {"none", "parameters"}) {
-    SCOPED_TRACE(level);
-    const auto four = with(o, {std::string("sync.shard=") + level});
-    const std::string whole = tmp / (std::string(level) + "-four-whole");
-    const std::string cut = tmp / (std::string(level) + "-four-cut");
-    ASSERT_EQ(runRanks(4, whole, four), std::vector<int>(4, 0));
-    ASSERT_EQ(runRanksWith(4, cut,
-                           "--config /dev/null" + setArgs(four) + " --run-dir " + cut +
-                               " --stop-at-step 12"),
-              std::vector<int>(4, 0));
-    ASSERT_EQ(runRanksWith(2, cut + "-resumed", "--resume " + cut + " --set data.batch_size=8"),
+    ASSERT_EQ(runRanksWith(2, cut + "-asnone-resumed",
+                           "--resume " + cut + "-asnone --set sync.shard=none"),
               std::vector<int>(2, 0))
-        << test::readFile(cut + "-resumed.rank0.log");
-    const auto a = test::trainLosses(whole), b = test::trainLosses(cut);
-    ASSERT_EQ(a.size(), b.size());
-    double lossDiff = 0.0;
-    for (size_t i = 0; i < a.size(); ++i) {
-      lossDiff = std::max(lossDiff, std::abs(a[i] - b[i]) / std::abs(a[i]));
-    }
-    std::printf("sync.shard = %s, 4 workers resumed on 2: relative loss difference %.3g\n", level,
-                lossDiff);
-    EXPECT_LE(lossDiff, 1e-6);
-    resumed[level] = finalParams(cut, four);
+        << test::readFile(cut + "-asnone-resumed.rank0.log");
+    EXPECT_EQ(maxAbsDiff(noneParams, finalParams(cut + "-asnone", s)), 0.0);
   }
-  EXPECT_EQ(maxAbsDiff(resumed["none"], resumed["parameters"]), 0.0);
+  {  // optimizer's set resumed under parameters; none's in-core checkpoint resumed sharded
+    const std::string fromOptimizer = tmp / "optimizer-then-parameters";
+    ASSERT_EQ(stopAt12(2, with(o, {"sync.shard=optimizer"}), fromOptimizer),
+              std::vector<int>(2, 0));
+    ASSERT_EQ(runRanksWith(2, fromOptimizer + "-resumed",
+                           "--resume " + fromOptimizer + " --set sync.shard=parameters"),
+              std::vector<int>(2, 0))
+        << test::readFile(fromOptimizer + "-resumed.rank0.log");
+    EXPECT_EQ(maxAbsDiff(noneParams, finalParams(fromOptimizer, o)), 0.0);
+    const std::string fromNone = tmp / "none-then-gradients";
+    ASSERT_EQ(stopAt12(2, with(o, {"sync.shard=none"}), fromNone), std::vector<int>(2, 0));
+    ASSERT_EQ(runRanksWith(2, fromNone + "-resumed",
+                           "--resume " + fromNone + " --set sync.shard=gradients"),
+              std::vector<int>(2, 0))
+        << test::readFile(fromNone + "-resumed.rank0.log");
+    EXPECT_EQ(maxAbsDiff(noneParams, finalParams(fromNone, o)), 0.0);
+  }
+  // 4 -> 2 workers (global batch 16) and 2 -> 3 (global batch 12): parameters against none.
+  struct Reshard {
+    int from, to, globalBatch;
+  };
+  for (const Reshard& r : {Reshard{4, 2, 16}, Reshard{2, 3, 12}}) {
+    std::map<std::string, std::map<std::string, at::Tensor>> resumed;
+    for (const char* level : {"none", "parameters"}) {
+      const std::string name = fmt::format("{}-{}-to-{}", level, r.from, r.to);
+      SCOPED_TRACE(name);
+      const auto before = with(o, {std::string("sync.shard=") + level,
+                                   "data.batch_size=" + std::to_string(r.globalBatch / r.from)});
+      const std::string whole = tmp / (name + "-whole");
+      const std::string cut = tmp / (name + "-cut");
+      ASSERT_EQ(runRanks(r.from, whole, before), std::vector<int>(r.from, 0));
+      ASSERT_EQ(stopAt12(r.from, before, cut), std::vector<int>(r.from, 0));
+      ASSERT_EQ(runRanksWith(r.to, cut + "-resumed",
+                             "--resume " + cut +
+                                 " --set data.batch_size=" + std::to_string(r.globalBatch / r.to)),
+                std::vector<int>(r.to, 0))
+          << test::readFile(cut + "-resumed.rank0.log");
+      const auto a = test::trainLosses(whole), b = test::trainLosses(cut);
+      ASSERT_EQ(a.size(), b.size());
+      double lossDiff = 0.0;
+      for (size_t i = 0; i < a.size(); ++i) {
+        lossDiff = std::max(lossDiff, std::abs(a[i] - b[i]) / std::abs(a[i]));
+      }
+      std::printf("sync.shard = %s, %d workers resumed on %d: relative loss difference %.3g\n",
+                  level, r.from, r.to, lossDiff);
+      EXPECT_LE(lossDiff, 1e-6);
+      resumed[level] = finalParams(cut, before);
+    }
+    EXPECT_EQ(maxAbsDiff(resumed["none"], resumed["parameters"]), 0.0) << r.from << " -> " << r.to;
+  }
+}
+
+// A sharded checkpoint counts once its manifest is written, last: a write killed before it
+// (its slices there, the manifest not; a temporary left) is never resumed from: the resume
+// takes the previous checkpoint, ends with the uninterrupted run's bits, and the killed write's
+// files are gone. checkpoint.keep removes whole sets: two manifests and their slices remain.
+TEST(DistShardedCheckpoint, AKilledWriteIsNeverResumedAndRetentionRemovesWholeSets) {
+  TempDir tmp;
+  const auto o =
+      with(kShardGpt, {"dist.backend=shm", "train.max_steps=24", "train.eval_every=0",
+                       "checkpoint.every=6", "checkpoint.keep=2", "sync.shard=parameters"});
+  const std::string whole = tmp / "whole";
+  ASSERT_EQ(runRanks(2, whole, o), std::vector<int>(2, 0)) << test::readFile(whole + ".rank0.log");
+  const std::string cut = tmp / "cut";
+  ASSERT_EQ(
+      runRanksWith(2, cut,
+                   "--config /dev/null" + setArgs(o) + " --run-dir " + cut + " --stop-at-step 18"),
+      std::vector<int>(2, 0));
+  auto files = checkpointFiles(cut);
+  EXPECT_EQ(files.size(), 6u) << fmt::format("{}", fmt::join(files, " "));
+  for (const char* step : {"step-00000012", "step-00000018"}) {
+    EXPECT_EQ(countNamed(files, step, ".ckpt"), 1) << step;
+    EXPECT_EQ(countNamed(files, step, ".slice"), 2) << step;
+  }
+  // Killed after the slices of step 18, before its manifest.
+  fs::remove(fs::path(cut) / "checkpoints" / "step-00000018.ckpt");
+  test::writeFile(fs::path(cut) / "checkpoints" / ".step-00000018.rank1-of-2.0badf00d.slice.tmp-x1",
+                  "half a slice");
+  EXPECT_EQ(*CheckpointDir(cut, 2).latest(),
+            (fs::path(cut) / "checkpoints" / "step-00000012.ckpt").string());
+  ASSERT_EQ(runRanksWith(2, cut + "-resumed", "--resume " + cut), std::vector<int>(2, 0))
+      << test::readFile(cut + "-resumed.rank0.log");
+  EXPECT_EQ(test::trainLosses(cut), test::trainLosses(whole));
+  EXPECT_EQ(maxAbsDiff(finalParams(whole, o), finalParams(cut, o)), 0.0);
+  files = checkpointFiles(cut);
+  EXPECT_EQ(files.size(), 6u) << fmt::format("{}", fmt::join(files, " "));
+  for (const char* step : {"step-00000018", "step-00000024"}) {
+    EXPECT_EQ(countNamed(files, step, ".ckpt"), 1) << step;
+    EXPECT_EQ(countNamed(files, step, ".slice"), 2) << step;
+  }
+}
+
+// A sharded checkpoint with a slice file missing is refused before training, on every rank, in
+// one line that names the rank and the file (a CheckpointError), resumed on as many workers
+// (each rank reads its own slice only) or on another number (every slice); a slice damaged
+// inside is refused by the rank that reads it, naming it. caravan checkpoint consolidate writes
+// the run's own model.pt, bit for bit, from the sharded set, refuses a missing slice alike, and
+// caravan eval evaluates the set (as sync.shard = none's in-core checkpoint: the same loss).
+TEST(DistShardedCheckpoint, MissingSlicesAreRefusedInOneLineAndConsolidateWritesModelPt) {
+  TempDir tmp;
+  const auto o = with(kShardGpt, {"dist.backend=shm", "train.max_steps=12", "train.eval_every=0"});
+  const std::string run = tmp / "run";
+  ASSERT_EQ(runRanks(2, run, with(o, {"sync.shard=parameters"})), std::vector<int>(2, 0))
+      << test::readFile(run + ".rank0.log");
+  const std::string none = tmp / "none";
+  ASSERT_EQ(runRanks(2, none, o), std::vector<int>(2, 0));
+
+  const auto consolidated =
+      test::runCaravan("checkpoint consolidate " + run + " --out " + (tmp / "model.pt"));
+  ASSERT_EQ(consolidated.exitCode, 0) << consolidated.err;
+  EXPECT_EQ(test::countLines(consolidated.err), 1) << consolidated.err;
+  EXPECT_EQ(test::readFile(tmp / "model.pt"), test::readFile(run + "/model.pt"));
+  // Trained to the same bits (shm), written alike: none's model.pt too.
+  EXPECT_EQ(test::readFile(tmp / "model.pt"), test::readFile(none + "/model.pt"));
+  const auto evalSharded = test::runCaravan("eval --run-dir " + run);
+  const auto evalNone = test::runCaravan("eval --run-dir " + none);
+  ASSERT_EQ(evalSharded.exitCode, 0) << evalSharded.err;
+  ASSERT_EQ(evalNone.exitCode, 0) << evalNone.err;
+  EXPECT_EQ(nlohmann::json::parse(evalSharded.out)["loss"],
+            nlohmann::json::parse(evalNone.out)["loss"]);
+  const auto noStep = test::runCaravan("checkpoint consolidate " + run + " --step 5");
+  EXPECT_EQ(noStep.exitCode, 4) << noStep.err;
+  EXPECT_NE(noStep.err.find("--step 12"), std::string::npos) << noStep.err;
+  EXPECT_EQ(test::countLines(noStep.err), 1) << noStep.err;
+
+  std::string slice1;
+  for (const auto& name : checkpointFiles(run)) {
+    if (name.rfind("step-00000012.rank1-of-2.", 0) == 0) slice1 = name;
+  }
+  ASSERT_FALSE(slice1.empty());
+  const fs::path slicePath = fs::path(run) / "checkpoints" / slice1;
+  {  // half the weights and half the AdamW moments: no rank wrote the whole model
+    const double modelBytes = static_cast<double>(fs::file_size(run + "/model.pt"));
+    const double sliceBytes = static_cast<double>(fs::file_size(slicePath));
+    EXPECT_NEAR(sliceBytes, 1.5 * modelBytes, 0.1 * modelBytes);
+  }
+  fs::rename(slicePath, tmp / "aside");
+  auto expectRefused = [&](const std::string& err, int code) {
+    EXPECT_EQ(code, 4) << err;
+    EXPECT_NE(err.find("rank 1's slice file " + slicePath.string()), std::string::npos) << err;
+    EXPECT_EQ(test::countLines(err), 1) << err;
+  };
+  const auto refused = test::runCaravan("checkpoint consolidate " + run);
+  expectRefused(refused.err, refused.exitCode);
+  EXPECT_FALSE(fs::exists(fs::path(run) / "model-step-00000012.pt"));
+  for (int world : {2, 3}) {  // its own slices; every slice
+    SCOPED_TRACE(world);
+    const std::string log = tmp / ("resumed-on-" + std::to_string(world));
+    const auto codes = runRanksWith(world, log,
+                                    "--resume " + run + " --set train.max_steps=14" +
+                                        (world == 3 ? " --set data.batch_size=3" : ""));
+    ASSERT_EQ(codes.size(), static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) {
+      expectRefused(test::readFile(log + ".rank" + std::to_string(r) + ".log"), codes[r]);
+    }
+  }
+  fs::rename(tmp / "aside", slicePath);
+  {  // damaged inside (the header's CRC no longer matches the payload)
+    std::string bytes = test::readFile(slicePath.string());
+    bytes[bytes.size() - 30] ^= 0x5a;
+    test::writeFile(slicePath.string(), bytes);
+    const auto damaged = test::runCaravan("checkpoint consolidate " + run);
+    EXPECT_EQ(damaged.exitCode, 4) << damaged.err;
+    EXPECT_NE(damaged.err.find(slicePath.string() + " is corrupt"), std::string::npos)
+        << damaged.err;
+    EXPECT_NE(damaged.err.find("rank 1's slice"), std::string::npos) << damaged.err;
+    EXPECT_EQ(test::countLines(damaged.err), 1) << damaged.err;
+    const std::string log = tmp / "resumed-damaged";
+    const auto codes = runRanksWith(2, log, "--resume " + run + " --set train.max_steps=14");
+    ASSERT_EQ(codes.size(), 2u);
+    const std::string err = test::readFile(log + ".rank1.log");
+    EXPECT_EQ(codes[1], 4) << err;
+    EXPECT_NE(err.find(slicePath.string() + " is corrupt"), std::string::npos) << err;
+    EXPECT_EQ(test::countLines(err), 1) << err;
+    // Rank 0 read its own slice only: it went on, and lost rank 1, whose error it names.
+    const std::string err0 = test::readFile(log + ".rank0.log");
+    EXPECT_EQ(codes[0], 7) << err0;
+    EXPECT_NE(err0.find("rank 1 (worker) failed"), std::string::npos) << err0;
+  }
 }
 
 // What each worker holds after a step (metrics.jsonl's mem_weights, mem_gradients,

@@ -13,6 +13,7 @@
 #include <optional>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 #include <CLI/CLI.hpp>
@@ -271,14 +272,27 @@ int runPlan(const std::string& configPath, const std::vector<std::string>& overr
   return 0;
 }
 
-int runEval(const std::string& runDir, std::string checkpoint,
-            const std::vector<std::string>& overrides) {
+// The config a run directory's run was trained with (RUN_DIR/config.toml, with `overrides`).
+Config savedRunConfig(const std::string& runDir, const std::vector<std::string>& overrides) {
   const std::string saved = (fs::path(runDir) / "config.toml").string();
   if (!fs::exists(saved)) {
     throw CheckpointError(fmt::format("{} has no config.toml (is it a Caravan run directory?)",
                                       runDir));
   }
-  const Config config = Config::fromFile(saved, overrides);
+  return Config::fromFile(saved, overrides);
+}
+
+// A checkpoint (in-core, or a sharded set's manifest: every rank's slices put together) is
+// read into the model of `setup` (and a throwaway optimizer: its state is not used here).
+TrainingState loadWholeModel(const RunOptions& options, RunSetup& setup,
+                             const std::string& checkpoint) {
+  const auto optimizer = makeOptimizer(options.optim, setup.model->parameters());
+  return loadCheckpoint(checkpoint, *setup.model, *optimizer, setup.identity);
+}
+
+int runEval(const std::string& runDir, std::string checkpoint,
+            const std::vector<std::string>& overrides) {
+  const Config config = savedRunConfig(runDir, overrides);
   const RunOptions options = RunOptions::read(config);
   applyRuntimeOptions(inspectionRuntime(options.runtime));
   if (checkpoint.empty()) {
@@ -288,13 +302,66 @@ int runEval(const std::string& runDir, std::string checkpoint,
     checkpoint = *latest;
   }
   RunSetup setup = RunSetup::forInspection(config);
-  // The optimizer only to read the checkpoint into (its state is not used here).
-  const auto optimizer = makeOptimizer(options.optim, setup.model->parameters());
-  TrainingState st = loadCheckpoint(checkpoint, *setup.model, *optimizer, setup.identity);
+  const TrainingState st = loadWholeModel(options, setup, checkpoint);
   EvalResult r = evaluate(setup.model, *setup.data.test, options.data.evalBatchSize, 0);
   nlohmann::json out = {{"checkpoint", checkpoint}, {"step", st.step}, {"loss", r.loss},
                         {"accuracy", r.accuracy}, {"examples", r.examples}};
   std::cout << out.dump() << std::endl;
+  return 0;
+}
+
+// The flags of `caravan checkpoint consolidate`.
+struct CheckpointCommands {
+  CLI::App* consolidate = nullptr;
+  CLI::Option* step = nullptr;
+  std::string runDir, out;
+  int64_t stepNumber = 0;
+};
+
+// caravan checkpoint consolidate RUN_DIR: the whole model of one of the run's checkpoints (a
+// sharded set's slices put together, or an in-core checkpoint's) as the run's model.pt is
+// written, with no worker running.
+int runConsolidate(const CheckpointCommands& c) {
+  const Config config = savedRunConfig(c.runDir, {});
+  const RunOptions options = RunOptions::read(config);
+  applyRuntimeOptions(inspectionRuntime(options.runtime));
+  const CheckpointDir dir(c.runDir, options.loop.checkpointKeep);
+  std::string checkpoint;
+  if (c.step->count() > 0) {
+    checkpoint = dir.pathFor(c.stepNumber);
+    if (!fs::is_regular_file(checkpoint)) {
+      std::vector<std::string> steps;
+      for (const std::string& path : dir.list()) {
+        steps.push_back(std::to_string(*CheckpointDir::stepOf(path)));
+      }
+      throw CheckpointError(fmt::format(
+          "{} has no checkpoint of step {}; {}", c.runDir, c.stepNumber,
+          steps.empty() ? std::string("it has none")
+                        : fmt::format("pass --step {}, or leave --step out for the newest",
+                                      fmt::join(steps, ", --step "))));
+    }
+  } else {
+    const std::optional<std::string> latest = dir.latest();
+    if (!latest) {
+      throw CheckpointError(fmt::format("{} has no checkpoints to consolidate", c.runDir));
+    }
+    checkpoint = *latest;
+  }
+  std::string out = c.out;
+  if (out.empty()) {
+    // Beside the run's own model.pt, never over it.
+    out = (fs::path(c.runDir) /
+           fmt::format("model-step-{:08d}.pt", CheckpointDir::stepOf(checkpoint).value_or(0)))
+              .string();
+  } else {
+    checkOutputPath({"--out", out}, {c.runDir, checkpoint});
+  }
+  RunSetup setup = RunSetup::forInspection(config);
+  const TrainingState st = loadWholeModel(options, setup, checkpoint);
+  exportStateDict(out, *setup.model,
+                  [&setup](const std::string& n) { return setup.model->exportNames(n); });
+  std::fprintf(stderr, "caravan: wrote %s: the model of %s (step %lld)\n", out.c_str(),
+               checkpoint.c_str(), static_cast<long long>(st.step));
   return 0;
 }
 
@@ -426,6 +493,23 @@ void addEvalCommand(CLI::App& app, EvalCommand& e) {
   e.app->add_option("--run-dir", e.runDir, "the run directory")->required();
   e.app->add_option("--checkpoint", e.checkpoint, "checkpoint file (default: the run's newest)");
   e.app->add_option("--set", e.overrides, "override a config key (e.g. data.path)");
+}
+
+void addCheckpointCommands(CLI::App& app, CheckpointCommands& c) {
+  auto* checkpoint =
+      app.add_subcommand("checkpoint", "work with a run's checkpoints without its workers");
+  checkpoint->require_subcommand(1);
+  c.consolidate = checkpoint->add_subcommand(
+      "consolidate",
+      "write a checkpoint's whole model (a sharded checkpoint's slices put together) as "
+      "model.pt, which loads into the model's own class in Python");
+  c.consolidate->add_option("run", c.runDir, "the run directory")->required();
+  c.step = c.consolidate->add_option("--step", c.stepNumber,
+                                     "the checkpoint of step N (default: the newest)");
+  c.step->check(CLI::Range(int64_t{0}, int64_t{999999999999999}));
+  c.consolidate->add_option("--out,-o", c.out,
+                            "the file to write (default RUN/model-step-<N>.pt, beside the run's "
+                            "own model.pt)");
 }
 
 // The flags of `caravan plan` and of `caravan config`: a config and its overrides.
@@ -602,6 +686,7 @@ int runInspect(const DataCommands& d) {
 struct Commands {
   TrainCli train;
   EvalCommand eval;
+  CheckpointCommands checkpoint;
   ConfigCommand plan;
   SimulateArgs sim;
   CLI::App* simulate = nullptr;
@@ -618,6 +703,7 @@ struct Commands {
 void addCommands(CLI::App& app, Commands& c) {
   addTrainCommand(app, c.train);
   addEvalCommand(app, c.eval);
+  addCheckpointCommands(app, c.checkpoint);
   addPlanCommand(app, c.plan);
   c.simulate = addSimulateCommand(app, c.sim);
   c.calibrate = addCalibrateCommand(app, c.calib);
@@ -631,6 +717,7 @@ void addCommands(CLI::App& app, Commands& c) {
 int runCommand(int argc, char** argv, const Commands& c) {
   if (*c.train.app) return runTrainCommand(argc, argv, c.train);
   if (*c.eval.app) return runEval(c.eval.runDir, c.eval.checkpoint, c.eval.overrides);
+  if (*c.checkpoint.consolidate) return runConsolidate(c.checkpoint);
   if (*c.plan.app) return runPlan(c.plan.configPath, c.plan.overrides);
   if (*c.simulate) return runSimulate(c.sim);
   if (*c.calibrate) return runCalibrate(c.calib);

@@ -434,11 +434,16 @@ void ShardedParameters::settle() {
   for (size_t i = 0; i < units_.size(); ++i) waitGathered(i);
 }
 
-void ShardedParameters::withFullParameters(const std::function<void()>& fn) {
-  for (size_t i = units_.size(); i-- > 0;) gather(i), waitGathered(i);
+void ShardedParameters::withFullParameters(const std::function<void()>& fn, int onRank) {
+  const bool here = comm_->rank() == onRank;
   std::exception_ptr failure;
   try {
-    fn();
+    for (size_t i = units_.size(); i-- > 0;) {
+      gather(i);
+      waitGathered(i);
+      if (!here) release(i);
+    }
+    if (here) fn();
   } catch (...) {
     failure = std::current_exception();
   }
@@ -452,26 +457,9 @@ std::vector<at::Tensor> ShardedParameters::unitParameters(size_t unit) const {
   return ps;
 }
 
-void ShardedParameters::gatherOptimizerState(torch::optim::Optimizer& sliced,
-                                             torch::optim::Optimizer& whole) {
-  for (size_t i = 0; i < units_.size(); ++i) {
-    const Unit& u = *units_[i];
-    // Offloaded: one unit's slice and state in memory at a time.
-    if (u.weights) u.weights->acquire();
-    if (u.state) u.state->acquire();
-    const FlatOptimizerState mine = caravan::gatherOptimizerState(sliced, {shards_[i]});  // a copy
-    if (u.weights) u.weights->release(TierPiece::Release::kUnchanged);
-    if (u.state) u.state->release(TierPiece::Release::kUnchanged);
-    FlatOptimizerState all;
-    all.step = mine.step;
-    if (mine.rows() > 0) {
-      all.slots = at::empty({mine.rows(), u.padded}, at::kFloat);
-      for (int64_t row = 0; row < mine.rows(); ++row) {
-        comm_->allgather(all.slots[row], mine.slots[row].contiguous())->wait(comm_->timeout());
-      }
-    }
-    scatterOptimizerState(whole, unitParameters(i), all.narrow(0, u.numel));
-  }
+ShardedParameters::UnitLayout ShardedParameters::unitLayout(size_t unit) const {
+  const Unit& u = *units_[unit];
+  return {unitParameters(unit), u.offsets, u.numel, u.padded};
 }
 
 void ShardedParameters::sliceOptimizerState(torch::optim::Optimizer& whole,

@@ -115,14 +115,13 @@ class ShardedParameters final : public BlockRunner {
   // evaluation). Local: no collective.
   void releaseGathered();
   // Every unit gathered into the model's parameters while `fn` runs (a checkpoint, model.pt);
-  // freed again afterwards (parameters). Every rank calls it.
-  void withFullParameters(const std::function<void()>& fn);
-  // The optimizer state of the slices (`sliced` steps shards()) as the whole parameters' state
-  // in `whole` (whose parameters are the model's), replacing what `whole` had: a collective;
-  // every rank gets it.
-  void gatherOptimizerState(torch::optim::Optimizer& sliced, torch::optim::Optimizer& whole);
-  // The opposite: this rank's slices of `whole`'s state installed in `sliced` (a resumed run's
-  // state, loaded whole from the checkpoint, on any number of workers).
+  // Every unit gathered into the model's parameters on rank `onRank` while `fn` runs there
+  // (model.pt), freed again afterwards (parameters). Every rank calls it and takes part in each
+  // unit's gather; the other ranks let each unit go as soon as it arrives (they never hold the
+  // whole weights) and do not run `fn`.
+  void withFullParameters(const std::function<void()>& fn, int onRank);
+  // This rank's slices of `whole`'s state installed in `sliced` (a resumed run's state, loaded
+  // whole from the checkpoint, on any number of workers).
   void sliceOptimizerState(torch::optim::Optimizer& whole, torch::optim::Optimizer& sliced) const;
 
   // memory.weights = offload (ZeRO-Infinity; parameters only): from now on each gathered unit's
@@ -148,6 +147,15 @@ class ShardedParameters final : public BlockRunner {
   // Sum over ranks of the slices' squared gradient norms (a collective): the global norm's
   // square. Non-finite gradients anywhere make it non-finite everywhere.
   double globalGradientNormSquared();
+
+  // Unit `unit` (shards()[unit]'s) as a sharded checkpoint records it: its parameters (the
+  // model's), where each starts in the flat buffer, its elements and padded size.
+  struct UnitLayout {
+    std::vector<at::Tensor> params;
+    std::vector<int64_t> offsets;
+    int64_t numel = 0, padded = 0;
+  };
+  UnitLayout unitLayout(size_t unit) const;
 
   ShardLevel level() const { return level_; }
   Communicator& comm() const { return *comm_; }

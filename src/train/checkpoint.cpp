@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <stdexcept>
 
 #include <caffe2/serialize/inline_container.h>
@@ -22,6 +23,8 @@
 #include "core/errors.h"
 #include "core/files.h"
 #include "core/scope_guard.h"
+#include "train/checkpoint_file.h"
+#include "train/sharded_checkpoint.h"
 
 namespace caravan {
 namespace fs = std::filesystem;
@@ -210,15 +213,7 @@ void loadOptimizer(torch::serialize::InputArchive& archive, torch::optim::Optimi
 
 }  // namespace
 
-void saveCheckpoint(const std::string& path, torch::nn::Module& model,
-                    torch::optim::Optimizer& optimizer, const TrainingState& state) {
-  torch::serialize::OutputArchive archive;
-  torch::serialize::OutputArchive modelArchive;
-  model.save(modelArchive);
-  archive.write("model", modelArchive);
-  torch::serialize::OutputArchive optimArchive;
-  optimizer.save(optimArchive);
-  archive.write("optimizer", optimArchive);
+void writeTrainingState(torch::serialize::OutputArchive& archive, const TrainingState& state) {
   archive.write("step", c10::IValue(state.step));
   archive.write("epoch", c10::IValue(state.position.epoch));
   archive.write("batch_in_epoch", c10::IValue(state.position.batchInEpoch));
@@ -231,6 +226,10 @@ void saveCheckpoint(const std::string& path, torch::nn::Module& model,
   torch::serialize::OutputArchive strategyArchive;
   for (const auto& [name, tensor] : state.strategy) strategyArchive.write(name, tensor);
   archive.write("strategy", strategyArchive);
+}
+
+ArchiveSum writeArchiveFile(const std::string& path, torch::serialize::OutputArchive& archive) {
+  ArchiveSum sum;
   // Header (magic, payload length, CRC-32) written last, over a placeholder: the payload is
   // streamed to the file.
   writeFileAtomic(path, [&](int fd, const std::string& tmp) {
@@ -243,27 +242,45 @@ void saveCheckpoint(const std::string& path, torch::nn::Module& model,
     }
     buf.flush();
     buf.throwIfFailed();
+    sum.size = buf.size();
+    sum.crc = buf.crc();
     std::string header(kMagic, sizeof(kMagic));
-    putLe(header, buf.size(), 8);
-    putLe(header, buf.crc(), 4);
+    putLe(header, sum.size, 8);
+    putLe(header, sum.crc, 4);
     putLe(header, 0, 4);
     if (::pwrite(fd, header.data(), header.size(), 0) != static_cast<ssize_t>(header.size())) {
       throw IoError(fmt::format("cannot write {}: {} (free disk space and retry)", tmp,
                                 std::strerror(errno)));
     }
   });
+  return sum;
+}
+
+void saveCheckpoint(const std::string& path, torch::nn::Module& model,
+                    torch::optim::Optimizer& optimizer, const TrainingState& state) {
+  torch::serialize::OutputArchive archive;
+  torch::serialize::OutputArchive modelArchive;
+  model.save(modelArchive);
+  archive.write("model", modelArchive);
+  torch::serialize::OutputArchive optimArchive;
+  optimizer.save(optimArchive);
+  archive.write("optimizer", optimArchive);
+  writeTrainingState(archive, state);
+  writeArchiveFile(path, archive);
 }
 
 namespace {
 
-// Opens checkpoint `path` and checks its header and CRC; returns the payload's size. Reads the
-// payload in 1 MiB pieces: no copy of it is ever in memory.
-uint64_t checkCheckpointFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+// What a message about a damaged file says to do: `remedy`, or for a checkpoint of its own.
+std::string remedyOr(const std::string& remedy) {
+  return remedy.empty() ? "move it out of checkpoints/ to resume from the previous checkpoint"
+                        : remedy;
+}
+
+// `path`'s header, checked against the file's size, with `in` left at the payload. The length
+// is checked against the file before anything that size is allocated.
+ArchiveSum checkHeader(const std::string& path, std::ifstream& in, const std::string& remedy) {
   if (!in) throw CheckpointError(fmt::format("cannot read checkpoint {}: file not found", path));
-  // The header first: its length is checked against the file before anything that size is
-  // allocated; the CRC is computed in 1 MiB pieces and the archive reads the payload from the
-  // file, so no copy of the payload is ever in memory (out-of-core weights: nor the model).
   std::string header(kHeaderSize, '\0');
   in.read(header.data(), static_cast<std::streamsize>(kHeaderSize));
   if (in.gcount() != static_cast<std::streamsize>(kHeaderSize) ||
@@ -271,23 +288,42 @@ uint64_t checkCheckpointFile(const std::string& path) {
     // A run's model.pt (exportStateDict) is a zip archive, as every torch.save file.
     const bool zip = in.gcount() >= 4 && std::memcmp(header.data(), "PK\x03\x04", 4) == 0;
     throw CheckpointError(fmt::format(
-        "{} is not a Caravan checkpoint ({}); pass one of RUN_DIR/checkpoints/step-*.ckpt, "
-        "or move it out of checkpoints/ to resume from the others",
-        path,
+        "{} is not a Caravan checkpoint ({}); {}", path,
         zip ? "it is a PyTorch file, such as a run's model.pt, the weights exported for Python"
-            : "bad header"));
+            : "bad header",
+        remedy.empty() ? "pass one of RUN_DIR/checkpoints/step-*.ckpt, or move it out of "
+                         "checkpoints/ to resume from the others"
+                       : remedy));
   }
-  const uint64_t size = getLe(header, 8, 8);
-  const uint32_t sum = static_cast<uint32_t>(getLe(header, 16, 4));
+  ArchiveSum sum;
+  sum.size = getLe(header, 8, 8);
+  sum.crc = static_cast<uint32_t>(getLe(header, 16, 4));
   std::error_code ec;
   const uint64_t fileSize = fs::file_size(path, ec);
-  const uint64_t holds = ec ? 0 : fileSize - kHeaderSize;
-  if (ec || holds != size) {
+  const uint64_t holds = ec || fileSize < kHeaderSize ? 0 : fileSize - kHeaderSize;
+  if (ec || holds != sum.size) {
     throw CheckpointError(fmt::format(
-        "checkpoint {} is truncated or damaged: header says {} bytes, file holds {}; move it "
-        "out of checkpoints/ to resume from the previous checkpoint",
-        path, size, holds));
+        "checkpoint {} is truncated or damaged: header says {} bytes, file holds {}; {}", path,
+        sum.size, holds, remedyOr(remedy)));
   }
+  return sum;
+}
+
+}  // namespace
+
+ArchiveSum readArchiveHeader(const std::string& path, const std::string& remedy) {
+  std::ifstream in(path, std::ios::binary);
+  return checkHeader(path, in, remedy);
+}
+
+ArchiveSum readArchiveFile(const std::string& path,
+                           const std::function<void(torch::serialize::InputArchive&)>& read,
+                           const std::string& remedy) {
+  // The CRC is computed in 1 MiB pieces and the archive reads the payload from the file, so
+  // no copy of the payload is ever in memory (out-of-core weights: nor the model).
+  std::ifstream in(path, std::ios::binary);
+  const ArchiveSum sum = checkHeader(path, in, remedy);
+  const uint64_t size = sum.size;
   uLong running = crc32(0L, Z_NULL, 0);
   {
     std::vector<char> piece(1 << 20);
@@ -304,17 +340,44 @@ uint64_t checkCheckpointFile(const std::string& path) {
       left -= static_cast<uint64_t>(want);
     }
   }
-  if (static_cast<uint32_t>(running) != sum) {
+  if (static_cast<uint32_t>(running) != sum.crc) {
     throw CheckpointError(
-        fmt::format("checkpoint {} is corrupt (CRC mismatch); move it out of "
-                    "checkpoints/ to resume from the previous checkpoint",
-                    path));
+        fmt::format("checkpoint {} is corrupt (CRC mismatch); {}", path, remedyOr(remedy)));
   }
-  return size;
+  try {
+    torch::serialize::InputArchive archive;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      throw CheckpointError(
+          fmt::format("cannot read checkpoint {}: {}", path, std::strerror(errno)));
+    }
+    const auto closeFd = onScopeExit([fd] { ::close(fd); });
+    archive.load_from(
+        [fd, size](uint64_t pos, void* buf, size_t n) -> size_t {
+          if (pos >= size) return 0;
+          n = static_cast<size_t>(std::min<uint64_t>(n, size - pos));
+          size_t done = 0;
+          while (done < n) {
+            const ssize_t r = ::pread(fd, static_cast<char*>(buf) + done, n - done,
+                                      static_cast<off_t>(kHeaderSize + pos + done));
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) break;
+            done += static_cast<size_t>(r);
+          }
+          return done;
+        },
+        [size] { return static_cast<size_t>(size); });
+    read(archive);
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    what = what.substr(0, what.find('\n'));
+    throw CheckpointError(fmt::format("cannot load checkpoint {}: {}", path, what));
+  }
+  return sum;
 }
 
-// The training state's own entries of a checkpoint's archive (the step, the data position, the
-// RNG, the strategy's tensors...), into `state`.
 void readTrainingState(const std::string& path, torch::serialize::InputArchive& archive,
                        TrainingState& state) {
   c10::IValue v;
@@ -348,35 +411,17 @@ void readTrainingState(const std::string& path, torch::serialize::InputArchive& 
   }
 }
 
-}  // namespace
-
 TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
-                             torch::optim::Optimizer& optimizer,
-                             const nlohmann::json& expectedMeta) {
-  const uint64_t size = checkCheckpointFile(path);
+                             torch::optim::Optimizer& optimizer, const nlohmann::json& expectedMeta,
+                             const std::optional<SliceOwner>& own) {
   TrainingState state;
-  try {
-    torch::serialize::InputArchive archive;
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      throw CheckpointError(fmt::format("cannot read checkpoint {}: {}", path, std::strerror(errno)));
+  readArchiveFile(path, [&](torch::serialize::InputArchive& archive) {
+    if (isSliceFile(archive)) {
+      throw CheckpointError(
+          fmt::format("{} is one rank's slice of a sharded checkpoint; pass its manifest, "
+                      "checkpoints/step-<8 digits>.ckpt of the same step",
+                      path));
     }
-    const auto closeFd = onScopeExit([fd] { ::close(fd); });
-    archive.load_from(
-        [fd, size](uint64_t pos, void* buf, size_t n) -> size_t {
-          if (pos >= size) return 0;
-          n = static_cast<size_t>(std::min<uint64_t>(n, size - pos));
-          size_t done = 0;
-          while (done < n) {
-            const ssize_t r = ::pread(fd, static_cast<char*>(buf) + done, n - done,
-                                      static_cast<off_t>(kHeaderSize + pos + done));
-            if (r < 0 && errno == EINTR) continue;
-            if (r <= 0) break;
-            done += static_cast<size_t>(r);
-          }
-          return done;
-        },
-        [size] { return static_cast<size_t>(size); });
     c10::IValue meta;
     archive.read("meta", meta);
     state.meta = nlohmann::json::parse(meta.toStringRef());
@@ -393,20 +438,18 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
           "checkpoint {} belongs to another run configuration: it has {}, the config has {}",
           path, state.meta.dump(), expectedMeta.dump()));
     }
-    torch::serialize::InputArchive modelArchive;
-    archive.read("model", modelArchive);
-    model.load(modelArchive);
-    torch::serialize::InputArchive optimArchive;
-    archive.read("optimizer", optimArchive);
-    loadOptimizer(optimArchive, optimizer);
+    if (isShardedManifest(archive)) {
+      state.ownSlices = loadShardedCheckpoint(path, archive, model, optimizer, own);
+    } else {
+      torch::serialize::InputArchive modelArchive;
+      archive.read("model", modelArchive);
+      model.load(modelArchive);
+      torch::serialize::InputArchive optimArchive;
+      archive.read("optimizer", optimArchive);
+      loadOptimizer(optimArchive, optimizer);
+    }
     readTrainingState(path, archive, state);
-  } catch (const CheckpointError&) {
-    throw;
-  } catch (const std::exception& e) {
-    std::string what = e.what();
-    what = what.substr(0, what.find('\n'));
-    throw CheckpointError(fmt::format("cannot load checkpoint {}: {}", path, what));
-  }
+  });
   return state;
 }
 
@@ -417,19 +460,33 @@ std::string CheckpointDir::pathFor(int64_t step) const {
   return (fs::path(dir_) / fmt::format("step-{:08d}.ckpt", step)).string();
 }
 
-std::optional<int64_t> CheckpointDir::stepOf(const std::string& path) {
-  const std::string name = fs::path(path).filename().string();
-  const std::string head = "step-", tail = ".ckpt";
+namespace {
+
+// What file name `name` has between `head` and `tail` (not empty), or nullopt.
+std::optional<std::string> nameBetween(const std::string& name, const std::string& head,
+                                       const std::string& tail) {
   if (name.size() <= head.size() + tail.size() || name.rfind(head, 0) != 0 ||
       name.compare(name.size() - tail.size(), tail.size(), tail) != 0) {
     return std::nullopt;
   }
-  const std::string digits = name.substr(head.size(), name.size() - head.size() - tail.size());
-  if (digits.size() > 15 ||
+  return name.substr(head.size(), name.size() - head.size() - tail.size());
+}
+
+// The step of a file name's step-<digits> part.
+std::optional<int64_t> stepDigits(const std::string& digits) {
+  if (digits.empty() || digits.size() > 15 ||
       !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
     return std::nullopt;
   }
   return std::stoll(digits);
+}
+
+}  // namespace
+
+std::optional<int64_t> CheckpointDir::stepOf(const std::string& path) {
+  const std::optional<std::string> digits =
+      nameBetween(fs::path(path).filename().string(), "step-", ".ckpt");
+  return digits ? stepDigits(*digits) : std::nullopt;
 }
 
 std::vector<std::string> CheckpointDir::list() const {
@@ -448,17 +505,52 @@ std::vector<std::string> CheckpointDir::list() const {
   return out;
 }
 
+std::optional<int64_t> CheckpointDir::sliceStepOf(const std::string& path) {
+  // step-<digits>.<...>.slice: the step's digits end at the first dot.
+  const std::optional<std::string> middle =
+      nameBetween(fs::path(path).filename().string(), "step-", ".slice");
+  return middle ? stepDigits(middle->substr(0, middle->find('.'))) : std::nullopt;
+}
+
 int CheckpointDir::removeStaleTemporaries() const {
   std::error_code ec;
   int removed = 0;
   if (!fs::is_directory(dir_, ec)) return removed;
+  std::set<int64_t> steps;  // those with a checkpoint file
+  for (const std::string& path : list()) steps.insert(*stepOf(path));
   for (const auto& entry : fs::directory_iterator(dir_, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name.rfind(".step-", 0) == 0 && name.find(".ckpt.tmp-") != std::string::npos) {
+    const bool temporary =
+        name.rfind(".step-", 0) == 0 && (name.find(".ckpt.tmp-") != std::string::npos ||
+                                         name.find(".slice.tmp-") != std::string::npos);
+    const std::optional<int64_t> sliceStep = sliceStepOf(name);
+    if (temporary || (sliceStep && steps.count(*sliceStep) == 0)) {
       removed += fs::remove(entry.path(), ec) ? 1 : 0;
     }
   }
   return removed;
+}
+
+void CheckpointDir::prune(int64_t step, const std::vector<std::string>& slices) const {
+  std::error_code ec;
+  const std::vector<std::string> all = list();
+  std::set<int64_t> kept;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (i + static_cast<size_t>(keep_) < all.size()) {
+      fs::remove(all[i], ec);
+    } else {
+      kept.insert(*stepOf(all[i]));
+    }
+  }
+  const std::set<std::string> current(slices.begin(), slices.end());
+  for (const auto& entry : fs::directory_iterator(dir_, ec)) {
+    const std::string name = entry.path().filename().string();
+    const std::optional<int64_t> sliceStep = sliceStepOf(name);
+    if (!sliceStep) continue;
+    if (kept.count(*sliceStep) == 0 || (*sliceStep == step && current.count(name) == 0)) {
+      fs::remove(entry.path(), ec);
+    }
+  }
 }
 
 std::optional<std::string> CheckpointDir::latest() const {
@@ -476,8 +568,7 @@ std::string CheckpointDir::save(torch::nn::Module& model, torch::optim::Optimize
   }
   std::string path = pathFor(state.step);
   saveCheckpoint(path, model, optimizer, state);
-  auto all = list();
-  for (size_t i = 0; i + static_cast<size_t>(keep_) < all.size(); ++i) fs::remove(all[i], ec);
+  prune(state.step, {});
   return path;
 }
 
@@ -502,12 +593,19 @@ std::vector<char> pickleForTorchLoad(const c10::IValue& value) {
   return file;
 }
 
+at::Tensor ownStorage(const at::Tensor& t) {
+  const bool whole = t.storage_offset() == 0 && t.is_contiguous() &&
+                     t.storage().nbytes() == static_cast<size_t>(t.numel()) * t.element_size();
+  return whole ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 void exportStateDict(const std::string& path, torch::nn::Module& model,
                      const std::function<std::vector<std::string>(const std::string&)>& rename) {
   c10::Dict<std::string, at::Tensor> dict;
   auto insert = [&](const std::string& n, const at::Tensor& t) {
-    // A tied tensor under each of its names, one storage (as torch.save writes a tied model).
-    const at::Tensor value = t.detach();
+    // A tied tensor under each of its names, one storage (as torch.save writes a tied model);
+    // a view of a larger storage (a sharded unit's flat buffer) as its own elements only.
+    const at::Tensor value = ownStorage(t.detach());
     for (const std::string& name : rename ? rename(n) : std::vector<std::string>{n}) {
       dict.insert(name, value);
     }

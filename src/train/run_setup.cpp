@@ -99,7 +99,13 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
   state.meta = identity;
   resumedFrom = resumeFrom;
   if (resumeFrom) {
-    state = loadCheckpoint(*resumeFrom, *model, *optimizer, identity);
+    // A sharded run (attachSharded) installs its own slices of a sharded checkpoint of as many
+    // workers; it reads no other rank's.
+    std::optional<SliceOwner> own;
+    if (options.sync.shard != ShardLevel::kNone && workers > 1 && !options.pipeline.active()) {
+      own = SliceOwner{rank, workers};
+    }
+    state = loadCheckpoint(*resumeFrom, *model, *optimizer, identity, own);
     // A checkpoint's name is its step: another step inside is a renamed or copied file (of
     // another run, or an older one of this run), which resuming would silently continue from.
     if (const auto named = CheckpointDir::stepOf(*resumeFrom); named && *named != state.step) {
@@ -319,8 +325,10 @@ std::unique_ptr<StepEngine> RunSetup::attachSharded(Distributed& dist) {
   Tier* tier = options.memory.offloadWeights ? activations.tier.get() : nullptr;
   CARAVAN_CHECK(!options.memory.offloadWeights || tier != nullptr,
                 "memory.weights = offload without a tier");
+  std::shared_ptr<const ShardedSlices> resumed = std::move(state.ownSlices);
   return std::make_unique<ShardedStep>(model, *optimizer, stepOptions(options), std::move(shards),
-                                       std::move(sliced), tier);
+                                       std::move(sliced), std::move(resumed),
+                                       resumedFrom.value_or(""), tier);
 }
 
 std::vector<std::pair<std::string, std::string>> RunSetup::planFiles() const {

@@ -2,13 +2,16 @@
 #include "train/sharded_step.h"
 
 #include <cmath>
+#include <map>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "comm/communicator.h"
+#include "core/errors.h"
 #include "memory/accounting.h"
 #include "memory/tracker.h"
+#include "sync/optimizer_state.h"
 #include "train/setup.h"
 #include "train/timeline.h"
 
@@ -16,14 +19,62 @@ namespace caravan {
 
 ShardedStep::ShardedStep(BlockModel model, torch::optim::Optimizer& optimizer, StepOptions options,
                          std::unique_ptr<ShardedParameters> shards,
-                         std::unique_ptr<torch::optim::Optimizer> sliced, Tier* offloadTier)
+                         std::unique_ptr<torch::optim::Optimizer> sliced,
+                         std::shared_ptr<const ShardedSlices> resumed,
+                         const std::string& resumedFrom, Tier* offloadTier)
     : StepEngine(optimizer, options),
       model_(std::move(model)),
       shards_(std::move(shards)),
       sliced_(std::move(sliced)) {
-  shards_->sliceOptimizerState(optimizer_, *sliced_);
+  if (resumed) {
+    install(*resumed, resumedFrom);
+  } else {
+    shards_->sliceOptimizerState(optimizer_, *sliced_);
+  }
   optimizer_.state().clear();
   if (offloadTier != nullptr) shards_->offloadTo(*offloadTier, *sliced_);
+}
+
+ShardedLayout ShardedStep::layout() const {
+  // A parameter's name is its first in the model (a tied one has several).
+  std::map<const c10::TensorImpl*, std::string> names;
+  for (const auto& p : model_->named_parameters()) {
+    names.emplace(p.value().unsafeGetTensorImpl(), p.key());
+  }
+  ShardedLayout l;
+  l.worldSize = shards_->comm().size();
+  l.level = shardLevelName(shards_->level());
+  for (size_t i = 0; i < shards_->shards().size(); ++i) {
+    const ShardedParameters::UnitLayout u = shards_->unitLayout(i);
+    ShardedLayout::Unit unit;
+    unit.numel = u.numel;
+    unit.padded = u.padded;
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      unit.params.push_back(
+          {names.at(u.params[k].unsafeGetTensorImpl()), u.params[k].sizes().vec(), u.offsets[k]});
+    }
+    l.units.push_back(std::move(unit));
+  }
+  return l;
+}
+
+void ShardedStep::install(const ShardedSlices& resumed, const std::string& path) {
+  const ShardedLayout mine = layout();
+  if (!resumed.layout.sameUnits(mine)) {
+    throw CheckpointError(fmt::format(
+        "checkpoint {} lays this model's parameters out in other units than this build does "
+        "({} units, {} here); resume it on another number of workers, or with the caravan that "
+        "wrote it",
+        path, resumed.layout.units.size(), mine.units.size()));
+  }
+  torch::NoGradGuard noGrad;
+  const std::vector<at::Tensor>& shards = shards_->shards();
+  for (size_t i = 0; i < shards.size(); ++i) {
+    at::Tensor(shards[i]).copy_(resumed.weights[i]);
+    scatterOptimizerState(*sliced_, {shards[i]}, resumed.optimizer[i]);
+  }
+  // The resident units' whole weights from every rank's slices (the next forward waits).
+  shards_->afterUpdate();
 }
 
 ShardedStep::~ShardedStep() = default;
@@ -78,12 +129,32 @@ EvalResult ShardedStep::evaluate(const Dataset& dataset, int64_t batchSize, int6
 }
 
 void ShardedStep::withWholeModel(const std::function<void()>& write) {
+  // Only model.pt comes here (the checkpoints are sharded sets, writeShardedCheckpoint): the
+  // parameters, whole on rank 0 only; the optimizer state stays sliced.
   shards_->settle();
-  shards_->gatherOptimizerState(*sliced_, optimizer_);
-  shards_->withFullParameters([&] {
-    if (shards_->comm().rank() == 0) write();
-  });
-  optimizer_.state().clear();
+  shards_->withFullParameters(write, /*onRank=*/0);
+}
+
+std::optional<std::string> ShardedStep::writeShardedCheckpoint(const CheckpointDir& dir,
+                                                               const TrainingState& state) {
+  // The slices are the optimizer's, updated at the last step; the gathers in flight only read
+  // them, but a checkpoint is written with nothing in flight.
+  shards_->settle();
+  std::optional<std::string> written;
+  // Out of core, this rank's slices and state are read back for the file (12 Psi / W at once).
+  shards_->withSlicesInMemory(
+      [&] {
+        ShardedSlices mine;
+        mine.layout = layout();
+        mine.rank = shards_->comm().rank();
+        for (const at::Tensor& s : shards_->shards()) {
+          mine.weights.push_back(s);
+          mine.optimizer.push_back(gatherOptimizerState(*sliced_, {s}));
+        }
+        written = saveShardedCheckpoint(dir, shards_->comm(), mine, *model_, state);
+      },
+      /*changes=*/false);
+  return written;
 }
 
 void ShardedStep::finish() { shards_->settle(); }

@@ -9,14 +9,17 @@
 // state live on memory.tier and the update steps one unit's slice at a time, reading it back
 // and writing it again (ShardedParameters::stepOffloaded).
 //
-// The setup's optimizer keeps the learning rate and, only inside withWholeModel, the whole
-// model's state: a checkpoint and model.pt are the in-core format (rank 0 writes them), so a
-// run resumes on any number of workers, sharded or not, and the resumed state is sliced again.
+// The setup's optimizer keeps the learning rate and, only inside withWholeModel (model.pt at
+// the end), the whole model's state. A checkpoint is a sharded set (train/sharded_checkpoint.h):
+// each rank writes its own slices and their optimizer state, with no gather. A run resumed on
+// as many workers installs its own slices from it; one on another number of workers, or from
+// an in-core checkpoint, gets the whole state in the setup's optimizer and slices it anew.
 #pragma once
 
 #include <memory>
 
 #include "sync/sharding.h"
+#include "train/sharded_checkpoint.h"
 #include "train/step_engine.h"
 
 namespace caravan {
@@ -24,16 +27,22 @@ namespace caravan {
 class ShardedStep : public StepEngine {
  public:
   // `sliced`: the run's optimizer over shards->shards(). The setup's `optimizer` holds a resumed
-  // run's whole state, which moves into `sliced` here. `offloadTier` (memory.weights = offload;
-  // null: in memory): where the slices and their state live (ShardedParameters::offloadTo); it
-  // outlives the engine.
+  // run's whole state, which moves into `sliced` here; or `resumed` holds this rank's slices
+  // of a sharded checkpoint of as many workers (the weights and their optimizer state), which
+  // are installed (CheckpointError if its units are not these). `offloadTier` (memory.weights =
+  // offload; null: in memory): where the slices and their state live from then on
+  // (ShardedParameters::offloadTo); it outlives the engine.
   ShardedStep(BlockModel model, torch::optim::Optimizer& optimizer, StepOptions options,
               std::unique_ptr<ShardedParameters> shards,
-              std::unique_ptr<torch::optim::Optimizer> sliced, Tier* offloadTier = nullptr);
+              std::unique_ptr<torch::optim::Optimizer> sliced,
+              std::shared_ptr<const ShardedSlices> resumed = nullptr,
+              const std::string& resumedFrom = "", Tier* offloadTier = nullptr);
   ~ShardedStep() override;
 
   EvalResult evaluate(const Dataset& dataset, int64_t batchSize, int64_t maxBatches) override;
   void withWholeModel(const std::function<void()>& write) override;
+  std::optional<std::string> writeShardedCheckpoint(const CheckpointDir& dir,
+                                                    const TrainingState& state) override;
   void finish() override;
   void accountModelState(MemoryTracker& memory) override;
   std::vector<at::Tensor> modelStateTensors() override;
@@ -54,6 +63,10 @@ class ShardedStep : public StepEngine {
   void strategyLearningRate(double lr) override;
   // The global squared gradient norm of this step (one all-reduce, once per step).
   double normSquared();
+  // The units as a checkpoint records them (the model's parameter names).
+  ShardedLayout layout() const;
+  // A sharded checkpoint's slices of this rank into the units and `sliced_`.
+  void install(const ShardedSlices& resumed, const std::string& path);
 
   BlockModel model_;
   std::unique_ptr<ShardedParameters> shards_;

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,8 +35,10 @@
 
 namespace caravan {
 
+class CheckpointDir;
 class MemoryTracker;
 class Timeline;
+struct TrainingState;
 
 // What every engine's step does besides the gradients.
 struct StepOptions {
@@ -71,8 +74,16 @@ class StepEngine {
   virtual std::map<std::string, at::Tensor> strategyState() { return {}; }
   // Runs `write` on rank 0 (it writes the checkpoint or model.pt) with the whole model's
   // parameters and optimizer state in the setup's model and optimizer, in their in-core form,
-  // and puts back afterwards what this rank trains. Every rank calls it.
+  // and puts back afterwards what this rank trains. Every rank calls it. (A sharded engine,
+  // whose checkpoints are per-rank sets, is asked for model.pt only: the parameters.)
   virtual void withWholeModel(const std::function<void()>& write) = 0;
+  // Writes the checkpoint of `state` (its step) as a set of per-rank files and returns its
+  // path (sharded engines: each rank its own slices, with no gather; every rank calls it);
+  // nullopt where the checkpoint is the in-core file rank 0 writes within withWholeModel.
+  virtual std::optional<std::string> writeShardedCheckpoint(const CheckpointDir& dir,
+                                                            const TrainingState& state) {
+    return std::nullopt;
+  }
   // After the last step on every rank (a normal end or a stop).
   virtual void finish() {}
   // Sets `memory`'s weights, gradients and optimizer state to what this rank holds now (after

@@ -414,12 +414,20 @@ void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected, bool a
   state.workers = s_.workers;
   state.batchSize = s_.sampler.batchSize;
   summary_.lastCheckpoint = checkpoints_.pathFor(state.step);
-  engine_.withWholeModel([&] {
-    state.rngState = defaultRngState();
-    state.elapsedSeconds = trainSeconds();  // with the time the whole model took to come
-    summary_.lastCheckpoint = checkpoints_.save(*s_.model, *s_.optimizer, state);
-    if (alsoExportModel) exportModel();
-  });
+  // A sharded engine's set: each rank its own slices, no gather; model.pt then gathers.
+  state.rngState = defaultRngState();
+  state.elapsedSeconds = trainSeconds();
+  if (const auto path = engine_.writeShardedCheckpoint(checkpoints_, state)) {
+    summary_.lastCheckpoint = *path;
+    if (alsoExportModel) engine_.withWholeModel([&] { exportModel(); });
+  } else {
+    engine_.withWholeModel([&] {
+      state.rngState = defaultRngState();
+      state.elapsedSeconds = trainSeconds();  // with the time the whole model took to come
+      summary_.lastCheckpoint = checkpoints_.save(*s_.model, *s_.optimizer, state);
+      if (alsoExportModel) exportModel();
+    });
+  }
   state.strategy.clear();
 }
 
