@@ -1373,7 +1373,8 @@ TEST(DistShardedRounding, TiedWeightsOfAStockModelAreOneSlice) {
 // memory.weights = offload with sync.shard = parameters (ZeRO-Infinity): each rank's slices and
 // their AdamW state live on the tier between uses (read back for the gathers and the update,
 // written after it), and it trains the bits of offload alone (itself bitwise the in-core run),
-// through the host tier and the disk tier, W = 2 and 3, evaluations included, and with clipping.
+// through the host tier and the disk tier, W = 2 and 3, evaluations included, with clipping,
+// and across a stop and resume.
 TEST(DistShardedOffload, SlicesOnTheTierTrainTheBitsOfNone) {
   for (const char* tier : {"host", "disk"}) {
     for (int world : {2, 3}) {
@@ -1404,6 +1405,21 @@ TEST(DistShardedOffload, SlicesOnTheTierTrainTheBitsOfNone) {
   }
   EXPECT_EQ(losses["core"], losses["offload"]);
   EXPECT_EQ(maxAbsDiff(params["core"], params["offload"]), 0.0);
+  // Stopped at step 12 and resumed: the checkpoint reads each rank's slices and state back for
+  // its slice file, the resumed run installs them and moves them to the tier again: the bits of
+  // the uninterrupted run.
+  const auto o = with(kShardGpt, {"dist.backend=shm", "sync.shard=parameters",
+                                  "memory.weights=offload", "memory.tier=host",
+                                  "train.max_steps=24", "train.eval_every=0", "checkpoint.every=0"});
+  const std::string whole = tmp / "whole", cut = tmp / "cut";
+  ASSERT_EQ(runRanks(2, whole, o), std::vector<int>(2, 0)) << test::readFile(whole + ".rank0.log");
+  ASSERT_EQ(
+      runRanksWith(2, cut, "--config /dev/null" + setArgs(o) + " --run-dir " + cut +
+                               " --stop-at-step 12"),
+      std::vector<int>(2, 0));
+  ASSERT_EQ(runRanksWith(2, cut + "-resumed", "--resume " + cut), std::vector<int>(2, 0))
+      << test::readFile(cut + "-resumed.rank0.log");
+  EXPECT_EQ(maxAbsDiff(finalParams(whole, o), finalParams(cut, o)), 0.0);
 }
 
 // The files in RUN_DIR/checkpoints/, by name.
