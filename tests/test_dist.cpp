@@ -1408,14 +1408,15 @@ TEST(DistShardedOffload, SlicesOnTheTierTrainTheBitsOfNone) {
   // Stopped at step 12 and resumed: the checkpoint reads each rank's slices and state back for
   // its slice file, the resumed run installs them and moves them to the tier again: the bits of
   // the uninterrupted run.
-  const auto o = with(kShardGpt, {"dist.backend=shm", "sync.shard=parameters",
-                                  "memory.weights=offload", "memory.tier=host",
-                                  "train.max_steps=24", "train.eval_every=0", "checkpoint.every=0"});
+  const auto o =
+      with(kShardGpt,
+           {"dist.backend=shm", "sync.shard=parameters", "memory.weights=offload",
+            "memory.tier=host", "train.max_steps=24", "train.eval_every=0", "checkpoint.every=0"});
   const std::string whole = tmp / "whole", cut = tmp / "cut";
   ASSERT_EQ(runRanks(2, whole, o), std::vector<int>(2, 0)) << test::readFile(whole + ".rank0.log");
   ASSERT_EQ(
-      runRanksWith(2, cut, "--config /dev/null" + setArgs(o) + " --run-dir " + cut +
-                               " --stop-at-step 12"),
+      runRanksWith(2, cut,
+                   "--config /dev/null" + setArgs(o) + " --run-dir " + cut + " --stop-at-step 12"),
       std::vector<int>(2, 0));
   ASSERT_EQ(runRanksWith(2, cut + "-resumed", "--resume " + cut), std::vector<int>(2, 0))
       << test::readFile(cut + "-resumed.rank0.log");
