@@ -3,7 +3,6 @@
 
 #include <cstring>
 
-#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "core/errors.h"

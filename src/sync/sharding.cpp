@@ -74,16 +74,28 @@ ShardedParameters::~ShardedParameters() {
   model_->setRunner(inner_);
 }
 
+std::set<const c10::TensorImpl*> sharedParameters(BlockModel& model) {
+  std::set<const c10::TensorImpl*> shared;
+  auto named = model->named_parameters();
+  for (const auto& use : model->sharedUses()) {
+    if (const at::Tensor* p = named.find(use.name)) shared.insert(p->unsafeGetTensorImpl());
+  }
+  // A parameter registered in several blocks is read by each: shared too.
+  std::map<const c10::TensorImpl*, int> blocksOf;
+  for (const auto& block : blockParameters(model)) {
+    std::set<const c10::TensorImpl*> here;
+    for (const auto& p : block) here.insert(p.unsafeGetTensorImpl());
+    for (const auto* p : here) {
+      if (++blocksOf[p] > 1) shared.insert(p);
+    }
+  }
+  return shared;
+}
+
 void ShardedParameters::layUnits() {
   const int w = comm_->size(), r = comm_->rank();
   // Parameters that several blocks read: one unit of their own, always gathered.
-  std::set<const c10::TensorImpl*> shared;
-  {
-    auto named = model_->named_parameters();
-    for (const auto& use : model_->sharedUses()) {
-      if (const at::Tensor* p = named.find(use.name)) shared.insert(p->unsafeGetTensorImpl());
-    }
-  }
+  const std::set<const c10::TensorImpl*> shared = sharedParameters(model_);
   std::map<const c10::TensorImpl*, size_t> index;
   for (const auto& p : model_->parameters()) {
     if (!p.requires_grad() || index.count(p.unsafeGetTensorImpl()) != 0) continue;
@@ -94,16 +106,6 @@ void ShardedParameters::layUnits() {
   }
   const std::vector<std::vector<at::Tensor>> perBlock = blockParameters(model_);
   blockUnit_.assign(perBlock.size(), -1);
-  {  // A parameter registered in several blocks is read by each: shared too.
-    std::map<const c10::TensorImpl*, int> blocksOf;
-    for (const auto& block : perBlock) {
-      std::set<const c10::TensorImpl*> here;
-      for (const auto& p : block) here.insert(p.unsafeGetTensorImpl());
-      for (const auto* p : here) {
-        if (++blocksOf[p] > 1) shared.insert(p);
-      }
-    }
-  }
   auto addUnit = [&](const std::vector<at::Tensor>& ps, std::vector<size_t> blocks) {
     auto u = std::make_unique<Unit>();
     for (const auto& p : ps) {
@@ -478,10 +480,6 @@ void ShardedParameters::sliceOptimizerState(torch::optim::Optimizer& whole,
     scatterOptimizerState(sliced, {shards_[i]}, mine);
   }
 }
-
-}  // namespace caravan
-
-namespace caravan {
 
 void ShardedParameters::offloadTo(Tier& tier, torch::optim::Optimizer& sliced) {
   CARAVAN_CHECK(level_ == ShardLevel::kParameters, "offloaded slices need sync.shard = parameters");

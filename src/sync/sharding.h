@@ -64,6 +64,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -78,6 +79,10 @@
 #include "sync/sync_mode.h"
 
 namespace caravan {
+
+// The trainable parameters several blocks read (BlockModel::sharedUses, or registered in more
+// than one block): the shared unit's. Every other trainable parameter is its block's unit's.
+std::set<const c10::TensorImpl*> sharedParameters(BlockModel& model);
 
 class ShardedParameters final : public BlockRunner {
  public:

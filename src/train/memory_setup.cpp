@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 #include <thread>
 
 #include <ATen/Parallel.h>
@@ -21,6 +22,7 @@
 #include "core/machine.h"
 #include "memory/accounting.h"
 #include "memory/tracker.h"
+#include "sync/sharding.h"
 #include "train/setup.h"
 
 namespace caravan {
@@ -135,30 +137,25 @@ struct UnitBytes {
   int64_t largest = 0, shared = 0;
 };
 UnitBytes unitBytes(BlockModel& model) {
+  // The layout ShardedParameters lays (sharedParameters: the shared unit; the rest per block).
   UnitBytes u;
-  std::map<const c10::TensorImpl*, int> uses;
-  const auto perBlock = blockParameters(model);
-  for (const auto& block : perBlock) {
-    for (const auto& p : block) ++uses[p.unsafeGetTensorImpl()];
-  }
-  auto named = model->named_parameters();
-  for (const auto& use : model->sharedUses()) {
-    if (const at::Tensor* p = named.find(use.name)) uses[p->unsafeGetTensorImpl()] += 2;
-  }
-  std::map<const c10::TensorImpl*, int64_t> sharedBytes;
-  for (const auto& block : perBlock) {
+  const std::set<const c10::TensorImpl*> shared = sharedParameters(model);
+  for (const auto& block : blockParameters(model)) {
     int64_t own = 0;
+    std::set<const c10::TensorImpl*> seen;  // a module registered twice in the block: once
     for (const auto& p : block) {
-      const int64_t bytes = tensorBytes({p});
-      if (uses[p.unsafeGetTensorImpl()] > 1) {
-        sharedBytes[p.unsafeGetTensorImpl()] = bytes;
-      } else {
-        own += bytes;
-      }
+      const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
+      if (shared.count(impl) == 0 && seen.insert(impl).second) own += tensorBytes({p});
     }
     u.largest = std::max(u.largest, own);
   }
-  for (const auto& [impl, bytes] : sharedBytes) u.shared += bytes;
+  std::set<const c10::TensorImpl*> counted;
+  for (const auto& p : model->parameters()) {
+    const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
+    if (p.requires_grad() && shared.count(impl) != 0 && counted.insert(impl).second) {
+      u.shared += tensorBytes({p});
+    }
+  }
   return u;
 }
 
