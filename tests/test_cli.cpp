@@ -267,6 +267,8 @@ TEST_F(Cli, SimulateRecommendsOnlyWaysTheConfigCanRun) {
   EXPECT_EQ(ranked.find("ps-bsp"), std::string::npos) << ranked;
   EXPECT_NE(ranked.find("1. "), std::string::npos) << ranked;
   EXPECT_NE(ranked.find("allreduce"), std::string::npos) << ranked;
+  // Out-of-core weights are weighed too, from the profile's offloaded plan.
+  EXPECT_NE(ranked.find("allreduce+offload: "), std::string::npos) << ranked;
 }
 
 TEST_F(Cli, SimulatesAPipelineAtMultiplesOfItsStages) {
@@ -539,7 +541,7 @@ TEST_F(Cli, TheSecondProbesFindingsAreRefusedAndLoseNothing) {
   writeFile(mine + "/config.toml", "my own\n");
   writeFile(mine + "/model.pt", "my weights");
   fs::create_directory_symlink(mine, tmp_ / "link");
-  for (const std::string dir : {mine, tmp_ / "link"}) {
+  for (const std::string& dir : {mine, tmp_ / "link"}) {
     expectOneLineError(
         runCaravan("train -q --config " + configPath_ + " " + kSynthetic + "--run-dir " + dir), 2,
         "is not empty (");

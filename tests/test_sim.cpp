@@ -527,15 +527,16 @@ TEST(Recommend, ComparesTheUsualWaysEachOnceWithTheOwnFirst) {
   for (const RunOptions& c : even) labels.push_back(label(c));
   EXPECT_EQ(labels, (std::vector<std::string>{
                         "ps-ssp(3)", "allreduce", "allreduce+fp16", "allreduce+shard(gradients)",
-                        "allreduce+shard(parameters)", "ps-bsp", "ps-asp", "osp(auto)",
-                        "local-sgd(H=4)", "gossip", "allreduce+pipeline(2x4)"}));
+                        "allreduce+shard(parameters)", "allreduce+offload", "ps-bsp", "ps-asp",
+                        "osp(auto)", "local-sgd(H=4)", "gossip", "allreduce+pipeline(2x4)"}));
   for (const RunOptions& c : even) {
     EXPECT_EQ(c.sync.servers, usesServers(c.sync.mode) ? 2 : 0) << label(c);
     EXPECT_EQ(unsupported(c), "") << label(c);
   }
   EXPECT_EQ(even[2].sync.allreduce.compression, Compression::kFp16);
   EXPECT_EQ(even[3].sync.shard, ShardLevel::kGradients);
-  EXPECT_EQ(even[6].sync.ps.consistency, PsConsistency::kAsp);
+  EXPECT_TRUE(even[5].memory.offloadWeights);
+  EXPECT_EQ(even[7].sync.ps.consistency, PsConsistency::kAsp);
   // An odd number of workers has no two-stage pipeline.
   EXPECT_EQ(candidates(own, 3).size(), even.size() - 1);
 }
@@ -624,4 +625,51 @@ TEST(SimulateSharded, RecommendWeighsShardingAgainstTheOtherModes) {
   RunOptions local = job(SyncMode::kLocalSgd);
   local.sync.shard = ShardLevel::kGradients;
   EXPECT_THROW(simulate(oneBlock(), local, hosts(2), {2, 1, 1}), ConfigError);
+}
+
+// memory.weights = offload: the step is the in-core one with the planner's extra tier seconds on
+// backward (before the gradients leave), and the memory is its window and activations.
+TEST(SimulateOffload, AStepIsTheInCoreOneWithTheTiersSecondsOnBackward) {
+  Workload w = oneBlock();
+  w.offload = {true, 0.040, 3000000, 2500000};
+  const ClusterSpec c = hosts(4);
+  RunOptions offload = job(SyncMode::kAllReduce);
+  offload.memory.offloadWeights = true;
+  EXPECT_EQ(label(offload), "allreduce+offload");
+  const SimResult core = simulate(w, job(SyncMode::kAllReduce), c, {4, 3, 1});
+  const SimResult off = simulate(w, offload, c, {4, 3, 1});
+  // One block: its bucket leaves when backward ends, so every step is 40 ms later.
+  EXPECT_NEAR(off.stepSeconds - core.stepSeconds, 0.040, 1e-9);
+  EXPECT_EQ(off.memoryPeakBytes, 3000000 + 2500000);
+  EXPECT_EQ(core.memoryPeakBytes, 2 * 8000000 + 8000000 + 4000000);
+  EXPECT_DOUBLE_EQ(off.bytesSentPerStep, core.bytesSentPerStep);
+}
+
+TEST(SimulateOffload, RefusesWhatItDoesNotModelInOneLine) {
+  RunOptions offload = job(SyncMode::kAllReduce);
+  offload.memory.offloadWeights = true;
+  // A workload without the offload profile (a file from before it).
+  try {
+    simulate(oneBlock(), offload, hosts(2), {2, 1, 1});
+    FAIL() << "simulated offload without its profile";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("profile again"), std::string::npos) << e.what();
+  }
+  offload.sync.shard = ShardLevel::kParameters;
+  EXPECT_NE(unsupported(offload).find("sync.shard = none"), std::string::npos);
+}
+
+TEST(WorkloadFile, KeepsTheOffloadProfileAndReadsFilesWithoutIt) {
+  Workload w = oneBlock();
+  w.offload = {true, 0.25, 123456, 654321};
+  const Workload back = workloadFromJson(workloadJson(w), "w.json");
+  EXPECT_TRUE(back.offload.measured);
+  EXPECT_EQ(back.offload.extraSeconds, 0.25);
+  EXPECT_EQ(back.offload.windowBytes, 123456);
+  EXPECT_EQ(back.offload.activationPeakBytes, 654321);
+  const Workload none = workloadFromJson(workloadJson(oneBlock()), "old.json");
+  EXPECT_FALSE(none.offload.measured);
+  nlohmann::json bad = nlohmann::json::parse(workloadJson(w));
+  bad["offload"]["extra_s"] = -1.0;
+  EXPECT_THROW(workloadFromJson(bad.dump(), "bad.json"), ConfigError);
 }

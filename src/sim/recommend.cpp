@@ -79,6 +79,7 @@ std::vector<RunOptions> candidates(const RunOptions& own, int workers) {
     s.localSgd.postLocalAfter = 0;
     s.gossip.topology = "ring";
     s.shard = ShardLevel::kNone;
+    c.memory.offloadWeights = false;
     c.pipeline.stages = 1;
     c.pipeline.microBatches = 1;
     change(c);
@@ -89,6 +90,7 @@ std::vector<RunOptions> candidates(const RunOptions& own, int workers) {
   add(SyncMode::kAllReduce, [](RunOptions& c) { setCompression(c.sync, "fp16"); });
   add(SyncMode::kAllReduce, [](RunOptions& c) { c.sync.shard = ShardLevel::kGradients; });
   add(SyncMode::kAllReduce, [](RunOptions& c) { c.sync.shard = ShardLevel::kParameters; });
+  add(SyncMode::kAllReduce, [](RunOptions& c) { c.memory.offloadWeights = true; });
   add(SyncMode::kPsBsp, none);
   add(SyncMode::kPsAsp, none);
   add(SyncMode::kPsSsp, none);

@@ -14,13 +14,14 @@
 
 namespace caravan::sim {
 
-// The ways to run `own` that --recommend compares, `own` first: all-reduce (plain, fp16, and
-// sharded: sync.shard = gradients and parameters),
+// The ways to run `own` that --recommend compares, `own` first: all-reduce (plain, fp16,
+// sharded: sync.shard = gradients and parameters, and with memory.weights = offload),
 // ps-bsp, ps-asp, ps-ssp, osp with its fraction searched, local SGD, gossip on a ring, and for
 // an even number of workers all-reduce over two pipeline stages of four micro-batches. Each is
 // `own` with its sync mode, servers (at least one where the mode has them, else none),
-// compression (none unless named), pipeline (one stage, one micro-batch unless named), local
-// SGD without a BSP phase and gossip on a ring; one labelled as `own` is left out.
+// compression (none unless named), pipeline (one stage, one micro-batch unless named), weights
+// in core unless named, local SGD without a BSP phase and gossip on a ring; one labelled as
+// `own` is left out.
 std::vector<RunOptions> candidates(const RunOptions& own, int workers);
 
 // One simulated way to run the job, ranked.

@@ -91,6 +91,7 @@ std::string label(const RunOptions& job) {
   }
   if (sentCompression(sync) != Compression::kNone) s += "+" + sync.compressionName;
   if (sync.shard != ShardLevel::kNone) s += fmt::format("+shard({})", shardLevelName(sync.shard));
+  if (job.memory.offloadWeights) s += "+offload";
   if (job.pipeline.stages > 1) {
     s += fmt::format("+pipeline({}x{})", job.pipeline.stages, job.pipeline.microBatches);
   }
@@ -132,6 +133,9 @@ std::string unsupported(const RunOptions& job) {
   }
   if (job.pipeline.stages > 1 && sync.mode != SyncMode::kAllReduce) {
     return "pipeline stages are simulated with sync.mode = allreduce between replicas only";
+  }
+  if (job.memory.offloadWeights && (sync.shard != ShardLevel::kNone || job.pipeline.stages > 1)) {
+    return "memory.weights = offload is simulated with sync.shard = none and one pipeline stage";
   }
   if (sync.shard != ShardLevel::kNone &&
       (sync.mode != SyncMode::kAllReduce || job.pipeline.active() ||
@@ -875,6 +879,8 @@ SimResult finish(const Context& x, const Totals& t, double fraction) {
         r.memoryPeakBytes += blocks[i];
       }
     }
+  } else if (x.pipeline.stages <= 1 && x.job.memory.offloadWeights) {
+    r.memoryPeakBytes = x.w.offload.windowBytes + x.w.offload.activationPeakBytes;
   } else if (x.pipeline.stages <= 1) {
     r.memoryPeakBytes = 2 * x.w.parameterTotal() +
                         (workerUpdates(x.sync.mode) ? x.w.optimizerStateBytes : 0) +
@@ -918,7 +924,33 @@ SimResult simulate(const Workload& workload, const RunOptions& job, const Cluste
                                   options.workers, stages));
   }
   const int servers = usesServers(job.sync.mode) ? job.sync.servers : 0;
-  Context x{workload, job, job.sync, job.pipeline, cluster, options, {}, {}};
+  // Out-of-core weights: the tier's cost on the backward, as the profile's plan folds its own.
+  Workload offloaded;
+  if (job.memory.offloadWeights) {
+    if (!workload.offload.measured) {
+      throw ConfigError(
+          "the workload has no profile of memory.weights = offload (a workload file from "
+          "before it); profile again (drop --workload)");
+    }
+    offloaded = workload;
+    const double backward =
+        std::accumulate(workload.backwardSeconds.begin(), workload.backwardSeconds.end(), 0.0);
+    if (backward > 0.0) {
+      for (double& b : offloaded.backwardSeconds) {
+        b *= 1.0 + workload.offload.extraSeconds / backward;
+      }
+    } else {
+      offloaded.lossSeconds += workload.offload.extraSeconds;
+    }
+  }
+  Context x{job.memory.offloadWeights ? offloaded : workload,
+            job,
+            job.sync,
+            job.pipeline,
+            cluster,
+            options,
+            {},
+            {}};
   x.p = place(options.workers, servers, cluster);
   for (int wk = 0; wk < options.workers; ++wk) {
     x.scale.push_back(contention(x.p, x.p.workerHost[wk], options.workers, workload, cluster));

@@ -33,6 +33,11 @@
 //            next forward waiting for each; parameters: each block's before its forward and its
 //            backward, one ahead), all through one queue of collectives; each moves half an
 //            all-reduce's bytes. Memory: ZeRO's accounting (+ two gathered blocks).
+//   memory.weights = offload  (sync.shard = none, one stage) the compute as above plus
+//            Workload::offload's extra seconds on backward (the planner's prediction of the
+//            tier's cost, with its update overlapped; the exchange is not overlapped with the
+//            update here); memory: the planner's window and activations. Offload with sync.shard
+//            or pipeline stages is not simulated.
 //   pipeline K stages cut as the run cuts them (parallel.partition), M micro-batches, the
 //            configured schedule (pipeline/schedule.h simulateSchedule), activations between
 //            hosts; then the stage's gradients all-reduced across the data-parallel replicas.
@@ -66,6 +71,19 @@ struct Workload {
   int64_t optimizerStateBytes = 0;  // of the whole model
   int64_t activationPeakBytes = 0;  // the memory plan's predicted activation peak
   int64_t epochExamples = 0;        // the training split's examples (0: unknown)
+  // memory.weights = offload (each block's weights, gradients and optimizer state on
+  // memory.tier while unused), as the run's planner predicts it on this host for one worker
+  // (train/memory_setup.h; under memory.budget the window it would take): `extraSeconds`, what
+  // a step takes beyond the in-core compute and update (the tier's reads and writes that the
+  // overlapped update does not hide; added to backward); `windowBytes`, the weights, gradients
+  // and state its window holds in memory at most; `activationPeakBytes`, its plan's. Not
+  // `measured`: a workload file from before, or a model the planner could not plan offloaded.
+  struct Offload {
+    bool measured = false;
+    double extraSeconds = 0.0;
+    int64_t windowBytes = 0;
+    int64_t activationPeakBytes = 0;
+  } offload;
 
   int64_t parameterTotal() const;
   double computeSeconds() const;  // forward + loss + backward
@@ -87,8 +105,10 @@ std::vector<GradientBucket> gradientBuckets(const Workload& workload,
                                             const AllReduceOptions& options);
 
 // What the simulator reads of a job's options (RunOptions::read, or a --recommend candidate):
-// `sync` and `pipeline` only; every other field is the run's and ignored here.
-// A short name: "allreduce", "ps-ssp(3)", "osp(auto)", "local-sgd(H=4)", "allreduce+fp16".
+// `sync`, `pipeline` and memory.weights (offload: Workload::offload's step and memory); every
+// other field is the run's and ignored here.
+// A short name: "allreduce", "ps-ssp(3)", "osp(auto)", "local-sgd(H=4)", "allreduce+fp16",
+// "allreduce+offload".
 std::string label(const RunOptions& job);
 // "" when the job's mode and keys can be simulated, else why not (one line).
 std::string unsupported(const RunOptions& job);

@@ -42,8 +42,35 @@ Workload measureWorkload(const Config& config) {
   w.batchPerWorker = sample.size();
   w.epochExamples = setup.data.train->size();
   w.threads = static_cast<int>(runtime.threads);
-  // The run's memory plan (its profile is the one the planner measured).
-  ActivationMemory m = makeActivationMemory(options, setup.model, sample, /*alwaysPlan=*/true);
+  // memory.weights = offload as the run's planner predicts it (one worker, sync.shard = none):
+  // planned first, on a profile of its own, and let go before the in-core plan.
+  double offloadStepSeconds = 0.0;
+  {
+    RunOptions offload = options;
+    offload.memory.offloadWeights = true;
+    offload.sync.shard = ShardLevel::kNone;
+    try {
+      const ActivationMemory o =
+          makeActivationMemory(offload, setup.model, sample, /*alwaysPlan=*/true);
+      if (options.memory.offloadWeights && options.memory.automatic() && !o.plan->fits) {
+        throw ConfigError(
+            fmt::format("memory.budget = {} fits no plan for this model and batch "
+                        "(caravan plan says what fits); caravan train would refuse it",
+                        options.memory.budgetText));
+      }
+      w.offload.measured = true;
+      w.offload.windowBytes = o.persistent;
+      w.offload.activationPeakBytes = o.plan->prediction.peakBytes;
+      offloadStepSeconds =
+          std::max(o.plan->prediction.stepSeconds, o.plan->prediction.updatesEndSeconds);
+    } catch (const ConfigError&) {
+      if (options.memory.offloadWeights) throw;  // the run's own way: as train would refuse it
+    }
+  }
+  // The in-core plan (memory.weights = core; its profile is the one the planner measured).
+  RunOptions inCore = options;
+  inCore.memory.offloadWeights = false;
+  ActivationMemory m = makeActivationMemory(inCore, setup.model, sample, /*alwaysPlan=*/true);
   CARAVAN_CHECK(m.profile.has_value(), "a plan without a profile");
   const ModelProfile& profile = *m.profile;
   for (size_t i = 0; i < profile.blocks.size(); ++i) {
@@ -60,7 +87,7 @@ Workload measureWorkload(const Config& config) {
   // tier) is spread over the backward times.
   // memory.policy = auto: the plan's own prediction (with the write backpressure its run gets);
   // a given policy: predicted with the whole room as its limit, as the run drains at.
-  if (options.memory.automatic() && !m.plan->fits) {
+  if (!options.memory.offloadWeights && options.memory.automatic() && !m.plan->fits) {
     throw ConfigError(
         fmt::format("memory.budget = {} fits no plan for this model and batch "
                     "(caravan plan says what fits); caravan train would refuse it",
@@ -99,6 +126,10 @@ Workload measureWorkload(const Config& config) {
   std::sort(times.begin(), times.end());
   w.updateSeconds = times[times.size() / 2];
   w.optimizerStateBytes = optimizerStateBytes(*optimizer);  // as stepped: its state exists
+  if (w.offload.measured) {
+    w.offload.extraSeconds =
+        std::max(0.0, offloadStepSeconds - (w.computeSeconds() + w.updateSeconds));
+  }
   return w;
 }
 
@@ -123,20 +154,25 @@ void checkWorkloadIsTheConfigs(const Workload& w, const Config& config, const st
 }
 
 std::string workloadJson(const Workload& w) {
-  const nlohmann::json j = {{"format", "caravan-workload-2"},
-                            {"model", w.model},
-                            {"batch_per_worker", w.batchPerWorker},
-                            {"threads", w.threads},
-                            {"forward_s", w.forwardSeconds},
-                            {"backward_s", w.backwardSeconds},
-                            {"parameter_bytes", w.parameterBytes},
-                            {"gradient_bytes", w.gradientBytes},
-                            {"input_bytes", w.inputBytes},
-                            {"loss_s", w.lossSeconds},
-                            {"update_s", w.updateSeconds},
-                            {"optimizer_state_bytes", w.optimizerStateBytes},
-                            {"activation_peak_bytes", w.activationPeakBytes},
-                            {"epoch_examples", w.epochExamples}};
+  nlohmann::json j = {{"format", "caravan-workload-2"},
+                      {"model", w.model},
+                      {"batch_per_worker", w.batchPerWorker},
+                      {"threads", w.threads},
+                      {"forward_s", w.forwardSeconds},
+                      {"backward_s", w.backwardSeconds},
+                      {"parameter_bytes", w.parameterBytes},
+                      {"gradient_bytes", w.gradientBytes},
+                      {"input_bytes", w.inputBytes},
+                      {"loss_s", w.lossSeconds},
+                      {"update_s", w.updateSeconds},
+                      {"optimizer_state_bytes", w.optimizerStateBytes},
+                      {"activation_peak_bytes", w.activationPeakBytes},
+                      {"epoch_examples", w.epochExamples}};
+  if (w.offload.measured) {
+    j["offload"] = {{"extra_s", w.offload.extraSeconds},
+                    {"window_bytes", w.offload.windowBytes},
+                    {"activation_peak_bytes", w.offload.activationPeakBytes}};
+  }
   return j.dump(1) + "\n";
 }
 
@@ -168,6 +204,13 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
     w.optimizerStateBytes = j.at("optimizer_state_bytes").get<int64_t>();
     w.activationPeakBytes = j.at("activation_peak_bytes").get<int64_t>();
     w.epochExamples = j.at("epoch_examples").get<int64_t>();
+    if (j.contains("offload")) {  // optional: workloads written before it have none
+      const nlohmann::json& o = j.at("offload");
+      w.offload.measured = true;
+      w.offload.extraSeconds = o.at("extra_s").get<double>();
+      w.offload.windowBytes = o.at("window_bytes").get<int64_t>();
+      w.offload.activationPeakBytes = o.at("activation_peak_bytes").get<int64_t>();
+    }
   } catch (const nlohmann::json::exception& e) {
     throw ConfigError(
         fmt::format("{}: not a readable workload ({}); write one with caravan "
@@ -177,7 +220,9 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
   const size_t n = w.forwardSeconds.size();
   bool finite = std::isfinite(w.lossSeconds) && w.lossSeconds >= 0.0 &&
                 std::isfinite(w.updateSeconds) && w.updateSeconds >= 0.0 &&
-                w.optimizerStateBytes >= 0 && w.activationPeakBytes >= 0 && w.epochExamples >= 0;
+                w.optimizerStateBytes >= 0 && w.activationPeakBytes >= 0 && w.epochExamples >= 0 &&
+                std::isfinite(w.offload.extraSeconds) && w.offload.extraSeconds >= 0.0 &&
+                w.offload.windowBytes >= 0 && w.offload.activationPeakBytes >= 0;
   for (const auto* times : {&w.forwardSeconds, &w.backwardSeconds}) {
     for (double v : *times) finite = finite && std::isfinite(v) && v >= 0.0;
   }

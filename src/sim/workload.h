@@ -16,7 +16,9 @@ namespace caravan::sim {
 // memory.profile_repeats) in the config's train.precision (bf16: the blocks a run would choose)
 // at the config's threads (one when 0), times the optimizer's step over
 // every parameter, and takes the activation peak the run's memory plan predicts (memory.policy,
-// memory.budget). Applies the config's runtime options to this process.
+// memory.budget) with the weights in core; then the same run with memory.weights = offload as
+// its planner predicts it (Workload::offload; not measured where it cannot be planned, unless
+// the config offloads). Applies the config's runtime options to this process.
 Workload measureWorkload(const Config& config);
 
 // A workload as JSON (`caravan simulate -o DIR` writes DIR/workload.json; --workload reads it
