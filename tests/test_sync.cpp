@@ -36,6 +36,7 @@
 #include "sync/replicas.h"
 #include "sync/sharding.h"
 #include "sync/sync_mode.h"
+#include "test_util.h"
 
 using namespace caravan;
 using caravan::test::loopbackOptions;
@@ -762,8 +763,10 @@ TEST(SyncModes, ShardLevelsHoldZerosAccountingAndSendItsBytes) {
 // bf16 instructions, so the whole runs of test_dist.cpp need one).
 namespace {
 
-// A GPT without dropout (the threads share the default generator), every block in bf16.
-BlockModel bf16Gpt() {
+// A GPT without dropout (the threads share the default generator), every block in bf16: the
+// built-in one (vocabulary 13), or a user's scripted twin saved by PyTorch (script_models.py's
+// gpt.pt: vocabulary 16, context 24).
+BlockModel bf16Gpt(bool scripted) {
   ModelSpec spec;
   spec.name = "gpt";
   spec.width = 32;
@@ -773,15 +776,22 @@ BlockModel bf16Gpt() {
   shape.task = TaskKind::kLanguageModel;
   shape.vocabSize = 13;
   shape.seqLen = 8;
+  if (scripted) {
+    spec = ModelSpec{};
+    spec.name = "torchscript";
+    spec.path = test::scriptedModelsDir() + "/gpt.pt";
+    shape.vocabSize = 16;
+    shape.seqLen = 24;
+  }
   torch::manual_seed(3);
   BlockModel model = buildModel(spec, shape);
   model->setBf16(std::vector<bool>(model->numBlocks(), true));
   return model;
 }
 
-Batch tokenBatch(uint64_t seed) {
+Batch tokenBatch(bool scripted, uint64_t seed) {
   at::Generator g = at::detail::createCPUGenerator(seed);
-  const at::Tensor tokens = at::randint(13, {3, 9}, g, at::kLong);
+  const at::Tensor tokens = at::randint(scripted ? 16 : 13, {3, 9}, g, at::kLong);
   return {tokens.narrow(1, 0, 8).contiguous(), tokens.narrow(1, 1, 8).contiguous()};
 }
 
@@ -803,19 +813,25 @@ bool castByAutocast(const std::string& name) {
 // (Gloo's ring sums three in its own order). The linear layers' weights and biases are gathered
 // in bf16 (their model parameters are bf16 while a block runs); a forward's gathers move
 // (W - 1) (2 ceil(nbf16 / W) + 4 ceil(nf32 / W)) bytes per block, counted by the communicator;
-// model.pt's view (withFullParameters) is the float32 masters, with offload too.
-class ShardedBf16Gathers : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+// model.pt's view (withFullParameters) is the float32 masters, with offload too. The same for a
+// user's scripted GPT (TorchScript's linear under the same autocast).
+class ShardedBf16Gathers : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
 
 TEST_P(ShardedBf16Gathers, LinearWeightsTravelInBf16AndTrainTheBitsOfTheUnshardedModel) {
   const int w = std::get<0>(GetParam());
   const bool offload = std::get<1>(GetParam());
+  const bool scripted = std::get<2>(GetParam());
+  if (scripted) {
+    ASSERT_FALSE(test::scriptedModelsDir().empty())
+        << "tests/python/script_models.py failed (.venv: bash scripts/setup.sh)";
+  }
   constexpr int kSteps = 3;
   std::vector<std::vector<Batch>> batches(kSteps);
   for (int s = 0; s < kSteps; ++s) {
-    for (int r = 0; r < w; ++r) batches[s].push_back(tokenBatch(100 * s + r));
+    for (int r = 0; r < w; ++r) batches[s].push_back(tokenBatch(scripted, 100 * s + r));
   }
   // The unsharded run.
-  BlockModel reference = bf16Gpt();
+  BlockModel reference = bf16Gpt(scripted);
   torch::optim::AdamW referenceOptimizer(reference->parameters(), torch::optim::AdamWOptions(0.01));
   std::vector<std::vector<double>> referenceLoss(kSteps);
   for (int s = 0; s < kSteps; ++s) {
@@ -840,7 +856,7 @@ TEST_P(ShardedBf16Gathers, LinearWeightsTravelInBf16AndTrainTheBitsOfTheUnsharde
     referenceOptimizer.step();
   }
   // The bytes a forward's gathers send, from the parameters' names and sizes.
-  BlockModel probe = bf16Gpt();
+  BlockModel probe = bf16Gpt(scripted);
   std::set<std::string> bf16Names;
   int64_t expectedBytes = 0;
   for (size_t b = 0; b < probe->numBlocks(); ++b) {
@@ -869,7 +885,7 @@ TEST_P(ShardedBf16Gathers, LinearWeightsTravelInBf16AndTrainTheBitsOfTheUnsharde
   std::vector<BlockModel> models;
   std::vector<std::set<const c10::TensorImpl*>> sets;
   for (int r = 0; r < w; ++r) {
-    models.push_back(bf16Gpt());
+    models.push_back(bf16Gpt(scripted));
     sets.push_back(bf16GatheredParameters(models.back(), batches[0][r]));
   }
   std::vector<std::vector<double>> losses(w);
@@ -943,7 +959,8 @@ TEST_P(ShardedBf16Gathers, LinearWeightsTravelInBf16AndTrainTheBitsOfTheUnsharde
 }
 
 INSTANTIATE_TEST_SUITE_P(Workers, ShardedBf16Gathers,
-                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool()));
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool(),
+                                            ::testing::Bool()));
 
 // A unit's groups: every rank's slice (sliceOfGroups) joined again (joinSlices) is the whole,
 // padding apart; a rank's slice is its part of each group, group after group.
