@@ -18,7 +18,9 @@
 
 #include "cli/launch.h"
 #include "core/config.h"
+#include "core/errors.h"
 #include "memory/saved_tensors.h"
+#include "models/precision.h"
 #include "run_util.h"
 #include "sync/sharding.h"
 #include "test_util.h"
@@ -26,6 +28,7 @@
 #include "train/memory_setup.h"
 #include "train/run_setup.h"
 #include "train/setup.h"
+#include "train/sharded_checkpoint.h"
 
 using namespace caravan;
 using caravan::test::TempDir;
@@ -1440,6 +1443,98 @@ int countNamed(const std::vector<std::string>& names, const std::string& prefix,
     return n.rfind(prefix, 0) == 0 && n.size() >= suffix.size() &&
            n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
   }));
+}
+
+// bf16 gathers (sync/sharding.h): with every block in bf16, sync.shard = parameters gathers the
+// linear layers' weights in bf16 and trains the bits none trains in bf16: W = 2, 3 and 4, and
+// with its slices offloaded. Its checkpoint (units in two groups) resumes bitwise on as many
+// workers, resumes on 2 after 4 as none's does, and consolidates to the run's model.pt, which
+// is none's (the float32 masters, not their bf16 copies). caravan train keeps float32 on a CPU
+// without bf16 instructions, so this runs where there are some; ranks as threads check the same
+// anywhere (test_sync.cpp, ShardedBf16Gathers).
+TEST(DistShardedBf16, GathersInBf16TrainTheBitsOfNoneAndItsCheckpointsResume) {
+  if (!cpuHasBf16Instructions()) {
+    GTEST_SKIP() << "no bf16 instructions on this CPU: train.precision = bf16-all stays float32";
+  }
+  const auto o = with(kShardGpt, {"dist.backend=shm", "train.precision=bf16-all"});
+  for (int world : {2, 3, 4}) {
+    for (const auto& [level, d] : shardDifferences(world, o, {"parameters"})) {
+      EXPECT_EQ(d.loss, 0.0) << world;
+      EXPECT_EQ(d.params, 0.0) << world;
+    }
+  }
+  for (const auto& [level, d] : shardDifferences(
+           2, with(o, {"memory.weights=offload", "memory.tier=host"}), {"parameters"})) {
+    EXPECT_EQ(d.loss, 0.0) << "offload";
+    EXPECT_EQ(d.params, 0.0) << "offload";
+  }
+  TempDir tmp;
+  const auto r = with(o, {"train.max_steps=24", "train.eval_every=0", "checkpoint.every=0"});
+  auto stopAt12 = [&](int world, const std::vector<std::string>& s, const std::string& cut) {
+    return runRanksWith(
+        world, cut, "--config /dev/null" + setArgs(s) + " --run-dir " + cut + " --stop-at-step 12");
+  };
+  const auto p = with(r, {"sync.shard=parameters"});
+  const std::string whole = tmp / "whole", cut = tmp / "cut";
+  ASSERT_EQ(runRanks(2, whole, p), std::vector<int>(2, 0)) << test::readFile(whole + ".rank0.log");
+  ASSERT_EQ(stopAt12(2, p, cut), std::vector<int>(2, 0)) << test::readFile(cut + ".rank0.log");
+  ASSERT_EQ(runRanksWith(2, cut + "-resumed", "--resume " + cut), std::vector<int>(2, 0))
+      << test::readFile(cut + "-resumed.rank0.log");
+  EXPECT_EQ(maxAbsDiff(finalParams(whole, p), finalParams(cut, p)), 0.0);
+  const auto consolidated =
+      test::runCaravan("checkpoint consolidate " + whole + " --out " + (tmp / "model.pt"));
+  ASSERT_EQ(consolidated.exitCode, 0) << consolidated.err;
+  EXPECT_EQ(test::readFile(tmp / "model.pt"), test::readFile(whole + "/model.pt"));
+  const std::string none = tmp / "none";
+  ASSERT_EQ(runRanks(2, none, r), std::vector<int>(2, 0));
+  EXPECT_EQ(test::readFile(whole + "/model.pt"), test::readFile(none + "/model.pt"));
+  // 4 -> 2 workers (global batch 16): parameters' resumed run is none's.
+  std::map<std::string, std::map<std::string, at::Tensor>> resumed;
+  for (const char* level : {"none", "parameters"}) {
+    SCOPED_TRACE(level);
+    const auto before = with(r, {std::string("sync.shard=") + level, "data.batch_size=4"});
+    const std::string from4 = tmp / (std::string(level) + "-4-to-2");
+    ASSERT_EQ(stopAt12(4, before, from4), std::vector<int>(4, 0));
+    ASSERT_EQ(runRanksWith(2, from4 + "-resumed", "--resume " + from4 + " --set data.batch_size=8"),
+              std::vector<int>(2, 0))
+        << test::readFile(from4 + "-resumed.rank0.log");
+    resumed[level] = finalParams(from4, before);
+  }
+  EXPECT_EQ(maxAbsDiff(resumed["none"], resumed["parameters"]), 0.0);
+}
+
+// A manifest's layout: a unit in two groups (bf16 gathers) comes back from its JSON as it was;
+// a unit of one float32 group writes no groups (the manifests before bf16 gathers) and reads
+// back as that one group; groups that do not add up to their unit are refused as damage.
+TEST(DistShardedCheckpoint, ALayoutsGroupsRoundTripAndALayoutWithoutGroupsIsOneGroup) {
+  ShardedLayout two;
+  two.worldSize = 2;
+  two.level = "parameters";
+  ShardedLayout::Unit unit;
+  unit.numel = 7;
+  unit.padded = 8;
+  unit.params = {{"w", {3}, 0}, {"ln", {4}, 3}};
+  unit.groups = {{3, 4, "bfloat16"}, {4, 4, "float32"}};
+  two.units.push_back(unit);
+  const ShardedLayout back = ShardedLayout::fromJson(two.toJson(), "ckpt");
+  EXPECT_TRUE(back.sameUnits(two));
+  ASSERT_EQ(back.units.front().groups.size(), 2U);
+  EXPECT_EQ(back.units.front().groups.front().dtype, "bfloat16");
+  ShardedLayout one = two;
+  one.units.front().groups = {{7, 8, "float32"}};
+  const nlohmann::json oneJson = one.toJson();
+  EXPECT_FALSE(oneJson["units"][0].contains("groups")) << oneJson;
+  EXPECT_TRUE(ShardedLayout::fromJson(oneJson, "ckpt").sameUnits(one));
+  EXPECT_FALSE(ShardedLayout::fromJson(oneJson, "ckpt").sameUnits(two));
+  nlohmann::json bad = two.toJson();
+  bad["units"][0]["groups"][0]["padded"] = 6;
+  try {
+    ShardedLayout::fromJson(bad, "ckpt");
+    ADD_FAILURE() << "groups of 10 padded elements in a unit of 8 were read";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint ckpt is damaged"), std::string::npos)
+        << e.what();
+  }
 }
 
 // Stopped at step 12 and resumed, each level ends with the uninterrupted run's bits: its

@@ -503,15 +503,19 @@ TEST(Buckets, ABucketIsReadyWhenItsLastParametersBlockEndedBackward) {
 TEST(WorkloadFile, KeepsEachParametersBytesAndReadsTheFormatBefore) {
   Workload w = oneBlock();
   w.gradientBytes = {{4000000, 3999000}};
+  w.gatherBytes = {6000000};
   const Workload back = workloadFromJson(workloadJson(w), "w.json");
   EXPECT_EQ(back.gradientBytes, w.gradientBytes);
   EXPECT_EQ(back.parameterBytes, w.parameterBytes);
+  EXPECT_EQ(back.gatherBytes, w.gatherBytes);
   // caravan-workload-1: no gradient_bytes; each block one tensor.
   nlohmann::json old = nlohmann::json::parse(workloadJson(w));
   old["format"] = "caravan-workload-1";
   old.erase("gradient_bytes");
+  old.erase("gather_bytes");  // before bf16 gathers: each block's parameters' bytes
   const Workload one = workloadFromJson(old.dump(), "old.json");
   EXPECT_TRUE(one.gradientBytes.empty());
+  EXPECT_TRUE(one.gatherBytes.empty());
   EXPECT_EQ(gradientBuckets(one, AllReduceOptions{}).size(), 1u);
   // A block's gradients past its parameters are refused.
   nlohmann::json bad = nlohmann::json::parse(workloadJson(w));
@@ -598,6 +602,27 @@ TEST(SimulateSharded, StagesOneAndTwoSendAnAllReducesBytesAndStageThreeOneAndAHa
                           (level == ShardLevel::kParameters ? 8000000 : 0);
     EXPECT_EQ(r.memoryPeakBytes, state + 4000000) << shardLevelName(level);
   }
+}
+
+// bf16 gathers (Workload::gatherBytes: the weights stage 3 gathers in bf16, here half of each
+// block's bytes): each of stage 3's three gathers sends half, its two reduce-scatters float32's,
+// so 3.5 halves of an all-reduce's 4 against 5; the two gathered blocks hold half. The other
+// levels gather the float32 weights after the update: what they sent before.
+TEST(SimulateSharded, StageThreesBf16GathersSendAndHoldHalfTheirBytes) {
+  Workload w = blocks({0.015, 0.015}, {0.030, 0.030}, {4000000, 4000000}, {1000000, 1000000});
+  const ClusterSpec c = hosts(4);
+  const SimResult none = simulate(w, job(SyncMode::kAllReduce), c, {4, 5, 1});
+  RunOptions s = job(SyncMode::kAllReduce);
+  s.sync.shard = ShardLevel::kParameters;
+  const SimResult float32 = simulate(w, s, c, {4, 5, 1});
+  w.gatherBytes = {2000000, 2000000};
+  const SimResult bf16 = simulate(w, s, c, {4, 5, 1});
+  EXPECT_NEAR(bf16.bytesSentPerStep, 3.5 / 4.0 * none.bytesSentPerStep,
+              1e-9 * none.bytesSentPerStep);
+  EXPECT_EQ(bf16.memoryPeakBytes, float32.memoryPeakBytes - 4000000);
+  s.sync.shard = ShardLevel::kGradients;
+  EXPECT_NEAR(simulate(w, s, c, {4, 5, 1}).bytesSentPerStep, none.bytesSentPerStep,
+              1e-9 * none.bytesSentPerStep);
 }
 
 TEST(SimulateSharded, OneBlockIsForwardBackwardReduceScatterUpdateAndGather) {

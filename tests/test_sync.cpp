@@ -6,21 +6,26 @@
 // compression codecs: block-scaled integers and top-k (error feedback, hostile indices), the
 // 16-bit ring all-reduce. The parameter servers and OSP: every gradient applied exactly once,
 // ps-ssp's staleness bound as the workers read it, crafted messages refused, headers bit-exact.
-// The bytes counted by the counting communicator. Whole training runs of these modes are in
-// test_dist.cpp.
+// The bytes counted by the counting communicator. sync.shard = parameters' bf16 gathers against
+// the unsharded model. Whole training runs of these modes are in test_dist.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <set>
 #include <thread>
 
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "comm/counting_communicator.h"
 #include "core/config.h"
 #include "core/errors.h"
 #include "gloo_ranks.h"
+#include "memory/tier.h"
+#include "models/model.h"
 #include "sync/allreduce.h"
 #include "sync/compression.h"
 #include "sync/diloco.h"
@@ -29,7 +34,9 @@
 #include "sync/osp.h"
 #include "sync/parameter_server.h"
 #include "sync/replicas.h"
+#include "sync/sharding.h"
 #include "sync/sync_mode.h"
+#include "test_util.h"
 
 using namespace caravan;
 using caravan::test::loopbackOptions;
@@ -749,4 +756,225 @@ TEST(SyncModes, ShardLevelsHoldZerosAccountingAndSendItsBytes) {
   }
   for (ShardLevel level : kShardLevels) EXPECT_EQ(parseShardLevel(shardLevelName(level)), level);
   EXPECT_THROW(parseShardLevel("zero3"), ConfigError);
+}
+
+// sync.shard = parameters with bf16 blocks (sync/sharding.h, "bf16 gathers"), ranks as threads
+// (bf16 blocks run under autocast on any CPU; caravan train keeps float32 where the CPU has no
+// bf16 instructions, so the whole runs of test_dist.cpp need one).
+namespace {
+
+// A GPT without dropout (the threads share the default generator), every block in bf16: the
+// built-in one (vocabulary 13), or a user's scripted twin saved by PyTorch (script_models.py's
+// gpt.pt: vocabulary 16, context 24).
+BlockModel bf16Gpt(bool scripted) {
+  ModelSpec spec;
+  spec.name = "gpt";
+  spec.width = 32;
+  spec.depth = 2;
+  spec.heads = 4;
+  DataShape shape;
+  shape.task = TaskKind::kLanguageModel;
+  shape.vocabSize = 13;
+  shape.seqLen = 8;
+  if (scripted) {
+    spec = ModelSpec{};
+    spec.name = "torchscript";
+    spec.path = test::scriptedModelsDir() + "/gpt.pt";
+    shape.vocabSize = 16;
+    shape.seqLen = 24;
+  }
+  torch::manual_seed(3);
+  BlockModel model = buildModel(spec, shape);
+  model->setBf16(std::vector<bool>(model->numBlocks(), true));
+  return model;
+}
+
+Batch tokenBatch(bool scripted, uint64_t seed) {
+  at::Generator g = at::detail::createCPUGenerator(seed);
+  const at::Tensor tokens = at::randint(scripted ? 16 : 13, {3, 9}, g, at::kLong);
+  return {tokens.narrow(1, 0, 8).contiguous(), tokens.narrow(1, 1, 8).contiguous()};
+}
+
+// The parameters autocast casts to bf16 and nothing else reads: the linear layers' weights and
+// biases (not the layer norms, not the embeddings).
+bool castByAutocast(const std::string& name) {
+  for (const char* linear : {".c_attn.", ".c_proj.", ".c_fc.", ".lm_head."}) {
+    if (name.find(linear) != std::string::npos) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+// Against the unsharded model on the same batches (each rank's loss, the gradients summed in
+// rank order and scaled by 1/W as the reduce-scatter does, AdamW on the whole tensors): W = 2
+// trains the same bits for 3 steps (a sum of two is the same in any order); W = 3 computes the
+// same first losses (uneven groups: padding in both) and the same masters within rounding after
+// (Gloo's ring sums three in its own order). The linear layers' weights and biases are gathered
+// in bf16 (their model parameters are bf16 while a block runs); a forward's gathers move
+// (W - 1) (2 ceil(nbf16 / W) + 4 ceil(nf32 / W)) bytes per block, counted by the communicator;
+// model.pt's view (withFullParameters) is the float32 masters, with offload too. The same for a
+// user's scripted GPT (TorchScript's linear under the same autocast).
+class ShardedBf16Gathers : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
+
+TEST_P(ShardedBf16Gathers, LinearWeightsTravelInBf16AndTrainTheBitsOfTheUnshardedModel) {
+  const int w = std::get<0>(GetParam());
+  const bool offload = std::get<1>(GetParam());
+  const bool scripted = std::get<2>(GetParam());
+  if (scripted) {
+    ASSERT_FALSE(test::scriptedModelsDir().empty())
+        << "tests/python/script_models.py failed (.venv: bash scripts/setup.sh)";
+  }
+  constexpr int kSteps = 3;
+  std::vector<std::vector<Batch>> batches(kSteps);
+  for (int s = 0; s < kSteps; ++s) {
+    for (int r = 0; r < w; ++r) batches[s].push_back(tokenBatch(scripted, 100 * s + r));
+  }
+  // The unsharded run.
+  BlockModel reference = bf16Gpt(scripted);
+  torch::optim::AdamW referenceOptimizer(reference->parameters(), torch::optim::AdamWOptions(0.01));
+  std::vector<std::vector<double>> referenceLoss(kSteps);
+  for (int s = 0; s < kSteps; ++s) {
+    std::vector<at::Tensor> sum;
+    for (int r = 0; r < w; ++r) {
+      reference->zero_grad();
+      const at::Tensor loss =
+          reference->loss(reference->forward(batches[s][r].input), batches[s][r].target);
+      loss.backward();
+      referenceLoss[s].push_back(loss.item<double>());
+      const auto ps = reference->parameters();
+      for (size_t k = 0; k < ps.size(); ++k) {
+        if (r == 0) {
+          sum.push_back(ps[k].grad().clone());
+        } else {
+          sum[k] = sum[k] + ps[k].grad();
+        }
+      }
+    }
+    const auto ps = reference->parameters();
+    for (size_t k = 0; k < ps.size(); ++k) ps[k].mutable_grad() = sum[k].mul_(1.0 / w);
+    referenceOptimizer.step();
+  }
+  // The bytes a forward's gathers send, from the parameters' names and sizes.
+  BlockModel probe = bf16Gpt(scripted);
+  std::set<std::string> bf16Names;
+  int64_t expectedBytes = 0;
+  for (size_t b = 0; b < probe->numBlocks(); ++b) {
+    int64_t bf16 = 0, f32 = 0;
+    for (const auto& p : probe->named_parameters()) {
+      if (p.key().rfind("b" + std::to_string(b) + "_", 0) != 0) continue;
+      if (castByAutocast(p.key())) {
+        bf16Names.insert(p.key());
+        bf16 += p.value().numel();
+      } else {
+        f32 += p.value().numel();
+      }
+    }
+    auto slice = [&](int64_t n) { return n == 0 ? 0 : (n + w - 1) / w; };
+    expectedBytes += (w - 1) * (2 * slice(bf16) + 4 * slice(f32));
+  }
+  // The rule finds them from the autograd graph.
+  std::set<std::string> found;
+  const auto gathered = bf16GatheredParameters(probe, batches[0][0]);
+  for (const auto& p : probe->named_parameters()) {
+    if (gathered.count(p.value().unsafeGetTensorImpl()) != 0) found.insert(p.key());
+  }
+  EXPECT_EQ(found, bf16Names);
+  ASSERT_FALSE(bf16Names.empty());
+
+  std::vector<BlockModel> models;
+  std::vector<std::set<const c10::TensorImpl*>> sets;
+  for (int r = 0; r < w; ++r) {
+    models.push_back(bf16Gpt(scripted));
+    sets.push_back(bf16GatheredParameters(models.back(), batches[0][r]));
+  }
+  std::vector<std::vector<double>> losses(w);
+  std::vector<int64_t> forwardBytes(w, 0);
+  std::vector<std::map<std::string, std::string>> dtypes(w);
+  std::map<std::string, at::Tensor> masters;
+  expectNoErrors(runGlooRanks(w, loopbackOptions(kTimeout), [&](auto comm) {
+    const int r = comm->rank();
+    BlockModel& m = models[r];
+    auto counted = std::make_shared<CountingCommunicator>(comm);
+    HostTier tier;  // outlives the slices on it
+    ShardedParameters shards(m, counted, ShardLevel::kParameters, nullptr, 0, sets[r]);
+    torch::optim::AdamW sliced(shards.shards(), torch::optim::AdamWOptions(0.01));
+    if (offload) shards.offloadTo(tier, sliced);
+    for (int s = 0; s < kSteps; ++s) {
+      const int64_t before = counted->bytes().sent;
+      at::Tensor out = m->forward(batches[s][r].input);
+      if (s == 0) {
+        forwardBytes[r] = counted->bytes().sent - before;
+        for (const auto& p : m->named_parameters()) {
+          dtypes[r][p.key()] = p.value().scalar_type() == at::kBFloat16 ? "bf16" : "float32";
+        }
+      }
+      const at::Tensor loss = m->loss(out, batches[s][r].target);
+      loss.backward();
+      shards.finishGradients();
+      if (offload) {
+        shards.stepOffloaded(sliced);
+      } else {
+        sliced.step();
+      }
+      shards.afterUpdate();
+      losses[r].push_back(loss.item<double>());
+    }
+    shards.settle();
+    shards.withFullParameters(
+        [&] {
+          for (const auto& p : m->named_parameters()) {
+            masters[p.key()] = p.value().detach().clone();
+          }
+        },
+        0);
+    // After model.pt's float32 view the blocks gather in bf16 again, and train.
+    const at::Tensor loss = m->loss(m->forward(batches[0][r].input), batches[0][r].target);
+    loss.backward();
+    shards.finishGradients();
+  }));
+  for (int r = 0; r < w; ++r) {
+    for (const auto& [name, dtype] : dtypes[r]) {
+      EXPECT_EQ(dtype, bf16Names.count(name) != 0 ? "bf16" : "float32") << name;
+    }
+    EXPECT_EQ(forwardBytes[r], expectedBytes) << "rank " << r;
+    for (int s = 0; s < kSteps; ++s) {
+      if (w == 2 || s == 0) {
+        EXPECT_EQ(losses[r][s], referenceLoss[s][r]) << "rank " << r << " step " << s;
+      } else {
+        // Gloo's ring sums W = 3 in its own order: the bound, 1e-6 relative.
+        EXPECT_NEAR(losses[r][s], referenceLoss[s][r], 1e-6 * std::abs(referenceLoss[s][r]));
+      }
+    }
+  }
+  for (const auto& p : reference->named_parameters()) {
+    ASSERT_EQ(masters.count(p.key()), 1U) << p.key();
+    EXPECT_EQ(masters[p.key()].scalar_type(), at::kFloat) << p.key();
+    const double diff = (masters[p.key()] - p.value()).abs().max().item<double>();
+    if (w == 2) {
+      EXPECT_EQ(diff, 0.0) << p.key();
+    } else {
+      EXPECT_LE(diff, 1e-4) << p.key();
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Workers, ShardedBf16Gathers,
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool(),
+                                            ::testing::Bool()));
+
+// A unit's groups: every rank's slice (sliceOfGroups) joined again (joinSlices) is the whole,
+// padding apart; a rank's slice is its part of each group, group after group.
+TEST(ShardedBf16Gathers, SlicesOfGroupsJoinIntoTheWhole) {
+  const at::Tensor whole = at::arange(2 * 12, at::kFloat).view({2, 12});
+  for (int w : {1, 2, 3, 5}) {
+    const std::vector<ShardGroup> groups = {{7, (7 + w - 1) / w * w}, {5, (5 + w - 1) / w * w}};
+    std::vector<at::Tensor> slices;
+    for (int r = 0; r < w; ++r) slices.push_back(sliceOfGroups(whole, groups, w, r));
+    EXPECT_TRUE(at::equal(joinSlices(slices, groups), whole)) << w;
+    if (w == 3) {  // groups of 7 -> 9 and 5 -> 6: rank 1 holds elements 3..5 and 7 + 2..3
+      EXPECT_TRUE(at::equal(slices[1][0], at::tensor({3.F, 4.F, 5.F, 9.F, 10.F}))) << slices[1];
+      EXPECT_TRUE(at::equal(slices[2][0], at::tensor({6.F, 0.F, 0.F, 11.F, 0.F}))) << slices[2];
+    }
+  }
 }

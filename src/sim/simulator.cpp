@@ -369,9 +369,14 @@ Totals simulateSharded(const Context& x) {
   const size_t n = x.w.forwardSeconds.size();
   const bool parameters = x.sync.shard == ShardLevel::kParameters;
   const double workers = static_cast<double>(x.o.workers);
-  auto half = [&](size_t block) {
-    const double bytes = static_cast<double>(x.w.parameterBytes[block]);
+  auto half = [&](int64_t size) {
+    const auto bytes = static_cast<double>(size);
     return Exchange{0.5 * allReduceSeconds(bytes, x.p, x.c), 0.5 * allReduceSentBytes(bytes, x.p)};
+  };
+  // What a block's gather moves: under parameters its bf16-gathered weights at 2 bytes.
+  auto gatherSize = [&](size_t block) {
+    return parameters && !x.w.gatherBytes.empty() ? x.w.gatherBytes[block]
+                                                  : x.w.parameterBytes[block];
   };
   Stragglers noise(x.c.stragglerCv, x.o.seed);
   Totals t;
@@ -386,7 +391,7 @@ Totals simulateSharded(const Context& x) {
         gathered[k] = at;
         return;
       }
-      const Exchange e = half(k);
+      const Exchange e = half(gatherSize(k));
       gathered[k] = queue = std::max(queue, at) + e.seconds;
       t.sent += e.sent * x.p.hostsUsed;
       t.linkBusy += e.seconds;
@@ -413,7 +418,7 @@ Totals simulateSharded(const Context& x) {
       }
       now = std::max(now, gathered[k]) + slowest * x.w.backwardSeconds[k];
       if (x.w.parameterBytes[k] > 0) {
-        const Exchange e = half(k);  // the block's reduce-scatter
+        const Exchange e = half(x.w.parameterBytes[k]);  // the block's reduce-scatter (float32)
         queue = std::max(queue, now) + e.seconds;
         t.sent += e.sent * x.p.hostsUsed;
         t.linkBusy += e.seconds;
@@ -867,13 +872,13 @@ SimResult finish(const Context& x, const Totals& t, double fraction) {
   r.staleness = t.staleness;
   if (x.pipeline.stages <= 1 && x.sync.shard != ShardLevel::kNone) {
     // ZeRO's accounting, and (parameters) the two largest blocks gathered at once (one running,
-    // one prefetched).
+    // one prefetched; bf16-gathered weights at 2 bytes).
     const int64_t p = x.w.parameterTotal();
     const int stateFactor = p > 0 ? static_cast<int>((x.w.optimizerStateBytes + p / 2) / p) : 0;
     r.memoryPeakBytes = shardedModelState(x.sync.shard, p, stateFactor, x.o.workers).total() +
                         x.w.activationPeakBytes;
     if (x.sync.shard == ShardLevel::kParameters) {
-      std::vector<int64_t> blocks = x.w.parameterBytes;
+      std::vector<int64_t> blocks = x.w.gatherBytes.empty() ? x.w.parameterBytes : x.w.gatherBytes;
       std::sort(blocks.rbegin(), blocks.rend());
       for (size_t i = 0; i < std::min<size_t>(2, blocks.size()); ++i) {
         r.memoryPeakBytes += blocks[i];

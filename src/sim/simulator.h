@@ -61,7 +61,10 @@ struct Workload {
   // Per block, in forward order: seconds on one process at `threads` threads.
   std::vector<double> forwardSeconds, backwardSeconds;
   std::vector<int64_t> parameterBytes;  // float32 bytes of each block's parameters
-  std::vector<int64_t> inputBytes;      // each block's input (what crosses a pipeline cut)
+  // What a sync.shard = parameters gather of each block moves (gatherBytes: its weights that a
+  // bf16 block gathers in bf16 at 2 bytes). Empty (a workload written before): parameterBytes.
+  std::vector<int64_t> gatherBytes;
+  std::vector<int64_t> inputBytes;  // each block's input (what crosses a pipeline cut)
   // Per block: the bytes of each of its parameters that takes a gradient, in registration
   // order (what AllReduceStrategy buckets; gradientBuckets). Empty: not profiled (a
   // caravan-workload-1 file), each block's parameterBytes taken as one tensor.

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <numeric>
+#include <set>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -15,6 +16,7 @@
 #include "memory/planner.h"
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
+#include "sync/sharding.h"
 #include "train/memory_setup.h"
 #include "train/precision.h"
 #include "train/run_setup.h"
@@ -73,12 +75,17 @@ Workload measureWorkload(const Config& config) {
   ActivationMemory m = makeActivationMemory(inCore, setup.model, sample, /*alwaysPlan=*/true);
   CARAVAN_CHECK(m.profile.has_value(), "a plan without a profile");
   const ModelProfile& profile = *m.profile;
+  // What sync.shard = parameters would gather in bf16 (whatever sync.shard the config says:
+  // --recommend ranks it too).
+  const std::set<const c10::TensorImpl*> bf16Gathered = bf16GatheredParameters(setup.model, sample);
   for (size_t i = 0; i < profile.blocks.size(); ++i) {
     const BlockProfile& b = profile.blocks[i];
     w.forwardSeconds.push_back(b.forwardSeconds);
     w.backwardSeconds.push_back(b.backwardSeconds);
     w.inputBytes.push_back(b.inputBytes);
-    w.parameterBytes.push_back(tensorBytes(setup.model->block(i).ptr()->parameters()));
+    const std::vector<at::Tensor> params = setup.model->block(i).ptr()->parameters();
+    w.parameterBytes.push_back(tensorBytes(params));
+    w.gatherBytes.push_back(gatherBytes(params, bf16Gathered));
   }
   w.gradientBytes = blockGradientBytes(*setup.model);
   w.lossSeconds = profile.lossSeconds;
@@ -161,6 +168,7 @@ std::string workloadJson(const Workload& w) {
                       {"forward_s", w.forwardSeconds},
                       {"backward_s", w.backwardSeconds},
                       {"parameter_bytes", w.parameterBytes},
+                      {"gather_bytes", w.gatherBytes},
                       {"gradient_bytes", w.gradientBytes},
                       {"input_bytes", w.inputBytes},
                       {"loss_s", w.lossSeconds},
@@ -198,6 +206,10 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
     w.forwardSeconds = j.at("forward_s").get<std::vector<double>>();
     w.backwardSeconds = j.at("backward_s").get<std::vector<double>>();
     w.parameterBytes = j.at("parameter_bytes").get<std::vector<int64_t>>();
+    // Absent from a workload written before bf16 gathers: the parameters' bytes then.
+    if (j.contains("gather_bytes")) {
+      w.gatherBytes = j.at("gather_bytes").get<std::vector<int64_t>>();
+    }
     w.inputBytes = j.at("input_bytes").get<std::vector<int64_t>>();
     w.lossSeconds = j.at("loss_s").get<double>();
     w.updateSeconds = j.at("update_s").get<double>();
@@ -229,6 +241,9 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
   for (const auto* sizes : {&w.parameterBytes, &w.inputBytes}) {
     for (int64_t v : *sizes) finite = finite && v >= 0;
   }
+  for (size_t b = 0; b < w.gatherBytes.size() && b < n; ++b) {
+    finite = finite && w.gatherBytes[b] >= 0 && w.gatherBytes[b] <= w.parameterBytes[b];
+  }
   // A block's gradients are some of its parameters (those that take one).
   for (size_t b = 0; b < w.gradientBytes.size() && b < n; ++b) {
     int64_t sum = 0;
@@ -239,6 +254,7 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
     finite = finite && sum <= w.parameterBytes[b];
   }
   if (n == 0 || w.backwardSeconds.size() != n || w.parameterBytes.size() != n ||
+      (!w.gatherBytes.empty() && w.gatherBytes.size() != n) ||
       (!w.gradientBytes.empty() && w.gradientBytes.size() != n) || w.inputBytes.size() != n ||
       w.threads < 1 || w.batchPerWorker < 1 || !finite) {
     throw ConfigError(

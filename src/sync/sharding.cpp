@@ -1,6 +1,7 @@
 // Sharded data parallelism: flat units, reduce-scatter, all-gather (see sharding.h).
 #include "sync/sharding.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/native/Resize.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/function.h>
@@ -21,17 +22,30 @@
 
 namespace caravan {
 
-struct ShardedParameters::Unit {
+// One gather of a unit (sharding.h, "bf16 gathers"): its parameters' elements in a flat buffer
+// of their own, gathered in `dtype`.
+struct ShardedParameters::Group {
   std::vector<size_t> params;    // indices into params_
   std::vector<int64_t> offsets;  // elements into `full`
-  std::vector<size_t> blocks;    // the blocks that own it (the shared unit: none)
   int64_t numel = 0, padded = 0, shardNumel = 0;
+  int64_t sliceOffset = 0;  // where its part of a rank's slice starts (elements)
+  int64_t unitOffset = 0;   // where its elements start among the unit's (unpadded)
+  at::ScalarType dtype = at::kFloat;
+  at::Tensor full;  // [padded] of dtype
+  at::Tensor sent;  // bf16: this rank's slice cast, for the gather in flight
+};
+
+struct ShardedParameters::Unit {
+  std::vector<Group> groups;                      // bf16-gathered (if any) first, then float32
+  std::vector<size_t> blocks;                     // the blocks that own it (the shared unit: none)
+  int64_t numel = 0, padded = 0, shardNumel = 0;  // sums over the groups
   bool resident = true;  // `full` always holds bytes (every level but parameters; shared)
-  at::Tensor full;       // [padded]
-  at::Tensor gradFull;   // [padded] the local gradients (optimizer: kept; else in flight only)
+  at::Tensor gradFull;   // [padded] the local gradients, rank-major (optimizer: kept; else in
+                         // flight only)
   at::Tensor gradShard;  // [shardNumel] averaged gradient (optimizer: a view of gradFull)
   at::Tensor reduced;    // optimizer: the reduce-scatter's output, copied into gradShard
-  WorkPtr reduceWork, gatherWork;
+  WorkPtr reduceWork;
+  std::vector<WorkPtr> gatherWork;  // one per group while in flight
   // Offloaded (ShardedParameters::offloadTo): the slice of the weights (shards_[i]) and its
   // optimizer state (from the first update on) on the tier while not in use.
   std::unique_ptr<TierPiece> weights, state;
@@ -51,11 +65,59 @@ int64_t bytesOf(int64_t elements) { return elements * static_cast<int64_t>(sizeo
 
 c10::StorageImpl* storageOf(const at::Tensor& t) { return t.storage().unsafeGetStorageImpl(); }
 
+// Calls fn(to, from, length) for the pieces of group `g`'s elements [begin, begin + n) in a
+// unit's rank-major flat buffer (rank q's slice of `unitShard` elements holds elements
+// [q s, (q+1) s) of the group at the group's sliceOffset): `to` into that buffer, `from` into
+// the n elements.
+template <typename Fn>
+void forEachPiece(const ShardedParameters::Group& g, int64_t unitShard, int64_t begin, int64_t n,
+                  Fn fn) {
+  for (int64_t e = begin; e < begin + n;) {
+    const int64_t q = e / g.shardNumel, within = e % g.shardNumel;
+    const int64_t length = std::min(begin + n - e, g.shardNumel - within);
+    fn(q * unitShard + g.sliceOffset + within, e - begin, length);
+    e += length;
+  }
+}
+
 }  // namespace
+
+at::Tensor sliceOfGroups(const at::Tensor& whole, const std::vector<ShardGroup>& groups, int w,
+                         int r) {
+  std::vector<at::Tensor> parts;
+  int64_t offset = 0;
+  for (const ShardGroup& g : groups) {
+    const int64_t s = g.padded / w;
+    const int64_t begin = std::min(r * s, g.numel), end = std::min((r + 1) * s, g.numel);
+    std::vector<int64_t> shape = whole.sizes().vec();
+    shape.back() = s;
+    at::Tensor part = at::zeros(shape, whole.options());
+    part.narrow(-1, 0, end - begin).copy_(whole.narrow(-1, offset + begin, end - begin));
+    parts.push_back(part);
+    offset += g.numel;
+  }
+  return at::cat(parts, -1);
+}
+
+at::Tensor joinSlices(const std::vector<at::Tensor>& slices,
+                      const std::vector<ShardGroup>& groups) {
+  const auto w = static_cast<int64_t>(slices.size());
+  std::vector<at::Tensor> parts;
+  int64_t offset = 0;
+  for (const ShardGroup& g : groups) {
+    const int64_t s = g.padded / w;
+    std::vector<at::Tensor> chunks;
+    for (const at::Tensor& slice : slices) chunks.push_back(slice.narrow(-1, offset, s));
+    parts.push_back(at::cat(chunks, -1).narrow(-1, 0, g.numel));
+    offset += s;
+  }
+  return at::cat(parts, -1);
+}
 
 ShardedParameters::ShardedParameters(BlockModel model, std::shared_ptr<Communicator> comm,
                                      ShardLevel level, MemoryTracker* tracker,
-                                     int64_t inFlightBytes)
+                                     int64_t inFlightBytes,
+                                     const std::set<const c10::TensorImpl*>& bf16Gathered)
     : model_(std::move(model)),
       comm_(std::move(comm)),
       level_(level),
@@ -64,7 +126,7 @@ ShardedParameters::ShardedParameters(BlockModel model, std::shared_ptr<Communica
   CARAVAN_CHECK(comm_ != nullptr, "sharded data parallelism needs a communicator");
   CARAVAN_CHECK(level_ != ShardLevel::kNone, "ShardedParameters for sync.shard = none");
   broadcastModel(*comm_, *model_);  // rank 0's initial parameters (and buffers) everywhere
-  layUnits();
+  layUnits(level_ == ShardLevel::kParameters ? bf16Gathered : std::set<const c10::TensorImpl*>{});
   inner_ = model_->runner();
   model_->setRunner(this);
 }
@@ -92,7 +154,85 @@ std::set<const c10::TensorImpl*> sharedParameters(BlockModel& model) {
   return shared;
 }
 
-void ShardedParameters::layUnits() {
+std::set<const c10::TensorImpl*> bf16GatheredParameters(BlockModel& model, const Batch& sample) {
+  std::set<const c10::TensorImpl*> gathered;
+  // The candidates: the trainable, unshared parameters of the bf16 blocks.
+  const std::set<const c10::TensorImpl*> shared = sharedParameters(model);
+  const std::vector<std::vector<at::Tensor>> perBlock = blockParameters(model);
+  std::vector<at::Tensor> candidates;
+  for (size_t b = 0; b < perBlock.size(); ++b) {
+    if (!model->bf16(b)) continue;
+    for (const auto& p : perBlock[b]) {
+      if (p.requires_grad() && shared.count(p.unsafeGetTensorImpl()) == 0) candidates.push_back(p);
+    }
+  }
+  if (candidates.empty()) return gathered;
+  // One forward and loss with autograd, as training runs it; what it changes is put back.
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  const at::Tensor rngState = generator.get_state();
+  std::vector<at::Tensor> buffers, saved;
+  for (const auto& b : model->buffers()) {
+    buffers.push_back(b);
+    saved.push_back(b.clone());
+  }
+  BlockRunner* runner = model->runner();
+  model->setRunner(nullptr);
+  std::exception_ptr failure;
+  std::map<const torch::autograd::Node*, std::vector<const torch::autograd::Node*>> consumers;
+  at::Tensor loss;
+  try {
+    torch::AutoGradMode grad(true);
+    loss = model->loss(model->forward(sample.input), sample.target);
+    // Every node's consumers (the nodes whose edges lead to it), from the loss down.
+    std::vector<const torch::autograd::Node*> todo{loss.grad_fn().get()};
+    std::set<const torch::autograd::Node*> seen(todo.begin(), todo.end());
+    while (!todo.empty()) {
+      const torch::autograd::Node* node = todo.back();
+      todo.pop_back();
+      if (node == nullptr) continue;
+      for (const torch::autograd::Edge& e : node->next_edges()) {
+        if (!e.is_valid()) continue;
+        consumers[e.function.get()].push_back(node);
+        if (seen.insert(e.function.get()).second) todo.push_back(e.function.get());
+      }
+    }
+    for (const auto& p : candidates) {
+      const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(p);
+      if (!accumulator) continue;  // not used
+      const auto it = consumers.find(accumulator.get());
+      if (it == consumers.end() || it->second.size() != 1) continue;
+      const torch::autograd::Node* use = it->second.front();
+      if (use->name() == "ToCopyBackward0" && use->num_inputs() == 1 &&
+          use->input_metadata(0).dtype() == caffe2::TypeMeta::Make<c10::BFloat16>()) {
+        gathered.insert(p.unsafeGetTensorImpl());
+      }
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  consumers.clear();
+  loss = at::Tensor();
+  model->setRunner(runner);
+  generator.set_state(rngState);
+  {
+    torch::NoGradGuard noGrad;
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+  }
+  if (failure) std::rethrow_exception(failure);
+  return gathered;
+}
+
+int64_t gatherBytes(const std::vector<at::Tensor>& params,
+                    const std::set<const c10::TensorImpl*>& bf16Gathered) {
+  int64_t bytes = 0;
+  for (const auto& p : params) {
+    const int64_t n = p.numel();
+    bytes += bf16Gathered.count(p.unsafeGetTensorImpl()) != 0 ? 2 * n : bytesOf(n);
+  }
+  return bytes;
+}
+
+void ShardedParameters::layUnits(const std::set<const c10::TensorImpl*>& bf16Gathered) {
   const int w = comm_->size(), r = comm_->rank();
   // Parameters that several blocks read: one unit of their own, always gathered.
   const std::set<const c10::TensorImpl*> shared = sharedParameters(model_);
@@ -108,15 +248,29 @@ void ShardedParameters::layUnits() {
   blockUnit_.assign(perBlock.size(), -1);
   auto addUnit = [&](const std::vector<at::Tensor>& ps, std::vector<size_t> blocks) {
     auto u = std::make_unique<Unit>();
-    for (const auto& p : ps) {
-      u->params.push_back(index.at(p.unsafeGetTensorImpl()));
-      u->offsets.push_back(u->numel);
-      u->numel += p.numel();
-    }
     u->blocks = std::move(blocks);
-    u->padded = (std::max<int64_t>(u->numel, 1) + w - 1) / w * w;
-    u->shardNumel = u->padded / w;
     u->resident = level_ != ShardLevel::kParameters || u->blocks.empty();
+    // The parameters gathered in bf16 first (a group of their own), then the others.
+    for (const bool bf16 : {true, false}) {
+      Group g;
+      g.dtype = bf16 ? at::kBFloat16 : at::kFloat;
+      for (const auto& p : ps) {
+        if ((bf16Gathered.count(p.unsafeGetTensorImpl()) != 0) != bf16) continue;
+        g.params.push_back(index.at(p.unsafeGetTensorImpl()));
+        g.offsets.push_back(g.numel);
+        g.numel += p.numel();
+      }
+      if (g.params.empty() && (bf16 || !u->groups.empty())) continue;
+      CARAVAN_CHECK(!bf16 || !u->resident, "a resident unit is gathered in float32");
+      g.padded = (std::max<int64_t>(g.numel, 1) + w - 1) / w * w;
+      g.shardNumel = g.padded / w;
+      g.sliceOffset = u->shardNumel;
+      g.unitOffset = u->numel;
+      u->numel += g.numel;
+      u->padded += g.padded;
+      u->shardNumel += g.shardNumel;
+      u->groups.push_back(std::move(g));
+    }
     for (size_t b : u->blocks) blockUnit_[b] = static_cast<int64_t>(units_.size());
     units_.push_back(std::move(u));
   };
@@ -139,23 +293,31 @@ void ShardedParameters::layUnits() {
   }
   for (size_t i = 0; i < units_.size(); ++i) {
     Unit& u = *units_[i];
-    u.full = at::zeros({u.padded}, at::kFloat);
-    for (size_t k = 0; k < u.params.size(); ++k) {
-      at::Tensor& p = params_[u.params[k]];
-      at::Tensor view = u.full.narrow(0, u.offsets[k], p.numel());
-      view.copy_(p.detach().reshape({-1}));
-      torch::NoGradGuard noGrad;
-      p.set_data(view.view(p.sizes()));
+    // The unit's float32 values, rank-major: [rank 0's slice | rank 1's | ...] (one group: its
+    // flat buffer as it is gathered).
+    at::Tensor flat = at::zeros({u.padded}, at::kFloat);
+    for (const Group& g : u.groups) {
+      for (size_t k = 0; k < g.params.size(); ++k) {
+        const at::Tensor values = params_[g.params[k]].detach().reshape({-1});
+        forEachPiece(g, u.shardNumel, g.offsets[k], values.numel(),
+                     [&](int64_t to, int64_t from, int64_t length) {
+                       flat.narrow(0, to, length).copy_(values.narrow(0, from, length));
+                     });
+      }
     }
-    const at::Tensor mine = u.full.narrow(0, r * u.shardNumel, u.shardNumel);
+    const at::Tensor mine = flat.narrow(0, r * u.shardNumel, u.shardNumel);
     if (u.resident) {
+      u.groups.front().full = flat;
       shards_.push_back(mine);
+      viewParameters(i);
       if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, bytesOf(u.padded));
     } else {
       shards_.push_back(mine.clone());
       if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, bytesOf(u.shardNumel));
+      for (Group& g : u.groups) g.full = at::empty({g.padded}, g.dtype);
+      viewParameters(i);
       u.gathered = true;
-      if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, bytesOf(u.padded));
+      if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, gatheredBytes(i));
       release(i);
     }
     if (level_ == ShardLevel::kOptimizer) {
@@ -177,23 +339,47 @@ void ShardedParameters::layUnits() {
       if (!u->blocks.empty() && u->blocks.front() > b) ++unitsAbove_[b];
     }
   }
+  hookAccumulators();
+}
+
+void ShardedParameters::viewParameters(size_t unit) {
+  torch::NoGradGuard noGrad;
+  for (const Group& g : units_[unit]->groups) {
+    for (size_t k = 0; k < g.params.size(); ++k) {
+      at::Tensor& p = params_[g.params[k]];
+      p.set_data(g.full.narrow(0, g.offsets[k], p.numel()).view(p.sizes()));
+    }
+  }
+}
+
+void ShardedParameters::hookAccumulators() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hookKeys_[i]);
+  accumulators_.clear();
+  hookKeys_.clear();
   // A post hook on each parameter's gradient accumulator: its .grad is final for this step.
-  std::vector<size_t> unitOf(params_.size());
   for (size_t i = 0; i < units_.size(); ++i) {
-    for (size_t p : units_[i]->params) unitOf[p] = i;
+    for (const Group& g : units_[i]->groups) {
+      for (size_t p : g.params) {
+        auto acc = torch::autograd::impl::grad_accumulator(params_[p]);
+        auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, unit = i](const torch::autograd::variable_list& outputs,
+                             const torch::autograd::variable_list&) {
+              onGradReady(unit);
+              return outputs;
+            }));
+        accumulators_.push_back(acc);
+        hookKeys_.push_back(key);
+      }
+    }
   }
-  for (size_t p = 0; p < params_.size(); ++p) {
-    auto acc = torch::autograd::impl::grad_accumulator(params_[p]);
-    const size_t unit = unitOf[p];
-    auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, unit](const torch::autograd::variable_list& outputs,
-                     const torch::autograd::variable_list&) {
-          onGradReady(unit);
-          return outputs;
-        }));
-    accumulators_.push_back(acc);
-    hookKeys_.push_back(key);
+}
+
+int64_t ShardedParameters::gatheredBytes(size_t unit) const {
+  int64_t bytes = 0;
+  for (const Group& g : units_[unit]->groups) {
+    bytes += g.padded * static_cast<int64_t>(c10::elementSize(g.dtype));
   }
+  return bytes;
 }
 
 int64_t ShardedParameters::nextGatheredUnit(size_t block, int direction) const {
@@ -207,15 +393,25 @@ int64_t ShardedParameters::nextGatheredUnit(size_t block, int direction) const {
 
 void ShardedParameters::gather(size_t unit) {
   Unit& u = *units_[unit];
-  if (u.gathered || u.gatherWork) return;
+  if (u.gathered || !u.gatherWork.empty()) return;
   CARAVAN_CHECK(!u.resident, "a resident unit is gathered after the update only");
   if (u.weights) {
     u.weights->acquire();  // the slice is the gather's input until it completes
     u.sliceHeld = true;
   }
-  at::native::resize_bytes_cpu(storageOf(u.full), static_cast<size_t>(bytesOf(u.padded)));
-  if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, bytesOf(u.padded));
-  u.gatherWork = comm_->allgather(u.full, shards_[unit]);
+  if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, gatheredBytes(unit));
+  for (Group& g : u.groups) {
+    at::native::resize_bytes_cpu(storageOf(g.full),
+                                 static_cast<size_t>(g.padded) * c10::elementSize(g.dtype));
+    at::Tensor slice = shards_[unit].narrow(0, g.sliceOffset, g.shardNumel);
+    if (g.dtype != at::kFloat) {
+      // Rounded to nearest even, as autocast's cast of the whole weight rounds each element.
+      g.sent = slice.to(g.dtype);
+      slice = g.sent;
+      if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, tensorBytes({g.sent}));
+    }
+    u.gatherWork.push_back(comm_->allgather(g.full, slice));
+  }
 }
 
 void ShardedParameters::prefetchSlice(int64_t unit) {
@@ -224,9 +420,14 @@ void ShardedParameters::prefetchSlice(int64_t unit) {
 
 void ShardedParameters::waitGathered(size_t unit) {
   Unit& u = *units_[unit];
-  if (!u.gatherWork) return;
-  u.gatherWork->wait(comm_->timeout());
-  u.gatherWork.reset();
+  if (u.gatherWork.empty()) return;
+  for (const WorkPtr& work : u.gatherWork) work->wait(comm_->timeout());
+  u.gatherWork.clear();
+  for (Group& g : u.groups) {
+    if (!g.sent.defined()) continue;
+    if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, -tensorBytes({g.sent}));
+    g.sent = at::Tensor();
+  }
   u.gathered = true;
   if (u.sliceHeld) {
     u.sliceHeld = false;
@@ -237,9 +438,9 @@ void ShardedParameters::waitGathered(size_t unit) {
 void ShardedParameters::release(size_t unit) {
   Unit& u = *units_[unit];
   if (u.resident || !u.gathered) return;
-  at::native::resize_bytes_cpu(storageOf(u.full), 0);
+  for (Group& g : u.groups) at::native::resize_bytes_cpu(storageOf(g.full), 0);
   u.gathered = false;
-  if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, -bytesOf(u.padded));
+  if (tracker_ != nullptr) tracker_->add(MemoryCategory::kWeights, -gatheredBytes(unit));
 }
 
 void ShardedParameters::beginForward(size_t block) {
@@ -290,7 +491,7 @@ void ShardedParameters::idleForward() {
 
 void ShardedParameters::releaseGathered() {
   for (size_t i = 0; i < units_.size(); ++i) {
-    if (!units_[i]->gatherWork) release(i);
+    if (units_[i]->gatherWork.empty()) release(i);
   }
 }
 
@@ -339,17 +540,27 @@ void ShardedParameters::launchReadyInOrder() {
       u.gradFull = at::empty({u.padded}, at::kFloat);
       if (tracker_ != nullptr) tracker_->add(MemoryCategory::kGradients, bytesOf(u.padded));
     }
-    for (size_t k = 0; k < u.params.size(); ++k) {
-      at::Tensor& p = params_[u.params[k]];
-      at::Tensor part = u.gradFull.narrow(0, u.offsets[k], p.numel());
-      if (p.grad().defined()) {
-        part.copy_(p.grad().reshape({-1}));
+    // Rank-major (sharding.h): each group's part of rank q's slice in rank q's; a gradient in
+    // bf16 (a bf16-gathered parameter's) converts exactly.
+    for (const Group& g : u.groups) {
+      for (size_t k = 0; k < g.params.size(); ++k) {
+        at::Tensor& p = params_[g.params[k]];
+        const at::Tensor grad = p.grad().defined() ? p.grad().reshape({-1}) : at::Tensor();
+        forEachPiece(g, u.shardNumel, g.offsets[k], p.numel(),
+                     [&](int64_t to, int64_t from, int64_t length) {
+                       at::Tensor part = u.gradFull.narrow(0, to, length);
+                       if (grad.defined()) {
+                         part.copy_(grad.narrow(0, from, length));
+                       } else {
+                         part.zero_();
+                       }
+                     });
         p.mutable_grad() = at::Tensor();
-      } else {
-        part.zero_();
       }
+      forEachPiece(
+          g, u.shardNumel, g.numel, g.padded - g.numel,
+          [&](int64_t to, int64_t, int64_t length) { u.gradFull.narrow(0, to, length).zero_(); });
     }
-    u.gradFull.narrow(0, u.numel, u.padded - u.numel).zero_();
     if (level_ == ShardLevel::kOptimizer) {
       u.reduced = at::empty({u.shardNumel}, at::kFloat);
       u.reduceWork = comm_->reduceScatter(u.reduced, u.gradFull, ReduceOp::kSum);
@@ -425,9 +636,10 @@ void ShardedParameters::afterUpdate() {
   for (size_t i = units_.size(); i-- > 0;) {
     Unit& u = *units_[i];
     if (!u.resident) continue;
-    // The slice's gradient is spent: its buffer carries the updated slice to the others.
+    // The slice's gradient is spent: its buffer carries the updated slice to the others (one
+    // float32 group).
     u.gradShard.copy_(shards_[i]);
-    u.gatherWork = comm_->allgather(u.full, u.gradShard);
+    u.gatherWork.push_back(comm_->allgather(u.groups.front().full, u.gradShard));
     u.gathered = false;
   }
 }
@@ -438,45 +650,82 @@ void ShardedParameters::settle() {
 
 void ShardedParameters::withFullParameters(const std::function<void()>& fn, int onRank) {
   const bool here = comm_->rank() == onRank;
+  // The parameters that are float32 copies while fn runs, and their bf16 views to go back to.
+  std::vector<std::pair<at::Tensor*, at::Tensor>> views;
   std::exception_ptr failure;
   try {
     for (size_t i = units_.size(); i-- > 0;) {
-      gather(i);
-      waitGathered(i);
-      if (!here) release(i);
+      const Unit& u = *units_[i];
+      if (u.groups.front().dtype == at::kFloat) {
+        gather(i);
+        waitGathered(i);
+        if (!here) release(i);
+        continue;
+      }
+      // The masters, not their bf16 copies: the float32 slices gathered.
+      const at::Tensor masters = gatherMasters(i);
+      if (!here) continue;
+      torch::NoGradGuard noGrad;
+      for (const Group& g : u.groups) {
+        for (size_t k = 0; k < g.params.size(); ++k) {
+          at::Tensor& p = params_[g.params[k]];
+          views.emplace_back(&p, p.tensor_data());
+          p.set_data(masters.narrow(0, g.unitOffset + g.offsets[k], p.numel()).view(p.sizes()));
+        }
+      }
     }
     if (here) fn();
   } catch (...) {
     failure = std::current_exception();
   }
+  if (!views.empty()) {
+    torch::NoGradGuard noGrad;
+    for (auto& [p, view] : views) p->set_data(view);
+    hookAccumulators();
+  }
   for (size_t i = 0; i < units_.size(); ++i) release(i);
   if (failure) std::rethrow_exception(failure);
 }
 
+at::Tensor ShardedParameters::gatherMasters(size_t unit) {
+  const Unit& u = *units_[unit];
+  const int w = comm_->size();
+  if (u.weights) u.weights->acquire();
+  at::Tensor all = at::empty({u.padded}, at::kFloat);
+  comm_->allgather(all, shards_[unit])->wait(comm_->timeout());
+  if (u.weights) u.weights->release(TierPiece::Release::kUnchanged);
+  std::vector<ShardGroup> groups;
+  for (const Group& g : u.groups) groups.push_back({g.numel, g.padded});
+  return joinSlices(all.view({w, u.shardNumel}).unbind(0), groups);
+}
+
 std::vector<at::Tensor> ShardedParameters::unitParameters(size_t unit) const {
   std::vector<at::Tensor> ps;
-  for (size_t p : units_[unit]->params) ps.push_back(params_[p]);
+  for (const Group& g : units_[unit]->groups) {
+    for (size_t p : g.params) ps.push_back(params_[p]);
+  }
   return ps;
 }
 
 ShardedParameters::UnitLayout ShardedParameters::unitLayout(size_t unit) const {
   const Unit& u = *units_[unit];
-  return {unitParameters(unit), u.offsets, u.numel, u.padded};
+  UnitLayout l{unitParameters(unit), {}, u.numel, u.padded, {}, {}};
+  for (const Group& g : u.groups) {
+    for (int64_t offset : g.offsets) l.offsets.push_back(g.unitOffset + offset);
+    l.groups.push_back({g.numel, g.padded});
+    l.dtypes.push_back(g.dtype);
+  }
+  return l;
 }
 
 void ShardedParameters::sliceOptimizerState(torch::optim::Optimizer& whole,
                                             torch::optim::Optimizer& sliced) const {
-  const int r = comm_->rank();
+  const int w = comm_->size(), r = comm_->rank();
   for (size_t i = 0; i < units_.size(); ++i) {
-    const Unit& u = *units_[i];
     const FlatOptimizerState all = caravan::gatherOptimizerState(whole, unitParameters(i));
     FlatOptimizerState mine;
     mine.step = all.step;
-    if (all.rows() > 0) {
-      at::Tensor padded = at::zeros({all.rows(), u.padded}, at::kFloat);
-      padded.narrow(1, 0, u.numel).copy_(all.slots);
-      mine.slots = padded.narrow(1, r * u.shardNumel, u.shardNumel).contiguous();
-    }
+    if (all.rows() > 0) mine.slots = sliceOfGroups(all.slots, unitLayout(i).groups, w, r);
     scatterOptimizerState(sliced, {shards_[i]}, mine);
   }
 }

@@ -9,6 +9,18 @@
 // model parameter is a view of its unit's `full` (set_data: the parameter keeps its identity,
 // so autograd's accumulators and the optimizer's keys stay).
 //
+// bf16 gathers (parameters, a block that runs in bf16: bf16GatheredParameters below). A unit
+// then has two *groups*, each a flat buffer of its own padded to a multiple of W: the
+// parameters gathered in bf16 (first), then the others (float32). Rank r's slice of the unit
+// (shards()[unit], float32: the masters) is [its slice of the bf16 group | its slice of the
+// float32 group]; the bf16 group's gather moves each rank's slice cast to bf16 (round to nearest
+// even, autocast's cast), 2 bytes an element, and its parameters are bf16 views of the gathered
+// bf16 buffer: autocast finds them in bf16 and computes with the bits it would have made. Their
+// gradients arrive in bf16 and are copied (exactly) into the unit's float32 flat gradients,
+// which are laid out rank-major ([rank 0's slice of each group][rank 1's]...), so one
+// reduce-scatter gives each rank its slice. Without a bf16 group a unit is one float32 group:
+// the layout above. The optimizer, the masters and their offload only see float32 slices.
+//
 // What each rank holds (float32, Psi parameters, AdamW):
 //   optimizer   the whole `full` (4 Psi), the local gradients (4 Psi, autograd's .grad kept
 //               in a flat buffer per unit), the optimizer state of its slices (8 Psi / W);
@@ -17,7 +29,8 @@
 //               launch waits for its reduce-scatter (sync.bucket_mb's worth or two units', the
 //               larger; parameters: one unit's);
 //   parameters  its slices (4 Psi / W), their gradients and state (12 Psi / W); a unit's
-//               `full` holds bytes only while a block that reads it runs forward or backward
+//               `full` (2 bytes an element of a bf16 group) holds bytes only while a block
+//               that reads it runs forward or backward
 //               (gathered, then freed: its storage is emptied, so autograd's saved views of the
 //               weights free their bytes too, and come back when it is gathered again). The
 //               shared unit stays gathered.
@@ -84,6 +97,34 @@ namespace caravan {
 // than one block): the shared unit's. Every other trainable parameter is its block's unit's.
 std::set<const c10::TensorImpl*> sharedParameters(BlockModel& model);
 
+// The parameters sync.shard = parameters gathers in bf16: a trainable parameter of a bf16 block
+// (model->bf16(i)), not shared, whose one use in a forward and loss of `sample` is autocast's
+// cast to bf16 (in the autograd graph its accumulator's only consumer is a ToCopyBackward0 that
+// makes bf16). One use: two casts' gradients are summed in float32 after their casts, which a
+// bf16 parameter would sum in bf16. A parameter also read in float32 (a layer norm's weight, a
+// bias of an op autocast leaves in float32) stays float32. Costs one forward of `sample` with
+// autograd (its graph freed at once) when some block is bf16, none otherwise; the default
+// generator and the buffers are as before it, and the model's runner is bypassed.
+std::set<const c10::TensorImpl*> bf16GatheredParameters(BlockModel& model, const Batch& sample);
+// The bytes a gather of `params` moves and holds (padding apart): 2 an element of those in
+// `bf16Gathered`, 4 of the others. The memory plan and the simulator count gathers by it.
+int64_t gatherBytes(const std::vector<at::Tensor>& params,
+                    const std::set<const c10::TensorImpl*>& bf16Gathered);
+
+// How a unit's elements are split over W ranks: groups of `numel` elements (back to back in the
+// unit's parameter order), each padded to `padded`, a multiple of W; rank r's slice is its
+// slice [r padded / W, (r+1) padded / W) of each group, group after group.
+struct ShardGroup {
+  int64_t numel = 0, padded = 0;
+};
+// Rank r's slice [..., sum padded / W] of `whole` [..., sum numel] (the last dimension split;
+// zeros for the padding).
+at::Tensor sliceOfGroups(const at::Tensor& whole, const std::vector<ShardGroup>& groups, int w,
+                         int r);
+// The inverse: every rank's slice (rank order, [..., sum padded / W] each) back into the whole
+// [..., sum numel].
+at::Tensor joinSlices(const std::vector<at::Tensor>& slices, const std::vector<ShardGroup>& groups);
+
 class ShardedParameters final : public BlockRunner {
  public:
   // Flattens `model`'s trainable parameters into units (every rank passes the same model: same
@@ -93,8 +134,10 @@ class ShardedParameters final : public BlockRunner {
   // null) counts the weights and gradients held as they come and go.
   // `inFlightBytes` (gradients; sync.bucket_mb): the units' local gradients whose
   // reduce-scatters may be in flight at once, at least two units'; parameters keeps one unit's.
+  // `bf16Gathered` (parameters only; bf16GatheredParameters): the parameters gathered in bf16.
   ShardedParameters(BlockModel model, std::shared_ptr<Communicator> comm, ShardLevel level,
-                    MemoryTracker* tracker, int64_t inFlightBytes);
+                    MemoryTracker* tracker, int64_t inFlightBytes,
+                    const std::set<const c10::TensorImpl*>& bf16Gathered = {});
   ~ShardedParameters() override;
   ShardedParameters(const ShardedParameters&) = delete;
   ShardedParameters& operator=(const ShardedParameters&) = delete;
@@ -119,11 +162,11 @@ class ShardedParameters final : public BlockRunner {
   // Frees what a forward kept gathered (its last block's unit) outside training (after an
   // evaluation). Local: no collective.
   void releaseGathered();
-  // Every unit gathered into the model's parameters while `fn` runs (a checkpoint, model.pt);
   // Every unit gathered into the model's parameters on rank `onRank` while `fn` runs there
   // (model.pt), freed again afterwards (parameters). Every rank calls it and takes part in each
   // unit's gather; the other ranks let each unit go as soon as it arrives (they never hold the
-  // whole weights) and do not run `fn`.
+  // whole weights) and do not run `fn`. The parameters gathered in bf16 are float32 while `fn`
+  // runs: a unit with a bf16 group is gathered from the float32 masters (its slices).
   void withFullParameters(const std::function<void()>& fn, int onRank);
   // This rank's slices of `whole`'s state installed in `sliced` (a resumed run's state, loaded
   // whole from the checkpoint, on any number of workers).
@@ -154,21 +197,36 @@ class ShardedParameters final : public BlockRunner {
   double globalGradientNormSquared();
 
   // Unit `unit` (shards()[unit]'s) as a sharded checkpoint records it: its parameters (the
-  // model's), where each starts in the flat buffer, its elements and padded size.
+  // model's, group after group), where each starts among the unit's elements (the groups back
+  // to back, unpadded), its elements and padded size, and its groups (one: float32; two:
+  // bf16-gathered, then float32) with what each one's gather moves.
   struct UnitLayout {
     std::vector<at::Tensor> params;
     std::vector<int64_t> offsets;
     int64_t numel = 0, padded = 0;
+    std::vector<ShardGroup> groups;
+    std::vector<at::ScalarType> dtypes;
   };
   UnitLayout unitLayout(size_t unit) const;
 
   ShardLevel level() const { return level_; }
   Communicator& comm() const { return *comm_; }
 
+  struct Group;
   struct Unit;
 
  private:
-  void layUnits();
+  void layUnits(const std::set<const c10::TensorImpl*>& bf16Gathered);
+  // Each parameter of unit `unit` a view of its group's `full` (set_data).
+  void viewParameters(size_t unit);
+  // The post hooks on the parameters' gradient accumulators (again after set_data to another
+  // dtype, which gives a parameter a new accumulator).
+  void hookAccumulators();
+  // Unit `unit`'s float32 masters from every rank's slice, its elements back to back [numel]
+  // (a collective).
+  at::Tensor gatherMasters(size_t unit);
+  // Bytes of unit `unit`'s gathered `full` buffers.
+  int64_t gatheredBytes(size_t unit) const;
   void onGradReady(size_t unit);
   void launchReadyInOrder();
   // Waits for unit `unit`'s reduce-scatter (if in flight) and frees its local gradients.

@@ -131,23 +131,28 @@ std::vector<WeightOptions> weightWindows(const RunOptions& options) {
 
 namespace {
 
-// The bytes of the largest block's own trainable parameters (a sharded unit) and of those
-// several blocks read (the shared unit).
+// The bytes of the largest block's own trainable parameters (a sharded unit: float32, as its
+// gradients), of the largest block's gathered weights (2 bytes an element of those gathered in
+// bf16), and of the parameters several blocks read (the shared unit).
 struct UnitBytes {
-  int64_t largest = 0, shared = 0;
+  int64_t largest = 0, gathered = 0, shared = 0;
 };
-UnitBytes unitBytes(BlockModel& model) {
+UnitBytes unitBytes(BlockModel& model, const std::set<const c10::TensorImpl*>& bf16Gathered) {
   // The layout ShardedParameters lays (sharedParameters: the shared unit; the rest per block).
   UnitBytes u;
   const std::set<const c10::TensorImpl*> shared = sharedParameters(model);
   for (const auto& block : blockParameters(model)) {
-    int64_t own = 0;
+    int64_t own = 0, gathered = 0;
     std::set<const c10::TensorImpl*> seen;  // a module registered twice in the block: once
     for (const auto& p : block) {
       const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
-      if (shared.count(impl) == 0 && seen.insert(impl).second) own += tensorBytes({p});
+      if (shared.count(impl) == 0 && seen.insert(impl).second) {
+        own += tensorBytes({p});
+        gathered += gatherBytes({p}, bf16Gathered);
+      }
     }
     u.largest = std::max(u.largest, own);
+    u.gathered = std::max(u.gathered, gathered);
   }
   std::set<const c10::TensorImpl*> counted;
   for (const auto& p : model->parameters()) {
@@ -161,28 +166,30 @@ UnitBytes unitBytes(BlockModel& model) {
 
 // A sharded worker's model state (sync.shard over options.workers): ZeRO's accounting
 // (shardedModelState); under gradients two units' local gradients in flight; under parameters
-// two gathered blocks (the one running, the prefetched one) and one block's local gradients.
-// Out of core (parameters): only those, the slices of two units being read or updated, and the
-// shared unit (gathered throughout, its slices in memory).
-int64_t shardedPersistentBytes(const RunOptions& options, BlockModel& model, int stateFactor) {
+// two gathered blocks (the one running, the prefetched one; bf16-gathered weights at 2 bytes)
+// and one block's local gradients. Out of core (parameters): only those, the slices of two
+// units being read or updated, and the shared unit (gathered throughout, its slices in memory).
+int64_t shardedPersistentBytes(const RunOptions& options, BlockModel& model, int stateFactor,
+                               const std::set<const c10::TensorImpl*>& bf16Gathered) {
   const int w = std::max(1, options.workers);
   const ShardLevel level = options.sync.shard;
-  const UnitBytes u = unitBytes(model);
+  const UnitBytes u = unitBytes(model, bf16Gathered);
   if (level == ShardLevel::kParameters && options.memory.offloadWeights) {
     const int64_t slices = (2 + stateFactor) * (2 * u.largest + u.shared) / w;
-    return 3 * u.largest + u.shared + std::max(u.largest, u.shared) + slices;
+    return 2 * u.gathered + u.largest + u.shared + std::max(u.largest, u.shared) + slices;
   }
   const int64_t state =
       shardedModelState(level, tensorBytes(model->parameters()), stateFactor, w).total();
-  if (level == ShardLevel::kParameters) return state + 3 * u.largest;
+  if (level == ShardLevel::kParameters) return state + 2 * u.gathered + u.largest;
   return state + (level == ShardLevel::kGradients ? 2 * u.largest : 0);
 }
 
 }  // namespace
 
-int64_t persistentBytes(const RunOptions& options, BlockModel& model, const WeightOptions& window) {
+int64_t persistentBytes(const RunOptions& options, BlockModel& model, const WeightOptions& window,
+                        const std::set<const c10::TensorImpl*>& bf16Gathered) {
   if (options.sync.shard != ShardLevel::kNone) {
-    return shardedPersistentBytes(options, model, window.stateFactor);
+    return shardedPersistentBytes(options, model, window.stateFactor, bf16Gathered);
   }
   if (options.memory.offloadWeights) return OutOfCoreWeights::windowBytes(model, window);
   const int64_t weights = tensorBytes(model->parameters());
@@ -330,7 +337,7 @@ void planWindows(ActivationMemory& m, const RunOptions& options, BlockModel& mod
   std::string considered;
   for (size_t k = 0; k < windows.size(); ++k) {
     const WeightOptions& window = windows[k];
-    const int64_t persistent = persistentBytes(options, model, window);
+    const int64_t persistent = persistentBytes(options, model, window, m.bf16Gathered);
     // The plan aims at 95% of what the budget leaves for activations: the model does not see
     // threads scheduled late on a busy machine (a swap write that lands after the next block's
     // saves; measured: up to 2% over a plan's peak with the tests running two at a time).
@@ -456,11 +463,14 @@ ActivationMemory makeActivationMemory(const RunOptions& options, BlockModel& mod
   const bool sharded = options.sync.shard != ShardLevel::kNone;
   openTier(m, o, tierDtype, planning, options.sync.shard != ShardLevel::kParameters);
   m.weights = weightOptions(options);
-  m.persistent = persistentBytes(options, model, m.weights);
+  if (options.sync.shard == ShardLevel::kParameters) {
+    m.bf16Gathered = bf16GatheredParameters(model, sample);
+  }
+  m.persistent = persistentBytes(options, model, m.weights, m.bf16Gathered);
   if (options.sync.shard == ShardLevel::kParameters && o.budget > 0) {
     // However the state is split, a block runs whole: its weights gathered, then its gradients.
-    const UnitBytes u = unitBytes(model);
-    const int64_t block = 2 * std::max(u.largest, u.shared);
+    const UnitBytes u = unitBytes(model, m.bf16Gathered);
+    const int64_t block = std::max(u.gathered + u.largest, 2 * u.shared);
     if (o.budget < block) {
       throw ConfigError(fmt::format(
           "memory.budget = {} is below one gathered block under sync.shard = parameters: the "

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "data/dataset.h"
@@ -21,8 +22,11 @@ namespace caravan {
 
 // Weights + gradients + optimizer state the run will hold from its first step on (what the
 // activations share memory.budget with); with out-of-core weights, the most of them that will
-// be in memory at once in `window` (OutOfCoreWeights::windowBytes).
-int64_t persistentBytes(const RunOptions& options, BlockModel& model, const WeightOptions& window);
+// be in memory at once in `window` (OutOfCoreWeights::windowBytes). `bf16Gathered`
+// (sync.shard = parameters; sync/sharding.h's bf16GatheredParameters): the weights gathered in
+// bf16, 2 bytes an element.
+int64_t persistentBytes(const RunOptions& options, BlockModel& model, const WeightOptions& window,
+                        const std::set<const c10::TensorImpl*>& bf16Gathered = {});
 
 // The windows out-of-core weights may run with, the largest (and the least waiting for the
 // tier) first: the configured prefetch with two blocks' updates in flight and two pieces being
@@ -55,6 +59,8 @@ struct ActivationMemory {
   std::string report;                            // lines for the terminal
   WeightOptions weights;   // the window of out-of-core weights (memory.weights = offload)
   int64_t persistent = 0;  // persistentBytes with that window
+  // sync.shard = parameters: the weights gathered in bf16 (sync/sharding.h), counted so above.
+  std::set<const c10::TensorImpl*> bf16Gathered;
 };
 
 // What training this run needs at least, in memory it does not hold yet: weights, gradients and

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <set>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -316,8 +317,14 @@ std::unique_ptr<StepEngine> RunSetup::attachSharded(Distributed& dist) {
   // broadcast rank 0's anyway, as the all-reduce does. The slices get an optimizer of their
   // own (the run's options); the setup's keeps the learning rate and a resumed run's state,
   // which the engine slices.
-  auto shards = std::make_unique<ShardedParameters>(model, dist.workers(), options.sync.shard,
-                                                    &memory, options.sync.allreduce.bucketBytes);
+  // Under parameters, the weights of bf16 blocks that only autocast's casts read are gathered
+  // in bf16 (found from one forward of the sample batch, the same on every rank).
+  const std::set<const c10::TensorImpl*> bf16Gathered =
+      options.sync.shard == ShardLevel::kParameters ? bf16GatheredParameters(model, sampleBatch())
+                                                    : std::set<const c10::TensorImpl*>{};
+  auto shards =
+      std::make_unique<ShardedParameters>(model, dist.workers(), options.sync.shard, &memory,
+                                          options.sync.allreduce.bucketBytes, bf16Gathered);
   // The parameters are views of the units now (empty ones too, under parameters): saved
   // weights stay weights under every memory.policy.
   if (activations.executor) activations.executor->refreshParameters(model->parameters());

@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include "core/errors.h"
+#include "sync/sharding.h"
 #include "train/checkpoint_file.h"
 
 namespace caravan {
@@ -23,6 +24,13 @@ int64_t elementsOf(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;
+}
+
+// How a unit's slices split its elements (sync/sharding.h).
+std::vector<ShardGroup> shardGroups(const ShardedLayout::Unit& unit) {
+  std::vector<ShardGroup> groups;
+  for (const auto& g : unit.groups) groups.push_back({g.numel, g.padded});
+  return groups;
 }
 
 // Where each slice file of a set is, and what its header must say.
@@ -218,16 +226,16 @@ void reassemble(const std::string& path, const std::vector<ShardedSlices>& ranks
           "keeps {}",
           path, rowCount, expectedRows));
     }
-    const at::Tensor flat = at::cat(weights);
+    const std::vector<ShardGroup> groups = shardGroups(unit);
+    const at::Tensor flat = joinSlices(weights, groups);  // [numel]
     for (size_t k = 0; k < params.size(); ++k) {
       const ShardedLayout::Parameter& p = unit.params[k];
       params[k].copy_(flat.narrow(0, p.offset, params[k].numel()).view(params[k].sizes()));
     }
     FlatOptimizerState whole;
     whole.step = step;
-    if (rowCount > 0) whole.slots = at::cat(rows, 1);
-    scatterOptimizerState(optimizer, params,
-                          whole.rows() > 0 ? whole.narrow(0, unit.numel) : whole);
+    if (rowCount > 0) whole.slots = joinSlices(rows, groups);  // [rows, numel]
+    scatterOptimizerState(optimizer, params, whole);
   }
 }
 
@@ -240,7 +248,15 @@ nlohmann::json ShardedLayout::toJson() const {
     for (const Parameter& p : u.params) {
       params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}});
     }
-    units.push_back({{"params", params}, {"numel", u.numel}, {"padded", u.padded}});
+    nlohmann::json unit = {{"params", params}, {"numel", u.numel}, {"padded", u.padded}};
+    if (u.groups.size() != 1 || u.groups.front().dtype != "float32") {
+      nlohmann::json groups = nlohmann::json::array();
+      for (const Group& g : u.groups) {
+        groups.push_back({{"numel", g.numel}, {"padded", g.padded}, {"dtype", g.dtype}});
+      }
+      unit["groups"] = groups;
+    }
+    units.push_back(unit);
   }
   return {{"world_size", worldSize}, {"level", level}, {"units", units}};
 }
@@ -279,6 +295,27 @@ ShardedLayout ShardedLayout::fromJson(const nlohmann::json& j, const std::string
       throw bad(
           fmt::format("pads {} elements to {} for {} workers", u.numel, u.padded, l.worldSize));
     }
+    if (!ju.contains("groups")) {
+      u.groups.push_back({u.numel, u.padded, "float32"});
+    } else {
+      int64_t numel = 0, padded = 0;
+      for (const auto& jg : ju.at("groups")) {
+        Group g{jg.at("numel").get<int64_t>(), jg.at("padded").get<int64_t>(),
+                jg.at("dtype").get<std::string>()};
+        if (g.numel < 0 || g.padded < g.numel || g.padded % l.worldSize != 0 ||
+            (g.dtype != "float32" && g.dtype != "bfloat16")) {
+          throw bad(fmt::format("has a group of {} elements padded to {} in {} for {} workers",
+                                g.numel, g.padded, g.dtype, l.worldSize));
+        }
+        numel += g.numel;
+        padded += g.padded;
+        u.groups.push_back(std::move(g));
+      }
+      if (u.groups.empty() || numel != u.numel || padded != u.padded) {
+        throw bad(fmt::format("splits a unit of {} elements ({} padded) into groups of {} ({})",
+                              u.numel, u.padded, numel, padded));
+      }
+    }
     l.units.push_back(std::move(u));
   }
   return l;
@@ -288,8 +325,15 @@ bool ShardedLayout::sameUnits(const ShardedLayout& other) const {
   if (worldSize != other.worldSize || units.size() != other.units.size()) return false;
   for (size_t u = 0; u < units.size(); ++u) {
     const Unit &a = units[u], &b = other.units[u];
-    if (a.numel != b.numel || a.padded != b.padded || a.params.size() != b.params.size()) {
+    if (a.numel != b.numel || a.padded != b.padded || a.params.size() != b.params.size() ||
+        a.groups.size() != b.groups.size()) {
       return false;
+    }
+    for (size_t g = 0; g < a.groups.size(); ++g) {
+      if (a.groups[g].numel != b.groups[g].numel || a.groups[g].padded != b.groups[g].padded ||
+          a.groups[g].dtype != b.groups[g].dtype) {
+        return false;
+      }
     }
     for (size_t k = 0; k < a.params.size(); ++k) {
       if (a.params[k].name != b.params[k].name || a.params[k].shape != b.params[k].shape ||

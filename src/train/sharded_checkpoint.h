@@ -17,9 +17,12 @@
 // slices without a manifest (a write killed midway) are removed like temporaries.
 //
 // The layout: per unit (sync/sharding.h: one flat buffer per block, padded to a multiple of
-// W), its parameters' names, shapes and offsets, its elements and padded size; rank r's slice
-// of a unit is elements [r P / W, (r + 1) P / W) of the padded buffer, P its padded size. A
-// reader reassembles the whole tensors from it without the model's sharding.
+// W), its parameters' names, shapes and offsets, its elements and padded size, and its groups;
+// rank r's slice of a unit is elements [r P / W, (r + 1) P / W) of the padded buffer, P its
+// padded size. A unit whose block gathers some weights in bf16 (sync.shard = parameters) has
+// two groups, each padded on its own: rank r's slice is its slice of the first, then of the
+// second (still float32: the masters). A reader reassembles the whole tensors from it without
+// the model's sharding.
 //
 // Reading (loadCheckpoint, checkpoint.h): every slice file is checked against the manifest
 // (there, same size and CRC) before anything loads: a missing or foreign slice is refused in
@@ -53,11 +56,20 @@ struct ShardedLayout {
   struct Parameter {
     std::string name;  // the model's (named_parameters)
     std::vector<int64_t> shape;
-    int64_t offset = 0;  // elements into the unit's flat buffer
+    int64_t offset = 0;  // elements into the unit's elements (its groups back to back, unpadded)
+  };
+  // A part of a unit's elements padded on its own (sync/sharding.h's groups); `dtype`: what
+  // its gathers moved ("float32", "bfloat16"), for messages: the slices are float32.
+  struct Group {
+    int64_t numel = 0, padded = 0;
+    std::string dtype = "float32";
   };
   struct Unit {
     std::vector<Parameter> params;
     int64_t numel = 0, padded = 0;  // padded: a multiple of worldSize
+    // Rank r's slice: its slice of each group, group after group. One float32 group when the
+    // manifest names none (the JSON has "groups" only when there is more to say).
+    std::vector<Group> groups;
   };
   int64_t worldSize = 0;
   std::string level;  // the sync.shard that wrote it (for messages)
@@ -66,7 +78,7 @@ struct ShardedLayout {
   nlohmann::json toJson() const;
   // CheckpointError naming `path` for a layout that does not hold together.
   static ShardedLayout fromJson(const nlohmann::json& j, const std::string& path);
-  // The same units (names, shapes, offsets, sizes) over the same number of workers.
+  // The same units (names, shapes, offsets, sizes, groups) over the same number of workers.
   bool sameUnits(const ShardedLayout& other) const;
 };
 

@@ -49,6 +49,10 @@ ShardedLayout ShardedStep::layout() const {
     ShardedLayout::Unit unit;
     unit.numel = u.numel;
     unit.padded = u.padded;
+    for (size_t g = 0; g < u.groups.size(); ++g) {
+      unit.groups.push_back({u.groups[g].numel, u.groups[g].padded,
+                             u.dtypes[g] == at::kBFloat16 ? "bfloat16" : "float32"});
+    }
     for (size_t k = 0; k < u.params.size(); ++k) {
       unit.params.push_back(
           {names.at(u.params[k].unsafeGetTensorImpl()), u.params[k].sizes().vec(), u.offsets[k]});
@@ -63,9 +67,10 @@ void ShardedStep::install(const ShardedSlices& resumed, const std::string& path)
   if (!resumed.layout.sameUnits(mine)) {
     throw CheckpointError(fmt::format(
         "checkpoint {} lays this model's parameters out in other units than this build does "
-        "({} units, {} here); resume it on another number of workers, or with the caravan that "
-        "wrote it",
-        path, resumed.layout.units.size(), mine.units.size()));
+        "({} units, {} here; sync.shard = {} there, {} here, whose bf16 gathers split a unit in "
+        "two); resume it under the sync.shard that wrote it, on another number of workers, or "
+        "with the caravan that wrote it",
+        path, resumed.layout.units.size(), mine.units.size(), resumed.layout.level, mine.level));
   }
   torch::NoGradGuard noGrad;
   const std::vector<at::Tensor>& shards = shards_->shards();
