@@ -84,11 +84,11 @@ std::vector<int> runRanks(int world, const std::string& runDir,
 // describe the job rather than the model, are left out).
 std::map<std::string, at::Tensor> finalParams(const std::string& runDir,
                                               const std::vector<std::string>& overrides) {
-  std::vector<std::string> model;
+  std::vector<std::string> alone;
   for (const auto& o : overrides) {
-    if (o.rfind("parallel.", 0) != 0) model.push_back(o);
+    if (o.rfind("parallel.", 0) != 0) alone.push_back(o);
   }
-  Config config = Config::fromString("", "<test>", model);
+  Config config = Config::fromString("", "<test>", alone);
   RunSetup setup(config);
   BlockModel& model = setup.model;
   auto latest = CheckpointDir(runDir, 3).latest();
