@@ -83,9 +83,15 @@ std::vector<int> runRanks(int world, const std::string& runDir,
                                          runDir);
 }
 
+// The last checkpoint's parameters, loaded by one process (parallel.* in `overrides`, which
+// describe the job rather than the model, are left out).
 std::map<std::string, at::Tensor> finalParams(const std::string& runDir,
                                               const std::vector<std::string>& overrides) {
-  Config config = Config::fromString("", "<test>", overrides);
+  std::vector<std::string> alone;
+  for (const auto& o : overrides) {
+    if (o.rfind("parallel.", 0) != 0) alone.push_back(o);
+  }
+  Config config = Config::fromString("", "<test>", alone);
   RunSetup setup(config);
   BlockModel& model = setup.model;
   auto latest = CheckpointDir(runDir, 3).latest();
@@ -1098,6 +1104,15 @@ TEST(DistPipeline, TwoPipelinesOfTwoStagesEqualOneWorkerWithTheirBatches) {
       "K=2 x D=2, M=4 against one worker with batch 16 in 8 micro-batches");
 }
 
+// Gradient accumulation on D workers (one stage each, D replicas averaging): one worker
+// accumulating the D workers' micro-batches.
+TEST(DistPipeline, GradientAccumulationOnTwoWorkersEqualsOneWorkerWithTheirBatches) {
+  expectPipelineEqualsOneWorker(
+      TempDir(), pipelineBase({"data.batch_size=16", "parallel.micro_batches=8"}), 2,
+      pipelineBase({"parallel.micro_batches=4"}),
+      "K=1 x D=2, M=4 against one worker with batch 16 in 8 micro-batches");
+}
+
 // Activation policies run per micro-batch on each stage: every fixed policy (and a mix per
 // block) gives keep's parameters bitwise, for gpipe and 1f1b.
 TEST(DistPipeline, EveryFixedPolicyEqualsKeep) {
@@ -1226,7 +1241,6 @@ TEST(DistPipeline, LayoutsThatCannotRunAreRefusedInOneLine) {
        4,
        "does not run on dist.backend = mpi yet"},
       {{"parallel.pipeline_stages=2", "parallel.micro_batches=3"}, 2, "does not split into"},
-      {{"parallel.micro_batches=2"}, 2, "gradient accumulation on one worker"},
       {{"parallel.pipeline_stages=2", "sync.mode=gossip"}, 2, "leave sync.mode at allreduce"},
       {{"parallel.pipeline_stages=2", "memory.policy=auto", "memory.budget=1KB"},
        2,
@@ -1798,6 +1812,157 @@ TEST(DistShardedMemory, EachWorkerHoldsZerosAccountingOfTheModelState) {
   }
 }
 
+// Sharded data parallelism inside pipeline stages (train/pipeline_step.h, ShardedParameters'
+// StageScope) against the same pipeline with sync.shard = none.
+namespace {
+
+const std::vector<std::string> kShardPipeline = with(
+    kShardGpt,
+    {"dist.backend=shm", "data.batch_size=8", "parallel.micro_batches=4", "train.max_steps=20"});
+
+}  // namespace
+
+// Through shared memory each element of a stage's averaged gradient is its replicas' sum in
+// rank order divided by D, whatever the layout (the unsharded all-reduce's buckets and the
+// reduce-scatter's units both average with ReduceOp::kAvg), and AdamW is elementwise: every
+// level trains the bits of sync.shard = none, losses, evaluations (every 10 steps, through the
+// stages) and parameters, for 2 stages x 2 replicas (1f1b; zb-h1, whose W accumulates into the
+// same .grad) and 1 stage x 2 replicas accumulating 4 micro-batches.
+TEST(DistPipelineShard, EveryLevelTrainsTheBitsOfTheUnshardedPipeline) {
+  for (const char* schedule : {"1f1b", "zb-h1"}) {
+    const auto o = with(kShardPipeline, {"parallel.pipeline_stages=2",
+                                         std::string("parallel.schedule=") + schedule});
+    for (const auto& [level, d] : shardDifferences(4, o)) {
+      EXPECT_EQ(d.loss, 0.0) << level << " " << schedule;
+      EXPECT_EQ(d.params, 0.0) << level << " " << schedule;
+    }
+  }
+  for (const auto& [level, d] : shardDifferences(2, kShardPipeline)) {
+    EXPECT_EQ(d.loss, 0.0) << level << " K=1";
+    EXPECT_EQ(d.params, 0.0) << level << " K=1";
+  }
+}
+
+// A Linear tied across the stages (todays_models.py's TiedLayers: blocks 1 and 3 read it; the
+// split at block 2 puts them on stages 0 and 1): each stage holds it as a unit of its own, whose
+// slices line up on both stages, and sums its slices' averaged gradients in stage order as the
+// unsharded stages sum the whole ones: every level trains none's bits, the tie kept.
+TEST(DistPipelineShard, AWeightTiedAcrossStagesTrainsTheBitsOfNone) {
+  const std::string dir = test::pythonWrittenDir("todays_models.py");
+  ASSERT_FALSE(dir.empty()) << "tests/python/todays_models.py failed (.venv: scripts/setup.sh)";
+  const std::vector<std::string> o = {"data.dataset=synthetic",
+                                      "data.synthetic_size=96",
+                                      "data.batch_size=8",
+                                      "train.threads=1",
+                                      "train.max_steps=10",
+                                      "train.log_every=1",
+                                      "train.eval_every=5",
+                                      "optim.name=adamw",
+                                      "optim.lr=0.003",
+                                      "seed.init=3",
+                                      "fault.timeout=60",
+                                      "dist.backend=shm",
+                                      "model.name=torchscript",
+                                      "model.path=" + dir + "/tied-layers.pt",
+                                      "parallel.pipeline_stages=2",
+                                      "parallel.partition=2",
+                                      "parallel.micro_batches=4"};
+  for (const auto& [level, d] : shardDifferences(4, o)) {
+    EXPECT_EQ(d.loss, 0.0) << level;
+    EXPECT_EQ(d.params, 0.0) << level;
+  }
+}
+
+// Clipping (max norm 0.05: every step clips) with the global norm: the slices' squares summed
+// over the whole world (every replica's slices, every stage's) where none sums each stage's
+// whole gradients' norms and divides by the replicas. A norm off by a factor (the replicas' sum
+// missed, or counted D times) would clip differently by as much; the two agree up to rounding:
+// losses within 1e-6 relative (SGD, whose updates do not amplify the coefficient's rounding).
+TEST(DistPipelineShard, ClippingUsesTheGlobalNormOfTheSlices) {
+  const auto o = with(kShardPipeline, {"parallel.pipeline_stages=2", "optim.grad_clip=0.05",
+                                       "optim.name=sgd", "optim.momentum=0.9", "optim.lr=0.1"});
+  for (const auto& [level, d] : shardDifferences(4, o)) {
+    EXPECT_LE(d.loss, 1e-6) << level;
+    EXPECT_LE(d.params, 1e-5) << level;
+  }
+  // The clipping is real: without it none trains other losses.
+  TempDir tmp;
+  ASSERT_EQ(runRanks(4, tmp / "clip", o), std::vector<int>(4, 0));
+  ASSERT_EQ(runRanks(4, tmp / "noclip", with(o, {"optim.grad_clip=0"})), std::vector<int>(4, 0));
+  EXPECT_NE(test::trainLosses(tmp / "clip"), test::trainLosses(tmp / "noclip"));
+}
+
+// A pipeline's checkpoint is the whole model on rank 0: each sharded stage's slices of the
+// optimizer state come to its first replica, then to rank 0 with the stage's weights; a resume
+// slices them again. Stopped at step 12 and resumed, every level ends with the uninterrupted
+// run's bits (which are none's); a sharded run's checkpoint resumes under none bitwise too.
+TEST(DistPipelineShard, StopAndResumeIsBitwise) {
+  TempDir tmp;
+  const auto o = with(kShardPipeline, {"parallel.pipeline_stages=2", "train.max_steps=24",
+                                       "train.eval_every=0", "checkpoint.every=0"});
+  const std::string none = tmp / "none";
+  ASSERT_EQ(runRanks(4, none, o), std::vector<int>(4, 0)) << test::readFile(none + ".rank0.log");
+  const auto noneParams = finalParams(none, o);
+  for (const char* level : kShardLevelNames) {
+    SCOPED_TRACE(level);
+    const auto s = with(o, {std::string("sync.shard=") + level});
+    const std::string cut = tmp / level;
+    ASSERT_EQ(
+        runRanksWith(
+            4, cut, "--config /dev/null" + setArgs(s) + " --run-dir " + cut + " --stop-at-step 12"),
+        std::vector<int>(4, 0))
+        << test::readFile(cut + ".rank0.log");
+    fs::copy(cut, cut + "-asnone", fs::copy_options::recursive);
+    ASSERT_EQ(runRanksWith(4, cut + "-resumed", "--resume " + cut), std::vector<int>(4, 0))
+        << test::readFile(cut + "-resumed.rank0.log");
+    EXPECT_EQ(maxAbsDiff(noneParams, finalParams(cut, s)), 0.0);
+    ASSERT_EQ(runRanksWith(4, cut + "-asnone-resumed",
+                           "--resume " + cut + "-asnone --set sync.shard=none"),
+              std::vector<int>(4, 0))
+        << test::readFile(cut + "-asnone-resumed.rank0.log");
+    EXPECT_EQ(maxAbsDiff(noneParams, finalParams(cut + "-asnone", s)), 0.0);
+  }
+}
+
+// What stage 0 holds after a step (rank 0's metrics.jsonl) is ZeRO's accounting of the stage's
+// model state over its D = 2 replicas (shardedModelState of the unsharded stage 0's weights)
+// within 5% (the units' padding), none's included. An even cut: the same stage 0 in every run
+// (a cut by time follows each run's timings).
+TEST(DistPipelineShard, EachStageHoldsZerosAccountingOfItsModelState) {
+  TempDir tmp;
+  const auto o = with(kShardPipeline,
+                      {"parallel.pipeline_stages=2", "parallel.partition=even", "train.max_steps=2",
+                       "train.eval_every=0", "model.width=64", "model.depth=4"});
+  auto lastTrain = [](const std::string& dir) {
+    nlohmann::json last;
+    std::istringstream lines(test::readFile(dir + "/metrics.jsonl"));
+    for (std::string line; std::getline(lines, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j["kind"] == "train") last = j;
+    }
+    return last;
+  };
+  ASSERT_EQ(runRanks(4, tmp / "base", o), std::vector<int>(4, 0));
+  const auto stageWeights = lastTrain(tmp / "base").at("mem_weights").get<int64_t>();
+  for (ShardLevel level : kShardLevels) {
+    const std::string dir = tmp / shardLevelName(level);
+    ASSERT_EQ(runRanks(4, dir, with(o, {std::string("sync.shard=") + shardLevelName(level)})),
+              std::vector<int>(4, 0))
+        << test::readFile(dir + ".rank0.log");
+    const nlohmann::json last = lastTrain(dir);
+    const ModelStateBytes expected = shardedModelState(level, stageWeights, 2, 2);
+    for (const auto& [key, want] : {std::pair{"mem_weights", expected.weights},
+                                    std::pair{"mem_gradients", expected.gradients},
+                                    std::pair{"mem_optimizer_state", expected.optimizerState}}) {
+      const double got = last.at(key).get<double>();
+      std::printf("stage 0 of 2 x 2 %s %s: %.0f bytes, ZeRO's accounting %lld\n",
+                  shardLevelName(level), key, got, static_cast<long long>(want));
+      EXPECT_NEAR(got, static_cast<double>(want), 0.05 * static_cast<double>(want))
+          << shardLevelName(level) << " " << key;
+    }
+  }
+}
+
 // A shard level with another sync.mode, compression, pipelines or out-of-core weights: one line
 // that says what to do, exit 2, before any rank connects.
 TEST(DistShardedRefusals, CombinationsThatCannotRunAreOneLine) {
@@ -1805,7 +1970,7 @@ TEST(DistShardedRefusals, CombinationsThatCannotRunAreOneLine) {
   for (const auto& [more, says] : std::vector<std::pair<std::string, std::string>>{
            {"sync.mode=local-sgd", "set sync.mode = allreduce"},
            {"sync.compression=bf16", "set sync.compression = none"},
-           {"parallel.pipeline_stages=2", "parallel.pipeline_stages = 1"},
+           {"parallel.pipeline_stages=2", "run 4 workers or more"},
            {"memory.weights=offload", "set sync.shard = parameters"},
            {"memory.policy=swap", "memory.policy = keep, recompute or auto"}}) {
     // Out-of-core slices are parameters' (ZeRO-Infinity): gradients is refused with them.

@@ -203,8 +203,9 @@ std::vector<ConfigOption> buildSchema() {
              "pipeline's batch)"),
       intOpt("parallel.micro_batches", 0, 0, 10000,
              "micro-batches per step (M) that data.batch_size is split into; the gradients of "
-             "loss / M add up (one worker with M > 1: gradient accumulation). 0 = 1 without "
-             "pipeline stages, else the largest count <= 4 x stages dividing data.batch_size"),
+             "loss / M add up (without pipeline stages, M > 1: gradient accumulation, on each "
+             "worker). 0 = 1 without pipeline stages, else the largest count <= 4 x stages "
+             "dividing data.batch_size"),
       strOpt("parallel.schedule", "1f1b",
              "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (at most K-s "
              "micro-batches in flight on stage s), zb-h1 (zero bubble: backward split into its "
@@ -299,7 +300,8 @@ std::vector<ConfigOption> buildSchema() {
              "allreduce: what the workers split among themselves (ZeRO's stages, FSDP): none "
              "(each holds everything), optimizer (the optimizer state), gradients (and the "
              "averaged gradients), parameters (and the weights, each block's gathered while it "
-             "runs); docs/sharding.md",
+             "runs); with pipeline stages or micro-batches, each stage's over its replicas "
+             "(parameters: the stage's gathered for the step's program); docs/sharding.md",
              {"none", "optimizer", "gradients", "parameters"}),
       floatOpt("sync.bucket_mb", 25.0, 0.0, 1e6, "allreduce: gradient bucket size cap (MiB)", true),
       floatOpt("sync.first_bucket_mb", 1.0, 0.0, 1e6,

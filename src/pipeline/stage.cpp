@@ -403,7 +403,7 @@ PipelineStage::PipelineStage(BlockModel model, std::vector<size_t> boundaries, C
       tied_.end());
 }
 
-void PipelineStage::sumTiedGradients() {
+void PipelineStage::sumTiedGradients(const GradientSlice& slice) {
   if (comm_ == nullptr) return;
   const int me = layout_.stage;
   const int base = layout_.replica * layout_.stages;  // rank of this replica's stage 0
@@ -418,7 +418,8 @@ void PipelineStage::sumTiedGradients() {
     }
   }
   if (with.empty()) return;
-  auto gradOf = [](const at::Tensor& p) {
+  auto gradOf = [&](const at::Tensor& p) {
+    if (slice) return slice(p);
     return p.grad().defined() ? p.grad() : at::zeros_like(p);
   };
   std::vector<WorkPtr> works;
@@ -437,9 +438,9 @@ void PipelineStage::sumTiedGradients() {
   for (const auto& [s, tied] : with) {
     int64_t at = 0;
     for (const Tied* t : tied) {
-      const int64_t n = t->param.numel();
-      parts[t][s] = inbox.at(s).narrow(0, at, n).view(t->param.sizes());
-      at += n;
+      const at::Tensor mine = gradOf(t->param);
+      parts[t][s] = inbox.at(s).narrow(0, at, mine.numel()).view(mine.sizes());
+      at += mine.numel();
     }
   }
   torch::NoGradGuard noGrad;
@@ -447,7 +448,11 @@ void PipelineStage::sumTiedGradients() {
     byStage[me] = gradOf(t->param);
     at::Tensor sum;
     for (int s : t->stages) sum = sum.defined() ? sum + byStage.at(s) : byStage.at(s).clone();
-    t->param.mutable_grad() = sum;
+    if (slice) {
+      byStage[me].copy_(sum);
+    } else {
+      t->param.mutable_grad() = sum;
+    }
   }
 }
 
@@ -475,13 +480,16 @@ std::vector<at::Tensor> PipelineStage::stageTensors(int stage) {
   return out;
 }
 
-PipelineStage::Totals PipelineStage::reduce(double localGradNormSquared, double localLoss) {
+PipelineStage::Totals PipelineStage::reduce(double localGradNormSquared, double localLoss,
+                                            bool slicedNorm) {
   if (comm_ == nullptr) return Totals{localGradNormSquared, localLoss};
   at::Tensor t = at::tensor({localGradNormSquared, layout_.last() ? localLoss : 0.0}, at::kDouble);
   comm_->allreduce(t, ReduceOp::kSum)->wait(comm_->timeout());
-  // Every replica of a stage holds the same averaged gradients: each counted D times.
+  // Every replica of a stage holds the same averaged gradients (each counted D times), or its
+  // slices of them.
   const double d = static_cast<double>(layout_.replicas);
-  return Totals{t[0].item<double>() / d, t[1].item<double>() / d};
+  return Totals{slicedNorm ? t[0].item<double>() : t[0].item<double>() / d,
+                t[1].item<double>() / d};
 }
 
 void PipelineStage::gatherParameters() {

@@ -33,6 +33,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -97,8 +98,11 @@ class PipelineStage {
   // gradients, added in stage order (the same bits on each, so their updates stay equal).
   // One message each way per pair of stages sharing some; nothing without ties across stages.
   // Every rank calls it, after its replicas averaged their gradients (so the sum is the last
-  // arithmetic on it).
-  void sumTiedGradients();
+  // arithmetic on it). `slice` (sharded stages, sync/sharding.h): where a tied parameter's
+  // averaged gradient is instead of its .grad, this rank's slice of it (the same elements on
+  // each of its stages); the sum is written into it.
+  using GradientSlice = std::function<at::Tensor(const at::Tensor& param)>;
+  void sumTiedGradients(const GradientSlice& slice = nullptr);
   // This stage's parameters as the global gradient norm counts them: a tied one on the first
   // of its stages only.
   std::vector<at::Tensor> normParameters();
@@ -106,12 +110,13 @@ class PipelineStage {
   // The reductions of a step over the stages: the sum of the stages' squared gradient norms
   // and the last stages' mean loss, so every rank logs the same loss and clips with the global
   // norm (gradients averaged over replicas first). One all-reduce of two doubles over the
-  // world; every rank calls it.
+  // world; every rank calls it. `slicedNorm`: each replica's squared norm is that of its slices
+  // of the stage's gradients (sync.shard), not of the whole of them, which every replica holds.
   struct Totals {
     double gradNormSquared = 0.0;
     double loss = 0.0;
   };
-  Totals reduce(double localGradNormSquared, double localLoss);
+  Totals reduce(double localGradNormSquared, double localLoss, bool slicedNorm = false);
 
   // A stage holds its own blocks' parameters only: every other stage's become empty tensors
   // (their storage freed; shapes kept to bring them back) and their optimizer state is

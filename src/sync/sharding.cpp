@@ -117,23 +117,28 @@ at::Tensor joinSlices(const std::vector<at::Tensor>& slices,
 ShardedParameters::ShardedParameters(BlockModel model, std::shared_ptr<Communicator> comm,
                                      ShardLevel level, MemoryTracker* tracker,
                                      int64_t inFlightBytes,
-                                     const std::set<const c10::TensorImpl*>& bf16Gathered)
+                                     const std::set<const c10::TensorImpl*>& bf16Gathered,
+                                     std::optional<StageScope> stage)
     : model_(std::move(model)),
       comm_(std::move(comm)),
       level_(level),
       tracker_(tracker),
+      stage_(std::move(stage)),
       inFlightCap_(inFlightBytes) {
   CARAVAN_CHECK(comm_ != nullptr, "sharded data parallelism needs a communicator");
   CARAVAN_CHECK(level_ != ShardLevel::kNone, "ShardedParameters for sync.shard = none");
-  broadcastModel(*comm_, *model_);  // rank 0's initial parameters (and buffers) everywhere
-  layUnits(level_ == ShardLevel::kParameters ? bf16Gathered : std::set<const c10::TensorImpl*>{});
+  // rank 0's initial parameters (and buffers) everywhere (a pipeline broadcasts nothing)
+  if (!stage_) broadcastModel(*comm_, *model_);
+  layUnits(level_ == ShardLevel::kParameters && !stage_ ? bf16Gathered
+                                                        : std::set<const c10::TensorImpl*>{});
+  if (stage_) return;  // the program's gathers and launches are the engine's calls
   inner_ = model_->runner();
   model_->setRunner(this);
 }
 
 ShardedParameters::~ShardedParameters() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hookKeys_[i]);
-  model_->setRunner(inner_);
+  if (!stage_) model_->setRunner(inner_);
 }
 
 std::set<const c10::TensorImpl*> sharedParameters(BlockModel& model) {
@@ -237,7 +242,7 @@ void ShardedParameters::layUnits(const std::set<const c10::TensorImpl*>& bf16Gat
   // Parameters that several blocks read: one unit of their own, always gathered.
   const std::set<const c10::TensorImpl*> shared = sharedParameters(model_);
   std::map<const c10::TensorImpl*, size_t> index;
-  for (const auto& p : model_->parameters()) {
+  for (const auto& p : stage_ ? stage_->params : model_->parameters()) {
     if (!p.requires_grad() || index.count(p.unsafeGetTensorImpl()) != 0) continue;
     CARAVAN_CHECK(p.scalar_type() == at::kFloat && p.is_contiguous(),
                   "sharded data parallelism holds float32 parameters");
@@ -274,7 +279,8 @@ void ShardedParameters::layUnits(const std::set<const c10::TensorImpl*>& bf16Gat
     for (size_t b : u->blocks) blockUnit_[b] = static_cast<int64_t>(units_.size());
     units_.push_back(std::move(u));
   };
-  for (size_t b = perBlock.size(); b-- > 0;) {  // index order: backward's
+  const size_t begin = stage_ ? stage_->begin : 0, end = stage_ ? stage_->end : perBlock.size();
+  for (size_t b = end; b-- > begin;) {  // index order: backward's
     std::vector<at::Tensor> own;
     std::set<const c10::TensorImpl*> seen;  // a module registered twice in the block: once
     for (const auto& p : perBlock[b]) {
@@ -283,11 +289,16 @@ void ShardedParameters::layUnits(const std::set<const c10::TensorImpl*>& bf16Gat
     }
     if (!own.empty()) addUnit(own, {b});
   }
-  if (!shared.empty()) {
-    std::vector<at::Tensor> ps;
-    for (const auto& p : params_) {
-      if (shared.count(p.unsafeGetTensorImpl()) != 0) ps.push_back(p);
+  std::vector<at::Tensor> ps;
+  for (const auto& p : params_) {
+    if (shared.count(p.unsafeGetTensorImpl()) == 0) continue;
+    if (stage_) {
+      addUnit({p}, {});  // one each: a tied parameter's slices alike on each of its stages
+    } else {
+      ps.push_back(p);
     }
+  }
+  if (!ps.empty()) {
     sharedUnit_ = static_cast<int64_t>(units_.size());
     addUnit(ps, {});
   }
@@ -339,7 +350,7 @@ void ShardedParameters::layUnits(const std::set<const c10::TensorImpl*>& bf16Gat
       if (!u->blocks.empty() && u->blocks.front() > b) ++unitsAbove_[b];
     }
   }
-  hookAccumulators();
+  if (!stage_) hookAccumulators();  // a stage's gradients accumulate over the program
 }
 
 void ShardedParameters::viewParameters(size_t unit) {
@@ -561,12 +572,14 @@ void ShardedParameters::launchReadyInOrder() {
           g, u.shardNumel, g.numel, g.padded - g.numel,
           [&](int64_t to, int64_t, int64_t length) { u.gradFull.narrow(0, to, length).zero_(); });
     }
+    // A stage averages as its unsharded replicas' all-reduce does; else a sum scaled by 1/W.
+    const ReduceOp op = stage_ ? ReduceOp::kAvg : ReduceOp::kSum;
     if (level_ == ShardLevel::kOptimizer) {
       u.reduced = at::empty({u.shardNumel}, at::kFloat);
-      u.reduceWork = comm_->reduceScatter(u.reduced, u.gradFull, ReduceOp::kSum);
+      u.reduceWork = comm_->reduceScatter(u.reduced, u.gradFull, op);
     } else {
       if (u.grads) u.grads->acquireToOverwrite();  // the reduce-scatter's output
-      u.reduceWork = comm_->reduceScatter(u.gradShard, u.gradFull, ReduceOp::kSum);
+      u.reduceWork = comm_->reduceScatter(u.gradShard, u.gradFull, op);
     }
     release(i);  // its backward is done (parameters)
   }
@@ -600,7 +613,7 @@ void ShardedParameters::finishReduce(size_t unit) {
 void ShardedParameters::finishGradients() {
   for (auto& u : units_) u->ready = true;  // a missing gradient contributes zeros
   launchReadyInOrder();
-  const double scale = 1.0 / static_cast<double>(comm_->size());
+  const double scale = stage_ ? 1.0 : 1.0 / static_cast<double>(comm_->size());
   gradCoefficient_ = 1.0;
   for (size_t i = 0; i < units_.size(); ++i) {
     Unit& u = *units_[i];
@@ -613,7 +626,7 @@ void ShardedParameters::finishGradients() {
       u.gradShard.copy_(u.reduced);
       u.reduced = at::Tensor();
     }
-    u.gradShard.mul_(scale);
+    if (scale != 1.0) u.gradShard.mul_(scale);
     shards_[i].mutable_grad() = u.gradShard;
     u.ready = u.launched = false;
   }
@@ -621,14 +634,43 @@ void ShardedParameters::finishGradients() {
 }
 
 double ShardedParameters::globalGradientNormSquared() {
-  double local = 0.0;
-  for (const auto& u : units_) {
-    local +=
-        u->grads ? u->gradNormSquared : u->gradShard.to(at::kDouble).pow(2).sum().item<double>();
-  }
-  at::Tensor sum = torch::tensor({local}, at::kDouble);
+  at::Tensor sum = torch::tensor({localGradientNormSquared({})}, at::kDouble);
   comm_->allreduce(sum, ReduceOp::kSum)->wait(comm_->timeout());
   return sum.item<double>();
+}
+
+double ShardedParameters::localGradientNormSquared(const std::vector<at::Tensor>& skip) {
+  std::set<size_t> skipped;
+  for (const auto& p : skip) skipped.insert(unitAlone(p));
+  double local = 0.0;
+  for (size_t i = 0; i < units_.size(); ++i) {
+    if (skipped.count(i) != 0) continue;
+    const Unit& u = *units_[i];
+    local += u.grads ? u.gradNormSquared : u.gradShard.to(at::kDouble).pow(2).sum().item<double>();
+  }
+  return local;
+}
+
+size_t ShardedParameters::unitAlone(const at::Tensor& param) const {
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const Unit& u = *units_[i];
+    if (u.groups.size() == 1 && u.groups.front().params.size() == 1 &&
+        params_[u.groups.front().params.front()].is_same(param)) {
+      return i;
+    }
+  }
+  CARAVAN_CHECK(false, "a parameter of {} elements is not a sharded unit of its own",
+                param.numel());
+  return 0;
+}
+
+at::Tensor ShardedParameters::gradientSlice(const at::Tensor& param) const {
+  return units_[unitAlone(param)]->gradShard;
+}
+
+void ShardedParameters::gatherAll() {
+  for (size_t i = units_.size(); i-- > 0;) gather(i);  // resident ones: after-update gathers
+  settle();
 }
 
 void ShardedParameters::afterUpdate() {
@@ -716,6 +758,33 @@ ShardedParameters::UnitLayout ShardedParameters::unitLayout(size_t unit) const {
     l.dtypes.push_back(g.dtype);
   }
   return l;
+}
+
+void ShardedParameters::gatherOptimizerState(torch::optim::Optimizer& sliced,
+                                             torch::optim::Optimizer& whole, int onRank) const {
+  const int r = comm_->rank();
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const Unit& u = *units_[i];
+    const int tag = static_cast<int>(i);
+    const FlatOptimizerState mine = caravan::gatherOptimizerState(sliced, {shards_[i]});
+    if (r != onRank) {
+      sendOptimizerState(*comm_, mine, onRank, tag);
+      continue;
+    }
+    FlatOptimizerState all;
+    all.step = mine.step;
+    std::vector<at::Tensor> slices;
+    for (int from = 0; from < comm_->size(); ++from) {
+      const FlatOptimizerState part =
+          from == r ? mine : recvOptimizerState(*comm_, u.shardNumel, from, tag, comm_->timeout());
+      CARAVAN_CHECK(part.rows() == mine.rows() && part.step == mine.step,
+                    "rank {}'s optimizer state of unit {}: {} rows at step {}, {} at {} here", from,
+                    i, part.rows(), part.step, mine.rows(), mine.step);
+      if (part.rows() != 0) slices.push_back(part.slots);
+    }
+    if (!slices.empty()) all.slots = joinSlices(slices, unitLayout(i).groups);
+    scatterOptimizerState(whole, unitParameters(i), all);
+  }
 }
 
 void ShardedParameters::sliceOptimizerState(torch::optim::Optimizer& whole,

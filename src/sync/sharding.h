@@ -69,6 +69,15 @@
 // forward outside training (evaluation) must run on every rank the same number of times: a
 // rank without a batch calls idleForward() (the gathers a forward would make).
 //
+// Inside a pipeline stage (StageScope; train/pipeline_step.h) a step's program runs the forwards
+// and backwards of several micro-batches interleaved, so there are no block boundaries to act
+// at: the units are the stage's (its blocks', and one per parameter several blocks read, a tied
+// one's slices then lining up on every stage that holds it), gathered all at once before the
+// program (gatherAll) and held through it; the gradients accumulate in the parameters' .grad
+// over the micro-batches, and finishGradients launches every unit's reduce-scatter after the
+// program, averaging (ReduceOp::kAvg) as the replicas of an unsharded stage do. No runner, no
+// hooks, no initial broadcast (every replica built or loaded the same model).
+//
 // Threading: the trainer's thread, and autograd's (the hooks); the communicator's ops are
 // issued from one of them at a time (backward runs on the trainer's thread for CPU tensors).
 #pragma once
@@ -77,6 +86,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -135,9 +145,17 @@ class ShardedParameters final : public BlockRunner {
   // `inFlightBytes` (gradients; sync.bucket_mb): the units' local gradients whose
   // reduce-scatters may be in flight at once, at least two units'; parameters keeps one unit's.
   // `bf16Gathered` (parameters only; bf16GatheredParameters): the parameters gathered in bf16.
+  // `stage` (a pipeline stage's units; see the top): its blocks [begin, end) and the
+  // parameters it trains (PipelineStage::parameters()); its units gather in float32 (a stage's
+  // gradients accumulate over micro-batches in the parameters' own dtype).
+  struct StageScope {
+    size_t begin = 0, end = 0;
+    std::vector<at::Tensor> params;
+  };
   ShardedParameters(BlockModel model, std::shared_ptr<Communicator> comm, ShardLevel level,
                     MemoryTracker* tracker, int64_t inFlightBytes,
-                    const std::set<const c10::TensorImpl*>& bf16Gathered = {});
+                    const std::set<const c10::TensorImpl*>& bf16Gathered = {},
+                    std::optional<StageScope> stage = std::nullopt);
   ~ShardedParameters() override;
   ShardedParameters(const ShardedParameters&) = delete;
   ShardedParameters& operator=(const ShardedParameters&) = delete;
@@ -196,6 +214,24 @@ class ShardedParameters final : public BlockRunner {
   // square. Non-finite gradients anywhere make it non-finite everywhere.
   double globalGradientNormSquared();
 
+  // A pipeline stage's (StageScope) besides the above:
+  // Every unit's weights whole in the model's parameters (gathers issued at once, then waited
+  // for, the after-update gathers too): the program reads them all. Under parameters they stay
+  // until finishGradients (or releaseGathered) frees them. Every rank calls it.
+  void gatherAll();
+  // This rank's share of the global squared gradient norm (no collective): its slices' squares,
+  // leaving out those of `skip` (parameters that are units of their own: a stage's tied ones
+  // that another stage counts).
+  double localGradientNormSquared(const std::vector<at::Tensor>& skip);
+  // This rank's slice of the averaged gradient of `param`, a unit of its own (a tied
+  // parameter: the same elements on every stage that holds it), to be changed in place.
+  at::Tensor gradientSlice(const at::Tensor& param) const;
+  // The whole state of the slices (`sliced` steps shards()) in `whole` on rank `onRank` (whose
+  // parameters are the model's), for a checkpoint: every other rank sends its slices' state
+  // there (point to point, tags below the unit count). Every rank calls it.
+  void gatherOptimizerState(torch::optim::Optimizer& sliced, torch::optim::Optimizer& whole,
+                            int onRank) const;
+
   // Unit `unit` (shards()[unit]'s) as a sharded checkpoint records it: its parameters (the
   // model's, group after group), where each starts among the unit's elements (the groups back
   // to back, unpadded), its elements and padded size, and its groups (one: float32; two:
@@ -243,12 +279,14 @@ class ShardedParameters final : public BlockRunner {
   // The nearest unit at or after (direction +1) / before (-1) block `block` that is not
   // resident, -1 if none.
   int64_t nextGatheredUnit(size_t block, int direction) const;
+  size_t unitAlone(const at::Tensor& param) const;  // the unit that holds `param` alone
 
   BlockModel model_;
   std::shared_ptr<Communicator> comm_;
   ShardLevel level_;
   MemoryTracker* tracker_;
-  BlockRunner* inner_;
+  std::optional<StageScope> stage_;
+  BlockRunner* inner_ = nullptr;
   std::vector<std::unique_ptr<Unit>> units_;  // index order: the last block's first
   std::vector<int64_t> blockUnit_;            // -1: a block without its own trainable params
   int64_t sharedUnit_ = -1;

@@ -133,6 +133,8 @@ Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInf
     // validate() refused this on MPI (it would need MPI_Comm_split).
     stageReplicas_ = group("stage-" + std::to_string(worldInfo.rank % stages),
                            worldInfo.rank / stages, worldInfo.worldSize / stages);
+  } else if (options_.pipeline.active() && stages == 1) {
+    stageReplicas_ = comm_;  // gradient accumulation on every worker: they are the replicas
   }
   if (store) {
     HeartbeatOptions ho;

@@ -7,8 +7,18 @@
 // the global norm). Also one worker accumulating M micro-batches (one stage, no communicator):
 // the pipeline's reference.
 //
+// Under sync.shard (with replicas; sync/sharding.h's StageScope) each stage's trainable
+// parameters are flat units over its replica group, each replica owning a slice: the program
+// runs on the whole weights (gathered before it under parameters, freed after the
+// reduce-scatter), the gradients accumulate in the whole local .grad over the micro-batches,
+// then one reduce-scatter per unit replaces the replicas' all-reduce; tied parameters' slices
+// are summed over their stages, the squared norm of the slices over the whole world, the run's
+// optimizer steps this rank's slices (a second optimizer, as in ShardedStep) and the updated
+// slices are all-gathered back (parameters: only the slices persist between steps).
+//
 // Checkpoints: rank 0's model and optimizer get every stage's parameters and optimizer state
-// for the file (withWholeModel), and each stage then holds its own blocks' again.
+// for the file (withWholeModel; a sharded stage's state first gathered from its replicas' slices
+// to its first replica), and each stage then holds its own blocks' again (its slices' state).
 #pragma once
 
 #include <memory>
@@ -20,6 +30,7 @@
 namespace caravan {
 
 class Communicator;
+class ShardedParameters;
 
 class PipelineStep : public StepEngine {
  public:
@@ -32,6 +43,11 @@ class PipelineStep : public StepEngine {
     // The step after which every stage's timeline is gathered into metrics.jsonl (every rank
     // passes the same: the third step this process runs, or the run's last).
     int64_t timelineStep = -1;
+    // sync.shard: the stage's units over `replicas`, and the run's optimizer over their slices
+    // (ShardedParameters::shards()); the setup's optimizer then keeps the learning rate only
+    // (and a resumed run's whole state, which is sliced here). Null: unsharded.
+    std::unique_ptr<ShardedParameters> shards;
+    std::unique_ptr<torch::optim::Optimizer> sliced;
   };
   // `stage`: built on the run's model and optimizer, holding its own blocks only.
   PipelineStep(std::unique_ptr<PipelineStage> stage, torch::optim::Optimizer& optimizer,
@@ -42,6 +58,7 @@ class PipelineStep : public StepEngine {
 
   EvalResult evaluate(const Dataset& dataset, int64_t batchSize, int64_t maxBatches) override;
   void withWholeModel(const std::function<void()>& write) override;
+  void finish() override;
   void accountModelState(MemoryTracker& memory) override;
   std::vector<at::Tensor> modelStateTensors() override;
   std::vector<nlohmann::json> takeRecords(int64_t stepsDone, const StepResult& r,
@@ -56,10 +73,12 @@ class PipelineStep : public StepEngine {
   double clipGradients(double maxNorm, const StepResult& r) override;
   std::vector<at::Tensor> trainedParameters() override;
   void update() override;
+  void afterUpdate(int64_t step, StepResult& r) override;
+  void strategyLearningRate(double lr) override;
 
   std::unique_ptr<PipelineStage> stage_;
   Parts parts_;
-  std::unique_ptr<AllReduceStrategy> replicaAverage_;  // null without replicas
+  std::unique_ptr<AllReduceStrategy> replicaAverage_;  // null without replicas, or sharded
 };
 
 }  // namespace caravan

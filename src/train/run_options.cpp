@@ -277,12 +277,6 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
         "use auto, shm or gloo",
         what, worldSize));
   }
-  if (pipeline.stages == 1 && worldSize > 1) {
-    throw ConfigError(fmt::format(
-        "{} without pipeline stages is gradient accumulation on one worker; with {} workers "
-        "set parallel.micro_batches = 1",
-        what, worldSize));
-  }
   if (options.memory.offloadWeights) {
     throw ConfigError(fmt::format(
         "{} does not run with memory.weights = offload yet; set memory.weights = core", what));
@@ -306,7 +300,7 @@ void validate(const PipelineOptions& pipeline, const RunOptions& options, int wo
 
 // sync.shard in a job (part of validateJob): sharded data parallelism is its own step engine
 // beside the all-reduce's (train/sharded_step.h).
-void validateShard(const RunOptions& options) {
+void validateShard(const RunOptions& options, int worldSize) {
   const ShardLevel shard = options.sync.shard;
   if (shard == ShardLevel::kNone) return;
   const char* name = shardLevelName(shard);
@@ -320,11 +314,13 @@ void validateShard(const RunOptions& options) {
     throw ConfigError(fmt::format(
         "sync.shard = {} reduce-scatters float32 gradients; set sync.compression = none", name));
   }
-  if (options.pipeline.active()) {
+  const int stages = options.pipeline.stages;
+  if (options.pipeline.active() && worldSize <= stages) {
     throw ConfigError(fmt::format(
-        "sync.shard = {} does not run inside pipeline stages or with micro-batches yet; set "
-        "parallel.pipeline_stages = 1 and parallel.micro_batches = 1, or sync.shard = none",
-        name));
+        "sync.shard = {} splits each pipeline stage's model state over the stage's replicas, and "
+        "{} workers in stages of {} leave one per stage: run {} workers or more (a multiple of "
+        "parallel.pipeline_stages), or set sync.shard = none",
+        name, worldSize, stages, 2 * stages));
   }
   if (options.memory.offloadWeights && shard != ShardLevel::kParameters) {
     throw ConfigError(fmt::format(
@@ -348,7 +344,7 @@ void validateShard(const RunOptions& options) {
 }
 
 // The sync.* and dist.* keys of a job of several processes (part of validate).
-void validateJob(const RunOptions& options) {
+void validateJob(const RunOptions& options, int worldSize) {
   const SyncOptions& sync = options.sync;
   const SyncMode mode = sync.mode;
   const char* modeName = syncModeName(mode);
@@ -405,7 +401,7 @@ void validateJob(const RunOptions& options) {
                     "optimizer and the global norm spans their shards); set optim.grad_clip = 0",
                     modeName));
   }
-  validateShard(options);
+  validateShard(options, worldSize);
   if (options.memory.offloadWeights) {
     // Only the all-reduce exchanges gradients per block (Strategy::supportsParameterGroups).
     if (mode != SyncMode::kAllReduce) {
@@ -443,7 +439,7 @@ void validate(const RunOptions& options, int worldSize) {
   }
   validate(options.optim);
   validate(options.schedule);
-  if (distributed) validateJob(options);
+  if (distributed) validateJob(options, worldSize);
   validate(options.pipeline, options, worldSize);
   // train.nonfinite_skips: the update must come after the gradients can be checked (out-of-core
   // weights update during backward; sharded ones after it).

@@ -242,8 +242,8 @@ std::unique_ptr<StepEngine> RunSetup::attach(Distributed* dist) {
 std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist) {
   // Stages train their own blocks; every rank built the same model from seed.init or loaded
   // the same checkpoint, so there is nothing to broadcast. Replicas of a stage average their
-  // gradients in the engine (PipelineStep, through the all-reduce's accumulating mode): no
-  // sync.mode strategy.
+  // gradients in the engine (PipelineStep, through the all-reduce's accumulating mode, or
+  // reduce-scatter their units under sync.shard): no sync.mode strategy.
   Communicator* comm = dist != nullptr ? dist->workers().get() : nullptr;
   const int worldSize = comm != nullptr ? comm->size() : 1;
   const PipelineLayout layout =
@@ -260,7 +260,20 @@ std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist) {
     setStagePolicies(activations, model, std::move(policies),
                      static_cast<int>(options.memory.prefetch));
   }
-  if (activations.executor) activations.executor->refreshParameters();
+  PipelineStep::Parts parts;
+  parts.comm = comm;
+  parts.replicas = dist != nullptr ? dist->stageReplicas() : nullptr;
+  std::vector<at::Tensor> gatheredLater;
+  if (options.sync.shard != ShardLevel::kNone && parts.replicas != nullptr) {
+    // The stage's units over its replicas (validate refused a stage without any); their
+    // parameters are views of the units from now on.
+    parts.shards = std::make_unique<ShardedParameters>(
+        model, parts.replicas, options.sync.shard, &memory, options.sync.allreduce.bucketBytes,
+        std::set<const c10::TensorImpl*>{}, ShardedParameters::StageScope{stage->firstBlock(), stage->endBlock(), stage->parameters()});
+    parts.sliced = makeOptimizer(options.optim, parts.shards->shards());
+    gatheredLater = stage->parameters();
+  }
+  if (activations.executor) activations.executor->refreshParameters(gatheredLater);
   // Dropout: stages draw from their own streams (one stream on every rank would give
   // equally shaped blocks on different stages the same masks). Stage 0 keeps seed.dropout's
   // (or the checkpoint's); stage s > 0 starts from seed.dropout, s and the step, so a resumed
@@ -269,9 +282,6 @@ std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist) {
     torch::manual_seed(options.seed.dropout + 0x9E3779B97F4A7C15ULL * layout.stage +
                        static_cast<uint64_t>(state.step));
   }
-  PipelineStep::Parts parts;
-  parts.comm = comm;
-  parts.replicas = dist != nullptr ? dist->stageReplicas() : nullptr;
   parts.buckets = options.sync.allreduce;  // uncompressed: validate refuses compression here
   parts.timelineStep = std::min(state.step + 3, totalSteps);
   return std::make_unique<PipelineStep>(std::move(stage), *optimizer, stepOptions(options),
