@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <set>
 
@@ -436,20 +437,36 @@ void ShardedParameters::settle() {
   for (size_t i = 0; i < units_.size(); ++i) waitGathered(i);
 }
 
-void ShardedParameters::withFullParameters(const std::function<void()>& fn, int onRank) {
-  const bool here = comm_->rank() == onRank;
-  std::exception_ptr failure;
-  try {
-    for (size_t i = units_.size(); i-- > 0;) {
-      gather(i);
-      waitGathered(i);
-      if (!here) release(i);
-    }
-    if (here) fn();
-  } catch (...) {
-    failure = std::current_exception();
+void ShardedParameters::forEachUnitGathered(const std::function<void(size_t unit)>& fn) {
+  std::vector<size_t> unitOf(params_.size());
+  for (size_t i = 0; i < units_.size(); ++i) {
+    for (size_t p : units_[i]->params) unitOf[p] = i;
   }
-  for (size_t i = 0; i < units_.size(); ++i) release(i);
+  std::vector<size_t> order;  // the units by their first parameter in the model's order
+  std::vector<bool> listed(units_.size(), false);
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (!listed[unitOf[p]]) order.push_back(unitOf[p]);
+    listed[unitOf[p]] = true;
+  }
+  auto issue = [&](size_t k) {  // the gather of the k-th unit (resident ones are whole)
+    if (k < order.size() && !units_[order[k]]->resident) gather(order[k]);
+  };
+  std::exception_ptr failure;
+  issue(0);
+  for (size_t k = 0; k < order.size(); ++k) {
+    const size_t i = order[k];
+    issue(k + 1);
+    if (offloaded_ && k + 2 < order.size()) prefetchSlice(static_cast<int64_t>(order[k + 2]));
+    waitGathered(i);
+    if (fn && !failure) {
+      try {
+        fn(i);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+    release(i);
+  }
   if (failure) std::rethrow_exception(failure);
 }
 
@@ -581,26 +598,31 @@ void ShardedParameters::stepOffloaded(torch::optim::Optimizer& sliced) {
   tier_->check();
 }
 
-void ShardedParameters::withSlicesInMemory(const std::function<void()>& fn, bool changes) {
-  if (!offloaded_) return fn();
-  std::vector<TierPiece*> held;
-  std::exception_ptr failure;
-  try {
-    for (auto& u : units_) {
-      for (TierPiece* p : {u->weights.get(), u->state.get()}) {
+void ShardedParameters::forEachSlice(const std::function<void(size_t unit)>& fn) {
+  auto pieces = [this](size_t i) {
+    return std::array<TierPiece*, 2>{units_[i]->weights.get(), units_[i]->state.get()};
+  };
+  for (size_t i = 0; i < units_.size(); ++i) {
+    if (i + 1 < units_.size()) {
+      for (TierPiece* p : pieces(i + 1)) {
+        if (p != nullptr) p->prefetch();
+      }
+    }
+    std::vector<TierPiece*> held;
+    std::exception_ptr failure;
+    try {
+      for (TierPiece* p : pieces(i)) {
         if (p == nullptr) continue;
         p->acquire();
         held.push_back(p);
       }
+      fn(i);
+    } catch (...) {
+      failure = std::current_exception();
     }
-    fn();
-  } catch (...) {
-    failure = std::current_exception();
+    for (TierPiece* p : held) p->release(TierPiece::Release::kUnchanged);
+    if (failure) std::rethrow_exception(failure);
   }
-  for (TierPiece* p : held) {
-    p->release(changes ? TierPiece::Release::kChanged : TierPiece::Release::kUnchanged);
-  }
-  if (failure) std::rethrow_exception(failure);
 }
 
 }  // namespace caravan
