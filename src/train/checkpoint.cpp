@@ -394,8 +394,7 @@ ArchiveSum checkPayload(const std::string& path, const std::string& remedy) {
       throw CheckpointError(
           fmt::format("cannot read checkpoint {}: it changed while being read", path));
     }
-    running =
-        crc32(running, reinterpret_cast<const Bytef*>(piece.data()), static_cast<uInt>(want));
+    running = crc32(running, reinterpret_cast<const Bytef*>(piece.data()), static_cast<uInt>(want));
     left -= static_cast<uint64_t>(want);
   }
   if (static_cast<uint32_t>(running) != sum.crc) {
@@ -752,10 +751,9 @@ void exportStateDict(const std::string& path, torch::nn::Module& model, const Ex
         keys[placeholder.storage().unsafeGetStorageImpl()] = std::to_string(k);
         for (const std::string& name : entries[k].names) dict.insert(name, placeholder);
       }
-      const std::vector<char> pickled =
-          pickleValue(c10::IValue(dict), nullptr, [&](const at::Tensor& t) {
-            return keys.at(t.storage().unsafeGetStorageImpl());
-          });
+      const std::vector<char> pickled = pickleValue(
+          c10::IValue(dict), nullptr,
+          [&](const at::Tensor& t) { return keys.at(t.storage().unsafeGetStorageImpl()); });
       zip.writeRecord("data.pkl", pickled.data(), pickled.size());
       zip.writeEndOfFile();
       out.flush();

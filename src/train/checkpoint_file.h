@@ -43,10 +43,9 @@ ArchiveSum writeRecordsFile(
     const std::function<void(caffe2::serialize::PyTorchStreamWriter&)>& write);
 // Checks `path` as readArchiveFile does, then runs `read` on its records (read from the file
 // as asked for); errors as readArchiveFile's.
-ArchiveSum readRecordsFile(
-    const std::string& path,
-    const std::function<void(caffe2::serialize::PyTorchStreamReader&)>& read,
-    const std::string& remedy = "");
+ArchiveSum readRecordsFile(const std::string& path,
+                           const std::function<void(caffe2::serialize::PyTorchStreamReader&)>& read,
+                           const std::string& remedy = "");
 // Whether `path` holds a zip of records with one named `name`: its header checked as
 // readArchiveHeader does (a CheckpointError for a file that is no checkpoint), its CRC not;
 // false where it has none (a LibTorch archive's records are its own) or its payload is no zip.

@@ -131,7 +131,8 @@ ShardedSlices readSlice(const std::string& manifest, const std::string& file, in
           FlatOptimizerState state;
           state.step = units[u].at("step").get<int64_t>();
           const at::Tensor w = floats(fmt::format("weights/{}", u), {shard});
-          if (rows > 0 && rows <= 2) state.slots = floats(fmt::format("optimizer/{}", u), {rows, shard});
+          if (rows > 0 && rows <= 2)
+            state.slots = floats(fmt::format("optimizer/{}", u), {rows, shard});
           if (!w.defined() || rows < 0 || rows > 2 || (rows > 0 && !state.slots.defined()) ||
               state.step < 0) {
             throw damaged(fmt::format("has a slice of unit {} that is not [{}] float32", u, shard));
@@ -328,7 +329,8 @@ ArchiveSum writeSliceFile(const CheckpointDir& dir, const std::string& name, int
       (fs::path(dir.dir()) / name).string(), [&](caffe2::serialize::PyTorchStreamWriter& zip) {
         nlohmann::json units = nlohmann::json::array();
         slices([&](size_t u, const at::Tensor& weights, const FlatOptimizerState& state) {
-          const int64_t shard = u < layout.units.size() ? layout.units[u].padded / layout.worldSize : -1;
+          const int64_t shard =
+              u < layout.units.size() ? layout.units[u].padded / layout.worldSize : -1;
           CARAVAN_CHECK(u == units.size() && weights.scalar_type() == at::kFloat &&
                             weights.numel() == shard &&
                             (state.rows() == 0 || (state.slots.scalar_type() == at::kFloat &&
@@ -340,11 +342,11 @@ ArchiveSum writeSliceFile(const CheckpointDir& dir, const std::string& name, int
         });
         CARAVAN_CHECK_EQ(units.size(), layout.units.size(),
                          "a sharded checkpoint's slices do not fit its layout");
-        const std::string head = nlohmann::json{{"step", step},
-                                                {"rank", rank},
-                                                {"world_size", layout.worldSize},
-                                                {"units", units}}
-                                     .dump();
+        const std::string head = nlohmann::json{
+            {"step", step},
+            {"rank", rank},
+            {"world_size", layout.worldSize},
+            {"units", units}}.dump();
         zip.writeRecord("slice", head.data(), head.size());
       });
 }

@@ -80,8 +80,9 @@ class StepEngine {
   // Writes `model`'s parameters and buffers as model.pt at `path` on rank 0 (exportStateDict,
   // `rename`); every rank calls it. By default within withWholeModel; a sharded engine streams
   // it, each unit gathered in turn and written, so that no rank holds the whole model.
-  virtual void exportModel(const std::string& path, torch::nn::Module& model,
-                           const std::function<std::vector<std::string>(const std::string&)>& rename);
+  virtual void exportModel(
+      const std::string& path, torch::nn::Module& model,
+      const std::function<std::vector<std::string>(const std::string&)>& rename);
   // Writes the checkpoint of `state` (its step) as a set of per-rank files and returns its
   // path (sharded engines: each rank its own slices, with no gather; every rank calls it);
   // nullopt where the checkpoint is the in-core file rank 0 writes within withWholeModel.
