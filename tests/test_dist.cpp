@@ -8,9 +8,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
+#include <mutex>
 
+#include <c10/core/CPUAllocator.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/torch.h>
@@ -19,7 +23,11 @@
 #include "cli/launch.h"
 #include "core/config.h"
 #include "core/errors.h"
+#include "core/rng.h"
+#include "gloo_ranks.h"
 #include "memory/saved_tensors.h"
+#include "memory/tier.h"
+#include "memory/tracker.h"
 #include "models/precision.h"
 #include "run_util.h"
 #include "sync/sharding.h"
@@ -29,6 +37,7 @@
 #include "train/run_setup.h"
 #include "train/setup.h"
 #include "train/sharded_checkpoint.h"
+#include "train/sharded_step.h"
 
 using namespace caravan;
 using caravan::test::TempDir;
@@ -1438,6 +1447,132 @@ TEST(DistShardedOffload, SlicesOnTheTierTrainTheBitsOfNone) {
   ASSERT_EQ(runRanksWith(2, cut + "-resumed", "--resume " + cut), std::vector<int>(2, 0))
       << test::readFile(cut + "-resumed.rank0.log");
   EXPECT_EQ(maxAbsDiff(finalParams(whole, o), finalParams(cut, o)), 0.0);
+}
+
+// LibTorch's CPU allocator, counted: the bytes it hands out from reset() on, live and peak
+// (those freed that it handed out before reset() are not seen: a peak over-counts). Installed
+// for the process's life once made (what it handed out may outlive any test).
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  static CountingCpuAllocator& installed() {
+    static auto* counting = new CountingCpuAllocator();  // never freed, see above
+    return *counting;
+  }
+  void reset() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    bytes_.clear();  // freed later, not counted
+    live_ = peak_ = 0;
+  }
+  int64_t peak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return peak_;
+  }
+  c10::DataPtr allocate(size_t n) override {
+    void* data = inner_->raw_allocate(n);  // its context is its data (raw_allocate's rule)
+    std::lock_guard<std::mutex> lock(mutex_);
+    bytes_[data] = static_cast<int64_t>(n);
+    live_ += static_cast<int64_t>(n);
+    peak_ = std::max(peak_, live_);
+    return {data, data, &release, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+
+ private:
+  CountingCpuAllocator() : inner_(c10::GetCPUAllocator()) { c10::SetCPUAllocator(this); }
+  static void release(void* data) {
+    CountingCpuAllocator& self = installed();
+    {
+      std::lock_guard<std::mutex> lock(self.mutex_);
+      const auto it = self.bytes_.find(data);
+      if (it != self.bytes_.end()) {
+        self.live_ -= it->second;
+        self.bytes_.erase(it);
+      }
+    }
+    self.inner_->raw_deallocate(data);
+  }
+  c10::Allocator* inner_;
+  std::mutex mutex_;
+  std::map<void*, int64_t> bytes_;
+  int64_t live_ = 0, peak_ = 0;
+};
+
+// Under memory.weights = offload, the end of a run writes each rank's slice file and model.pt
+// a unit at a time, whatever the depth: while the slice file is written the memory held grows
+// by less than three and a half units' slices with their AdamW state (12 bytes an element: the
+// tracked tier pieces, this unit's and the next one's read ahead, plus what LibTorch's allocator
+// hands out, the state's copy for the file; measured: 3.0 units), where the whole slices are
+// over 24 units'; while model.pt is
+// written, by less than ten units' weights (two units gathered, their slices read back and read
+// ahead, the collective's buffers), where the whole model is over 24 units' (and the whole gathered
+// and copied for the file, over 48, was the old way's). model.pt is the bytes exportStateDict
+// writes of the model read back whole from that checkpoint. W = 1: one rank, each slice its whole
+// unit (the slices read back weigh as much as the gathered units).
+TEST(DistShardedOffload, EndOfRunWritesHoldAFewUnitsAtATime) {
+  TempDir tmp;
+  DataShape shape;
+  shape.task = TaskKind::kLanguageModel;
+  shape.vocabSize = 64;
+  shape.seqLen = 16;
+  ModelSpec spec;
+  spec.name = "gpt";
+  spec.width = 64;
+  spec.depth = 24;
+  spec.heads = 4;
+  torch::manual_seed(3);
+  BlockModel model = buildModel(spec, shape);
+  const ExportNames names = [&](const std::string& n) { return model->exportNames(n); };
+  CountingCpuAllocator& allocated = CountingCpuAllocator::installed();
+  std::optional<std::string> written;
+  const auto errors = test::runGlooRanks(
+      1, test::loopbackOptions(std::chrono::seconds(60)), [&](std::shared_ptr<Communicator> comm) {
+        MemoryTracker tracker;
+        HostTier tier;
+        auto shards =
+            std::make_unique<ShardedParameters>(model, comm, ShardLevel::kParameters, &tracker, 0);
+        int64_t largest = 0, total = 0;  // elements of the units' slices
+        for (const at::Tensor& s : shards->shards()) {
+          largest = std::max(largest, s.numel());
+          total += s.numel();
+        }
+        torch::optim::AdamW whole(model->parameters());
+        auto sliced = std::make_unique<torch::optim::AdamW>(shards->shards());
+        ShardedStep engine(model, whole, StepOptions{}, std::move(shards), std::move(sliced),
+                           nullptr, "", &tier);
+        const at::Tensor tokens = at::randint(64, {2, 17}, at::kLong);
+        engine.step({tokens.narrow(1, 0, 16), tokens.narrow(1, 1, 16)}, 0);  // AdamW's state
+        ASSERT_GE(total, 24 * largest);  // the bounds below are well under the whole
+
+        TrainingState state;
+        state.step = 1;
+        state.rngState = defaultRngState();
+        const int64_t before = tracker.totalLive();
+        tracker.resetPeaks();
+        allocated.reset();
+        written = engine.writeShardedCheckpoint(CheckpointDir(tmp / "run", 1), state);
+        const int64_t unitBytes = 12 * largest;
+        EXPECT_LT(tracker.totalPeak() - before + allocated.peak(), 7 * unitBytes / 2)
+            << "tracked " << tracker.totalPeak() - before << ", allocated " << allocated.peak();
+
+        const int64_t settled = tracker.totalLive();
+        tracker.resetPeaks();
+        allocated.reset();
+        engine.exportModel(tmp / "streamed.pt", *model, names);
+        EXPECT_LT(tracker.totalPeak() - settled + allocated.peak(), 10 * 4 * largest)
+            << "tracked " << tracker.totalPeak() - settled << ", allocated " << allocated.peak();
+      });
+  ASSERT_EQ(errors, std::vector<std::string>{""});
+  ASSERT_TRUE(written.has_value());
+  torch::manual_seed(4);  // other initial weights: the checkpoint's replace them
+  BlockModel read = buildModel(spec, shape);
+  torch::optim::AdamW readOptimizer(read->parameters());
+  loadCheckpoint(*written, *read, readOptimizer, nlohmann::json(), std::nullopt);
+  exportStateDict(tmp / "whole.pt", *read,
+                  [&](const std::string& n) { return read->exportNames(n); });
+  EXPECT_EQ(test::readFile(tmp / "streamed.pt"), test::readFile(tmp / "whole.pt"));
 }
 
 // The files in RUN_DIR/checkpoints/, by name.

@@ -813,7 +813,7 @@ bool castByAutocast(const std::string& name) {
 // (Gloo's ring sums three in its own order). The linear layers' weights and biases are gathered
 // in bf16 (their model parameters are bf16 while a block runs); a forward's gathers move
 // (W - 1) (2 ceil(nbf16 / W) + 4 ceil(nf32 / W)) bytes per block, counted by the communicator;
-// model.pt's view (withFullParameters) is the float32 masters, with offload too. The same for a
+// model.pt's view (forEachUnitGathered) is the float32 masters, with offload too. The same for a
 // user's scripted GPT (TorchScript's linear under the same autocast).
 class ShardedBf16Gathers : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
 
@@ -921,13 +921,16 @@ TEST_P(ShardedBf16Gathers, LinearWeightsTravelInBf16AndTrainTheBitsOfTheUnsharde
       losses[r].push_back(loss.item<double>());
     }
     shards.settle();
-    shards.withFullParameters(
-        [&] {
-          for (const auto& p : m->named_parameters()) {
-            masters[p.key()] = p.value().detach().clone();
-          }
-        },
-        0);
+    shards.forEachUnitGathered([&](size_t unit) {
+      if (r != 0) return;
+      std::set<const c10::TensorImpl*> here;
+      for (const auto& p : shards.unitLayout(unit).params) here.insert(p.unsafeGetTensorImpl());
+      for (const auto& p : m->named_parameters()) {
+        if (here.count(p.value().unsafeGetTensorImpl()) != 0) {
+          masters[p.key()] = p.value().detach().clone();
+        }
+      }
+    });
     // After model.pt's float32 view the blocks gather in bf16 again, and train.
     const at::Tensor loss = m->loss(m->forward(batches[0][r].input), batches[0][r].target);
     loss.backward();

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <set>
 
@@ -690,42 +691,63 @@ void ShardedParameters::settle() {
   for (size_t i = 0; i < units_.size(); ++i) waitGathered(i);
 }
 
-void ShardedParameters::withFullParameters(const std::function<void()>& fn, int onRank) {
-  const bool here = comm_->rank() == onRank;
-  // The parameters that are float32 copies while fn runs, and their bf16 views to go back to.
-  std::vector<std::pair<at::Tensor*, at::Tensor>> views;
+void ShardedParameters::forEachUnitGathered(const std::function<void(size_t unit)>& fn) {
+  std::vector<size_t> unitOf(params_.size());
+  for (size_t i = 0; i < units_.size(); ++i) {
+    for (const Group& g : units_[i]->groups) {
+      for (size_t p : g.params) unitOf[p] = i;
+    }
+  }
+  std::vector<size_t> order;  // the units by their first parameter in the model's order
+  std::vector<bool> listed(units_.size(), false);
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (!listed[unitOf[p]]) order.push_back(unitOf[p]);
+    listed[unitOf[p]] = true;
+  }
+  // A unit with a bf16 group comes from its float32 masters (gatherMasters), not its bf16 copies.
+  auto fromMasters = [&](size_t i) { return units_[i]->groups.front().dtype != at::kFloat; };
+  auto issue = [&](size_t k) {  // the gather of the k-th unit (resident ones are whole)
+    if (k < order.size() && !units_[order[k]]->resident && !fromMasters(order[k])) {
+      gather(order[k]);
+    }
+  };
   std::exception_ptr failure;
-  try {
-    for (size_t i = units_.size(); i-- > 0;) {
-      const Unit& u = *units_[i];
-      if (u.groups.front().dtype == at::kFloat) {
-        gather(i);
-        waitGathered(i);
-        if (!here) release(i);
-        continue;
-      }
-      // The masters, not their bf16 copies: the float32 slices gathered.
+  bool viewsChanged = false;
+  issue(0);
+  for (size_t k = 0; k < order.size(); ++k) {
+    const size_t i = order[k];
+    issue(k + 1);
+    if (offloaded_ && k + 2 < order.size()) prefetchSlice(static_cast<int64_t>(order[k + 2]));
+    // The parameters that are float32 copies while fn runs, and their bf16 views to go back to.
+    std::vector<std::pair<size_t, at::Tensor>> views;
+    if (fromMasters(i)) {
       const at::Tensor masters = gatherMasters(i);
-      if (!here) continue;
       torch::NoGradGuard noGrad;
-      for (const Group& g : u.groups) {
-        for (size_t k = 0; k < g.params.size(); ++k) {
-          at::Tensor& p = params_[g.params[k]];
-          views.emplace_back(&p, p.tensor_data());
-          p.set_data(masters.narrow(0, g.unitOffset + g.offsets[k], p.numel()).view(p.sizes()));
+      for (const Group& g : units_[i]->groups) {
+        for (size_t j = 0; j < g.params.size(); ++j) {
+          at::Tensor& p = params_[g.params[j]];
+          views.emplace_back(g.params[j], p.tensor_data());
+          p.set_data(masters.narrow(0, g.unitOffset + g.offsets[j], p.numel()).view(p.sizes()));
         }
       }
+    } else {
+      waitGathered(i);
     }
-    if (here) fn();
-  } catch (...) {
-    failure = std::current_exception();
+    if (fn && !failure) {
+      try {
+        fn(i);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+    if (!views.empty()) {
+      torch::NoGradGuard noGrad;
+      for (auto& [p, view] : views) params_[p].set_data(view);
+      viewsChanged = true;
+    }
+    release(i);
   }
-  if (!views.empty()) {
-    torch::NoGradGuard noGrad;
-    for (auto& [p, view] : views) p->set_data(view);
-    hookAccumulators();
-  }
-  for (size_t i = 0; i < units_.size(); ++i) release(i);
+  if (viewsChanged) hookAccumulators();  // set_data to another dtype gave new accumulators
   if (failure) std::rethrow_exception(failure);
 }
 
@@ -899,26 +921,31 @@ void ShardedParameters::stepOffloaded(torch::optim::Optimizer& sliced) {
   tier_->check();
 }
 
-void ShardedParameters::withSlicesInMemory(const std::function<void()>& fn, bool changes) {
-  if (!offloaded_) return fn();
-  std::vector<TierPiece*> held;
-  std::exception_ptr failure;
-  try {
-    for (auto& u : units_) {
-      for (TierPiece* p : {u->weights.get(), u->state.get()}) {
+void ShardedParameters::forEachSlice(const std::function<void(size_t unit)>& fn) {
+  auto pieces = [this](size_t i) {
+    return std::array<TierPiece*, 2>{units_[i]->weights.get(), units_[i]->state.get()};
+  };
+  for (size_t i = 0; i < units_.size(); ++i) {
+    if (i + 1 < units_.size()) {
+      for (TierPiece* p : pieces(i + 1)) {
+        if (p != nullptr) p->prefetch();
+      }
+    }
+    std::vector<TierPiece*> held;
+    std::exception_ptr failure;
+    try {
+      for (TierPiece* p : pieces(i)) {
         if (p == nullptr) continue;
         p->acquire();
         held.push_back(p);
       }
+      fn(i);
+    } catch (...) {
+      failure = std::current_exception();
     }
-    fn();
-  } catch (...) {
-    failure = std::current_exception();
+    for (TierPiece* p : held) p->release(TierPiece::Release::kUnchanged);
+    if (failure) std::rethrow_exception(failure);
   }
-  for (TierPiece* p : held) {
-    p->release(changes ? TierPiece::Release::kChanged : TierPiece::Release::kUnchanged);
-  }
-  if (failure) std::rethrow_exception(failure);
 }
 
 }  // namespace caravan

@@ -180,12 +180,15 @@ class ShardedParameters final : public BlockRunner {
   // Frees what a forward kept gathered (its last block's unit) outside training (after an
   // evaluation). Local: no collective.
   void releaseGathered();
-  // Every unit gathered into the model's parameters on rank `onRank` while `fn` runs there
-  // (model.pt), freed again afterwards (parameters). Every rank calls it and takes part in each
-  // unit's gather; the other ranks let each unit go as soon as it arrives (they never hold the
-  // whole weights) and do not run `fn`. The parameters gathered in bf16 are float32 while `fn`
-  // runs: a unit with a bf16 group is gathered from the float32 masters (its slices).
-  void withFullParameters(const std::function<void()>& fn, int onRank);
+  // Each unit gathered into the model's parameters in turn while `fn(unit)` runs, then freed
+  // again (parameters; the next unit's gather in flight meanwhile): no rank holds the whole
+  // weights (model.pt, written a unit at a time). The units come in the order the model's
+  // parameters first name them. The parameters gathered in bf16 are float32 while `fn` runs: a
+  // unit with a bf16 group is gathered from the float32 masters (its slices). Every rank calls
+  // it and takes part in each gather; `fn` may be empty (a rank that only takes part). When
+  // `fn` throws, the remaining units are still gathered (without `fn`) and the exception is
+  // rethrown after the last.
+  void forEachUnitGathered(const std::function<void(size_t unit)>& fn);
   // This rank's slices of `whole`'s state installed in `sliced` (a resumed run's state, loaded
   // whole from the checkpoint, on any number of workers).
   void sliceOptimizerState(torch::optim::Optimizer& whole, torch::optim::Optimizer& sliced) const;
@@ -206,9 +209,11 @@ class ShardedParameters final : public BlockRunner {
   // Multiplies this step's averaged gradients by `coefficient` (clipping): at once, or, for the
   // offloaded ones, when stepOffloaded has them in memory.
   void scaleGradients(double coefficient);
-  // Every offloaded slice and its state in memory while `fn` runs (12 Psi / W at once; for a
-  // caller that needs them together; `changes`: `fn` writes them).
-  void withSlicesInMemory(const std::function<void()>& fn, bool changes);
+  // Each unit's slice (shards()[unit]) and its optimizer state in `sliced` in memory while
+  // `fn(unit)` runs, one unit at a time in index order: offloaded, each read back from the tier
+  // (the next unit's read ahead meanwhile) and let go unchanged after, so that no more than two
+  // units' slices are in memory for it (a checkpoint's slice file). Local: no collective.
+  void forEachSlice(const std::function<void(size_t unit)>& fn);
 
   // Sum over ranks of the slices' squared gradient norms (a collective): the global norm's
   // square. Non-finite gradients anywhere make it non-finite everywhere.

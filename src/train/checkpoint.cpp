@@ -22,7 +22,6 @@
 
 #include "core/errors.h"
 #include "core/files.h"
-#include "core/scope_guard.h"
 #include "train/checkpoint_file.h"
 #include "train/sharded_checkpoint.h"
 
@@ -228,16 +227,19 @@ void writeTrainingState(torch::serialize::OutputArchive& archive, const Training
   archive.write("strategy", strategyArchive);
 }
 
-ArchiveSum writeArchiveFile(const std::string& path, torch::serialize::OutputArchive& archive) {
+namespace {
+
+// The container around what `payload` writes to its stream: the header (magic, payload length,
+// CRC-32) written last, over a placeholder, the payload streamed to the file.
+ArchiveSum writeContainer(const std::string& path,
+                          const std::function<void(std::ostream&)>& payload) {
   ArchiveSum sum;
-  // Header (magic, payload length, CRC-32) written last, over a placeholder: the payload is
-  // streamed to the file.
   writeFileAtomic(path, [&](int fd, const std::string& tmp) {
     writeAll(fd, std::string(kHeaderSize, '\0').data(), kHeaderSize, tmp);
     CrcFileBuf buf(fd, tmp);
     {
       std::ostream out(&buf);
-      archive.save_to(out);
+      payload(out);
       out.flush();
     }
     buf.flush();
@@ -254,6 +256,30 @@ ArchiveSum writeArchiveFile(const std::string& path, torch::serialize::OutputArc
     }
   });
   return sum;
+}
+
+// A zip writer onto `out` (what it writes goes to the stream at once).
+caffe2::serialize::PyTorchStreamWriter zipOnto(std::ostream& out) {
+  return caffe2::serialize::PyTorchStreamWriter([&out](const void* data, size_t n) {
+    out.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
+    return n;
+  });
+}
+
+}  // namespace
+
+ArchiveSum writeArchiveFile(const std::string& path, torch::serialize::OutputArchive& archive) {
+  return writeContainer(path, [&](std::ostream& out) { archive.save_to(out); });
+}
+
+ArchiveSum writeRecordsFile(
+    const std::string& path,
+    const std::function<void(caffe2::serialize::PyTorchStreamWriter&)>& write) {
+  return writeContainer(path, [&](std::ostream& out) {
+    caffe2::serialize::PyTorchStreamWriter zip = zipOnto(out);
+    write(zip);
+    zip.writeEndOfFile();
+  });
 }
 
 void saveCheckpoint(const std::string& path, torch::nn::Module& model,
@@ -316,58 +342,72 @@ ArchiveSum readArchiveHeader(const std::string& path, const std::string& remedy)
   return checkHeader(path, in, remedy);
 }
 
-ArchiveSum readArchiveFile(const std::string& path,
-                           const std::function<void(torch::serialize::InputArchive&)>& read,
-                           const std::string& remedy) {
-  // The CRC is computed in 1 MiB pieces and the archive reads the payload from the file, so
-  // no copy of the payload is ever in memory (out-of-core weights: nor the model).
+namespace {
+
+// A checkpoint file's payload (past its header) for LibTorch's readers, read from the file as
+// they ask.
+class PayloadReader final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  PayloadReader(const std::string& path, uint64_t size) : size_(size) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) {
+      throw CheckpointError(
+          fmt::format("cannot read checkpoint {}: {}", path, std::strerror(errno)));
+    }
+  }
+  ~PayloadReader() override { ::close(fd_); }
+  PayloadReader(const PayloadReader&) = delete;
+  PayloadReader& operator=(const PayloadReader&) = delete;
+  size_t size() const override { return static_cast<size_t>(size_); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/ = "") const override {
+    if (pos >= size_) return 0;
+    n = static_cast<size_t>(std::min<uint64_t>(n, size_ - pos));
+    size_t done = 0;
+    while (done < n) {
+      const ssize_t r = ::pread(fd_, static_cast<char*>(buf) + done, n - done,
+                                static_cast<off_t>(kHeaderSize + pos + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) break;
+      done += static_cast<size_t>(r);
+    }
+    return done;
+  }
+
+ private:
+  int fd_ = -1;
+  uint64_t size_;
+};
+
+// `path`'s header, and its payload's CRC against it. The CRC is computed in 1 MiB pieces and
+// the readers read the payload from the file, so no copy of the payload is ever in memory
+// (out-of-core weights: nor the model).
+ArchiveSum checkPayload(const std::string& path, const std::string& remedy) {
   std::ifstream in(path, std::ios::binary);
   const ArchiveSum sum = checkHeader(path, in, remedy);
-  const uint64_t size = sum.size;
   uLong running = crc32(0L, Z_NULL, 0);
-  {
-    std::vector<char> piece(1 << 20);
-    uint64_t left = size;
-    while (left > 0) {
-      const auto want = static_cast<std::streamsize>(std::min<uint64_t>(left, piece.size()));
-      in.read(piece.data(), want);
-      if (in.gcount() != want) {
-        throw CheckpointError(
-            fmt::format("cannot read checkpoint {}: it changed while being read", path));
-      }
-      running = crc32(running, reinterpret_cast<const Bytef*>(piece.data()),
-                      static_cast<uInt>(want));
-      left -= static_cast<uint64_t>(want);
+  std::vector<char> piece(1 << 20);
+  uint64_t left = sum.size;
+  while (left > 0) {
+    const auto want = static_cast<std::streamsize>(std::min<uint64_t>(left, piece.size()));
+    in.read(piece.data(), want);
+    if (in.gcount() != want) {
+      throw CheckpointError(
+          fmt::format("cannot read checkpoint {}: it changed while being read", path));
     }
+    running = crc32(running, reinterpret_cast<const Bytef*>(piece.data()), static_cast<uInt>(want));
+    left -= static_cast<uint64_t>(want);
   }
   if (static_cast<uint32_t>(running) != sum.crc) {
     throw CheckpointError(
         fmt::format("checkpoint {} is corrupt (CRC mismatch); {}", path, remedyOr(remedy)));
   }
+  return sum;
+}
+
+// Runs `read`; what it throws is a CheckpointError naming `path` (its first line).
+void asCheckpointErrors(const std::string& path, const std::function<void()>& read) {
   try {
-    torch::serialize::InputArchive archive;
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      throw CheckpointError(
-          fmt::format("cannot read checkpoint {}: {}", path, std::strerror(errno)));
-    }
-    const auto closeFd = onScopeExit([fd] { ::close(fd); });
-    archive.load_from(
-        [fd, size](uint64_t pos, void* buf, size_t n) -> size_t {
-          if (pos >= size) return 0;
-          n = static_cast<size_t>(std::min<uint64_t>(n, size - pos));
-          size_t done = 0;
-          while (done < n) {
-            const ssize_t r = ::pread(fd, static_cast<char*>(buf) + done, n - done,
-                                      static_cast<off_t>(kHeaderSize + pos + done));
-            if (r < 0 && errno == EINTR) continue;
-            if (r <= 0) break;
-            done += static_cast<size_t>(r);
-          }
-          return done;
-        },
-        [size] { return static_cast<size_t>(size); });
-    read(archive);
+    read();
   } catch (const CheckpointError&) {
     throw;
   } catch (const std::exception& e) {
@@ -375,7 +415,44 @@ ArchiveSum readArchiveFile(const std::string& path,
     what = what.substr(0, what.find('\n'));
     throw CheckpointError(fmt::format("cannot load checkpoint {}: {}", path, what));
   }
+}
+
+}  // namespace
+
+ArchiveSum readArchiveFile(const std::string& path,
+                           const std::function<void(torch::serialize::InputArchive&)>& read,
+                           const std::string& remedy) {
+  const ArchiveSum sum = checkPayload(path, remedy);
+  asCheckpointErrors(path, [&] {
+    const auto payload = std::make_shared<PayloadReader>(path, sum.size);
+    torch::serialize::InputArchive archive;
+    archive.load_from([payload](uint64_t pos, void* buf,
+                                size_t n) -> size_t { return payload->read(pos, buf, n); },
+                      [payload] { return payload->size(); });
+    read(archive);
+  });
   return sum;
+}
+
+ArchiveSum readRecordsFile(const std::string& path,
+                           const std::function<void(caffe2::serialize::PyTorchStreamReader&)>& read,
+                           const std::string& remedy) {
+  const ArchiveSum sum = checkPayload(path, remedy);
+  asCheckpointErrors(path, [&] {
+    caffe2::serialize::PyTorchStreamReader zip(std::make_shared<PayloadReader>(path, sum.size));
+    read(zip);
+  });
+  return sum;
+}
+
+bool recordsFileHas(const std::string& path, const std::string& name) {
+  const ArchiveSum sum = readArchiveHeader(path);
+  try {
+    caffe2::serialize::PyTorchStreamReader zip(std::make_shared<PayloadReader>(path, sum.size));
+    return zip.hasRecord(name);
+  } catch (const std::exception&) {
+    return false;  // no zip: readArchiveFile's CRC or archive says what is wrong
+  }
 }
 
 void readTrainingState(const std::string& path, torch::serialize::InputArchive& archive,
@@ -415,13 +492,13 @@ TrainingState loadCheckpoint(const std::string& path, torch::nn::Module& model,
                              torch::optim::Optimizer& optimizer, const nlohmann::json& expectedMeta,
                              const std::optional<SliceOwner>& own) {
   TrainingState state;
+  if (isSliceFile(path)) {
+    throw CheckpointError(
+        fmt::format("{} is one rank's slice of a sharded checkpoint; pass its manifest, "
+                    "checkpoints/step-<8 digits>.ckpt of the same step",
+                    path));
+  }
   readArchiveFile(path, [&](torch::serialize::InputArchive& archive) {
-    if (isSliceFile(archive)) {
-      throw CheckpointError(
-          fmt::format("{} is one rank's slice of a sharded checkpoint; pass its manifest, "
-                      "checkpoints/step-<8 digits>.ckpt of the same step",
-                      path));
-    }
     c10::IValue meta;
     archive.read("meta", meta);
     state.meta = nlohmann::json::parse(meta.toStringRef());
@@ -572,23 +649,48 @@ std::string CheckpointDir::save(torch::nn::Module& model, torch::optim::Optimize
   return path;
 }
 
-std::vector<char> pickleForTorchLoad(const c10::IValue& value) {
+namespace {
+
+// `value` pickled as torch.load reads it (pickleForTorchLoad); each storage named
+// `storageKey(tensor)`, or by the order it comes in when that is null. The tensors whose
+// storages it names, in that order, go to `storages`.
+std::vector<char> pickleValue(
+    const c10::IValue& value, std::vector<at::Tensor>* storages,
+    const std::function<std::string(const at::Tensor&)>& storageKey = nullptr) {
   std::vector<char> pickled;
   torch::jit::Pickler pickler(
       [&](const char* bytes, size_t n) { pickled.insert(pickled.end(), bytes, bytes + n); },
       /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
-      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+      /*get_tensor_id=*/storageKey, /*tag_aggregates=*/false);
   pickler.protocol();
   pickler.pushIValue(value);
   pickler.stop();
+  if (storages != nullptr) *storages = pickler.tensorData();
+  return pickled;
+}
+
+// A tensor of `t`'s dtype and shape (contiguous) over a storage of its elements' size that
+// holds no bytes: what data.pkl says of a tensor whose bytes were written already.
+at::Tensor placeholderOf(const at::Tensor& t) {
+  const c10::Storage storage(c10::Storage::use_byte_size_t(),
+                             static_cast<size_t>(t.numel()) * t.element_size(),
+                             c10::DataPtr(nullptr, c10::Device(c10::kCPU)),
+                             /*allocator=*/nullptr, /*resizable=*/false);
+  return at::empty({0}, at::TensorOptions().dtype(t.dtype())).set_(storage, 0, t.sizes());
+}
+
+}  // namespace
+
+std::vector<char> pickleForTorchLoad(const c10::IValue& value) {
+  std::vector<at::Tensor> storages;
+  const std::vector<char> pickled = pickleValue(value, &storages);
   std::vector<char> file;
   caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) {
     const char* bytes = static_cast<const char*>(data);
     file.insert(file.end(), bytes, bytes + n);
     return n;
   });
-  torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(),
-                                     writer);
+  torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), storages, writer);
   writer.writeEndOfFile();
   return file;
 }
@@ -599,22 +701,65 @@ at::Tensor ownStorage(const at::Tensor& t) {
   return whole ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-void exportStateDict(const std::string& path, torch::nn::Module& model,
-                     const std::function<std::vector<std::string>(const std::string&)>& rename) {
-  c10::Dict<std::string, at::Tensor> dict;
-  auto insert = [&](const std::string& n, const at::Tensor& t) {
-    // A tied tensor under each of its names, one storage (as torch.save writes a tied model);
-    // a view of a larger storage (a sharded unit's flat buffer) as its own elements only.
-    const at::Tensor value = ownStorage(t.detach());
-    for (const std::string& name : rename ? rename(n) : std::vector<std::string>{n}) {
-      dict.insert(name, value);
-    }
+void exportStateDict(const std::string& path, torch::nn::Module& model, const ExportNames& rename,
+                     const ParameterStream& stream) {
+  // The dict's entries in the model's order (its parameters, then its buffers), each one
+  // storage under every name `rename` gives it (a tied tensor under each, as torch.save writes
+  // a tied model). Entry k's elements are the record data/<k>, as torch.save names them.
+  struct Entry {
+    std::vector<std::string> names;
+    at::Tensor tensor;
+    bool written = false;
   };
-  for (const auto& p : model.named_parameters()) insert(p.key(), p.value());
-  for (const auto& b : model.named_buffers()) insert(b.key(), b.value());
-  const std::vector<char> bytes = pickleForTorchLoad(c10::IValue(dict));
+  std::vector<Entry> entries;
+  std::map<const c10::TensorImpl*, size_t> entryOf;
+  auto add = [&](const std::string& n, const at::Tensor& t) {
+    std::vector<std::string> names = rename ? rename(n) : std::vector<std::string>{n};
+    if (names.empty()) return;
+    entryOf[t.unsafeGetTensorImpl()] = entries.size();
+    entries.push_back({std::move(names), t});
+  };
+  for (const auto& p : model.named_parameters()) add(p.key(), p.value());
+  for (const auto& b : model.named_buffers()) add(b.key(), b.value());
   writeFileAtomic(path, [&](int fd, const std::string& tmp) {
-    writeAll(fd, bytes.data(), bytes.size(), tmp);
+    CrcFileBuf buf(fd, tmp);
+    {
+      std::ostream out(&buf);
+      caffe2::serialize::PyTorchStreamWriter zip = zipOnto(out);
+      // A tensor's own elements (a view of a larger storage, such as a sharded unit's flat
+      // buffer, as its elements only), written at once.
+      auto write = [&](size_t k, const at::Tensor& t) {
+        const at::Tensor elements = t.detach().contiguous();
+        zip.writeRecord(fmt::format("data/{}", k), elements.data_ptr(), elements.nbytes());
+        entries[k].written = true;
+      };
+      if (stream) {
+        stream([&](const at::Tensor& t) {
+          const auto it = entryOf.find(t.unsafeGetTensorImpl());
+          if (it != entryOf.end() && !entries[it->second].written) write(it->second, t);
+        });
+      }
+      for (size_t k = 0; k < entries.size(); ++k) {
+        if (!entries[k].written) write(k, entries[k].tensor);
+      }
+      // data.pkl: the dict, its tensors placeholders of the written ones, each storage named
+      // by its record.
+      c10::Dict<std::string, at::Tensor> dict;
+      std::map<const c10::StorageImpl*, std::string> keys;
+      for (size_t k = 0; k < entries.size(); ++k) {
+        const at::Tensor placeholder = placeholderOf(entries[k].tensor);
+        keys[placeholder.storage().unsafeGetStorageImpl()] = std::to_string(k);
+        for (const std::string& name : entries[k].names) dict.insert(name, placeholder);
+      }
+      const std::vector<char> pickled = pickleValue(
+          c10::IValue(dict), nullptr,
+          [&](const at::Tensor& t) { return keys.at(t.storage().unsafeGetStorageImpl()); });
+      zip.writeRecord("data.pkl", pickled.data(), pickled.size());
+      zip.writeEndOfFile();
+      out.flush();
+    }
+    buf.flush();
+    buf.throwIfFailed();
   });
 }
 

@@ -109,11 +109,22 @@ class CheckpointDir {
 // (their global, torch.jit._pickle.restore_type_tag, is one weights_only refuses).
 std::vector<char> pickleForTorchLoad(const c10::IValue& value);
 
+// The names a tensor of the model is exported under (BlockModel::exportNames: a tied tensor
+// under each).
+using ExportNames = std::function<std::vector<std::string>(const std::string&)>;
+// Brings the model's parameters whose bytes are not all in memory in, a group at a time: calls
+// its argument with each of them while its bytes are there (a sharded unit's, gathered).
+using ParameterStream = std::function<void(const std::function<void(const at::Tensor&)>&)>;
+
 // Exports parameters and buffers as a dict {name: tensor} that Python loads with
-// `torch.load(path)` (pickleForTorchLoad, written atomically); `rename` gives each the name
-// the user knows it by (BlockModel::exportNames: a tied tensor under each), when set.
-void exportStateDict(
-    const std::string& path, torch::nn::Module& model,
-    const std::function<std::vector<std::string>(const std::string&)>& rename = {});
+// `torch.load(path)` (torch.save's zip, as pickleForTorchLoad writes it; written atomically);
+// `rename` gives each the name the user knows it by, when set. The tensors' bytes are written
+// one tensor at a time, data.pkl last (pickled from tensors that hold no bytes), so the file is
+// never whole in memory: with `stream`, the parameters it brings in are written as they come,
+// the others (and the buffers) from memory after it. The dict and its storages' names follow the
+// model's order, the records the order they are written in: the same model gives the same bytes
+// when `stream` brings its parameters in the model's order.
+void exportStateDict(const std::string& path, torch::nn::Module& model,
+                     const ExportNames& rename = {}, const ParameterStream& stream = {});
 
 }  // namespace caravan

@@ -1,8 +1,8 @@
-// The file container of checkpoints (checkpoint.h's format: header, CRC-32, LibTorch
-// archive) and the entries every checkpoint's archive has, for the writers and readers of each
-// kind of checkpoint file: checkpoint.cpp's in-core files, sharded_checkpoint.cpp's manifests
-// and slices. (A header of its own: it names LibTorch's archives, which checkpoint.h's many
-// includers need not compile.)
+// The file container of checkpoints (checkpoint.h's format: header, CRC-32, then a LibTorch
+// archive, or a zip of raw records) and the entries every checkpoint's archive has, for the
+// writers and readers of each kind of checkpoint file: checkpoint.cpp's in-core files,
+// sharded_checkpoint.cpp's manifests (archives) and slices (records). (A header of its own: it
+// names LibTorch's archives, which checkpoint.h's many includers need not compile.)
 //
 // Threading: free functions; any thread.
 #pragma once
@@ -12,6 +12,7 @@
 #include <string>
 
 #include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
 #include <torch/serialize/archive.h>
 
 #include "train/checkpoint.h"
@@ -33,6 +34,22 @@ ArchiveSum writeArchiveFile(const std::string& path, torch::serialize::OutputArc
 ArchiveSum readArchiveFile(const std::string& path,
                            const std::function<void(torch::serialize::InputArchive&)>& read,
                            const std::string& remedy = "");
+// The same container around a zip of raw records (LibTorch's PyTorchStreamWriter; a sharded
+// slice file): `write` adds the records, each going to the file as it is added (none is held
+// whole in memory), then the zip's directory ends it. The CRC is computed as the bytes go and
+// the header written last, as writeArchiveFile's.
+ArchiveSum writeRecordsFile(
+    const std::string& path,
+    const std::function<void(caffe2::serialize::PyTorchStreamWriter&)>& write);
+// Checks `path` as readArchiveFile does, then runs `read` on its records (read from the file
+// as asked for); errors as readArchiveFile's.
+ArchiveSum readRecordsFile(const std::string& path,
+                           const std::function<void(caffe2::serialize::PyTorchStreamReader&)>& read,
+                           const std::string& remedy = "");
+// Whether `path` holds a zip of records with one named `name`: its header checked as
+// readArchiveHeader does (a CheckpointError for a file that is no checkpoint), its CRC not;
+// false where it has none (a LibTorch archive's records are its own) or its payload is no zip.
+bool recordsFileHas(const std::string& path, const std::string& name);
 // The header alone (magic, and the size against the file's), without reading the payload;
 // CheckpointError naming the file.
 ArchiveSum readArchiveHeader(const std::string& path, const std::string& remedy = "");

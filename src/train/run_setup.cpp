@@ -269,7 +269,8 @@ std::unique_ptr<StepEngine> RunSetup::attachPipeline(Distributed* dist) {
     // parameters are views of the units from now on.
     parts.shards = std::make_unique<ShardedParameters>(
         model, parts.replicas, options.sync.shard, &memory, options.sync.allreduce.bucketBytes,
-        std::set<const c10::TensorImpl*>{}, ShardedParameters::StageScope{stage->firstBlock(), stage->endBlock(), stage->parameters()});
+        std::set<const c10::TensorImpl*>{},
+        ShardedParameters::StageScope{stage->firstBlock(), stage->endBlock(), stage->parameters()});
     parts.sliced = makeOptimizer(options.optim, parts.shards->shards());
     gatheredLater = stage->parameters();
   }

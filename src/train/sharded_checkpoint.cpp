@@ -18,7 +18,9 @@ namespace caravan {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr int kFormat = 1;  // the manifest's "sharded" entry's format
+// The manifest's "sharded" entry's format. 2: slice files are zips of raw records, written a
+// unit at a time (sharded_checkpoint.h); 1 (slice files as LibTorch archives) is not read.
+constexpr int kFormat = 2;
 
 int64_t elementsOf(const std::vector<int64_t>& shape) {
   int64_t n = 1;
@@ -101,46 +103,49 @@ ShardedSlices readSlice(const std::string& manifest, const std::string& file, in
       "it is rank {}'s slice of checkpoint {}: move {} out of checkpoints/ to "
       "resume from the previous checkpoint",
       rank, manifest, manifest);
-  readArchiveFile(
+  auto damaged = [&](const std::string& what) {
+    return CheckpointError(
+        fmt::format("rank {}'s slice file {} of checkpoint {} {}; move {} out of "
+                    "checkpoints/ to resume from the previous checkpoint",
+                    rank, file, manifest, what, manifest));
+  };
+  readRecordsFile(
       file,
-      [&](torch::serialize::InputArchive& a) {
-        c10::IValue v;
-        auto damaged = [&](const std::string& what) {
-          return CheckpointError(
-              fmt::format("rank {}'s slice file {} of checkpoint {} {}; move {} out of "
-                          "checkpoints/ to resume from the previous checkpoint",
-                          rank, file, manifest, what, manifest));
-        };
-        if (!a.try_read("slice", v)) throw damaged("is not a slice file");
-        const nlohmann::json head = nlohmann::json::parse(v.toStringRef());
+      [&](caffe2::serialize::PyTorchStreamReader& zip) {
+        if (!zip.hasRecord("slice")) throw damaged("is not a slice file");
+        const auto [text, textBytes] = zip.getRecord("slice");
+        const nlohmann::json head =
+            nlohmann::json::parse(std::string(static_cast<const char*>(text.get()), textBytes));
         if (head.at("step").get<int64_t>() != step || head.at("rank").get<int>() != rank ||
             head.at("world_size").get<int64_t>() != layout.worldSize) {
           throw damaged(fmt::format("says step {}, rank {} of {}", head.at("step").dump(),
                                     head.at("rank").dump(), head.at("world_size").dump()));
         }
-        a.read("weights", v);
-        const c10::List<at::Tensor> weights = v.toTensorList();
-        a.read("optimizer_slots", v);
-        const c10::List<at::Tensor> slots = v.toTensorList();
-        a.read("optimizer_steps", v);
-        const c10::List<int64_t> steps = v.toIntList();
+        const nlohmann::json& units = head.at("units");
         const size_t n = layout.units.size();
-        if (weights.size() != n || slots.size() != n || steps.size() != n) {
-          throw damaged(fmt::format("holds {} units, the manifest {}", weights.size(), n));
+        if (!units.is_array() || units.size() != n) {
+          throw damaged(fmt::format("holds {} units, the manifest {}", units.size(), n));
         }
+        // Record `name` as a float32 tensor of `shape`; undefined when it is not that size.
+        auto floats = [&](const std::string& name, std::vector<int64_t> shape) {
+          at::Tensor t = at::empty(shape, at::kFloat);
+          if (!zip.hasRecord(name) || zip.getRecordSize(name) != t.nbytes()) return at::Tensor();
+          zip.getRecord(name, t.data_ptr(), t.nbytes());
+          return t;
+        };
         for (size_t u = 0; u < n; ++u) {
           const int64_t shard = layout.units[u].padded / layout.worldSize;
-          const at::Tensor w = weights.get(u);
-          const at::Tensor rows = slots.get(u);
-          if (w.scalar_type() != at::kFloat || w.dim() != 1 || w.numel() != shard ||
-              rows.scalar_type() != at::kFloat || rows.dim() != 2 || rows.size(0) > 2 ||
-              rows.size(1) != (rows.size(0) == 0 ? 0 : shard) || steps.get(u) < 0) {
+          const int64_t rows = units[u].at("rows").get<int64_t>();
+          FlatOptimizerState state;
+          state.step = units[u].at("step").get<int64_t>();
+          const at::Tensor w = floats(fmt::format("weights/{}", u), {shard});
+          if (rows > 0 && rows <= 2)
+            state.slots = floats(fmt::format("optimizer/{}", u), {rows, shard});
+          if (!w.defined() || rows < 0 || rows > 2 || (rows > 0 && !state.slots.defined()) ||
+              state.step < 0) {
             throw damaged(fmt::format("has a slice of unit {} that is not [{}] float32", u, shard));
           }
           s.weights.push_back(w);
-          FlatOptimizerState state;
-          state.step = steps.get(u);
-          if (rows.size(0) > 0) state.slots = rows;
           s.optimizer.push_back(std::move(state));
         }
       },
@@ -351,28 +356,43 @@ std::string sliceName(int64_t step, int rank, int world, uint32_t token) {
   return fmt::format("step-{:08d}.rank{}-of-{}.{:08x}.slice", step, rank, world, token);
 }
 
-// This rank's slice file `name` in `dir`; what its header says.
-ArchiveSum writeSliceFile(const CheckpointDir& dir, const std::string& name, int rank, int world,
-                          const ShardedSlices& mine, int64_t step) {
+// Writes `t`'s elements (contiguous float32) as record `name`.
+void writeFloats(caffe2::serialize::PyTorchStreamWriter& zip, const std::string& name,
+                 const at::Tensor& t) {
+  const at::Tensor elements = t.detach().contiguous();
+  zip.writeRecord(name, elements.data_ptr(), elements.nbytes());
+}
+
+// This rank's slice file `name` in `dir`, a unit at a time; what its header says.
+ArchiveSum writeSliceFile(const CheckpointDir& dir, const std::string& name, int rank,
+                          const ShardedLayout& layout, const SliceSource& slices, int64_t step) {
   std::error_code ec;
   fs::create_directories(dir.dir(), ec);
   if (ec) throw IoError(fmt::format("cannot create {}: {}", dir.dir(), ec.message()));
-  torch::serialize::OutputArchive archive;
-  archive.write(
-      "slice",
-      c10::IValue(nlohmann::json{{"step", step}, {"rank", rank}, {"world_size", world}}.dump()));
-  c10::List<at::Tensor> weights, slots;
-  c10::List<int64_t> steps;
-  for (size_t u = 0; u < mine.weights.size(); ++u) {
-    weights.push_back(ownStorage(mine.weights[u].detach()));
-    const FlatOptimizerState& s = mine.optimizer[u];
-    slots.push_back(s.rows() > 0 ? ownStorage(s.slots) : at::empty({0, 0}, at::kFloat));
-    steps.push_back(s.step);
-  }
-  archive.write("weights", c10::IValue(weights));
-  archive.write("optimizer_slots", c10::IValue(slots));
-  archive.write("optimizer_steps", c10::IValue(steps));
-  return writeArchiveFile((fs::path(dir.dir()) / name).string(), archive);
+  return writeRecordsFile(
+      (fs::path(dir.dir()) / name).string(), [&](caffe2::serialize::PyTorchStreamWriter& zip) {
+        nlohmann::json units = nlohmann::json::array();
+        slices([&](size_t u, const at::Tensor& weights, const FlatOptimizerState& state) {
+          const int64_t shard =
+              u < layout.units.size() ? layout.units[u].padded / layout.worldSize : -1;
+          CARAVAN_CHECK(u == units.size() && weights.scalar_type() == at::kFloat &&
+                            weights.numel() == shard &&
+                            (state.rows() == 0 || (state.slots.scalar_type() == at::kFloat &&
+                                                   state.slots.size(1) == shard)),
+                        "unit {}'s slices do not fit the sharded checkpoint's layout", u);
+          writeFloats(zip, fmt::format("weights/{}", u), weights);
+          if (state.rows() > 0) writeFloats(zip, fmt::format("optimizer/{}", u), state.slots);
+          units.push_back({{"rows", state.rows()}, {"step", state.step}});
+        });
+        CARAVAN_CHECK_EQ(units.size(), layout.units.size(),
+                         "a sharded checkpoint's slices do not fit its layout");
+        const std::string head = nlohmann::json{
+            {"step", step},
+            {"rank", rank},
+            {"world_size", layout.worldSize},
+            {"units", units}}.dump();
+        zip.writeRecord("slice", head.data(), head.size());
+      });
 }
 
 // Rank 0, after the barrier: every rank's slice file (`written`: [ok, size, crc, token] per
@@ -424,11 +444,10 @@ std::string writeManifest(const CheckpointDir& dir, const at::Tensor& written,
 }  // namespace
 
 std::string saveShardedCheckpoint(const CheckpointDir& dir, Communicator& comm,
-                                  const ShardedSlices& mine, torch::nn::Module& model,
-                                  const TrainingState& state) {
+                                  const ShardedLayout& layout, const SliceSource& slices,
+                                  torch::nn::Module& model, const TrainingState& state) {
   const int rank = comm.rank(), world = comm.size();
-  CARAVAN_CHECK(mine.layout.worldSize == world && mine.weights.size() == mine.layout.units.size(),
-                "a sharded checkpoint's slices do not fit its layout");
+  CARAVAN_CHECK_EQ(layout.worldSize, world, "a sharded checkpoint's layout is for other workers");
   // 1. This rank's slice file, under a token of its own: a second write of the same step
   // (a run resumed at its last step) never replaces the files a manifest names.
   const auto token = static_cast<uint32_t>(std::random_device{}());
@@ -436,7 +455,7 @@ std::string saveShardedCheckpoint(const CheckpointDir& dir, Communicator& comm,
   std::exception_ptr failure;
   try {
     const ArchiveSum sum = writeSliceFile(dir, sliceName(state.step, rank, world, token), rank,
-                                          world, mine, state.step);
+                                          layout, slices, state.step);
     written[0] = 1;
     written[1] = static_cast<int64_t>(sum.size);
     written[2] = static_cast<int64_t>(sum.crc);
@@ -457,7 +476,7 @@ std::string saveShardedCheckpoint(const CheckpointDir& dir, Communicator& comm,
     }
   }
   // 3. Rank 0: the manifest, last.
-  return rank == 0 ? writeManifest(dir, all, mine.layout, model, state) : dir.pathFor(state.step);
+  return rank == 0 ? writeManifest(dir, all, layout, model, state) : dir.pathFor(state.step);
 }
 
 bool isShardedManifest(torch::serialize::InputArchive& archive) {
@@ -465,10 +484,7 @@ bool isShardedManifest(torch::serialize::InputArchive& archive) {
   return archive.try_read("sharded", v);
 }
 
-bool isSliceFile(torch::serialize::InputArchive& archive) {
-  c10::IValue v;
-  return archive.try_read("slice", v);
-}
+bool isSliceFile(const std::string& path) { return recordsFileHas(path, "slice"); }
 
 std::shared_ptr<ShardedSlices> loadShardedCheckpoint(const std::string& path,
                                                      torch::serialize::InputArchive& archive,

@@ -9,8 +9,17 @@
 //                                        no unit holds (frozen ones), and the training state
 //                                        (step, sampler position, RNG, meta, workers...)
 //
-// Every file is checkpoint.h's container (header, CRC-32, LibTorch archive), written
-// atomically. Order: every rank writes its slice file; an all-gather of what each wrote (a
+// Every file is checkpoint.h's container (header, CRC-32, payload), written atomically: the
+// manifest's payload is a LibTorch archive; a slice file's (format 2) is a zip of raw records,
+// written a unit at a time so that no rank holds more than a unit's slices for it (the
+// offloaded ones read back from the tier one by one):
+//
+//   weights/<u>     unit u's slice of the flat weights, [padded / W] float32
+//   optimizer/<u>   its optimizer state, [rows, padded / W] float32 (none while rows = 0)
+//   slice           JSON, written last: step, rank, world_size, and per unit its rows and the
+//                   optimizer's step count
+//
+// Order: every rank writes its slice file; an all-gather of what each wrote (a
 // barrier); rank 0 checks that every slice file is there as it sees it, writes the manifest
 // last, then prunes (checkpoint.keep: whole sets). The manifest's name is the in-core
 // checkpoint's, so CheckpointDir::latest() and resume see a set only once all of it is there;
@@ -24,7 +33,8 @@
 // second (still float32: the masters). A reader reassembles the whole tensors from it without
 // the model's sharding.
 //
-// Reading (loadCheckpoint, checkpoint.h): every slice file is checked against the manifest
+// Reading (loadCheckpoint, checkpoint.h; whole slice files at once, not yet unit by unit): every
+// slice file is checked against the manifest
 // (there, same size and CRC) before anything loads: a missing or foreign slice is refused in
 // one line naming the rank and the file. A sharded run on as many workers reads only its own
 // slice file (ShardedSlices, installed by ShardedStep); any other run (another number of
@@ -35,6 +45,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -82,8 +93,9 @@ struct ShardedLayout {
   bool sameUnits(const ShardedLayout& other) const;
 };
 
-// One rank's part of a sharded checkpoint: per unit its slice of the weights ([padded / W],
-// float32) and of the optimizer state (rows x [padded / W]; no rows: not stepped yet).
+// One rank's part of a sharded checkpoint as read: per unit its slice of the weights
+// ([padded / W], float32) and of the optimizer state (rows x [padded / W]; no rows: not stepped
+// yet).
 struct ShardedSlices {
   ShardedLayout layout;
   int rank = 0;
@@ -91,17 +103,25 @@ struct ShardedSlices {
   std::vector<FlatOptimizerState> optimizer;
 };
 
+// One rank's part as written, a unit at a time: a SliceSource calls its SliceWriter once per
+// unit, in index order, with the unit's slice of the weights and of its optimizer state (as in
+// ShardedSlices), which need to be in memory only during that call.
+using SliceWriter =
+    std::function<void(size_t unit, const at::Tensor& weights, const FlatOptimizerState& state)>;
+using SliceSource = std::function<void(const SliceWriter&)>;
+
 // Writes the checkpoint of state.step as a sharded set (the order above); every rank calls it
-// with its own `mine` (mine.layout the same on every rank). `model`'s buffers and its
+// with its own `slices` of `layout` (the same on every rank). `model`'s buffers and its
 // parameters that no unit holds go to the manifest (rank 0's). Returns the manifest's path. A
 // rank that cannot write its slice fails every rank (IoError) and no manifest is written.
 std::string saveShardedCheckpoint(const CheckpointDir& dir, Communicator& comm,
-                                  const ShardedSlices& mine, torch::nn::Module& model,
-                                  const TrainingState& state);
+                                  const ShardedLayout& layout, const SliceSource& slices,
+                                  torch::nn::Module& model, const TrainingState& state);
 
-// Whether an opened checkpoint archive is a sharded set's manifest, or one rank's slice file.
+// Whether an opened checkpoint archive is a sharded set's manifest; whether the file at `path`
+// is one rank's slice file (CheckpointError for a file that is no checkpoint at all).
 bool isShardedManifest(torch::serialize::InputArchive& archive);
-bool isSliceFile(torch::serialize::InputArchive& archive);
+bool isSliceFile(const std::string& path);
 
 // loadCheckpoint's part for a manifest (`path`, opened as `archive`; its meta already checked):
 // the common part into `model`, then either `own`'s slices (a set of own->workers ranks:

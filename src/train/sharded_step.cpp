@@ -12,6 +12,7 @@
 #include "memory/accounting.h"
 #include "memory/tracker.h"
 #include "sync/optimizer_state.h"
+#include "train/checkpoint.h"
 #include "train/setup.h"
 #include "train/timeline.h"
 
@@ -133,11 +134,31 @@ EvalResult ShardedStep::evaluate(const Dataset& dataset, int64_t batchSize, int6
   return r;
 }
 
-void ShardedStep::withWholeModel(const std::function<void()>& write) {
-  // Only model.pt comes here (the checkpoints are sharded sets, writeShardedCheckpoint): the
-  // parameters, whole on rank 0 only; the optimizer state stays sliced.
+void ShardedStep::withWholeModel(const std::function<void()>&) {
+  CARAVAN_CHECK(false,
+                "a sharded engine never holds the whole model: its checkpoints are per-rank sets "
+                "and its model.pt streams (exportModel)");
+}
+
+void ShardedStep::exportModel(
+    const std::string& path, torch::nn::Module& model,
+    const std::function<std::vector<std::string>(const std::string&)>& rename) {
   shards_->settle();
-  shards_->withFullParameters(write, /*onRank=*/0);
+  if (shards_->comm().rank() != 0) return shards_->forEachUnitGathered({});
+  // Rank 0 writes each unit's parameters while it is gathered, in the model's order (the
+  // bytes of the in-core model's model.pt).
+  bool streamed = false;
+  try {
+    exportStateDict(path, model, rename, [&](const std::function<void(const at::Tensor&)>& write) {
+      streamed = true;
+      shards_->forEachUnitGathered([&](size_t unit) {
+        for (const at::Tensor& p : shards_->unitLayout(unit).params) write(p);
+      });
+    });
+  } catch (...) {
+    if (!streamed) shards_->forEachUnitGathered({});  // the others' gathers need this rank
+    throw;
+  }
 }
 
 std::optional<std::string> ShardedStep::writeShardedCheckpoint(const CheckpointDir& dir,
@@ -145,21 +166,16 @@ std::optional<std::string> ShardedStep::writeShardedCheckpoint(const CheckpointD
   // The slices are the optimizer's, updated at the last step; the gathers in flight only read
   // them, but a checkpoint is written with nothing in flight.
   shards_->settle();
-  std::optional<std::string> written;
-  // Out of core, this rank's slices and state are read back for the file (12 Psi / W at once).
-  shards_->withSlicesInMemory(
-      [&] {
-        ShardedSlices mine;
-        mine.layout = layout();
-        mine.rank = shards_->comm().rank();
-        for (const at::Tensor& s : shards_->shards()) {
-          mine.weights.push_back(s);
-          mine.optimizer.push_back(gatherOptimizerState(*sliced_, {s}));
-        }
-        written = saveShardedCheckpoint(dir, shards_->comm(), mine, *model_, state);
+  // A unit at a time: out of core, each unit's slice and state read back, written, let go.
+  return saveShardedCheckpoint(
+      dir, shards_->comm(), layout(),
+      [&](const SliceWriter& write) {
+        shards_->forEachSlice([&](size_t unit) {
+          const at::Tensor& slice = shards_->shards()[unit];
+          write(unit, slice, gatherOptimizerState(*sliced_, {slice}));
+        });
       },
-      /*changes=*/false);
-  return written;
+      *model_, state);
 }
 
 void ShardedStep::finish() { shards_->settle(); }

@@ -9,9 +9,11 @@
 // state live on memory.tier and the update steps one unit's slice at a time, reading it back
 // and writing it again (ShardedParameters::stepOffloaded).
 //
-// The setup's optimizer keeps the learning rate and, only inside withWholeModel (model.pt at
-// the end), the whole model's state. A checkpoint is a sharded set (train/sharded_checkpoint.h):
-// each rank writes its own slices and their optimizer state, with no gather. A run resumed on
+// The setup's optimizer keeps the learning rate (and a resumed run's whole state until it is
+// sliced). A checkpoint is a sharded set (train/sharded_checkpoint.h): each rank writes its own
+// slices and their optimizer state, with no gather, a unit at a time (offloaded: each read back
+// from the tier, written, let go). model.pt streams the same way on rank 0: each unit gathered,
+// its parameters written, freed; no rank ever holds the whole model. A run resumed on
 // as many workers installs its own slices from it; one on another number of workers, or from
 // an in-core checkpoint, gets the whole state in the setup's optimizer and slices it anew.
 #pragma once
@@ -41,6 +43,9 @@ class ShardedStep : public StepEngine {
 
   EvalResult evaluate(const Dataset& dataset, int64_t batchSize, int64_t maxBatches) override;
   void withWholeModel(const std::function<void()>& write) override;
+  void exportModel(
+      const std::string& path, torch::nn::Module& model,
+      const std::function<std::vector<std::string>(const std::string&)>& rename) override;
   std::optional<std::string> writeShardedCheckpoint(const CheckpointDir& dir,
                                                     const TrainingState& state) override;
   void finish() override;

@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include "train/checkpoint.h"
 #include "train/setup.h"
 #include "train/timeline.h"
 
@@ -31,6 +32,12 @@ void StepEngine::addWholeModelSpans(Timeline& timeline, const StepResult& r,
   if (exchanges) timeline.complete("gradient sync wait", r.backwardEnd, r.syncEnd);
   timeline.complete("optimizer", r.syncEnd, r.optimizerEnd);
   if (exchanges) timeline.complete("after-step sync", r.optimizerEnd, r.stepEnd);
+}
+
+void StepEngine::exportModel(
+    const std::string& path, torch::nn::Module& model,
+    const std::function<std::vector<std::string>(const std::string&)>& rename) {
+  withWholeModel([&] { exportStateDict(path, model, rename); });
 }
 
 std::string StepEngine::memoryAdvice() const {

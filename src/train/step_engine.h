@@ -74,9 +74,15 @@ class StepEngine {
   virtual std::map<std::string, at::Tensor> strategyState() { return {}; }
   // Runs `write` on rank 0 (it writes the checkpoint or model.pt) with the whole model's
   // parameters and optimizer state in the setup's model and optimizer, in their in-core form,
-  // and puts back afterwards what this rank trains. Every rank calls it. (A sharded engine,
-  // whose checkpoints are per-rank sets, is asked for model.pt only: the parameters.)
+  // and puts back afterwards what this rank trains. Every rank calls it. (A sharded engine is
+  // never asked: its checkpoints are per-rank sets and its model.pt streams, exportModel.)
   virtual void withWholeModel(const std::function<void()>& write) = 0;
+  // Writes `model`'s parameters and buffers as model.pt at `path` on rank 0 (exportStateDict,
+  // `rename`); every rank calls it. By default within withWholeModel; a sharded engine streams
+  // it, each unit gathered in turn and written, so that no rank holds the whole model.
+  virtual void exportModel(
+      const std::string& path, torch::nn::Module& model,
+      const std::function<std::vector<std::string>(const std::string&)>& rename);
   // Writes the checkpoint of `state` (its step) as a set of per-rank files and returns its
   // path (sharded engines: each rank its own slices, with no gather; every rank calls it);
   // nullopt where the checkpoint is the in-core file rank 0 writes within withWholeModel.

@@ -146,7 +146,7 @@ class Trainer {
   void evaluateNow(std::optional<double> distance = std::nullopt);
   void checkpointNow(std::map<std::string, at::Tensor>* collected = nullptr,
                      bool alsoExportModel = false);
-  void exportModel();
+  void exportModel(bool streamed);
   void finish();
   void writeSummary(double measuredFwdBwd);
   double trainSeconds() const { return elapsedBefore_ + secondsSince(start_); }
@@ -394,11 +394,16 @@ void Trainer::evaluateNow(std::optional<double> distance) {
   lastEvalStep_ = s_.state.step;
 }
 
-// Rank 0: the model's parameters as model.pt (within withWholeModel: every stage's, every
-// block's in memory).
-void Trainer::exportModel() {
-  exportStateDict((fs::path(options_.runDir) / "model.pt").string(), *s_.model,
-                  [this](const std::string& n) { return s_.model->exportNames(n); });
+// The model's parameters as model.pt: rank 0's within withWholeModel (every stage's, every
+// block's in memory), or (`streamed`) the engine's exportModel, called by every rank.
+void Trainer::exportModel(bool streamed) {
+  const std::string path = (fs::path(options_.runDir) / "model.pt").string();
+  const ExportNames names = [this](const std::string& n) { return s_.model->exportNames(n); };
+  if (streamed) {
+    engine_.exportModel(path, *s_.model, names);
+  } else {
+    exportStateDict(path, *s_.model, names);
+  }
 }
 
 // `collected`: the strategy's state when the caller consolidated and collected it already.
@@ -414,18 +419,18 @@ void Trainer::checkpointNow(std::map<std::string, at::Tensor>* collected, bool a
   state.workers = s_.workers;
   state.batchSize = s_.sampler.batchSize;
   summary_.lastCheckpoint = checkpoints_.pathFor(state.step);
-  // A sharded engine's set: each rank its own slices, no gather; model.pt then gathers.
+  // A sharded engine's set: each rank its own slices, no gather; model.pt then streams.
   state.rngState = defaultRngState();
   state.elapsedSeconds = trainSeconds();
   if (const auto path = engine_.writeShardedCheckpoint(checkpoints_, state)) {
     summary_.lastCheckpoint = *path;
-    if (alsoExportModel) engine_.withWholeModel([&] { exportModel(); });
+    if (alsoExportModel) exportModel(/*streamed=*/true);
   } else {
     engine_.withWholeModel([&] {
       state.rngState = defaultRngState();
       state.elapsedSeconds = trainSeconds();  // with the time the whole model took to come
       summary_.lastCheckpoint = checkpoints_.save(*s_.model, *s_.optimizer, state);
-      if (alsoExportModel) exportModel();
+      if (alsoExportModel) exportModel(/*streamed=*/false);
     });
   }
   state.strategy.clear();
