@@ -99,6 +99,7 @@
 #include "memory/tier.h"
 #include "memory/tracker.h"
 #include "models/model.h"
+#include "sync/shard_groups.h"
 #include "sync/sync_mode.h"
 
 namespace caravan {
@@ -120,20 +121,6 @@ std::set<const c10::TensorImpl*> bf16GatheredParameters(BlockModel& model, const
 // `bf16Gathered`, 4 of the others. The memory plan and the simulator count gathers by it.
 int64_t gatherBytes(const std::vector<at::Tensor>& params,
                     const std::set<const c10::TensorImpl*>& bf16Gathered);
-
-// How a unit's elements are split over W ranks: groups of `numel` elements (back to back in the
-// unit's parameter order), each padded to `padded`, a multiple of W; rank r's slice is its
-// slice [r padded / W, (r+1) padded / W) of each group, group after group.
-struct ShardGroup {
-  int64_t numel = 0, padded = 0;
-};
-// Rank r's slice [..., sum padded / W] of `whole` [..., sum numel] (the last dimension split;
-// zeros for the padding).
-at::Tensor sliceOfGroups(const at::Tensor& whole, const std::vector<ShardGroup>& groups, int w,
-                         int r);
-// The inverse: every rank's slice (rank order, [..., sum padded / W] each) back into the whole
-// [..., sum numel].
-at::Tensor joinSlices(const std::vector<at::Tensor>& slices, const std::vector<ShardGroup>& groups);
 
 class ShardedParameters final : public BlockRunner {
  public:
