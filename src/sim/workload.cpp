@@ -44,6 +44,15 @@ Workload measureWorkload(const Config& config) {
   w.batchPerWorker = sample.size();
   w.epochExamples = setup.data.train->size();
   w.threads = static_cast<int>(runtime.threads);
+  // The refusal caravan train gives when memory.policy = auto fits no plan under memory.budget
+  // (for the run's own memory.weights only: the other way is measured whatever it fits).
+  auto refuseIfNoPlanFits = [&](const ActivationMemory& a) {
+    if (!options.memory.automatic() || a.plan->fits) return;
+    throw ConfigError(
+        fmt::format("memory.budget = {} fits no plan for this model and batch "
+                    "(caravan plan says what fits); caravan train would refuse it",
+                    options.memory.budgetText));
+  };
   // memory.weights = offload as the run's planner predicts it (one worker, sync.shard = none):
   // planned first, on a profile of its own, and let go before the in-core plan.
   double offloadStepSeconds = 0.0;
@@ -54,12 +63,7 @@ Workload measureWorkload(const Config& config) {
     try {
       const ActivationMemory o =
           makeActivationMemory(offload, setup.model, sample, /*alwaysPlan=*/true);
-      if (options.memory.offloadWeights && options.memory.automatic() && !o.plan->fits) {
-        throw ConfigError(
-            fmt::format("memory.budget = {} fits no plan for this model and batch "
-                        "(caravan plan says what fits); caravan train would refuse it",
-                        options.memory.budgetText));
-      }
+      if (options.memory.offloadWeights) refuseIfNoPlanFits(o);
       w.offload.measured = true;
       w.offload.windowBytes = o.persistent;
       w.offload.activationPeakBytes = o.plan->prediction.peakBytes;
@@ -94,12 +98,7 @@ Workload measureWorkload(const Config& config) {
   // tier) is spread over the backward times.
   // memory.policy = auto: the plan's own prediction (with the write backpressure its run gets);
   // a given policy: predicted with the whole room as its limit, as the run drains at.
-  if (!options.memory.offloadWeights && options.memory.automatic() && !m.plan->fits) {
-    throw ConfigError(
-        fmt::format("memory.budget = {} fits no plan for this model and batch "
-                    "(caravan plan says what fits); caravan train would refuse it",
-                    options.memory.budgetText));
-  }
+  if (!options.memory.offloadWeights) refuseIfNoPlanFits(m);
   const int64_t limit = options.memory.budget > 0 ? options.memory.budget - m.persistent : 0;
   const Prediction plan =
       options.memory.automatic()
