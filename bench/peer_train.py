@@ -119,18 +119,8 @@ def task_loss(out, y):
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
 
 
-def channels_last(x):
-    """x ([B, C, H, W]) with channels the fastest dimension, as Caravan's convolution blocks run
-    (src/models/blocks.cpp): the layout in which oneDNN convolves without reordering and
-    max_pool2d is vectorized. With one channel both layouts are the same memory and
-    `contiguous(memory_format=torch.channels_last)` leaves the default strides, so they are set
-    explicitly, as Caravan does."""
-    if x.dim() != 4:
-        return x
-    if x.size(1) != 1:
-        return x.contiguous(memory_format=torch.channels_last)
-    x = x.contiguous()
-    return x.as_strided(x.shape, (x.size(2) * x.size(3), 1, x.size(3), 1))
+# x ([B, C, H, W]) in the channels-last layout of Caravan's convolution blocks.
+channels_last = reference_models.channels_last
 
 
 def make_step(model, opt, xs, ys, batch, clip, autocast=False, layout=None, loss=None):

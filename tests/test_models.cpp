@@ -360,6 +360,57 @@ TEST(ModelGradcheck, ResnetBlockInEvalMode) {
   expectBlockGradientsMatch(block, torch::randn({2, 2, 5, 5}));
 }
 
+// A strided projection from fewer than 8 channels in float32, the case whose channels-last
+// backward corrupts the heap inside oneDNN on CPUs without AVX-512 when taken as one strided
+// 1x1 convolution (models/blocks.cpp): the block's output and every gradient are its float64
+// twin's (LibTorch's own convolutions, no oneDNN), within float32's rounding. Eval mode: the
+// convolutions' backward is the same as in train mode.
+TEST(ResnetBlocks, StridedProjectionFromFewChannelsTrainsAsItsFloat64Twin) {
+  torch::manual_seed(5);
+  for (int64_t channels : {1, 3, 4}) {
+    BasicBlock block(channels, 8, 2);
+    ASSERT_TRUE(block->hasProjection());
+    BasicBlock twin(channels, 8, 2);
+    twin->to(torch::kFloat64);
+    {
+      torch::NoGradGuard noGrad;
+      const auto from = block->named_parameters();
+      for (auto& item : twin->named_parameters()) item.value().copy_(from[item.key()]);
+      // Eval mode, with running statistics away from the identity: in train mode a 1x1
+      // convolution of one channel followed by batch norm has no gradient to compare (its
+      // normalized output does not depend on the weight).
+      const auto stats = block->named_buffers();
+      for (auto& item : twin->named_buffers()) {
+        auto stat = stats[item.key()];  // Module::to made the twin's step counts float64 too
+        if (stat.is_floating_point()) stat.uniform_(0.5, 1.5);
+        item.value().copy_(stat);
+      }
+    }
+    block->eval();
+    twin->eval();
+    const auto x = torch::randn({8, channels, 28, 28});
+    const auto x32 = x.clone().requires_grad_();
+    const auto x64 = x.to(torch::kFloat64).requires_grad_();
+    const auto out32 = block->forward(x32);
+    const auto out64 = twin->forward(x64);
+    const auto weights = torch::randn_like(out64);
+    (out32 * weights.to(torch::kFloat32)).sum().backward();
+    (out64 * weights).sum().backward();
+    auto expectClose = [&](const torch::Tensor& got, const torch::Tensor& want,
+                           const std::string& what) {
+      const double scale = want.abs().max().item<double>();
+      const double error = (got.to(torch::kFloat64) - want).abs().max().item<double>();
+      EXPECT_LE(error, 1e-5 * scale) << what << " from " << channels << " channels";
+    };
+    expectClose(out32.detach(), out64.detach(), "output");
+    expectClose(x32.grad(), x64.grad(), "input gradient");
+    const auto params64 = twin->named_parameters();
+    for (const auto& item : block->named_parameters()) {
+      expectClose(item.value().grad(), params64[item.key()].grad(), item.key());
+    }
+  }
+}
+
 GptOptions tinyGpt() {
   GptOptions o;
   o.vocabSize = 7;

@@ -111,13 +111,14 @@ BasicBlockImpl::BasicBlockImpl(int64_t inChannels, int64_t outChannels, int64_t 
     : conv1_(register_module("conv1", conv3x3(inChannels, outChannels, stride))),
       bn1_(register_module("bn1", nn::BatchNorm2d(outChannels))),
       conv2_(register_module("conv2", conv3x3(outChannels, outChannels, 1))),
-      bn2_(register_module("bn2", nn::BatchNorm2d(outChannels))) {
+      bn2_(register_module("bn2", nn::BatchNorm2d(outChannels))),
+      stride_(stride) {
   kaimingFanOut(conv1_);
   kaimingFanOut(conv2_);
   if (stride != 1 || inChannels != outChannels) {
+    // Stride 1: the stride is taken by subsampling the input in forward (see there).
     shortcutConv_ = register_module(
-        "shortcut_conv",
-        nn::Conv2d(nn::Conv2dOptions(inChannels, outChannels, 1).stride(stride).bias(false)));
+        "shortcut_conv", nn::Conv2d(nn::Conv2dOptions(inChannels, outChannels, 1).bias(false)));
     shortcutBn_ = register_module("shortcut_bn", nn::BatchNorm2d(outChannels));
     kaimingFanOut(shortcutConv_);
   }
@@ -127,7 +128,17 @@ torch::Tensor BasicBlockImpl::forward(torch::Tensor x) {
   x = channelsLast(x);
   auto h = bn1_(conv1_(x)).relu_();  // [B, out, Ho, Wo]
   h = bn2_(conv2_(h));                     // [B, out, Ho, Wo]
-  auto shortcut = hasProjection() ? shortcutBn_(shortcutConv_(x)) : x;  // [B, out, Ho, Wo]
+  // The 1x1 projection with stride s is the unit-stride 1x1 convolution of every s-th pixel
+  // (the same products). Taken that way because oneDNN's channels-last backward of a strided
+  // 1x1 convolution corrupts the heap on CPUs without AVX-512 when the input has fewer than 8
+  // channels (LibTorch 2.13; eager PyTorch crashes the same way, tests/test_models.cpp
+  // ResnetBlocks.StridedProjectionFromFewChannels...).
+  auto shortcut = x;
+  if (hasProjection()) {
+    auto sub =
+        stride_ == 1 ? x : x.slice(2, 0, c10::nullopt, stride_).slice(3, 0, c10::nullopt, stride_);
+    shortcut = shortcutBn_(shortcutConv_(sub));  // [B, out, Ho, Wo]
+  }
   return h.add_(shortcut).relu_();  // in place, as torchvision: bn keeps no output
 }
 

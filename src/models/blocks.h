@@ -106,6 +106,7 @@ class BasicBlockImpl : public torch::nn::Module {
   torch::nn::BatchNorm2d bn2_{nullptr};
   torch::nn::Conv2d shortcutConv_{nullptr};
   torch::nn::BatchNorm2d shortcutBn_{nullptr};
+  int64_t stride_;
 };
 TORCH_MODULE(BasicBlock);
 

@@ -20,6 +20,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def channels_last(x):
+    """x ([B, C, H, W]) with channels the fastest dimension, as Caravan's convolution blocks run
+    (src/models/blocks.cpp): the layout in which oneDNN convolves without reordering and
+    max_pool2d is vectorized. With one channel both layouts are the same memory and
+    `contiguous(memory_format=torch.channels_last)` leaves the default strides, so they are set
+    explicitly, as Caravan does."""
+    if x.dim() != 4:
+        return x
+    if x.size(1) != 1:
+        return x.contiguous(memory_format=torch.channels_last)
+    x = x.contiguous()
+    return x.as_strided(x.shape, (x.size(2) * x.size(3), 1, x.size(3), 1))
+
+
 # ---- blocks (names of attributes = C++ registered names) -------------------------------------
 
 class MlpLayer(nn.Module):
