@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <set>
 
 #include <fmt/format.h>
 #include <torch/nn/modules/container/any.h>
@@ -41,8 +42,22 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
     for (const auto& b : buffers) savedBuffers.push_back(b.clone());
   }
   const std::vector<at::Tensor> params = model->parameters();
-  std::vector<bool> hadGrad;  // gradients the profile creates are removed again
-  for (const auto& p : params) hadGrad.push_back(p.grad().defined());
+  // Gradients the profile creates are removed again, a block's as soon as it is profiled: the
+  // profile holds one block's gradients at a time, not the whole model's (4 bytes a parameter
+  // on every worker before a sharded run slices it).
+  std::set<const c10::TensorImpl*> hadGrad;
+  for (const auto& p : params) {
+    if (p.grad().defined()) hadGrad.insert(p.unsafeGetTensorImpl());
+  }
+  auto removeProfileGradients = [&](const std::vector<at::Tensor>& ps) {
+    for (at::Tensor p : ps) {
+      if (hadGrad.count(p.unsafeGetTensorImpl()) == 0) {
+        p.mutable_grad() = at::Tensor();
+      } else if (p.grad().defined()) {
+        p.mutable_grad().zero_();
+      }
+    }
+  };
 
   // Every block's input, from one forward; its context (values crossing besides the
   // activation) has, at the end, what every block reads of it.
@@ -93,6 +108,7 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
       if (r > 0) forward.push_back(f);
     }
     inputNeedsGrad = outputNeedsGrad;
+    removeProfileGradients(model->block(i).ptr()->parameters());
     b.forwardSeconds = median(forward);
     b.backwardSeconds = median(backward);
     profile.blocks.push_back(b);
@@ -112,14 +128,7 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
     profile.lossSeconds = median(loss);
   }
 
-  for (size_t k = 0; k < params.size(); ++k) {
-    at::Tensor p = params[k];
-    if (!hadGrad[k]) {
-      p.mutable_grad() = at::Tensor();
-    } else if (p.grad().defined()) {
-      p.mutable_grad().zero_();
-    }
-  }
+  removeProfileGradients(params);  // the loss's, and a weight one block reads of another's
   {
     at::NoGradGuard noGrad;
     for (size_t k = 0; k < buffers.size(); ++k) buffers[k].copy_(savedBuffers[k]);
