@@ -1351,6 +1351,7 @@ TEST(DistShardedRounding, GlooWithClippingAndBf16StayWithinRounding) {
     EXPECT_LE(d.loss, 1e-6) << level;
     EXPECT_LE(d.params, 5e-3) << level;
   }
+  test::EmulateBf16 emulated;  // where the CPU has no bf16 instructions
   for (const auto& [level, d] :
        shardDifferences(2, with(kShardGpt, {"dist.backend=shm", "train.precision=bf16-all"}))) {
     EXPECT_EQ(d.loss, 0.0) << level;
@@ -1572,7 +1573,8 @@ TEST(DistShardedOffload, EndOfRunWritesHoldAFewUnitsAtATime) {
   loadCheckpoint(*written, *read, readOptimizer, nlohmann::json(), std::nullopt);
   exportStateDict(tmp / "whole.pt", *read,
                   [&](const std::string& n) { return read->exportNames(n); });
-  EXPECT_EQ(test::readFile(tmp / "streamed.pt"), test::readFile(tmp / "whole.pt"));
+  EXPECT_TRUE(test::readFile(tmp / "streamed.pt") == test::readFile(tmp / "whole.pt"))
+      << (tmp / "streamed.pt") << " and " << (tmp / "whole.pt") << " differ";
 }
 
 // The files in RUN_DIR/checkpoints/, by name.
@@ -1598,13 +1600,11 @@ int countNamed(const std::vector<std::string>& names, const std::string& prefix,
 // linear layers' weights in bf16 and trains the bits none trains in bf16: W = 2, 3 and 4, and
 // with its slices offloaded. Its checkpoint (units in two groups) resumes bitwise on as many
 // workers, resumes on 2 after 4 as none's does, and consolidates to the run's model.pt, which
-// is none's (the float32 masters, not their bf16 copies). caravan train keeps float32 on a CPU
-// without bf16 instructions, so this runs where there are some; ranks as threads check the same
-// anywhere (test_sync.cpp, ShardedBf16Gathers).
+// is none's (the float32 masters, not their bf16 copies). On a CPU without bf16 instructions
+// the runs emulate bf16 (CARAVAN_EMULATE_BF16); ranks as threads check the gathers step by step
+// (test_sync.cpp, ShardedBf16Gathers).
 TEST(DistShardedBf16, GathersInBf16TrainTheBitsOfNoneAndItsCheckpointsResume) {
-  if (!cpuHasBf16Instructions()) {
-    GTEST_SKIP() << "no bf16 instructions on this CPU: train.precision = bf16-all stays float32";
-  }
+  test::EmulateBf16 emulated;  // where the CPU has no bf16 instructions
   const auto o = with(kShardGpt, {"dist.backend=shm", "train.precision=bf16-all"});
   for (int world : {2, 3, 4}) {
     for (const auto& [level, d] : shardDifferences(world, o, {"parameters"})) {
@@ -1633,10 +1633,12 @@ TEST(DistShardedBf16, GathersInBf16TrainTheBitsOfNoneAndItsCheckpointsResume) {
   const auto consolidated =
       test::runCaravan("checkpoint consolidate " + whole + " --out " + (tmp / "model.pt"));
   ASSERT_EQ(consolidated.exitCode, 0) << consolidated.err;
-  EXPECT_EQ(test::readFile(tmp / "model.pt"), test::readFile(whole + "/model.pt"));
+  EXPECT_TRUE(test::readFile(tmp / "model.pt") == test::readFile(whole + "/model.pt"))
+      << (tmp / "model.pt") << " and " << (whole + "/model.pt") << " differ";
   const std::string none = tmp / "none";
   ASSERT_EQ(runRanks(2, none, r), std::vector<int>(2, 0));
-  EXPECT_EQ(test::readFile(whole + "/model.pt"), test::readFile(none + "/model.pt"));
+  EXPECT_TRUE(test::readFile(whole + "/model.pt") == test::readFile(none + "/model.pt"))
+      << (whole + "/model.pt") << " and " << (none + "/model.pt") << " differ";
   // 4 -> 2 workers (global batch 16): parameters' resumed run is none's.
   std::map<std::string, std::map<std::string, at::Tensor>> resumed;
   for (const char* level : {"none", "parameters"}) {
@@ -1841,9 +1843,11 @@ TEST(DistShardedCheckpoint, MissingSlicesAreRefusedInOneLineAndConsolidateWrites
       test::runCaravan("checkpoint consolidate " + run + " --out " + (tmp / "model.pt"));
   ASSERT_EQ(consolidated.exitCode, 0) << consolidated.err;
   EXPECT_EQ(test::countLines(consolidated.err), 1) << consolidated.err;
-  EXPECT_EQ(test::readFile(tmp / "model.pt"), test::readFile(run + "/model.pt"));
+  EXPECT_TRUE(test::readFile(tmp / "model.pt") == test::readFile(run + "/model.pt"))
+      << (tmp / "model.pt") << " and " << (run + "/model.pt") << " differ";
   // Trained to the same bits (shm), written alike: none's model.pt too.
-  EXPECT_EQ(test::readFile(tmp / "model.pt"), test::readFile(none + "/model.pt"));
+  EXPECT_TRUE(test::readFile(tmp / "model.pt") == test::readFile(none + "/model.pt"))
+      << (tmp / "model.pt") << " and " << (none + "/model.pt") << " differ";
   const auto evalSharded = test::runCaravan("eval --run-dir " + run);
   const auto evalNone = test::runCaravan("eval --run-dir " + none);
   ASSERT_EQ(evalSharded.exitCode, 0) << evalSharded.err;

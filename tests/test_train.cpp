@@ -241,7 +241,7 @@ TEST(Resume, ATimeHorizonGoesOnFromTheCheckpointsSeconds) {
 }
 
 TEST(Resume, Bf16BlocksAreExact) {
-  if (!cpuHasBf16Instructions()) GTEST_SKIP() << "no bf16 instructions on this CPU";
+  test::EmulateBf16 emulated;  // where the CPU has no bf16 instructions
   expectExactResume(
       syntheticConfig({"data.synthetic_task=tokens", "data.seq_len=16", "model.name=gpt",
                        "model.width=16", "model.depth=2", "model.heads=2", "optim.name=adamw",
@@ -250,7 +250,7 @@ TEST(Resume, Bf16BlocksAreExact) {
 
 // A timed choice is recorded in each checkpoint and a resumed run takes it as it is.
 TEST(Precision, AResumedRunTakesTheCheckpointsChoice) {
-  if (!cpuHasBf16Instructions()) GTEST_SKIP() << "no bf16 instructions on this CPU";
+  test::EmulateBf16 emulated;  // where the CPU has no bf16 instructions
   RunSetup setup(syntheticConfig({"model.name=cnn", "model.width=4"}));
   const PrecisionChoice c =
       choosePrecision("bf16", setup.model, setup.sampleBatch(), 2, /*resumed=*/"010");

@@ -22,6 +22,30 @@
 
 namespace caravan::test {
 
+// CARAVAN_EMULATE_BF16=1 while alive, the previous value back after: bf16 blocks run on a CPU
+// without bf16 instructions too, emulated (models/precision.h), in this process and in the
+// caravan processes a test starts meanwhile.
+class EmulateBf16 {
+ public:
+  EmulateBf16() {
+    if (const char* v = std::getenv(kName)) previous_ = v;
+    ::setenv(kName, "1", 1);
+  }
+  ~EmulateBf16() {
+    if (previous_.empty()) {
+      ::unsetenv(kName);
+    } else {
+      ::setenv(kName, previous_.c_str(), 1);
+    }
+  }
+  EmulateBf16(const EmulateBf16&) = delete;
+  EmulateBf16& operator=(const EmulateBf16&) = delete;
+
+ private:
+  static constexpr const char* kName = "CARAVAN_EMULATE_BF16";  // models/precision.h
+  std::string previous_;
+};
+
 // A fresh directory under the system temp dir, removed when the object dies.
 class TempDir {
  public:

@@ -161,7 +161,8 @@ std::vector<ConfigOption> buildSchema() {
              "float32; bf16: matrix products and convolutions in bfloat16 in the blocks where "
              "that was timed faster at the start (float32 master weights, optimizer state, "
              "losses and reductions); bf16-all: in every block, untimed. Without bf16 "
-             "instructions the run says so and stays float32",
+             "instructions the run says so and stays float32 (CARAVAN_EMULATE_BF16=1 in the "
+             "environment runs bf16 anyway, emulated and slower: for checking results)",
              {"float32", "bf16", "bf16-all"}),
 
       strOpt("memory.budget", "",

@@ -3,6 +3,9 @@
 
 #include <cpuid.h>
 
+#include <cstdlib>
+#include <string>
+
 #include <ATen/autocast_mode.h>
 
 namespace caravan {
@@ -14,6 +17,11 @@ bool cpuHasBf16Instructions() {
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d) != 0 && (d & (1u << 22)) != 0)
     return true;  // AMX-BF16
   return false;
+}
+
+bool cpuRunsBf16() {
+  const char* emulate = std::getenv(kEmulateBf16Env);
+  return cpuHasBf16Instructions() || (emulate != nullptr && std::string(emulate) == "1");
 }
 
 Bf16Autocast::Bf16Autocast()

@@ -19,6 +19,14 @@ namespace caravan {
 // oneDNN emulates bf16 matrix products, slower than float32: train.precision stays float32.
 bool cpuHasBf16Instructions();
 
+// The environment variable that makes a CPU without bf16 instructions run train.precision's
+// bf16 blocks anyway ("1"): emulated, several times slower than float32, for checking what a
+// bf16 run computes (its tests) on any machine.
+inline constexpr const char* kEmulateBf16Env = "CARAVAN_EMULATE_BF16";
+
+// Whether bf16 blocks run here: the CPU has bf16 instructions, or CARAVAN_EMULATE_BF16=1.
+bool cpuRunsBf16();
+
 // Autocast to bf16 on this thread while alive (the previous state comes back after).
 class Bf16Autocast {
  public:

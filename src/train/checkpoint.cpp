@@ -709,7 +709,7 @@ void exportStateDict(const std::string& path, torch::nn::Module& model, const Ex
   struct Entry {
     std::vector<std::string> names;
     at::Tensor tensor;
-    bool written = false;
+    at::Tensor written;  // placeholderOf what was written: a stream may write another dtype
   };
   std::vector<Entry> entries;
   std::map<const c10::TensorImpl*, size_t> entryOf;
@@ -731,23 +731,24 @@ void exportStateDict(const std::string& path, torch::nn::Module& model, const Ex
       auto write = [&](size_t k, const at::Tensor& t) {
         const at::Tensor elements = t.detach().contiguous();
         zip.writeRecord(fmt::format("data/{}", k), elements.data_ptr(), elements.nbytes());
-        entries[k].written = true;
+        entries[k].written = placeholderOf(elements);
       };
       if (stream) {
         stream([&](const at::Tensor& t) {
           const auto it = entryOf.find(t.unsafeGetTensorImpl());
-          if (it != entryOf.end() && !entries[it->second].written) write(it->second, t);
+          if (it != entryOf.end() && !entries[it->second].written.defined()) write(it->second, t);
         });
       }
       for (size_t k = 0; k < entries.size(); ++k) {
-        if (!entries[k].written) write(k, entries[k].tensor);
+        if (!entries[k].written.defined()) write(k, entries[k].tensor);
       }
-      // data.pkl: the dict, its tensors placeholders of the written ones, each storage named
-      // by its record.
+      // data.pkl: the dict, its tensors placeholders of the written ones (the dtype written:
+      // a sharded unit gathered in bf16 streams its float32 masters while its parameters are
+      // bf16 views again by now), each storage named by its record.
       c10::Dict<std::string, at::Tensor> dict;
       std::map<const c10::StorageImpl*, std::string> keys;
       for (size_t k = 0; k < entries.size(); ++k) {
-        const at::Tensor placeholder = placeholderOf(entries[k].tensor);
+        const at::Tensor& placeholder = entries[k].written;
         keys[placeholder.storage().unsafeGetStorageImpl()] = std::to_string(k);
         for (const std::string& name : entries[k].names) dict.insert(name, placeholder);
       }

@@ -51,13 +51,19 @@ PrecisionChoice choosePrecision(const std::string& requested, BlockModel& model,
     model->setBf16(c.bf16);
     return c;
   }
-  if (!cpuHasBf16Instructions()) {
+  if (!cpuRunsBf16()) {
     model->setBf16(c.bf16);
     c.report.push_back(fmt::format(
         "train.precision = {}: this CPU has no bf16 instructions (AVX512_BF16 or AMX-BF16), "
-        "where bf16 runs slower than float32; the run stays float32",
-        requested));
+        "where bf16 runs slower than float32; the run stays float32 ({}=1 runs bf16 emulated)",
+        requested, kEmulateBf16Env));
     return c;
+  }
+  if (!cpuHasBf16Instructions()) {
+    c.report.push_back(fmt::format(
+        "train.precision = {}: this CPU has no bf16 instructions; {}=1 runs bf16 anyway, "
+        "emulated (slower than float32)",
+        requested, kEmulateBf16Env));
   }
   if (!resumed.empty()) {
     if (resumed.size() != n) {

@@ -59,8 +59,8 @@ int blasThreads() {
 }
 
 MatrixProducts matrixProductsFor(const std::string& precision) {
-  return precision != "float32" && cpuHasBf16Instructions() ? MatrixProducts::kOneDnn
-                                                            : MatrixProducts::kOpenBlas;
+  return precision != "float32" && cpuRunsBf16() ? MatrixProducts::kOneDnn
+                                                 : MatrixProducts::kOpenBlas;
 }
 
 DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed) {
