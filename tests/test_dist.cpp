@@ -1982,6 +1982,18 @@ TEST(DistPipelineShard, EveryLevelTrainsTheBitsOfTheUnshardedPipeline) {
   }
 }
 
+// Over Gloo (each stage's replicas reduce-scatter and all-gather through its ring, the stages'
+// activations through its point-to-point sends): 2 stages x 2 replicas, 1f1b. With two
+// replicas each element is a + b, the same bits in either order, whatever ring chunk carries
+// it: every level trains the bits of the same pipeline under none.
+TEST(DistPipelineShard, OverGlooEveryLevelTrainsTheBitsOfNone) {
+  const auto o = with(kShardPipeline, {"dist.backend=gloo", "parallel.pipeline_stages=2"});
+  for (const auto& [level, d] : shardDifferences(4, o)) {
+    EXPECT_EQ(d.loss, 0.0) << level;
+    EXPECT_EQ(d.params, 0.0) << level;
+  }
+}
+
 // A Linear tied across the stages (todays_models.py's TiedLayers: blocks 1 and 3 read it; the
 // split at block 2 puts them on stages 0 and 1): each stage holds it as a unit of its own, whose
 // slices line up on both stages, and sums its slices' averaged gradients in stage order as the
