@@ -20,6 +20,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "models/precision.h"
+
 namespace caravan::test {
 
 // CARAVAN_EMULATE_BF16=1 while alive, the previous value back after: bf16 blocks run on a CPU
@@ -42,7 +44,7 @@ class EmulateBf16 {
   EmulateBf16& operator=(const EmulateBf16&) = delete;
 
  private:
-  static constexpr const char* kName = "CARAVAN_EMULATE_BF16";  // models/precision.h
+  static constexpr const char* kName = kEmulateBf16Env;
   std::string previous_;
 };
 

@@ -739,6 +739,16 @@ std::vector<at::Tensor> ShardedParameters::unitParameters(size_t unit) const {
   return ps;
 }
 
+std::vector<at::Tensor> ShardedParameters::unitParametersInModelOrder(size_t unit) const {
+  std::vector<size_t> indices;  // into params_, which is in the model's order
+  for (const Group& g : units_[unit]->groups)
+    indices.insert(indices.end(), g.params.begin(), g.params.end());
+  std::sort(indices.begin(), indices.end());
+  std::vector<at::Tensor> ps;
+  for (size_t p : indices) ps.push_back(params_[p]);
+  return ps;
+}
+
 ShardedParameters::UnitLayout ShardedParameters::unitLayout(size_t unit) const {
   const Unit& u = *units_[unit];
   UnitLayout l{unitParameters(unit), {}, u.numel, u.padded, {}, {}};

@@ -236,6 +236,8 @@ class ShardedParameters final : public BlockRunner {
     std::vector<at::ScalarType> dtypes;
   };
   UnitLayout unitLayout(size_t unit) const;
+  // Unit `unit`'s parameters in the model's order (unitLayout's are in group order).
+  std::vector<at::Tensor> unitParametersInModelOrder(size_t unit) const;
 
   ShardLevel level() const { return level_; }
   Communicator& comm() const { return *comm_; }

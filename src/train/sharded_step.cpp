@@ -1,7 +1,6 @@
 // The step engine of sharded data parallelism (see sharded_step.h).
 #include "train/sharded_step.h"
 
-#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -147,24 +146,14 @@ void ShardedStep::exportModel(
   shards_->settle();
   if (shards_->comm().rank() != 0) return shards_->forEachUnitGathered({});
   // Rank 0 writes each unit's parameters while it is gathered, in the model's order (the
-  // bytes of the in-core model's model.pt): the units come in that order, and a unit's
-  // parameters are put back in it (a unit with a bf16 group lists that group's first).
-  std::map<const c10::TensorImpl*, size_t> modelOrder;
-  for (const at::Tensor& p : model.parameters()) {
-    modelOrder.emplace(p.unsafeGetTensorImpl(), modelOrder.size());
-  }
-  auto inModelOrder = [&](std::vector<at::Tensor> ps) {
-    std::stable_sort(ps.begin(), ps.end(), [&](const at::Tensor& a, const at::Tensor& b) {
-      return modelOrder.at(a.unsafeGetTensorImpl()) < modelOrder.at(b.unsafeGetTensorImpl());
-    });
-    return ps;
-  };
+  // bytes of the in-core model's model.pt): the units come in that order, and so do their
+  // parameters (a unit with a bf16 group lays that group's out first).
   bool streamed = false;
   try {
     exportStateDict(path, model, rename, [&](const std::function<void(const at::Tensor&)>& write) {
       streamed = true;
       shards_->forEachUnitGathered([&](size_t unit) {
-        for (const at::Tensor& p : inModelOrder(shards_->unitLayout(unit).params)) write(p);
+        for (const at::Tensor& p : shards_->unitParametersInModelOrder(unit)) write(p);
       });
     });
   } catch (...) {
