@@ -645,7 +645,8 @@ int benchOptim(const std::string& name, const std::vector<int64_t>& sizes, int64
                         {"fused_s", median(mine)},
                         {"torch_gb_per_s", bytes / median(ref) / 1e9},
                         {"fused_gb_per_s", bytes / median(mine) / 1e9},
-                        {"speedup", median(ref) / median(mine)}};
+                        {"speedup", median(ref) / median(mine)},
+                        {"fused_loop_isa", fusedLoopInstructionSet()}};
   std::cout << out.dump() << std::endl;
   return 0;
 }

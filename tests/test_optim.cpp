@@ -3,8 +3,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <ATen/Version.h>
@@ -203,4 +205,25 @@ TEST(FusedOptim, OtherParametersTakeTorchOptimsStep) {
     EXPECT_TRUE(torch::equal(ref[i], mine[i])) << i;
     EXPECT_TRUE(torch::equal(adamState(reference, ref[i])[1], adamState(fused, mine[i])[1]));
   }
+}
+
+// The loops run with the widest instructions the CPU has, as the kernel reports its flags in
+// /proc/cpuinfo. GCC's target_clones picked its "arch=haswell" clone by the CPU's model, so on
+// AMD's AVX2 CPUs every loop ran the baseline build (a libm call per fused multiply-add), 10x
+// slower.
+TEST(FusedOptim, LoopsRunWithTheWidestInstructionsTheCpuHas) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line, flags;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("flags", 0) == 0) {
+      flags = line.substr(line.find(':') + 1) + " ";
+      break;
+    }
+  }
+  if (flags.empty()) GTEST_SKIP() << "no /proc/cpuinfo flags on this system";
+  auto has = [&](const std::string& f) { return flags.find(" " + f + " ") != std::string::npos; };
+  const std::string expected = has("avx512f") && has("fma") ? "avx512f+fma"
+                               : has("avx2") && has("fma")  ? "avx2+fma"
+                                                            : "baseline";
+  EXPECT_EQ(fusedLoopInstructionSet(), expected) << "flags:" << flags;
 }

@@ -46,6 +46,10 @@ class FusedSgd : public torch::optim::SGD {
 // state (the parameter servers' state exchange, the fuzz targets) does not link the fused kernels.
 inline void* optimizerStateKey(const at::Tensor& p) { return p.unsafeGetTensorImpl(); }
 
+// The instruction set the fused loops run with on this CPU: "avx512f+fma", "avx2+fma" or
+// "baseline" (from cpuid, once).
+const char* fusedLoopInstructionSet();
+
 // Elements a thread takes at least (below 2x this a buffer is updated by one thread).
 constexpr int64_t kParallelGrain = 1 << 16;
 
