@@ -41,7 +41,9 @@ import charts  # charts.json for caravan report
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 BENCH = os.path.join(ROOT, "build", "caravan_bench")
 PEER = os.path.join(ROOT, "bench", "peer_train.py")
-CASES = [("configs/fmnist-cnn.toml", 300), ("configs/brown-gpt.toml", 60)]
+CASES = [("configs/fmnist-cnn.toml", 300), ("configs/brown-gpt.toml", 60),
+         ("bench/configs/gpt-small.toml", 400)]
+DEFAULT_CONFIGS = ["configs/fmnist-cnn.toml", "configs/brown-gpt.toml"]
 TUNED = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=268435456:"
                            "glibc.malloc.mmap_threshold=33554432",
          "OMP_WAIT_POLICY": "PASSIVE"}
@@ -147,8 +149,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--configs", nargs="+", default=[c for c, _ in CASES],
-                   help="which configs to measure (default: all)")
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
+                   help="which configs to measure (of: " + ", ".join(c for c, _ in CASES)
+                        + "; default: the first two)")
+    p.add_argument("--arms", nargs="+", default=ARMS, choices=ARMS,
+                   help="which arms to run (default: all; the bf16 arms need a CPU with bf16 "
+                        "instructions to mean anything)")
     p.add_argument("--steps-scale", type=float, default=1.0,
                    help="multiply each config's timed steps (default 1: 300 CNN, 60 GPT)")
     p.add_argument("--json", help="write all measurements here (and charts.json beside it)")
@@ -189,16 +195,16 @@ def main():
             continue
         steps = max(10, int(steps * a.steps_scale))
         for t in a.threads:
-            got = {k: [] for k in ARMS}
+            got = {k: [] for k in a.arms}
             flops = 0.0
             for _ in range(a.repeats):  # interleaved: one run of every arm per round
-                for name in ARMS:
+                for name in a.arms:
                     r = arm(name, config, steps, t)
                     r["arm"] = name
                     got[name].append(r["samples_per_s"])
                     flops = r.get("train_flops_per_sample", flops)
                     raw.append(r)
-            med = {k: statistics.median(v) for k, v in got.items()}
+            med = {k: statistics.median(got[k]) if k in got else float("nan") for k in ARMS}
             rows.append({"config": config, "threads": t, "median": med, "runs": got,
                          "ratios": {k: med[n] / med[d] for k, (n, d) in RATIOS.items()},
                          "gflops": {k: med[k] * flops / 1e9 for k in ("caravan", "caravan-bf16")},
