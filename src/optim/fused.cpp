@@ -36,9 +36,9 @@ void forChunks(int64_t n, F&& f) {
 // AVX-512 with FMA, AVX2 with FMA, and the baseline (whose std::fma is libm's fmaf, a call per
 // element). Not GCC's target_clones: its "arch=haswell" clone is chosen by the CPU's *model*
 // (__builtin_cpu_is), so on AMD's AVX2 CPUs every loop ran the baseline, about 10x slower
-// (AdamW on 14M parameters, one thread, EPYC: 0.55 against 4.9 GB/s), and its ISA-level clones ("arch=x86-64-v3")
-// are chosen the same way in GCC 12. Each loop body is an always-inline function, so each
-// wrapper compiles it under its own target; the same float32 operations in each.
+// (AdamW on 14M parameters, one thread, EPYC: 0.55 against 4.9 GB/s), and its ISA-level clones
+// ("arch=x86-64-v3") are chosen the same way in GCC 12. Each loop body is an always-inline
+// function, so each wrapper compiles it under its own target; the same float32 operations in each.
 enum class Isa { kBaseline, kAvx2Fma, kAvx512Fma };
 
 Isa cpuIsa() {

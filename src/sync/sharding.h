@@ -295,7 +295,7 @@ class ShardedParameters final : public BlockRunner {
   std::vector<at::Tensor> shards_;
   size_t nextLaunch_ = 0;
   bool updatesToGather_ = false;  // some unit's `updated` is set
-  std::deque<size_t> inFlight_;  // launched units whose local gradients exist, oldest first
+  std::deque<size_t> inFlight_;   // launched units whose local gradients exist, oldest first
   int64_t inFlightBytes_ = 0, inFlightCap_ = 0;
   std::vector<size_t> unitsAbove_;  // per block: the units of the blocks above it (a prefix)
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
