@@ -56,7 +56,6 @@ struct ShardedParameters::Unit {
   bool sliceHeld = false;        // `weights` acquired for the gather in flight
   int64_t stateBytes = 0;        // offloaded, a resident unit's: its state's bytes counted
   bool gathered = true;          // `full` holds the current weights (no gather in flight)
-  bool updated = false;          // resident: stepped, its gather not yet launched (afterUpdate)
   bool ready = false;            // this step: its gradients are final (launch when its turn comes)
   bool launched = false;         // this step: its reduce-scatter is issued
 };
@@ -373,7 +372,6 @@ int64_t ShardedParameters::nextGatheredUnit(size_t block, int direction) const {
 }
 
 void ShardedParameters::gather(size_t unit) {
-  launchUpdatedGathers();
   Unit& u = *units_[unit];
   if (u.gathered || !u.gatherWork.empty()) return;
   CARAVAN_CHECK(!u.resident, "a resident unit is gathered after the update only");
@@ -401,7 +399,6 @@ void ShardedParameters::prefetchSlice(int64_t unit) {
 }
 
 void ShardedParameters::waitGathered(size_t unit) {
-  launchUpdatedGathers();
   Unit& u = *units_[unit];
   if (u.gatherWork.empty()) return;
   for (const WorkPtr& work : u.gatherWork) work->wait(comm_->timeout());
@@ -646,30 +643,15 @@ void ShardedParameters::gatherAll() {
 }
 
 void ShardedParameters::afterUpdate() {
-  // The gathers go out when something first waits for a unit (launchUpdatedGathers), not here:
-  // issued now, they would queue ahead of what the trainer exchanges between steps (the
-  // workers' agreement, one all-reduce of a few floats), which would then wait for the whole
-  // model's gather instead of the next forward overlapping it block by block.
-  for (auto& u : units_) {
-    if (!u->resident) continue;
-    u->updated = true;
-    u->gathered = false;
-    updatesToGather_ = true;
-  }
-}
-
-void ShardedParameters::launchUpdatedGathers() {
-  if (!updatesToGather_) return;
-  updatesToGather_ = false;
   // Forward order: the first block's unit is gathered first.
   for (size_t i = units_.size(); i-- > 0;) {
     Unit& u = *units_[i];
-    if (!u.updated) continue;
-    u.updated = false;
+    if (!u.resident) continue;
     // The slice's gradient is spent: its buffer carries the updated slice to the others (one
     // float32 group).
     u.gradShard.copy_(shards_[i]);
     u.gatherWork.push_back(comm_->allgather(u.groups.front().full, u.gradShard));
+    u.gathered = false;
   }
 }
 

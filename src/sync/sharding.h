@@ -156,13 +156,8 @@ class ShardedParameters final : public BlockRunner {
   // without a gradient contributes zeros), waits for every reduce-scatter and scales the
   // slices' gradients by 1/W.
   void finishGradients();
-  // After the optimizer stepped the slices: the resident units' gathers are due. They are
-  // issued, all at once in forward order, by the first gather or wait that follows (the next
-  // forward's first block, settle, gatherAll, an evaluation), so that a collective issued
-  // between the steps (the trainer's agreement) does not queue behind them; the forward then
-  // waits for each unit as its block starts. A step whose update was skipped calls it too.
-  // Every rank must issue the same collectives in between (they do: between steps, ranks run
-  // in lockstep).
+  // After the optimizer stepped the slices: the resident units' gathers are issued (the next
+  // forward waits for them); a step whose update was skipped calls it too.
   void afterUpdate();
   // Forward with no batch (evaluation: this rank ran out while others have one): the gathers
   // and frees one forward makes, without computing.
@@ -266,8 +261,6 @@ class ShardedParameters final : public BlockRunner {
   void launchReadyInOrder();
   // Waits for unit `unit`'s reduce-scatter (if in flight) and frees its local gradients.
   void finishReduce(size_t unit);
-  // Issues the gathers afterUpdate left due (each gather and wait below calls it first).
-  void launchUpdatedGathers();
   void gather(size_t unit);  // issues its all-gather (allocating `full`) unless issued
   void waitGathered(size_t unit);
   void release(size_t unit);  // frees `full` (parameters; not the resident units)
@@ -294,8 +287,7 @@ class ShardedParameters final : public BlockRunner {
   std::vector<at::Tensor> params_;  // trainable, registration order
   std::vector<at::Tensor> shards_;
   size_t nextLaunch_ = 0;
-  bool updatesToGather_ = false;  // some unit's `updated` is set
-  std::deque<size_t> inFlight_;   // launched units whose local gradients exist, oldest first
+  std::deque<size_t> inFlight_;  // launched units whose local gradients exist, oldest first
   int64_t inFlightBytes_ = 0, inFlightCap_ = 0;
   std::vector<size_t> unitsAbove_;  // per block: the units of the blocks above it (a prefix)
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
