@@ -1380,16 +1380,13 @@ TEST(DistShardedRounding, RecomputeAndSwapPoliciesTrainTheBitsOfNone) {
 // gathered throughout: equal to none.
 TEST(DistShardedRounding, TiedWeightsOfAStockModelAreOneSlice) {
   if (!test::transformersInstalled()) GTEST_SKIP() << "transformers is not in the project's Python";
-  TempDir tmp;
-  const auto exported =
-      test::runCaravan("export " + std::string(CARAVAN_SOURCE_DIR) +
-                       "/tests/python/stock_models.py:nanogpt -o " + (tmp / "nanogpt.pt"));
-  ASSERT_EQ(exported.exitCode, 0) << exported.err;
+  const test::StockExport nanogpt = test::exportStockModel("nanogpt");
+  ASSERT_EQ(nanogpt.run.exitCode, 0) << nanogpt.run.err;
   std::vector<std::string> o;
   for (const auto& kv : kShardGpt) {
     if (kv.rfind("model.", 0) != 0) o.push_back(kv);  // the scripted module is what it is
   }
-  o = with(o, {"model.name=torchscript", "model.path=" + (tmp / "nanogpt.pt"), "data.vocab_size=64",
+  o = with(o, {"model.name=torchscript", "model.path=" + nanogpt.path, "data.vocab_size=64",
                "train.max_steps=10", "dist.backend=shm"});
   for (const auto& [level, d] : shardDifferences(2, o)) {
     EXPECT_EQ(d.loss, 0.0) << level;

@@ -337,16 +337,14 @@ TEST_P(StockModels, ExportCutsThemAndTheyTrainAsTheOriginalModule) {
   if (!test::transformersInstalled()) {
     GTEST_SKIP() << "transformers is not in the project's Python (scripts/setup.sh installs it)";
   }
-  TempDir tmp;
-  const auto r =
-      test::runCaravan("export " + std::string(CARAVAN_SOURCE_DIR) +
-                       "/tests/python/stock_models.py:" + factory + " -o " + (tmp / "model.pt"));
+  const test::StockExport exported = test::exportStockModel(factory);
+  const test::CommandResult& r = exported.run;
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.out.find(blocks), std::string::npos) << r.out;
   std::cout << r.out;
   // SGD: ViT's key projection has a bias, whose gradient is rounding noise that AdamW would
   // turn into full steps (todays_models.py says why no final-parameter check then holds).
-  std::vector<std::string> o = {"model.name=torchscript", "model.path=" + (tmp / "model.pt"),
+  std::vector<std::string> o = {"model.name=torchscript", "model.path=" + exported.path,
                                 "optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9"};
   // MobileNetV2's batch-normed depthwise layers diverge at SGD's 0.05 in 20 steps.
   if (factory == "mobilenet") o.push_back("optim.lr=0.005");

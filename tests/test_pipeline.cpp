@@ -393,8 +393,8 @@ TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
   torch::set_num_threads(1);
   const std::string scripted = test::scriptedModelsDir();
   ASSERT_FALSE(scripted.empty()) << "tests/python/script_models.py failed (scripts/setup.sh)";
-  test::TempDir tmp;
-  std::vector<std::string> files = {scripted + "/cnn.pt"};
+  // (name, file)
+  std::vector<std::pair<std::string, std::string>> files = {{"cnn", scripted + "/cnn.pt"}};
   // Hugging Face's ViT, Llama (its rotary tables, mask and lengths go from stage to stage in
   // the context, beside the hidden state), GPT-2, and nanoGPT's form (its own loss).
   for (const std::string factory : {"vit", "resnet", "mobilenet", "llama", "gpt2", "nanogpt"}) {
@@ -402,25 +402,25 @@ TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
       std::printf("without %s: transformers is not in the project's Python\n", factory.c_str());
       continue;
     }
-    const auto exported = test::runCaravan("export " + std::string(CARAVAN_SOURCE_DIR) +
-                                           "/tests/python/stock_models.py:" + factory + " -o " +
-                                           (tmp / factory + ".pt"));
-    ASSERT_EQ(exported.exitCode, 0) << exported.err;
-    files.push_back(tmp / factory + ".pt");
+    const test::StockExport exported = test::exportStockModel(factory);
+    ASSERT_EQ(exported.run.exitCode, 0) << exported.run.err;
+    files.emplace_back(factory, exported.path);
   }
-  for (const std::string& file : files) {
+  for (const auto& entry : files) {
+    const std::string& name = entry.first;
+    const std::string& file = entry.second;
     ModelCase s;
     s.spec.name = kScriptModelName;
     s.spec.path = file;
     // stock_models.py's language models: tokens of a vocabulary of 64. GPT-2's and nanoGPT's
     // heads are tied to their embeddings: the tie spans the first and the last stage.
-    if (file == tmp / "llama.pt" || file == tmp / "gpt2.pt" || file == tmp / "nanogpt.pt") {
+    if (name == "llama" || name == "gpt2" || name == "nanogpt") {
       s.shape.task = TaskKind::kLanguageModel;
       s.shape.vocabSize = 64;
       s.shape.seqLen = 16;
     }
     s.build = [s] { return loadScriptModel(s.spec, s.shape); };
-    ASSERT_GE(s.build()->numBlocks(), 3u) << file;
+    ASSERT_GE(s.build()->numBlocks(), 3u) << name;
     const auto data = batches(s, 10, 8);
     const auto [expected, expectedLoss] = accumulateOnOneWorker(s, data, 4);
     for (PipelineSchedule schedule : kAll) {
@@ -436,10 +436,10 @@ TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
       // both uses per micro-batch; rounded apart, and AdamW's 10 steps make the parameters'
       // 1e-7 a few 1e-6 (measured: losses 8.5e-8 and 8e-7 apart, parameters 4.9e-6 and
       // 1.5e-5). Untied models: the same bits.
-      const bool tiedAcross = file == tmp / "gpt2.pt" || file == tmp / "nanogpt.pt";
-      EXPECT_LE(diff, tiedAcross ? 1e-4 : 1e-6) << file << " " << label(schedule, 2, 4);
-      EXPECT_LE(lossDiff, tiedAcross ? 1e-5 : 1e-6) << file << " " << label(schedule, 2, 4);
-      std::printf("%s %s: relative difference to one worker %.3g, losses %.3g\n", file.c_str(),
+      const bool tiedAcross = name == "gpt2" || name == "nanogpt";
+      EXPECT_LE(diff, tiedAcross ? 1e-4 : 1e-6) << name << " " << label(schedule, 2, 4);
+      EXPECT_LE(lossDiff, tiedAcross ? 1e-5 : 1e-6) << name << " " << label(schedule, 2, 4);
+      std::printf("%s %s: relative difference to one worker %.3g, losses %.3g\n", name.c_str(),
                   label(schedule, 2, 4).c_str(), diff, lossDiff);
     }
   }

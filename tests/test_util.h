@@ -10,15 +10,20 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "models/precision.h"
 
@@ -163,28 +168,126 @@ inline int countLines(const std::string& text) {
 // and NumPy. Oracles, fixtures and TorchScript files come from it.
 inline constexpr const char* kPython = CARAVAN_PYTHON;
 
-// A directory that tests/python/SCRIPT (run with kPython) filled, made once per test process;
-// "" when the script failed (Python, torch or NumPy missing: the caller fails the test).
-inline std::string pythonWrittenDir(const std::string& script) {
-  struct Written {
-    TempDir dir;
-    bool ok = false;
-  };
-  static std::map<std::string, std::unique_ptr<Written>> made;
-  auto& w = made[script];
-  if (!w) {
-    w = std::make_unique<Written>();
-    const std::string command = std::string(kPython) + " " + std::string(CARAVAN_SOURCE_DIR) +
-                                "/tests/python/" + script + " " + w->dir.path() + " >/dev/null";
-    w->ok = std::system(command.c_str()) == 0;
+// 64-bit FNV-1a of `bytes`, continuing from `h`: the name of a cached directory (sharedDir).
+inline uint64_t fnv1a(const std::string& bytes, uint64_t h = 14695981039346656037ull) {
+  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// A directory that `fill` wrote, made once for every test process of this build: CTest runs
+// each test in a process of its own, and what Python writes (a TorchScript file, an export)
+// takes seconds that each test that used it spent again. It is CARAVAN_TEST_CACHE/NAME-HASH,
+// HASH of `key`, which holds every byte that decides what `fill` writes (scripts, the Python
+// that runs them, the caravan binary): changed inputs name another directory, so nothing stale
+// is read, and the one of the old key is removed. The first process that needs it holds a lock
+// on NAME.lock while `fill` writes into a temporary directory, which is then renamed into place:
+// a concurrent test waits for it instead of making its own, and none reads half of one. ""
+// when `fill` returns false (nothing is kept; each test that needs it tries again and fails).
+// Tests only read what is in it.
+inline std::string sharedDir(const std::string& name, const std::string& key,
+                             const std::function<bool(const std::string&)>& fill) {
+  namespace fs = std::filesystem;
+  const fs::path root = CARAVAN_TEST_CACHE;
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  char hash[17];
+  std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(fnv1a(key)));
+  const fs::path dir = root / (name + "-" + hash);
+  const int lock = ::open((root / (name + ".lock")).c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0666);
+  if (lock < 0) throw std::runtime_error("cannot open the lock of " + dir.string());
+  while (::flock(lock, LOCK_EX) != 0 && errno == EINTR) {
   }
-  return w->ok ? w->dir.path() : "";
+  std::string made = dir.string();
+  if (!fs::is_directory(dir, ec)) {
+    for (const auto& entry : fs::directory_iterator(root, ec)) {
+      const std::string old = entry.path().filename().string();
+      if (old.rfind(name + "-", 0) == 0 && old.size() == name.size() + 17) {
+        fs::remove_all(entry.path(), ec);  // NAME-HASH of another key: stale
+      }
+    }
+    std::string tmpl = (root / (".tmp-" + name + "-XXXXXX")).string();
+    const fs::path tmp = ::mkdtemp(tmpl.data()) != nullptr ? tmpl : "";
+    if (!tmp.empty() && fill(tmp.string())) {
+      fs::rename(tmp, dir, ec);
+      if (ec) made = "";
+    } else {
+      made = "";
+    }
+    if (!tmp.empty()) fs::remove_all(tmp, ec);
+  }
+  ::close(lock);
+  return made;
+}
+
+// The project's Python as a key for sharedDir: its path, the times its site-packages last
+// changed (a package installed, upgraded or removed) and tests/python/*.py, the scripts and
+// the modules they import.
+inline std::string pythonKey() {
+  namespace fs = std::filesystem;
+  std::string key = kPython;
+  std::error_code ec;
+  const fs::path prefix = fs::path(kPython).parent_path().parent_path();
+  for (const auto& lib : fs::directory_iterator(prefix / "lib", ec)) {
+    const fs::path packages = lib.path() / "site-packages";
+    const auto changed = fs::last_write_time(packages, ec);
+    if (!ec) key += packages.string() + std::to_string(changed.time_since_epoch().count());
+  }
+  std::vector<fs::path> scripts;
+  const fs::path dir = fs::path(CARAVAN_SOURCE_DIR) / "tests" / "python";
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".py") scripts.push_back(entry.path());
+  }
+  std::sort(scripts.begin(), scripts.end());
+  for (const fs::path& script : scripts) key += script.string() + '\0' + readFile(script);
+  return key;
+}
+
+// A directory that tests/python/SCRIPT (run with kPython) filled, made once for every test
+// process (sharedDir); "" when the script failed (Python, torch or NumPy missing: the caller
+// fails the test).
+inline std::string pythonWrittenDir(const std::string& script) {
+  return sharedDir(script, pythonKey(), [&](const std::string& dir) {
+    const std::string command = std::string(kPython) + " " + std::string(CARAVAN_SOURCE_DIR) +
+                                "/tests/python/" + script + " " + dir + " >/dev/null";
+    return std::system(command.c_str()) == 0;
+  });
 }
 
 // Whether the project's Python has Hugging Face's transformers (requirements.txt installs it;
-// the tests of stock models skip, or drop those models, in one line without it).
+// the tests of stock models skip, or drop those models, in one line without it). Asked once
+// for every test process (sharedDir).
 inline bool transformersInstalled() {
-  return std::system((std::string(kPython) + " -c 'import transformers' 2>/dev/null").c_str()) == 0;
+  const std::string dir = sharedDir("transformers", pythonKey(), [](const std::string& d) {
+    const std::string import = std::string(kPython) + " -c 'import transformers' 2>/dev/null";
+    writeFile(d + "/installed", std::system(import.c_str()) == 0 ? "1" : "0");
+    return true;
+  });
+  return readFile(dir + "/installed") == "1";
+}
+
+// `caravan export tests/python/stock_models.py:FACTORY -o PATH`, made once for every test
+// process (sharedDir, keyed by the Python, tools/caravan_export.py and the caravan binary, which
+// prints the blocks it cuts): `run` is what the command printed and its exit code, `path` the
+// file it wrote, "" when it failed.
+struct StockExport {
+  std::string path;
+  CommandResult run;
+};
+
+inline StockExport exportStockModel(const std::string& factory) {
+  const std::string key = pythonKey() +
+                          readFile(std::string(CARAVAN_SOURCE_DIR) + "/tools/caravan_export.py") +
+                          readFile(CARAVAN_BINARY);
+  CommandResult failed;
+  const std::string dir = sharedDir("export-" + factory, key, [&](const std::string& d) {
+    failed = runCaravan("export " + std::string(CARAVAN_SOURCE_DIR) +
+                        "/tests/python/stock_models.py:" + factory + " -o " + d + "/model.pt");
+    writeFile(d + "/out", failed.out);
+    writeFile(d + "/err", failed.err);
+    return failed.exitCode == 0;
+  });
+  if (dir.empty()) return {"", failed};
+  return {dir + "/model.pt", {0, readFile(dir + "/out"), readFile(dir + "/err")}};
 }
 
 // The .npy fixtures NumPy itself wrote (tests/python/npy_fixtures.py says what each holds).
