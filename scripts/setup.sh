@@ -81,7 +81,8 @@ fi
 
 if [ "${CARAVAN_SKIP_BUILD:-0}" != 1 ]; then
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-  # Only what the first command needs; scripts/test.sh builds the tests and benchmarks.
+  # Only what the first command needs; scripts/test.sh builds what the tests run, and
+  # `cmake --build build` every benchmark too.
   cmake --build build -j"$(nproc)" --target caravan
   echo "setup: built build/caravan"
 fi
