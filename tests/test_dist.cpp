@@ -1954,14 +1954,14 @@ namespace {
 
 const std::vector<std::string> kShardPipeline = with(
     kShardGpt,
-    {"dist.backend=shm", "data.batch_size=8", "parallel.micro_batches=4", "train.max_steps=20"});
+    {"dist.backend=shm", "data.batch_size=8", "parallel.micro_batches=4", "train.max_steps=10"});
 
 }  // namespace
 
 // Through shared memory each element of a stage's averaged gradient is its replicas' sum in
 // rank order divided by D, whatever the layout (the unsharded all-reduce's buckets and the
 // reduce-scatter's units both average with ReduceOp::kAvg), and AdamW is elementwise: every
-// level trains the bits of sync.shard = none, losses, evaluations (every 10 steps, through the
+// level trains the bits of sync.shard = none, losses, evaluations (at step 10, through the
 // stages) and parameters, for 2 stages x 2 replicas (1f1b; zb-h1, whose W accumulates into the
 // same .grad) and 1 stage x 2 replicas accumulating 4 micro-batches.
 TEST(DistPipelineShard, EveryLevelTrainsTheBitsOfTheUnshardedPipeline) {

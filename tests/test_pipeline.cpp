@@ -359,7 +359,7 @@ TEST(PipelineExactness, EveryScheduleEqualsOneWorkerAccumulatingTheMicroBatches)
   for (bool sgd : {false, true}) {
     useSgd = sgd;
     for (const ModelCase& s : {gptSetup(), cnnSetup(), sharedWeightSetup()}) {
-      const auto data = batches(s, 20, 8);
+      const auto data = batches(s, 5, 8);
       for (int m : {1, 4}) {
         const auto [expected, expectedLoss] = accumulateOnOneWorker(s, data, m);
         for (int k : {2, 3}) {
@@ -380,7 +380,7 @@ TEST(PipelineExactness, EveryScheduleEqualsOneWorkerAccumulatingTheMicroBatches)
   }
   useSgd = false;
   std::printf(
-      "every schedule, K = 2, 3, M = 1, 4, GPT and CNN, AdamW and SGD, 20 steps: largest "
+      "every schedule, K = 2, 3, M = 1, 4, GPT and CNN, AdamW and SGD, 5 steps: largest "
       "relative difference to one worker %.3g\n",
       worst);
 }
@@ -388,24 +388,16 @@ TEST(PipelineExactness, EveryScheduleEqualsOneWorkerAccumulatingTheMicroBatches)
 // A user's module cut into blocks from its graph (models/graph_cut.h), each stage loading its
 // own copy of the file: a scripted CNN (features, flat, head; BatchNorm in its features) and
 // Hugging Face's ViT through caravan export (prologue, its 6 layers, epilogue; without
-// transformers only the CNN). Every schedule, 2 stages, 4 micro-batches: one worker's result.
+// transformers only the CNN). Every schedule, 2 stages, 4 micro-batches, 3 AdamW steps (the
+// later ones update from the optimizer state): one worker's result.
 TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
   torch::set_num_threads(1);
   const std::string scripted = test::scriptedModelsDir();
   ASSERT_FALSE(scripted.empty()) << "tests/python/script_models.py failed (scripts/setup.sh)";
-  // (name, file)
-  std::vector<std::pair<std::string, std::string>> files = {{"cnn", scripted + "/cnn.pt"}};
-  // Hugging Face's ViT, Llama (its rotary tables, mask and lengths go from stage to stage in
-  // the context, beside the hidden state), GPT-2, and nanoGPT's form (its own loss).
-  for (const std::string factory : {"vit", "resnet", "mobilenet", "llama", "gpt2", "nanogpt"}) {
-    if (!test::transformersInstalled()) {
-      std::printf("without %s: transformers is not in the project's Python\n", factory.c_str());
-      continue;
-    }
-    const test::StockExport exported = test::exportStockModel(factory);
-    ASSERT_EQ(exported.run.exitCode, 0) << exported.run.err;
-    files.emplace_back(factory, exported.path);
-  }
+  // (name, file). Hugging Face's ViT, Llama (its rotary tables, mask and lengths go from stage
+  // to stage in the context, beside the hidden state), GPT-2, and nanoGPT's form (its own loss).
+  auto files = test::exportStockModels({"vit", "resnet", "mobilenet", "llama", "gpt2", "nanogpt"});
+  files.insert(files.begin(), {"cnn", scripted + "/cnn.pt"});
   for (const auto& entry : files) {
     const std::string& name = entry.first;
     const std::string& file = entry.second;
@@ -421,7 +413,7 @@ TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
     }
     s.build = [s] { return loadScriptModel(s.spec, s.shape); };
     ASSERT_GE(s.build()->numBlocks(), 3u) << name;
-    const auto data = batches(s, 10, 8);
+    const auto data = batches(s, 3, 8);
     const auto [expected, expectedLoss] = accumulateOnOneWorker(s, data, 4);
     for (PipelineSchedule schedule : kAll) {
       const auto [got, loss] = trainPipeline(s, data, schedule, 2, 4);
@@ -433,12 +425,12 @@ TEST(PipelineExactness, ModelsCutFromTheirGraphEqualOneWorker) {
       }
       // A head tied to the embedding across the stages: each stage adds its use's gradients
       // over the micro-batches and the stages then add the two sums, where one worker adds
-      // both uses per micro-batch; rounded apart, and AdamW's 10 steps make the parameters'
-      // 1e-7 a few 1e-6 (measured: losses 8.5e-8 and 8e-7 apart, parameters 4.9e-6 and
-      // 1.5e-5). Untied models: the same bits.
+      // both uses per micro-batch; rounded apart, and AdamW's steps make the parameters' 1e-7
+      // larger (measured over 3 steps: GPT-2's parameters 1.4e-6 apart, its losses equal;
+      // nanoGPT's 7.6e-8 and 2.9e-8). Untied models: the same bits.
       const bool tiedAcross = name == "gpt2" || name == "nanogpt";
-      EXPECT_LE(diff, tiedAcross ? 1e-4 : 1e-6) << name << " " << label(schedule, 2, 4);
-      EXPECT_LE(lossDiff, tiedAcross ? 1e-5 : 1e-6) << name << " " << label(schedule, 2, 4);
+      EXPECT_LE(diff, tiedAcross ? 1e-5 : 1e-6) << name << " " << label(schedule, 2, 4);
+      EXPECT_LE(lossDiff, 1e-6) << name << " " << label(schedule, 2, 4);
       std::printf("%s %s: relative difference to one worker %.3g, losses %.3g\n", name.c_str(),
                   label(schedule, 2, 4).c_str(), diff, lossDiff);
     }

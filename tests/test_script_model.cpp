@@ -234,16 +234,8 @@ TEST(ScriptModel, CutModelsTrainUnderEveryPolicyOutOfCoreAndABudget) {
   // EqualOneWorker's, which CTest starts at the same time (tests/test_costs.cmake): each test
   // exports half and finds the other half made (test::exportStockModel), instead of one waiting
   // for each export the other makes.
-  std::vector<std::pair<std::string, std::string>> files = {{"cnn", models() + "/cnn.pt"}};
-  for (const std::string factory : {"nanogpt", "llama", "gpt2", "mobilenet", "resnet", "vit"}) {
-    if (!test::transformersInstalled()) {
-      std::printf("without %s: transformers is not in the project's Python\n", factory.c_str());
-      continue;
-    }
-    const test::StockExport exported = test::exportStockModel(factory);
-    ASSERT_EQ(exported.run.exitCode, 0) << exported.run.err;
-    files.emplace_back(factory, exported.path);
-  }
+  auto files = test::exportStockModels({"nanogpt", "llama", "gpt2", "mobilenet", "resnet", "vit"});
+  files.insert(files.begin(), {"cnn", models() + "/cnn.pt"});
   for (const auto& entry : files) {
     const std::string& model = entry.first;
     const std::string& file = entry.second;

@@ -23,6 +23,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "models/precision.h"
@@ -288,6 +289,26 @@ inline StockExport exportStockModel(const std::string& factory) {
   });
   if (dir.empty()) return {"", failed};
   return {dir + "/model.pt", {0, readFile(dir + "/out"), readFile(dir + "/err")}};
+}
+
+// The stock models FACTORIES of tests/python/stock_models.py, exported (exportStockModel) in
+// the order given: (factory, file) each. None without transformers, said in one line. Throws
+// with what `caravan export` printed when one fails.
+inline std::vector<std::pair<std::string, std::string>> exportStockModels(
+    const std::vector<std::string>& factories) {
+  std::vector<std::pair<std::string, std::string>> files;
+  if (!transformersInstalled()) {
+    std::printf("without the stock models: transformers is not in the project's Python\n");
+    return files;
+  }
+  for (const std::string& factory : factories) {
+    const StockExport exported = exportStockModel(factory);
+    if (exported.path.empty()) {
+      throw std::runtime_error("caravan export of " + factory + " failed: " + exported.run.err);
+    }
+    files.emplace_back(factory, exported.path);
+  }
+  return files;
 }
 
 // The .npy fixtures NumPy itself wrote (tests/python/npy_fixtures.py says what each holds).
