@@ -102,8 +102,8 @@ int benchTrain(char** argv, const std::string& configPath, std::vector<std::stri
   overrides.push_back("train.threads=" + std::to_string(threads));
   const Config config = Config::fromFile(configPath, overrides);
   // As caravan train does (core/openmp_env.h).
-  restartWithPassiveOpenMpWaits(argv, threads, matrixProductsFor(config.str("train.precision")),
-                                /*localProcesses=*/1);
+  restartWithOpenMpWaits(argv, threads, matrixProductsFor(config.str("train.precision")),
+                         /*localProcesses=*/1);
   applyRuntimeOptions(RunOptions::read(config).runtime);
   refusePipelines(RunOptions::read(config));
   // The same run as `caravan train` builds in one process.

@@ -6,7 +6,7 @@ difference to the step's wall time.
 
     .venv/bin/python bench/op_profile.py --config configs/brown-gpt.toml [--threads 1]
         [--steps 10] [--set KEY=VALUE ...] [--top 25] [--json OUT]
-        [--peer pytorch-t|pytorch|autocast-t]
+        [--peer pytorch-t|pytorch-p|compile-f32|autocast-t|compile-t]
 
 --peer profiles PyTorch instead (bench/peer_train.py --trace under torch.profiler), in the
 configuration bench/train_throughput.py runs that arm in, so the two engines' profiles can be
@@ -62,7 +62,8 @@ def main():
     p.add_argument("--set", action="append", default=[], dest="overrides")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json")
-    p.add_argument("--peer", choices=["pytorch-t", "pytorch", "autocast-t"],
+    p.add_argument("--peer", choices=[a for a in train_throughput.ARMS
+                                      if not a.startswith("caravan")],
                    help="profile this PyTorch arm (bench/train_throughput.py) instead of Caravan")
     a = p.parse_args()
     env = dict(os.environ)

@@ -206,6 +206,7 @@ def main():
                       "channels_last": layout is not None,
                       "blas_threads": a.blas_threads or a.threads,
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                      "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
                       "batch_size": batch,
                       "steps": a.steps, "seconds": s, "samples_per_s": a.steps * batch / s,
                       "cpu_s_per_s": cpu / s,

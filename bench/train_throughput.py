@@ -7,14 +7,20 @@ ratios, plus achieved GFLOP/s against the machine's measured float32 and bf16 ma
 The arms, per config and thread count:
   caravan       train.precision = float32
   caravan-bf16  train.precision = bf16 (per-block timed choice, train/precision.h)
+  caravan-p     caravan with OMP_WAIT_POLICY=PASSIVE (what a float32 run of several threads
+                got before issue 49; what it gets now when it shares its host)
   pytorch-t     PyTorch (the .venv's torch, 2.13) eager float32 with Caravan's allocator
-                settings (GLIBC_TUNABLES, below), OMP_WAIT_POLICY=PASSIVE and, for
-                convolutional models, the channels-last layout Caravan's convolutions use
-                (peer_train.py --channels-last): its strongest float32 configuration here
+                settings (GLIBC_TUNABLES, below), the OpenMP waits Caravan's runs get
+                (GOMP_SPINCOUNT=3000: the wheel's MKL multiplies on OpenMP's pool,
+                core/openmp_env.h) and, for convolutional models, the channels-last layout
+                Caravan's convolutions use (peer_train.py --channels-last)
+  pytorch-p     pytorch-t with OMP_WAIT_POLICY=PASSIVE (the settings before issue 49; the faster
+                of the two at two threads when anything else shares the cores)
+  compile-f32   pytorch-t with the model under torch.compile (inductor, CPU), float32
   autocast-t    PyTorch eager with torch.autocast("cpu", bfloat16), tuned as pytorch-t except
                 for threads, which it runs as Caravan's bf16 runs do (core/openmp_env.h):
-                OpenMP's default wait policy (with 1.13's OpenBLAS also held to one thread,
-                1.3-1.4x faster at two threads than PASSIVE)
+                GOMP_SPINCOUNT=3000 (with 1.13's OpenBLAS also held to one thread; libgomp's
+                default spin was 1.3-1.4x faster at two threads than PASSIVE there)
   compile-t     autocast-t with the model under torch.compile (inductor, CPU): PyTorch 2.x's
                 own advice for speed; its compilation runs in the warmup steps, not timed
 
@@ -47,30 +53,45 @@ DEFAULT_CONFIGS = ["configs/fmnist-cnn.toml", "configs/brown-gpt.toml"]
 TUNED = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=268435456:"
                            "glibc.malloc.mmap_threshold=33554432",
          "OMP_WAIT_POLICY": "PASSIVE"}
-ARMS = ["caravan", "caravan-bf16", "pytorch-t", "autocast-t", "compile-t"]
+OPENMP_SPIN_COUNT = 3000  # kOpenMpSpinCount, src/core/openmp_env.h
+PEERS_NOTE = ("PyTorch arms: " + " ".join(k + "=" + v for k, v in TUNED.items()
+                                         if k != "OMP_WAIT_POLICY")
+              + f" and, for convolutional models, the channels-last layout; GOMP_SPINCOUNT="
+              f"{OPENMP_SPIN_COUNT} as Caravan's runs (core/openmp_env.h), except pytorch-p: "
+              "OMP_WAIT_POLICY=PASSIVE; compile-*: torch.compile (inductor).")
+ARMS = ["caravan", "caravan-bf16", "caravan-p", "pytorch-t", "pytorch-p", "compile-f32", "autocast-t",
+        "compile-t"]
 
 
 def env():
     e = dict(os.environ)
     removed = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if e.pop(k, None) is not None]
     for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "GLIBC_TUNABLES",
-              "OMP_WAIT_POLICY"):
+              "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         e.pop(k, None)
     return e, removed
 
 
 def peer_command(arm, args, environ):
-    """(command, environment) of the PyTorch arm `arm` (pytorch-t, autocast-t or compile-t,
-    see the top) with peer_train.py's arguments `args`, from environ (env()'s)."""
+    """(command, environment) of the PyTorch arm `arm` (pytorch-t, pytorch-p, compile-f32,
+    autocast-t or compile-t, see the top) with peer_train.py's arguments `args`, from environ
+    (env()'s)."""
     cmd = [sys.executable, PEER] + args
     tuned = dict(environ, **TUNED)
-    spin = {k: v for k, v in tuned.items() if k != "OMP_WAIT_POLICY"}
+    # Caravan's waits for a run alone on its host with products on OpenMP's pool (MKL, oneDNN):
+    # core/openmp_env.h
+    spin = dict({k: v for k, v in tuned.items() if k != "OMP_WAIT_POLICY"},
+                GOMP_SPINCOUNT=str(OPENMP_SPIN_COUNT))
     if arm == "autocast-t":
         return cmd + ["--autocast", "--channels-last", "--blas-threads", "1"], spin
     if arm == "compile-t":
         return cmd + ["--autocast", "--compile", "--channels-last", "--blas-threads", "1"], spin
     if arm == "pytorch-t":
+        return cmd + ["--channels-last"], spin
+    if arm == "pytorch-p":
         return cmd + ["--channels-last"], tuned
+    if arm == "compile-f32":
+        return cmd + ["--compile", "--channels-last"], spin
     raise ValueError(f"no PyTorch arm {arm}")
 
 
@@ -116,10 +137,8 @@ def write_charts(data, path):
     removed = data.get("removed_env") or []
     note = ("Single worker, interleaved runs (one of each arm per round), medians. GFLOP/s "
             "counts 3x the analytic forward FLOPs per example; mm peak is the best of 3 "
-            "1024x1024 matmuls at the same thread count. -t: PyTorch with "
-            f"{' '.join(k + '=' + v for k, v in TUNED.items())} and, for convolutional models, "
-            "the channels-last layout; autocast-t and compile-t (torch.compile) with OpenMP's "
-            "default wait policy, as Caravan's bf16 runs. Removed from the environment: "
+            f"1024x1024 matmuls at the same thread count. {PEERS_NOTE} Removed from the "
+            "environment: "
             f"{', '.join(removed) or 'nothing (not set)'}.")
     return charts.write(
         charts.beside(path), "train-throughput",
@@ -131,6 +150,9 @@ def write_charts(data, path):
 
 # ratio name -> (numerator arm, denominator arm)
 RATIOS = {"f32/pytorch-t": ("caravan", "pytorch-t"),
+          "f32/caravan-p": ("caravan", "caravan-p"),
+          "f32/pytorch-p": ("caravan", "pytorch-p"),
+          "f32/compile-f32": ("caravan", "compile-f32"),
           "bf16/autocast-t": ("caravan-bf16", "autocast-t"),
           "bf16/compile-t": ("caravan-bf16", "compile-t")}
 HEADER = (["config", "threads"] + [f"{a}/s" for a in ARMS] + list(RATIOS)
@@ -185,8 +207,9 @@ def main():
                   str(t)]
         if name.startswith("caravan"):
             precision = "bf16" if name == "caravan-bf16" else "float32"
+            passive = dict(environ, OMP_WAIT_POLICY="PASSIVE") if name == "caravan-p" else environ
             return run_json([bench, "train"] + common + ["--set", f"train.precision={precision}"],
-                            environ)
+                            passive)
         return run_json(*peer_command(name, common, environ))
 
     rows, raw = [], []
@@ -212,9 +235,7 @@ def main():
 
     print(f"single-worker training throughput, samples/s, median of {a.repeats} interleaved "
           f"runs each; removed from the environment: {', '.join(removed) or 'nothing (not set)'}"
-          f"; -t = PyTorch with {' '.join(k + '=' + v for k, v in TUNED.items())} and "
-          "--channels-last (autocast-t, compile-t: OpenMP's default wait policy); torch "
-          f"{peer_version()}")
+          f"; {PEERS_NOTE} torch {peer_version()}")
     widths = [22, 8] + [15] * len(ARMS) + [16] * len(RATIOS) + [13, 13]
     print("".join(f"{h:>{w}}" for h, w in zip(HEADER, widths)))
     for r in rows:

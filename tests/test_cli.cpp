@@ -22,6 +22,7 @@
 #include "models/precision.h"
 #include "run_util.h"
 #include "test_util.h"
+#include "train/setup.h"
 
 using namespace caravan::test;
 namespace fs = std::filesystem;
@@ -889,39 +890,46 @@ TEST_F(Cli, InspectSaysWhatEachFileHolds) {
   expectOneLineError(runCaravan("data inspect " + configPath_), 3, "not a data file");
 }
 
-// libgomp reads OMP_WAIT_POLICY as it loads; caravan restarts itself with PASSIVE when a run
-// uses more than one compute thread whose matrix products run on OpenBLAS (core/openmp_env.h),
-// keeps a user's value, and leaves a one-thread run as it is. A bf16 run on a CPU with bf16
-// instructions (bf16-all: every block, so no timed choice decides) keeps libgomp's default and
-// holds OpenBLAS to one thread. summary.json says which policy and how many OpenBLAS threads the
-// run had.
-TEST_F(Cli, RunsOfTwoThreadsHavePassiveOpenMpWorkersUnlessTheUserChose) {
+// libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT as it loads; caravan restarts itself with
+// PASSIVE when a run uses more than one compute thread and either its matrix products run on a
+// BLAS's own threads (OpenBLAS's pthreads) or other workers share its host, and with a short
+// spin (GOMP_SPINCOUNT=3000) when it is alone and its products run on OpenMP's pool (MKL, the
+// torch wheel's BLAS; oneDNN for bf16 on a CPU with bf16 instructions): core/openmp_env.h. A
+// user's value is kept, and a one-thread run is left as it is. summary.json says which waits
+// and how many BLAS threads the run had.
+TEST_F(Cli, TwoThreadRunsSpinOnlyAloneOnOpenMpsPoolUnlessTheUserChose) {
   auto run = [&](const std::string& name, const std::string& threads, const std::string& env,
-                 const std::string& precision = "float32") {
+                 const std::string& precision = "float32", const std::string& extra = "") {
     const std::string dir = tmp_ / name;
-    CommandResult r = runCaravan("train -q --config " + configPath_ + " " + kSynthetic +
-                                     "--set train.threads=" + threads +
-                                     " --set train.precision=" + precision + " --run-dir " + dir,
-                                 ".", "env -u OMP_WAIT_POLICY " + env);
+    CommandResult r = runCaravan(
+        "train -q --config " + configPath_ + " " + kSynthetic + "--set train.threads=" + threads +
+            " --set train.precision=" + precision + " --run-dir " + dir + extra,
+        ".", "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT " + env);
     EXPECT_EQ(r.exitCode, 0) << r.err;
     return nlohmann::json::parse(readFile(dir + "/summary.json"));
   };
+  const std::string spin = fmt::format("spin {} (caravan's default)", caravan::kOpenMpSpinCount);
+  const std::string passive = "PASSIVE (caravan's default)";
   nlohmann::json two = run("two", "2", "");
-  EXPECT_EQ(two["openmp_wait_policy"], "PASSIVE (caravan's default)");
+  EXPECT_EQ(two["openmp_wait_policy"], caravan::blasRunsOnOpenMp() ? spin : passive);
   EXPECT_EQ(two["compute_threads"], 2);
-  if (two["blas_threads"] != 0) EXPECT_EQ(two["blas_threads"], 2);  // 0: no OpenBLAS loaded
+  if (two["blas_threads"] != 0) EXPECT_EQ(two["blas_threads"], 2);  // 0: no BLAS found
   nlohmann::json bf16 = run("two-bf16", "2", "", "bf16-all");       // every block: no timing
   EXPECT_EQ(bf16["compute_threads"], 2);
   if (caravan::cpuHasBf16Instructions()) {
-    EXPECT_EQ(bf16["openmp_wait_policy"], "unset (libgomp's default: spin)");
+    EXPECT_EQ(bf16["openmp_wait_policy"], spin);
     // OpenBLAS (its own pool) is held to one thread; MKL runs on OpenMP's pool of 2.
     EXPECT_EQ(bf16["blas_threads"], at::hasMKL() ? 2 : 1);
   } else {
-    EXPECT_EQ(bf16["openmp_wait_policy"], "PASSIVE (caravan's default)");
+    EXPECT_EQ(bf16["openmp_wait_policy"], two["openmp_wait_policy"]);  // float32 products
     if (bf16["blas_threads"] != 0) EXPECT_EQ(bf16["blas_threads"], 2);
   }
+  // Two local workers of two threads each: spinning workers would spin on each other's cores.
+  EXPECT_EQ(run("shared", "2", "", "float32", " --workers 2")["openmp_wait_policy"], passive);
   EXPECT_EQ(run("active", "2", "OMP_WAIT_POLICY=ACTIVE")["openmp_wait_policy"],
             "ACTIVE (from the environment)");
+  EXPECT_EQ(run("spins", "2", "GOMP_SPINCOUNT=100")["openmp_wait_policy"],
+            "spin 100 (GOMP_SPINCOUNT from the environment)");
   nlohmann::json one = run("one", "1", "");
   EXPECT_EQ(one["openmp_wait_policy"], "unset (libgomp's default: spin)");
   EXPECT_EQ(one["compute_threads"], 1);

@@ -104,9 +104,9 @@ int runTrain(char** argv, const TrainCommand& cmd) {
   // mpirun; none of them: a world of one.
   options.world = worldFromEnvironment(processEnvironment());
   // Before anything else starts: this may replace the process with itself (core/openmp_env.h).
-  restartWithPassiveOpenMpWaits(argv, config.i64("train.threads"),
-                                matrixProductsFor(config.str("train.precision")),
-                                options.world.localWorldSize);
+  restartWithOpenMpWaits(argv, config.i64("train.threads"),
+                         matrixProductsFor(config.str("train.precision")),
+                         options.world.localWorldSize);
   if (!cmd.resumeDir.empty()) {
     options.runDir = cmd.resumeDir;
     options.resume = true;

@@ -1,53 +1,64 @@
-// OpenMP's idle workers. LibTorch's intra-op pool is libgomp's, which reads OMP_WAIT_POLICY
-// once, as it loads (before main). Unset, its idle workers spin for about 300000 iterations
-// after each parallel region; when the run uses every core (train.threads = 2 on 2 cores) they
-// spin on the core that OpenBLAS's own thread needs for the next matrix product. Measured on
-// brown-gpt (bench/README.md, "Two threads"): 2 threads ran at 0.6x one thread's samples/s
-// with spinning workers, 1.4x with passive ones; Python PyTorch the same.
+// OpenMP's idle workers. LibTorch's intra-op pool is libgomp's, which reads OMP_WAIT_POLICY and
+// GOMP_SPINCOUNT once, as it loads (before main). Unset, an idle worker spins for 300000
+// iterations (a few milliseconds) after each parallel region before it sleeps; PASSIVE, it
+// sleeps at once, and each region pays a futex wake-up; GOMP_SPINCOUNT=N spins N iterations.
 //
-// A run whose matrix products go through oneDNN (bf16 on a CPU with bf16 instructions) runs
-// every parallel region on OpenMP's pool: OpenBLAS's threads have nothing to do, so
-// applyRuntimeOptions (train/setup.h) holds OpenBLAS to one thread and, when the process is
-// alone on its host, the workers keep libgomp's default (spin a while, then sleep). Passive
-// workers there cost a futex wake-up per region, which the short elementwise kernels between
-// products do not repay: measured on brown-gpt bf16 (bench/README.md, "Two threads in bf16"),
-// 2 threads ran 1.37x one thread with passive workers and two OpenBLAS threads, 1.68-1.80x with
-// spinning workers and one. Processes that share a host (several local ranks by caravan's
-// launcher, torchrun, mpirun or srun) keep passive workers: theirs would spin on each other's
-// cores. A bf16 run whose timed choice leaves every block float32 (train/precision.h) gives
-// OpenBLAS its threads back, but its workers spin: train.precision = float32 suits that model
-// better.
+// What suits a run depends on who runs its matrix products and who else wants its cores:
+// - A BLAS with a pool of its own (OpenBLAS's pthreads: Debian's LibTorch 1.13): spinning
+//   OpenMP workers take the core OpenBLAS's thread needs for the next product. Measured on
+//   brown-gpt (bench/README.md, "Two threads"): 2 threads ran at 0.6x one thread's samples/s
+//   with spinning workers, 1.4x with passive ones. Such a run gets PASSIVE.
+// - Products on OpenMP's own pool: MKL (the torch 2.13 wheel's BLAS) in float32, oneDNN in
+//   bf16 on a CPU with bf16 instructions. Every parallel region, products and elementwise
+//   kernels alike, runs on the same workers, and passive workers pay a wake-up per region,
+//   which a small model's short kernels do not repay. Such a run, alone on its host, gets a
+//   short spin, GOMP_SPINCOUNT=3000 (kOpenMpSpinCount). Measured on issue 49's small GPT in
+//   float32 at 2 threads (bench/README.md, "Two threads on OpenMP's pool"): 1.55-1.70x the
+//   samples/s of passive workers on a quiet machine. libgomp's default spin is as fast there but
+//   falls to a fifth of passive's speed when another busy process shares the cores; the short
+//   spin loses 10-35% to passive then.
+// - Processes that share a host (several local ranks by caravan's launcher, torchrun, mpirun or
+//   srun) get PASSIVE: their workers would spin on each other's cores.
+// A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept: PASSIVE suits a run that shares its cores
+// with other work (a build, another job).
 //
-// Nothing that runs in the process can set the variable before libgomp reads it (the C
+// Nothing that runs in the process can set the variables before libgomp reads them (the C
 // library's environment is not set up yet when an executable's .preinit_array runs), so a
-// process that will run more than one compute thread sets it and starts itself again.
+// process that will run more than one compute thread sets them and starts itself again.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace caravan {
 
-// Which pool runs a run's matrix products (see above).
-enum class MatrixProducts { kOpenBlas, kOneDnn };
+// Which threads run a run's matrix products (see above).
+enum class MatrixProducts {
+  kBlasThreads,  // a BLAS's own pool (OpenBLAS built with pthreads), float32
+  kOpenMpPool,   // OpenMP's pool: MKL (the torch wheel's BLAS) in float32, oneDNN in bf16
+};
+
+// The spin count of a run alone on its host whose products run on OpenMP's pool (see above).
+inline constexpr int64_t kOpenMpSpinCount = 3000;
 
 // When `computeThreads` (train.threads; 0 = LibTorch's default: OMP_NUM_THREADS, else every
-// core) means more than one thread, OMP_WAIT_POLICY is unset and the products run on OpenBLAS
-// or the process shares its host with other local processes (`localProcesses`, the launcher's
-// count: comm/world.h's localWorldSize):
-// sets OMP_WAIT_POLICY=PASSIVE and CARAVAN_OMP_SET=1 and replaces the process with
-// /proc/self/exe `argv` (same arguments; about half a second of loading LibTorch again).
-// Returns otherwise, and when the exec fails (one warning line). A user's OMP_WAIT_POLICY
-// (ACTIVE) is kept. Child processes inherit the variable; a worker of `caravan train --workers`
-// runs one thread unless train.threads says more (cli/launch.h), and restarts itself only then.
-void restartWithPassiveOpenMpWaits(char** argv, int64_t computeThreads, MatrixProducts products,
-                                   int localProcesses);
+// core) means more than one thread and neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set: sets
+// GOMP_SPINCOUNT=kOpenMpSpinCount when the products run on OpenMP's pool and the process is
+// alone on its host (`localProcesses`, the launcher's count: comm/world.h's localWorldSize),
+// OMP_WAIT_POLICY=PASSIVE otherwise, marks them with CARAVAN_OMP_SET=1 and replaces the process
+// with /proc/self/exe `argv` (same arguments; about half a second of loading LibTorch again).
+// Returns otherwise, and when the exec fails (one warning line). Child processes inherit the
+// variables; a worker of `caravan train --workers` runs one thread unless train.threads says
+// more (cli/launch.h), and restarts itself only then.
+void restartWithOpenMpWaits(char** argv, int64_t computeThreads, MatrixProducts products,
+                            int localProcesses);
 
-// Whether OMP_WAIT_POLICY is set (by the user, or by the restart above); unset, libgomp's idle
-// workers spin a while.
+// Whether OMP_WAIT_POLICY or GOMP_SPINCOUNT is set (by the user, or by the restart above).
 bool openMpWaitPolicySet();
 
-// The policy libgomp read: "PASSIVE (caravan's default)", "<value> (from the environment)" or
-// "unset (libgomp's default: spin)".
+// The waits libgomp read, for summary.json: "PASSIVE (caravan's default)", "spin 3000 (caravan's
+// default)", "<OMP_WAIT_POLICY> (from the environment)", "spin <N> (GOMP_SPINCOUNT from the
+// environment)" or "unset (libgomp's default: spin)".
 std::string openMpWaitPolicy();
 
 }  // namespace caravan

@@ -150,11 +150,12 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
                               std::max<int>(2, static_cast<int>(options.memory.profileRepeats)),
                               state.bf16Blocks);
   state.bf16Blocks = precision.blocksText();
-  if (matrixProductsFor(options.runtime.precision) == MatrixProducts::kOneDnn &&
+  if (productsInBf16(options.runtime.precision) &&
       std::none_of(precision.bf16.begin(), precision.bf16.end(), [](bool b) { return b; })) {
-    // Every product on OpenBLAS after all: its threads back (core/openmp_env.h).
+    // Every product in float32 after all: OpenBLAS's threads back (core/openmp_env.h).
     setBlasThreads(at::get_num_threads());
-    if (at::get_num_threads() > 1 && !openMpWaitPolicySet()) {
+    if (at::get_num_threads() > 1 && !openMpWaitPolicySet() &&
+        matrixProductsFor("float32") == MatrixProducts::kBlasThreads) {
       precision.report.push_back(fmt::format(
           "precision: no block runs bf16, so OpenBLAS multiplies on {} threads again while "
           "OpenMP's idle workers spin (set for bf16 at start); train.precision = float32 runs "

@@ -29,7 +29,7 @@ void applyRuntimeOptions(const RuntimeOptions& options) {
     HostAllocator::install(options.freedMemoryCache);
   }
   // LibTorch does not forward its thread count to OpenBLAS: setBlasThreads sets it.
-  const bool oneDnn = matrixProductsFor(options.precision) == MatrixProducts::kOneDnn;
+  const bool oneDnn = productsInBf16(options.precision);
   if (oneDnn) setBlasThreads(1);
   if (options.threads <= 0) return;
   if (!oneDnn) setBlasThreads(static_cast<int>(options.threads));
@@ -58,9 +58,18 @@ int blasThreads() {
   return 0;
 }
 
+bool productsInBf16(const std::string& precision) {
+  return precision != "float32" && cpuRunsBf16();
+}
+
+bool blasRunsOnOpenMp() {
+  if (auto parallel = blasFunction<int (*)()>("openblas_get_parallel")) return parallel() == 2;
+  return blasFunction<int (*)()>("mkl_get_max_threads") != nullptr;
+}
+
 MatrixProducts matrixProductsFor(const std::string& precision) {
-  return precision != "float32" && cpuRunsBf16() ? MatrixProducts::kOneDnn
-                                                 : MatrixProducts::kOpenBlas;
+  return productsInBf16(precision) || blasRunsOnOpenMp() ? MatrixProducts::kOpenMpPool
+                                                         : MatrixProducts::kBlasThreads;
 }
 
 DatasetSplits makeDatasets(const DataOptions& options, uint64_t dataSeed) {

@@ -19,13 +19,19 @@
 
 namespace caravan {
 
-// Where the run's matrix products go (core/openmp_env.h): oneDNN, on OpenMP's pool, for
-// train.precision bf16 or bf16-all on a CPU with bf16 instructions; OpenBLAS otherwise.
+// Whether the run's matrix products go through oneDNN in bf16: train.precision bf16 or
+// bf16-all on a CPU with bf16 instructions (models/precision.h cpuRunsBf16).
+bool productsInBf16(const std::string& precision);
+// Whether the float32 BLAS multiplies on OpenMP's pool: MKL (the torch wheel's) or an OpenMP
+// build of OpenBLAS; false for OpenBLAS's own pthreads pool.
+bool blasRunsOnOpenMp();
+// Which threads run the products (core/openmp_env.h): OpenMP's pool for bf16 products
+// (oneDNN) and for a BLAS on OpenMP's pool; the BLAS's own threads otherwise.
 MatrixProducts matrixProductsFor(const std::string& precision);
 
 // Process-wide settings: LibTorch's intra-op threads and OpenBLAS's threads from
 // train.threads (0 = leave the library defaults), OpenBLAS held to one thread whatever
-// train.threads says when the products go through oneDNN (matrixProductsFor: its threads would
+// train.threads says when the products go through oneDNN (productsInBf16: its threads would
 // only compete with OpenMP's workers), and the allocator's thresholds
 // (train.keep_freed_memory). Call before building the model.
 void applyRuntimeOptions(const RuntimeOptions& options);
