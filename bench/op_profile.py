@@ -66,8 +66,9 @@ def main():
                                       if not a.startswith("caravan")],
                    help="profile this PyTorch arm (bench/train_throughput.py) instead of Caravan")
     a = p.parse_args()
-    env = dict(os.environ)
-    removed = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if env.pop(k, None)]
+    # The measured processes' environment, as bench/train_throughput.py's (Caravan chooses its
+    # threads' waits; the peers get Caravan's).
+    env, removed = train_throughput.env()
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.json")
         common = ["--config", a.config, "--steps", str(a.steps), "--warmup", "3", "--threads",
@@ -75,7 +76,7 @@ def main():
         if a.peer:
             if a.overrides:
                 sys.exit("op_profile: --set applies to Caravan only; drop it with --peer")
-            cmd, env = train_throughput.peer_command(a.peer, common, train_throughput.env()[0])
+            cmd, env = train_throughput.peer_command(a.peer, common, env)
         else:
             cmd = [os.path.join(ROOT, "build", "caravan_bench"), "train"] + common
             for o in a.overrides:

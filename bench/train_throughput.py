@@ -67,7 +67,7 @@ def env():
     e = dict(os.environ)
     removed = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if e.pop(k, None) is not None]
     for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "GLIBC_TUNABLES",
-              "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+              "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CARAVAN_OMP_SET"):
         e.pop(k, None)
     return e, removed
 
@@ -120,12 +120,12 @@ def write_charts(data, path):
         out.append(charts.bar(
             f"throughput-{short(c)}", f"{short(c)}: training samples per second (one worker)",
             [f"{r['threads']} thread{'s' if r['threads'] != 1 else ''}" for r in mine],
-            [charts.series(a, y=[r["median"][a] for r in mine]) for a in ARMS], "samples / s",
+            [charts.series(a, y=[r["median"].get(a, float("nan")) for r in mine]) for a in ARMS], "samples / s",
             x_label="compute threads"))
     labels = [f"{short(r['config'])}, {r['threads']}t" for r in rows]
     out.append(charts.bar(
         "ratio", "Caravan against the tuned peers (>= 1: Caravan faster)", labels,
-        [charts.series(k, y=[r["ratios"][k] for r in rows]) for k in RATIOS], "ratio",
+        [charts.series(k, y=[r["ratios"].get(k, float("nan")) for r in rows]) for k in RATIOS], "ratio",
         x_label="config, threads"))
     out.append(charts.bar(
         "gflops", "Caravan's training GFLOP/s against the matmul peaks", labels,
@@ -161,8 +161,8 @@ HEADER = (["config", "threads"] + [f"{a}/s" for a in ARMS] + list(RATIOS)
 
 def table_row(r):
     return ([os.path.basename(r["config"]), r["threads"]]
-            + [f"{r['median'][a]:.1f}" for a in ARMS]
-            + [f"{r['ratios'][k]:.3f}" for k in RATIOS]
+            + [f"{r['median'].get(a, float('nan')):.1f}" for a in ARMS]
+            + [f"{r['ratios'].get(k, float('nan')):.3f}" for k in RATIOS]
             + [f"{r['gflops']['caravan-bf16']:.1f}",
                f"{100 * r['gflops']['caravan-bf16'] / r['peak']['bf16']:.1f}%"])
 

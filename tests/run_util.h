@@ -41,15 +41,20 @@ inline int64_t smallestBudgetNamed(const std::string& message) {
   return std::stoll(m[m.size() - 1]);
 }
 
-// The loss of every train record in RUN_DIR/metrics.jsonl.
-inline std::vector<double> trainLosses(const std::string& runDir) {
-  std::vector<double> losses;
+// The loss of every record of `kind` ("train", "eval") in RUN_DIR/metrics.jsonl.
+inline std::vector<double> losses(const std::string& runDir, const std::string& kind) {
+  std::vector<double> out;
   std::istringstream lines(readFile(runDir + "/metrics.jsonl"));
   for (std::string line; std::getline(lines, line);) {
     auto j = nlohmann::json::parse(line);
-    if (j["kind"] == "train") losses.push_back(j.at("loss").get<double>());
+    if (j["kind"] == kind) out.push_back(j.at("loss").get<double>());
   }
-  return losses;
+  return out;
+}
+
+// The loss of every train record in RUN_DIR/metrics.jsonl.
+inline std::vector<double> trainLosses(const std::string& runDir) {
+  return losses(runDir, "train");
 }
 
 // `t` (float32, uint8 or int64, any shape) as a version-1.0 .npy file, as np.save writes it

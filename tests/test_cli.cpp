@@ -911,6 +911,9 @@ TEST_F(Cli, TwoThreadRunsSpinOnlyAloneOnOpenMpsPoolUnlessTheUserChose) {
   const std::string spin = fmt::format("spin {} (caravan's default)", caravan::kOpenMpSpinCount);
   const std::string passive = "PASSIVE (caravan's default)";
   nlohmann::json two = run("two", "2", "");
+  // The torch wheel's BLAS is MKL, which multiplies on OpenMP's pool (an OpenBLAS build: its
+  // own pool, unless it is OpenMP's build).
+  if (at::hasMKL()) EXPECT_TRUE(caravan::blasRunsOnOpenMp());
   EXPECT_EQ(two["openmp_wait_policy"], caravan::blasRunsOnOpenMp() ? spin : passive);
   EXPECT_EQ(two["compute_threads"], 2);
   if (two["blas_threads"] != 0) EXPECT_EQ(two["blas_threads"], 2);  // 0: no BLAS found

@@ -592,6 +592,30 @@ TEST(CommStore, PortInUseIsAConfigErrorNamingIt) {
   }
 }
 
+// Slurm gives the tasks per node as runs ("2(x3),1"); a task's local count is its node's
+// entry, so that tasks sharing a node get passive OpenMP workers (core/openmp_env.h).
+TEST(CommWorld, SlurmTasksShareANodeAsTheTasksPerNodeListSays) {
+  EXPECT_EQ(slurmTasksOnNode("2(x3),1", 0), 2);
+  EXPECT_EQ(slurmTasksOnNode("2(x3),1", 2), 2);
+  EXPECT_EQ(slurmTasksOnNode("2(x3),1", 3), 1);
+  EXPECT_EQ(slurmTasksOnNode("2(x3),1", 4), 0);
+  EXPECT_EQ(slurmTasksOnNode("4", 0), 4);
+  EXPECT_EQ(slurmTasksOnNode("1,3(x2)", 2), 3);
+  for (const char* bad : {"", "x", "2(x", "2(x3", "2(x0)", "0", "2(x3)y", "-1"}) {
+    EXPECT_EQ(slurmTasksOnNode(bad, 0), 0) << bad;
+  }
+  auto local = [](const Environment& extra) {
+    Environment env = {{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "7"}, {"SLURM_NODEID", "1"}};
+    env.insert(extra.begin(), extra.end());
+    return worldFromEnvironment(env).localWorldSize;
+  };
+  EXPECT_EQ(local({{"SLURM_STEP_TASKS_PER_NODE", "3(x2),1"}}), 3);
+  EXPECT_EQ(local({{"SLURM_TASKS_PER_NODE", "1,6"}}), 6);
+  EXPECT_EQ(local({{"SLURM_STEP_TASKS_PER_NODE", "2(x3),1"}, {"SLURM_TASKS_PER_NODE", "1,6"}}),
+            2);             // the step's count first
+  EXPECT_EQ(local({}), 1);  // not given: as if alone
+}
+
 // Rank 0 serves on the socket its launcher bound (CARAVAN_STORE_FD) and binds nothing itself;
 // a descriptor that is not a socket listening at MASTER_PORT is refused in one line.
 TEST(CommStore, RankZeroServesOnTheSocketItWasHanded) {

@@ -1022,16 +1022,6 @@ double relativeDifference(const std::map<std::string, at::Tensor>& a,
   return std::sqrt(num / den);
 }
 
-std::vector<double> trainLosses(const std::string& runDir) {
-  std::vector<double> out;
-  std::istringstream lines(test::readFile(runDir + "/metrics.jsonl"));
-  for (std::string line; std::getline(lines, line);) {
-    const auto j = nlohmann::json::parse(line);
-    if (j.value("kind", "") == "train") out.push_back(j.at("loss").get<double>());
-  }
-  return out;
-}
-
 // Trains `oracle` on one worker and `pipeline` on `workers` ranks (runs TMP/one, TMP/many) and
 // expects the same parameters after 20 steps (relative difference <= 1e-6, printed after
 // `what`) and the same train losses (relative 1e-6).
@@ -1047,7 +1037,7 @@ void expectPipelineEqualsOneWorker(const TempDir& tmp, const std::vector<std::st
       relativeDifference(finalParams(tmp / "many", oracle), finalParams(tmp / "one", oracle));
   std::printf("%s, 20 steps: relative difference %.3g\n", what.c_str(), diff);
   EXPECT_LE(diff, 1e-6);
-  const auto a = trainLosses(tmp / "one"), b = trainLosses(tmp / "many");
+  const auto a = test::trainLosses(tmp / "one"), b = test::trainLosses(tmp / "many");
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << i;
   // The final evaluation ran through the stages (no rank holds the whole model): it scores
@@ -1286,7 +1276,8 @@ const std::vector<std::string> kShardGpt = {"data.dataset=synthetic",  "data.syn
 const char* const kShardLevelNames[] = {"optimizer", "gradients", "parameters"};
 
 // Each level's run against none's on `world` ranks with `overrides`: the largest relative loss
-// difference over the steps and the largest final parameter difference; every run must end.
+// difference over the steps and evaluations and the largest final parameter difference; every
+// run must end.
 struct ShardDifference {
   double loss = 0.0, params = 0.0;
 };
@@ -1301,6 +1292,7 @@ std::map<std::string, ShardDifference> shardDifferences(int world,
   EXPECT_EQ(runRanks(world, none, o), std::vector<int>(world, 0))
       << test::readFile(none + ".rank0.log");
   const auto noneLoss = test::trainLosses(none);
+  const auto noneEval = test::losses(none, "eval");
   const auto noneParams = finalParams(none, o);
   for (const std::string& level : levels) {
     const auto sharded = with(o, {"sync.shard=" + level});
@@ -1313,6 +1305,11 @@ std::map<std::string, ShardDifference> shardDifferences(int world,
     ShardDifference d;
     for (size_t i = 0; i < std::min(loss.size(), noneLoss.size()); ++i) {
       d.loss = std::max(d.loss, std::abs(loss[i] - noneLoss[i]) / std::abs(noneLoss[i]));
+    }
+    const auto eval = test::losses(dir, "eval");  // the evaluations count as losses too
+    EXPECT_EQ(eval.size(), noneEval.size()) << level;
+    for (size_t i = 0; i < std::min(eval.size(), noneEval.size()); ++i) {
+      d.loss = std::max(d.loss, std::abs(eval[i] - noneEval[i]) / std::abs(noneEval[i]));
     }
     d.params = maxAbsDiff(noneParams, finalParams(dir, o));
     std::printf("W=%d sync.shard = %s: relative loss difference %.3g, parameters %.3g\n", world,
@@ -1952,17 +1949,17 @@ TEST(DistShardedMemory, EachWorkerHoldsZerosAccountingOfTheModelState) {
 // StageScope) against the same pipeline with sync.shard = none.
 namespace {
 
-const std::vector<std::string> kShardPipeline = with(
-    kShardGpt,
-    {"dist.backend=shm", "data.batch_size=8", "parallel.micro_batches=4", "train.max_steps=10"});
+const std::vector<std::string> kShardPipeline =
+    with(kShardGpt, {"dist.backend=shm", "data.batch_size=8", "parallel.micro_batches=4",
+                     "train.max_steps=10", "train.eval_every=5"});
 
 }  // namespace
 
 // Through shared memory each element of a stage's averaged gradient is its replicas' sum in
 // rank order divided by D, whatever the layout (the unsharded all-reduce's buckets and the
 // reduce-scatter's units both average with ReduceOp::kAvg), and AdamW is elementwise: every
-// level trains the bits of sync.shard = none, losses, evaluations (at step 10, through the
-// stages) and parameters, for 2 stages x 2 replicas (1f1b; zb-h1, whose W accumulates into the
+// level trains the bits of sync.shard = none, losses, evaluations (at steps 5 and 10, through
+// the stages) and parameters, for 2 stages x 2 replicas (1f1b; zb-h1, whose W accumulates into the
 // same .grad) and 1 stage x 2 replicas accumulating 4 micro-batches.
 TEST(DistPipelineShard, EveryLevelTrainsTheBitsOfTheUnshardedPipeline) {
   for (const char* schedule : {"1f1b", "zb-h1"}) {

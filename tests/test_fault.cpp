@@ -239,11 +239,11 @@ INSTANTIATE_TEST_SUITE_P(ExternalLauncher, LostRank,
                                            Case{2, SIGSTOP, "shm"}),
                          caseName);
 
-// The kill harness: once per strategy, a random rank (worker or server) of a 3-rank job is
-// SIGKILLed at a random step (3 to 40 steps logged); a new seed each run. Zero hangs: every
-// survivor exits 7 within kSurvivorBoundS (fault.timeout and the heartbeat window), its one error
-// line naming the killed rank and its role first. The seed is printed; CARAVAN_KILL_SEED repeats a
-// sequence.
+// The kill harness: once per strategy, a rank (worker or server; random, the four modes with a
+// server taking the ranks in turn) of a 3-rank job is SIGKILLed at a random step (3 to 40 steps
+// logged); a new seed each run. Zero hangs: every survivor exits 7 within kSurvivorBoundS
+// (fault.timeout and the heartbeat window), its one error line naming the killed rank and its role
+// first. The seed is printed; CARAVAN_KILL_SEED repeats a sequence.
 TEST_F(Job, KillHarnessRandomRankAtARandomStep) {
   const char* given = std::getenv("CARAVAN_KILL_SEED");
   const uint64_t seed = given != nullptr ? std::stoull(given)
@@ -259,10 +259,15 @@ TEST_F(Job, KillHarnessRandomRankAtARandomStep) {
       {"sync.mode=gossip"},
       {"sync.mode=ps-ssp", "sync.servers=1", "sync.staleness=2"},
       {"sync.mode=allreduce", "sync.compression=topk", "sync.topk_ratio=0.1"}};
+  // The modes with a server take the victims in turn from a random start: every run kills a
+  // server (rank 2) at least once, and each worker rank too.
+  const uint64_t firstServerModeVictim = rng() % kWorld;
+  int serverModes = 0;
   for (size_t i = 0; i < modes.size(); ++i) {
     const auto& sets = modes[i];
     const bool servers = sets.size() > 1 && sets[1] == "sync.servers=1";
-    const int victim = static_cast<int>(rng() % kWorld);
+    const int victim = servers ? static_cast<int>((firstServerModeVictim + serverModes++) % kWorld)
+                               : static_cast<int>(rng() % kWorld);
     const int after = 3 + static_cast<int>(rng() % 38);
     const std::string run = "kill" + std::to_string(i);
     std::string mode;

@@ -3,8 +3,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <climits>
+#include <cstdio>
 
 #include <fmt/format.h>
 
@@ -47,6 +49,26 @@ Environment processEnvironment() {
     if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
   return env;
+}
+
+int slurmTasksOnNode(const std::string& tasksPerNode, int node) {
+  // Groups "N" or "N(xM)" (M nodes of N tasks each), comma-separated, in node order.
+  size_t at = 0;
+  int first = 0;  // the group's first node
+  while (at < tasksPerNode.size()) {
+    const size_t end = std::min(tasksPerNode.find(',', at), tasksPerNode.size());
+    const std::string group = tasksPerNode.substr(at, end - at);
+    int tasks = 0, nodes = 1;
+    char close = 0;
+    const int fields = std::sscanf(group.c_str(), "%d(x%d%c", &tasks, &nodes, &close);
+    const bool plain = fields == 1 && group == std::to_string(tasks);
+    const bool repeated = fields == 3 && close == ')' && group.back() == ')';
+    if ((!plain && !repeated) || tasks < 1 || nodes < 1) return 0;
+    if (node < first + nodes) return tasks;
+    first += nodes;
+    at = end + 1;
+  }
+  return 0;
 }
 
 std::string firstSlurmHost(const std::string& nodeList) {
@@ -97,6 +119,13 @@ WorldInfo worldFromEnvironment(const Environment& env) {
     w.worldSize = parseInt(env, "SLURM_NTASKS", 1, kMaxWorld);
     w.rank = parseInt(env, "SLURM_PROCID", 0, kMaxWorld);
     w.localRank = get(env, "SLURM_LOCALID").empty() ? 0 : parseInt(env, "SLURM_LOCALID", 0, kMaxWorld);
+    // This node's tasks (OpenMP's waits depend on it, core/openmp_env.h): the step's count per
+    // node (srun), else the job's; unknown: as if alone.
+    std::string perNode = get(env, "SLURM_STEP_TASKS_PER_NODE");
+    if (perNode.empty()) perNode = get(env, "SLURM_TASKS_PER_NODE");
+    const int node =
+        get(env, "SLURM_NODEID").empty() ? 0 : parseInt(env, "SLURM_NODEID", 0, kMaxWorld);
+    w.localWorldSize = std::max(1, slurmTasksOnNode(perNode, node));
     std::string nodes = get(env, "SLURM_STEP_NODELIST");
     if (nodes.empty()) nodes = get(env, "SLURM_JOB_NODELIST");
     if (nodes.empty()) nodes = get(env, "SLURM_NODELIST");

@@ -14,7 +14,9 @@ struct WorldInfo {
   int rank = 0;
   int worldSize = 1;
   int localRank = 0;
-  int localWorldSize = 1;  // ranks on this host (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE)
+  // Ranks on this host (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, Slurm's
+  // SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE at SLURM_NODEID).
+  int localWorldSize = 1;
   std::string masterAddr = "127.0.0.1";
   int masterPort = 29500;
   std::string launcher = "none";  // none | caravan | torchrun | slurm | openmpi
@@ -54,5 +56,9 @@ WorldInfo worldFromEnvironment(const Environment& env);
 
 // The first host of a Slurm node list: "node[03-05,7],gpu1" -> "node03".
 std::string firstSlurmHost(const std::string& nodeList);
+
+// The tasks on node `node` (0-based) of a Slurm tasks-per-node list: "2(x3),1" -> 2 on nodes
+// 0-2, 1 on node 3. 0 when the list does not name that node or is malformed.
+int slurmTasksOnNode(const std::string& tasksPerNode, int node);
 
 }  // namespace caravan

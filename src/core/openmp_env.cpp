@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
+#include <strings.h>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -41,6 +42,13 @@ void restartWithOpenMpWaits(char** argv, int64_t computeThreads, MatrixProducts 
 
 bool openMpWaitPolicySet() {
   return std::getenv(kPolicy) != nullptr || std::getenv(kSpinCount) != nullptr;
+}
+
+bool openMpWorkersSpin() {
+  const char* policy = std::getenv(kPolicy);
+  const char* spins = std::getenv(kSpinCount);
+  if (spins != nullptr) return std::strtoll(spins, nullptr, 10) != 0;
+  return policy == nullptr || strcasecmp(policy, "PASSIVE") != 0;
 }
 
 std::string openMpWaitPolicy() {

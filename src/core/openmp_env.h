@@ -13,10 +13,11 @@
 //   kernels alike, runs on the same workers, and passive workers pay a wake-up per region,
 //   which a small model's short kernels do not repay. Such a run, alone on its host, gets a
 //   short spin, GOMP_SPINCOUNT=3000 (kOpenMpSpinCount). Measured on issue 49's small GPT in
-//   float32 at 2 threads (bench/README.md, "Two threads on OpenMP's pool"): 1.55-1.70x the
-//   samples/s of passive workers on a quiet machine. libgomp's default spin is as fast there but
-//   falls to a fifth of passive's speed when another busy process shares the cores; the short
-//   spin loses 10-35% to passive then.
+//   float32 at 2 threads (bench/README.md, "Two threads on OpenMP's pool"): 1.4-1.7x the
+//   samples/s of passive workers on a quiet machine (1.58x in the interleaved comparison).
+//   Longer spins are as fast alone but slow down badly when another busy process shares the
+//   cores (libgomp's default 0.44-0.58 of passive's speed, 10000-30000 0.2-0.4); 3000 kept
+//   0.61-0.88 of it there.
 // - Processes that share a host (several local ranks by caravan's launcher, torchrun, mpirun or
 //   srun) get PASSIVE: their workers would spin on each other's cores.
 // A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept: PASSIVE suits a run that shares its cores
@@ -55,6 +56,9 @@ void restartWithOpenMpWaits(char** argv, int64_t computeThreads, MatrixProducts 
 
 // Whether OMP_WAIT_POLICY or GOMP_SPINCOUNT is set (by the user, or by the restart above).
 bool openMpWaitPolicySet();
+
+// Whether libgomp's idle workers spin at all: not OMP_WAIT_POLICY=PASSIVE nor GOMP_SPINCOUNT=0.
+bool openMpWorkersSpin();
 
 // The waits libgomp read, for summary.json: "PASSIVE (caravan's default)", "spin 3000 (caravan's
 // default)", "<OMP_WAIT_POLICY> (from the environment)", "spin <N> (GOMP_SPINCOUNT from the

@@ -154,7 +154,7 @@ void RunSetup::prepareTraining(const std::optional<std::string>& resumeFrom, int
       std::none_of(precision.bf16.begin(), precision.bf16.end(), [](bool b) { return b; })) {
     // Every product in float32 after all: OpenBLAS's threads back (core/openmp_env.h).
     setBlasThreads(at::get_num_threads());
-    if (at::get_num_threads() > 1 && !openMpWaitPolicySet() &&
+    if (at::get_num_threads() > 1 && openMpWorkersSpin() &&
         matrixProductsFor("float32") == MatrixProducts::kBlasThreads) {
       precision.report.push_back(fmt::format(
           "precision: no block runs bf16, so OpenBLAS multiplies on {} threads again while "
