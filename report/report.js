@@ -271,6 +271,15 @@
     const parts = runs.map(stepParts);  // medians over every record: once per run
     const s = section("Runs", null);
     s.append(summaryTable(runs, parts));
+    for (const r of runs) {  // parallel.layout = auto: the layout's prediction against the run
+      if (!r.layout) continue;
+      const measured = median(column(r.train, "samples_per_s") || []);
+      const predicted = r.layout.predicted_samples_per_s;
+      s.append(el("p", {}, `${r.name}: layout ${r.layout.name} (parallel.layout = auto), ` +
+                   `predicted ${fmt(predicted, 1)} samples/s, measured ${fmt(measured, 1)}` +
+                   (measured && predicted ? ` (measured / predicted ${fmt(measured / predicted, 2)})`
+                                          : "") + `; ${r.layout.reasons}`));
+    }
     for (const r of runs) {
       for (const n of r.notes || []) s.append(el("p", { class: "warning" }, r.name + ": " + n));
     }

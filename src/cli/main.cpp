@@ -518,6 +518,11 @@ struct ConfigCommand {
   std::string configPath;
   std::vector<std::string> overrides;
   bool schema = false;  // caravan config --schema
+  // caravan plan --cluster: the layout search (sim/choose_layout.h).
+  std::string clusterPath;
+  int workers = 0;  // 0: the cluster's hosts (less the config's servers)
+  std::string workloadPath;
+  std::string layoutOut;
 };
 
 void addPlanCommand(CLI::App& app, ConfigCommand& p) {
@@ -528,6 +533,23 @@ void addPlanCommand(CLI::App& app, ConfigCommand& p) {
       "step time");
   p.app->add_option("--config,-c", p.configPath, "TOML config file");
   p.app->add_option("--set", p.overrides, "override a config key (e.g. memory.budget=1GiB)");
+  CLI::Option* cluster = p.app->add_option(
+      "--cluster", p.clusterPath,
+      "search the job's layouts on this cluster (a TOML [cluster] file, caravan "
+      "calibrate writes one): pipeline stages x replicas, micro-batches, sharding, "
+      "memory policy and weights, sync mode; prints the five fastest that fit and "
+      "the one parallel.layout = auto runs");
+  p.app->add_option("--workers", p.workers, "workers to lay out (default: the cluster's hosts)")
+      ->check(CLI::Range(1, 1 << 20))
+      ->needs(cluster);
+  p.app
+      ->add_option("--workload", p.workloadPath,
+                   "with --cluster: a workload.json caravan simulate -o wrote (no profiling)")
+      ->needs(cluster);
+  p.app
+      ->add_option("--output,-o", p.layoutOut,
+                   "with --cluster: write the chosen layout and the top five as JSON")
+      ->needs(cluster);
 }
 
 CLI::App* addSimulateCommand(CLI::App& app, SimulateArgs& sim) {
@@ -718,6 +740,10 @@ int runCommand(int argc, char** argv, const Commands& c) {
   if (*c.train.app) return runTrainCommand(argc, argv, c.train);
   if (*c.eval.app) return runEval(c.eval.runDir, c.eval.checkpoint, c.eval.overrides);
   if (*c.checkpoint.consolidate) return runConsolidate(c.checkpoint);
+  if (*c.plan.app && !c.plan.clusterPath.empty()) {
+    return runPlanLayout({c.plan.configPath, c.plan.overrides, c.plan.clusterPath, c.plan.workers,
+                          c.plan.workloadPath, c.plan.layoutOut});
+  }
   if (*c.plan.app) return runPlan(c.plan.configPath, c.plan.overrides);
   if (*c.simulate) return runSimulate(c.sim);
   if (*c.calibrate) return runCalibrate(c.calib);

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -18,6 +19,7 @@
 #include "core/output_path.h"
 #include "memory/tier.h"
 #include "memory/tracker.h"
+#include "sim/choose_layout.h"
 #include "sim/cluster.h"
 #include "sim/recommend.h"
 #include "sim/simulator.h"
@@ -85,6 +87,56 @@ void checkOutputDirectory(const SimulateArgs& args, bool workloadIsThere) {
 
 }  // namespace
 
+sim::Workload readWorkload(const std::string& path, const Config& config) {
+  std::string why;
+  const auto text = readRegularFile(path, &why, false, size_t{64} << 20);
+  if (!text) {
+    throw ConfigError(
+        fmt::format("cannot read workload {}: it {}; pass a workload.json that "
+                    "caravan simulate -o DIR wrote",
+                    path, why));
+  }
+  sim::Workload w = sim::workloadFromJson(*text, path);
+  sim::checkWorkloadIsTheConfigs(w, config, path);
+  const int64_t batch = config.i64("data.batch_size");
+  if (w.batchPerWorker != batch) {
+    throw ConfigError(fmt::format(
+        "{} was profiled at data.batch_size = {}, the config has {}; profile again (drop "
+        "--workload) or set data.batch_size = {}",
+        path, w.batchPerWorker, batch, w.batchPerWorker));
+  }
+  return w;
+}
+
+int runPlanLayout(const PlanLayoutArgs& args) {
+  const Config config = args.configPath.empty()
+                            ? Config::fromString("", "<defaults>", args.overrides)
+                            : Config::fromFile(args.configPath, args.overrides);
+  const RunOptions options = RunOptions::read(config);
+  const sim::ClusterSpec cluster = sim::layoutCluster(args.clusterPath);
+  const int servers = usesServers(options.sync.mode) ? options.sync.servers : 0;
+  const int workers = args.workers > 0 ? args.workers : std::max(1, cluster.hosts - servers);
+  if (!args.output.empty()) {
+    checkOutputPath({"-o", args.output}, {args.configPath, args.clusterPath, args.workloadPath});
+  }
+  std::optional<sim::Workload> given;
+  if (!args.workloadPath.empty()) {
+    given = readWorkload(args.workloadPath, config);
+  } else {
+    std::cerr << "caravan: profiling the model on one batch...\n";
+  }
+  const sim::LayoutDecision d = sim::chooseLayout(config, cluster, workers, /*checkCapacity=*/true,
+                                                  given ? &*given : nullptr);
+  std::cout << sim::formatLayouts(d, 5);
+  std::cerr << fmt::format("caravan: searched {} layouts in {:.2f} s\n", d.search.ranked.size(),
+                           d.searchSeconds);
+  if (!args.output.empty()) {
+    writeFileAtomic(args.output, sim::layoutJson(d));
+    std::cerr << fmt::format("caravan: wrote {}\n", args.output);
+  }
+  return 0;
+}
+
 int runSimulate(const SimulateArgs& args) {
   const sim::ClusterSpec cluster = sim::ClusterSpec::fromFile(args.clusterPath);
   const Config config = args.configPath.empty()
@@ -116,22 +168,7 @@ int runSimulate(const SimulateArgs& args) {
   }
   sim::Workload w;
   if (!args.workloadPath.empty()) {
-    std::string why;
-    const auto text = readRegularFile(args.workloadPath, &why, false, size_t{64} << 20);
-    if (!text) {
-      throw ConfigError(
-          fmt::format("cannot read workload {}: it {}; pass a workload.json that "
-                      "caravan simulate -o DIR wrote",
-                      args.workloadPath, why));
-    }
-    w = sim::workloadFromJson(*text, args.workloadPath);
-    sim::checkWorkloadIsTheConfigs(w, config, args.workloadPath);
-    if (w.batchPerWorker != options.data.batchSize) {
-      throw ConfigError(fmt::format(
-          "{} was profiled at data.batch_size = {}, the config has {}; profile again (drop "
-          "--workload) or set data.batch_size = {}",
-          args.workloadPath, w.batchPerWorker, options.data.batchSize, w.batchPerWorker));
-    }
+    w = readWorkload(args.workloadPath, config);
   } else {
     std::cerr << "caravan: profiling the model on one batch...\n";
     w = sim::measureWorkload(config);

@@ -7,6 +7,15 @@
 
 namespace caravan {
 
+class Config;
+namespace sim {
+struct Workload;
+}
+
+// A workload.json of `caravan simulate -o` for this config: ConfigError when unreadable, of
+// another model, or profiled at another data.batch_size.
+sim::Workload readWorkload(const std::string& path, const Config& config);
+
 struct SimulateArgs {
   std::string configPath;
   std::vector<std::string> overrides;
@@ -19,6 +28,17 @@ struct SimulateArgs {
   bool recommend = false;
 };
 int runSimulate(const SimulateArgs& args);
+
+// `caravan plan --cluster`: the layout search (sim/choose_layout.h), printed; -o writes its JSON.
+struct PlanLayoutArgs {
+  std::string configPath;
+  std::vector<std::string> overrides;
+  std::string clusterPath;
+  int workers = 0;  // 0: the cluster's hosts less the config's servers
+  std::string workloadPath;
+  std::string output;
+};
+int runPlanLayout(const PlanLayoutArgs& args);
 
 struct CalibrateArgs {
   std::string output;

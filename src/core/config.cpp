@@ -218,6 +218,23 @@ std::vector<ConfigOption> buildSchema() {
              "same, memory ignored), parameters (parameter bytes balanced), even (equal block "
              "counts), or the blocks at which stages 1..K-1 start (\"3,6,9\")"),
 
+      strOpt("parallel.layout", "manual",
+             "manual: the job runs as its keys say; auto: Caravan chooses pipeline stages x "
+             "replicas, micro-batches, sync.shard, memory.weights, the memory policy and (within "
+             "parallel.layout_sync) sync.mode from the simulator's predictions on a profile of the "
+             "model (caravan plan --cluster prints the same search); rank 0 searches, every "
+             "rank runs its choice, written to RUN_DIR/layout.json",
+             {"manual", "auto"}),
+      strOpt("parallel.layout_sync", "bsp",
+             "parallel.layout = auto: the sync modes it may choose: bsp (every step synchronous: "
+             "all-reduce, sharded, pipelines; ps-bsp where the job has servers) or any (also "
+             "local-sgd and gossip, or ps-asp, ps-ssp and osp, which change the optimisation)",
+             {"bsp", "any"}),
+      strOpt("parallel.cluster", "",
+             "parallel.layout = auto: the cluster file (caravan calibrate writes one; "
+             "docs/simulate.md) the layout is chosen for; empty: one host, this machine's cores "
+             "and memory, every worker on it"),
+
       strOpt("dist.backend", "auto",
              "communicator for multi-worker runs: auto (shm when every rank is on one host; on "
              "several, all-reduce through shared memory inside each host and gloo between one "
@@ -596,7 +613,17 @@ Config Config::fromString(const std::string& text, const std::string& source,
   std::vector<std::pair<std::string, std::pair<ConfigValue, std::string>>> entries;
   walk(table, "", source, entries);
   for (const auto& [key, vw] : entries) config.assign(key, vw.first, vw.second);
+  config.applyOverrides(overrides);
+  return config;
+}
 
+Config Config::withOverrides(const std::vector<std::string>& overrides) const {
+  Config config = *this;
+  config.applyOverrides(overrides);
+  return config;
+}
+
+void Config::applyOverrides(const std::vector<std::string>& overrides) {
   for (const auto& item : overrides) {
     auto eq = item.find('=');
     if (eq == std::string::npos || eq == 0) {
@@ -638,9 +665,8 @@ Config Config::fromString(const std::string& text, const std::string& source,
       parsed = toml::table{};
       parsed.insert("v", raw);
     }
-    config.assign(key, convert(*opt, *parsed.get("v"), at), at);
+    assign(key, convert(*opt, *parsed.get("v"), at), at);
   }
-  return config;
 }
 
 Config Config::fromFile(const std::string& path, const std::vector<std::string>& overrides) {

@@ -55,6 +55,8 @@ class Config {
                            const std::vector<std::string>& overrides = {});
   // Reads and parses a file. A missing or unreadable file is a ConfigError.
   static Config fromFile(const std::string& path, const std::vector<std::string>& overrides = {});
+  // This config with more overrides (as --set gives them), applied after its own.
+  Config withOverrides(const std::vector<std::string>& overrides) const;
 
   int64_t i64(const std::string& key) const;
   double f64(const std::string& key) const;
@@ -79,6 +81,7 @@ class Config {
 
  private:
   void assign(const std::string& key, const ConfigValue& value, const std::string& where);
+  void applyOverrides(const std::vector<std::string>& overrides);
   std::string sourcesToml() const;
   const ConfigValue& value(const std::string& key, ConfigType expected) const;
 

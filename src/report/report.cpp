@@ -384,6 +384,20 @@ json readRun(const std::string& dirName) {
     }
   }
   run["workers"] = workers;
+  // parallel.layout = auto: the chosen layout and its prediction, drawn against the measured.
+  const fs::path layoutPath = dir / "layout.json";
+  if (fs::is_regular_file(layoutPath)) {
+    const json layout = json::parse(readText(layoutPath), nullptr, false);
+    if (layout.is_object() && layout.contains("chosen") && layout["chosen"].is_object()) {
+      const json& c = layout["chosen"];
+      run["layout"] = {{"name", c.value("name", "")},
+                       {"predicted_samples_per_s", c.value("predicted_samples_per_s", 0.0)},
+                       {"memory_bytes", c.value("memory_bytes", int64_t{0})},
+                       {"reasons", c.value("reasons", "")}};
+    } else {
+      run["notes"].push_back("layout.json does not parse; the layout's prediction not shown");
+    }
+  }
   const fs::path configPath = dir / "config.toml";
   if (fs::is_regular_file(configPath)) {
     try {
@@ -440,7 +454,8 @@ void checkOutputIsNoInput(const std::string& output, const std::vector<std::stri
   for (const std::string& source : sources) {
     inputs.push_back(source);
     if (!fs::is_directory(source, ec)) continue;
-    for (const char* name : {"metrics.jsonl", "config.toml", "summary.json", "charts.json"}) {
+    for (const char* name :
+         {"metrics.jsonl", "config.toml", "summary.json", "charts.json", "layout.json"}) {
       inputs.push_back((fs::path(source) / name).string());
     }
   }

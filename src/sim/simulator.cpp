@@ -738,27 +738,32 @@ class ServerLoop {
   Totals t_;
 };
 
+}  // namespace
+
+std::vector<size_t> pipelineCut(const Workload& workload, const PipelineOptions& pipeline) {
+  const int k = pipeline.stages, m = std::max(1, pipeline.microBatches);
+  const size_t n = workload.forwardSeconds.size();
+  std::vector<BlockCost> blocks(n);
+  for (size_t b = 0; b < n; ++b) {
+    blocks[b].forwardSeconds = workload.forwardSeconds[b] / m;
+    blocks[b].backwardSeconds = workload.backwardSeconds[b] / m;
+    blocks[b].parameterBytes = workload.parameterBytes[b];
+    blocks[b].inputBytes = workload.inputBytes[b] / m;
+  }
+  const PartitionChoice choice = parsePartition(pipeline.partition);
+  return partitionBlocks(blocks, k, m, pipeline.schedule, 0, choice.objective, false,
+                         choice.objective == PartitionObjective::kGiven
+                             ? givenPartition(choice.splits, n, k)
+                             : std::vector<size_t>{})
+      .boundaries;
+}
+
+namespace {
+
 // Pipelines: K stages cut by profiled time, M micro-batches, then the stages' all-reduce.
 Totals simulatePipeline(const Context& x) {
   const int k = x.pipeline.stages, m = x.pipeline.microBatches;
-  const size_t n = x.w.forwardSeconds.size();
-  // The cut the run makes (pipeline/partition.h, parallel.partition): from the profiled block
-  // times (per micro-batch), with no memory budget (memory is not simulated for pipelines).
-  // ConfigError when there are more stages than blocks.
-  std::vector<BlockCost> blocks(n);
-  for (size_t b = 0; b < n; ++b) {
-    blocks[b].forwardSeconds = x.w.forwardSeconds[b] / m;
-    blocks[b].backwardSeconds = x.w.backwardSeconds[b] / m;
-    blocks[b].parameterBytes = x.w.parameterBytes[b];
-    blocks[b].inputBytes = x.w.inputBytes[b] / m;
-  }
-  const PartitionChoice choice = parsePartition(x.pipeline.partition);
-  const std::vector<size_t> begin =
-      partitionBlocks(blocks, k, m, x.pipeline.schedule, 0, choice.objective, false,
-                      choice.objective == PartitionObjective::kGiven
-                          ? givenPartition(choice.splits, n, k)
-                          : std::vector<size_t>{})
-          .boundaries;
+  const std::vector<size_t> begin = pipelineCut(x.w, x.pipeline);
   const int replicas = x.o.workers / k;
   std::vector<double> stageForward(k, 0.0), stageBackward(k, 0.0), stageParams(k, 0.0);
   std::vector<StageCosts> costs(k);
@@ -849,6 +854,28 @@ bool workerUpdates(SyncMode mode) {
   return true;
 }
 
+}  // namespace
+
+int64_t modelStateBytes(const Workload& w, const RunOptions& job, int workers) {
+  if (job.memory.offloadWeights) return w.offload.windowBytes;
+  const int64_t p = w.parameterTotal();
+  if (job.sync.shard != ShardLevel::kNone) {
+    // ZeRO's accounting, and (parameters) the two largest blocks gathered at once (one running,
+    // one prefetched; bf16-gathered weights at 2 bytes).
+    const int stateFactor = p > 0 ? static_cast<int>((w.optimizerStateBytes + p / 2) / p) : 0;
+    int64_t bytes = shardedModelState(job.sync.shard, p, stateFactor, workers).total();
+    if (job.sync.shard == ShardLevel::kParameters) {
+      std::vector<int64_t> blocks = w.gatherBytes.empty() ? w.parameterBytes : w.gatherBytes;
+      std::sort(blocks.rbegin(), blocks.rend());
+      for (size_t i = 0; i < std::min<size_t>(2, blocks.size()); ++i) bytes += blocks[i];
+    }
+    return bytes;
+  }
+  return 2 * p + (workerUpdates(job.sync.mode) ? w.optimizerStateBytes : 0);
+}
+
+namespace {
+
 SimResult finish(const Context& x, const Totals& t, double fraction) {
   SimResult r;
   r.workers = x.o.workers;
@@ -870,26 +897,10 @@ SimResult finish(const Context& x, const Totals& t, double fraction) {
   r.computeScale = *std::max_element(x.scale.begin(), x.scale.end());
   r.ospFraction = fraction;
   r.staleness = t.staleness;
-  if (x.pipeline.stages <= 1 && x.sync.shard != ShardLevel::kNone) {
-    // ZeRO's accounting, and (parameters) the two largest blocks gathered at once (one running,
-    // one prefetched; bf16-gathered weights at 2 bytes).
-    const int64_t p = x.w.parameterTotal();
-    const int stateFactor = p > 0 ? static_cast<int>((x.w.optimizerStateBytes + p / 2) / p) : 0;
-    r.memoryPeakBytes = shardedModelState(x.sync.shard, p, stateFactor, x.o.workers).total() +
-                        x.w.activationPeakBytes;
-    if (x.sync.shard == ShardLevel::kParameters) {
-      std::vector<int64_t> blocks = x.w.gatherBytes.empty() ? x.w.parameterBytes : x.w.gatherBytes;
-      std::sort(blocks.rbegin(), blocks.rend());
-      for (size_t i = 0; i < std::min<size_t>(2, blocks.size()); ++i) {
-        r.memoryPeakBytes += blocks[i];
-      }
-    }
-  } else if (x.pipeline.stages <= 1 && x.job.memory.offloadWeights) {
-    r.memoryPeakBytes = x.w.offload.windowBytes + x.w.offload.activationPeakBytes;
-  } else if (x.pipeline.stages <= 1) {
-    r.memoryPeakBytes = 2 * x.w.parameterTotal() +
-                        (workerUpdates(x.sync.mode) ? x.w.optimizerStateBytes : 0) +
-                        x.w.activationPeakBytes;
+  if (x.pipeline.stages <= 1) {
+    r.memoryPeakBytes =
+        modelStateBytes(x.w, x.job, x.o.workers) +
+        (x.job.memory.offloadWeights ? x.w.offload.activationPeakBytes : x.w.activationPeakBytes);
   }
   return r;
 }

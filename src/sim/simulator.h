@@ -87,10 +87,27 @@ struct Workload {
     int64_t windowBytes = 0;
     int64_t activationPeakBytes = 0;
   } offload;
+  // What the layout search (sim/layout.h) plans each layout's activations from, as the run's
+  // planner would (memory/planner.h): per block the bytes its forward saves and its backward as
+  // profiled (before the config's memory.policy added recomputation), the loss's saves, and the
+  // tier's measured rates (0: not measured, no policy could swap). Not `measured`: a workload
+  // file from before it.
+  struct Planner {
+    bool measured = false;
+    std::vector<int64_t> savedBytes;
+    std::vector<double> keepBackwardSeconds;
+    int64_t lossSavedBytes = 0;
+    double tierWriteBytesPerSecond = 0.0, tierReadBytesPerSecond = 0.0;
+  } planner;
 
   int64_t parameterTotal() const;
   double computeSeconds() const;  // forward + loss + backward
 };
+
+// The first block of each of the job's pipeline stages, then the number of blocks: the cut the
+// run makes (pipeline/partition.h, parallel.partition) from the profiled block times per
+// micro-batch, with no memory budget. ConfigError when there are more stages than blocks.
+std::vector<size_t> pipelineCut(const Workload& workload, const PipelineOptions& pipeline);
 
 // One all-reduce bucket of a workload, as AllReduceStrategy forms it (gradientBuckets).
 struct GradientBucket {
@@ -147,6 +164,12 @@ struct SimResult {
 // unsupported; steps >= 1. Reads job.sync and job.pipeline.
 SimResult simulate(const Workload& workload, const RunOptions& job, const ClusterSpec& cluster,
                    const SimOptions& options);
+
+// One worker's weights, gradients and optimizer state in a job of one pipeline stage on
+// `workers` (SimResult::memoryPeakBytes without the activations): ZeRO's accounting with two
+// gathered blocks for sync.shard, the offload window for memory.weights = offload, else the
+// weights and gradients plus the optimizer state where the worker updates.
+int64_t modelStateBytes(const Workload& workload, const RunOptions& job, int workers);
 
 // The mean of gap x count over a staleness histogram (0 when empty).
 double meanStaleness(const std::vector<int64_t>& histogram);

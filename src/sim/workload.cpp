@@ -90,7 +90,13 @@ Workload measureWorkload(const Config& config) {
     const std::vector<at::Tensor> params = setup.model->block(i).ptr()->parameters();
     w.parameterBytes.push_back(tensorBytes(params));
     w.gatherBytes.push_back(gatherBytes(params, bf16Gathered));
+    w.planner.savedBytes.push_back(b.savedBytes);
+    w.planner.keepBackwardSeconds.push_back(b.backwardSeconds);
   }
+  w.planner.measured = true;
+  w.planner.lossSavedBytes = profile.lossSavedBytes;
+  w.planner.tierWriteBytesPerSecond = m.bandwidth.writeBytesPerSecond;
+  w.planner.tierReadBytesPerSecond = m.bandwidth.readBytesPerSecond;
   w.gradientBytes = blockGradientBytes(*setup.model);
   w.lossSeconds = profile.lossSeconds;
   // The run's memory plan: its predicted peak, and its timeline's cost in the step. Blocks that
@@ -180,6 +186,13 @@ std::string workloadJson(const Workload& w) {
                     {"window_bytes", w.offload.windowBytes},
                     {"activation_peak_bytes", w.offload.activationPeakBytes}};
   }
+  if (w.planner.measured) {
+    j["planner"] = {{"saved_bytes", w.planner.savedBytes},
+                    {"keep_backward_s", w.planner.keepBackwardSeconds},
+                    {"loss_saved_bytes", w.planner.lossSavedBytes},
+                    {"tier_write_bps", w.planner.tierWriteBytesPerSecond},
+                    {"tier_read_bps", w.planner.tierReadBytesPerSecond}};
+  }
   return j.dump(1) + "\n";
 }
 
@@ -222,6 +235,15 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
       w.offload.windowBytes = o.at("window_bytes").get<int64_t>();
       w.offload.activationPeakBytes = o.at("activation_peak_bytes").get<int64_t>();
     }
+    if (j.contains("planner")) {  // optional: workloads written before the layout search
+      const nlohmann::json& p = j.at("planner");
+      w.planner.measured = true;
+      w.planner.savedBytes = p.at("saved_bytes").get<std::vector<int64_t>>();
+      w.planner.keepBackwardSeconds = p.at("keep_backward_s").get<std::vector<double>>();
+      w.planner.lossSavedBytes = p.at("loss_saved_bytes").get<int64_t>();
+      w.planner.tierWriteBytesPerSecond = p.at("tier_write_bps").get<double>();
+      w.planner.tierReadBytesPerSecond = p.at("tier_read_bps").get<double>();
+    }
   } catch (const nlohmann::json::exception& e) {
     throw ConfigError(
         fmt::format("{}: not a readable workload ({}); write one with caravan "
@@ -234,7 +256,13 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
                 w.optimizerStateBytes >= 0 && w.activationPeakBytes >= 0 && w.epochExamples >= 0 &&
                 std::isfinite(w.offload.extraSeconds) && w.offload.extraSeconds >= 0.0 &&
                 w.offload.windowBytes >= 0 && w.offload.activationPeakBytes >= 0;
-  for (const auto* times : {&w.forwardSeconds, &w.backwardSeconds}) {
+  finite =
+      finite && w.planner.lossSavedBytes >= 0 && std::isfinite(w.planner.tierWriteBytesPerSecond) &&
+      w.planner.tierWriteBytesPerSecond >= 0.0 && std::isfinite(w.planner.tierReadBytesPerSecond) &&
+      w.planner.tierReadBytesPerSecond >= 0.0;
+  for (int64_t v : w.planner.savedBytes) finite = finite && v >= 0;
+  for (const auto* times :
+       {&w.forwardSeconds, &w.backwardSeconds, &w.planner.keepBackwardSeconds}) {
     for (double v : *times) finite = finite && std::isfinite(v) && v >= 0.0;
   }
   for (const auto* sizes : {&w.parameterBytes, &w.inputBytes}) {
@@ -255,6 +283,8 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
   if (n == 0 || w.backwardSeconds.size() != n || w.parameterBytes.size() != n ||
       (!w.gatherBytes.empty() && w.gatherBytes.size() != n) ||
       (!w.gradientBytes.empty() && w.gradientBytes.size() != n) || w.inputBytes.size() != n ||
+      (w.planner.measured &&
+       (w.planner.savedBytes.size() != n || w.planner.keepBackwardSeconds.size() != n)) ||
       w.threads < 1 || w.batchPerWorker < 1 || !finite) {
     throw ConfigError(
         fmt::format("{}: the workload's per-block lists disagree or are empty; "

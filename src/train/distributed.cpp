@@ -35,7 +35,8 @@ std::string jobSignature(const Config& config) {
   for (const ConfigOption& o : Config::schema()) {
     const std::string& key = o.key;
     const bool local = key.rfind("dist.", 0) == 0 || key == "data.path" || key == "model.path" ||
-                       key == "memory.swap_dir" || key == "train.threads" || key == "data.prefetch";
+                       key == "memory.swap_dir" || key == "train.threads" ||
+                       key == "data.prefetch" || key == "parallel.cluster";
     if (local) continue;
     switch (o.type) {
       case ConfigType::kInt: out += fmt::format("{}={}\n", key, config.i64(key)); break;
@@ -76,23 +77,39 @@ void checkSameJob(Communicator& world, const std::string& job) {
 
 }  // namespace
 
-Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInfo,
-                         const std::string& runDir, const std::string& job)
-    : options_(runOptions) {
-  const SyncOptions& sync = options_.sync;
-  const auto timeout = sync.timeout;
+namespace {
+
+StoreOptions jobStoreOptions(const SyncOptions& sync, const WorldInfo& worldInfo,
+                             const std::string& runDir) {
   StoreOptions so;
   so.kind = sync.store;
   so.filePath = sync.storePath.empty() ? (std::filesystem::path(runDir) / "rendezvous").string()
                                        : sync.storePath;
-  so.timeout = timeout;
+  so.timeout = sync.timeout;
   so.connectTimeout = sync.rendezvousTimeout;
   so.token = worldInfo.token;
-  const std::string& backend = sync.backend;
+  return so;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Store> makeJobStore(const RunOptions& options, const WorldInfo& world,
+                                             const std::string& runDir) {
   // MPI brings its own wire-up (mpirun); the others (gloo, and shm/auto, which use gloo for
   // point-to-point) rendezvous through the store.
-  c10::intrusive_ptr<c10d::Store> store;
-  if (backend != "mpi") store = makeStore(worldInfo, so);
+  if (options.sync.backend == "mpi") return {};
+  return makeStore(world, jobStoreOptions(options.sync, world, runDir));
+}
+
+Distributed::Distributed(const RunOptions& runOptions, const WorldInfo& worldInfo,
+                         const std::string& runDir, const std::string& job,
+                         c10::intrusive_ptr<c10d::Store> store)
+    : options_(runOptions) {
+  const SyncOptions& sync = options_.sync;
+  const auto timeout = sync.timeout;
+  const StoreOptions so = jobStoreOptions(sync, worldInfo, runDir);
+  const std::string& backend = sync.backend;
+  if (!store) store = makeJobStore(options_, worldInfo, runDir);
   world_ = counted(makeCommunicator(backend, worldInfo, store, timeout, sync.rendezvousTimeout,
                                     sync.connections));
   // Gloo's connections carry no credential of their own (comm/auth.h).

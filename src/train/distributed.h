@@ -14,6 +14,7 @@
 
 #include "comm/communicator.h"
 #include "comm/counting_communicator.h"
+#include "comm/store.h"
 #include "comm/world.h"
 #include "core/config.h"
 #include "core/torch_fwd.h"
@@ -47,6 +48,12 @@ struct RankWindow {
 // (Gloo aborts the process) or stop at other steps.
 std::string jobSignature(const Config& config);
 
+// The job's store as the rendezvous makes it (dist.store; a file store without dist.store_path
+// in `runDir`): for what the ranks agree on before the communicator exists (parallel.layout =
+// auto, train/layout_setup.h), then handed to Distributed. Null for dist.backend = mpi (none).
+c10::intrusive_ptr<c10d::Store> makeJobStore(const RunOptions& options, const WorldInfo& world,
+                                             const std::string& runDir);
+
 class Distributed {
  public:
   // Connects to the job's store and builds the communicator (dist.backend); throws PeerError
@@ -55,8 +62,9 @@ class Distributed {
   // dist.store_path keeps its file. `options` must have passed validate().
   // `job`: what every rank of the job must agree on (jobSignature); a rank whose differs is
   // refused on every rank (ConfigError), before any tensor of the run is exchanged.
+  // `store`: the job's store made before (makeJobStore), else made here.
   Distributed(const RunOptions& options, const WorldInfo& world, const std::string& runDir,
-              const std::string& job = "");
+              const std::string& job = "", c10::intrusive_ptr<c10d::Store> store = {});
   ~Distributed();
 
   // Builds the strategy of sync.mode and attaches it: `context` as the run has it (optimizer,

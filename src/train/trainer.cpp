@@ -25,6 +25,7 @@
 #include "models/model.h"
 #include "train/checkpoint.h"
 #include "train/distributed.h"
+#include "train/layout_setup.h"
 #include "train/metrics.h"
 #include "train/metrics_window.h"
 #include "train/run_setup.h"
@@ -507,9 +508,8 @@ void Trainer::writeSummary(double measuredFwdBwd) {
 
 }  // namespace
 
-TrainSummary train(const Config& config, const TrainerOptions& options) {
-  const RunOptions runOptions = RunOptions::read(config);
-  validate(runOptions, options.world.worldSize);
+TrainSummary train(const Config& given, const TrainerOptions& options) {
+  validate(RunOptions::read(given), options.world.worldSize);
   // Rank 0 locks the directory; under Caravan's own launcher the launcher (our parent) holds it
   // for its workers, and any other holder is refused (CARAVAN_LAUNCHER=caravan set by hand used
   // to skip the lock).
@@ -517,6 +517,18 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
       options.runDir, options.resume, options.world.rank == 0,
       options.world.launcher == "caravan" ? std::optional<pid_t>(::getppid()) : std::nullopt);
   const std::optional<std::string>& resumeFrom = claim.resumeFrom;
+  // parallel.layout = auto: the keys rank 0's search chose, over the config's (through the job's
+  // store, which the rendezvous then uses).
+  c10::intrusive_ptr<c10d::Store> store;
+  if (layoutIsAuto(given) && options.world.worldSize > 1) {
+    store = makeJobStore(RunOptions::read(given), options.world, options.runDir);
+  }
+  const Config config = layoutIsAuto(given)
+                            ? resolveLayout(given, options.world, options.runDir, options.resume,
+                                            store.get(), !options.quiet)
+                            : given;
+  const RunOptions runOptions = RunOptions::read(config);
+  validate(runOptions, options.world.worldSize);
   CheckpointDir checkpoints(options.runDir, runOptions.loop.checkpointKeep);
 
   applyRuntimeOptions(runOptions.runtime);
@@ -530,7 +542,7 @@ TrainSummary train(const Config& config, const TrainerOptions& options) {
   // Rendezvous after the checks above and before rank 0 writes anything, so every rank has
   // seen the run directory as it was.
   if (options.world.worldSize == 1) return trainHere(nullptr);
-  Distributed dist(runOptions, options.world, options.runDir, jobSignature(config));
+  Distributed dist(runOptions, options.world, options.runDir, jobSignature(config), store);
   try {
     if (dist.isServer()) {
       dist.serve();

@@ -1,0 +1,329 @@
+#include "sim/layout.h"
+
+#include <algorithm>
+#include <array>
+#include <limits>
+#include <numeric>
+
+#include <fmt/format.h>
+
+#include "core/errors.h"
+#include "memory/executor.h"
+#include "memory/planner.h"
+#include "memory/tier.h"
+#include "memory/tracker.h"
+#include "pipeline/schedule.h"
+#include "sync/compression.h"
+#include "sync/parameter_server.h"
+
+namespace caravan::sim {
+namespace {
+
+// The blocks [begin, end) of the workload as the planner profiles them, for one micro-batch of
+// `m` (times and sizes linear in the batch); the loss with the last stage.
+ModelProfile stageProfile(const Workload& w, size_t begin, size_t end, int m, bool withLoss) {
+  ModelProfile p;
+  for (size_t b = begin; b < end; ++b) {
+    BlockProfile& bp = p.blocks.emplace_back();
+    bp.forwardSeconds = w.forwardSeconds[b] / m;
+    bp.backwardSeconds = w.planner.keepBackwardSeconds[b] / m;
+    bp.inputBytes = bp.inputFloat32Bytes = w.inputBytes[b] / m;
+    bp.savedBytes = bp.savedFloat32Bytes = w.planner.savedBytes[b] / m;
+  }
+  if (withLoss) {
+    p.lossSeconds = w.lossSeconds / m;
+    p.lossSavedBytes = w.planner.lossSavedBytes / m;
+  }
+  return p;
+}
+
+double keepCompute(const ModelProfile& p) {
+  double s = p.lossSeconds;
+  for (const BlockProfile& b : p.blocks) s += b.forwardSeconds + b.backwardSeconds;
+  return s;
+}
+
+// One stage's plan: its policies, the activation peak of one micro-batch, and the seconds per
+// micro-batch it adds to the stage's compute (recomputation, waits for the tier).
+struct StagePlan {
+  std::vector<BlockPolicy> policies;
+  int64_t peakBytes = 0;
+  int64_t leastPeakBytes = 0;
+  double extraSeconds = 0.0;
+};
+
+// `limited`: under a memory limit, `activationBudget` what it leaves the activations (<= 0:
+// nothing; the smallest plan, not fitting); else every block keeps.
+StagePlan planStage(const ModelProfile& profile, const TierBandwidth& bandwidth, bool limited,
+                    int64_t activationBudget, int prefetch) {
+  StagePlan s;
+  const Plan plan = planPolicies(profile, bandwidth,
+                                 limited ? std::max<int64_t>(activationBudget, 1) : 0, prefetch);
+  s.policies = plan.policies;
+  s.peakBytes = plan.prediction.peakBytes;
+  s.extraSeconds = std::max(0.0, plan.prediction.stepSeconds - keepCompute(profile));
+  // The smallest plan: the one the planner returns when none fits a budget of one byte.
+  s.leastPeakBytes = limited && plan.fits
+                         ? planPolicies(profile, bandwidth, 1, prefetch).prediction.peakBytes
+                         : plan.prediction.peakBytes;
+  return s;
+}
+
+std::string countPolicies(const std::vector<BlockPolicy>& policies) {
+  std::array<int, kBlockPolicies> n{};
+  for (BlockPolicy p : policies) ++n[static_cast<size_t>(p)];
+  std::string out;
+  for (int i = 0; i < kBlockPolicies; ++i) {
+    if (n[i] == 0) continue;
+    out += fmt::format("{}{} {}", out.empty() ? "" : ", ", n[i],
+                       policyName(static_cast<BlockPolicy>(i)));
+  }
+  return out;
+}
+
+// Every strategy's copy of sync.compression, as RunOptions::read sets them from the one key.
+void noCompression(SyncOptions& sync) {
+  sync.compressionName = "none";
+  sync.allreduce.compression = Compression::kNone;
+  sync.ps.compression = Compression::kNone;
+  sync.localSgd.compression = Compression::kNone;
+  sync.diloco.compression = Compression::kNone;
+}
+
+// The candidate's memory, its plan and the workload its compute is simulated with.
+struct Laid {
+  Workload workload;
+  int64_t memory = 0, leastMemory = 0;
+  std::vector<BlockPolicy> policies;
+};
+
+Laid layOut(const Workload& w, const RunOptions& job, int workers, int64_t limit) {
+  Laid out{w, 0, 0, {}};
+  const int64_t params = w.parameterTotal();
+  const int stateFactor =
+      params > 0 ? static_cast<int>((w.optimizerStateBytes + params / 2) / params) : 0;
+  const TierBandwidth bandwidth{w.planner.tierWriteBytesPerSecond,
+                                w.planner.tierReadBytesPerSecond};
+  const int prefetch = static_cast<int>(job.memory.prefetch);
+  const size_t n = w.forwardSeconds.size();
+  out.workload.backwardSeconds = w.planner.keepBackwardSeconds;
+  // Spreads a stage's extra seconds per step over its blocks' backward, by their share of it.
+  auto addExtra = [&](size_t begin, size_t end, double extra) {
+    double backward = 0.0;
+    for (size_t b = begin; b < end; ++b) backward += w.planner.keepBackwardSeconds[b];
+    for (size_t b = begin; b < end && backward > 0.0; ++b) {
+      out.workload.backwardSeconds[b] += extra * w.planner.keepBackwardSeconds[b] / backward;
+    }
+  };
+  const int k = job.pipeline.stages;
+  if (k <= 1) {
+    if (job.memory.offloadWeights) {  // the run's own offload plan, as profiled
+      out.workload = w;
+      out.memory = out.leastMemory = w.offload.windowBytes + w.offload.activationPeakBytes;
+      return out;
+    }
+    const int64_t persistent = modelStateBytes(w, job, workers);
+    const ModelProfile profile = stageProfile(w, 0, n, 1, true);
+    const StagePlan plan = planStage(profile, bandwidth, limit > 0, limit - persistent, prefetch);
+    addExtra(0, n, plan.extraSeconds);
+    out.workload.activationPeakBytes = plan.peakBytes;
+    out.memory = persistent + plan.peakBytes;
+    out.leastMemory = persistent + plan.leastPeakBytes;
+    out.policies = plan.policies;
+    return out;
+  }
+  const int m = job.pipeline.microBatches;
+  const std::vector<size_t> cut = pipelineCut(w, job.pipeline);
+  for (int s = 0; s < k; ++s) {
+    int64_t stageParams = 0;
+    for (size_t b = cut[s]; b < cut[s + 1]; ++b) stageParams += w.parameterBytes[b];
+    const int64_t persistent = stageParams * (2 + stateFactor);
+    const int held = job.pipeline.schedule == PipelineSchedule::kGPipe ? m : std::min(k - s, m);
+    const ModelProfile profile = stageProfile(w, cut[s], cut[s + 1], m, s == k - 1);
+    const StagePlan plan =
+        planStage(profile, bandwidth, limit > 0, (limit - persistent) / held, prefetch);
+    addExtra(cut[s], cut[s + 1], plan.extraSeconds * m);
+    out.memory = std::max(out.memory, persistent + held * plan.peakBytes);
+    out.leastMemory = std::max(out.leastMemory, persistent + held * plan.leastPeakBytes);
+    out.policies.insert(out.policies.end(), plan.policies.begin(), plan.policies.end());
+  }
+  return out;
+}
+
+std::string shape(const RunOptions& job, int workers) {
+  const int k = job.pipeline.stages;
+  if (k > 1) {
+    return fmt::format("{} stages x {} replica{}, {} micro-batches ({})", k, workers / k,
+                       workers / k == 1 ? "" : "s", job.pipeline.microBatches,
+                       pipelineScheduleName(job.pipeline.schedule));
+  }
+  return fmt::format("{} replica{}", workers, workers == 1 ? "" : "s");
+}
+
+}  // namespace
+
+LayoutSync parseLayoutSync(const std::string& name) {
+  if (name == "bsp") return LayoutSync::kBsp;
+  if (name == "any") return LayoutSync::kAny;
+  throw ConfigError(
+      fmt::format("parallel.layout_sync = {}: use bsp (every step synchronous) or any (also the "
+                  "asynchronous and local modes)",
+                  name));
+}
+
+int clusterCapacity(const ClusterSpec& cluster, int threads) {
+  const int perHost =
+      std::max(1, static_cast<int>(cluster.coresPerHost / std::max(1, threads) + 1e-9));
+  return cluster.hosts * perHost;
+}
+
+std::vector<std::string> layoutKeys(const RunOptions& job, int64_t memoryBudget) {
+  std::vector<std::string> keys = {
+      fmt::format("parallel.pipeline_stages={}", job.pipeline.stages),
+      fmt::format("parallel.micro_batches={}", job.pipeline.microBatches),
+      fmt::format("sync.mode=\"{}\"", syncModeName(job.sync.mode)),
+      fmt::format("sync.shard=\"{}\"", shardLevelName(job.sync.shard)),
+      "sync.compression=\"none\"",
+      fmt::format("memory.weights=\"{}\"", job.memory.offloadWeights ? "offload" : "core")};
+  if (job.sync.mode == SyncMode::kOsp) keys.push_back("sync.osp_auto_fraction=true");
+  if (memoryBudget > 0) {
+    keys.push_back("memory.policy=\"auto\"");
+    keys.push_back(fmt::format("memory.budget=\"{}\"", memoryBudget));
+  }
+  return keys;
+}
+
+std::vector<RunOptions> layoutCandidates(const RunOptions& own, const LayoutSpace& space,
+                                         size_t blocks, int64_t batch) {
+  const int workers = space.workers;
+  const bool any = space.sync == LayoutSync::kAny;
+  RunOptions base = own;
+  base.pipeline.stages = 1;
+  base.pipeline.microBatches = 1;
+  base.sync.shard = ShardLevel::kNone;
+  base.memory.offloadWeights = false;
+  noCompression(base.sync);
+  base.sync.localSgd.postLocalAfter = 0;
+  base.sync.gossip.topology = "ring";
+  std::vector<RunOptions> out;
+  auto add = [&](SyncMode mode, auto&& change) {
+    RunOptions c = base;
+    c.sync.mode = mode;
+    if (isConsistencyMode(mode)) {  // the mode's consistency, the run's staleness
+      const int64_t staleness = c.sync.ps.staleness;
+      c.sync.ps = psOptions(mode, staleness);
+    }
+    change(c);
+    out.push_back(std::move(c));
+  };
+  auto none = [](RunOptions&) {};
+  if (usesServers(own.sync.mode)) {  // the world has server processes: the server modes
+    add(SyncMode::kPsBsp, none);
+    if (any) {
+      add(SyncMode::kPsAsp, none);
+      add(SyncMode::kPsSsp, none);
+      add(SyncMode::kOsp, [](RunOptions& c) { c.sync.osp.autoFraction = true; });
+    }
+    return out;
+  }
+  for (int k = 1; k <= workers && static_cast<size_t>(k) <= blocks; ++k) {
+    if (workers % k != 0) continue;
+    const int d = workers / k;
+    if (k == 1) {
+      for (ShardLevel level : kShardLevels) {
+        if (level != ShardLevel::kNone && d == 1) continue;
+        add(SyncMode::kAllReduce, [level](RunOptions& c) { c.sync.shard = level; });
+      }
+      add(SyncMode::kAllReduce, [](RunOptions& c) { c.memory.offloadWeights = true; });
+      if (any && d > 1) {
+        add(SyncMode::kLocalSgd, none);
+        add(SyncMode::kGossip, none);
+      }
+      continue;
+    }
+    for (int m : {k, 2 * k, 4 * k}) {
+      if (m > batch || batch % m != 0) continue;
+      add(SyncMode::kAllReduce, [k, m](RunOptions& c) {
+        c.pipeline.stages = k;
+        c.pipeline.microBatches = m;
+      });
+    }
+  }
+  return out;
+}
+
+const LayoutChoice* LayoutSearch::best() const {
+  return !ranked.empty() && ranked.front().fits ? &ranked.front() : nullptr;
+}
+
+std::string LayoutChoice::text() const {
+  return fmt::format("{}: {:.1f} ms/step, {:.1f} samples/s; {}", name, 1e3 * predicted.stepSeconds,
+                     predicted.samplesPerSecond, reasons);
+}
+
+LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
+                           const ClusterSpec& cluster, const LayoutSpace& space) {
+  if (!workload.planner.measured) {
+    throw ConfigError(
+        "the workload has no per-block planner profile (a workload file from before the "
+        "layout search); profile again (drop --workload)");
+  }
+  const int servers = usesServers(own.sync.mode) ? own.sync.servers : 0;
+  const int processes = space.workers + servers;
+  LayoutSearch search;
+  // The limit: memory.budget, and at most the host's memory over the processes on the busiest.
+  int64_t limit = own.memory.budget;
+  if (cluster.memoryBytesPerHost > 0.0) {
+    const int perHost = (processes + cluster.hosts - 1) / cluster.hosts;
+    const auto share = static_cast<int64_t>(cluster.memoryBytesPerHost / perHost);
+    limit = limit > 0 ? std::min(limit, share) : share;
+  }
+  search.memoryLimit = limit;
+  const SimOptions sim{space.workers, space.steps, 1};
+  for (RunOptions& job :
+       layoutCandidates(own, space, workload.forwardSeconds.size(), workload.batchPerWorker)) {
+    const std::string name = label(job);
+    if (job.memory.offloadWeights && !workload.offload.measured) continue;
+    try {
+      validate(job, processes);
+      if (const std::string why = unsupported(job); !why.empty()) throw ConfigError(why);
+      LayoutChoice c;
+      const Laid laid = layOut(workload, job, space.workers, limit);
+      c.predicted = simulate(laid.workload, job, cluster, sim);
+      c.memoryBytes = laid.memory;
+      c.leastMemoryBytes = laid.leastMemory;
+      c.fits = limit <= 0 || laid.memory <= limit;
+      c.policy = laid.policies.empty() ? "offload window" : countPolicies(laid.policies);
+      const bool planned =
+          limit > 0 && std::any_of(laid.policies.begin(), laid.policies.end(),
+                                   [](BlockPolicy p) { return p != BlockPolicy::kKeep; });
+      c.keys = layoutKeys(job, planned ? limit : 0);
+      const SimResult& r = c.predicted;
+      const std::string bound =
+          r.computeUtilisation >= 0.8
+              ? fmt::format("compute-bound ({:.0f}% computing)", 100.0 * r.computeUtilisation)
+              : fmt::format("communication-bound ({:.0f}% computing, busiest link {:.0f}%)",
+                            100.0 * r.computeUtilisation, 100.0 * r.linkUtilisation);
+      c.reasons = fmt::format(
+          "{}; {}; {} per worker{}; memory: {}", shape(job, space.workers), bound,
+          formatBytes(c.memoryBytes),
+          limit > 0 ? fmt::format(" of {}{}", formatBytes(limit), c.fits ? "" : ", does NOT fit")
+                    : "",
+          c.policy);
+      c.name = name;
+      c.job = std::move(job);
+      search.ranked.push_back(std::move(c));
+    } catch (const ConfigError& e) {
+      search.refused.push_back(fmt::format("{}: {}", name, e.what()));
+    }
+  }
+  std::stable_sort(search.ranked.begin(), search.ranked.end(),
+                   [](const LayoutChoice& a, const LayoutChoice& b) {
+                     if (a.fits != b.fits) return a.fits;
+                     if (a.fits) return a.predicted.samplesPerSecond > b.predicted.samplesPerSecond;
+                     return a.leastMemoryBytes < b.leastMemoryBytes;
+                   });
+  return search;
+}
+
+}  // namespace caravan::sim

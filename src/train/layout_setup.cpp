@@ -1,0 +1,109 @@
+#include "train/layout_setup.h"
+
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "comm/communicator.h"
+#include "comm/store.h"
+#include "core/errors.h"
+#include "core/files.h"
+#include "core/log.h"
+#include "sim/choose_layout.h"
+#include "sync/sync_mode.h"
+#include "train/run_options.h"
+
+namespace caravan {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kLayoutKey = "caravan/layout";
+constexpr const char* kRefused = "refused\n";
+
+std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}; }
+
+std::string join(const std::vector<std::string>& keys) {
+  std::string out;
+  for (const std::string& k : keys) out += k + "\n";
+  return out;
+}
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (size_t end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) {
+    out.push_back(text.substr(start, end - start));
+  }
+  return out;
+}
+
+// Rank 0's keys: layout.json's when resuming, else the search's (written to layout.json).
+std::vector<std::string> chooseHere(const Config& config, const WorldInfo& world,
+                                    const std::string& runDir, bool resume, bool log) {
+  const std::string file = (fs::path(runDir) / "layout.json").string();
+  if (resume && fs::exists(file)) {
+    std::string why;
+    const auto text = readRegularFile(file, &why, false, size_t{1} << 20);
+    if (!text) throw CheckpointError(fmt::format("cannot read {}: it {}", file, why));
+    return sim::layoutKeysFromJson(*text, file);
+  }
+  const RunOptions own = RunOptions::read(config);
+  const int servers = usesServers(own.sync.mode) ? own.sync.servers : 0;
+  const std::string clusterPath = config.str("parallel.cluster");
+  const sim::LayoutDecision d =
+      sim::chooseLayout(config, sim::layoutCluster(clusterPath), world.worldSize - servers,
+                        /*checkCapacity=*/!clusterPath.empty());
+  writeFileAtomic(file, sim::layoutJson(d));
+  if (log) {
+    logLine(fmt::format("layout: {}, predicted {:.1f} samples/s ({} searched; {})", d.chosen().name,
+                        d.chosen().predicted.samplesPerSecond, d.search.ranked.size(), file));
+  }
+  return d.chosen().keys;
+}
+
+}  // namespace
+
+bool layoutIsAuto(const Config& config) { return config.str("parallel.layout") == "auto"; }
+
+Config resolveLayout(const Config& config, const WorldInfo& world, const std::string& runDir,
+                     bool resume, c10d::Store* store, bool log) {
+  if (world.worldSize > 1 && store == nullptr) {
+    throw ConfigError(
+        "parallel.layout = auto needs the job's store to agree on the layout (dist.backend = mpi "
+        "has none); set dist.backend = auto, or parallel.layout = manual with the keys caravan "
+        "plan --cluster prints");
+  }
+  std::vector<std::string> keys;
+  if (world.rank == 0) {
+    try {
+      if (store != nullptr) {
+        store->set("caravan/layout-arrived/0", bytesOf("1"));
+        waitForRanks(
+            *store, 0, world.worldSize,
+            [](int r) { return fmt::format("caravan/layout-arrived/{}", r); },
+            RunOptions::read(config).sync.rendezvousTimeout, "reached the layout search");
+      }
+      keys = chooseHere(config, world, runDir, resume, log);
+    } catch (const ConfigError& e) {
+      if (store != nullptr) store->set(kLayoutKey, bytesOf(kRefused + std::string(e.what())));
+      throw;
+    }
+    if (store != nullptr) store->set(kLayoutKey, bytesOf(join(keys)));
+  } else {
+    store->set(fmt::format("caravan/layout-arrived/{}", world.rank), bytesOf("1"));
+    try {
+      store->wait({kLayoutKey}, kLayoutWait);
+    } catch (const std::exception& e) {
+      throw PeerError(fmt::format("rank {}: rank 0 chose no layout within {} min ({})", world.rank,
+                                  kLayoutWait.count(), e.what()));
+    }
+    const std::vector<uint8_t> got = store->get(kLayoutKey);
+    const std::string text(got.begin(), got.end());
+    if (text.rfind(kRefused, 0) == 0) throw ConfigError(text.substr(std::string(kRefused).size()));
+    keys = split(text);
+  }
+  return config.withOverrides(keys);
+}
+
+}  // namespace caravan

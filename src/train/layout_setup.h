@@ -1,0 +1,36 @@
+// parallel.layout = auto in `caravan train`: the job laid out as the layout search chooses
+// (sim/choose_layout.h), the same on every rank.
+//
+// Rank 0 waits until every rank has reached the job's store (so each has checked the run
+// directory as it was), then searches on a profile of the model, for the world's workers (its
+// size less the config's servers) on parallel.cluster's cluster (none: this machine, without the
+// capacity check), and writes RUN_DIR/layout.json; a resumed run reads the layout.json it wrote
+// instead of searching again. It hands the chosen keys to the other ranks through the store, or
+// its refusal, which each rank then raises as its own (ConfigError, one line). A rank waits for
+// rank 0 at most kLayoutWait; rank 0 ending first ends the wait (a TCP store lives in rank 0).
+//
+// Threading: the trainer's thread.
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include "comm/world.h"
+#include "core/config.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace caravan {
+
+inline constexpr std::chrono::minutes kLayoutWait{30};
+
+bool layoutIsAuto(const Config& config);
+
+// `config` with the chosen layout's keys applied over its own. `store`: the job's (null in a world
+// of one). `log`: prints the chosen layout's line (rank 0).
+Config resolveLayout(const Config& config, const WorldInfo& world, const std::string& runDir,
+                     bool resume, c10d::Store* store, bool log);
+
+}  // namespace caravan
