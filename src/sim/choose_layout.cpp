@@ -118,10 +118,10 @@ std::string formatLayouts(const LayoutDecision& d, size_t count) {
 }
 
 std::string layoutJson(const LayoutDecision& d) {
-  nlohmann::json top = nlohmann::json::array();
+  nlohmann::json top = nlohmann::json::array(), all = nlohmann::json::array();
   for (const LayoutChoice& c : d.search.ranked) {
-    if (!c.fits || top.size() == 5) break;
-    top.push_back(choiceJson(c));
+    if (c.fits && top.size() < 5) top.push_back(choiceJson(c));
+    all.push_back(choiceJson(c));
   }
   nlohmann::json j = {{"format", "caravan-layout-1"},
                       {"workers", d.workers},
@@ -130,6 +130,8 @@ std::string layoutJson(const LayoutDecision& d) {
                       {"searched", d.search.ranked.size()},
                       {"chosen", choiceJson(d.chosen())},
                       {"top", top},
+                      {"layouts", all},
+                      {"refused", d.search.refused},
                       {"cluster", d.cluster.toToml()}};
   return j.dump(1) + "\n";
 }

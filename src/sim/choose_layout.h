@@ -43,7 +43,8 @@ LayoutDecision chooseLayout(const Config& config, const ClusterSpec& cluster, in
 // The top `count` ways, one per line ("  1. allreduce+shard(...): ..."), and the chosen keys.
 std::string formatLayouts(const LayoutDecision& d, size_t count);
 
-// RUN_DIR/layout.json: the chosen layout (its keys, its prediction) and the top five.
+// RUN_DIR/layout.json: the chosen layout (its keys, its prediction), the top five, every layout
+// searched (fitting or not) and those refused.
 std::string layoutJson(const LayoutDecision& d);
 // The keys of a layout.json (a resumed run keeps its layout). ConfigError naming `source`.
 std::vector<std::string> layoutKeysFromJson(const std::string& text, const std::string& source);

@@ -19,20 +19,20 @@
 namespace caravan::sim {
 namespace {
 
-// The blocks [begin, end) of the workload as the planner profiles them, for one micro-batch of
-// `m` (times and sizes linear in the batch); the loss with the last stage.
-ModelProfile stageProfile(const Workload& w, size_t begin, size_t end, int m, bool withLoss) {
+// The blocks [begin, end) of `micro` (a workload of one micro-batch, perMicroBatch) as the
+// planner profiles them; the loss with the last stage.
+ModelProfile stageProfile(const Workload& micro, size_t begin, size_t end, bool withLoss) {
   ModelProfile p;
   for (size_t b = begin; b < end; ++b) {
     BlockProfile& bp = p.blocks.emplace_back();
-    bp.forwardSeconds = w.forwardSeconds[b] / m;
-    bp.backwardSeconds = w.planner.keepBackwardSeconds[b] / m;
-    bp.inputBytes = bp.inputFloat32Bytes = w.inputBytes[b] / m;
-    bp.savedBytes = bp.savedFloat32Bytes = w.planner.savedBytes[b] / m;
+    bp.forwardSeconds = micro.forwardSeconds[b];
+    bp.backwardSeconds = micro.planner.keepBackwardSeconds[b];
+    bp.inputBytes = bp.inputFloat32Bytes = micro.inputBytes[b];
+    bp.savedBytes = bp.savedFloat32Bytes = micro.planner.savedBytes[b];
   }
   if (withLoss) {
-    p.lossSeconds = w.lossSeconds / m;
-    p.lossSavedBytes = w.planner.lossSavedBytes / m;
+    p.lossSeconds = micro.lossSeconds;
+    p.lossSavedBytes = micro.planner.lossSavedBytes;
   }
   return p;
 }
@@ -123,7 +123,7 @@ Laid layOut(const Workload& w, const RunOptions& job, int workers, int64_t limit
       return out;
     }
     const int64_t persistent = modelStateBytes(w, job, workers);
-    const ModelProfile profile = stageProfile(w, 0, n, 1, true);
+    const ModelProfile profile = stageProfile(w, 0, n, true);
     const StagePlan plan = planStage(profile, bandwidth, limit > 0, limit - persistent, prefetch);
     addExtra(0, n, plan.extraSeconds);
     out.workload.activationPeakBytes = plan.peakBytes;
@@ -134,12 +134,13 @@ Laid layOut(const Workload& w, const RunOptions& job, int workers, int64_t limit
   }
   const int m = job.pipeline.microBatches;
   const std::vector<size_t> cut = pipelineCut(w, job.pipeline);
+  const Workload micro = perMicroBatch(w, m);
   for (int s = 0; s < k; ++s) {
     int64_t stageParams = 0;
     for (size_t b = cut[s]; b < cut[s + 1]; ++b) stageParams += w.parameterBytes[b];
     const int64_t persistent = stageParams * (2 + stateFactor);
     const int held = job.pipeline.schedule == PipelineSchedule::kGPipe ? m : std::min(k - s, m);
-    const ModelProfile profile = stageProfile(w, cut[s], cut[s + 1], m, s == k - 1);
+    const ModelProfile profile = stageProfile(micro, cut[s], cut[s + 1], s == k - 1);
     const StagePlan plan =
         planStage(profile, bandwidth, limit > 0, (limit - persistent) / held, prefetch);
     addExtra(cut[s], cut[s + 1], plan.extraSeconds * m);

@@ -251,10 +251,19 @@ struct Context {
   std::vector<double> scale;  // per worker: its host's compute contention
 };
 
+// A worker's host's own cores (where hosts share a machine's cores: a cgroup's quota, which
+// holds even while the others idle): its processes' threads over them.
+double hostQuota(const Placement& p, int host, const Workload& w, const ClusterSpec& c) {
+  return std::max(1.0, p.workersOnHost[host] * w.threads / c.coresPerHost);
+}
+
+// The compute contention of a worker on `host`: its host's quota, and where the hosts share
+// cores, every process's threads over them.
 double contention(const Placement& p, int host, int workers, const Workload& w,
                   const ClusterSpec& c) {
-  if (c.sharedCores > 0.0) return std::max(1.0, workers * w.threads / c.sharedCores);
-  return std::max(1.0, p.workersOnHost[host] * w.threads / c.coresPerHost);
+  const double quota = hostQuota(p, host, w, c);
+  if (c.sharedCores > 0.0) return std::max(quota, workers * w.threads / c.sharedCores);
+  return quota;
 }
 
 // A ring all-reduce of `bytes` between the hosts with workers, after a reduction inside each
@@ -740,15 +749,44 @@ class ServerLoop {
 
 }  // namespace
 
+Workload perMicroBatch(const Workload& workload, int microBatches) {
+  const int m = std::max(1, microBatches);
+  Workload w = workload;
+  if (m == 1) return w;
+  auto shrink = [m](double t, double fixed) {
+    fixed = std::clamp(fixed, 0.0, t);
+    return fixed + (t - fixed) / m;
+  };
+  const auto fixedAt = [](const std::vector<double>& fixed, size_t b) {
+    return b < fixed.size() ? fixed[b] : 0.0;
+  };
+  for (size_t b = 0; b < w.forwardSeconds.size(); ++b) {
+    w.forwardSeconds[b] = shrink(w.forwardSeconds[b], fixedAt(w.forwardFixedSeconds, b));
+    w.backwardSeconds[b] = shrink(w.backwardSeconds[b], fixedAt(w.backwardFixedSeconds, b));
+    w.inputBytes[b] /= m;
+  }
+  for (size_t b = 0; b < w.planner.keepBackwardSeconds.size(); ++b) {
+    w.planner.keepBackwardSeconds[b] =
+        shrink(w.planner.keepBackwardSeconds[b], fixedAt(w.backwardFixedSeconds, b));
+    w.planner.savedBytes[b] /= m;
+  }
+  w.planner.lossSavedBytes /= m;
+  w.lossSeconds = shrink(w.lossSeconds, w.lossFixedSeconds);
+  w.activationPeakBytes /= m;
+  w.batchPerWorker = std::max<int64_t>(1, w.batchPerWorker / m);
+  return w;
+}
+
 std::vector<size_t> pipelineCut(const Workload& workload, const PipelineOptions& pipeline) {
   const int k = pipeline.stages, m = std::max(1, pipeline.microBatches);
+  const Workload micro = perMicroBatch(workload, m);
   const size_t n = workload.forwardSeconds.size();
   std::vector<BlockCost> blocks(n);
   for (size_t b = 0; b < n; ++b) {
-    blocks[b].forwardSeconds = workload.forwardSeconds[b] / m;
-    blocks[b].backwardSeconds = workload.backwardSeconds[b] / m;
+    blocks[b].forwardSeconds = micro.forwardSeconds[b];
+    blocks[b].backwardSeconds = micro.backwardSeconds[b];
     blocks[b].parameterBytes = workload.parameterBytes[b];
-    blocks[b].inputBytes = workload.inputBytes[b] / m;
+    blocks[b].inputBytes = micro.inputBytes[b];
   }
   const PartitionChoice choice = parsePartition(pipeline.partition);
   return partitionBlocks(blocks, k, m, pipeline.schedule, 0, choice.objective, false,
@@ -764,23 +802,23 @@ namespace {
 Totals simulatePipeline(const Context& x) {
   const int k = x.pipeline.stages, m = x.pipeline.microBatches;
   const std::vector<size_t> begin = pipelineCut(x.w, x.pipeline);
+  const Workload micro = perMicroBatch(x.w, m);  // one micro-batch's times and activations
   const int replicas = x.o.workers / k;
   std::vector<double> stageForward(k, 0.0), stageBackward(k, 0.0), stageParams(k, 0.0);
   std::vector<StageCosts> costs(k);
   double activationsSent = 0.0;  // per pipeline and step: activations and their gradients
   for (int s = 0; s < k; ++s) {
     for (size_t b = begin[s]; b < begin[s + 1]; ++b) {
-      stageForward[s] += x.w.forwardSeconds[b];
-      stageBackward[s] += x.w.backwardSeconds[b];
+      stageForward[s] += micro.forwardSeconds[b];
+      stageBackward[s] += micro.backwardSeconds[b];
       stageParams[s] += static_cast<double>(x.w.parameterBytes[b]);
     }
-    if (s == k - 1) stageForward[s] += x.w.lossSeconds;
+    if (s == k - 1) stageForward[s] += micro.lossSeconds;
     // A stage's receives: activations across its first cut, gradients across its last (the
     // schedule's simulation has one transfer time per receiving stage: the larger of the two).
     double boundary = 0.0;
-    if (s > 0) boundary = static_cast<double>(x.w.inputBytes[begin[s]]);
-    if (s + 1 < k) boundary = std::max(boundary, static_cast<double>(x.w.inputBytes[begin[s + 1]]));
-    boundary /= m;
+    if (s > 0) boundary = static_cast<double>(micro.inputBytes[begin[s]]);
+    if (s + 1 < k) boundary = std::max(boundary, static_cast<double>(micro.inputBytes[begin[s + 1]]));
     const bool sameHost = x.p.workerHost[s] == x.p.workerHost[s > 0 ? s - 1 : 1];
     costs[s].transfer = sameHost ? boundary / x.c.shmBytesPerSecond
                                  : x.c.latencySeconds + boundary / x.c.linkBytesPerSecond();
@@ -791,9 +829,9 @@ Totals simulatePipeline(const Context& x) {
   const std::vector<StageProgram> programs = buildSchedule(x.pipeline.schedule, k, m);
   auto run = [&](const std::vector<double>& scale) {
     for (int s = 0; s < k; ++s) {
-      costs[s].forward = scale[s] * stageForward[s] / m;
-      costs[s].backwardInput = scale[s] * stageBackward[s] / 2.0 / m;
-      costs[s].backwardWeight = scale[s] * stageBackward[s] / 2.0 / m;
+      costs[s].forward = scale[s] * stageForward[s];
+      costs[s].backwardInput = scale[s] * stageBackward[s] / 2.0;
+      costs[s].backwardWeight = scale[s] * stageBackward[s] / 2.0;
     }
     return simulateSchedule(programs, costs);
   };
@@ -809,7 +847,8 @@ Totals simulatePipeline(const Context& x) {
   // Processes that share cores contend only while they compute, and a pipeline's stages idle
   // in its bubbles and exchanges: the contention is x.scale (every process always computing)
   // times the share of the step the stages compute, found as a fixed point (the share from the
-  // schedule with the contention it implies; from none, a few rounds settle it).
+  // schedule with the contention it implies; from none, a few rounds settle it), but never below
+  // the host's own quota (a cgroup's cap holds while the others idle).
   std::vector<double> scale(k, 1.0);
   double slowest = 1.0;
   ScheduleSimulation one;
@@ -821,7 +860,7 @@ Totals simulatePipeline(const Context& x) {
     const double computing = busy / (k * step);
     double next = 1.0;
     for (int s = 0; s < k; ++s) {
-      scale[s] = std::max(1.0, x.scale[s] * computing);
+      scale[s] = std::max(hostQuota(x.p, x.p.workerHost[s], x.w, x.c), x.scale[s] * computing);
       next = std::max(next, scale[s]);
     }
     if (std::abs(next - slowest) < 1e-9 * next) break;

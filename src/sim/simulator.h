@@ -100,6 +100,13 @@ struct Workload {
     double tierWriteBytesPerSecond = 0.0, tierReadBytesPerSecond = 0.0;
   } planner;
 
+  // The part of each block's forward and backward time (and the loss's) that does not shrink
+  // with its batch: a micro-batch of B / M takes fixed + (t - fixed) / M. From a second profile
+  // at a quarter of the batch (a line through the two). Empty: all of it shrinks (a workload
+  // file from before).
+  std::vector<double> forwardFixedSeconds, backwardFixedSeconds;
+  double lossFixedSeconds = 0.0;
+
   int64_t parameterTotal() const;
   double computeSeconds() const;  // forward + loss + backward
 };
@@ -108,6 +115,11 @@ struct Workload {
 // run makes (pipeline/partition.h, parallel.partition) from the profiled block times per
 // micro-batch, with no memory budget. ConfigError when there are more stages than blocks.
 std::vector<size_t> pipelineCut(const Workload& workload, const PipelineOptions& pipeline);
+
+// The workload of one micro-batch of M (a pipeline's, or gradient accumulation's): each time
+// fixed + (t - fixed) / M (Workload::forwardFixedSeconds), each activation size / M; parameters,
+// update and epoch as they are. M = 1: the workload itself.
+Workload perMicroBatch(const Workload& workload, int microBatches);
 
 // One all-reduce bucket of a workload, as AllReduceStrategy forms it (gradientBuckets).
 struct GradientBucket {

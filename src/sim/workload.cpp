@@ -93,6 +93,25 @@ Workload measureWorkload(const Config& config) {
     w.planner.savedBytes.push_back(b.savedBytes);
     w.planner.keepBackwardSeconds.push_back(b.backwardSeconds);
   }
+  // The part of each time that does not shrink with the batch: a line through this profile and
+  // one at a quarter of the batch (micro-batches, perMicroBatch).
+  if (const int64_t quarter = sample.size() / 4; quarter >= 1) {
+    const Batch small{sample.input.narrow(0, 0, quarter), sample.target.narrow(0, 0, quarter)};
+    const ModelProfile q = profileModel(
+        setup.model, small, std::max<int>(2, static_cast<int>(options.memory.profileRepeats)));
+    const double full = static_cast<double>(sample.size()), part = static_cast<double>(quarter);
+    auto fixed = [&](double atFull, double atPart) {  // the line's value at batch 0
+      const double perExample = (atFull - atPart) / (full - part);
+      return std::clamp(atFull - perExample * full, 0.0, atFull);
+    };
+    for (size_t i = 0; i < profile.blocks.size(); ++i) {
+      w.forwardFixedSeconds.push_back(
+          fixed(profile.blocks[i].forwardSeconds, q.blocks[i].forwardSeconds));
+      w.backwardFixedSeconds.push_back(
+          fixed(profile.blocks[i].backwardSeconds, q.blocks[i].backwardSeconds));
+    }
+    w.lossFixedSeconds = fixed(profile.lossSeconds, q.lossSeconds);
+  }
   w.planner.measured = true;
   w.planner.lossSavedBytes = profile.lossSavedBytes;
   w.planner.tierWriteBytesPerSecond = m.bandwidth.writeBytesPerSecond;
@@ -186,6 +205,11 @@ std::string workloadJson(const Workload& w) {
                     {"window_bytes", w.offload.windowBytes},
                     {"activation_peak_bytes", w.offload.activationPeakBytes}};
   }
+  if (!w.forwardFixedSeconds.empty()) {
+    j["fixed"] = {{"forward_s", w.forwardFixedSeconds},
+                  {"backward_s", w.backwardFixedSeconds},
+                  {"loss_s", w.lossFixedSeconds}};
+  }
   if (w.planner.measured) {
     j["planner"] = {{"saved_bytes", w.planner.savedBytes},
                     {"keep_backward_s", w.planner.keepBackwardSeconds},
@@ -235,6 +259,12 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
       w.offload.windowBytes = o.at("window_bytes").get<int64_t>();
       w.offload.activationPeakBytes = o.at("activation_peak_bytes").get<int64_t>();
     }
+    if (j.contains("fixed")) {  // optional: workloads written before it shrink times linearly
+      const nlohmann::json& f = j.at("fixed");
+      w.forwardFixedSeconds = f.at("forward_s").get<std::vector<double>>();
+      w.backwardFixedSeconds = f.at("backward_s").get<std::vector<double>>();
+      w.lossFixedSeconds = f.at("loss_s").get<double>();
+    }
     if (j.contains("planner")) {  // optional: workloads written before the layout search
       const nlohmann::json& p = j.at("planner");
       w.planner.measured = true;
@@ -261,8 +291,9 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
       w.planner.tierWriteBytesPerSecond >= 0.0 && std::isfinite(w.planner.tierReadBytesPerSecond) &&
       w.planner.tierReadBytesPerSecond >= 0.0;
   for (int64_t v : w.planner.savedBytes) finite = finite && v >= 0;
-  for (const auto* times :
-       {&w.forwardSeconds, &w.backwardSeconds, &w.planner.keepBackwardSeconds}) {
+  finite = finite && std::isfinite(w.lossFixedSeconds) && w.lossFixedSeconds >= 0.0;
+  for (const auto* times : {&w.forwardSeconds, &w.backwardSeconds, &w.planner.keepBackwardSeconds,
+                            &w.forwardFixedSeconds, &w.backwardFixedSeconds}) {
     for (double v : *times) finite = finite && std::isfinite(v) && v >= 0.0;
   }
   for (const auto* sizes : {&w.parameterBytes, &w.inputBytes}) {
@@ -283,6 +314,8 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
   if (n == 0 || w.backwardSeconds.size() != n || w.parameterBytes.size() != n ||
       (!w.gatherBytes.empty() && w.gatherBytes.size() != n) ||
       (!w.gradientBytes.empty() && w.gradientBytes.size() != n) || w.inputBytes.size() != n ||
+      (!w.forwardFixedSeconds.empty() &&
+       (w.forwardFixedSeconds.size() != n || w.backwardFixedSeconds.size() != n)) ||
       (w.planner.measured &&
        (w.planner.savedBytes.size() != n || w.planner.keepBackwardSeconds.size() != n)) ||
       w.threads < 1 || w.batchPerWorker < 1 || !finite) {
