@@ -937,3 +937,74 @@ TEST_F(Cli, TwoThreadRunsSpinOnlyAloneOnOpenMpsPoolUnlessTheUserChose) {
   EXPECT_EQ(one["openmp_wait_policy"], "unset (libgomp's default: spin)");
   EXPECT_EQ(one["compute_threads"], 1);
 }
+
+// caravan plan --cluster: the layouts ranked, and the two refusals naming what would work.
+TEST_F(Cli, PlanClusterRanksLayoutsAndRefusesWhatTheClusterCannotHold) {
+  const std::string cluster = tmp_ / "cluster.toml";
+  writeFile(cluster, "[cluster]\nhosts = 4\nlink_mbit = 100\ncores_per_host = 1\n");
+  const std::string base = "plan --config " + configPath_ + " " + kSynthetic;
+  const std::string out = tmp_ / "layout.json";
+  CommandResult r = runCaravan(base + "--cluster " + cluster + " -o " + out);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.out.find("4 workers on 4 hosts"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  1. "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("chosen: "), std::string::npos) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(readFile(out));
+  ASSERT_FALSE(j.at("layouts").empty());
+  // The chosen is the first of the layouts, which are ranked fastest first among those that fit.
+  EXPECT_EQ(j.at("chosen").at("name"), j.at("layouts")[0].at("name"));
+  double last = 1e300;
+  for (const auto& l : j.at("layouts")) {
+    if (!l.at("fits").get<bool>()) continue;
+    EXPECT_LE(l.at("predicted_samples_per_s").get<double>(), last);
+    last = l.at("predicted_samples_per_s").get<double>();
+  }
+  // Two hosts of one core hold two single-threaded workers, not four.
+  writeFile(cluster, "[cluster]\nhosts = 2\nlink_mbit = 100\ncores_per_host = 1\n");
+  expectOneLineError(runCaravan(base + "--cluster " + cluster + " --workers 4"), 2,
+                     "the nearest layout that works: 2 workers as ");
+  // A budget below every layout's model state.
+  writeFile(cluster, "[cluster]\nhosts = 4\nlink_mbit = 100\ncores_per_host = 1\n");
+  expectOneLineError(runCaravan(base + "--set memory.budget=1KiB --cluster " + cluster), 2,
+                     "no layout of 4 workers fits 1.0 KiB per worker (memory.budget); the nearest "
+                     "that would: ");
+  // Flags of the search need --cluster.
+  EXPECT_EQ(runCaravan(base + "--workers 4").exitCode, 2);
+}
+
+// parallel.layout = auto: every rank runs rank 0's choice, written to layout.json, and the run is
+// the run of those keys set by hand, loss for loss; a resumed run keeps its layout.
+TEST_F(Cli, TrainWithLayoutAutoRunsTheChosenLayoutOnEveryRank) {
+  const std::string cluster = tmp_ / "cluster.toml";
+  writeFile(cluster, "[cluster]\nhosts = 2\nlink_mbit = 1000\ncores_per_host = 1\n");
+  const std::string base = "train -q --config " + configPath_ + " " + kSynthetic +
+                           "--set train.max_steps=4 --set train.log_every=1 --workers 2 ";
+  const std::string autoRun = tmp_ / "auto", manualRun = tmp_ / "manual";
+  CommandResult r =
+      runCaravan(base + "--set parallel.layout=auto --set parallel.cluster=" + cluster +
+                 " --stop-at-step 2 --run-dir " + autoRun);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const std::string layout = readFile(autoRun + "/layout.json");
+  const nlohmann::json j = nlohmann::json::parse(layout);
+  const auto keys = j.at("chosen").at("keys").get<std::vector<std::string>>();
+  ASSERT_FALSE(keys.empty());
+  r = runCaravan("train -q --resume " + autoRun + " --workers 2");
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_EQ(readFile(autoRun + "/layout.json"), layout);  // not searched again
+  std::string sets;
+  for (const std::string& k : keys) sets += "--set '" + k + "' ";
+  r = runCaravan(base + sets + "--run-dir " + manualRun);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const std::vector<double> a = caravan::test::losses(autoRun, "train");
+  const std::vector<double> m = caravan::test::losses(manualRun, "train");
+  ASSERT_EQ(a.size(), 4u);
+  EXPECT_EQ(a, m);
+  // The saved config holds the chosen keys.
+  const std::string config = readFile(autoRun + "/config.toml");
+  for (const std::string& k : keys) {
+    if (k.rfind("parallel.pipeline_stages=", 0) == 0) {
+      EXPECT_NE(config.find("pipeline_stages = " + k.substr(k.find('=') + 1)), std::string::npos)
+          << config;
+    }
+  }
+}

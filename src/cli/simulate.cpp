@@ -122,7 +122,7 @@ int runPlanLayout(const PlanLayoutArgs& args) {
   std::optional<sim::Workload> given;
   if (!args.workloadPath.empty()) {
     given = readWorkload(args.workloadPath, config);
-  } else {
+  } else if (isatty(STDERR_FILENO) != 0) {  // a refusal stays one line where it is read later
     std::cerr << "caravan: profiling the model on one batch...\n";
   }
   const sim::LayoutDecision d = sim::chooseLayout(config, cluster, workers, /*checkCapacity=*/true,
