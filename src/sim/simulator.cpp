@@ -818,7 +818,9 @@ Totals simulatePipeline(const Context& x) {
     // schedule's simulation has one transfer time per receiving stage: the larger of the two).
     double boundary = 0.0;
     if (s > 0) boundary = static_cast<double>(micro.inputBytes[begin[s]]);
-    if (s + 1 < k) boundary = std::max(boundary, static_cast<double>(micro.inputBytes[begin[s + 1]]));
+    if (s + 1 < k) {
+      boundary = std::max(boundary, static_cast<double>(micro.inputBytes[begin[s + 1]]));
+    }
     const bool sameHost = x.p.workerHost[s] == x.p.workerHost[s > 0 ? s - 1 : 1];
     costs[s].transfer = sameHost ? boundary / x.c.shmBytesPerSecond
                                  : x.c.latencySeconds + boundary / x.c.linkBytesPerSecond();
