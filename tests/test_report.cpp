@@ -96,6 +96,25 @@ TEST(ReportData, APipelineTimelineOfAnotherShapeIsLeftOutWithANote) {
   EXPECT_EQ(run["train"]["step"], json({10, 20}));
 }
 
+// parallel.layout = auto: the run's layout.json gives the page the chosen layout's prediction;
+// one that does not parse is left out with a note.
+TEST(ReportData, ARunsLayoutPredictionIsReadBesideItsRecords) {
+  TempDir tmp;
+  makeRun(tmp / "run", metricsLines());
+  writeFile(tmp / "run/layout.json",
+            R"j({"format":"caravan-layout-1","chosen":{"name":"allreduce+pipeline(2x4)",)j"
+            R"j("predicted_samples_per_s":812.5,"memory_bytes":1024,"reasons":"2 stages"}})j");
+  const json run = report::readRun(tmp / "run");
+  ASSERT_TRUE(run.contains("layout"));
+  EXPECT_EQ(run["layout"]["name"], "allreduce+pipeline(2x4)");
+  EXPECT_EQ(run["layout"]["predicted_samples_per_s"], 812.5);
+  EXPECT_TRUE(run["notes"].empty());
+  writeFile(tmp / "run/layout.json", "{not json");
+  const json damaged = report::readRun(tmp / "run");
+  EXPECT_FALSE(damaged.contains("layout"));
+  ASSERT_EQ(damaged["notes"].size(), 1u);
+}
+
 TEST(ReportData, NumbersKeepSixSignificantDigits) {
   TempDir tmp;
   makeRun(tmp / "run", R"({"kind":"train","step":1,"loss":0.123456789012,"time_s":12345.678901})"

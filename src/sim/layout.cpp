@@ -81,15 +81,6 @@ std::string countPolicies(const std::vector<BlockPolicy>& policies) {
   return out;
 }
 
-// Every strategy's copy of sync.compression, as RunOptions::read sets them from the one key.
-void noCompression(SyncOptions& sync) {
-  sync.compressionName = "none";
-  sync.allreduce.compression = Compression::kNone;
-  sync.ps.compression = Compression::kNone;
-  sync.localSgd.compression = Compression::kNone;
-  sync.diloco.compression = Compression::kNone;
-}
-
 // The candidate's memory, its plan and the workload its compute is simulated with.
 struct Laid {
   Workload workload;
@@ -187,9 +178,14 @@ std::vector<std::string> layoutKeys(const RunOptions& job, int64_t memoryBudget)
       "sync.compression=\"none\"",
       fmt::format("memory.weights=\"{}\"", job.memory.offloadWeights ? "offload" : "core")};
   if (job.sync.mode == SyncMode::kOsp) keys.push_back("sync.osp_auto_fraction=true");
+  // The planner's policy under the limit, or every block kept (whatever the config said); with
+  // offloaded weights the config's own, as the profile planned it.
+  if (job.memory.offloadWeights) return keys;
   if (memoryBudget > 0) {
     keys.push_back("memory.policy=\"auto\"");
     keys.push_back(fmt::format("memory.budget=\"{}\"", memoryBudget));
+  } else {
+    keys.push_back("memory.policy=\"keep\"");
   }
   return keys;
 }
@@ -203,7 +199,7 @@ std::vector<RunOptions> layoutCandidates(const RunOptions& own, const LayoutSpac
   base.pipeline.microBatches = 1;
   base.sync.shard = ShardLevel::kNone;
   base.memory.offloadWeights = false;
-  noCompression(base.sync);
+  base.sync.setCompression("none");
   base.sync.localSgd.postLocalAfter = 0;
   base.sync.gossip.topology = "ring";
   std::vector<RunOptions> out;

@@ -91,7 +91,9 @@ std::vector<RunOptions> layoutCandidates(const RunOptions& own, const LayoutSpac
 LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
                            const ClusterSpec& cluster, const LayoutSpace& space);
 
-// The config overrides that lay `own` out as `job` (the keys the search changes).
+// The config overrides that lay `own` out as `job` (the keys the search changes): memory.policy
+// auto under `memoryBudget` where the planner changes some block, else keep (offloaded weights:
+// the config's policy, which the workload's offload profile was planned with).
 std::vector<std::string> layoutKeys(const RunOptions& job, int64_t memoryBudget);
 
 }  // namespace caravan::sim

@@ -11,16 +11,6 @@
 namespace caravan::sim {
 namespace {
 
-// Every strategy's copy of sync.compression, as RunOptions::read sets them from the one key.
-void setCompression(SyncOptions& sync, const std::string& name) {
-  const Compression c = parseCompression(name);
-  sync.compressionName = name;
-  sync.allreduce.compression = c;
-  sync.ps.compression = c;
-  sync.localSgd.compression = c;
-  sync.diloco.compression = c;
-}
-
 // What a mode gives up against single-process training, in words.
 std::string consistency(const RunOptions& job, const SimResult& r) {
   const SyncOptions& s = job.sync;
@@ -69,7 +59,7 @@ std::vector<RunOptions> candidates(const RunOptions& own, int workers) {
     SyncOptions& s = c.sync;
     s.mode = mode;
     s.servers = usesServers(mode) ? std::max(1, own.sync.servers) : 0;
-    setCompression(s, "none");
+    s.setCompression("none");
     if (isConsistencyMode(mode)) {  // the mode's consistency, the run's staleness
       const PsOptions ps = s.ps;
       s.ps = psOptions(mode, ps.staleness);
@@ -87,7 +77,7 @@ std::vector<RunOptions> candidates(const RunOptions& own, int workers) {
   };
   auto none = [](RunOptions&) {};
   add(SyncMode::kAllReduce, none);
-  add(SyncMode::kAllReduce, [](RunOptions& c) { setCompression(c.sync, "fp16"); });
+  add(SyncMode::kAllReduce, [](RunOptions& c) { c.sync.setCompression("fp16"); });
   add(SyncMode::kAllReduce, [](RunOptions& c) { c.sync.shard = ShardLevel::kGradients; });
   add(SyncMode::kAllReduce, [](RunOptions& c) { c.sync.shard = ShardLevel::kParameters; });
   add(SyncMode::kAllReduce, [](RunOptions& c) { c.memory.offloadWeights = true; });

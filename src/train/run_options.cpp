@@ -35,30 +35,25 @@ SyncOptions readSync(const Config& config) {
   s.timeout = milliseconds(config.f64("fault.timeout"));
   s.rendezvousTimeout = milliseconds(config.f64("fault.rendezvous_timeout"));
   s.stallReport = milliseconds(config.f64("fault.stall_report"));
-  s.compressionName = config.str("sync.compression");
   s.shard = parseShardLevel(config.str("sync.shard"));
   AllReduceOptions& a = s.allreduce;
   a.bucketBytes = static_cast<int64_t>(config.f64("sync.bucket_mb") * (1 << 20));
   a.firstBucketBytes = static_cast<int64_t>(config.f64("sync.first_bucket_mb") * (1 << 20));
-  a.compression = parseCompression(s.compressionName);
   a.topkRatio = config.f64("sync.topk_ratio");
   s.localSgd.period = config.i64("sync.local_period");
   s.localSgd.postLocalAfter = config.i64("sync.post_local_steps");
-  s.localSgd.allreduce = a;
-  s.localSgd.allreduce.compression = Compression::kNone;  // the BSP phase's gradients
-  s.localSgd.compression = a.compression;                 // the averaging's: none, int8, int4
+  s.localSgd.allreduce = a;  // the BSP phase's gradients: uncompressed
   DilocoOptions& dl = s.diloco;
   dl.period = s.localSgd.period;
   dl.outerLr = config.f64("sync.outer_lr");
   dl.outerMomentum = config.f64("sync.outer_momentum");
   dl.fragments = config.i64("sync.fragments");
-  dl.compression = a.compression;
   s.gossip.topology = config.str("sync.gossip_topology");
   if (isConsistencyMode(s.mode)) {
     s.ps = psOptions(s.mode, config.i64("sync.staleness"));
   }
-  s.ps.compression = a.compression;
   s.ps.topkRatio = a.topkRatio;
+  s.setCompression(config.str("sync.compression"));
   OspOptions& o = s.osp;
   o.fraction = config.f64("sync.osp_fraction");
   o.autoFraction = config.flag("sync.osp_auto_fraction");
@@ -453,6 +448,15 @@ void validate(const RunOptions& options, int worldSize) {
         options.memory.offloadWeights ? "memory.weights = offload"
                                       : "sync.mode = " + std::string(modeName)));
   }
+}
+
+void SyncOptions::setCompression(const std::string& name) {
+  const Compression c = parseCompression(name);
+  compressionName = name;
+  allreduce.compression = c;
+  ps.compression = c;
+  localSgd.compression = c;  // the averaging's: none, int8, int4
+  diloco.compression = c;
 }
 
 }  // namespace caravan

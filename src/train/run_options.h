@@ -112,6 +112,10 @@ struct SyncOptions {
   // diloco and ps-diloco read `diloco`.
   OspOptions osp;
   bool usesServers() const { return servers > 0; }
+  // sync.compression = `name` in every strategy's copy (the all-reduce's gradients, the
+  // servers' pushes, local SGD's and DiLoCo's parameter changes), as RunOptions::read sets them
+  // from the one key. ConfigError for an unknown name.
+  void setCompression(const std::string& name);
 };
 
 // parallel.*: pipeline stages and micro-batches.
