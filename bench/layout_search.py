@@ -24,8 +24,9 @@ sync modes at 1 Gbit/s and 100 Mbit/s; nothing here is fitted, so the GPT cases 
 calibrated on and the CNN's layouts (sharding, pipelines) were not either.
 
 Written under --out: results.json (every run's numbers, the predictions), table.md.
-Each run directory is kept (runs/CASE/RATE/LAYOUT-rREPEAT); a run whose metrics.jsonl and
-model.pt exist is reused (--fresh runs it again). OPENBLAS_CORETYPE is removed from the
+Each run directory is kept (runs/CASE/RATE/LAYOUT-rREPEAT); a run whose model.pt exists and
+that ran with the same --set keys (RUN.bench-keys.json) is reused (--fresh runs it again); one
+from before that file is reused and listed in results.json's "older_runs". OPENBLAS_CORETYPE is removed from the
 measured processes' environment (bench/train_throughput.py env()); the table says so.
 Needs root and iproute2 (exit 77 otherwise).
 """
@@ -113,16 +114,27 @@ def run_layout(a, case, rate, layout, repeat):
     slug = "".join(ch if ch.isalnum() else "-" for ch in layout["name"]).strip("-")
     run_dir = os.path.join(a.out, "runs", case, rate, f"{slug}-r{repeat}")
     done = os.path.join(run_dir, "model.pt")
-    if not a.fresh and os.path.exists(done):
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
     log_every = max(1, a.steps // 8)
     sets = COMMON + extra + layout["keys"] + [f"train.max_steps={a.steps}",
                                               f"train.log_every={log_every}"]
-    return train_on_hosts(HOSTS, rate, a.timeout, config, sets, run_dir,
-                          f"layout_search: {case} {layout['name']} at {rate}", a.cpus)
+    # A run is reused only with the keys it ran with (bench-keys.json beside it; a run from
+    # before that file is reused as it is, and counted in results.json's "older_runs").
+    keys_file = run_dir + ".bench-keys.json"
+    if not a.fresh and os.path.exists(done):
+        if not os.path.exists(keys_file):
+            a.older_runs.append(run_dir)
+        elif json.load(open(keys_file)) != sets:
+            done = None
+        if done:
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                return [json.loads(line) for line in f]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+    records = train_on_hosts(HOSTS, rate, a.timeout, config, sets, run_dir,
+                             f"layout_search: {case} {layout['name']} at {rate}", a.cpus)
+    with open(keys_file, "w") as f:
+        json.dump(sets, f)
+    return records
 
 
 def kendall_tau(xs, ys):
@@ -172,7 +184,8 @@ def table(results, analysis):
     lines = [f"# parallel.layout = auto against every layout ({results['started']})", "",
              f"{HOSTS} namespace hosts, each held to {results['cpus']} cores of this machine's "
              f"{os.cpu_count()} (cgroup) and its link to the rate (tc tbf); {results['steps']} "
-             f"steps per run, {results['repeats']} repeats interleaved, medians; samples/s from "
+             f"steps per run, {results['repeats']} repeats interleaved, medians (of two: the "
+             "mean); samples/s from "
              "rank 0's train records after the first window. OPENBLAS_CORETYPE unset in the "
              "measured processes. Cluster constants: issue 21's (link_efficiency 0.7, latency_us "
              "2000, straggler_cv 0.15), nothing fitted here.", ""]
@@ -225,8 +238,9 @@ def main():
             print(write(a, json.load(f)), end="")
         return
     os.makedirs(a.out, exist_ok=True)
+    a.older_runs = []
     results = {"started": time.strftime("%Y-%m-%d %H:%M"), "steps": a.steps,
-               "repeats": a.repeats, "cpus": a.cpus, "cases": {}}
+               "repeats": a.repeats, "cpus": a.cpus, "cases": {}, "older_runs": a.older_runs}
     for case in a.cases:
         for rate in a.rates:
             j = predictions(a, case, rate)

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <limits>
 #include <set>
 
@@ -562,6 +563,16 @@ std::string formatPlan(const ModelProfile& profile, const Plan& plan,
                    formatBytes(plan.prediction.peakBytes), plan.prediction.peakBytes,
                    plan.fits ? "" : " -- does NOT fit the budget");
   return s;
+}
+
+int64_t plannedActivationBudget(int64_t budget, int64_t persistent) {
+  return std::max<int64_t>(
+      static_cast<int64_t>(kPlanMargin * static_cast<double>(budget - persistent)), 1);
+}
+
+int64_t budgetForPlannedPeak(int64_t peakBytes, int64_t persistent) {
+  return persistent +
+         static_cast<int64_t>(std::ceil(static_cast<double>(peakBytes) / kPlanMargin)) + 1;
 }
 
 }  // namespace caravan

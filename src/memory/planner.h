@@ -216,6 +216,15 @@ Plan planPolicies(const ModelProfile& profile, const TierBandwidth& bandwidth,
                   int64_t activationBudget, int prefetchDepth,
                   const WeightTraffic* weights = nullptr, int64_t writeLimit = 0);
 
+// A planned run aims its activations at this share of what the budget leaves them (the model
+// does not see threads scheduled late on a busy machine), and drains its writes there.
+inline constexpr double kPlanMargin = 0.95;
+// What the budget leaves a planned run's activations: kPlanMargin x (budget - persistent), at
+// least one byte. And the smallest budget under which a plan of `peakBytes` fits beside
+// `persistent` bytes (the inverse).
+int64_t plannedActivationBudget(int64_t budget, int64_t persistent);
+int64_t budgetForPlannedPeak(int64_t peakBytes, int64_t persistent);
+
 // The per-block table `caravan plan` prints.
 std::string formatPlan(const ModelProfile& profile, const Plan& plan,
                        const TierBandwidth& bandwidth, int prefetchDepth);

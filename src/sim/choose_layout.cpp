@@ -84,11 +84,10 @@ LayoutDecision chooseLayout(const Config& config, const ClusterSpec& cluster, in
     throw ConfigError(fmt::format(
         "no layout of {} workers fits {} per worker ({}); the nearest that would: {} with {} per "
         "worker (set memory.budget = \"{}\"{})",
-        workers, formatBytes(d.search.memoryLimit),
-        own.memory.budget > 0 ? "memory.budget" : "the host's memory over its processes",
-        least.name, formatBytesAtLeast(least.leastMemoryBytes),
-        formatBytesAtLeast(least.leastMemoryBytes),
-        own.memory.budget > 0 ? "" : " on hosts with that much memory per process"));
+        workers, formatBytes(d.search.memoryLimit), d.search.limitSource, least.name,
+        formatBytesAtLeast(least.leastMemoryBytes), formatBytesAtLeast(least.leastMemoryBytes),
+        d.search.limitSource == "memory.budget" ? ""
+                                                : " on hosts with that much memory per process"));
   }
   return d;
 }

@@ -12,6 +12,7 @@
 #include "memory/planner.h"
 #include "memory/tier.h"
 #include "memory/tracker.h"
+#include "pipeline/partition.h"
 #include "pipeline/schedule.h"
 #include "sync/compression.h"
 #include "sync/parameter_server.h"
@@ -19,21 +20,18 @@
 namespace caravan::sim {
 namespace {
 
-// The blocks [begin, end) of `micro` (a workload of one micro-batch, perMicroBatch) as the
-// planner profiles them; the loss with the last stage.
-ModelProfile stageProfile(const Workload& micro, size_t begin, size_t end, bool withLoss) {
+// The workload's blocks as the planner profiles them (one stage, the whole batch).
+ModelProfile wholeProfile(const Workload& w) {
   ModelProfile p;
-  for (size_t b = begin; b < end; ++b) {
+  for (size_t b = 0; b < w.forwardSeconds.size(); ++b) {
     BlockProfile& bp = p.blocks.emplace_back();
-    bp.forwardSeconds = micro.forwardSeconds[b];
-    bp.backwardSeconds = micro.planner.keepBackwardSeconds[b];
-    bp.inputBytes = bp.inputFloat32Bytes = micro.inputBytes[b];
-    bp.savedBytes = bp.savedFloat32Bytes = micro.planner.savedBytes[b];
+    bp.forwardSeconds = w.forwardSeconds[b];
+    bp.backwardSeconds = w.planner.keepBackwardSeconds[b];
+    bp.inputBytes = bp.inputFloat32Bytes = w.inputBytes[b];
+    bp.savedBytes = bp.savedFloat32Bytes = w.planner.savedBytes[b];
   }
-  if (withLoss) {
-    p.lossSeconds = micro.lossSeconds;
-    p.lossSavedBytes = micro.planner.lossSavedBytes;
-  }
+  p.lossSeconds = w.lossSeconds;
+  p.lossSavedBytes = w.planner.lossSavedBytes;
   return p;
 }
 
@@ -43,30 +41,19 @@ double keepCompute(const ModelProfile& p) {
   return s;
 }
 
-// One stage's plan: its policies, the activation peak of one micro-batch, and the seconds per
-// micro-batch it adds to the stage's compute (recomputation, waits for the tier).
-struct StagePlan {
-  std::vector<BlockPolicy> policies;
-  int64_t peakBytes = 0;
-  int64_t leastPeakBytes = 0;
-  double extraSeconds = 0.0;
-};
-
-// `limited`: under a memory limit, `activationBudget` what it leaves the activations (<= 0:
-// nothing; the smallest plan, not fitting); else every block keeps.
-StagePlan planStage(const ModelProfile& profile, const TierBandwidth& bandwidth, bool limited,
-                    int64_t activationBudget, int prefetch) {
-  StagePlan s;
-  const Plan plan = planPolicies(profile, bandwidth,
-                                 limited ? std::max<int64_t>(activationBudget, 1) : 0, prefetch);
-  s.policies = plan.policies;
-  s.peakBytes = plan.prediction.peakBytes;
-  s.extraSeconds = std::max(0.0, plan.prediction.stepSeconds - keepCompute(profile));
-  // The smallest plan: the one the planner returns when none fits a budget of one byte.
-  s.leastPeakBytes = limited && plan.fits
-                         ? planPolicies(profile, bandwidth, 1, prefetch).prediction.peakBytes
-                         : plan.prediction.peakBytes;
-  return s;
+// The pipeline's blocks as the run's partition costs them (train/memory_setup.cpp planPipeline):
+// one micro-batch's times and saves, each block's weights with their gradients and optimizer
+// state, the loss's time with the last block's backward.
+std::vector<BlockCost> pipelineCosts(const Workload& micro, int stateFactor) {
+  std::vector<BlockCost> costs;
+  for (size_t b = 0; b < micro.forwardSeconds.size(); ++b) {
+    const int64_t weights = micro.parameterBytes[b];
+    costs.push_back({"", micro.forwardSeconds[b], micro.planner.keepBackwardSeconds[b],
+                     micro.planner.savedBytes[b], (2 + stateFactor) * weights, weights,
+                     micro.inputBytes[b]});
+  }
+  costs.back().backwardSeconds += micro.lossSeconds;
+  return costs;
 }
 
 std::string countPolicies(const std::vector<BlockPolicy>& policies) {
@@ -81,20 +68,28 @@ std::string countPolicies(const std::vector<BlockPolicy>& policies) {
   return out;
 }
 
-// The candidate's memory, its plan and the workload its compute is simulated with.
+// The candidate's memory, its plan, the workload its compute is simulated with and (pipelines)
+// the cut the run's partition makes.
 struct Laid {
   Workload workload;
-  int64_t memory = 0, leastMemory = 0;
+  int64_t memory = 0;
+  int64_t leastMemory = 0;  // the smallest limit it fits
+  bool fits = true;
   std::vector<BlockPolicy> policies;
+  std::string partition;  // pipelines: parallel.partition's split points ("3,6,9")
 };
 
 Laid layOut(const Workload& w, const RunOptions& job, int workers, int64_t limit) {
-  Laid out{w, 0, 0, {}};
+  Laid out;
+  out.workload = w;
   const int64_t params = w.parameterTotal();
   const int stateFactor =
       params > 0 ? static_cast<int>((w.optimizerStateBytes + params / 2) / params) : 0;
-  const TierBandwidth bandwidth{w.planner.tierWriteBytesPerSecond,
-                                w.planner.tierReadBytesPerSecond};
+  // sync.shard = parameters never swaps (a swapped activation could hold a gathered weight).
+  const TierBandwidth bandwidth =
+      job.sync.shard == ShardLevel::kParameters
+          ? TierBandwidth{}
+          : TierBandwidth{w.planner.tierWriteBytesPerSecond, w.planner.tierReadBytesPerSecond};
   const int prefetch = static_cast<int>(job.memory.prefetch);
   const size_t n = w.forwardSeconds.size();
   out.workload.backwardSeconds = w.planner.keepBackwardSeconds;
@@ -107,37 +102,50 @@ Laid layOut(const Workload& w, const RunOptions& job, int workers, int64_t limit
     }
   };
   const int k = job.pipeline.stages;
-  if (k <= 1) {
-    if (job.memory.offloadWeights) {  // the run's own offload plan, as profiled
-      out.workload = w;
-      out.memory = out.leastMemory = w.offload.windowBytes + w.offload.activationPeakBytes;
-      return out;
-    }
+  if (k <= 1 && job.memory.offloadWeights) {  // the run's own offload plan, as profiled
+    out.workload = w;
+    out.memory = out.leastMemory = w.offload.windowBytes + w.offload.activationPeakBytes;
+    out.fits = limit <= 0 || out.memory <= limit;
+    return out;
+  }
+  if (k <= 1) {  // the run's planner under what the limit leaves (train/memory_setup.cpp)
     const int64_t persistent = modelStateBytes(w, job, workers);
-    const ModelProfile profile = stageProfile(w, 0, n, true);
-    const StagePlan plan = planStage(profile, bandwidth, limit > 0, limit - persistent, prefetch);
-    addExtra(0, n, plan.extraSeconds);
-    out.workload.activationPeakBytes = plan.peakBytes;
-    out.memory = persistent + plan.peakBytes;
-    out.leastMemory = persistent + plan.leastPeakBytes;
+    const ModelProfile profile = wholeProfile(w);
+    const int64_t room = limit > 0 ? plannedActivationBudget(limit, persistent) : 0;
+    const Plan plan = planPolicies(profile, bandwidth, room, prefetch, nullptr, room);
+    addExtra(0, n, std::max(0.0, plan.prediction.stepSeconds - keepCompute(profile)));
+    out.workload.activationPeakBytes = plan.prediction.peakBytes;
+    out.memory = persistent + plan.prediction.peakBytes;
+    out.fits = limit <= 0 || (plan.fits && persistent < limit);
+    // The smallest plan: the one the planner returns when none fits a budget of one byte.
+    const int64_t least = limit > 0
+                              ? planPolicies(profile, bandwidth, 1, prefetch).prediction.peakBytes
+                              : plan.prediction.peakBytes;
+    out.leastMemory = budgetForPlannedPeak(least, persistent);
     out.policies = plan.policies;
     return out;
   }
+  // Pipelines: the run's partition (pipeline/partition.h) under the limit, recomputing where
+  // memory.policy = auto would (not under zb-h1); the simulation then cuts where it cut.
   const int m = job.pipeline.microBatches;
-  const std::vector<size_t> cut = pipelineCut(w, job.pipeline);
   const Workload micro = perMicroBatch(w, m);
-  for (int s = 0; s < k; ++s) {
-    int64_t stageParams = 0;
-    for (size_t b = cut[s]; b < cut[s + 1]; ++b) stageParams += w.parameterBytes[b];
-    const int64_t persistent = stageParams * (2 + stateFactor);
-    const int held = job.pipeline.schedule == PipelineSchedule::kGPipe ? m : std::min(k - s, m);
-    const ModelProfile profile = stageProfile(micro, cut[s], cut[s + 1], s == k - 1);
-    const StagePlan plan =
-        planStage(profile, bandwidth, limit > 0, (limit - persistent) / held, prefetch);
-    addExtra(cut[s], cut[s + 1], plan.extraSeconds * m);
-    out.memory = std::max(out.memory, persistent + held * plan.peakBytes);
-    out.leastMemory = std::max(out.leastMemory, persistent + held * plan.leastPeakBytes);
-    out.policies.insert(out.policies.end(), plan.policies.begin(), plan.policies.end());
+  const PartitionChoice choice = parsePartition(job.pipeline.partition);
+  const bool recompute = limit > 0 && job.pipeline.schedule != PipelineSchedule::kZeroBubbleH1;
+  const Partition partition = partitionBlocks(
+      pipelineCosts(micro, stateFactor), k, m, job.pipeline.schedule, limit, choice.objective,
+      recompute,
+      choice.objective == PartitionObjective::kGiven ? givenPartition(choice.splits, n, k)
+                                                     : std::vector<size_t>{});
+  out.policies.assign(n, BlockPolicy::kKeep);
+  for (const StageEstimate& stage : partition.stages) {
+    addExtra(stage.begin, stage.end, stage.recomputeSeconds * m);
+    out.memory = std::max(out.memory, stage.memoryBytes);
+    for (size_t b : stage.recomputed) out.policies[b] = BlockPolicy::kRecompute;
+  }
+  out.fits = partition.fits;
+  out.leastMemory = limit > 0 ? partition.smallestBudget : out.memory;
+  for (size_t s = 1; s + 1 < partition.boundaries.size(); ++s) {
+    out.partition += fmt::format("{}{}", s == 1 ? "" : ",", partition.boundaries[s]);
   }
   return out;
 }
@@ -177,7 +185,12 @@ std::vector<std::string> layoutKeys(const RunOptions& job, int64_t memoryBudget)
       fmt::format("sync.shard=\"{}\"", shardLevelName(job.sync.shard)),
       "sync.compression=\"none\"",
       fmt::format("memory.weights=\"{}\"", job.memory.offloadWeights ? "offload" : "core")};
+  if (job.pipeline.stages > 1) {
+    keys.push_back(fmt::format("parallel.partition=\"{}\"", job.pipeline.partition));
+  }
   if (job.sync.mode == SyncMode::kOsp) keys.push_back("sync.osp_auto_fraction=true");
+  if (job.sync.mode == SyncMode::kLocalSgd) keys.push_back("sync.post_local_steps=0");
+  if (job.sync.mode == SyncMode::kGossip) keys.push_back("sync.gossip_topology=\"ring\"");
   // The planner's policy under the limit, or every block kept (whatever the config said); with
   // offloaded weights the config's own, as the profile planned it.
   if (job.memory.offloadWeights) return keys;
@@ -270,10 +283,14 @@ LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
   LayoutSearch search;
   // The limit: memory.budget, and at most the host's memory over the processes on the busiest.
   int64_t limit = own.memory.budget;
+  search.limitSource = "memory.budget";
   if (cluster.memoryBytesPerHost > 0.0) {
     const int perHost = (processes + cluster.hosts - 1) / cluster.hosts;
     const auto share = static_cast<int64_t>(cluster.memoryBytesPerHost / perHost);
-    limit = limit > 0 ? std::min(limit, share) : share;
+    if (limit <= 0 || share < limit) {
+      limit = share;
+      search.limitSource = "the host's memory over its processes";
+    }
   }
   search.memoryLimit = limit;
   const SimOptions sim{space.workers, space.steps, 1};
@@ -286,10 +303,11 @@ LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
       if (const std::string why = unsupported(job); !why.empty()) throw ConfigError(why);
       LayoutChoice c;
       const Laid laid = layOut(workload, job, space.workers, limit);
+      if (!laid.partition.empty()) job.pipeline.partition = laid.partition;
       c.predicted = simulate(laid.workload, job, cluster, sim);
       c.memoryBytes = laid.memory;
       c.leastMemoryBytes = laid.leastMemory;
-      c.fits = limit <= 0 || laid.memory <= limit;
+      c.fits = laid.fits;
       c.policy = laid.policies.empty() ? "offload window" : countPolicies(laid.policies);
       const bool planned =
           limit > 0 && std::any_of(laid.policies.begin(), laid.policies.end(),
@@ -317,7 +335,12 @@ LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
   std::stable_sort(search.ranked.begin(), search.ranked.end(),
                    [](const LayoutChoice& a, const LayoutChoice& b) {
                      if (a.fits != b.fits) return a.fits;
-                     if (a.fits) return a.predicted.samplesPerSecond > b.predicted.samplesPerSecond;
+                     // Equal predictions (sharding levels that send the same bytes): the one
+                     // that needs less memory.
+                     if (a.fits && a.predicted.samplesPerSecond != b.predicted.samplesPerSecond) {
+                       return a.predicted.samplesPerSecond > b.predicted.samplesPerSecond;
+                     }
+                     if (a.fits) return a.memoryBytes < b.memoryBytes;
                      return a.leastMemoryBytes < b.leastMemoryBytes;
                    });
   return search;

@@ -13,17 +13,19 @@
 //   What the simulator does not simulate (pipelines with sharding or servers, offload with
 //   either) is not searched; each candidate also passes validate() as caravan train would.
 //   The precision is the run's: train.precision = auto chooses bf16 per block where this host
-//   runs it faster (the profile is taken so). The memory policy is the planner's, per stage:
-//   memory/planner.h's planPolicies under the worker's memory limit, from the workload's
-//   per-block profile (Workload::planner), its recomputation and tier waits added to backward.
+//   runs it faster (the profile is taken so). The memory policy is the run's planner's, from the
+//   workload's per-block profile (Workload::planner; below).
 //
-// Memory per worker (what fits is checked against it):
-//   K = 1  the simulator's accounting (SimResult::memoryPeakBytes: ZeRO's for sync.shard, the
-//          offload window) with the planner's activation peak;
-//   K > 1  per stage: its blocks' weights, gradients and optimizer state, plus its plan's peak
-//          for one micro-batch times the micro-batches it holds at once (1F1B: min(K - s, M) at
-//          stage s; other schedules M); the worker's is its stage's, the largest.
+// Memory per worker, as the run plans it:
+//   K = 1  the simulator's model state (modelStateBytes: ZeRO's for sync.shard, the offload
+//          window) and the planner's plan (memory/planner.h) in kPlanMargin of what the limit
+//          leaves (sync.shard = parameters: no swap), its time added to backward;
+//   K > 1  the run's partition (pipeline/partition.h partitionBlocks, as planPipeline calls it):
+//          each stage's state plus the micro-batches in flight, recomputing blocks where a stage
+//          does not fit (not under zb-h1); the cut it makes is the layout's parallel.partition,
+//          so the simulation and the run cut there too.
 // The limit is memory.budget where set, else and at most the host's memory over its processes.
+// Ties in the prediction go to the layout that needs less memory.
 //
 // Threading: pure functions.
 #pragma once
@@ -58,7 +60,8 @@ struct LayoutChoice {
   std::string name;               // label(job)
   SimResult predicted;            // with the planner's policy
   int64_t memoryBytes = 0;        // per worker, with the planner's policy (its largest stage)
-  int64_t leastMemoryBytes = 0;   // per worker with the planner's smallest plan
+  int64_t leastMemoryBytes = 0;   // the smallest limit per worker it fits (the planner's or the
+                                  // partition's smallest plan, with the run's margin)
   bool fits = true;               // memoryBytes within the limit (no limit: always)
   std::string policy;             // the planner's policies, counted ("8 keep, 2 recompute")
   std::string reasons;            // one line: the shape, what bounds it, its memory
@@ -69,6 +72,7 @@ struct LayoutChoice {
 
 struct LayoutSearch {
   int64_t memoryLimit = 0;  // per worker (0: none)
+  std::string limitSource;  // what sets it: "memory.budget" or the host's memory
   // Those that fit, fastest first (ties: in the order searched); then those that do not, by
   // least memory.
   std::vector<LayoutChoice> ranked;

@@ -20,6 +20,7 @@ namespace fs = std::filesystem;
 
 constexpr const char* kLayoutKey = "caravan/layout";
 constexpr const char* kRefused = "refused\n";
+constexpr const char* kFailed = "failed\n";
 
 std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}; }
 
@@ -74,33 +75,52 @@ Config resolveLayout(const Config& config, const WorldInfo& world, const std::st
         "has none); set dist.backend = auto, or parallel.layout = manual with the keys caravan "
         "plan --cluster prints");
   }
+  const auto rendezvous = RunOptions::read(config).sync.rendezvousTimeout;
+  auto key = [](const char* what, int r) { return fmt::format("caravan/layout-{}/{}", what, r); };
   std::vector<std::string> keys;
   if (world.rank == 0) {
     try {
       if (store != nullptr) {
-        store->set("caravan/layout-arrived/0", bytesOf("1"));
+        store->set(key("arrived", 0), bytesOf("1"));
         waitForRanks(
-            *store, 0, world.worldSize,
-            [](int r) { return fmt::format("caravan/layout-arrived/{}", r); },
-            RunOptions::read(config).sync.rendezvousTimeout, "reached the layout search");
+            *store, 0, world.worldSize, [&](int r) { return key("arrived", r); }, rendezvous,
+            "reached the layout search");
       }
       keys = chooseHere(config, world, runDir, resume, log);
-    } catch (const ConfigError& e) {
-      if (store != nullptr) store->set(kLayoutKey, bytesOf(kRefused + std::string(e.what())));
+    } catch (const std::exception& e) {
+      // Every failure reaches the other ranks (a refusal as theirs, anything else as rank 0's
+      // failure), and they have read it before this rank's store goes with it.
+      if (store != nullptr) {
+        const bool refused = dynamic_cast<const ConfigError*>(&e) != nullptr;
+        store->set(kLayoutKey, bytesOf((refused ? kRefused : kFailed) + std::string(e.what())));
+        store->set(key("read", 0), bytesOf("1"));
+        try {
+          waitForRanks(
+              *store, 0, world.worldSize, [&](int r) { return key("read", r); }, rendezvous,
+              "read rank 0's layout");
+        } catch (const std::exception&) {  // a rank gone already: nothing to hand it
+        }
+      }
       throw;
     }
     if (store != nullptr) store->set(kLayoutKey, bytesOf(join(keys)));
   } else {
-    store->set(fmt::format("caravan/layout-arrived/{}", world.rank), bytesOf("1"));
+    store->set(key("arrived", world.rank), bytesOf("1"));
+    std::string text;
     try {
       store->wait({kLayoutKey}, kLayoutWait);
+      const std::vector<uint8_t> got = store->get(kLayoutKey);
+      text.assign(got.begin(), got.end());
+      store->set(key("read", world.rank), bytesOf("1"));
     } catch (const std::exception& e) {
-      throw PeerError(fmt::format("rank {}: rank 0 chose no layout within {} min ({})", world.rank,
+      throw PeerError(fmt::format("rank {}: no layout from rank 0 within {} min ({})", world.rank,
                                   kLayoutWait.count(), e.what()));
     }
-    const std::vector<uint8_t> got = store->get(kLayoutKey);
-    const std::string text(got.begin(), got.end());
     if (text.rfind(kRefused, 0) == 0) throw ConfigError(text.substr(std::string(kRefused).size()));
+    if (text.rfind(kFailed, 0) == 0) {
+      throw PeerError(fmt::format("rank 0 failed choosing the layout: {}",
+                                  text.substr(std::string(kFailed).size())));
+    }
     keys = split(text);
   }
   return config.withOverrides(keys);

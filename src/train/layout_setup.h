@@ -6,8 +6,11 @@
 // size less the config's servers) on parallel.cluster's cluster (none: this machine, without the
 // capacity check), and writes RUN_DIR/layout.json; a resumed run reads the layout.json it wrote
 // instead of searching again. It hands the chosen keys to the other ranks through the store, or
-// its refusal, which each rank then raises as its own (ConfigError, one line). A rank waits for
-// rank 0 at most kLayoutWait; rank 0 ending first ends the wait (a TCP store lives in rank 0).
+// its refusal, which each rank then raises as its own (ConfigError, one line), or its failure
+// (PeerError naming it), and waits (fault.rendezvous_timeout at most) until they have read it
+// before its store goes. A rank waits for rank 0 at most kLayoutWait; rank 0 ending first ends
+// the wait (a TCP store lives in rank 0). The keys are not kept apart per start: a file store
+// left by an earlier job (dist.store_path) would hand its layout on; use a fresh one.
 //
 // Threading: the trainer's thread.
 #pragma once

@@ -30,7 +30,6 @@ namespace caravan {
 namespace {
 
 constexpr int64_t kBandwidthProbeBytes = 64 << 20;
-constexpr double kPlanMargin = 0.95;
 
 int availableCores() {
   cpu_set_t set;
@@ -271,10 +270,7 @@ ConfigError noPartitionFits(const RunOptions& options, int64_t smallest) {
 }
 
 int64_t smallestPlannedBudget(const Plan& plan, int64_t persistent) {
-  return persistent +
-         static_cast<int64_t>(
-             std::ceil(static_cast<double>(plan.prediction.peakBytes) / kPlanMargin)) +
-         1;
+  return budgetForPlannedPeak(plan.prediction.peakBytes, persistent);
 }
 
 void setStagePolicies(ActivationMemory& m, BlockModel& model, std::vector<BlockPolicy> policies,
@@ -341,9 +337,7 @@ void planWindows(ActivationMemory& m, const RunOptions& options, BlockModel& mod
     // The plan aims at 95% of what the budget leaves for activations: the model does not see
     // threads scheduled late on a busy machine (a swap write that lands after the next block's
     // saves; measured: up to 2% over a plan's peak with the tests running two at a time).
-    const double room = kPlanMargin * static_cast<double>(budget - persistent);
-    const int64_t activationBudget =
-        budget > 0 ? std::max<int64_t>(static_cast<int64_t>(room), 1) : 0;
+    const int64_t activationBudget = budget > 0 ? plannedActivationBudget(budget, persistent) : 0;
     if (offload) traffic = weightTraffic(model, window, perByte, localProcesses);
     // Predicted with the write backpressure the executor applies (attachExecutor): a planned
     // run's executor drains at the plan's budget, so the margin holds while the writes lag too.
