@@ -1008,3 +1008,17 @@ TEST_F(Cli, TrainWithLayoutAutoRunsTheChosenLayoutOnEveryRank) {
     }
   }
 }
+
+// parallel.layout = auto refused on rank 0 (no layout fits the budget): every rank stops with the
+// same line, the job exits 2 in one line, and no worker trains.
+TEST_F(Cli, LayoutAutoRefusalReachesEveryRankInOneLine) {
+  const std::string run = tmp_ / "refused";
+  expectOneLineError(runCaravan("train -q --config " + configPath_ + " " + kSynthetic +
+                                "--set parallel.layout=auto --set memory.budget=1KiB --workers 2 "
+                                "--run-dir " +
+                                run),
+                     2, "no layout of 2 workers fits 1.0 KiB per worker (memory.budget)");
+  EXPECT_FALSE(fs::exists(run + "/metrics.jsonl"));
+  const std::string rank1 = readFile(run + "/rank-1.log");
+  EXPECT_NE(rank1.find("no layout of 2 workers fits"), std::string::npos) << rank1;
+}
