@@ -112,10 +112,9 @@ int runPlanLayout(const PlanLayoutArgs& args) {
   const Config config = args.configPath.empty()
                             ? Config::fromString("", "<defaults>", args.overrides)
                             : Config::fromFile(args.configPath, args.overrides);
-  const RunOptions options = RunOptions::read(config);
   const sim::ClusterSpec cluster = sim::layoutCluster(args.clusterPath);
-  const int servers = usesServers(options.sync.mode) ? options.sync.servers : 0;
-  const int workers = args.workers > 0 ? args.workers : std::max(1, cluster.hosts - servers);
+  const int workers =
+      args.workers > 0 ? args.workers : std::max(1, cluster.hosts - serverCount(config));
   if (!args.output.empty()) {
     checkOutputPath({"-o", args.output}, {args.configPath, args.clusterPath, args.workloadPath});
   }

@@ -49,7 +49,7 @@ ClusterSpec layoutCluster(const std::string& path) {
 LayoutDecision chooseLayout(const Config& config, const ClusterSpec& cluster, int workers,
                             bool checkCapacity, const Workload* given) {
   const RunOptions own = RunOptions::read(config);
-  const int servers = usesServers(own.sync.mode) ? own.sync.servers : 0;
+  const int servers = own.sync.servers;  // 0 where the mode has none
   const int threads = static_cast<int>(std::max<int64_t>(1, own.runtime.threads));
   LayoutDecision d;
   d.cluster = cluster;

@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <array>
-#include <limits>
-#include <numeric>
 
 #include <fmt/format.h>
 
@@ -14,13 +12,14 @@
 #include "memory/tracker.h"
 #include "pipeline/partition.h"
 #include "pipeline/schedule.h"
-#include "sync/compression.h"
-#include "sync/parameter_server.h"
+#include "sim/recommend.h"
+#include "train/memory_setup.h"
 
 namespace caravan::sim {
 namespace {
 
-// The workload's blocks as the planner profiles them (one stage, the whole batch).
+// The workload's blocks as the planner profiled them (before the config's policy; a micro-batch's
+// for perMicroBatch's workload).
 ModelProfile wholeProfile(const Workload& w) {
   ModelProfile p;
   for (size_t b = 0; b < w.forwardSeconds.size(); ++b) {
@@ -39,21 +38,6 @@ double keepCompute(const ModelProfile& p) {
   double s = p.lossSeconds;
   for (const BlockProfile& b : p.blocks) s += b.forwardSeconds + b.backwardSeconds;
   return s;
-}
-
-// The pipeline's blocks as the run's partition costs them (train/memory_setup.cpp planPipeline):
-// one micro-batch's times and saves, each block's weights with their gradients and optimizer
-// state, the loss's time with the last block's backward.
-std::vector<BlockCost> pipelineCosts(const Workload& micro, int stateFactor) {
-  std::vector<BlockCost> costs;
-  for (size_t b = 0; b < micro.forwardSeconds.size(); ++b) {
-    const int64_t weights = micro.parameterBytes[b];
-    costs.push_back({"", micro.forwardSeconds[b], micro.planner.keepBackwardSeconds[b],
-                     micro.planner.savedBytes[b], (2 + stateFactor) * weights, weights,
-                     micro.inputBytes[b]});
-  }
-  costs.back().backwardSeconds += micro.lossSeconds;
-  return costs;
 }
 
 std::string countPolicies(const std::vector<BlockPolicy>& policies) {
@@ -82,9 +66,6 @@ struct Laid {
 Laid layOut(const Workload& w, const RunOptions& job, int workers, int64_t limit) {
   Laid out;
   out.workload = w;
-  const int64_t params = w.parameterTotal();
-  const int stateFactor =
-      params > 0 ? static_cast<int>((w.optimizerStateBytes + params / 2) / params) : 0;
   // sync.shard = parameters never swaps (a swapped activation could hold a gathered weight).
   const TierBandwidth bandwidth =
       job.sync.shard == ShardLevel::kParameters
@@ -132,8 +113,8 @@ Laid layOut(const Workload& w, const RunOptions& job, int workers, int64_t limit
   const PartitionChoice choice = parsePartition(job.pipeline.partition);
   const bool recompute = limit > 0 && job.pipeline.schedule != PipelineSchedule::kZeroBubbleH1;
   const Partition partition = partitionBlocks(
-      pipelineCosts(micro, stateFactor), k, m, job.pipeline.schedule, limit, choice.objective,
-      recompute,
+      pipelineBlockCosts(wholeProfile(micro), micro.parameterBytes, 2 + w.stateFactor()), k, m,
+      job.pipeline.schedule, limit, choice.objective, recompute,
       choice.objective == PartitionObjective::kGiven ? givenPartition(choice.splits, n, k)
                                                      : std::vector<size_t>{});
   out.policies.assign(n, BlockPolicy::kKeep);
@@ -207,22 +188,9 @@ std::vector<RunOptions> layoutCandidates(const RunOptions& own, const LayoutSpac
                                          size_t blocks, int64_t batch) {
   const int workers = space.workers;
   const bool any = space.sync == LayoutSync::kAny;
-  RunOptions base = own;
-  base.pipeline.stages = 1;
-  base.pipeline.microBatches = 1;
-  base.sync.shard = ShardLevel::kNone;
-  base.memory.offloadWeights = false;
-  base.sync.setCompression("none");
-  base.sync.localSgd.postLocalAfter = 0;
-  base.sync.gossip.topology = "ring";
   std::vector<RunOptions> out;
   auto add = [&](SyncMode mode, auto&& change) {
-    RunOptions c = base;
-    c.sync.mode = mode;
-    if (isConsistencyMode(mode)) {  // the mode's consistency, the run's staleness
-      const int64_t staleness = c.sync.ps.staleness;
-      c.sync.ps = psOptions(mode, staleness);
-    }
+    RunOptions c = plainJob(own, mode);
     change(c);
     out.push_back(std::move(c));
   };
@@ -278,8 +246,7 @@ LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
         "the workload has no per-block planner profile (a workload file from before the "
         "layout search); profile again (drop --workload)");
   }
-  const int servers = usesServers(own.sync.mode) ? own.sync.servers : 0;
-  const int processes = space.workers + servers;
+  const int processes = space.workers + own.sync.servers;
   LayoutSearch search;
   // The limit: memory.budget, and at most the host's memory over the processes on the busiest.
   int64_t limit = own.memory.budget;
@@ -314,13 +281,8 @@ LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
                                    [](BlockPolicy p) { return p != BlockPolicy::kKeep; });
       c.keys = layoutKeys(job, planned ? limit : 0);
       const SimResult& r = c.predicted;
-      const std::string bound =
-          r.computeUtilisation >= 0.8
-              ? fmt::format("compute-bound ({:.0f}% computing)", 100.0 * r.computeUtilisation)
-              : fmt::format("communication-bound ({:.0f}% computing, busiest link {:.0f}%)",
-                            100.0 * r.computeUtilisation, 100.0 * r.linkUtilisation);
       c.reasons = fmt::format(
-          "{}; {}; {} per worker{}; memory: {}", shape(job, space.workers), bound,
+          "{}; {}; {} per worker{}; memory: {}", shape(job, space.workers), boundText(r),
           formatBytes(c.memoryBytes),
           limit > 0 ? fmt::format(" of {}{}", formatBytes(limit), c.fits ? "" : ", does NOT fit")
                     : "",

@@ -51,27 +51,41 @@ std::string consistency(const RunOptions& job, const SimResult& r) {
 
 }  // namespace
 
+bool isComputeBound(const SimResult& r) { return r.computeUtilisation >= 0.8; }
+
+std::string boundText(const SimResult& r) {
+  return isComputeBound(r)
+             ? fmt::format("compute-bound ({:.0f}% computing)", 100.0 * r.computeUtilisation)
+             : fmt::format("communication-bound ({:.0f}% computing, busiest link {:.0f}%)",
+                           100.0 * r.computeUtilisation, 100.0 * r.linkUtilisation);
+}
+
+RunOptions plainJob(const RunOptions& own, SyncMode mode) {
+  RunOptions c = own;
+  SyncOptions& s = c.sync;
+  s.mode = mode;
+  s.servers = usesServers(mode) ? std::max(1, own.sync.servers) : 0;
+  s.setCompression("none");
+  if (isConsistencyMode(mode)) {  // the mode's consistency, the run's staleness
+    const PsOptions ps = s.ps;
+    s.ps = psOptions(mode, ps.staleness);
+    s.ps.compression = ps.compression;
+    s.ps.topkRatio = ps.topkRatio;
+  }
+  s.localSgd.postLocalAfter = 0;
+  s.gossip.topology = "ring";
+  s.shard = ShardLevel::kNone;
+  c.memory.offloadWeights = false;
+  c.pipeline.stages = 1;
+  c.pipeline.microBatches = 1;
+  return c;
+}
+
 std::vector<RunOptions> candidates(const RunOptions& own, int workers) {
   const std::string ownLabel = label(own);
   std::vector<RunOptions> out{own};
   auto add = [&](SyncMode mode, auto&& change) {
-    RunOptions c = own;
-    SyncOptions& s = c.sync;
-    s.mode = mode;
-    s.servers = usesServers(mode) ? std::max(1, own.sync.servers) : 0;
-    s.setCompression("none");
-    if (isConsistencyMode(mode)) {  // the mode's consistency, the run's staleness
-      const PsOptions ps = s.ps;
-      s.ps = psOptions(mode, ps.staleness);
-      s.ps.compression = ps.compression;
-      s.ps.topkRatio = ps.topkRatio;
-    }
-    s.localSgd.postLocalAfter = 0;
-    s.gossip.topology = "ring";
-    s.shard = ShardLevel::kNone;
-    c.memory.offloadWeights = false;
-    c.pipeline.stages = 1;
-    c.pipeline.microBatches = 1;
+    RunOptions c = plainJob(own, mode);
     change(c);
     if (label(c) != ownLabel) out.push_back(c);
   };
@@ -124,11 +138,8 @@ std::vector<Recommendation> recommend(
     c.mode = r.mode;
     c.samplesPerSecond = r.samplesPerSecond;
     if (epochExamples > 0) c.epochMinutes = epochExamples / r.samplesPerSecond / 60.0;
-    c.computeBound = r.computeUtilisation >= 0.8;
-    c.bound = c.computeBound
-                  ? fmt::format("compute-bound ({:.0f}% computing)", 100.0 * r.computeUtilisation)
-                  : fmt::format("communication-bound ({:.0f}% computing, busiest link {:.0f}%)",
-                                100.0 * r.computeUtilisation, 100.0 * r.linkUtilisation);
+    c.computeBound = isComputeBound(r);
+    c.bound = boundText(r);
     c.consistency = consistency(s->first, r);
     c.memoryPredicted = r.memoryPeakBytes != 0;
     c.memoryPeakBytes = r.memoryPeakBytes;

@@ -14,6 +14,12 @@
 
 namespace caravan::sim {
 
+// `own` synchronised by `mode` in its plainest way: servers (at least one) only where the mode
+// has them, the mode's consistency with the run's staleness, no compression, local SGD without a
+// BSP phase, gossip on a ring, no sharding, weights in core, one stage of one micro-batch. What
+// --recommend and the layout search (sim/layout.h) vary from.
+RunOptions plainJob(const RunOptions& own, SyncMode mode);
+
 // The ways to run `own` that --recommend compares, `own` first: all-reduce (plain, fp16,
 // sharded: sync.shard = gradients and parameters, and with memory.weights = offload),
 // ps-bsp, ps-asp, ps-ssp, osp with its fraction searched, local SGD, gossip on a ring, and for
@@ -23,6 +29,11 @@ namespace caravan::sim {
 // in core unless named, local SGD without a BSP phase and gossip on a ring; one labelled as
 // `own` is left out.
 std::vector<RunOptions> candidates(const RunOptions& own, int workers);
+
+// What bounds a simulated job: "compute-bound (93% computing)" when its workers compute >= 80%
+// of the time, else "communication-bound (41% computing, busiest link 88%)".
+bool isComputeBound(const SimResult& r);
+std::string boundText(const SimResult& r);
 
 // One simulated way to run the job, ranked.
 struct Recommendation {

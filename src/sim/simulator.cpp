@@ -21,6 +21,11 @@ int64_t Workload::parameterTotal() const {
   return std::accumulate(parameterBytes.begin(), parameterBytes.end(), int64_t{0});
 }
 
+int Workload::stateFactor() const {
+  const int64_t p = parameterTotal();
+  return p > 0 ? static_cast<int>((optimizerStateBytes + p / 2) / p) : 0;
+}
+
 double Workload::computeSeconds() const {
   return std::accumulate(forwardSeconds.begin(), forwardSeconds.end(), 0.0) + lossSeconds +
          std::accumulate(backwardSeconds.begin(), backwardSeconds.end(), 0.0);
@@ -903,8 +908,7 @@ int64_t modelStateBytes(const Workload& w, const RunOptions& job, int workers) {
   if (job.sync.shard != ShardLevel::kNone) {
     // ZeRO's accounting, and (parameters) the two largest blocks gathered at once (one running,
     // one prefetched; bf16-gathered weights at 2 bytes).
-    const int stateFactor = p > 0 ? static_cast<int>((w.optimizerStateBytes + p / 2) / p) : 0;
-    int64_t bytes = shardedModelState(job.sync.shard, p, stateFactor, workers).total();
+    int64_t bytes = shardedModelState(job.sync.shard, p, w.stateFactor(), workers).total();
     if (job.sync.shard == ShardLevel::kParameters) {
       std::vector<int64_t> blocks = w.gatherBytes.empty() ? w.parameterBytes : w.gatherBytes;
       std::sort(blocks.rbegin(), blocks.rend());

@@ -109,6 +109,8 @@ struct Workload {
 
   int64_t parameterTotal() const;
   double computeSeconds() const;  // forward + loss + backward
+  // The optimizer's state per weight byte (AdamW 2, SGD with momentum 1), rounded.
+  int stateFactor() const;
 };
 
 // The first block of each of the job's pipeline stages, then the number of blocks: the cut the

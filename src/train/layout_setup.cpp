@@ -10,7 +10,6 @@
 #include "core/files.h"
 #include "core/log.h"
 #include "sim/choose_layout.h"
-#include "sync/sync_mode.h"
 #include "train/run_options.h"
 
 namespace caravan {
@@ -49,8 +48,7 @@ std::vector<std::string> chooseHere(const Config& config, const WorldInfo& world
     if (!text) throw CheckpointError(fmt::format("cannot read {}: it {}", file, why));
     return sim::layoutKeysFromJson(*text, file);
   }
-  const RunOptions own = RunOptions::read(config);
-  const int servers = usesServers(own.sync.mode) ? own.sync.servers : 0;
+  const int servers = serverCount(config);
   const std::string clusterPath = config.str("parallel.cluster");
   const sim::LayoutDecision d =
       sim::chooseLayout(config, sim::layoutCluster(clusterPath), world.worldSize - servers,

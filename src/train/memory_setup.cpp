@@ -230,15 +230,11 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
   for (const auto& use : model->sharedUses()) {
     if (named.contains(use.name)) alsoRead.at(use.user) += tensorBytes({named[use.name]});
   }
+  std::vector<int64_t> weights(n);
   for (size_t i = 0; i < n; ++i) {
-    const BlockProfile& b = profile.blocks[i];
-    const int64_t weights = tensorBytes(model->block(i).ptr()->parameters()) + alsoRead[i];
-    plan.blocks.push_back({b.label, b.forwardSeconds, b.backwardSeconds, b.savedBytes,
-                           factor * weights, weights, b.inputBytes});
+    weights[i] = tensorBytes(model->block(i).ptr()->parameters()) + alsoRead[i];
   }
-  // The loss runs on the last stage: count it with the last block (as backward time: it is
-  // not recomputed with the block).
-  plan.blocks.back().backwardSeconds += profile.lossSeconds;
+  plan.blocks = pipelineBlockCosts(profile, weights, factor);
   // memory.policy = auto: stages may recompute blocks (not zb-h1's: its W reads them again).
   const PipelineSchedule schedule = o.schedule;
   plan.partition = partitionBlocks(
@@ -250,6 +246,19 @@ PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Ba
       o.stages, o.microBatches, micro, pipelineScheduleName(o.schedule), o.partition);
   plan.report += formatPartition(plan.blocks, plan.partition, options.memory.budget);
   return plan;
+}
+
+std::vector<BlockCost> pipelineBlockCosts(const ModelProfile& profile,
+                                          const std::vector<int64_t>& weightBytes,
+                                          int64_t stateMultiple) {
+  std::vector<BlockCost> costs;
+  for (size_t i = 0; i < profile.blocks.size(); ++i) {
+    const BlockProfile& b = profile.blocks[i];
+    costs.push_back({b.label, b.forwardSeconds, b.backwardSeconds, b.savedBytes,
+                     stateMultiple * weightBytes[i], weightBytes[i], b.inputBytes});
+  }
+  costs.back().backwardSeconds += profile.lossSeconds;
+  return costs;
 }
 
 ConfigError noPartitionFits(const RunOptions& options, int64_t smallest) {

@@ -46,6 +46,13 @@ struct PipelinePlan {
   std::string report;  // the table `caravan plan` prints
 };
 PipelinePlan planPipeline(const RunOptions& options, BlockModel& model, const Batch& sample);
+// The blocks as the partition costs them: each profiled block's times, saves and input (one
+// micro-batch), its weights (`weightBytes`, per block) times `stateMultiple` (weights, gradients
+// and optimizer state: 2 + the state per weight byte) as state, and the loss's time with the last
+// block's backward (it runs on the last stage, and is not recomputed with the block).
+std::vector<BlockCost> pipelineBlockCosts(const ModelProfile& profile,
+                                          const std::vector<int64_t>& weightBytes,
+                                          int64_t stateMultiple);
 // The refusal when no cut fits memory.budget; `smallest`: the smallest budget one fits.
 ConfigError noPartitionFits(const RunOptions& options, int64_t smallest);
 

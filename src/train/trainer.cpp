@@ -509,7 +509,8 @@ void Trainer::writeSummary(double measuredFwdBwd) {
 }  // namespace
 
 TrainSummary train(const Config& given, const TrainerOptions& options) {
-  validate(RunOptions::read(given), options.world.worldSize);
+  const RunOptions givenOptions = RunOptions::read(given);
+  validate(givenOptions, options.world.worldSize);
   // Rank 0 locks the directory; under Caravan's own launcher the launcher (our parent) holds it
   // for its workers, and any other holder is refused (CARAVAN_LAUNCHER=caravan set by hand used
   // to skip the lock).
@@ -519,16 +520,16 @@ TrainSummary train(const Config& given, const TrainerOptions& options) {
   const std::optional<std::string>& resumeFrom = claim.resumeFrom;
   // parallel.layout = auto: the keys rank 0's search chose, over the config's (through the job's
   // store, which the rendezvous then uses).
+  const bool laidOut = layoutIsAuto(given);
   c10::intrusive_ptr<c10d::Store> store;
-  if (layoutIsAuto(given) && options.world.worldSize > 1) {
-    store = makeJobStore(RunOptions::read(given), options.world, options.runDir);
+  if (laidOut && options.world.worldSize > 1) {
+    store = makeJobStore(givenOptions, options.world, options.runDir);
   }
-  const Config config = layoutIsAuto(given)
-                            ? resolveLayout(given, options.world, options.runDir, options.resume,
-                                            store.get(), !options.quiet)
-                            : given;
-  const RunOptions runOptions = RunOptions::read(config);
-  validate(runOptions, options.world.worldSize);
+  const Config config = laidOut ? resolveLayout(given, options.world, options.runDir,
+                                                options.resume, store.get(), !options.quiet)
+                                : given;
+  const RunOptions runOptions = laidOut ? RunOptions::read(config) : givenOptions;
+  if (laidOut) validate(runOptions, options.world.worldSize);  // the chosen keys, as the config
   CheckpointDir checkpoints(options.runDir, runOptions.loop.checkpointKeep);
 
   applyRuntimeOptions(runOptions.runtime);
