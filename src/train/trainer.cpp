@@ -529,7 +529,7 @@ TrainSummary train(const Config& given, const TrainerOptions& options) {
                                                 options.resume, store.get(), !options.quiet)
                                 : given;
   const RunOptions runOptions = laidOut ? RunOptions::read(config) : givenOptions;
-  if (laidOut) validate(runOptions, options.world.worldSize);  // the chosen keys, as the config
+  if (laidOut) validate(runOptions, options.world.worldSize);  // checked as the given keys were
   CheckpointDir checkpoints(options.runDir, runOptions.loop.checkpointKeep);
 
   applyRuntimeOptions(runOptions.runtime);
