@@ -34,6 +34,7 @@
 #include "memory/saved_tensors.h"
 #include "memory/tracker.h"
 #include "report/report.h"
+#include "sim/choose_layout.h"
 #include "train/checkpoint.h"
 #include "train/distributed.h"
 #include "train/memory_setup.h"
@@ -122,6 +123,7 @@ int runTrain(char** argv, const TrainCommand& cmd) {
   options.terminal = stderr;
   options.tty = isatty(STDERR_FILENO) != 0;
   options.quiet = cmd.quiet;
+  options.chooseLayout = sim::chooseLayoutKeys;
   // A closed terminal (SIGHUP) stops the run as SIGINT and SIGTERM do: a checkpoint first.
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, onSignal);
 

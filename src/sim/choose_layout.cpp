@@ -4,12 +4,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
 #include "core/errors.h"
+#include "core/files.h"
+#include "core/log.h"
 #include "core/machine.h"
 #include "memory/tracker.h"
 #include "sim/workload.h"
@@ -146,6 +149,25 @@ std::vector<std::string> layoutKeysFromJson(const std::string& text, const std::
     throw ConfigError(
         fmt::format("{}: not a readable layout ({}); start a new run", source, e.what()));
   }
+}
+
+std::vector<std::string> chooseLayoutKeys(const Config& config, int workers,
+                                          const std::string& file, bool resume, bool log) {
+  if (resume && std::filesystem::exists(file)) {
+    std::string why;
+    const auto text = readRegularFile(file, &why, false, size_t{1} << 20);
+    if (!text) throw CheckpointError(fmt::format("cannot read {}: it {}", file, why));
+    return layoutKeysFromJson(*text, file);
+  }
+  const std::string clusterPath = config.str("parallel.cluster");
+  const LayoutDecision d = chooseLayout(config, layoutCluster(clusterPath), workers,
+                                        /*checkCapacity=*/!clusterPath.empty());
+  writeFileAtomic(file, layoutJson(d));
+  if (log) {
+    logLine(fmt::format("layout: {}, predicted {:.1f} samples/s ({} searched; {})", d.chosen().name,
+                        d.chosen().predicted.samplesPerSecond, d.search.ranked.size(), file));
+  }
+  return d.chosen().keys;
 }
 
 }  // namespace caravan::sim

@@ -49,4 +49,10 @@ std::string layoutJson(const LayoutDecision& d);
 // The keys of a layout.json (a resumed run keeps its layout). ConfigError naming `source`.
 std::vector<std::string> layoutKeysFromJson(const std::string& text, const std::string& source);
 
+// What `caravan train` runs under parallel.layout = auto on rank 0 (train/layout_setup.h's
+// LayoutChooser): on `resume` with a `file` there, its keys; else the search on this config's
+// parallel.cluster (none: this machine, without the capacity check), written to `file`.
+std::vector<std::string> chooseLayoutKeys(const Config& config, int workers,
+                                          const std::string& file, bool resume, bool log);
+
 }  // namespace caravan::sim

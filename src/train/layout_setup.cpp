@@ -7,15 +7,10 @@
 #include "comm/communicator.h"
 #include "comm/store.h"
 #include "core/errors.h"
-#include "core/files.h"
-#include "core/log.h"
-#include "sim/choose_layout.h"
 #include "train/run_options.h"
 
 namespace caravan {
 namespace {
-
-namespace fs = std::filesystem;
 
 constexpr const char* kLayoutKey = "caravan/layout";
 constexpr const char* kRefused = "refused\n";
@@ -38,35 +33,17 @@ std::vector<std::string> split(const std::string& text) {
   return out;
 }
 
-// Rank 0's keys: layout.json's when resuming, else the search's (written to layout.json).
-std::vector<std::string> chooseHere(const Config& config, const WorldInfo& world,
-                                    const std::string& runDir, bool resume, bool log) {
-  const std::string file = (fs::path(runDir) / "layout.json").string();
-  if (resume && fs::exists(file)) {
-    std::string why;
-    const auto text = readRegularFile(file, &why, false, size_t{1} << 20);
-    if (!text) throw CheckpointError(fmt::format("cannot read {}: it {}", file, why));
-    return sim::layoutKeysFromJson(*text, file);
-  }
-  const int servers = serverCount(config);
-  const std::string clusterPath = config.str("parallel.cluster");
-  const sim::LayoutDecision d =
-      sim::chooseLayout(config, sim::layoutCluster(clusterPath), world.worldSize - servers,
-                        /*checkCapacity=*/!clusterPath.empty());
-  writeFileAtomic(file, sim::layoutJson(d));
-  if (log) {
-    logLine(fmt::format("layout: {}, predicted {:.1f} samples/s ({} searched; {})", d.chosen().name,
-                        d.chosen().predicted.samplesPerSecond, d.search.ranked.size(), file));
-  }
-  return d.chosen().keys;
-}
-
 }  // namespace
 
 bool layoutIsAuto(const Config& config) { return config.str("parallel.layout") == "auto"; }
 
 Config resolveLayout(const Config& config, const WorldInfo& world, const std::string& runDir,
-                     bool resume, c10d::Store* store, bool log) {
+                     bool resume, c10d::Store* store, const LayoutChooser& choose, bool log) {
+  if (!choose) {
+    throw ConfigError(
+        "parallel.layout = auto needs the layout search, which this program was built without; "
+        "run it with caravan train, or set parallel.layout = manual");
+  }
   if (world.worldSize > 1 && store == nullptr) {
     throw ConfigError(
         "parallel.layout = auto needs the job's store to agree on the layout (dist.backend = mpi "
@@ -84,7 +61,8 @@ Config resolveLayout(const Config& config, const WorldInfo& world, const std::st
             *store, 0, world.worldSize, [&](int r) { return key("arrived", r); }, rendezvous,
             "reached the layout search");
       }
-      keys = chooseHere(config, world, runDir, resume, log);
+      keys = choose(config, world.worldSize - serverCount(config),
+                    (std::filesystem::path(runDir) / "layout.json").string(), resume, log);
     } catch (const std::exception& e) {
       // Every failure reaches the other ranks (a refusal as theirs, anything else as rank 0's
       // failure), and they have read it before this rank's store goes with it.

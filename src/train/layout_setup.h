@@ -1,5 +1,6 @@
-// parallel.layout = auto in `caravan train`: the job laid out as the layout search chooses
-// (sim/choose_layout.h), the same on every rank.
+// parallel.layout = auto in `caravan train`: the job laid out as the layout search chooses, the
+// same on every rank. The search (sim/choose_layout.h, a layer above train/) comes in as a
+// LayoutChooser: the CLI hands sim::chooseLayoutKeys to train() in TrainerOptions.
 //
 // Rank 0 waits until every rank has reached the job's store (so each has checked the run
 // directory as it was), then searches on a profile of the model, for the world's workers (its
@@ -16,7 +17,9 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "comm/world.h"
 #include "core/config.h"
@@ -29,11 +32,17 @@ namespace caravan {
 
 inline constexpr std::chrono::minutes kLayoutWait{30};
 
+// Rank 0's layout: the keys for `workers` workers (the world less the config's servers); writes
+// `file` (RUN_DIR/layout.json), or on `resume` reads the one there. `log`: prints the chosen
+// layout's line. Throws ConfigError (one line) for a job no layout fits.
+using LayoutChooser = std::function<std::vector<std::string>(
+    const Config& config, int workers, const std::string& file, bool resume, bool log)>;
+
 bool layoutIsAuto(const Config& config);
 
 // `config` with the chosen layout's keys applied over its own. `store`: the job's (null in a world
-// of one). `log`: prints the chosen layout's line (rank 0).
+// of one). `choose`: rank 0's chooser (empty: ConfigError). `log`: rank 0 prints the chosen line.
 Config resolveLayout(const Config& config, const WorldInfo& world, const std::string& runDir,
-                     bool resume, c10d::Store* store, bool log);
+                     bool resume, c10d::Store* store, const LayoutChooser& choose, bool log);
 
 }  // namespace caravan

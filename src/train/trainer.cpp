@@ -525,9 +525,10 @@ TrainSummary train(const Config& given, const TrainerOptions& options) {
   if (laidOut && options.world.worldSize > 1) {
     store = makeJobStore(givenOptions, options.world, options.runDir);
   }
-  const Config config = laidOut ? resolveLayout(given, options.world, options.runDir,
-                                                options.resume, store.get(), !options.quiet)
-                                : given;
+  const Config config = laidOut
+                            ? resolveLayout(given, options.world, options.runDir, options.resume,
+                                            store.get(), options.chooseLayout, !options.quiet)
+                            : given;
   const RunOptions runOptions = laidOut ? RunOptions::read(config) : givenOptions;
   if (laidOut) validate(runOptions, options.world.worldSize);  // checked as the given keys were
   CheckpointDir checkpoints(options.runDir, runOptions.loop.checkpointKeep);

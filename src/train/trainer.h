@@ -23,6 +23,7 @@
 
 #include "comm/world.h"
 #include "core/config.h"
+#include "train/layout_setup.h"
 #include "train/run_directory.h"
 
 namespace caravan {
@@ -38,6 +39,7 @@ struct TrainerOptions {
   bool quiet = false;                 // print nothing (metrics are still written)
   WorldInfo world;                    // this process's rank; a world > 1 trains data-parallel
   std::string tracePath;              // non-empty: write a Chrome-trace timeline here
+  LayoutChooser chooseLayout;         // parallel.layout = auto's search (the CLI's; empty: refused)
 };
 
 struct TrainSummary {
