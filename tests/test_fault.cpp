@@ -44,12 +44,6 @@ constexpr double kTimeoutS = 10.0;  // fault.timeout of the run
 // the heartbeat window that names the lost rank (2.5 s) and the exit.
 constexpr double kSurvivorBoundS = kTimeoutS + 5.0;
 
-std::string lastLine(std::string t) {
-  while (!t.empty() && t.back() == '\n') t.pop_back();
-  const auto nl = t.rfind('\n');
-  return nl == std::string::npos ? t : t.substr(nl + 1);
-}
-
 struct Case {
   int victim;
   int signal;

@@ -53,13 +53,6 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-std::string lastLine(const std::string& text) {
-  std::string t = text;
-  while (!t.empty() && t.back() == '\n') t.pop_back();
-  const auto nl = t.rfind('\n');
-  return nl == std::string::npos ? t : t.substr(nl + 1);
-}
-
 // Fields of /proc/PID/stat after the command name: state, ppid, ...
 std::vector<std::string> statFields(pid_t pid) {
   const std::string stat = readFile("/proc/" + std::to_string(pid) + "/stat");

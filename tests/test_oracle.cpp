@@ -31,11 +31,6 @@ namespace {
 constexpr int kSteps = 20;
 using caravan::test::kPython;
 
-c10::Dict<c10::IValue, c10::IValue> readDict(const std::string& path) {
-  std::string bytes = test::readFile(path);
-  return torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
-}
-
 // A model written in Python (tests/python/todays_models.py): Caravan trains its scripted file,
 // the oracle trains the Python class itself in eager PyTorch.
 struct EagerOracle {
@@ -145,7 +140,7 @@ void compareWithPyTorch(const std::vector<std::string>& overrides, double tolera
                     " " + (tmp / "out.pt");
   ASSERT_EQ(std::system(cmd.c_str()), 0)
       << "the PyTorch oracle failed; it needs the project's .venv (bash scripts/setup.sh)";
-  c10::Dict<c10::IValue, c10::IValue> theirs = readDict(tmp / "out.pt");
+  c10::Dict<c10::IValue, c10::IValue> theirs = test::readDict(tmp / "out.pt");
   // The bytes saved for backward: what our hooks saw equals what PyTorch's hooks saw.
   const int64_t theirSaved = theirs.at("saved_bytes").toTensor()[0].item<int64_t>();
   EXPECT_GT(theirSaved, 0);

@@ -46,11 +46,6 @@ std::vector<std::string> scriptedCnn(const std::vector<std::string>& more = {}) 
   return o;
 }
 
-c10::Dict<c10::IValue, c10::IValue> readDict(const std::string& path) {
-  std::string bytes = test::readFile(path);
-  return torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
-}
-
 // Trains `overrides` in this process; returns model.pt's tensors.
 std::map<std::string, at::Tensor> trainAndExport(const std::vector<std::string>& overrides,
                                                  const std::string& runDir) {
@@ -59,7 +54,7 @@ std::map<std::string, at::Tensor> trainAndExport(const std::vector<std::string>&
   o.runDir = runDir;
   train(Config::fromString("", "<test>", overrides), o);
   std::map<std::string, at::Tensor> out;
-  for (const auto& kv : readDict(runDir + "/model.pt")) {
+  for (const auto& kv : test::readDict(runDir + "/model.pt")) {
     out[kv.key().toStringRef()] = kv.value().toTensor();
   }
   return out;

@@ -26,6 +26,8 @@
 #include <utility>
 #include <vector>
 
+#include <torch/torch.h>
+
 #include "models/precision.h"
 
 namespace caravan::test {
@@ -71,6 +73,13 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// The last line of a program's output, without the newlines after it.
+inline std::string lastLine(std::string text) {
+  while (!text.empty() && text.back() == '\n') text.pop_back();
+  const auto nl = text.rfind('\n');
+  return nl == std::string::npos ? text : text.substr(nl + 1);
+}
 
 inline std::string readFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -309,6 +318,12 @@ inline std::vector<std::pair<std::string, std::string>> exportStockModels(
     files.emplace_back(factory, exported.path);
   }
   return files;
+}
+
+// A file torch.save wrote (model.pt, the oracle's out.pt) as its dict of names to values.
+inline c10::Dict<c10::IValue, c10::IValue> readDict(const std::string& path) {
+  const std::string bytes = readFile(path);
+  return torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
 }
 
 // The .npy fixtures NumPy itself wrote (tests/python/npy_fixtures.py says what each holds).

@@ -267,7 +267,7 @@ TEST(OutOfCoreWeights, TrainsBitwiseLikeInCoreOnResnet) {
 
 namespace {
 
-Config syntheticConfig(const std::vector<std::string>& extra) {
+Config offloadGptConfig(const std::vector<std::string>& extra) {
   std::vector<std::string> o = {"data.dataset=synthetic", "data.synthetic_size=96",
                                 "data.synthetic_task=tokens", "data.seq_len=16",
                                 "data.batch_size=8", "train.max_steps=20", "train.log_every=1",
@@ -284,8 +284,8 @@ Config syntheticConfig(const std::vector<std::string>& extra) {
 TEST(OutOfCoreWeights, ResumesAnInCoreRunExactlyFromItsCheckpoint) {
   // The checkpoint format is the in-core one: an in-core run stopped at step 9 and resumed out
   // of core (and the other way round) ends as the uninterrupted in-core run, bitwise.
-  const Config inCore = syntheticConfig({});
-  const Config offload = syntheticConfig({"memory.weights=offload"});
+  const Config inCore = offloadGptConfig({});
+  const Config offload = offloadGptConfig({"memory.weights=offload"});
   TempDir tmp;
   TrainerOptions full;
   full.runDir = tmp / "full";
@@ -326,7 +326,7 @@ TEST(OutOfCoreWeights, KeepsTheTrackedPeakUnderABudgetInCoreExceeds) {
     TrainerOptions t;
     t.runDir = tmp / name;
     t.quiet = true;
-    train(syntheticConfig(o), t);
+    train(offloadGptConfig(o), t);
     return nlohmann::json::parse(test::readFile(tmp / (name + "/summary.json")));
   };
   const nlohmann::json core = runWith({"memory.policy=recompute"}, "core");

@@ -18,7 +18,7 @@ constexpr size_t kPage = 4096;
 
 size_t roundToPages(size_t n) { return (n + kPage - 1) / kPage * kPage; }
 
-std::atomic<bool> gInstalled{false};
+std::atomic<bool> gAllocatorInstalled{false};
 
 }  // namespace
 
@@ -29,12 +29,12 @@ HostAllocator& HostAllocator::instance() {
 
 void HostAllocator::install(int64_t cacheLimit) {
   instance().setCacheLimit(cacheLimit);
-  if (gInstalled.exchange(true)) return;
+  if (gAllocatorInstalled.exchange(true)) return;
   // Priority above c10's default CPU allocator (0).
   c10::SetCPUAllocator(&instance(), /*priority=*/1);
 }
 
-bool HostAllocator::installed() { return gInstalled.load(); }
+bool HostAllocator::installed() { return gAllocatorInstalled.load(); }
 
 c10::DataPtr HostAllocator::allocate(size_t bytes) {
   if (bytes < kMappedBytes) {

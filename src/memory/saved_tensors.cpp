@@ -82,7 +82,7 @@ namespace {
 
 thread_local std::shared_ptr<SavedTensorAccounting> tActive;
 thread_local SavedTensorPlacement* tPlacement = nullptr;
-std::atomic<bool> gInstalled{false};
+std::atomic<bool> gEngineInstalled{false};
 
 // One saved variable outside any placement: held in memory (policy `keep`) and accounted
 // until released.
@@ -134,16 +134,16 @@ torch::autograd::Engine& caravanEngine() {
 }  // namespace
 
 void installSavedTensorEngine() {
-  if (gInstalled.exchange(true)) return;
+  if (gEngineInstalled.exchange(true)) return;
   torch::autograd::set_default_engine_stub(&caravanEngine);
 }
 
-bool savedTensorEngineInstalled() { return gInstalled.load(); }
+bool savedTensorEngineInstalled() { return gEngineInstalled.load(); }
 
 std::shared_ptr<SavedTensorAccounting> activeAccounting() { return tActive; }
 
 PlacementGuard::PlacementGuard(SavedTensorPlacement* placement) : previous_(tPlacement) {
-  CARAVAN_CHECK(placement == nullptr || gInstalled.load(),
+  CARAVAN_CHECK(placement == nullptr || gEngineInstalled.load(),
                 "a saved-tensor placement without installSavedTensorEngine(): saves would "
                 "bypass it");
   tPlacement = placement;
@@ -156,7 +156,7 @@ SavedTensorScope::SavedTensorScope(MemoryTracker& tracker,
                                    const std::vector<at::Tensor>& gatheredLater)
     : state_(std::make_shared<SavedTensorAccounting>(tracker, parameters, gatheredLater)),
       previous_(tActive) {
-  CARAVAN_CHECK(gInstalled.load(),
+  CARAVAN_CHECK(gEngineInstalled.load(),
                 "SavedTensorScope without installSavedTensorEngine(): saves would bypass it");
   tActive = state_;
 }

@@ -18,6 +18,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
 
+#include "core/align.h"
 #include "core/errors.h"
 #include "memory/host_allocator.h"
 #include "memory/tracker.h"
@@ -26,14 +27,13 @@ namespace caravan {
 
 namespace {
 
-constexpr int64_t kAlign = 4096;          // direct I/O alignment of offsets, sizes, buffers
+constexpr int64_t kDirectAlign = 4096;     // direct I/O alignment of offsets, sizes, buffers
 constexpr int64_t kBounceBytes = 8 << 20;  // staging buffer for writes from unaligned memory
-
-int64_t alignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 void* alignedAlloc(int64_t bytes) {
   void* p = nullptr;
-  if (posix_memalign(&p, kAlign, static_cast<size_t>(std::max<int64_t>(bytes, kAlign))) != 0) {
+  if (posix_memalign(&p, kDirectAlign,
+                     static_cast<size_t>(std::max<int64_t>(bytes, kDirectAlign))) != 0) {
     throw std::bad_alloc();
   }
   return p;
@@ -197,8 +197,9 @@ FileTier::FileTier(const std::string& directory) : directory_(directory) {
   direct_ = fd_ >= 0;
   if (direct_) {
     // Some file systems accept O_DIRECT at open and refuse the I/O (EINVAL): try one block.
-    std::memset(bounce_, 0, kAlign);
-    if (::pwrite(fd_, bounce_, kAlign, 0) != kAlign || ::pread(fd_, bounce_, kAlign, 0) != kAlign) {
+    std::memset(bounce_, 0, kDirectAlign);
+    if (::pwrite(fd_, bounce_, kDirectAlign, 0) != kDirectAlign ||
+        ::pread(fd_, bounce_, kDirectAlign, 0) != kDirectAlign) {
       ::close(fd_);
       fd_ = -1;
       direct_ = false;
@@ -237,7 +238,7 @@ std::string FileTier::describe() const {
 }
 
 int64_t FileTier::allocate(int64_t bytes) {
-  const int64_t length = alignUp(std::max<int64_t>(bytes, 1));
+  const int64_t length = alignUp(std::max<int64_t>(bytes, 1), kDirectAlign);
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     if (it->second < length) continue;
@@ -331,10 +332,10 @@ void FileTier::store(int64_t slot, const void* data, int64_t bytes) {
   // file, others through the staging buffer. The tail is padded to the alignment (the slot
   // has room: allocate() rounds up).
   int64_t done = 0;
-  const bool aligned = reinterpret_cast<uintptr_t>(src) % kAlign == 0;
+  const bool aligned = reinterpret_cast<uintptr_t>(src) % kDirectAlign == 0;
   while (done < bytes) {
     const int64_t n = std::min<int64_t>(bytes - done, kBounceBytes);
-    const int64_t padded = alignUp(n);
+    const int64_t padded = alignUp(n, kDirectAlign);
     const char* from = src + done;
     if (!aligned || padded != n) {
       std::memcpy(bounce_, from, static_cast<size_t>(n));
@@ -350,7 +351,7 @@ void FileTier::store(int64_t slot, const void* data, int64_t bytes) {
 void FileTier::load(int64_t slot, void* data, int64_t bytes) {
   // `data` comes from allocateHost(): aligned, with room for the padded length.
   char* dst = static_cast<char*>(data);
-  const int64_t padded = direct_ ? alignUp(bytes) : bytes;
+  const int64_t padded = direct_ ? alignUp(bytes, kDirectAlign) : bytes;
   fullRead(fd_, dst, padded, slot, directory_);
   countRead(bytes);
   if (!direct_) ::posix_fadvise(fd_, slot, bytes, POSIX_FADV_DONTNEED);
@@ -359,9 +360,10 @@ void FileTier::load(int64_t slot, void* data, int64_t bytes) {
 at::DataPtr FileTier::allocateHost(int64_t bytes) {
   // Mappings are page aligned; the caching allocator reuses them step after step.
   if (HostAllocator::installed()) {
-    return HostAllocator::instance().allocatePages(static_cast<size_t>(alignUp(bytes)));
+    return HostAllocator::instance().allocatePages(
+        static_cast<size_t>(alignUp(bytes, kDirectAlign)));
   }
-  return Tier::allocateHost(alignUp(bytes));
+  return Tier::allocateHost(alignUp(bytes, kDirectAlign));
 }
 
 // ---- HostTier -----------------------------------------------------------------------------

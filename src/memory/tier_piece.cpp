@@ -5,15 +5,12 @@
 
 #include <torch/torch.h>
 
+#include "core/align.h"
 #include "core/errors.h"
 
 namespace caravan {
 
 namespace {
-
-constexpr int64_t kAlign = 64;
-
-int64_t alignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 at::Storage newBlob(Tier& tier, int64_t bytes) {
   return at::Storage(at::Storage::use_byte_size_t(), bytes, tier.allocateHost(bytes),
@@ -31,9 +28,9 @@ TierPiece::TierPiece(Tier& tier, std::vector<at::Tensor> members, MemoryTracker*
         "a tier piece holds contiguous float32 CPU tensors");
     offsets_.push_back(bytes_);
     shapes_.push_back(m.sizes().vec());
-    bytes_ += alignUp(static_cast<int64_t>(m.nbytes()));
+    bytes_ += alignUp(static_cast<int64_t>(m.nbytes()), kTensorAlign);
   }
-  bytes_ = std::max<int64_t>(bytes_, kAlign);
+  bytes_ = std::max<int64_t>(bytes_, kTensorAlign);
   at::Storage blob = newBlob(tier_, bytes_);
   slot_ = tier_.allocate(bytes_);
   for (size_t k = 0; k < members_.size(); ++k) {

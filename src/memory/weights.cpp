@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/optim/optimizer.h>
 
+#include "core/align.h"
 #include "core/clock.h"
 #include "core/errors.h"
 #include "core/scope_guard.h"
@@ -23,10 +24,6 @@ namespace caravan {
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-constexpr int64_t kAlign = 64;
-
-int64_t alignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 at::Tensor viewOf(const at::Storage& s, int64_t offsetBytes, at::ScalarType dtype,
                   const std::vector<int64_t>& sizes) {
@@ -364,10 +361,10 @@ void OutOfCoreWeights::buildLayout(Piece& p) {
     m.dtype = m.tensor.scalar_type();
     m.offset = offset;
     const int64_t n = tensorBytes({m.tensor});
-    offset = alignUp(offset + n);
+    offset = alignUp(offset + n, kTensorAlign);
     dataBytes += n;
   }
-  const int64_t bytes = std::max<int64_t>(offset, kAlign);
+  const int64_t bytes = std::max<int64_t>(offset, kTensorAlign);
   at::DataPtr data = tier_.allocateHost(bytes);
   at::Storage blob(at::Storage::use_byte_size_t(), static_cast<size_t>(bytes), std::move(data),
                    /*allocator=*/nullptr, /*resizable=*/false);

@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 
 #include "comm/communicator.h"
+#include "core/align.h"
 #include "core/errors.h"
 #include "sync/optimizer_state.h"
 #include "sync/replicas.h"
@@ -82,8 +83,6 @@ at::Tensor encodeHeader(const at::Tensor& y, const Context& context) {
 
 // The payload: the activation, and the context's tensors after it when it has any (laid end to
 // end as bytes, each at a multiple of 64 bytes).
-constexpr int64_t kAlign = 64;
-int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 std::vector<at::Tensor> contextTensors(const Context& context) {
   std::vector<at::Tensor> out;
@@ -100,7 +99,7 @@ struct Packing {
   explicit Packing(const std::vector<at::Tensor>& all) {
     for (const auto& t : all) {
       offsets.push_back(bytes);
-      bytes += aligned(static_cast<int64_t>(t.nbytes()));
+      bytes += alignUp(static_cast<int64_t>(t.nbytes()), kTensorAlign);
     }
   }
   // Tensor i's place in `buffer`, as tensor `like` (its type and shape).
