@@ -218,3 +218,45 @@ TEST(Layout, AWorkloadWithoutThePlannersProfileIsRefused) {
   LayoutSpace space;
   EXPECT_THROW(searchLayouts(w, RunOptions{}, hosts(1, 1000), space), ConfigError);
 }
+
+// train.precision = bf16 (the run chooses per block): the search lays the job out in each
+// profiled precision, each layout predicted as the simulator predicts its profile, and chooses
+// bf16 where its profile is faster (a CPU with bf16 instructions) and float32 where it is slower
+// (one that emulates it).
+TEST(Layout, Bf16IsSearchedBesideFloat32AsItsOwnProfilePredicts) {
+  const Workload f32 = fourBlocks();
+  LayoutSpace space;
+  space.workers = 4;
+  const ClusterSpec c = hosts(4, 1000);
+  const LayoutSearch alone = searchLayouts(f32, RunOptions{}, c, space);
+  for (const double factor : {0.5, 2.0}) {
+    Workload b16 = f32;
+    for (double& t : b16.forwardSeconds) t *= factor;
+    for (double& t : b16.backwardSeconds) t *= factor;
+    b16.planner.keepBackwardSeconds = b16.backwardSeconds;
+    for (int64_t& b : b16.planner.savedBytes) b /= 2;
+    const LayoutSearch both =
+        searchLayouts({{b16, "bf16"}, {f32, "float32"}}, RunOptions{}, c, space);
+    ASSERT_EQ(both.ranked.size(), 2 * alone.ranked.size());
+    for (const LayoutChoice& choice : both.ranked) {
+      const bool isBf16 =
+          choice.name.size() > 5 && choice.name.substr(choice.name.size() - 5) == "+bf16";
+      const std::string precision = isBf16 ? "bf16" : "float32";
+      ASSERT_EQ(choice.name.substr(choice.name.size() - precision.size() - 1), "+" + precision);
+      EXPECT_EQ(std::count(choice.keys.begin(), choice.keys.end(), "train.precision=" + precision),
+                1)
+          << choice.name;
+      EXPECT_EQ(choice.job.runtime.precision, precision);
+      const LayoutSearch own = searchLayouts(isBf16 ? b16 : f32, RunOptions{}, c, space);
+      const std::string base = choice.name.substr(0, choice.name.size() - precision.size() - 1);
+      const auto same = std::find_if(own.ranked.begin(), own.ranked.end(),
+                                     [&](const LayoutChoice& o) { return o.name == base; });
+      ASSERT_NE(same, own.ranked.end()) << choice.name;
+      EXPECT_EQ(choice.predicted.stepSeconds, same->predicted.stepSeconds) << choice.name;
+      EXPECT_EQ(choice.memoryBytes, same->memoryBytes) << choice.name;
+    }
+    ASSERT_NE(both.best(), nullptr);
+    const std::string want = factor < 1.0 ? "+bf16" : "+float32";
+    EXPECT_EQ(both.best()->name.substr(both.best()->name.size() - want.size()), want);
+  }
+}

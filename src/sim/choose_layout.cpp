@@ -58,13 +58,23 @@ LayoutDecision chooseLayout(const Config& config, const ClusterSpec& cluster, in
   d.cluster = cluster;
   d.workers = workers;
   d.workload = given != nullptr ? *given : measureWorkload(config);
+  // Precision, where train.precision = bf16 lets the run choose it per block: when some block
+  // chose bf16 here, float32 is profiled and searched beside it (bf16 halves what a block saves
+  // and gathers, and is slower where a CPU only emulates it). No block in bf16 (no bf16
+  // instructions, or none timed faster): the two are one profile, searched once.
+  std::vector<PrecisionProfile> profiles = {{d.workload, ""}};
+  if (given == nullptr && own.runtime.precision == "bf16" && d.workload.bf16Blocks > 0) {
+    profiles.front().precision = "bf16";
+    profiles.push_back(
+        {measureWorkload(config.withOverrides({"train.precision=float32"})), "float32"});
+  }
   const auto start = std::chrono::steady_clock::now();
   const int capacity = clusterCapacity(cluster, threads);
   if (checkCapacity && workers + servers > capacity) {
     const int most = capacity - servers;
     std::string nearest = "none: it cannot hold the servers alone";
     if (most >= 1) {
-      const LayoutSearch fewer = searchLayouts(d.workload, own, cluster, spaceFor(most, config));
+      const LayoutSearch fewer = searchLayouts(profiles, own, cluster, spaceFor(most, config));
       nearest = fewer.best() != nullptr
                     ? fmt::format("{} workers as {}", most, fewer.best()->name)
                     : fmt::format("{} workers, but no layout of them fits memory", most);
@@ -76,7 +86,7 @@ LayoutDecision chooseLayout(const Config& config, const ClusterSpec& cluster, in
         servers > 0 ? fmt::format(" + {} servers", servers) : "", nearest,
         (workers + servers + capacity / cluster.hosts - 1) / (capacity / cluster.hosts)));
   }
-  d.search = searchLayouts(d.workload, own, cluster, spaceFor(workers, config));
+  d.search = searchLayouts(profiles, own, cluster, spaceFor(workers, config));
   d.searchSeconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (d.search.ranked.empty()) {
     std::string why = d.search.refused.empty() ? "" : ": " + d.search.refused.front();

@@ -239,12 +239,14 @@ std::string LayoutChoice::text() const {
                      predicted.samplesPerSecond, reasons);
 }
 
-LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
+LayoutSearch searchLayouts(const std::vector<PrecisionProfile>& profiles, const RunOptions& own,
                            const ClusterSpec& cluster, const LayoutSpace& space) {
-  if (!workload.planner.measured) {
-    throw ConfigError(
-        "the workload has no per-block planner profile (a workload file from before the "
-        "layout search); profile again (drop --workload)");
+  for (const PrecisionProfile& p : profiles) {
+    if (!p.workload.planner.measured) {
+      throw ConfigError(
+          "the workload has no per-block planner profile (a workload file from before the "
+          "layout search); profile again (drop --workload)");
+    }
   }
   const int processes = space.workers + own.sync.servers;
   LayoutSearch search;
@@ -261,37 +263,43 @@ LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
   }
   search.memoryLimit = limit;
   const SimOptions sim{space.workers, space.steps, 1};
-  for (RunOptions& job :
-       layoutCandidates(own, space, workload.forwardSeconds.size(), workload.batchPerWorker)) {
-    const std::string name = label(job);
-    if (job.memory.offloadWeights && !workload.offload.measured) continue;
-    try {
-      validate(job, processes);
-      if (const std::string why = unsupported(job); !why.empty()) throw ConfigError(why);
-      LayoutChoice c;
-      const Laid laid = layOut(workload, job, space.workers, limit);
-      if (!laid.partition.empty()) job.pipeline.partition = laid.partition;
-      c.predicted = simulate(laid.workload, job, cluster, sim);
-      c.memoryBytes = laid.memory;
-      c.leastMemoryBytes = laid.leastMemory;
-      c.fits = laid.fits;
-      c.policy = laid.policies.empty() ? "offload window" : countPolicies(laid.policies);
-      const bool planned =
-          limit > 0 && std::any_of(laid.policies.begin(), laid.policies.end(),
-                                   [](BlockPolicy p) { return p != BlockPolicy::kKeep; });
-      c.keys = layoutKeys(job, planned ? limit : 0);
-      const SimResult& r = c.predicted;
-      c.reasons = fmt::format(
-          "{}; {}; {} per worker{}; memory: {}", shape(job, space.workers), boundText(r),
-          formatBytes(c.memoryBytes),
-          limit > 0 ? fmt::format(" of {}{}", formatBytes(limit), c.fits ? "" : ", does NOT fit")
-                    : "",
-          c.policy);
-      c.name = name;
-      c.job = std::move(job);
-      search.ranked.push_back(std::move(c));
-    } catch (const ConfigError& e) {
-      search.refused.push_back(fmt::format("{}: {}", name, e.what()));
+  for (const PrecisionProfile& profile : profiles) {
+    const Workload& workload = profile.workload;
+    for (RunOptions& job :
+         layoutCandidates(own, space, workload.forwardSeconds.size(), workload.batchPerWorker)) {
+      if (!profile.precision.empty()) job.runtime.precision = profile.precision;
+      const std::string name =
+          label(job) + (profiles.size() > 1 ? "+" + job.runtime.precision : std::string());
+      if (job.memory.offloadWeights && !workload.offload.measured) continue;
+      try {
+        validate(job, processes);
+        if (const std::string why = unsupported(job); !why.empty()) throw ConfigError(why);
+        LayoutChoice c;
+        const Laid laid = layOut(workload, job, space.workers, limit);
+        if (!laid.partition.empty()) job.pipeline.partition = laid.partition;
+        c.predicted = simulate(laid.workload, job, cluster, sim);
+        c.memoryBytes = laid.memory;
+        c.leastMemoryBytes = laid.leastMemory;
+        c.fits = laid.fits;
+        c.policy = laid.policies.empty() ? "offload window" : countPolicies(laid.policies);
+        const bool planned =
+            limit > 0 && std::any_of(laid.policies.begin(), laid.policies.end(),
+                                     [](BlockPolicy p) { return p != BlockPolicy::kKeep; });
+        c.keys = layoutKeys(job, planned ? limit : 0);
+        if (!profile.precision.empty()) c.keys.push_back("train.precision=" + profile.precision);
+        const SimResult& r = c.predicted;
+        c.reasons = fmt::format(
+            "{}; {}; {} per worker{}; memory: {}", shape(job, space.workers), boundText(r),
+            formatBytes(c.memoryBytes),
+            limit > 0 ? fmt::format(" of {}{}", formatBytes(limit), c.fits ? "" : ", does NOT fit")
+                      : "",
+            c.policy);
+        c.name = name;
+        c.job = std::move(job);
+        search.ranked.push_back(std::move(c));
+      } catch (const ConfigError& e) {
+        search.refused.push_back(fmt::format("{}: {}", name, e.what()));
+      }
     }
   }
   std::stable_sort(search.ranked.begin(), search.ranked.end(),
@@ -306,6 +314,11 @@ LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
                      return a.leastMemoryBytes < b.leastMemoryBytes;
                    });
   return search;
+}
+
+LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
+                           const ClusterSpec& cluster, const LayoutSpace& space) {
+  return searchLayouts(std::vector<PrecisionProfile>{{workload, ""}}, own, cluster, space);
 }
 
 }  // namespace caravan::sim

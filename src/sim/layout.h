@@ -90,8 +90,19 @@ int clusterCapacity(const ClusterSpec& cluster, int threads);
 std::vector<RunOptions> layoutCandidates(const RunOptions& own, const LayoutSpace& space,
                                          size_t blocks, int64_t batch);
 
-// Simulates and ranks every candidate. ConfigError when the workload lacks the planner's profile
-// (a workload file from before it).
+// One precision the search lays the job out in: the workload profiled in it, and the
+// train.precision its layouts pin ("": the config's own, no key).
+struct PrecisionProfile {
+  Workload workload;
+  std::string precision;
+};
+
+// Simulates and ranks every candidate in each profile (where there are two, each layout's name
+// ends in "+<precision>"). ConfigError when a workload lacks the planner's profile (a workload
+// file from before it).
+LayoutSearch searchLayouts(const std::vector<PrecisionProfile>& profiles, const RunOptions& own,
+                           const ClusterSpec& cluster, const LayoutSpace& space);
+// In the config's own precision.
 LayoutSearch searchLayouts(const Workload& workload, const RunOptions& own,
                            const ClusterSpec& cluster, const LayoutSpace& space);
 

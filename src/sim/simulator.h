@@ -107,6 +107,10 @@ struct Workload {
   std::vector<double> forwardFixedSeconds, backwardFixedSeconds;
   double lossFixedSeconds = 0.0;
 
+  // The blocks train.precision ran in bf16 when profiled on this host (not kept in a workload
+  // file: 0 when read from one).
+  int bf16Blocks = 0;
+
   int64_t parameterTotal() const;
   double computeSeconds() const;  // forward + loss + backward
   // The optimizer's state per weight byte (AdamW 2, SGD with momentum 1), rounded.

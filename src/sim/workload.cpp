@@ -36,11 +36,13 @@ Workload measureWorkload(const Config& config) {
   setup.model->train();
   const Batch sample = setup.sampleBatch();
   // train.precision as a run makes it (bf16: each block timed both ways on this host).
-  choosePrecision(options.runtime.precision, setup.model, sample,
-                  std::max<int>(2, static_cast<int>(options.memory.profileRepeats)), "");
+  const PrecisionChoice precision =
+      choosePrecision(options.runtime.precision, setup.model, sample,
+                      std::max<int>(2, static_cast<int>(options.memory.profileRepeats)), "");
 
   Workload w;
   w.model = setup.model->modelName();
+  w.bf16Blocks = static_cast<int>(std::count(precision.bf16.begin(), precision.bf16.end(), true));
   w.batchPerWorker = sample.size();
   w.epochExamples = setup.data.train->size();
   w.threads = static_cast<int>(runtime.threads);
