@@ -10,8 +10,10 @@
 // its refusal, which each rank then raises as its own (ConfigError, one line), or its failure
 // (PeerError naming it), and waits (fault.rendezvous_timeout at most) until they have read it
 // before its store goes. A rank waits for rank 0 at most kLayoutWait; rank 0 ending first ends
-// the wait (a TCP store lives in rank 0). The keys are not kept apart per start: a file store
-// left by an earlier job (dist.store_path) would hand its layout on; use a fresh one.
+// the wait (a TCP store lives in rank 0). The keys live in the job's store as its rendezvous
+// does: under caravan's launcher a file store (dist.store_path) is the start's own (comm/store.h,
+// WorldInfo::start); under another launcher a file an earlier job left would hand its layout on
+// as it would its rendezvous keys, so give each job a fresh one.
 //
 // Threading: the trainer's thread.
 #pragma once
