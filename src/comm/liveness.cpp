@@ -49,7 +49,7 @@ std::map<int, std::optional<Beat>> readAll(c10d::Store& store, int self, int siz
   return out;
 }
 
-std::string oneLine(std::string s) {
+std::string joinLines(std::string s) {
   for (char& c : s) {
     if (c == '\n' || c == '\r') c = ' ';
   }
@@ -184,7 +184,7 @@ void Heartbeat::leave(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stop_) return;
     stop_ = true;
-    leftReason_ = oneLine(reason);
+    leftReason_ = joinLines(reason);
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();

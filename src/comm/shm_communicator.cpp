@@ -40,7 +40,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr uint64_t kMagic = 0x3263617261766e73;  // the layout's version
+constexpr uint64_t kShmMagic = 0x3263617261766e73;  // the layout's version
 
 struct alignas(64) SegmentHeader {
   uint64_t magic;
@@ -616,12 +616,12 @@ ShmCommunicator::ShmCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank
   m.data = static_cast<char*>(m.base) + headerBytes(size);
   if (rank == 0) {
     // Laid out before anyone learns the name (the store orders it before their reads).
-    m.header->magic = kMagic;
+    m.header->magic = kShmMagic;
     m.header->size = size;
     m.header->slotBytes = m.options.slotBytes;
     m.header->failed.store(0);
     store->set(nameKey, std::vector<uint8_t>(name.begin(), name.end()));
-  } else if (m.header->magic != kMagic || m.header->size != size ||
+  } else if (m.header->magic != kShmMagic || m.header->size != size ||
              segmentBytes(size, m.header->slotBytes) != m.bytes) {
     throw ConfigError(fmt::format(
         "rank {}: the shared-memory segment {} was laid out for another version of caravan or "

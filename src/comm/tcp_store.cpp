@@ -56,7 +56,7 @@ enum class Op : uint8_t {
   kDelete
 };
 enum class Status : uint8_t { kOk = 0, kTimeout = 1, kRefused = 2, kError = 3 };
-constexpr uint32_t kMagic = 0x32565243;  // "CRV2"
+constexpr uint32_t kStoreMagic = 0x32565243;  // "CRV2"
 constexpr size_t kNonceBytes = 16;
 // What each side's proof covers: HMAC-SHA256(token, label | the other side's nonce).
 constexpr const char* kServerProof = "caravan-store-server|";
@@ -508,8 +508,8 @@ class TcpStore::Server {
     // replay, and a client learns nothing from a process that does not know the token.
     try {
       Reader hello(std::move(request));
-      const bool wellFormed = hello.u8() == static_cast<uint8_t>(Op::kHello) &&
-                              hello.u32() == kMagic;
+      const bool wellFormed =
+          hello.u8() == static_cast<uint8_t>(Op::kHello) && hello.u32() == kStoreMagic;
       const std::string clientNonce = wellFormed ? hello.str() : std::string();
       Writer challenge;
       if (clientNonce.size() != kNonceBytes) {
@@ -621,7 +621,7 @@ class TcpStore::Client {
     // store knows it too.
     const std::string clientNonce = randomBytes(kNonceBytes);
     Writer hello;
-    hello.op(Op::kHello).u32(kMagic).str(clientNonce);
+    hello.op(Op::kHello).u32(kStoreMagic).str(clientNonce);
     Reader challenge = call(hello, deadline);
     const auto refused = [this] {
       return ConfigError(fmt::format(

@@ -17,7 +17,7 @@ namespace caravan {
 namespace {
 
 // `text` for a one-line message: line breaks and tabs shown as \n, \r and \t.
-std::string oneLine(const std::string& text) {
+std::string escapeLineBreaks(const std::string& text) {
   std::string out;
   for (char c : text) {
     if (c == '\n') {
@@ -627,12 +627,12 @@ void Config::applyOverrides(const std::vector<std::string>& overrides) {
   for (const auto& item : overrides) {
     auto eq = item.find('=');
     if (eq == std::string::npos || eq == 0) {
-      throw ConfigError(
-          fmt::format("--set {}: expected key=value, e.g. --set optim.lr=0.1", oneLine(item)));
+      throw ConfigError(fmt::format("--set {}: expected key=value, e.g. --set optim.lr=0.1",
+                                    escapeLineBreaks(item)));
     }
     std::string key = item.substr(0, eq);
     std::string raw = item.substr(eq + 1);
-    std::string at = "--set " + oneLine(item);
+    std::string at = "--set " + escapeLineBreaks(item);
     if (key == "data.sources") {
       throw ConfigError(fmt::format(
           "{}: data.sources are [[data.sources]] tables; write them in the config file", at));
@@ -643,7 +643,7 @@ void Config::applyOverrides(const std::vector<std::string>& overrides) {
       std::string hint = isSection(section)
                              ? fmt::format("known keys in [{}]: {}", section, knownKeysOf(section))
                              : fmt::format("known sections: {}", knownSections());
-      throw ConfigError(fmt::format("{}: unknown key '{}' ({})", at, oneLine(key), hint));
+      throw ConfigError(fmt::format("{}: unknown key '{}' ({})", at, escapeLineBreaks(key), hint));
     }
     toml::table parsed;
     bool ok = true;

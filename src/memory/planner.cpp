@@ -23,7 +23,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // 0 for no measurement (profileModel with repeats = 0: sizes only).
-double median(std::vector<double> v) {
+double upperMedian(std::vector<double> v) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -110,8 +110,8 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
     }
     inputNeedsGrad = outputNeedsGrad;
     removeProfileGradients(model->block(i).ptr()->parameters());
-    b.forwardSeconds = median(forward);
-    b.backwardSeconds = median(backward);
+    b.forwardSeconds = upperMedian(forward);
+    b.backwardSeconds = upperMedian(backward);
     profile.blocks.push_back(b);
   }
   {
@@ -126,7 +126,7 @@ ModelProfile profileModel(BlockModel& model, const Batch& batch, int repeats) {
       l.backward();
       if (r > 0) loss.push_back(secondsSince(t0));
     }
-    profile.lossSeconds = median(loss);
+    profile.lossSeconds = upperMedian(loss);
   }
 
   removeProfileGradients(params);  // the loss's, and a weight one block reads of another's

@@ -68,7 +68,7 @@ std::vector<size_t> evenPartition(size_t blocks, int stages) {
 
 namespace {
 
-constexpr double kInfinity = std::numeric_limits<double>::infinity();
+constexpr double kUnbounded = std::numeric_limits<double>::infinity();
 
 struct Sums {
   std::vector<double> time;
@@ -166,13 +166,13 @@ std::vector<size_t> minMaxPartition(size_t n, int k,
                                     const std::function<double(int, size_t, size_t)>& value,
                                     const std::function<bool(int, size_t, size_t)>& allowed) {
   // best[s][b]: the best largest value of s stages over blocks [0, b); from[s][b]: its last cut.
-  std::vector<std::vector<double>> best(k + 1, std::vector<double>(n + 1, kInfinity));
+  std::vector<std::vector<double>> best(k + 1, std::vector<double>(n + 1, kUnbounded));
   std::vector<std::vector<size_t>> from(k + 1, std::vector<size_t>(n + 1, 0));
   best[0][0] = 0.0;
   for (int s = 1; s <= k; ++s) {
     for (size_t b = s; b + (k - s) <= n; ++b) {
       for (size_t a = s - 1; a < b; ++a) {
-        if (best[s - 1][a] == kInfinity || !allowed(s - 1, a, b)) continue;
+        if (best[s - 1][a] == kUnbounded || !allowed(s - 1, a, b)) continue;
         const double v = std::max(best[s - 1][a], value(s - 1, a, b));
         if (v < best[s][b]) {
           best[s][b] = v;
@@ -181,7 +181,7 @@ std::vector<size_t> minMaxPartition(size_t n, int k,
       }
     }
   }
-  if (best[k][n] == kInfinity) return {};
+  if (best[k][n] == kUnbounded) return {};
   std::vector<size_t> cuts(k + 1, n);
   for (int s = k; s >= 1; --s) cuts[s - 1] = from[s][cuts[s]];
   return cuts;

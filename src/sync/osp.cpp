@@ -21,7 +21,7 @@ constexpr int kTagPush1 = 21;  // worker -> server: PushHeader (ps_message.h), g
 constexpr int kTagPull1 = 22;  // server -> worker: w[I]
 constexpr int kTagPush2 = 23;  // worker -> server: g[U]
 constexpr int kTagPull2 = 24;  // server -> worker: SplitHeader, w[U], next split flags
-constexpr int kTagState = 25;  // server -> worker 0: its shard's optimizer state
+constexpr int kOspTagState = 25;  // server -> worker 0: its shard's optimizer state
 
 // Of the measured rate, the share auto sizing counts on stage 2 getting while the next step
 // computes (ours: the transfer competes with compute for the CPU and the link).
@@ -262,7 +262,7 @@ std::map<std::string, at::Tensor> OspWorkerStrategy::saveState() {
   sendToServers(PushKind::kState);
   if (workers_->rank() == 0) {
     CARAVAN_CHECK(optimizer_ != nullptr, "OSP has no optimizer");
-    receiveServerStates(*world_, layout_, kTagState, *optimizer_, params_);
+    receiveServerStates(*world_, layout_, kOspTagState, *optimizer_, params_);
   }
   // Heavy-ball LGP's w_{t-1} (the same on every worker).
   if (previous_.defined()) return {{"osp_previous", previous_.clone()}};
@@ -380,7 +380,7 @@ void runOspServer(Communicator& world, int numWorkers, const OspOptions& options
     const auto w1 = stage(true, kTagPush1, step, &lr, &kind);
     if (kind == PushKind::kGoodbye) return;  // every worker said goodbye
     if (kind == PushKind::kState) {          // a checkpoint
-      sendOptimizerState(world, gatherOptimizerState(*opt, chunks), 0, kTagState);
+      sendOptimizerState(world, gatherOptimizerState(*opt, chunks), 0, kOspTagState);
       continue;
     }
     if (kind != PushKind::kGradient) {

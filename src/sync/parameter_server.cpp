@@ -19,7 +19,7 @@ namespace {
 constexpr int kTagSetup = 10;  // rank 0 -> server: [count], then the initial shard
 constexpr int kTagPush = 11;   // worker -> server: PushHeader, gradient shard
 constexpr int kTagPull = 12;   // server -> worker: PullHeader, updated shard
-constexpr int kTagState = 13;  // server -> worker 0: its shard's optimizer state
+constexpr int kPsTagState = 13;  // server -> worker 0: its shard's optimizer state
 
 }  // namespace
 
@@ -166,7 +166,7 @@ std::map<std::string, at::Tensor> PsWorkerStrategy::saveState() {
   exchange(at::Tensor(), PushKind::kState);
   if (workers_->rank() == 0) {
     CARAVAN_CHECK(optimizer_ != nullptr, "the parameter-server strategy has no optimizer");
-    receiveServerStates(*world_, layout_, kTagState, *optimizer_, params_);
+    receiveServerStates(*world_, layout_, kPsTagState, *optimizer_, params_);
   }
   return out;
 }
@@ -260,7 +260,7 @@ void reply(Communicator& world, const at::Tensor& shard, int worker, int64_t sta
 
 // A state request: worker 0 gets this server's optimizer state (after the pulls went out).
 void sendState(Communicator& world, torch::optim::Optimizer& opt, const at::Tensor& shard) {
-  sendOptimizerState(world, gatherOptimizerState(opt, {shard}), 0, kTagState);
+  sendOptimizerState(world, gatherOptimizerState(opt, {shard}), 0, kPsTagState);
 }
 
 void serveBsp(Communicator& world, int numWorkers, const ShardCodec& codec, at::Tensor shard,
