@@ -20,7 +20,8 @@ Targets (issue 50): chosen within 10% of the best measured in every case; tau >=
 
 The cluster file's constants are issue 21's (bench/README.md "caravan simulate against real
 runs"): link_efficiency 0.7, latency_us 2000, straggler_cv 0.15, fitted there on fmnist-cnn's
-sync modes at 1 Gbit/s and 100 Mbit/s; nothing here is fitted, so the GPT cases were never
+sync modes at 1 Gbit/s and 100 Mbit/s, whose steps without exchange computed ~110 ms
+(straggler_step_ms 110: the cv is that step's); nothing here is fitted, so the GPT cases were never
 calibrated on and the CNN's layouts (sharding, pipelines) were not either.
 
 Written under --out: results.json (every run's numbers, the predictions), table.md.
@@ -67,6 +68,7 @@ memory_gib = {memory}
 latency_us = 2000
 link_efficiency = 0.7
 straggler_cv = 0.15
+straggler_step_ms = 110
 """
 
 
@@ -188,7 +190,7 @@ def table(results, analysis):
              "mean); samples/s from "
              "rank 0's train records after the first window. OPENBLAS_CORETYPE unset in the "
              "measured processes. Cluster constants: issue 21's (link_efficiency 0.7, latency_us "
-             "2000, straggler_cv 0.15), nothing fitted here.", ""]
+             "2000, straggler_cv 0.15 at straggler_step_ms 110), nothing fitted here.", ""]
     lines += ["| case | chosen | best measured | chosen / best | Kendall tau | layouts |",
               "|---|---|---|---|---|---|"]
     for c in analysis:

@@ -76,6 +76,15 @@ RunOptions job(SyncMode mode) {
   return o;
 }
 
+// All-reduce between replicas of two pipeline stages, GPipe, one micro-batch.
+RunOptions gpipeOfTwoStages() {
+  RunOptions s = job(SyncMode::kAllReduce);
+  s.pipeline.stages = 2;
+  s.pipeline.microBatches = 1;
+  s.pipeline.schedule = PipelineSchedule::kGPipe;
+  return s;
+}
+
 }  // namespace
 
 TEST(Simulate, AllReduceOfOneBucketIsTheRingAfterBackward) {
@@ -279,10 +288,7 @@ TEST(Simulate, ProcessesSharingCoresComputeSlower) {
 TEST(Simulate, GpipeOfTwoStagesAndOneMicroBatchIsTheChainOfItsParts) {
   // Block 1's input: 0.1 s at 12.5 MB/s.
   const Workload w = blocks({0.010, 0.020}, {0.030, 0.040}, {1000, 1000}, {0, 1250000});
-  RunOptions s = job(SyncMode::kAllReduce);
-  s.pipeline.stages = 2;
-  s.pipeline.microBatches = 1;
-  s.pipeline.schedule = PipelineSchedule::kGPipe;
+  RunOptions s = gpipeOfTwoStages();
   const ClusterSpec c = hosts(2);
   const SimResult r = simulate(w, s, c, {2, 1, 1});
   const double transfer = 100e-6 + 0.1;
@@ -290,6 +296,80 @@ TEST(Simulate, GpipeOfTwoStagesAndOneMicroBatchIsTheChainOfItsParts) {
   const double step = 0.010 + transfer + 0.030 + 0.040 + transfer + 0.030 + 0.005 / 2;
   EXPECT_NEAR(r.stepSeconds, step, step * 1e-9);
   EXPECT_NEAR(r.samplesPerSecond, 32 / step, 1e-6);
+}
+
+TEST(Simulate, PipelineStagesSlowOnlyBesideStagesComputingWithThem) {
+  // GPipe of two stages and one micro-batch: no two actions overlap, so two workers on one
+  // shared core each compute at its full speed (the chain of the parts, as on a core each).
+  const Workload w = blocks({0.100, 0.100}, {0.200, 0.200}, {1000, 1000}, {0, 0});
+  RunOptions s = gpipeOfTwoStages();
+  ClusterSpec c = hosts(2);
+  c.sharedCores = 1;
+  c.latencySeconds = 0;
+  c.linkBitsPerSecond = 1e15;
+  const double update = 0.005 / 2;
+  const double chain = 0.100 + 0.100 + 0.010 + 0.200 + 0.200;  // F0, F1 + loss, B1, B0
+  EXPECT_NEAR(simulate(w, s, c, {2, 1, 1}).stepSeconds, chain + update, 1e-9);
+  // Each host held to half a core (a cgroup's quota per 100 ms period): an action runs at full
+  // speed for the period's 50 ms of quota, the rest at half speed (the update, 2.5 ms, within
+  // its quota). The step is then more than each host's work at half speed (0.62 s).
+  c.coresPerHost = 0.5;
+  auto action = [](double t) { return 0.05 + 2.0 * (t - 0.05); };
+  const double throttled = action(0.100) + action(0.110) + action(0.200) + action(0.200);
+  EXPECT_NEAR(simulate(w, s, c, {2, 1, 1}).stepSeconds, throttled + update, 1e-9);
+  // Four micro-batches of a quarter (25-55 ms actions, shares as profiled at 8 examples of 32):
+  // the two stages compute side by side on the one core, and the quota bounds the step: at
+  // least each host's work over its half core.
+  Workload quarter = w;
+  quarter.smallerBatches = {{8.0, {0.25, 0.25}, {0.25, 0.25}, 0.25}};
+  s.pipeline.microBatches = 4;
+  const double work = 0.100 + 0.200 + 0.005 / 2;  // stage 0's (stage 1's adds the loss)
+  EXPECT_GE(simulate(quarter, s, c, {2, 1, 1}).stepSeconds, 2.0 * (work + 0.010) - 1e-12);
+}
+
+TEST(Simulate, MicroBatchTimesFollowTheProfiledSmallerBatches) {
+  Workload w = blocks({0.320}, {0.640}, {1000}, {3200});
+  w.batchPerWorker = 32;
+  w.lossSeconds = 0.032;
+  // Profiled at 2 and 8 examples: shares 0.125 and 0.3 of the full batch's times.
+  w.smallerBatches = {{2.0, {0.125}, {0.125}, 0.125}, {8.0, {0.3}, {0.3}, 0.3}};
+  // 16 micro-batches of 2: the profile at 2 itself.
+  Workload m = perMicroBatch(w, 16);
+  EXPECT_NEAR(m.forwardSeconds[0], 0.320 * 0.125, 1e-12);
+  EXPECT_NEAR(m.backwardSeconds[0], 0.640 * 0.125, 1e-12);
+  EXPECT_NEAR(m.lossSeconds, 0.032 * 0.125, 1e-12);
+  EXPECT_EQ(m.inputBytes[0], 200);
+  // 8 of 4: between 2 and 8, a third of the way; 2 of 16: between 8 and the full batch.
+  EXPECT_NEAR(perMicroBatch(w, 8).forwardSeconds[0], 0.320 * (0.125 + 0.175 / 3), 1e-12);
+  EXPECT_NEAR(perMicroBatch(w, 2).forwardSeconds[0], 0.320 * (0.3 + 0.7 / 3), 1e-12);
+  // 32 of 1: below the smallest profile, the line through the two smallest.
+  EXPECT_NEAR(perMicroBatch(w, 32).forwardSeconds[0], 0.320 * (0.125 - 0.175 / 6), 1e-12);
+  // None profiled: in proportion.
+  w.smallerBatches.clear();
+  EXPECT_NEAR(perMicroBatch(w, 4).forwardSeconds[0], 0.080, 1e-12);
+}
+
+TEST(WorkloadFile, KeepsTheSmallerBatchesAndReadsTheFixedTimesBefore) {
+  Workload w = blocks({0.320}, {0.640}, {1000}, {3200});
+  w.smallerBatches = {{2.0, {0.125}, {0.25}, 0.5}, {8.0, {0.3}, {0.35}, 0.4}};
+  const Workload back = workloadFromJson(workloadJson(w), "w.json");
+  ASSERT_EQ(back.smallerBatches.size(), 2u);
+  EXPECT_EQ(back.smallerBatches[1].examples, 8.0);
+  EXPECT_EQ(back.smallerBatches[0].backward, std::vector<double>{0.25});
+  EXPECT_EQ(back.smallerBatches[1].loss, 0.4);
+  // The form before: a fixed part of each time, the rest shrinking with the batch.
+  nlohmann::json old = nlohmann::json::parse(workloadJson(w));
+  old.erase("smaller_batches");
+  old["fixed"] = {{"forward_s", {0.032}}, {"backward_s", {0.0}}, {"loss_s", 0.0}};
+  const Workload fixed = workloadFromJson(old.dump(), "old.json");
+  EXPECT_NEAR(perMicroBatch(fixed, 4).forwardSeconds[0], 0.032 + (0.320 - 0.032) / 4, 1e-12);
+  EXPECT_NEAR(perMicroBatch(fixed, 4).backwardSeconds[0], 0.640 / 4, 1e-12);
+  // Out of order, or at the full batch: refused.
+  nlohmann::json bad = nlohmann::json::parse(workloadJson(w));
+  bad["smaller_batches"][1]["examples"] = 1.0;
+  EXPECT_THROW(workloadFromJson(bad.dump(), "bad.json"), ConfigError);
+  bad["smaller_batches"][1]["examples"] = 32.0;
+  EXPECT_THROW(workloadFromJson(bad.dump(), "bad.json"), ConfigError);
 }
 
 TEST(Simulate, RefusesWhatItCannotSimulateInOneLine) {
@@ -313,6 +393,7 @@ TEST(ClusterFile, ReadsBackWhatItWrites) {
   c.diskBytesPerSecond = 1.2e9;
   c.shmBytesPerSecond = 4e9;
   c.stragglerCv = 0.05;
+  c.stragglerStepSeconds = 0.11;
   const ClusterSpec d = ClusterSpec::fromString(c.toToml(), "t.toml");
   EXPECT_EQ(d.hosts, 16);
   EXPECT_DOUBLE_EQ(d.coresPerHost, 0.4);
@@ -324,6 +405,17 @@ TEST(ClusterFile, ReadsBackWhatItWrites) {
   EXPECT_DOUBLE_EQ(d.diskBytesPerSecond, 1.2e9);
   EXPECT_DOUBLE_EQ(d.shmBytesPerSecond, 4e9);
   EXPECT_DOUBLE_EQ(d.stragglerCv, 0.05);
+  EXPECT_DOUBLE_EQ(d.stragglerStepSeconds, 0.11);
+}
+
+TEST(ClusterFile, AStepFourTimesAsLongAsStragglerStepMsHasHalfTheCv) {
+  ClusterSpec c;
+  c.stragglerCv = 0.15;
+  EXPECT_DOUBLE_EQ(c.stragglerCvAt(10.0), 0.15);  // no straggler_step_ms: every step's
+  c.stragglerStepSeconds = 0.11;
+  EXPECT_NEAR(c.stragglerCvAt(0.44), 0.075, 1e-15);
+  EXPECT_NEAR(c.stragglerCvAt(0.0275), 0.30, 1e-15);
+  EXPECT_DOUBLE_EQ(c.stragglerCvAt(0.0), 0.15);
 }
 
 TEST(ClusterFile, RefusesUnknownMissingAndOutOfRangeKeys) {

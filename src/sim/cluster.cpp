@@ -32,6 +32,7 @@ const Key kKeys[] = {
     {"disk_mbps", 1e-3, 1e7, false, "disk rate in MB/s"},
     {"shm_gbps", 1e-3, 1e4, false, "same-host copy rate in GB/s"},
     {"straggler_cv", 0, 10, false, "coefficient of variation of a worker's step"},
+    {"straggler_step_ms", 0, 1e7, false, "the step length straggler_cv was seen at"},
 };
 
 std::string keyList() {
@@ -102,7 +103,13 @@ ClusterSpec ClusterSpec::fromString(const std::string& text, const std::string& 
   c.diskBytesPerSecond = get("disk_mbps", 1000) * 1e6;
   c.shmBytesPerSecond = get("shm_gbps", 5) * 1e9;
   c.stragglerCv = get("straggler_cv", 0);
+  c.stragglerStepSeconds = get("straggler_step_ms", 0) * 1e-3;
   return c;
+}
+
+double ClusterSpec::stragglerCvAt(double computeSeconds) const {
+  if (stragglerStepSeconds <= 0.0 || computeSeconds <= 0.0) return stragglerCv;
+  return stragglerCv * std::sqrt(stragglerStepSeconds / computeSeconds);
 }
 
 ClusterSpec ClusterSpec::fromFile(const std::string& path) {
@@ -122,10 +129,10 @@ std::string ClusterSpec::toToml() const {
       "[cluster]\nhosts = {}\nlink_mbit = {:.12g}\ncores_per_host = {:.12g}\n"
       "shared_cores = {:.12g}\nmemory_gib = {:.12g}\nlatency_us = {:.12g}\n"
       "link_efficiency = {:.12g}\ndisk_mbps = {:.12g}\nshm_gbps = {:.12g}\n"
-      "straggler_cv = {:.12g}\n",
+      "straggler_cv = {:.12g}\nstraggler_step_ms = {:.12g}\n",
       hosts, linkBitsPerSecond / 1e6, coresPerHost, sharedCores, memoryBytesPerHost / 1073741824.0,
       latencySeconds * 1e6, linkEfficiency, diskBytesPerSecond / 1e6, shmBytesPerSecond / 1e9,
-      stragglerCv);
+      stragglerCv, stragglerStepSeconds * 1e3);
 }
 
 }  // namespace caravan::sim

@@ -256,6 +256,13 @@ struct Context {
   std::vector<double> scale;  // per worker: its host's compute contention
 };
 
+// The straggler factors of a worker's step in this context (the cluster's cv at the slowest
+// worker's compute per step: ClusterSpec::stragglerCvAt).
+Stragglers stepNoise(const Context& x) {
+  const double maxScale = *std::max_element(x.scale.begin(), x.scale.end());
+  return Stragglers(x.c.stragglerCvAt(maxScale * x.w.computeSeconds()), x.o.seed);
+}
+
 // A worker's host's own cores (where hosts share a machine's cores: a cgroup's quota, which
 // holds even while the others idle): its processes' threads over them.
 double hostQuota(const Placement& p, int host, const Workload& w, const ClusterSpec& c) {
@@ -354,7 +361,7 @@ Totals simulateAllReduce(const Context& x) {
   for (const GradientBucket& g : gradientBuckets(x.w, x.sync.allreduce)) {
     buckets.push_back({backwardEnd[g.readyBlock], static_cast<double>(g.bytes)});
   }
-  Stragglers noise(x.c.stragglerCv, x.o.seed);
+  Stragglers noise = stepNoise(x);
   Totals t;
   const double maxScale = *std::max_element(x.scale.begin(), x.scale.end());
   for (int64_t step = 0; step < x.o.steps; ++step) {
@@ -392,7 +399,7 @@ Totals simulateSharded(const Context& x) {
     return parameters && !x.w.gatherBytes.empty() ? x.w.gatherBytes[block]
                                                   : x.w.parameterBytes[block];
   };
-  Stragglers noise(x.c.stragglerCv, x.o.seed);
+  Stragglers noise = stepNoise(x);
   Totals t;
   const double maxScale = *std::max_element(x.scale.begin(), x.scale.end());
   for (int64_t step = 0; step < x.o.steps; ++step) {
@@ -445,7 +452,7 @@ Totals simulateSharded(const Context& x) {
 
 // local-sgd: H steps on each worker alone, then a barrier and the parameters' all-reduce.
 Totals simulateLocalSgd(const Context& x) {
-  Stragglers noise(x.c.stragglerCv, x.o.seed);
+  Stragglers noise = stepNoise(x);
   Totals t;
   std::vector<double> at(x.o.workers, 0.0);
   const double params = static_cast<double>(x.w.parameterTotal());
@@ -472,7 +479,7 @@ Totals simulateLocalSgd(const Context& x) {
 // step t starts, computes, and ends the step once its neighbours' parameters of step t are in.
 // An event loop, so the links serve transfers in time order.
 Totals simulateGossip(const Context& x) {
-  Stragglers noise(x.c.stragglerCv, x.o.seed);
+  Stragglers noise = stepNoise(x);
   Links links(x.c);
   Totals t;
   const int n = x.o.workers;
@@ -565,7 +572,7 @@ class ServerLoop {
   ServerLoop(const Context& x, double fraction)
       : x_(x),
         links_(x.c),
-        noise_(x.c.stragglerCv, x.o.seed),
+        noise_(stepNoise(x)),
         n_(x.o.workers),
         s_(x.sync.servers),
         rule_(serverRule(x.sync)),
@@ -752,31 +759,47 @@ class ServerLoop {
   Totals t_;
 };
 
+// The share of a time at `examples`: on the line through the two points around it (points in
+// ascending examples; beyond either end, the line through the two nearest), at least 0. One
+// point (the full batch alone): in proportion.
+double shareAt(const std::vector<std::pair<double, double>>& points, double examples) {
+  if (points.size() == 1) return points[0].second * examples / points[0].first;
+  size_t i = 1;
+  while (i + 1 < points.size() && points[i].first < examples) ++i;
+  const auto [x0, y0] = points[i - 1];
+  const auto [x1, y1] = points[i];
+  return std::max(0.0, y0 + (y1 - y0) * (examples - x0) / (x1 - x0));
+}
+
 }  // namespace
 
 Workload perMicroBatch(const Workload& workload, int microBatches) {
   const int m = std::max(1, microBatches);
   Workload w = workload;
   if (m == 1) return w;
-  auto shrink = [m](double t, double fixed) {
-    fixed = std::clamp(fixed, 0.0, t);
-    return fixed + (t - fixed) / m;
-  };
-  const auto fixedAt = [](const std::vector<double>& fixed, size_t b) {
-    return b < fixed.size() ? fixed[b] : 0.0;
+  const double full = static_cast<double>(workload.batchPerWorker);
+  const double examples = full / m;
+  auto share = [&](auto pick) {  // pick(BatchShare) -> its share of this time
+    std::vector<std::pair<double, double>> points;
+    for (const Workload::BatchShare& p : workload.smallerBatches) {
+      points.emplace_back(p.examples, pick(p));
+    }
+    points.emplace_back(full, 1.0);
+    return shareAt(points, examples);
   };
   for (size_t b = 0; b < w.forwardSeconds.size(); ++b) {
-    w.forwardSeconds[b] = shrink(w.forwardSeconds[b], fixedAt(w.forwardFixedSeconds, b));
-    w.backwardSeconds[b] = shrink(w.backwardSeconds[b], fixedAt(w.backwardFixedSeconds, b));
+    const double forward = share([b](const Workload::BatchShare& p) { return p.forward[b]; });
+    const double backward = share([b](const Workload::BatchShare& p) { return p.backward[b]; });
+    w.forwardSeconds[b] *= forward;
+    w.backwardSeconds[b] *= backward;
     w.inputBytes[b] /= m;
-  }
-  for (size_t b = 0; b < w.planner.keepBackwardSeconds.size(); ++b) {
-    w.planner.keepBackwardSeconds[b] =
-        shrink(w.planner.keepBackwardSeconds[b], fixedAt(w.backwardFixedSeconds, b));
-    w.planner.savedBytes[b] /= m;
+    if (b < w.planner.keepBackwardSeconds.size()) {
+      w.planner.keepBackwardSeconds[b] *= backward;
+      w.planner.savedBytes[b] /= m;
+    }
   }
   w.planner.lossSavedBytes /= m;
-  w.lossSeconds = shrink(w.lossSeconds, w.lossFixedSeconds);
+  w.lossSeconds *= share([](const Workload::BatchShare& p) { return p.loss; });
   w.activationPeakBytes /= m;
   w.batchPerWorker = std::max<int64_t>(1, w.batchPerWorker / m);
   return w;
@@ -802,6 +825,9 @@ std::vector<size_t> pipelineCut(const Workload& workload, const PipelineOptions&
 }
 
 namespace {
+
+// The period a cgroup's CPU quota is given per (CFS's default; scripts/netns_hosts.sh's).
+constexpr double kQuotaPeriodSeconds = 0.1;
 
 // Pipelines: K stages cut by profiled time, M micro-batches, then the stages' all-reduce.
 Totals simulatePipeline(const Context& x) {
@@ -834,11 +860,26 @@ Totals simulatePipeline(const Context& x) {
     }
   }
   const std::vector<StageProgram> programs = buildSchedule(x.pipeline.schedule, k, m);
+  // Where hosts share a machine's cores, a host's own (a cgroup's quota of cores_per_host per
+  // 100 ms period, scripts/netns_hosts.sh) is a budget: an action runs at the machine's speed
+  // until its host has used the period's quota, the rest at the quota's rate. So a short action
+  // after an idle stretch runs unthrottled and a long one mostly at the quota (brown-gpt's
+  // 2-stage pipelines on 4 namespace hosts: a 16-example micro-batch's backward, ~75 ms of one
+  // core, measured 20-30% slower per step than 4-example ones predicted alone).
+  std::vector<double> quota(k, 1.0);  // > 1: the host's cores are such a budget
+  for (int s = 0; s < k; ++s) {
+    if (x.c.sharedCores > 0.0) quota[s] = hostQuota(x.p, x.p.workerHost[s], x.w, x.c);
+  }
   auto run = [&](const std::vector<double>& scale) {
+    auto action = [&](int s, double seconds) {  // an action's time at full speed -> its time
+      const double budget = kQuotaPeriodSeconds / quota[s];
+      return scale[s] * std::min(seconds, budget) +
+             std::max(scale[s], quota[s]) * std::max(0.0, seconds - budget);
+    };
     for (int s = 0; s < k; ++s) {
-      costs[s].forward = scale[s] * stageForward[s];
-      costs[s].backwardInput = scale[s] * stageBackward[s] / 2.0;
-      costs[s].backwardWeight = scale[s] * stageBackward[s] / 2.0;
+      costs[s].forward = action(s, stageForward[s]);
+      costs[s].backwardInput = action(s, stageBackward[s]) / 2.0;
+      costs[s].backwardWeight = costs[s].backwardInput;
     }
     return simulateSchedule(programs, costs);
   };
@@ -851,31 +892,87 @@ Totals simulatePipeline(const Context& x) {
     exchange = std::max(exchange, allReduceSeconds(stageParams[s], replicaHosts, x.c));
     sent += allReduceSentBytes(stageParams[s], replicaHosts) / k;
   }
-  // Processes that share cores contend only while they compute, and a pipeline's stages idle
-  // in its bubbles and exchanges: the contention is x.scale (every process always computing)
-  // times the share of the step the stages compute, found as a fixed point (the share from the
-  // schedule with the contention it implies; from none, a few rounds settle it), but never below
-  // the host's own quota (a cgroup's cap holds while the others idle).
+  // Processes that share cores contend only while they compute, and a pipeline's stages compute
+  // together (its replicas in step): each stage computes slower by the processes computing
+  // beside it, on average over its own computing time in the schedule (each replica's stage
+  // alike), over the cores they share (the machine's where hosts share one, else its host's),
+  // found as a fixed point (from none, a few rounds settle it). Where hosts share a machine's
+  // cores, a host's own cores (a cgroup's quota) are a budget per period rather than a speed: a
+  // stage computes at the machine's speed while its host has quota left, so the quota bounds the
+  // step from below (each host computes its stages' work in its cores' time at most). Measured
+  // on 4 namespace hosts (bench/layout_search.py, brown-gpt 4x4): the first stage, idle beside
+  // the others' forwards, computed at 1.4x its profile, the middle ones at 2.1x.
+  std::vector<double> cores(k);
+  std::vector<std::vector<int>> peers(k);  // per stage: the stages whose processes share its cores
+  for (int s = 0; s < k; ++s) {
+    const int host = x.p.workerHost[s];
+    cores[s] = x.c.sharedCores > 0.0 ? x.c.sharedCores : x.c.coresPerHost;
+    for (int o = 0; o < k; ++o) {
+      if (x.c.sharedCores > 0.0 || x.p.workerHost[o] == host) peers[s].push_back(o);
+    }
+  }
+  // Replicas beside each stage's process: every replica where cores are the machine's, else
+  // those on its host (its host's workers over the stages of one pipeline placed there).
+  auto replicasBeside = [&](int s) {
+    if (x.c.sharedCores > 0.0) return static_cast<double>(replicas);
+    return std::max(1.0, static_cast<double>(x.p.workersOnHost[x.p.workerHost[s]]) /
+                             static_cast<double>(peers[s].size()));
+  };
+  auto overlap = [](const ScheduleSpan& a, const ScheduleSpan& b) {
+    return std::max(0.0, std::min(a.end, b.end) - std::max(a.start, b.start));
+  };
+  auto stepOf = [&](const ScheduleSimulation& sim, double slowest) {
+    double compute = sim.makespan + slowest * x.w.updateSeconds / k;
+    for (int s = 0; s < k; ++s) {
+      const double work = m * (stageForward[s] + stageBackward[s]) + x.w.updateSeconds / k;
+      compute = std::max(compute, hostQuota(x.p, x.p.workerHost[s], x.w, x.c) * work);
+    }
+    return compute + exchange;
+  };
   std::vector<double> scale(k, 1.0);
   double slowest = 1.0;
   ScheduleSimulation one;
   for (int round = 0; round < 20; ++round) {
     one = run(scale);
-    double busy = 0.0;
-    for (double b : one.busy) busy += b;
-    const double step = one.makespan + exchange + slowest * x.w.updateSeconds / k;
-    const double computing = busy / (k * step);
     double next = 1.0;
     for (int s = 0; s < k; ++s) {
-      scale[s] = std::max(hostQuota(x.p, x.p.workerHost[s], x.w, x.c), x.scale[s] * computing);
+      double together = 0.0;  // computing processes beside s (s included), integrated over s's
+      for (const ScheduleSpan& mine : one.spans[s]) {
+        for (int o : peers[s]) {
+          for (const ScheduleSpan& theirs : one.spans[o]) together += overlap(mine, theirs);
+        }
+      }
+      const double beside = one.busy[s] > 0.0 ? together / one.busy[s] * replicasBeside(s) : 1.0;
+      scale[s] = std::max(1.0, beside * x.w.threads / cores[s]);
       next = std::max(next, scale[s]);
     }
     if (std::abs(next - slowest) < 1e-9 * next) break;
     slowest = next;
   }
+  // Stragglers as the other modes draw them: each stage's compute per step by its own factor,
+  // each replica's schedule run with its own, the replicas' exchange waiting for the slowest
+  // (the mean over at most 32 steps drawn; with no straggler_cv, the schedule as it is).
+  double stepSeconds = stepOf(one, slowest);
+  if (x.c.stragglerCv > 0.0) {
+    double computing = 0.0;  // a stage's compute per step, on average
+    for (double b : one.busy) computing += b / k;
+    Stragglers noise(x.c.stragglerCvAt(computing), x.o.seed);
+    const int64_t drawn = std::min<int64_t>(x.o.steps, 32);
+    double total = 0.0;
+    for (int64_t i = 0; i < drawn; ++i) {
+      ScheduleSimulation worst;
+      for (int r = 0; r < replicas; ++r) {
+        std::vector<double> noisy = scale;
+        for (double& f : noisy) f *= noise.next();
+        ScheduleSimulation sim = run(noisy);
+        if (r == 0 || sim.makespan > worst.makespan) worst = std::move(sim);
+      }
+      total += stepOf(worst, slowest);
+    }
+    stepSeconds = total / static_cast<double>(drawn);
+  }
   Totals t;
-  const double step = one.makespan + exchange + slowest * x.w.updateSeconds / k;
-  t.wall = step * x.o.steps;
+  t.wall = stepSeconds * x.o.steps;
   double busy = 0.0;
   for (double b : one.busy) busy += b;
   t.compute = busy * replicas * x.o.steps;

@@ -100,12 +100,20 @@ struct Workload {
     double tierWriteBytesPerSecond = 0.0, tierReadBytesPerSecond = 0.0;
   } planner;
 
-  // The part of each block's forward and backward time (and the loss's) that does not shrink
-  // with its batch: a micro-batch of B / M takes fixed + (t - fixed) / M. From a second profile
-  // at a quarter of the batch (a line through the two). Empty: all of it shrinks (a workload
-  // file from before).
-  std::vector<double> forwardFixedSeconds, backwardFixedSeconds;
-  double lossFixedSeconds = 0.0;
+  // How each block's forward and backward times (and the loss's) shrink with its batch
+  // (micro-batches): profiles at smaller batches, each time as a share of this batch's. A
+  // micro-batch of b examples takes t times the share on the line through the two profiles around
+  // b (this batch is the point (batchPerWorker, 1); below the smallest profile, the line through
+  // the two smallest). Small batches cost more per example than a line through the full batch
+  // and a quarter of it says (each operator's fixed cost, smaller matrix products), so the
+  // profiles are at a quarter and a sixteenth of the batch. Empty: every time shrinks in
+  // proportion. A workload file with the earlier "fixed" times reads as one profile at 0 examples.
+  struct BatchShare {
+    double examples = 0.0;
+    std::vector<double> forward, backward;  // per block
+    double loss = 1.0;
+  };
+  std::vector<BatchShare> smallerBatches;  // ascending examples, each below batchPerWorker
 
   // The blocks train.precision ran in bf16 when profiled on this host (not kept in a workload
   // file: 0 when read from one).
@@ -122,8 +130,8 @@ struct Workload {
 // micro-batch, with no memory budget. ConfigError when there are more stages than blocks.
 std::vector<size_t> pipelineCut(const Workload& workload, const PipelineOptions& pipeline);
 
-// The workload of one micro-batch of M (a pipeline's, or gradient accumulation's): each time
-// fixed + (t - fixed) / M (Workload::forwardFixedSeconds), each activation size / M; parameters,
+// The workload of one micro-batch of M (a pipeline's, or gradient accumulation's): each time at
+// batchPerWorker / M examples (Workload::smallerBatches), each activation size / M; parameters,
 // update and epoch as they are. M = 1: the workload itself.
 Workload perMicroBatch(const Workload& workload, int microBatches);
 

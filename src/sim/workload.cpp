@@ -95,24 +95,26 @@ Workload measureWorkload(const Config& config) {
     w.planner.savedBytes.push_back(b.savedBytes);
     w.planner.keepBackwardSeconds.push_back(b.backwardSeconds);
   }
-  // The part of each time that does not shrink with the batch: a line through this profile and
-  // one at a quarter of the batch (micro-batches, perMicroBatch).
-  if (const int64_t quarter = sample.size() / 4; quarter >= 1) {
-    const Batch small{sample.input.narrow(0, 0, quarter), sample.target.narrow(0, 0, quarter)};
-    const ModelProfile q = profileModel(
-        setup.model, small, std::max<int>(2, static_cast<int>(options.memory.profileRepeats)));
-    const double full = static_cast<double>(sample.size()), part = static_cast<double>(quarter);
-    auto fixed = [&](double atFull, double atPart) {  // the line's value at batch 0
-      const double perExample = (atFull - atPart) / (full - part);
-      return std::clamp(atFull - perExample * full, 0.0, atFull);
-    };
-    for (size_t i = 0; i < profile.blocks.size(); ++i) {
-      w.forwardFixedSeconds.push_back(
-          fixed(profile.blocks[i].forwardSeconds, q.blocks[i].forwardSeconds));
-      w.backwardFixedSeconds.push_back(
-          fixed(profile.blocks[i].backwardSeconds, q.blocks[i].backwardSeconds));
+  // How the times shrink with the batch (micro-batches, perMicroBatch): profiles at a sixteenth
+  // and a quarter of it, each time as a share of the full batch's.
+  const int repeats = std::max<int>(2, static_cast<int>(options.memory.profileRepeats));
+  for (const int64_t examples : {sample.size() / 16, sample.size() / 4}) {
+    if (examples < 1 || (!w.smallerBatches.empty() &&
+                         w.smallerBatches.back().examples >= static_cast<double>(examples))) {
+      continue;
     }
-    w.lossFixedSeconds = fixed(profile.lossSeconds, q.lossSeconds);
+    const Batch small{sample.input.narrow(0, 0, examples), sample.target.narrow(0, 0, examples)};
+    const ModelProfile q = profileModel(setup.model, small, repeats);
+    auto share = [](double atPart, double atFull) { return atFull > 0.0 ? atPart / atFull : 1.0; };
+    Workload::BatchShare point;
+    point.examples = static_cast<double>(examples);
+    for (size_t i = 0; i < profile.blocks.size(); ++i) {
+      point.forward.push_back(share(q.blocks[i].forwardSeconds, profile.blocks[i].forwardSeconds));
+      point.backward.push_back(
+          share(q.blocks[i].backwardSeconds, profile.blocks[i].backwardSeconds));
+    }
+    point.loss = share(q.lossSeconds, profile.lossSeconds);
+    w.smallerBatches.push_back(std::move(point));
   }
   w.planner.measured = true;
   w.planner.lossSavedBytes = profile.lossSavedBytes;
@@ -207,10 +209,11 @@ std::string workloadJson(const Workload& w) {
                     {"window_bytes", w.offload.windowBytes},
                     {"activation_peak_bytes", w.offload.activationPeakBytes}};
   }
-  if (!w.forwardFixedSeconds.empty()) {
-    j["fixed"] = {{"forward_s", w.forwardFixedSeconds},
-                  {"backward_s", w.backwardFixedSeconds},
-                  {"loss_s", w.lossFixedSeconds}};
+  for (const Workload::BatchShare& p : w.smallerBatches) {
+    j["smaller_batches"].push_back({{"examples", p.examples},
+                                    {"forward_share", p.forward},
+                                    {"backward_share", p.backward},
+                                    {"loss_share", p.loss}});
   }
   if (w.planner.measured) {
     j["planner"] = {{"saved_bytes", w.planner.savedBytes},
@@ -261,11 +264,26 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
       w.offload.windowBytes = o.at("window_bytes").get<int64_t>();
       w.offload.activationPeakBytes = o.at("activation_peak_bytes").get<int64_t>();
     }
-    if (j.contains("fixed")) {  // optional: workloads written before it shrink times linearly
+    if (j.contains("smaller_batches")) {  // optional: workloads before it shrink in proportion
+      for (const nlohmann::json& p : j.at("smaller_batches")) {
+        w.smallerBatches.push_back(
+            {p.at("examples").get<double>(), p.at("forward_share").get<std::vector<double>>(),
+             p.at("backward_share").get<std::vector<double>>(), p.at("loss_share").get<double>()});
+      }
+    } else if (j.contains("fixed")) {  // the earlier form: the times at 0 examples
       const nlohmann::json& f = j.at("fixed");
-      w.forwardFixedSeconds = f.at("forward_s").get<std::vector<double>>();
-      w.backwardFixedSeconds = f.at("backward_s").get<std::vector<double>>();
-      w.lossFixedSeconds = f.at("loss_s").get<double>();
+      auto share = [](double fixed, double full) { return full > 0.0 ? fixed / full : 0.0; };
+      Workload::BatchShare zero;
+      const auto forward = f.at("forward_s").get<std::vector<double>>();
+      const auto backward = f.at("backward_s").get<std::vector<double>>();
+      for (size_t b = 0; b < forward.size() && b < w.forwardSeconds.size(); ++b) {
+        zero.forward.push_back(share(forward[b], w.forwardSeconds[b]));
+      }
+      for (size_t b = 0; b < backward.size() && b < w.backwardSeconds.size(); ++b) {
+        zero.backward.push_back(share(backward[b], w.backwardSeconds[b]));
+      }
+      zero.loss = share(f.at("loss_s").get<double>(), w.lossSeconds);
+      w.smallerBatches.push_back(std::move(zero));
     }
     if (j.contains("planner")) {  // optional: workloads written before the layout search
       const nlohmann::json& p = j.at("planner");
@@ -293,10 +311,21 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
       w.planner.tierWriteBytesPerSecond >= 0.0 && std::isfinite(w.planner.tierReadBytesPerSecond) &&
       w.planner.tierReadBytesPerSecond >= 0.0;
   for (int64_t v : w.planner.savedBytes) finite = finite && v >= 0;
-  finite = finite && std::isfinite(w.lossFixedSeconds) && w.lossFixedSeconds >= 0.0;
-  for (const auto* times : {&w.forwardSeconds, &w.backwardSeconds, &w.planner.keepBackwardSeconds,
-                            &w.forwardFixedSeconds, &w.backwardFixedSeconds}) {
+  for (const auto* times :
+       {&w.forwardSeconds, &w.backwardSeconds, &w.planner.keepBackwardSeconds}) {
     for (double v : *times) finite = finite && std::isfinite(v) && v >= 0.0;
+  }
+  // Smaller batches: ascending, each below the workload's batch, its shares finite.
+  bool sharesFit = true;
+  for (size_t i = 0; i < w.smallerBatches.size(); ++i) {
+    const Workload::BatchShare& p = w.smallerBatches[i];
+    sharesFit = sharesFit && p.forward.size() == n && p.backward.size() == n && p.examples >= 0.0 &&
+                p.examples < static_cast<double>(w.batchPerWorker) &&
+                (i == 0 || p.examples > w.smallerBatches[i - 1].examples);
+    for (const std::vector<double>* shares : {&p.forward, &p.backward}) {
+      for (double v : *shares) finite = finite && std::isfinite(v) && v >= 0.0;
+    }
+    finite = finite && std::isfinite(p.loss) && p.loss >= 0.0;
   }
   for (const auto* sizes : {&w.parameterBytes, &w.inputBytes}) {
     for (int64_t v : *sizes) finite = finite && v >= 0;
@@ -316,8 +345,7 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
   if (n == 0 || w.backwardSeconds.size() != n || w.parameterBytes.size() != n ||
       (!w.gatherBytes.empty() && w.gatherBytes.size() != n) ||
       (!w.gradientBytes.empty() && w.gradientBytes.size() != n) || w.inputBytes.size() != n ||
-      (!w.forwardFixedSeconds.empty() &&
-       (w.forwardFixedSeconds.size() != n || w.backwardFixedSeconds.size() != n)) ||
+      !sharesFit ||
       (w.planner.measured &&
        (w.planner.savedBytes.size() != n || w.planner.keepBackwardSeconds.size() != n)) ||
       w.threads < 1 || w.batchPerWorker < 1 || !finite) {
