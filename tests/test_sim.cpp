@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/comm_util.h"
+#include "core/config.h"
 #include "core/errors.h"
 #include "memory/accounting.h"
 #include "models/model.h"
@@ -317,14 +318,29 @@ TEST(Simulate, PipelineStagesSlowOnlyBesideStagesComputingWithThem) {
   auto action = [](double t) { return 0.05 + 2.0 * (t - 0.05); };
   const double throttled = action(0.100) + action(0.110) + action(0.200) + action(0.200);
   EXPECT_NEAR(simulate(w, s, c, {2, 1, 1}).stepSeconds, throttled + update, 1e-9);
-  // Four micro-batches of a quarter (25-55 ms actions, shares as profiled at 8 examples of 32):
-  // the two stages compute side by side on the one core, and the quota bounds the step: at
-  // least each host's work over its half core.
-  Workload quarter = w;
-  quarter.smallerBatches = {{8.0, {0.25, 0.25}, {0.25, 0.25}, 0.25}};
-  s.pipeline.microBatches = 4;
-  const double work = 0.100 + 0.200 + 0.005 / 2;  // stage 0's (stage 1's adds the loss)
-  EXPECT_GE(simulate(quarter, s, c, {2, 1, 1}).stepSeconds, 2.0 * (work + 0.010) - 1e-12);
+}
+
+TEST(Simulate, PipelineReplicasComputeInStepOnTheCoresTheyShare) {
+  // Two replicas of GPipe(2 stages, 1 micro-batch): each stage's actions overlap only its other
+  // replica's. On two shared cores each computes at full speed; on one, at half.
+  const Workload w = blocks({0.100, 0.100}, {0.200, 0.200}, {1000, 1000}, {0, 0});
+  const RunOptions s = gpipeOfTwoStages();
+  ClusterSpec c = hosts(4);
+  c.latencySeconds = 0;
+  c.linkBitsPerSecond = 1e15;
+  c.sharedCores = 2;
+  const double chain = 0.100 + 0.100 + 0.010 + 0.200 + 0.200;  // F0, F1 + loss, B1, B0
+  const double update = 0.005 / 2;
+  EXPECT_NEAR(simulate(w, s, c, {4, 1, 1}).stepSeconds, chain + update, 1e-9);
+  c.sharedCores = 1;
+  EXPECT_NEAR(simulate(w, s, c, {4, 1, 1}).stepSeconds, 2.0 * (chain + update), 1e-9);
+  // Hosts with a core each, both stages of a pipeline on one host (2 hosts, 4 workers: stage
+  // w % 2 on host w % 2, so each host holds one stage's two replicas): the same halving.
+  ClusterSpec own = hosts(2);
+  own.latencySeconds = 0;
+  own.linkBitsPerSecond = 1e15;
+  own.shmBytesPerSecond = 1e15;
+  EXPECT_NEAR(simulate(w, s, own, {4, 1, 1}).stepSeconds, 2.0 * (chain + update), 1e-9);
 }
 
 TEST(Simulate, MicroBatchTimesFollowTheProfiledSmallerBatches) {
@@ -347,6 +363,21 @@ TEST(Simulate, MicroBatchTimesFollowTheProfiledSmallerBatches) {
   // None profiled: in proportion.
   w.smallerBatches.clear();
   EXPECT_NEAR(perMicroBatch(w, 4).forwardSeconds[0], 0.080, 1e-12);
+}
+
+TEST(WorkloadProfile, LeavesTheCallersThreadCountAsItWas) {
+  // A run's rank 0 profiles its model to choose a layout, then trains at its own threads.
+  const Config config = Config::fromString(
+      "[data]\ndataset = \"synthetic\"\nsynthetic_size = 64\nbatch_size = 8\n"
+      "[model]\nname = \"mlp\"\nwidth = 8\n[train]\nthreads = 1\n",
+      "<string>");
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  const Workload w = measureWorkload(config);
+  EXPECT_EQ(w.threads, 1);  // profiled at the config's one thread
+  EXPECT_EQ(at::get_num_threads(), 2);
+  EXPECT_EQ(w.smallerBatches.size(), 1u);  // 8 examples: a quarter (2), no sixteenth
+  at::set_num_threads(before);
 }
 
 TEST(WorkloadFile, KeepsTheSmallerBatchesAndReadsTheFixedTimesBefore) {
@@ -408,13 +439,13 @@ TEST(ClusterFile, ReadsBackWhatItWrites) {
   EXPECT_DOUBLE_EQ(d.stragglerStepSeconds, 0.11);
 }
 
-TEST(ClusterFile, AStepFourTimesAsLongAsStragglerStepMsHasHalfTheCv) {
+TEST(ClusterFile, AStepFourTimesAsLongAsStragglerStepMsHasHalfTheCvAndAShorterOneItsOwn) {
   ClusterSpec c;
   c.stragglerCv = 0.15;
   EXPECT_DOUBLE_EQ(c.stragglerCvAt(10.0), 0.15);  // no straggler_step_ms: every step's
   c.stragglerStepSeconds = 0.11;
   EXPECT_NEAR(c.stragglerCvAt(0.44), 0.075, 1e-15);
-  EXPECT_NEAR(c.stragglerCvAt(0.0275), 0.30, 1e-15);
+  EXPECT_DOUBLE_EQ(c.stragglerCvAt(0.0275), 0.15);  // shorter: as given, not extrapolated
   EXPECT_DOUBLE_EQ(c.stragglerCvAt(0.0), 0.15);
 }
 

@@ -140,22 +140,24 @@ std::string execute(const std::vector<StageProgram>& programs, const std::vector
     for (int s = 0; s < k; ++s) {
       while (pc[s] < programs[s].size()) {
         const Action a = programs[s][pc[s]];
-        const std::string where = "stage " + std::to_string(s) + " action " +
-                                  std::to_string(pc[s]) + " (" + actionName(a.kind) + " " +
-                                  std::to_string(a.microBatch) + ")";
+        auto where = [&] {  // made only for an error (simulations run this per action)
+          return "stage " + std::to_string(s) + " action " + std::to_string(pc[s]) + " (" +
+                 actionName(a.kind) + " " + std::to_string(a.microBatch) + ")";
+        };
         if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGradient) {
           const bool grad = a.kind == ActionKind::kSendGradient;
           const int to = grad ? s - 1 : s + 1;
-          if (to < 0 || to >= k) return where + ": sends past the end of the pipeline";
+          if (to < 0 || to >= k) return where() + ": sends past the end of the pipeline";
           links[{s, to, grad}].push_back({a.microBatch, clock[s]});
         } else if (a.kind == ActionKind::kRecvActivation || a.kind == ActionKind::kRecvGradient) {
           const bool grad = a.kind == ActionKind::kRecvGradient;
           const int from = grad ? s + 1 : s - 1;
-          if (from < 0 || from >= k) return where + ": receives from past the end of the pipeline";
+          if (from < 0 || from >= k)
+            return where() + ": receives from past the end of the pipeline";
           auto& q = links[{from, s, grad}];
           if (q.empty()) break;  // blocks until the sender gets there
           if (q.front().first != a.microBatch) {
-            return where + ": the other end sent micro-batch " + std::to_string(q.front().first) +
+            return where() + ": the other end sent micro-batch " + std::to_string(q.front().first) +
                    " first";
           }
           clock[s] = std::max(clock[s], q.front().second + cost(s).transfer);

@@ -108,7 +108,7 @@ ClusterSpec ClusterSpec::fromString(const std::string& text, const std::string& 
 }
 
 double ClusterSpec::stragglerCvAt(double computeSeconds) const {
-  if (stragglerStepSeconds <= 0.0 || computeSeconds <= 0.0) return stragglerCv;
+  if (stragglerStepSeconds <= 0.0 || computeSeconds <= stragglerStepSeconds) return stragglerCv;
   return stragglerCv * std::sqrt(stragglerStepSeconds / computeSeconds);
 }
 

@@ -13,9 +13,10 @@
 //   disk_mbps = 1200          # the disk's read and write rate (memory.swap_dir)
 //   shm_gbps = 5              # a copy between two processes of one host
 //   straggler_cv = 0          # each worker's step: lognormal with this coefficient of variation
-//   straggler_step_ms = 0     # > 0: straggler_cv is that of a step computing this long; a step
-//                             # computing T has cv * sqrt(this / T) (the delays are the host's,
-//                             # in time, not a share of the step: a long step averages them)
+//   straggler_step_ms = 0     # > 0: straggler_cv is that of a step computing this long; a
+//                             # longer step computing T has cv * sqrt(this / T) (the delays are
+//                             # the host's, in time, not a share of the step: a long step
+//                             # averages them); a shorter one straggler_cv (not extrapolated)
 //
 // `caravan calibrate` measures this host (cores, memory, disk) and writes one; the link's rate
 // and latency are given to it (a link to another host is not measurable from one host alone).

@@ -118,8 +118,19 @@ Laid layOut(const Workload& w, const RunOptions& job, int workers, int64_t limit
       choice.objective == PartitionObjective::kGiven ? givenPartition(choice.splits, n, k)
                                                      : std::vector<size_t>{});
   out.policies.assign(n, BlockPolicy::kKeep);
+  // A stage's recomputation is per micro-batch: added to the full batch's backward as what
+  // perMicroBatch's shares bring back to it (each block's backward share at M).
+  auto addMicroExtra = [&](size_t begin, size_t end, double extra) {
+    double backward = 0.0;
+    for (size_t b = begin; b < end; ++b) backward += w.planner.keepBackwardSeconds[b];
+    for (size_t b = begin; b < end && backward > 0.0; ++b) {
+      const double full = w.planner.keepBackwardSeconds[b];
+      const double share = full > 0.0 ? micro.planner.keepBackwardSeconds[b] / full : 0.0;
+      if (share > 0.0) out.workload.backwardSeconds[b] += extra * full / backward / share;
+    }
+  };
   for (const StageEstimate& stage : partition.stages) {
-    addExtra(stage.begin, stage.end, stage.recomputeSeconds * m);
+    addMicroExtra(stage.begin, stage.end, stage.recomputeSeconds);
     out.memory = std::max(out.memory, stage.memoryBytes);
     for (size_t b : stage.recomputed) out.policies[b] = BlockPolicy::kRecompute;
   }

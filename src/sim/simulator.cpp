@@ -759,16 +759,20 @@ class ServerLoop {
   Totals t_;
 };
 
-// The share of a time at `examples`: on the line through the two points around it (points in
-// ascending examples; beyond either end, the line through the two nearest), at least 0. One
-// point (the full batch alone): in proportion.
+// The share of a time at `examples` (below the last point): on the line through the two points
+// around it (points in ascending examples). Below the first point, the line through the first
+// two, kept between the first point's share in proportion (no fixed cost) and its share itself
+// (no cheaper than the smaller batch). One point (the full batch alone): in proportion.
 double shareAt(const std::vector<std::pair<double, double>>& points, double examples) {
-  if (points.size() == 1) return points[0].second * examples / points[0].first;
+  const auto [x0, y0] = points[0];
+  if (points.size() == 1) return y0 * examples / x0;
   size_t i = 1;
   while (i + 1 < points.size() && points[i].first < examples) ++i;
-  const auto [x0, y0] = points[i - 1];
-  const auto [x1, y1] = points[i];
-  return std::max(0.0, y0 + (y1 - y0) * (examples - x0) / (x1 - x0));
+  const auto [xa, ya] = points[i - 1];
+  const auto [xb, yb] = points[i];
+  const double share = ya + (yb - ya) * (examples - xa) / (xb - xa);
+  if (examples >= x0) return share;
+  return std::clamp(share, y0 * examples / x0, y0);
 }
 
 }  // namespace
@@ -776,7 +780,8 @@ double shareAt(const std::vector<std::pair<double, double>>& points, double exam
 Workload perMicroBatch(const Workload& workload, int microBatches) {
   const int m = std::max(1, microBatches);
   Workload w = workload;
-  if (m == 1) return w;
+  if (m == 1 || workload.batchPerWorker < 1) return w;
+  w.smallerBatches.clear();  // the shares are the full batch's: a micro-batch's is not shrunk again
   const double full = static_cast<double>(workload.batchPerWorker);
   const double examples = full / m;
   auto share = [&](auto pick) {  // pick(BatchShare) -> its share of this time
@@ -870,11 +875,12 @@ Totals simulatePipeline(const Context& x) {
   for (int s = 0; s < k; ++s) {
     if (x.c.sharedCores > 0.0) quota[s] = hostQuota(x.p, x.p.workerHost[s], x.w, x.c);
   }
-  auto run = [&](const std::vector<double>& scale) {
+  // The schedule with each stage's contention `scale` and straggler factor `factor`.
+  auto run = [&](const std::vector<double>& scale, const std::vector<double>& factor) {
     auto action = [&](int s, double seconds) {  // an action's time at full speed -> its time
       const double budget = kQuotaPeriodSeconds / quota[s];
-      return scale[s] * std::min(seconds, budget) +
-             std::max(scale[s], quota[s]) * std::max(0.0, seconds - budget);
+      return factor[s] * (scale[s] * std::min(seconds, budget) +
+                          std::max(scale[s], quota[s]) * std::max(0.0, seconds - budget));
     };
     for (int s = 0; s < k; ++s) {
       costs[s].forward = action(s, stageForward[s]);
@@ -883,6 +889,7 @@ Totals simulatePipeline(const Context& x) {
     }
     return simulateSchedule(programs, costs);
   };
+  const std::vector<double> steady(k, 1.0);  // no straggler
   // The replicas of each stage all-reduce its gradients (hosts: one per replica).
   Placement replicaHosts;
   replicaHosts.hostsUsed = std::min(replicas, x.c.hosts);
@@ -902,57 +909,69 @@ Totals simulatePipeline(const Context& x) {
   // step from below (each host computes its stages' work in its cores' time at most). Measured
   // on 4 namespace hosts (bench/layout_search.py, brown-gpt 4x4): the first stage, idle beside
   // the others' forwards, computed at 1.4x its profile, the middle ones at 2.1x.
-  std::vector<double> cores(k);
-  std::vector<std::vector<int>> peers(k);  // per stage: the stages whose processes share its cores
-  for (int s = 0; s < k; ++s) {
-    const int host = x.p.workerHost[s];
-    cores[s] = x.c.sharedCores > 0.0 ? x.c.sharedCores : x.c.coresPerHost;
-    for (int o = 0; o < k; ++o) {
-      if (x.c.sharedCores > 0.0 || x.p.workerHost[o] == host) peers[s].push_back(o);
-    }
-  }
-  // Replicas beside each stage's process: every replica where cores are the machine's, else
-  // those on its host (its host's workers over the stages of one pipeline placed there).
-  auto replicasBeside = [&](int s) {
-    if (x.c.sharedCores > 0.0) return static_cast<double>(replicas);
-    return std::max(1.0, static_cast<double>(x.p.workersOnHost[x.p.workerHost[s]]) /
-                             static_cast<double>(peers[s].size()));
+  // Worker w runs stage w % K on host w % hosts (place): the processes of each stage per host.
+  std::vector<std::vector<int>> onHost(x.c.hosts, std::vector<int>(k, 0));
+  for (int wk = 0; wk < x.o.workers; ++wk) ++onHost[x.p.workerHost[wk]][wk % k];
+  const bool shared = x.c.sharedCores > 0.0;
+  // The processes of stage o sharing cores with stage s's (replica 0's, on its host): every
+  // replica's where the hosts share a machine's cores, else those on s's host.
+  auto beside = [&](int s, int o) {
+    return shared ? static_cast<double>(replicas)
+                  : static_cast<double>(onHost[x.p.workerHost[s]][o]);
   };
+  const double cores = shared ? x.c.sharedCores : x.c.coresPerHost;
   auto overlap = [](const ScheduleSpan& a, const ScheduleSpan& b) {
     return std::max(0.0, std::min(a.end, b.end) - std::max(a.start, b.start));
   };
-  auto stepOf = [&](const ScheduleSimulation& sim, double slowest) {
+  // A step: the schedule, the update (at the slowest stage's contention), and at least each
+  // host's work over its own cores (a quota's budget or its cores), then the exchange.
+  auto stepOf = [&](const ScheduleSimulation& sim, double slowest,
+                    const std::vector<double>& factor) {
     double compute = sim.makespan + slowest * x.w.updateSeconds / k;
-    for (int s = 0; s < k; ++s) {
-      const double work = m * (stageForward[s] + stageBackward[s]) + x.w.updateSeconds / k;
-      compute = std::max(compute, hostQuota(x.p, x.p.workerHost[s], x.w, x.c) * work);
+    for (int h = 0; h < x.c.hosts; ++h) {
+      double work = 0.0;
+      for (int o = 0; o < k; ++o) {
+        work += onHost[h][o] * factor[o] *
+                (m * (stageForward[o] + stageBackward[o]) + x.w.updateSeconds / k);
+      }
+      compute = std::max(compute, work * x.w.threads / x.c.coresPerHost);
     }
     return compute + exchange;
   };
-  std::vector<double> scale(k, 1.0);
-  double slowest = 1.0;
-  ScheduleSimulation one;
-  for (int round = 0; round < 20; ++round) {
-    one = run(scale);
-    double next = 1.0;
+  // Each stage's contention from a schedule's spans (the processes computing beside its own
+  // actions, on average, over the cores they share).
+  auto contention = [&](const ScheduleSimulation& sim) {
+    std::vector<double> next(k, 1.0);
     for (int s = 0; s < k; ++s) {
-      double together = 0.0;  // computing processes beside s (s included), integrated over s's
-      for (const ScheduleSpan& mine : one.spans[s]) {
-        for (int o : peers[s]) {
-          for (const ScheduleSpan& theirs : one.spans[o]) together += overlap(mine, theirs);
+      if (sim.busy[s] <= 0.0) continue;
+      double together = 0.0;  // processes computing beside s (s included), integrated over s's
+      for (int o = 0; o < k; ++o) {
+        double both = 0.0;
+        for (const ScheduleSpan& mine : sim.spans[s]) {
+          for (const ScheduleSpan& theirs : sim.spans[o]) both += overlap(mine, theirs);
         }
+        together += beside(s, o) * both;
       }
-      const double beside = one.busy[s] > 0.0 ? together / one.busy[s] * replicasBeside(s) : 1.0;
-      scale[s] = std::max(1.0, beside * x.w.threads / cores[s]);
-      next = std::max(next, scale[s]);
+      next[s] = std::max(1.0, together / sim.busy[s] * x.w.threads / cores);
     }
-    if (std::abs(next - slowest) < 1e-9 * next) break;
-    slowest = next;
+    return next;
+  };
+  // The fixed point: from none, a few rounds (halfway steps after the first few, against a
+  // cycle) settle every stage's contention.
+  std::vector<double> scale(k, 1.0);
+  for (int round = 0; round < 40; ++round) {
+    const std::vector<double> next = contention(run(scale, steady));
+    double moved = 0.0;
+    for (int s = 0; s < k; ++s) moved = std::max(moved, std::abs(next[s] - scale[s]));
+    for (int s = 0; s < k; ++s) scale[s] = round < 4 ? next[s] : (scale[s] + next[s]) / 2.0;
+    if (moved < 1e-9) break;
   }
-  // Stragglers as the other modes draw them: each stage's compute per step by its own factor,
+  const ScheduleSimulation one = run(scale, steady);
+  const double slowest = *std::max_element(scale.begin(), scale.end());
+  // Stragglers as the other modes draw them: each stage's actions per step by its own factor,
   // each replica's schedule run with its own, the replicas' exchange waiting for the slowest
-  // (the mean over at most 32 steps drawn; with no straggler_cv, the schedule as it is).
-  double stepSeconds = stepOf(one, slowest);
+  // (the mean over min(steps, 32) steps drawn; with no straggler_cv, the schedule as it is).
+  double stepSeconds = stepOf(one, slowest, steady);
   if (x.c.stragglerCv > 0.0) {
     double computing = 0.0;  // a stage's compute per step, on average
     for (double b : one.busy) computing += b / k;
@@ -960,14 +979,13 @@ Totals simulatePipeline(const Context& x) {
     const int64_t drawn = std::min<int64_t>(x.o.steps, 32);
     double total = 0.0;
     for (int64_t i = 0; i < drawn; ++i) {
-      ScheduleSimulation worst;
+      double worst = 0.0;
       for (int r = 0; r < replicas; ++r) {
-        std::vector<double> noisy = scale;
-        for (double& f : noisy) f *= noise.next();
-        ScheduleSimulation sim = run(noisy);
-        if (r == 0 || sim.makespan > worst.makespan) worst = std::move(sim);
+        std::vector<double> factor(k);
+        for (double& f : factor) f = noise.next();
+        worst = std::max(worst, stepOf(run(scale, factor), slowest, factor));
       }
-      total += stepOf(worst, slowest);
+      total += worst;
     }
     stepSeconds = total / static_cast<double>(drawn);
   }

@@ -24,8 +24,30 @@
 
 namespace caravan::sim {
 
+namespace {
+
+// The caller's thread counts, put back when the profile is done: a run's rank 0 that searches
+// its layout (parallel.layout = auto) goes on training with its own (train.threads = 0: every
+// core), not the profile's one.
+class KeepThreadCounts {
+ public:
+  KeepThreadCounts() : torch_(at::get_num_threads()), blas_(blasThreads()) {}
+  ~KeepThreadCounts() {
+    at::set_num_threads(torch_);
+    if (blas_ > 0) setBlasThreads(blas_);
+  }
+  KeepThreadCounts(const KeepThreadCounts&) = delete;
+  KeepThreadCounts& operator=(const KeepThreadCounts&) = delete;
+
+ private:
+  int torch_, blas_;
+};
+
+}  // namespace
+
 Workload measureWorkload(const Config& config) {
   const RunOptions options = RunOptions::read(config);
+  const KeepThreadCounts keep;
   RuntimeOptions runtime = options.runtime;
   // One thread unless the config says otherwise: the libraries' default (every core) is not
   // what a worker gets on a host it shares.
@@ -272,14 +294,21 @@ Workload workloadFromJson(const std::string& text, const std::string& source) {
       }
     } else if (j.contains("fixed")) {  // the earlier form: the times at 0 examples
       const nlohmann::json& f = j.at("fixed");
-      auto share = [](double fixed, double full) { return full > 0.0 ? fixed / full : 0.0; };
+      auto share = [](double fixed, double full) {
+        return full > 0.0 ? std::min(1.0, fixed / full) : 0.0;
+      };
       Workload::BatchShare zero;
       const auto forward = f.at("forward_s").get<std::vector<double>>();
       const auto backward = f.at("backward_s").get<std::vector<double>>();
-      for (size_t b = 0; b < forward.size() && b < w.forwardSeconds.size(); ++b) {
-        zero.forward.push_back(share(forward[b], w.forwardSeconds[b]));
+      if (forward.size() != w.forwardSeconds.size() ||
+          backward.size() != w.backwardSeconds.size()) {
+        throw ConfigError(fmt::format(
+            "{}: the workload's fixed times are not one per block; write it again with caravan "
+            "simulate -o DIR",
+            source));
       }
-      for (size_t b = 0; b < backward.size() && b < w.backwardSeconds.size(); ++b) {
+      for (size_t b = 0; b < forward.size(); ++b) {
+        zero.forward.push_back(share(forward[b], w.forwardSeconds[b]));
         zero.backward.push_back(share(backward[b], w.backwardSeconds[b]));
       }
       zero.loss = share(f.at("loss_s").get<double>(), w.lossSeconds);

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""The layout search's predictions, made again with this build, against the runs measured before.
+
+    env -u OPENBLAS_CORETYPE .venv/bin/python bench/layout_repredict.py OUT [CASE ...]
+
+For each case of bench/layout_search.py whose runs are in bench/results/layout-50 (fmnist-cnn,
+brown-gpt) or bench/results/layout-50-gpt512 (gpt-512x16): profiles the case again on this host
+(`caravan simulate -o OUT/CASE/profile`), writes layout_search.py's cluster file for each rate
+measured, runs `caravan plan --cluster` and prints, per case and rate, Kendall tau-b between the
+new predictions and the measured medians (and the old predictions'), the layout the search now
+chooses with its measured samples/s over the best's, and every layout's old and new prediction.
+Nothing is run on the namespace hosts: a layout whose keys changed (its partition or policies)
+is marked, since its measured runs used the old keys. For a model change, before new runs.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from layout_search import CARAVAN, CASES, CLUSTER, COMMON, HOSTS, ROOT, kendall_tau, sets_args  # noqa: E402
+from network_sweep import mbit  # noqa: E402
+from train_throughput import env  # noqa: E402
+
+RESULTS = {"fmnist-cnn": "layout-50", "brown-gpt": "layout-50", "gpt-512x16": "layout-50-gpt512"}
+
+
+def run(cmd):
+    subprocess.run(cmd, check=True, env=env()[0], capture_output=True)
+
+
+def main():
+    out = sys.argv[1]
+    for case in sys.argv[2:] or list(RESULTS):
+        res = json.load(open(os.path.join(ROOT, "bench", "results", RESULTS[case], "results.json")))
+        config, extra = CASES[case]
+        sets = COMMON + extra
+        base = os.path.join(out, case)
+        os.makedirs(base, exist_ok=True)
+        profile = os.path.join(base, "profile")
+        for key, r in res["cases"].items():
+            if r["case"] != case:
+                continue
+            cluster = os.path.join(base, f"cluster-{r['rate']}.toml")
+            with open(cluster, "w") as f:
+                f.write(CLUSTER.format(hosts=HOSTS, rate=mbit(r["rate"]), cpus=res["cpus"],
+                                       cores=os.cpu_count(), memory=5.0))
+            if not os.path.exists(os.path.join(profile, "workload.json")):
+                run([CARAVAN, "simulate", "--config", config, "--cluster", cluster, "--workers",
+                     str(HOSTS), "-o", profile] + sets_args(sets))
+            planned = os.path.join(base, f"layout-{r['rate']}.json")
+            run([CARAVAN, "plan", "--config", config, "--cluster", cluster, "--workload",
+                 os.path.join(profile, "workload.json"), "-o", planned] + sets_args(sets))
+            new = json.load(open(planned))
+            before = {x["name"]: x for x in r["layouts"]}
+            rows = []
+            for lay in new["layouts"]:
+                old = before.get(lay["name"])
+                if not old or not old["measured"]:
+                    continue
+                rows.append((lay["name"], old["predicted_samples_per_s"],
+                             lay["predicted_samples_per_s"], statistics.median(old["measured"]),
+                             old["keys"] != lay["keys"]))
+            best = max(rows, key=lambda x: x[3])
+            chosen = next(x for x in rows if x[0] == new["chosen"]["name"])
+            tau_old = kendall_tau([x[1] for x in rows], [x[3] for x in rows])
+            tau_new = kendall_tau([x[2] for x in rows], [x[3] for x in rows])
+            print(f"== {key}: tau {tau_old:.2f} -> {tau_new:.2f}; chosen {chosen[0]}: "
+                  f"{chosen[3] / best[3]:.3f} of the best measured ({best[0]})")
+            for x in sorted(rows, key=lambda x: -x[3]):
+                print(f"   {x[0]:34s} predicted {x[1]:8.1f} -> {x[2]:8.1f}  measured {x[3]:8.1f}"
+                      + ("  (keys changed: measured with the old ones)" if x[4] else ""))
+
+
+if __name__ == "__main__":
+    main()
