@@ -22,6 +22,7 @@
 #include "sim/workload.h"
 #include "sync/allreduce.h"
 #include "sync/buckets.h"
+#include "train/setup.h"
 
 using namespace caravan;
 using namespace caravan::sim;
@@ -310,7 +311,8 @@ TEST(Simulate, PipelineStagesSlowOnlyBesideStagesComputingWithThem) {
   c.linkBitsPerSecond = 1e15;
   const double update = 0.005 / 2;
   const double chain = 0.100 + 0.100 + 0.010 + 0.200 + 0.200;  // F0, F1 + loss, B1, B0
-  EXPECT_NEAR(simulate(w, s, c, {2, 1, 1}).stepSeconds, chain + update, 1e-9);
+  // Both stages' updates take the one core in turn: the step is the core's whole work.
+  EXPECT_NEAR(simulate(w, s, c, {2, 1, 1}).stepSeconds, chain + 2.0 * update, 1e-9);
   // Each host held to half a core (a cgroup's quota per 100 ms period): an action runs at full
   // speed for the period's 50 ms of quota, the rest at half speed (the update, 2.5 ms, within
   // its quota). The step is then more than each host's work at half speed (0.62 s).
@@ -331,16 +333,25 @@ TEST(Simulate, PipelineReplicasComputeInStepOnTheCoresTheyShare) {
   c.sharedCores = 2;
   const double chain = 0.100 + 0.100 + 0.010 + 0.200 + 0.200;  // F0, F1 + loss, B1, B0
   const double update = 0.005 / 2;
-  EXPECT_NEAR(simulate(w, s, c, {4, 1, 1}).stepSeconds, chain + update, 1e-9);
+  // (the four updates, 2.5 ms each, on the two cores: the cores' whole work, 0.615 s)
+  EXPECT_NEAR(simulate(w, s, c, {4, 1, 1}).stepSeconds, chain + 2.0 * update, 1e-9);
+  // On one shared core, at half speed: the schedule 2 * (chain + update) = 1.225 s, but the
+  // four processes' work (2 x 0.3025 + 2 x 0.3125 s) takes the core 1.23 s.
   c.sharedCores = 1;
-  EXPECT_NEAR(simulate(w, s, c, {4, 1, 1}).stepSeconds, 2.0 * (chain + update), 1e-9);
-  // Hosts with a core each, both stages of a pipeline on one host (2 hosts, 4 workers: stage
-  // w % 2 on host w % 2, so each host holds one stage's two replicas): the same halving.
+  EXPECT_NEAR(simulate(w, s, c, {4, 1, 1}).stepSeconds, 1.23, 1e-9);
+  // Hosts with a core each, 2 hosts and 4 workers (stage w % 2 on host w % 2): each host holds
+  // one stage's two replicas, which compute in step: half speed.
   ClusterSpec own = hosts(2);
   own.latencySeconds = 0;
   own.linkBitsPerSecond = 1e15;
   own.shmBytesPerSecond = 1e15;
   EXPECT_NEAR(simulate(w, s, own, {4, 1, 1}).stepSeconds, 2.0 * (chain + update), 1e-9);
+  // 3 hosts and 6 workers: each host holds one process of each stage, which never compute
+  // together; each at full speed, the step the host's work (0.3025 + 0.3125 s) on its core.
+  ClusterSpec three = hosts(3);
+  three.latencySeconds = 0;
+  three.linkBitsPerSecond = 1e15;
+  EXPECT_NEAR(simulate(w, s, three, {6, 1, 1}).stepSeconds, 0.615, 1e-9);
 }
 
 TEST(Simulate, MicroBatchTimesFollowTheProfiledSmallerBatches) {
@@ -360,6 +371,11 @@ TEST(Simulate, MicroBatchTimesFollowTheProfiledSmallerBatches) {
   EXPECT_NEAR(perMicroBatch(w, 2).forwardSeconds[0], 0.320 * (0.3 + 0.7 / 3), 1e-12);
   // 32 of 1: below the smallest profile, the line through the two smallest.
   EXPECT_NEAR(perMicroBatch(w, 32).forwardSeconds[0], 0.320 * (0.125 - 0.175 / 6), 1e-12);
+  // Below the smallest profile a line steeper than proportional is held at proportional: at 1
+  // example, the line through (2, 0.05) and (8, 0.3) says 0.0083, half of 0.05 is 0.025.
+  Workload steep = w;
+  steep.smallerBatches = {{2.0, {0.05}, {0.05}, 0.05}, {8.0, {0.3}, {0.3}, 0.3}};
+  EXPECT_NEAR(perMicroBatch(steep, 32).forwardSeconds[0], 0.320 * 0.025, 1e-12);
   // None profiled: in proportion.
   w.smallerBatches.clear();
   EXPECT_NEAR(perMicroBatch(w, 4).forwardSeconds[0], 0.080, 1e-12);
@@ -373,9 +389,11 @@ TEST(WorkloadProfile, LeavesTheCallersThreadCountAsItWas) {
       "<string>");
   const int before = at::get_num_threads();
   at::set_num_threads(2);
+  const int blas = blasThreads();
   const Workload w = measureWorkload(config);
   EXPECT_EQ(w.threads, 1);  // profiled at the config's one thread
   EXPECT_EQ(at::get_num_threads(), 2);
+  EXPECT_EQ(blasThreads(), blas);
   EXPECT_EQ(w.smallerBatches.size(), 1u);  // 8 examples: a quarter (2), no sixteenth
   at::set_num_threads(before);
 }
@@ -395,6 +413,8 @@ TEST(WorkloadFile, KeepsTheSmallerBatchesAndReadsTheFixedTimesBefore) {
   const Workload fixed = workloadFromJson(old.dump(), "old.json");
   EXPECT_NEAR(perMicroBatch(fixed, 4).forwardSeconds[0], 0.032 + (0.320 - 0.032) / 4, 1e-12);
   EXPECT_NEAR(perMicroBatch(fixed, 4).backwardSeconds[0], 0.640 / 4, 1e-12);
+  old["fixed"]["forward_s"] = {0.032, 0.0};  // not one per block
+  EXPECT_THROW(workloadFromJson(old.dump(), "old.json"), ConfigError);
   // Out of order, or at the full batch: refused.
   nlohmann::json bad = nlohmann::json::parse(workloadJson(w));
   bad["smaller_batches"][1]["examples"] = 1.0;

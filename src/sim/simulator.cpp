@@ -923,20 +923,22 @@ Totals simulatePipeline(const Context& x) {
   auto overlap = [](const ScheduleSpan& a, const ScheduleSpan& b) {
     return std::max(0.0, std::min(a.end, b.end) - std::max(a.start, b.start));
   };
-  // A step: the schedule, the update (at the slowest stage's contention), and at least each
-  // host's work over its own cores (a quota's budget or its cores), then the exchange.
-  auto stepOf = [&](const ScheduleSimulation& sim, double slowest,
-                    const std::vector<double>& factor) {
-    double compute = sim.makespan + slowest * x.w.updateSeconds / k;
-    for (int h = 0; h < x.c.hosts; ++h) {
-      double work = 0.0;
-      for (int o = 0; o < k; ++o) {
-        work += onHost[h][o] * factor[o] *
-                (m * (stageForward[o] + stageBackward[o]) + x.w.updateSeconds / k);
-      }
-      compute = std::max(compute, work * x.w.threads / x.c.coresPerHost);
+  // The least compute a step takes for its work, with worker w's straggler factor factor(w):
+  // each host's work over its own cores (a quota's budget or its cores) and, where the hosts
+  // share a machine's cores, everyone's over those.
+  auto leastCompute = [&](auto factor) {
+    std::vector<double> work(x.c.hosts, 0.0);
+    for (int wk = 0; wk < x.o.workers; ++wk) {
+      const int o = wk % k;
+      work[x.p.workerHost[wk]] +=
+          factor(wk) * (m * (stageForward[o] + stageBackward[o]) + x.w.updateSeconds / k);
     }
-    return compute + exchange;
+    double least = 0.0, total = 0.0;
+    for (double v : work) {
+      least = std::max(least, v * x.w.threads / x.c.coresPerHost);
+      total += v;
+    }
+    return shared ? std::max(least, total * x.w.threads / x.c.sharedCores) : least;
   };
   // Each stage's contention from a schedule's spans (the processes computing beside its own
   // actions, on average, over the cores they share).
@@ -968,24 +970,28 @@ Totals simulatePipeline(const Context& x) {
   }
   const ScheduleSimulation one = run(scale, steady);
   const double slowest = *std::max_element(scale.begin(), scale.end());
-  // Stragglers as the other modes draw them: each stage's actions per step by its own factor,
-  // each replica's schedule run with its own, the replicas' exchange waiting for the slowest
-  // (the mean over min(steps, 32) steps drawn; with no straggler_cv, the schedule as it is).
-  double stepSeconds = stepOf(one, slowest, steady);
+  // A step: the slowest replica's schedule and the update (at the slowest stage's contention),
+  // at least the least compute, then the exchange. Stragglers as the other modes draw them:
+  // each worker's actions per step by its own factor (each replica's schedule run with its
+  // own), the mean over min(steps, 32) steps drawn; with no straggler_cv, the schedule as it is.
+  const double update = slowest * x.w.updateSeconds / k;
+  double stepSeconds =
+      std::max(one.makespan + update, leastCompute([](int) { return 1.0; })) + exchange;
   if (x.c.stragglerCv > 0.0) {
     double computing = 0.0;  // a stage's compute per step, on average
     for (double b : one.busy) computing += b / k;
     Stragglers noise(x.c.stragglerCvAt(computing), x.o.seed);
     const int64_t drawn = std::min<int64_t>(x.o.steps, 32);
+    std::vector<std::vector<double>> factor(replicas, std::vector<double>(k));
     double total = 0.0;
     for (int64_t i = 0; i < drawn; ++i) {
-      double worst = 0.0;
-      for (int r = 0; r < replicas; ++r) {
-        std::vector<double> factor(k);
-        for (double& f : factor) f = noise.next();
-        worst = std::max(worst, stepOf(run(scale, factor), slowest, factor));
+      double slowestReplica = 0.0;
+      for (std::vector<double>& replica : factor) {
+        for (double& f : replica) f = noise.next();
+        slowestReplica = std::max(slowestReplica, run(scale, replica).makespan + update);
       }
-      total += worst;
+      const double least = leastCompute([&](int wk) { return factor[wk / k][wk % k]; });
+      total += std::max(slowestReplica, least) + exchange;
     }
     stepSeconds = total / static_cast<double>(drawn);
   }
