@@ -5,54 +5,37 @@
 
 For each case of bench/layout_search.py whose runs are in bench/results/layout-50 (fmnist-cnn,
 brown-gpt) or bench/results/layout-50-gpt512 (gpt-512x16): profiles the case again on this host
-(`caravan simulate -o OUT/CASE/profile`), writes layout_search.py's cluster file for each rate
-measured, runs `caravan plan --cluster` and prints, per case and rate, Kendall tau-b between the
+(`caravan simulate -o OUT/CASE/profile`, kept: a second call reuses it), writes layout_search.py's
+cluster file for each rate measured, runs `caravan plan --cluster` (layout_search.predictions)
+and prints, per case and rate, Kendall tau-b between the
 new predictions and the measured medians (and the old predictions'), the layout the search now
 chooses with its measured samples/s over the best's, and every layout's old and new prediction.
 Nothing is run on the namespace hosts: a layout whose keys changed (its partition or policies)
 is marked, since its measured runs used the old keys. For a model change, before new runs.
 """
+import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from layout_search import CARAVAN, CASES, CLUSTER, COMMON, HOSTS, ROOT, kendall_tau, sets_args  # noqa: E402
-from network_sweep import mbit  # noqa: E402
-from train_throughput import env  # noqa: E402
+from layout_search import ROOT, kendall_tau, predictions  # noqa: E402
 
 RESULTS = {"fmnist-cnn": "layout-50", "brown-gpt": "layout-50", "gpt-512x16": "layout-50-gpt512"}
-
-
-def run(cmd):
-    subprocess.run(cmd, check=True, env=env()[0], capture_output=True)
 
 
 def main():
     out = sys.argv[1]
     for case in sys.argv[2:] or list(RESULTS):
-        res = json.load(open(os.path.join(ROOT, "bench", "results", RESULTS[case], "results.json")))
-        config, extra = CASES[case]
-        sets = COMMON + extra
-        base = os.path.join(out, case)
-        os.makedirs(base, exist_ok=True)
-        profile = os.path.join(base, "profile")
+        with open(os.path.join(ROOT, "bench", "results", RESULTS[case], "results.json")) as f:
+            res = json.load(f)
+        # layout_search.py's own profile (once per case), cluster file and search, under OUT.
+        a = argparse.Namespace(out=out, cpus=res["cpus"], memory_gib=5.0)
         for key, r in res["cases"].items():
             if r["case"] != case:
                 continue
-            cluster = os.path.join(base, f"cluster-{r['rate']}.toml")
-            with open(cluster, "w") as f:
-                f.write(CLUSTER.format(hosts=HOSTS, rate=mbit(r["rate"]), cpus=res["cpus"],
-                                       cores=os.cpu_count(), memory=5.0))
-            if not os.path.exists(os.path.join(profile, "workload.json")):
-                run([CARAVAN, "simulate", "--config", config, "--cluster", cluster, "--workers",
-                     str(HOSTS), "-o", profile] + sets_args(sets))
-            planned = os.path.join(base, f"layout-{r['rate']}.json")
-            run([CARAVAN, "plan", "--config", config, "--cluster", cluster, "--workload",
-                 os.path.join(profile, "workload.json"), "-o", planned] + sets_args(sets))
-            new = json.load(open(planned))
+            new = predictions(a, case, r["rate"])
             before = {x["name"]: x for x in r["layouts"]}
             rows = []
             for lay in new["layouts"]:

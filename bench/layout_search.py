@@ -111,10 +111,14 @@ def predictions(a, case, rate):
         return json.load(f)
 
 
+def slug(name):
+    """A layout's name as a file name: allreduce+pipeline(2x4) -> allreduce-pipeline-2x4."""
+    return "".join(ch if ch.isalnum() else "-" for ch in name).strip("-")
+
+
 def run_layout(a, case, rate, layout, repeat):
     config, extra = CASES[case]
-    slug = "".join(ch if ch.isalnum() else "-" for ch in layout["name"]).strip("-")
-    run_dir = os.path.join(a.out, "runs", case, rate, f"{slug}-r{repeat}")
+    run_dir = os.path.join(a.out, "runs", case, rate, f"{slug(layout['name'])}-r{repeat}")
     done = os.path.join(run_dir, "model.pt")
     log_every = max(1, a.steps // 8)
     sets = COMMON + extra + layout["keys"] + [f"train.max_steps={a.steps}",

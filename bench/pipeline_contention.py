@@ -21,7 +21,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from layout_search import CASES, COMMON, HOSTS, ROOT  # noqa: E402
+from layout_search import CASES, COMMON, HOSTS, ROOT, slug  # noqa: E402
 from network_sweep import throughput_numbers, train_on_hosts  # noqa: E402
 
 
@@ -53,8 +53,7 @@ def main():
         for name in names:
             lay = layouts[name]
             sets = COMMON + extra + lay["keys"] + ["train.max_steps=40", "train.log_every=5"]
-            slug = "".join(ch if ch.isalnum() else "-" for ch in name).strip("-")
-            run_dir = f"/tmp/pipeline-contention/{case}-{rate}-{slug}-r{r}"
+            run_dir = f"/tmp/pipeline-contention/{case}-{rate}-{slug(name)}-r{r}"
             shutil.rmtree(run_dir, ignore_errors=True)
             os.makedirs(os.path.dirname(run_dir), exist_ok=True)
             stats, stop = {}, threading.Event()

@@ -74,12 +74,18 @@ Laid layOut(const Workload& w, const RunOptions& job, int workers, int64_t limit
   const int prefetch = static_cast<int>(job.memory.prefetch);
   const size_t n = w.forwardSeconds.size();
   out.workload.backwardSeconds = w.planner.keepBackwardSeconds;
-  // Spreads a stage's extra seconds per step over its blocks' backward, by their share of it.
-  auto addExtra = [&](size_t begin, size_t end, double extra) {
+  // Spreads a stage's extra seconds over its blocks' backward, by their share of it; each
+  // block's part divided by `shrink(b)`, what perMicroBatch multiplies its backward by (1: the
+  // extra is per step).
+  auto addExtra = [&](size_t begin, size_t end, double extra, auto shrink) {
     double backward = 0.0;
     for (size_t b = begin; b < end; ++b) backward += w.planner.keepBackwardSeconds[b];
     for (size_t b = begin; b < end && backward > 0.0; ++b) {
-      out.workload.backwardSeconds[b] += extra * w.planner.keepBackwardSeconds[b] / backward;
+      const double share = shrink(b);
+      if (share > 0.0) {
+        out.workload.backwardSeconds[b] +=
+            extra * w.planner.keepBackwardSeconds[b] / backward / share;
+      }
     }
   };
   const int k = job.pipeline.stages;
@@ -94,7 +100,8 @@ Laid layOut(const Workload& w, const RunOptions& job, int workers, int64_t limit
     const ModelProfile profile = wholeProfile(w);
     const int64_t room = limit > 0 ? plannedActivationBudget(limit, persistent) : 0;
     const Plan plan = planPolicies(profile, bandwidth, room, prefetch, nullptr, room);
-    addExtra(0, n, std::max(0.0, plan.prediction.stepSeconds - keepCompute(profile)));
+    addExtra(0, n, std::max(0.0, plan.prediction.stepSeconds - keepCompute(profile)),
+             [](size_t) { return 1.0; });
     out.workload.activationPeakBytes = plan.prediction.peakBytes;
     out.memory = persistent + plan.prediction.peakBytes;
     out.fits = limit <= 0 || (plan.fits && persistent < limit);
@@ -120,17 +127,12 @@ Laid layOut(const Workload& w, const RunOptions& job, int workers, int64_t limit
   out.policies.assign(n, BlockPolicy::kKeep);
   // A stage's recomputation is per micro-batch: added to the full batch's backward as what
   // perMicroBatch's shares bring back to it (each block's backward share at M).
-  auto addMicroExtra = [&](size_t begin, size_t end, double extra) {
-    double backward = 0.0;
-    for (size_t b = begin; b < end; ++b) backward += w.planner.keepBackwardSeconds[b];
-    for (size_t b = begin; b < end && backward > 0.0; ++b) {
-      const double full = w.planner.keepBackwardSeconds[b];
-      const double share = full > 0.0 ? micro.planner.keepBackwardSeconds[b] / full : 0.0;
-      if (share > 0.0) out.workload.backwardSeconds[b] += extra * full / backward / share;
-    }
+  auto backwardShare = [&](size_t b) {
+    const double full = w.planner.keepBackwardSeconds[b];
+    return full > 0.0 ? micro.planner.keepBackwardSeconds[b] / full : 0.0;
   };
   for (const StageEstimate& stage : partition.stages) {
-    addMicroExtra(stage.begin, stage.end, stage.recomputeSeconds);
+    addExtra(stage.begin, stage.end, stage.recomputeSeconds, backwardShare);
     out.memory = std::max(out.memory, stage.memoryBytes);
     for (size_t b : stage.recomputed) out.policies[b] = BlockPolicy::kRecompute;
   }

@@ -970,6 +970,8 @@ Totals simulatePipeline(const Context& x) {
   }
   const ScheduleSimulation one = run(scale, steady);
   const double slowest = *std::max_element(scale.begin(), scale.end());
+  double busy = 0.0;  // every stage's compute per step
+  for (double b : one.busy) busy += b;
   // A step: the slowest replica's schedule and the update (at the slowest stage's contention),
   // at least the least compute, then the exchange. Stragglers as the other modes draw them:
   // each worker's actions per step by its own factor (each replica's schedule run with its
@@ -978,9 +980,7 @@ Totals simulatePipeline(const Context& x) {
   double stepSeconds =
       std::max(one.makespan + update, leastCompute([](int) { return 1.0; })) + exchange;
   if (x.c.stragglerCv > 0.0) {
-    double computing = 0.0;  // a stage's compute per step, on average
-    for (double b : one.busy) computing += b / k;
-    Stragglers noise(x.c.stragglerCvAt(computing), x.o.seed);
+    Stragglers noise(x.c.stragglerCvAt(busy / k), x.o.seed);  // a stage's compute, on average
     const int64_t drawn = std::min<int64_t>(x.o.steps, 32);
     std::vector<std::vector<double>> factor(replicas, std::vector<double>(k));
     double total = 0.0;
@@ -997,8 +997,6 @@ Totals simulatePipeline(const Context& x) {
   }
   Totals t;
   t.wall = stepSeconds * x.o.steps;
-  double busy = 0.0;
-  for (double b : one.busy) busy += b;
   t.compute = busy * replicas * x.o.steps;
   t.sent = (sent * x.o.workers + activationsSent * replicas) * x.o.steps;
   t.linkBusy = exchange * x.o.steps;

@@ -58,9 +58,9 @@ Workload measureWorkload(const Config& config) {
   setup.model->train();
   const Batch sample = setup.sampleBatch();
   // train.precision as a run makes it (bf16: each block timed both ways on this host).
+  const int repeats = std::max<int>(2, static_cast<int>(options.memory.profileRepeats));
   const PrecisionChoice precision =
-      choosePrecision(options.runtime.precision, setup.model, sample,
-                      std::max<int>(2, static_cast<int>(options.memory.profileRepeats)), "");
+      choosePrecision(options.runtime.precision, setup.model, sample, repeats, "");
 
   Workload w;
   w.model = setup.model->modelName();
@@ -119,7 +119,6 @@ Workload measureWorkload(const Config& config) {
   }
   // How the times shrink with the batch (micro-batches, perMicroBatch): profiles at a sixteenth
   // and a quarter of it, each time as a share of the full batch's.
-  const int repeats = std::max<int>(2, static_cast<int>(options.memory.profileRepeats));
   for (const int64_t examples : {sample.size() / 16, sample.size() / 4}) {
     if (examples < 1 || (!w.smallerBatches.empty() &&
                          w.smallerBatches.back().examples >= static_cast<double>(examples))) {
