@@ -27,7 +27,10 @@ calibrated on and the CNN's layouts (sharding, pipelines) were not either.
 Written under --out: results.json (every run's numbers, the predictions), table.md.
 Each run directory is kept (runs/CASE/RATE/LAYOUT-rREPEAT); a run whose model.pt exists and
 that ran with the same --set keys (RUN.bench-keys.json) is reused (--fresh runs it again); one
-from before that file is reused and listed in results.json's "older_runs". OPENBLAS_CORETYPE is removed from the
+from before that file is reused and listed in results.json's "older_runs". The run directories
+are not committed (.gitignore): a measurement in --out's results.json with the same --set keys
+(its "run_keys") is reused too, so a benchmark stopped part way (a session's time limit) goes on
+where it stopped. OPENBLAS_CORETYPE is removed from the
 measured processes' environment (bench/train_throughput.py env()); the table says so.
 Needs root and iproute2 (exit 77 otherwise).
 """
@@ -116,13 +119,28 @@ def slug(name):
     return "".join(ch if ch.isalnum() else "-" for ch in name).strip("-")
 
 
+def run_sets(a, case, layout):
+    """The --set keys of a layout's run."""
+    return COMMON + CASES[case][1] + layout["keys"] + [f"train.max_steps={a.steps}",
+                                                       f"train.log_every={max(1, a.steps // 8)}"]
+
+
+def earlier_measurement(earlier, key, layout, repeat, sets):
+    """samples/s of this repeat in an earlier results.json, where it ran with the same keys."""
+    for lay in earlier.get("cases", {}).get(key, {}).get("layouts", []):
+        if lay["name"] != layout["name"]:
+            continue
+        keys, measured = lay.get("run_keys", []), lay.get("measured", [])
+        if repeat < len(keys) and repeat < len(measured) and keys[repeat] == sets:
+            return measured[repeat]
+    return None
+
+
 def run_layout(a, case, rate, layout, repeat):
-    config, extra = CASES[case]
+    config, _ = CASES[case]
     run_dir = os.path.join(a.out, "runs", case, rate, f"{slug(layout['name'])}-r{repeat}")
     done = os.path.join(run_dir, "model.pt")
-    log_every = max(1, a.steps // 8)
-    sets = COMMON + extra + layout["keys"] + [f"train.max_steps={a.steps}",
-                                              f"train.log_every={log_every}"]
+    sets = run_sets(a, case, layout)
     # A run is reused only with the keys it ran with (bench-keys.json beside it; a run from
     # before that file is reused as it is, and counted in results.json's "older_runs").
     keys_file = run_dir + ".bench-keys.json"
@@ -245,6 +263,10 @@ def main():
         return
     os.makedirs(a.out, exist_ok=True)
     a.older_runs = []
+    earlier = {}
+    if not a.fresh and os.path.exists(os.path.join(a.out, "results.json")):
+        with open(os.path.join(a.out, "results.json")) as f:
+            earlier = json.load(f)
     results = {"started": time.strftime("%Y-%m-%d %H:%M"), "steps": a.steps,
                "repeats": a.repeats, "cpus": a.cpus, "cases": {}, "older_runs": a.older_runs}
     for case in a.cases:
@@ -252,7 +274,7 @@ def main():
             j = predictions(a, case, rate)
             results["cases"][f"{case} at {rate}"] = {
                 "case": case, "rate": rate, "chosen": j["chosen"]["name"],
-                "search": j, "layouts": [dict(x, measured=[]) for x in j["layouts"]]}
+                "search": j, "layouts": [dict(x, measured=[], run_keys=[]) for x in j["layouts"]]}
     write(a, results)
     for repeat in range(a.repeats):
         for key, r in results["cases"].items():
@@ -260,12 +282,17 @@ def main():
                 if not lay["fits"]:
                     continue
                 start = time.time()
-                records = run_layout(a, r["case"], r["rate"], lay, repeat)
-                rate = throughput_numbers(records)["samples_per_s"]
+                sets = run_sets(a, r["case"], lay)
+                rate = earlier_measurement(earlier, key, lay, repeat, sets)
+                how = "from the earlier results.json"
+                if rate is None:
+                    records = run_layout(a, r["case"], r["rate"], lay, repeat)
+                    rate = throughput_numbers(records)["samples_per_s"]
+                    how = f"{time.time() - start:.0f} s"
                 lay["measured"].append(rate)
+                lay["run_keys"].append(sets)
                 print(f"[r{repeat}] {key}: {lay['name']}: {rate:.1f} samples/s (predicted "
-                      f"{lay['predicted_samples_per_s']:.1f}; {time.time() - start:.0f} s)",
-                      flush=True)
+                      f"{lay['predicted_samples_per_s']:.1f}; {how})", flush=True)
                 write(a, results)
     print(write(a, results), end="")
 
