@@ -36,7 +36,9 @@ Needs root and iproute2 (exit 77 otherwise).
 """
 import argparse
 import json
+import math
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -182,6 +184,36 @@ def kendall_tau(xs, ys):
     return (concordant - discordant) / denom if denom else float("nan")
 
 
+def repeatability(measured, trials=4000, seed=50):
+    """How well the measurement orders the layouts itself: (the mean Kendall tau between two
+    repeats' orders, over every pair of repeats; the mean tau a prediction that were the measured
+    medians exactly would get against medians of as many repeats again, drawn with the runs'
+    spread). `measured`: each layout's runs. The spread is the pooled sample variance of
+    log(run) about each layout's mean log; the draws are lognormal about the medians. Both are
+    ceilings for tau against a measurement this noisy (the second optimistic: the medians
+    themselves are spread by the noise, so the layouts are taken as further apart than they
+    are). (None, None) with fewer than two repeats."""
+    n = min(len(m) for m in measured)
+    if n < 2:
+        return None, None
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    between = statistics.mean(kendall_tau([m[i] for m in measured], [m[j] for m in measured])
+                              for i, j in pairs)
+    squares = dof = 0.0
+    for m in measured:
+        logs = [math.log(v) for v in m[:n]]
+        mean = statistics.mean(logs)
+        squares += sum((v - mean) ** 2 for v in logs)
+        dof += n - 1
+    sd = math.sqrt(squares / dof)
+    truth = [statistics.median(m[:n]) for m in measured]
+    rng = random.Random(seed)
+    drawn = statistics.mean(
+        kendall_tau(truth, [statistics.median(t * math.exp(rng.gauss(0.0, sd)) for _ in range(n))
+                            for t in truth]) for _ in range(trials))
+    return between, drawn
+
+
 def analyse(results):
     """Per case and rate: the table rows and the summary line."""
     out = []
@@ -199,8 +231,10 @@ def analyse(results):
         chosen = next((x for x in rows if x["name"] == r["chosen"]), None)
         tau = kendall_tau([x["predicted"] for x in measured], [x["measured"] for x in measured])
         ratio = chosen["measured"] / best["measured"] if chosen and chosen["measured"] else None
+        between, ceiling = repeatability([x["runs"] for x in measured])
         out.append({"case": key, "rows": rows, "best": best["name"], "chosen": r["chosen"],
-                    "chosen_over_best": ratio, "tau": tau, "layouts_measured": len(measured)})
+                    "chosen_over_best": ratio, "tau": tau, "layouts_measured": len(measured),
+                    "tau_repeat_vs_repeat": between, "tau_ceiling": ceiling})
     return out
 
 
@@ -213,12 +247,22 @@ def table(results, analysis):
              "rank 0's train records after the first window. OPENBLAS_CORETYPE unset in the "
              "measured processes. Cluster constants: issue 21's (link_efficiency 0.7, latency_us "
              "2000, straggler_cv 0.15 at straggler_step_ms 110), nothing fitted here.", ""]
-    lines += ["| case | chosen | best measured | chosen / best | Kendall tau | layouts |",
-              "|---|---|---|---|---|---|"]
+    lines += ["The last two columns are the measurement's own repeatability (layout_search.py "
+              "repeatability()): Kendall tau between two repeats' orders (the mean over pairs of "
+              "repeats), and the mean tau the measured medians themselves would get as a "
+              "prediction against medians of as many repeats again, drawn with the runs' spread "
+              "(optimistic).", ""]
+    lines += ["| case | chosen | best measured | chosen / best | Kendall tau | layouts | "
+              "tau repeat vs repeat | tau of exact medians |",
+              "|---|---|---|---|---|---|---|---|"]
+
+    def num(v):
+        return f"{v:.2f}" if v is not None else "–"
     for c in analysis:
         ratio = f"{c['chosen_over_best']:.3f}" if c["chosen_over_best"] else "–"
         lines.append(f"| {c['case']} | {c['chosen']} | {c['best']} | {ratio} | {c['tau']:.2f} | "
-                     f"{c['layouts_measured']} |")
+                     f"{c['layouts_measured']} | {num(c.get('tau_repeat_vs_repeat'))} | "
+                     f"{num(c.get('tau_ceiling'))} |")
     for c in analysis:
         lines += ["", f"## {c['case']}", "",
                   "| layout | predicted samples/s | measured samples/s (median) | runs | "
