@@ -93,6 +93,48 @@ TEST(PipelineSchedule, SimulatedTransfersDelayTheReceiver) {
   EXPECT_DOUBLE_EQ(sim.spans[1][0].start, 1.5);
 }
 
+// A budget per period (a cgroup's CPU quota): the stage computes at most half of each period,
+// across its actions, and what is left of an action waits for the next period. One stage,
+// 1f1b over two micro-batches (F0 B0 F1 B1), F = 3/8, B = 1/2 of a period (binary-exact):
+// F0 [0, 3/8]; B0 1/8 then (out of budget) 3/8 from 1; F1 1/8 then 1/4 from 2; B1 1/4 then 1/4
+// from 3: the step ends at 3 1/4 where it would end at 1 3/4 without the budget. With the
+// periods starting half a period later, B0's second part starts at once (a new period begins as
+// the budget runs out): 2 3/4.
+TEST(PipelineSchedule, AStageOutOfItsBudgetWaitsForTheNextPeriod) {
+  StageCosts c{0.375, 0.25, 0.25};
+  const auto program = buildSchedule(PipelineSchedule::kOneFOneB, 1, 2);
+  EXPECT_DOUBLE_EQ(simulateSchedule(program, {c}).makespan, 1.75);
+  c.quotaPeriod = 1.0;
+  c.quotaBudget = 0.5;
+  const auto sim = simulateSchedule(program, {c});
+  EXPECT_DOUBLE_EQ(sim.makespan, 3.25);
+  EXPECT_DOUBLE_EQ(sim.busy[0], 1.75);  // what it computed, not the waits
+  // Each stretch it computed: F0, B0 in two, F1 in two, B1 in two.
+  const std::vector<std::pair<double, double>> stretches = {
+      {0, 0.375}, {0.375, 0.5}, {1, 1.375}, {1.375, 1.5}, {2, 2.25}, {2.25, 2.5}, {3, 3.25}};
+  ASSERT_EQ(sim.spans[0].size(), stretches.size());
+  for (size_t i = 0; i < stretches.size(); ++i) {
+    EXPECT_DOUBLE_EQ(sim.spans[0][i].start, stretches[i].first) << i;
+    EXPECT_DOUBLE_EQ(sim.spans[0][i].end, stretches[i].second) << i;
+  }
+  c.quotaPhase = 0.5;
+  EXPECT_DOUBLE_EQ(simulateSchedule(program, {c}).makespan, 2.75);
+}
+
+// Waiting for a receive spends none of the budget: stage 1 of two, its first forward after a
+// transfer, computes its whole budget in the period it starts in.
+TEST(PipelineSchedule, WaitingForAReceiveSpendsNoBudget) {
+  StageCosts c{0.5, 0.25, 0.25, 0.25};  // F0 [0, .5], transfer .25: F1 from .75
+  c.quotaPeriod = 1.0;
+  c.quotaBudget = 0.5;
+  const auto sim = simulateSchedule(buildSchedule(PipelineSchedule::kOneFOneB, 2, 1), {c});
+  // Stage 1: F1 .25 in [.75, 1] and .25 from 1; B1 from 1.25 to 1.5 (the budget's end), then
+  // .25 from 2: 2.25; stage 0 gets the gradient at 2.5, B0 (.5, a new period's whole budget) 3.
+  ASSERT_GE(sim.spans[1].size(), 1u);
+  EXPECT_DOUBLE_EQ(sim.spans[1][0].start, 0.75);
+  EXPECT_DOUBLE_EQ(sim.makespan, 3.0);
+}
+
 // The check is only worth something if it fails on broken schedules: each of these breaks one
 // rule of a valid 1f1b or zb-h1 schedule.
 TEST(PipelineSchedule, CheckNamesEachBrokenRule) {

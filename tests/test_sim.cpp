@@ -313,13 +313,14 @@ TEST(Simulate, PipelineStagesSlowOnlyBesideStagesComputingWithThem) {
   const double chain = 0.100 + 0.100 + 0.010 + 0.200 + 0.200;  // F0, F1 + loss, B1, B0
   // Both stages' updates take the one core in turn: the step is the core's whole work.
   EXPECT_NEAR(simulate(w, s, c, {2, 1, 1}).stepSeconds, chain + 2.0 * update, 1e-9);
-  // Each host held to half a core (a cgroup's quota per 100 ms period): an action runs at full
-  // speed for the period's 50 ms of quota, the rest at half speed (the update, 2.5 ms, within
-  // its quota). The step is then more than each host's work at half speed (0.62 s).
+  // Each host held to half a core (a cgroup's quota per 100 ms period): a stage computes at
+  // full speed for 50 ms of each period, across its actions, and waits for the next; stage 0's
+  // periods start at 0, stage 1's at 50 ms. F0 runs [0, .05] and [.1, .15]; F1 + loss [.15, .2],
+  // [.25, .3], [.35, .36]; B1 [.36, .4], then 50 ms from .45, .55 and .65 and 10 ms from .75:
+  // .76; B0 [.76, .8], 50 ms from .8, .9 and 1.0 and 10 ms from 1.1: 1.11, then the update. The
+  // step is then more than each host's work at half speed (0.62 s).
   c.coresPerHost = 0.5;
-  auto action = [](double t) { return 0.05 + 2.0 * (t - 0.05); };
-  const double throttled = action(0.100) + action(0.110) + action(0.200) + action(0.200);
-  EXPECT_NEAR(simulate(w, s, c, {2, 1, 1}).stepSeconds, throttled + update, 1e-9);
+  EXPECT_NEAR(simulate(w, s, c, {2, 1, 1}).stepSeconds, 1.11 + update, 1e-9);
 }
 
 TEST(Simulate, PipelineReplicasComputeInStepOnTheCoresTheyShare) {

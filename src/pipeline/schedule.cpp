@@ -1,6 +1,9 @@
 #include "pipeline/schedule.h"
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
 #include <deque>
 #include <map>
 #include <tuple>
@@ -118,6 +121,43 @@ std::vector<StageProgram> zeroBubbleH1(int k, int m) {
 
 // Runs programs with blocking receives and non-blocking sends. `costs` may be empty (order
 // only). Returns "" or the violation; fills `sim` when given.
+// Runs a compute action of `seconds` from `start` within `c`'s budget per period and returns
+// where it ends; `ran(from, to)` for each stretch it computes (one without a budget). `used`:
+// what the stage spent of the budget in period `period` (the last it computed in), carried from
+// one action to the next.
+template <typename Ran>
+double computeUntil(const StageCosts& c, double start, double seconds, double* used,
+                    int64_t* period, Ran&& ran) {
+  if (c.quotaPeriod <= 0.0 || c.quotaBudget <= 0.0) {
+    ran(start, start + seconds);
+    return start + seconds;
+  }
+  const double p = c.quotaPeriod;
+  double t = start;
+  auto i = static_cast<int64_t>(std::floor((t - c.quotaPhase) / p));
+  if (static_cast<double>(i + 1) * p + c.quotaPhase <= t) ++i;  // rounding at a period's start
+  if (i != *period) {
+    *period = i;
+    *used = 0.0;
+  }
+  while (seconds > 0.0) {
+    const double periodEnd = static_cast<double>(i + 1) * p + c.quotaPhase;
+    const double run = std::min({seconds, c.quotaBudget - *used, periodEnd - t});
+    if (run > 0.0) {
+      ran(t, t + run);
+      t += run;
+      seconds -= run;
+      *used += run;
+    }
+    if (seconds > 0.0) {  // out of budget (or at the period's end): on at the next period
+      *period = ++i;
+      *used = 0.0;
+      t = std::max(t, periodEnd);
+    }
+  }
+  return t;
+}
+
 std::string execute(const std::vector<StageProgram>& programs, const std::vector<StageCosts>& costs,
                     ScheduleSimulation* sim) {
   const int k = static_cast<int>(programs.size());
@@ -130,6 +170,8 @@ std::string execute(const std::vector<StageProgram>& programs, const std::vector
   std::map<std::tuple<int, int, bool>, std::deque<std::pair<int, double>>> links;
   std::vector<size_t> pc(k, 0);
   std::vector<double> clock(k, 0.0);
+  std::vector<double> used(k, 0.0);  // of the stage's budget, in period `period`
+  std::vector<int64_t> period(k, INT64_MIN);
   if (sim) {
     *sim = ScheduleSimulation{};
     sim->busy.assign(k, 0.0);
@@ -169,11 +211,11 @@ std::string execute(const std::vector<StageProgram>& programs, const std::vector
                            : a.kind == ActionKind::kBackwardWeight
                                ? c.backwardWeight
                                : c.backwardInput + c.backwardWeight;
-          if (sim) {
-            sim->spans[s].push_back({a.kind, a.microBatch, clock[s], clock[s] + d});
-            sim->busy[s] += d;
-          }
-          clock[s] += d;
+          clock[s] =
+              computeUntil(c, clock[s], d, &used[s], &period[s], [&](double from, double to) {
+                if (sim) sim->spans[s].push_back({a.kind, a.microBatch, from, to});
+              });
+          if (sim) sim->busy[s] += d;
         }
         ++pc[s];
         progress = true;

@@ -72,12 +72,20 @@ std::string checkSchedule(const std::vector<StageProgram>& programs, int microBa
 // gpipe M, 1f1b min(K-s, M), zb-h1 min(K, M).
 int peakInFlight(const StageProgram& program);
 
-// Compute times of one micro-batch on one stage, in any unit; transfers take `transfer`.
+// Compute times of one micro-batch on one stage, in any unit; transfers take `transfer`; a
+// stage with a quota computes within its budget per period (StageCosts).
 struct StageCosts {
   double forward = 1.0;
   double backwardInput = 1.0;   // B (kBackward costs backwardInput + backwardWeight)
   double backwardWeight = 1.0;  // W
   double transfer = 0.0;        // one activation or gradient message, send to receive
+  // A budget per period (a cgroup's CPU quota, scripts/netns_hosts.sh): with quotaPeriod > 0,
+  // the stage computes at most quotaBudget of the times above in each period [i P + phase,
+  // (i + 1) P + phase), across its actions; what is left of an action waits for the next
+  // period. Waiting for a receive spends none of it. 0: no budget.
+  double quotaPeriod = 0.0;
+  double quotaBudget = 0.0;
+  double quotaPhase = 0.0;  // in [0, quotaPeriod)
 };
 
 struct ScheduleSpan {
@@ -87,9 +95,10 @@ struct ScheduleSpan {
 };
 
 struct ScheduleSimulation {
-  double makespan = 0.0;                         // the step: first action to the last stage done
-  std::vector<double> busy;                      // per stage: time computing
-  std::vector<std::vector<ScheduleSpan>> spans;  // per stage: each compute action's interval
+  double makespan = 0.0;     // the step: first action to the last stage done
+  std::vector<double> busy;  // per stage: time computing
+  // Per stage: each compute action's interval (where a budget stops it, each stretch it computes).
+  std::vector<std::vector<ScheduleSpan>> spans;
   // Idle compute over all stages: 1 - sum(busy) / (stages * makespan).
   double bubbleFraction() const;
 };

@@ -866,26 +866,30 @@ Totals simulatePipeline(const Context& x) {
   }
   const std::vector<StageProgram> programs = buildSchedule(x.pipeline.schedule, k, m);
   // Where hosts share a machine's cores, a host's own (a cgroup's quota of cores_per_host per
-  // 100 ms period, scripts/netns_hosts.sh) is a budget: an action runs at the machine's speed
-  // until its host has used the period's quota, the rest at the quota's rate. So a short action
-  // after an idle stretch runs unthrottled and a long one mostly at the quota (brown-gpt's
-  // 2-stage pipelines on 4 namespace hosts: a 16-example micro-batch's backward, ~75 ms of one
-  // core, measured 20-30% slower per step than 4-example ones predicted alone).
+  // 100 ms period, scripts/netns_hosts.sh) are a budget: a stage computes at the machine's speed
+  // until its host has used the period's quota, across its actions, then waits for the next
+  // period (the schedule's simulation keeps the budget: StageCosts). So short actions after an
+  // idle stretch run unthrottled, and a stage computing more than its share of a period waits
+  // (brown-gpt's 2-stage pipelines on 4 namespace hosts: a 16-example micro-batch's backward,
+  // ~75 ms of one core, measured 20-30% slower per step than 4-example ones predicted alone).
+  // The hosts' periods start apart (stage s's a s/K of a period after stage 0's).
   std::vector<double> quota(k, 1.0);  // > 1: the host's cores are such a budget
   for (int s = 0; s < k; ++s) {
     if (x.c.sharedCores > 0.0) quota[s] = hostQuota(x.p, x.p.workerHost[s], x.w, x.c);
   }
   // The schedule with each stage's contention `scale` and straggler factor `factor`.
   auto run = [&](const std::vector<double>& scale, const std::vector<double>& factor) {
-    auto action = [&](int s, double seconds) {  // an action's time at full speed -> its time
-      const double budget = kQuotaPeriodSeconds / quota[s];
-      return factor[s] * (scale[s] * std::min(seconds, budget) +
-                          std::max(scale[s], quota[s]) * std::max(0.0, seconds - budget));
-    };
     for (int s = 0; s < k; ++s) {
-      costs[s].forward = action(s, stageForward[s]);
-      costs[s].backwardInput = action(s, stageBackward[s]) / 2.0;
+      const double f = factor[s] * scale[s];
+      costs[s].forward = f * stageForward[s];
+      costs[s].backwardInput = f * stageBackward[s] / 2.0;
       costs[s].backwardWeight = costs[s].backwardInput;
+      if (quota[s] > 1.0) {
+        // The quota is CPU time; a stage sharing cores (`scale`) gets 1 / scale of a core.
+        costs[s].quotaPeriod = kQuotaPeriodSeconds;
+        costs[s].quotaBudget = kQuotaPeriodSeconds / quota[s] * scale[s];
+        costs[s].quotaPhase = kQuotaPeriodSeconds * s / k;
+      }
     }
     return simulateSchedule(programs, costs);
   };
