@@ -121,8 +121,9 @@ TEST(PipelineSchedule, AStageOutOfItsBudgetWaitsForTheNextPeriod) {
   EXPECT_DOUBLE_EQ(simulateSchedule(program, {c}).makespan, 2.75);
 }
 
-// Waiting for a receive spends none of the budget: stage 1 of two, its first forward after a
-// transfer, computes its whole budget in the period it starts in.
+// Waiting for a receive spends none of the budget: stage 1 of two waits 0.75 of its first
+// period for F0 and its transfer, then computes to the period's end and on from the next (were
+// the wait charged, F1 would start at 1 and the step end at 3.25).
 TEST(PipelineSchedule, WaitingForAReceiveSpendsNoBudget) {
   StageCosts c{0.5, 0.25, 0.25, 0.25};  // F0 [0, .5], transfer .25: F1 from .75
   c.quotaPeriod = 1.0;
@@ -130,8 +131,10 @@ TEST(PipelineSchedule, WaitingForAReceiveSpendsNoBudget) {
   const auto sim = simulateSchedule(buildSchedule(PipelineSchedule::kOneFOneB, 2, 1), {c});
   // Stage 1: F1 .25 in [.75, 1] and .25 from 1; B1 from 1.25 to 1.5 (the budget's end), then
   // .25 from 2: 2.25; stage 0 gets the gradient at 2.5, B0 (.5, a new period's whole budget) 3.
-  ASSERT_GE(sim.spans[1].size(), 1u);
+  ASSERT_GE(sim.spans[1].size(), 2u);
   EXPECT_DOUBLE_EQ(sim.spans[1][0].start, 0.75);
+  EXPECT_DOUBLE_EQ(sim.spans[1][0].end, 1.0);
+  EXPECT_DOUBLE_EQ(sim.spans[1][1].start, 1.0);
   EXPECT_DOUBLE_EQ(sim.makespan, 3.0);
 }
 

@@ -312,7 +312,9 @@ TEST(Simulate, PipelineStagesSlowOnlyBesideStagesComputingWithThem) {
   const double update = 0.005 / 2;
   const double chain = 0.100 + 0.100 + 0.010 + 0.200 + 0.200;  // F0, F1 + loss, B1, B0
   // Both stages' updates take the one core in turn: the step is the core's whole work.
-  EXPECT_NEAR(simulate(w, s, c, {2, 1, 1}).stepSeconds, chain + 2.0 * update, 1e-9);
+  const SimResult r = simulate(w, s, c, {2, 1, 1});
+  EXPECT_NEAR(r.stepSeconds, chain + 2.0 * update, 1e-9);
+  EXPECT_DOUBLE_EQ(r.computeScale, 1.0);  // what the schedule applied, not two always computing
   // Each host held to half a core (a cgroup's quota per 100 ms period): a stage computes at
   // full speed for 50 ms of each period, across its actions, and waits for the next; stage 0's
   // periods start at 0, stage 1's at 50 ms. F0 runs [0, .05] and [.1, .15]; F1 + loss [.15, .2],
@@ -339,7 +341,9 @@ TEST(Simulate, PipelineReplicasComputeInStepOnTheCoresTheyShare) {
   // On one shared core, at half speed: the schedule 2 * (chain + update) = 1.225 s, but the
   // four processes' work (2 x 0.3025 + 2 x 0.3125 s) takes the core 1.23 s.
   c.sharedCores = 1;
-  EXPECT_NEAR(simulate(w, s, c, {4, 1, 1}).stepSeconds, 1.23, 1e-9);
+  const SimResult one = simulate(w, s, c, {4, 1, 1});
+  EXPECT_NEAR(one.stepSeconds, 1.23, 1e-9);
+  EXPECT_DOUBLE_EQ(one.computeScale, 2.0);
   // Hosts with a core each, 2 hosts and 4 workers (stage w % 2 on host w % 2): each host holds
   // one stage's two replicas, which compute in step: half speed.
   ClusterSpec own = hosts(2);

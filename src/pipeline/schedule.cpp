@@ -119,12 +119,11 @@ std::vector<StageProgram> zeroBubbleH1(int k, int m) {
   return out;
 }
 
-// Runs programs with blocking receives and non-blocking sends. `costs` may be empty (order
-// only). Returns "" or the violation; fills `sim` when given.
 // Runs a compute action of `seconds` from `start` within `c`'s budget per period and returns
 // where it ends; `ran(from, to)` for each stretch it computes (one without a budget). `used`:
 // what the stage spent of the budget in period `period` (the last it computed in), carried from
-// one action to the next.
+// one action to the next. A remainder within rounding of nothing (1e-12 of a period) is done,
+// not carried into the next period.
 template <typename Ran>
 double computeUntil(const StageCosts& c, double start, double seconds, double* used,
                     int64_t* period, Ran&& ran) {
@@ -140,7 +139,9 @@ double computeUntil(const StageCosts& c, double start, double seconds, double* u
     *period = i;
     *used = 0.0;
   }
-  while (seconds > 0.0) {
+  if (seconds <= 0.0) ran(t, t);
+  const double nothing = 1e-12 * p;
+  while (seconds > nothing) {
     const double periodEnd = static_cast<double>(i + 1) * p + c.quotaPhase;
     const double run = std::min({seconds, c.quotaBudget - *used, periodEnd - t});
     if (run > 0.0) {
@@ -149,7 +150,7 @@ double computeUntil(const StageCosts& c, double start, double seconds, double* u
       seconds -= run;
       *used += run;
     }
-    if (seconds > 0.0) {  // out of budget (or at the period's end): on at the next period
+    if (seconds > nothing) {  // out of budget (or at the period's end): on at the next period
       *period = ++i;
       *used = 0.0;
       t = std::max(t, periodEnd);
@@ -158,6 +159,8 @@ double computeUntil(const StageCosts& c, double start, double seconds, double* u
   return t;
 }
 
+// Runs programs with blocking receives and non-blocking sends. `costs` may be empty (order
+// only). Returns "" or the violation; fills `sim` when given.
 std::string execute(const std::vector<StageProgram>& programs, const std::vector<StageCosts>& costs,
                     ScheduleSimulation* sim) {
   const int k = static_cast<int>(programs.size());

@@ -329,6 +329,9 @@ Exchange gradientExchange(double bytes, const Context& x) {
 struct Totals {
   double wall = 0.0, compute = 0.0, sent = 0.0, linkBusy = 0.0;
   std::vector<int64_t> staleness;
+  // > 0: the contention the mode applied itself (pipelines: the most contended stage's, from
+  // its schedule), else the context's (every worker computing all the time).
+  double computeScale = 0.0;
 };
 
 // One step's straggler factors: adds every worker's compute (forward, backward and its share of
@@ -872,7 +875,11 @@ Totals simulatePipeline(const Context& x) {
   // idle stretch run unthrottled, and a stage computing more than its share of a period waits
   // (brown-gpt's 2-stage pipelines on 4 namespace hosts: a 16-example micro-batch's backward,
   // ~75 ms of one core, measured 20-30% slower per step than 4-example ones predicted alone).
-  // The hosts' periods start apart (stage s's a s/K of a period after stage 0's).
+  // Computing at 1 / scale of a core (sharing cores), a stage spends its CPU budget that much
+  // slower. A host's processes split its quota evenly, each its own budget (one stage per host
+  // in the layouts measured; a cgroup would let one use what another leaves), and the update
+  // after the schedule runs outside it. The hosts' periods start apart (host h's h / hosts of a
+  // period after host 0's: cgroups' period timers start wherever they start; an assumption).
   std::vector<double> quota(k, 1.0);  // > 1: the host's cores are such a budget
   for (int s = 0; s < k; ++s) {
     if (x.c.sharedCores > 0.0) quota[s] = hostQuota(x.p, x.p.workerHost[s], x.w, x.c);
@@ -885,10 +892,9 @@ Totals simulatePipeline(const Context& x) {
       costs[s].backwardInput = f * stageBackward[s] / 2.0;
       costs[s].backwardWeight = costs[s].backwardInput;
       if (quota[s] > 1.0) {
-        // The quota is CPU time; a stage sharing cores (`scale`) gets 1 / scale of a core.
         costs[s].quotaPeriod = kQuotaPeriodSeconds;
         costs[s].quotaBudget = kQuotaPeriodSeconds / quota[s] * scale[s];
-        costs[s].quotaPhase = kQuotaPeriodSeconds * s / k;
+        costs[s].quotaPhase = kQuotaPeriodSeconds * x.p.workerHost[s] / x.c.hosts;
       }
     }
     return simulateSchedule(programs, costs);
@@ -924,8 +930,18 @@ Totals simulatePipeline(const Context& x) {
                   : static_cast<double>(onHost[x.p.workerHost[s]][o]);
   };
   const double cores = shared ? x.c.sharedCores : x.c.coresPerHost;
-  auto overlap = [](const ScheduleSpan& a, const ScheduleSpan& b) {
-    return std::max(0.0, std::min(a.end, b.end) - std::max(a.start, b.start));
+  // The time two stages' spans overlap (each stage's in time order, apart: one sweep).
+  auto overlap = [](const std::vector<ScheduleSpan>& a, const std::vector<ScheduleSpan>& b) {
+    double both = 0.0;
+    for (size_t i = 0, j = 0; i < a.size() && j < b.size();) {
+      both += std::max(0.0, std::min(a[i].end, b[j].end) - std::max(a[i].start, b[j].start));
+      if (a[i].end < b[j].end) {
+        ++i;
+      } else {
+        ++j;
+      }
+    }
+    return both;
   };
   // The least compute a step takes for its work, with worker w's straggler factor factor(w):
   // each host's work over its own cores (a quota's budget or its cores) and, where the hosts
@@ -951,13 +967,7 @@ Totals simulatePipeline(const Context& x) {
     for (int s = 0; s < k; ++s) {
       if (sim.busy[s] <= 0.0) continue;
       double together = 0.0;  // processes computing beside s (s included), integrated over s's
-      for (int o = 0; o < k; ++o) {
-        double both = 0.0;
-        for (const ScheduleSpan& mine : sim.spans[s]) {
-          for (const ScheduleSpan& theirs : sim.spans[o]) both += overlap(mine, theirs);
-        }
-        together += beside(s, o) * both;
-      }
+      for (int o = 0; o < k; ++o) together += beside(s, o) * overlap(sim.spans[s], sim.spans[o]);
       next[s] = std::max(1.0, together / sim.busy[s] * x.w.threads / cores);
     }
     return next;
@@ -1004,6 +1014,7 @@ Totals simulatePipeline(const Context& x) {
   t.compute = busy * replicas * x.o.steps;
   t.sent = (sent * x.o.workers + activationsSent * replicas) * x.o.steps;
   t.linkBusy = exchange * x.o.steps;
+  t.computeScale = slowest;
   return t;
 }
 
@@ -1062,7 +1073,8 @@ SimResult finish(const Context& x, const Totals& t, double fraction) {
   r.bytesSentPerStep = t.sent / x.o.workers / steps;
   r.computeUtilisation = t.compute / (x.o.workers * t.wall);
   r.linkUtilisation = t.linkBusy / t.wall;
-  r.computeScale = *std::max_element(x.scale.begin(), x.scale.end());
+  r.computeScale =
+      t.computeScale > 0.0 ? t.computeScale : *std::max_element(x.scale.begin(), x.scale.end());
   r.ospFraction = fraction;
   r.staleness = t.staleness;
   if (x.pipeline.stages <= 1) {
