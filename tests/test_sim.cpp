@@ -16,6 +16,7 @@
 #include "core/errors.h"
 #include "memory/accounting.h"
 #include "models/model.h"
+#include "pipeline/schedule.h"
 #include "sim/cluster.h"
 #include "sim/recommend.h"
 #include "sim/simulator.h"
@@ -323,6 +324,48 @@ TEST(Simulate, PipelineStagesSlowOnlyBesideStagesComputingWithThem) {
   // step is then more than each host's work at half speed (0.62 s).
   c.coresPerHost = 0.5;
   EXPECT_NEAR(simulate(w, s, c, {2, 1, 1}).stepSeconds, 1.11 + update, 1e-9);
+}
+
+// With stragglers drawn, each drawn step's hosts' quota periods start anywhere: the step is the
+// mean over uniform phases. Oracle: the same schedule (F0 .093, F1 + loss .097, B1 .187, B0
+// .171: no action a multiple of the budget, which factors of 1 +- 1e-9 would push a period on;
+// half a core's budget per 100 ms, nothing to transfer) simulated on a 40 x 40 grid of the two
+// hosts' phases; the simulator's mean of 32 draws within 3 standard errors of its mean.
+TEST(Simulate, PipelineStepIsTheMeanOverTheHostsQuotaPhases) {
+  const Workload w = blocks({0.093, 0.087}, {0.171, 0.187}, {1000, 1000}, {0, 0});
+  RunOptions s = gpipeOfTwoStages();
+  ClusterSpec c = hosts(2);
+  c.sharedCores = 1;
+  c.coresPerHost = 0.5;
+  c.latencySeconds = 0;
+  c.linkBitsPerSecond = 1e15;
+  c.stragglerCv = 1e-9;
+  const double update = 0.005 / 2;
+  // At least each host's work over its half core, and both hosts' over the one core.
+  const double host0 = 0.093 + 0.171 + update, host1 = 0.097 + 0.187 + update;
+  const double least = std::max(std::max(host0, host1) / 0.5, host0 + host1);
+  const auto program = buildSchedule(PipelineSchedule::kGPipe, 2, 1);
+  std::vector<double> steps;
+  for (int i = 0; i < 40; ++i) {
+    for (int j = 0; j < 40; ++j) {
+      std::vector<StageCosts> costs = {{0.093, 0.0855, 0.0855}, {0.097, 0.0935, 0.0935}};
+      for (int h = 0; h < 2; ++h) {
+        costs[h].quotaPeriod = 0.1;
+        costs[h].quotaBudget = 0.05;
+        costs[h].quotaPhase = 0.1 * ((h == 0 ? i : j) + 0.5) / 40;
+      }
+      steps.push_back(std::max(simulateSchedule(program, costs).makespan + update, least));
+    }
+  }
+  const double mean = std::accumulate(steps.begin(), steps.end(), 0.0) / steps.size();
+  double var = 0.0;
+  for (double v : steps) var += (v - mean) * (v - mean) / steps.size();
+  ASSERT_GT(var, 1e-6);  // the phases matter here
+  const double got = simulate(w, s, c, {2, 32, 1}).stepSeconds;
+  EXPECT_NEAR(got, mean, 3.0 * std::sqrt(var / 32.0)) << "sd " << std::sqrt(var);
+  // Not the step with the periods half a period apart, as without stragglers.
+  c.stragglerCv = 0.0;
+  EXPECT_GT(std::abs(got - simulate(w, s, c, {2, 32, 1}).stepSeconds), 1e-6);
 }
 
 TEST(Simulate, PipelineReplicasComputeInStepOnTheCoresTheyShare) {

@@ -878,14 +878,17 @@ Totals simulatePipeline(const Context& x) {
   // Computing at 1 / scale of a core (sharing cores), a stage spends its CPU budget that much
   // slower. A host's processes split its quota evenly, each its own budget (one stage per host
   // in the layouts measured; a cgroup would let one use what another leaves), and the update
-  // after the schedule runs outside it. The hosts' periods start apart (host h's h / hosts of a
-  // period after host 0's: cgroups' period timers start wherever they start; an assumption).
+  // after the schedule runs outside it. Cgroups' period timers start wherever they start: with
+  // stragglers drawn, each drawn step's hosts' periods start at random; without, host h's
+  // h / hosts of a period after host 0's (so does the fixed point's schedule).
   std::vector<double> quota(k, 1.0);  // > 1: the host's cores are such a budget
   for (int s = 0; s < k; ++s) {
     if (x.c.sharedCores > 0.0) quota[s] = hostQuota(x.p, x.p.workerHost[s], x.w, x.c);
   }
-  // The schedule with each stage's contention `scale` and straggler factor `factor`.
-  auto run = [&](const std::vector<double>& scale, const std::vector<double>& factor) {
+  // The schedule with each stage's contention `scale`, straggler factor `factor` and its host's
+  // quota period's start `phase` (seconds).
+  auto run = [&](const std::vector<double>& scale, const std::vector<double>& factor,
+                 const std::vector<double>& phase) {
     for (int s = 0; s < k; ++s) {
       const double f = factor[s] * scale[s];
       costs[s].forward = f * stageForward[s];
@@ -894,12 +897,14 @@ Totals simulatePipeline(const Context& x) {
       if (quota[s] > 1.0) {
         costs[s].quotaPeriod = kQuotaPeriodSeconds;
         costs[s].quotaBudget = kQuotaPeriodSeconds / quota[s] * scale[s];
-        costs[s].quotaPhase = kQuotaPeriodSeconds * x.p.workerHost[s] / x.c.hosts;
+        costs[s].quotaPhase = phase[s];
       }
     }
     return simulateSchedule(programs, costs);
   };
   const std::vector<double> steady(k, 1.0);  // no straggler
+  std::vector<double> apart(k);              // host h's period h / hosts after host 0's
+  for (int s = 0; s < k; ++s) apart[s] = kQuotaPeriodSeconds * x.p.workerHost[s] / x.c.hosts;
   // The replicas of each stage all-reduce its gradients (hosts: one per replica).
   Placement replicaHosts;
   replicaHosts.hostsUsed = std::min(replicas, x.c.hosts);
@@ -976,13 +981,13 @@ Totals simulatePipeline(const Context& x) {
   // cycle) settle every stage's contention.
   std::vector<double> scale(k, 1.0);
   for (int round = 0; round < 40; ++round) {
-    const std::vector<double> next = contention(run(scale, steady));
+    const std::vector<double> next = contention(run(scale, steady, apart));
     double moved = 0.0;
     for (int s = 0; s < k; ++s) moved = std::max(moved, std::abs(next[s] - scale[s]));
     for (int s = 0; s < k; ++s) scale[s] = round < 4 ? next[s] : (scale[s] + next[s]) / 2.0;
     if (moved < 1e-9) break;
   }
-  const ScheduleSimulation one = run(scale, steady);
+  const ScheduleSimulation one = run(scale, steady, apart);
   const double slowest = *std::max_element(scale.begin(), scale.end());
   double busy = 0.0;  // every stage's compute per step
   for (double b : one.busy) busy += b;
@@ -997,12 +1002,20 @@ Totals simulatePipeline(const Context& x) {
     Stragglers noise(x.c.stragglerCvAt(busy / k), x.o.seed);  // a stage's compute, on average
     const int64_t drawn = std::min<int64_t>(x.o.steps, 32);
     std::vector<std::vector<double>> factor(replicas, std::vector<double>(k));
+    // Each drawn step's hosts' quota periods start anywhere (a cgroup's timer starts where it
+    // starts, and a step where the last one ended): drawn apart from the stragglers' numbers.
+    std::mt19937_64 phases(x.o.seed + 1);
+    std::uniform_real_distribution<double> within(0.0, kQuotaPeriodSeconds);
+    std::vector<double> hostPhase(x.c.hosts), phase(k);
     double total = 0.0;
     for (int64_t i = 0; i < drawn; ++i) {
+      for (double& h : hostPhase) h = within(phases);
       double slowestReplica = 0.0;
-      for (std::vector<double>& replica : factor) {
+      for (int r = 0; r < replicas; ++r) {
+        std::vector<double>& replica = factor[r];
         for (double& f : replica) f = noise.next();
-        slowestReplica = std::max(slowestReplica, run(scale, replica).makespan + update);
+        for (int s = 0; s < k; ++s) phase[s] = hostPhase[x.p.workerHost[r * k + s]];
+        slowestReplica = std::max(slowestReplica, run(scale, replica, phase).makespan + update);
       }
       const double least = leastCompute([&](int wk) { return factor[wk / k][wk % k]; });
       total += std::max(slowestReplica, least) + exchange;
