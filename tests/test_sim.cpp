@@ -88,6 +88,15 @@ RunOptions gpipeOfTwoStages() {
   return s;
 }
 
+// Two hosts on one shared core, the links free (nothing to transfer to speak of).
+ClusterSpec twoHostsOnOneCore() {
+  ClusterSpec c = hosts(2);
+  c.sharedCores = 1;
+  c.latencySeconds = 0;
+  c.linkBitsPerSecond = 1e15;
+  return c;
+}
+
 }  // namespace
 
 TEST(Simulate, AllReduceOfOneBucketIsTheRingAfterBackward) {
@@ -306,10 +315,7 @@ TEST(Simulate, PipelineStagesSlowOnlyBesideStagesComputingWithThem) {
   // shared core each compute at its full speed (the chain of the parts, as on a core each).
   const Workload w = blocks({0.100, 0.100}, {0.200, 0.200}, {1000, 1000}, {0, 0});
   RunOptions s = gpipeOfTwoStages();
-  ClusterSpec c = hosts(2);
-  c.sharedCores = 1;
-  c.latencySeconds = 0;
-  c.linkBitsPerSecond = 1e15;
+  ClusterSpec c = twoHostsOnOneCore();
   const double update = 0.005 / 2;
   const double chain = 0.100 + 0.100 + 0.010 + 0.200 + 0.200;  // F0, F1 + loss, B1, B0
   // Both stages' updates take the one core in turn: the step is the core's whole work.
@@ -334,11 +340,8 @@ TEST(Simulate, PipelineStagesSlowOnlyBesideStagesComputingWithThem) {
 TEST(Simulate, PipelineStepIsTheMeanOverTheHostsQuotaPhases) {
   const Workload w = blocks({0.093, 0.087}, {0.171, 0.187}, {1000, 1000}, {0, 0});
   RunOptions s = gpipeOfTwoStages();
-  ClusterSpec c = hosts(2);
-  c.sharedCores = 1;
+  ClusterSpec c = twoHostsOnOneCore();
   c.coresPerHost = 0.5;
-  c.latencySeconds = 0;
-  c.linkBitsPerSecond = 1e15;
   c.stragglerCv = 1e-9;
   const double update = 0.005 / 2;
   // At least each host's work over its half core, and both hosts' over the one core.
