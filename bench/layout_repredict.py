@@ -4,7 +4,7 @@
     env -u OPENBLAS_CORETYPE .venv/bin/python bench/layout_repredict.py OUT [CASE ...]
 
 For each case of bench/layout_search.py whose runs are in bench/results/layout-50 (fmnist-cnn,
-brown-gpt) or bench/results/layout-50-gpt512 (gpt-512x16): profiles the case again on this host
+brown-gpt) or bench/results/layout-50-gpt512 and -gpt512-100mbit (gpt-512x16): profiles the case again on this host
 (`caravan simulate -o OUT/CASE/profile`, kept: a second call reuses it), writes layout_search.py's
 cluster file for each rate measured, runs `caravan plan --cluster` (layout_search.predictions)
 and prints, per case and rate, Kendall tau-b between the
@@ -22,13 +22,17 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from layout_search import ROOT, kendall_tau, predictions  # noqa: E402
 
-RESULTS = {"fmnist-cnn": "layout-50", "brown-gpt": "layout-50", "gpt-512x16": "layout-50-gpt512"}
+RESULTS = {"fmnist-cnn": ["layout-50"], "brown-gpt": ["layout-50"],
+           "gpt-512x16": ["layout-50-gpt512", "layout-50-gpt512-100mbit"]}
 
 
 def main():
     out = sys.argv[1]
-    for case in sys.argv[2:] or list(RESULTS):
-        with open(os.path.join(ROOT, "bench", "results", RESULTS[case], "results.json")) as f:
+    for case, results in [(c, r) for c in sys.argv[2:] or list(RESULTS) for r in RESULTS[c]]:
+        path = os.path.join(ROOT, "bench", "results", results, "results.json")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
             res = json.load(f)
         # layout_search.py's own profile (once per case), cluster file and search, under OUT.
         a = argparse.Namespace(out=out, cpus=res["cpus"], memory_gib=5.0)
