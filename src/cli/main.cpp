@@ -576,7 +576,10 @@ CLI::App* addSimulateCommand(CLI::App& app, SimulateArgs& sim) {
       ->check(CLI::Range(1, 1 << 20));
   simulate->add_option("--steps", sim.steps, "steps simulated per point (default 100)")
       ->check(CLI::Range(1, 1000000));
-  simulate->add_option("--seed", sim.seed, "the stragglers' random seed");
+  simulate->add_option(
+      "--seed", sim.seed,
+      "the random seed of the stragglers and (pipelines on hosts held to a CPU quota) of "
+      "the quota periods' starts");
   simulate->add_option("--output,-o", sim.outDir,
                        "write DIR/predictions.jsonl (one JSON object per worker count and mode) "
                        "and DIR/charts.json (caravan report)");

@@ -879,8 +879,9 @@ Totals simulatePipeline(const Context& x) {
   // slower. A host's processes split its quota evenly, each its own budget (one stage per host
   // in the layouts measured; a cgroup would let one use what another leaves), and the update
   // after the schedule runs outside it. Cgroups' period timers start wherever they start: with
-  // stragglers drawn, each drawn step's hosts' periods start at random; without, host h's
-  // h / hosts of a period after host 0's (so does the fixed point's schedule).
+  // stragglers drawn, each of the min(steps, 32) drawn steps gives every host's period a random
+  // start (an estimate of the mean over phases); without, replica 0's schedule alone with host
+  // h's period h / hosts after host 0's. The contention's fixed point always uses the latter.
   std::vector<double> quota(k, 1.0);  // > 1: the host's cores are such a budget
   for (int s = 0; s < k; ++s) {
     if (x.c.sharedCores > 0.0) quota[s] = hostQuota(x.p, x.p.workerHost[s], x.w, x.c);
