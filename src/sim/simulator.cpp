@@ -904,8 +904,15 @@ Totals simulatePipeline(const Context& x) {
     return simulateSchedule(programs, costs);
   };
   const std::vector<double> steady(k, 1.0);  // no straggler
-  std::vector<double> apart(k);              // host h's period h / hosts after host 0's
-  for (int s = 0; s < k; ++s) apart[s] = kQuotaPeriodSeconds * x.p.workerHost[s] / x.c.hosts;
+  // Each stage's quota phase in replica r's schedule, from its host's (`hostPhase`).
+  auto stagePhases = [&](int r, const std::vector<double>& hostPhase) {
+    std::vector<double> phase(k);
+    for (int s = 0; s < k; ++s) phase[s] = hostPhase[x.p.workerHost[r * k + s]];
+    return phase;
+  };
+  std::vector<double> evenly(x.c.hosts);  // host h's period h / hosts after host 0's
+  for (int h = 0; h < x.c.hosts; ++h) evenly[h] = kQuotaPeriodSeconds * h / x.c.hosts;
+  const std::vector<double> apart = stagePhases(0, evenly);
   // The replicas of each stage all-reduce its gradients (hosts: one per replica).
   Placement replicaHosts;
   replicaHosts.hostsUsed = std::min(replicas, x.c.hosts);
@@ -1007,7 +1014,7 @@ Totals simulatePipeline(const Context& x) {
     // starts, and a step where the last one ended): drawn apart from the stragglers' numbers.
     std::mt19937_64 phases(x.o.seed + 1);
     std::uniform_real_distribution<double> within(0.0, kQuotaPeriodSeconds);
-    std::vector<double> hostPhase(x.c.hosts), phase(k);
+    std::vector<double> hostPhase(x.c.hosts);
     double total = 0.0;
     for (int64_t i = 0; i < drawn; ++i) {
       for (double& h : hostPhase) h = within(phases);
@@ -1015,8 +1022,8 @@ Totals simulatePipeline(const Context& x) {
       for (int r = 0; r < replicas; ++r) {
         std::vector<double>& replica = factor[r];
         for (double& f : replica) f = noise.next();
-        for (int s = 0; s < k; ++s) phase[s] = hostPhase[x.p.workerHost[r * k + s]];
-        slowestReplica = std::max(slowestReplica, run(scale, replica, phase).makespan + update);
+        slowestReplica = std::max(slowestReplica,
+                                  run(scale, replica, stagePhases(r, hostPhase)).makespan + update);
       }
       const double least = leastCompute([&](int wk) { return factor[wk / k][wk % k]; });
       total += std::max(slowestReplica, least) + exchange;
